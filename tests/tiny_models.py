@@ -1,0 +1,120 @@
+"""Tiny random HF snapshots of every supported family, written as a user's snapshot would be.
+
+Weights are re-drawn from a wide normal so that greedy output depends on the image and the
+context with margins far above fp32 noise (transformers' default init collapses to one token).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+            "<|image_pad|>", "<|video_pad|>"]
+VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+TEXT_FAMILIES = ("qwen2", "qwen3", "llama")
+ALL_FAMILIES = VL_FAMILIES + TEXT_FAMILIES
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = ["What colour is the square? The square is red, green or blue.",
+          "Describe the image. How many circles are there? Read the total on the receipt: 42.17",
+          "user assistant system The quick brown fox jumps over the lazy dog 0123456789"]
+
+
+def _tokenizer(out: Path) -> dict[str, int]:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    ids = {s: tok.token_to_id(s) for s in SPECIALS}
+    ids["vocab"] = tok.get_vocab_size()
+    return ids
+
+
+def _config(family: str, ids: dict[str, int], layers: int):
+    import transformers as tf
+
+    vocab = ids["vocab"] + 8  # spare embedding rows past the tokenizer, like real checkpoints
+    text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                tie_word_embeddings=False, eos_token_id=ids["<|im_end|>"], rms_norm_eps=1e-6)
+    vl_ids = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                  vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+                  eos_token_id=ids["<|im_end|>"])
+    if family == "qwen2_vl":
+        text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2)
+        return tf.Qwen2VLConfig(text_config=text, vision_config=vision, **vl_ids)
+    if family == "qwen2_5_vl":
+        text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                      fullatt_block_indexes=[1])
+        return tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **vl_ids)
+    if family == "qwen3_vl":
+        text.update(head_dim=16, rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                                  "mrope_interleaved": True, "rope_theta": 10000.0})
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                      patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                      num_position_embeddings=64, deepstack_visual_indexes=[0])
+        return tf.Qwen3VLConfig(text_config=text, vision_config=vision, **vl_ids)
+    cls = {"qwen2": tf.Qwen2Config, "qwen3": tf.Qwen3Config, "llama": tf.LlamaConfig}[family]
+    if family == "qwen3":
+        text["head_dim"] = 16
+    return cls(**text, bos_token_id=None, pad_token_id=ids["<|endoftext|>"])
+
+
+def _processor(family: str) -> dict:
+    patch = 16 if family == "qwen3_vl" else 14
+    unit = patch * 2
+    return {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": patch, "temporal_patch_size": 2,
+            "merge_size": 2, "min_pixels": unit * unit * 4, "max_pixels": unit * unit * 64,
+            "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True}
+
+
+def make_snapshot(out: Path, family: str, layers: int = 4, seed: int = 0, std: float = 0.5) -> Path:
+    """Write a complete HF-format snapshot directory for a tiny random model of `family`."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    ids = _tokenizer(out)
+    config = _config(family, ids, layers)
+    torch.manual_seed(seed)
+    auto = AutoModelForImageTextToText if family in VL_FAMILIES else AutoModelForCausalLM
+    model = auto.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, std)
+    model.save_pretrained(out)
+    if family in VL_FAMILIES:
+        (out / "preprocessor_config.json").write_text(json.dumps(_processor(family), indent=2))
+    return out
+
+
+def make_image(path: Path, width: int, height: int, seed: int) -> Path:
+    """A seeded image of random coloured rectangles, so different seeds give different pictures."""
+    rng = np.random.default_rng(seed)
+    arr = np.zeros((height, width, 3), np.uint8) + rng.integers(0, 255, 3, dtype=np.uint8)
+    for _ in range(6):
+        x0, y0 = rng.integers(0, width), rng.integers(0, height)
+        arr[y0:y0 + height // 3, x0:x0 + width // 3] = rng.integers(0, 255, 3, dtype=np.uint8)
+    Image.fromarray(arr).save(path)
+    return Path(path)
