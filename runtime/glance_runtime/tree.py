@@ -1,0 +1,282 @@
+"""Draft trees for one decoding round: build, mask, and walk (pure numpy, no torch).
+
+The draft head gives top-k candidates per offset in one pass; offsets are conditionally
+independent, so a path's score is the sum of its offsets' log-probs and the best tree of a
+given size can be grown best-first without further draft passes. The verify pass needs the
+tree packed parents-first with an ancestor-only attention mask (as an additive float mask for
+ONNX-style graphs, or a packed int32 bitmask for TensorRT-class runtimes), and the walk turns
+the target's argmaxes back into the accepted path plus the bonus token.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "Tree",
+    "build_tree",
+    "chain_tree",
+    "visibility",
+    "additive_mask",
+    "pack_bitmask",
+    "unpack_bitmask",
+    "walk",
+]
+
+
+def _is_int(value: object) -> bool:
+    """True for Python/numpy integers but not bools (a bool budget is almost surely a bug)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _check_parents(parents: np.ndarray) -> np.ndarray:
+    """Parents as int64 [T], T >= 1, root first and every parent packed before its child."""
+    arr = np.asarray(parents)
+    if arr.ndim != 1 or arr.shape[0] < 1:
+        raise ValueError(f"parents must be a non-empty 1-D array, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"parents must be integers, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    if arr[0] != -1:
+        raise ValueError(f"parents[0] must be -1 (the root), got {arr[0]}")
+    rest = arr[1:]
+    if np.any(rest < 0) or np.any(rest >= np.arange(1, arr.shape[0])):
+        raise ValueError("parents must satisfy 0 <= parents[i] < i for i >= 1 (packed parents-first)")
+    return arr
+
+
+@dataclass(frozen=True, eq=False)
+class Tree:
+    """A packed draft tree; arrays are validated, converted and made read-only on construction.
+
+    eq=False because element-wise array equality has no single truth value; compare the arrays.
+    """
+
+    tokens: np.ndarray
+    parents: np.ndarray
+    depths: np.ndarray
+    scores: np.ndarray
+
+    def __post_init__(self) -> None:
+        parents = _check_parents(self.parents)
+        size = parents.shape[0]
+        tokens = np.asarray(self.tokens)
+        depths = np.asarray(self.depths)
+        scores = np.asarray(self.scores)
+        for name, arr, kinds in (("tokens", tokens, "iu"), ("depths", depths, "iu"), ("scores", scores, "iuf")):
+            if arr.shape != (size,):
+                raise ValueError(f"{name} must have shape ({size},) like parents, got {arr.shape}")
+            if arr.dtype.kind not in kinds:
+                raise ValueError(f"{name} has unsupported dtype {arr.dtype}")
+        tokens = tokens.astype(np.int64)
+        depths = depths.astype(np.int64)
+        scores = scores.astype(np.float64)
+        if depths[0] != 0 or np.any(depths[1:] != depths[parents[1:]] + 1):
+            raise ValueError("depths must be 0 at the root and parent depth + 1 elsewhere")
+        if scores[0] != 0.0:
+            raise ValueError(f"scores[0] must be 0 (the root), got {scores[0]}")
+        if size > 1:
+            # The walk follows (parent, token) edges, so siblings must carry distinct tokens.
+            edges = np.stack([parents[1:], tokens[1:]], axis=1)
+            if np.unique(edges, axis=0).shape[0] != size - 1:
+                raise ValueError("sibling nodes must carry distinct tokens")
+        for name, arr in (("tokens", tokens), ("parents", parents.copy()), ("depths", depths), ("scores", scores)):
+            arr.setflags(write=False)
+            object.__setattr__(self, name, arr)
+
+    @property
+    def size(self) -> int:
+        """Packed length T, root included."""
+        return int(self.parents.shape[0])
+
+
+def build_tree(
+    anchor: int,
+    topk_ids: np.ndarray,
+    topk_logprobs: np.ndarray,
+    budget: int,
+    branch_k: int | None = None,
+) -> Tree:
+    """Keep the `budget` highest-scoring draft nodes (best-first on cumulative log-prob).
+
+    Row d-1 of topk_ids/topk_logprobs holds offset d's candidates, best first. Because
+    log-probs are <= 0 a child never outscores its parent, so popping a max-heap yields the
+    exact top-`budget` node set, prefix-closed and already in parents-first order. The heap
+    key (-score, insertion counter) makes ties resolve by insertion order.
+    """
+    if not _is_int(anchor) or anchor < 0:
+        raise ValueError(f"anchor must be a non-negative integer token id, got {anchor!r}")
+    ids = np.asarray(topk_ids)
+    logprobs = np.asarray(topk_logprobs)
+    if ids.ndim != 2:
+        raise ValueError(f"topk_ids must be 2-D [B-1, K], got shape {ids.shape}")
+    if logprobs.shape != ids.shape:
+        raise ValueError(f"topk_logprobs shape {logprobs.shape} must equal topk_ids shape {ids.shape}")
+    if ids.dtype.kind not in "iu":
+        raise ValueError(f"topk_ids must be integers, got dtype {ids.dtype}")
+    if logprobs.dtype.kind not in "iuf":
+        raise ValueError(f"topk_logprobs must be real numbers, got dtype {logprobs.dtype}")
+    offsets, k = ids.shape
+    if k < 1:
+        raise ValueError("topk_ids needs at least one column (K >= 1)")
+    if not _is_int(budget) or budget < 0:
+        raise ValueError(f"budget must be a non-negative integer, got {budget!r}")
+    if branch_k is None:
+        branch_k = k
+    if not _is_int(branch_k) or not 1 <= branch_k <= k:
+        raise ValueError(f"branch_k must be an integer in 1..{k}, got {branch_k!r}")
+    ids = ids.astype(np.int64)
+    logprobs = logprobs.astype(np.float64)
+    if np.any(ids < 0):
+        raise ValueError("topk_ids must be non-negative token ids")
+    if np.any(np.isnan(logprobs)) or np.any(logprobs > 0):
+        raise ValueError("topk_logprobs must be log-probabilities (<= 0, no NaN)")
+    if np.any(logprobs[:, 1:] > logprobs[:, :-1]):
+        raise ValueError("topk_logprobs rows must be sorted by descending log-prob")
+    used = np.sort(ids[:, :branch_k], axis=1)
+    if np.any(used[:, 1:] == used[:, :-1]):
+        raise ValueError("topk_ids must be distinct within each row")
+
+    tokens = [int(anchor)]
+    parents = [-1]
+    depths = [0]
+    scores = [0.0]
+    heap: list[tuple[float, int, int, int, int]] = []  # (-score, counter, parent index, depth, column)
+    counter = 0
+
+    def push_children(parent: int) -> None:
+        nonlocal counter
+        depth = depths[parent] + 1
+        if depth > offsets:
+            return
+        row = logprobs[depth - 1]
+        for col in range(branch_k):
+            heapq.heappush(heap, (-(scores[parent] + float(row[col])), counter, parent, depth, col))
+            counter += 1
+
+    push_children(0)
+    while heap and len(tokens) <= budget:
+        neg_score, _, parent, depth, col = heapq.heappop(heap)
+        tokens.append(int(ids[depth - 1, col]))
+        parents.append(parent)
+        depths.append(depth)
+        scores.append(-neg_score)
+        push_children(len(tokens) - 1)
+    return Tree(
+        tokens=np.array(tokens, dtype=np.int64),
+        parents=np.array(parents, dtype=np.int64),
+        depths=np.array(depths, dtype=np.int64),
+        scores=np.array(scores, dtype=np.float64),
+    )
+
+
+def chain_tree(anchor: int, topk_ids: np.ndarray, topk_logprobs: np.ndarray, length: int) -> Tree:
+    """The "chain" ablation: the top-1 path of `length` nodes (branch 1 leaves nothing to rank)."""
+    offsets = np.asarray(topk_ids).shape[0] if np.ndim(topk_ids) == 2 else 0
+    if not _is_int(length) or not 1 <= length <= offsets:
+        raise ValueError(f"length must be an integer in 1..{offsets} (B-1), got {length!r}")
+    return build_tree(anchor, topk_ids, topk_logprobs, budget=length, branch_k=1)
+
+
+def visibility(parents: np.ndarray) -> np.ndarray:
+    """bool [T, T]: row i marks i and its ancestors, i.e. what packed token i may attend to.
+
+    Climbs all rows one ancestor level at a time, so the loop runs depth + 1 times, not T.
+    """
+    parents = _check_parents(parents)
+    size = parents.shape[0]
+    visible = np.zeros((size, size), dtype=bool)
+    rows = np.arange(size)
+    current = rows.copy()
+    while True:
+        alive = current >= 0
+        if not alive.any():
+            return visible
+        visible[rows[alive], current[alive]] = True
+        current = np.where(alive, parents[np.maximum(current, 0)], -1)
+
+
+def additive_mask(parents: np.ndarray, past_len: int, dtype: np.dtype | type = np.float32) -> np.ndarray:
+    """[T, past_len + T] additive attention mask: 0 where visible, dtype's min elsewhere.
+
+    Every packed token sees the whole committed prefix, so the past columns are all 0.
+    """
+    if not _is_int(past_len) or past_len < 0:
+        raise ValueError(f"past_len must be a non-negative integer, got {past_len!r}")
+    dtype = np.dtype(dtype)
+    if dtype.kind != "f":
+        raise ValueError(f"dtype must be a floating-point type, got {dtype}")
+    visible = visibility(parents)
+    size = visible.shape[0]
+    mask = np.zeros((size, past_len + size), dtype=dtype)
+    mask[:, past_len:] = np.where(visible, dtype.type(0), np.finfo(dtype).min)
+    return mask
+
+
+def _bit_weights() -> np.ndarray:
+    """uint32 [32] with bit b at index b."""
+    return np.left_shift(np.uint32(1), np.arange(32, dtype=np.uint32))
+
+
+def pack_bitmask(visible: np.ndarray) -> np.ndarray:
+    """int32 [T, ceil(T/32)]: bit j % 32 of word j // 32 in row i is set when i sees j."""
+    visible = np.asarray(visible)
+    if visible.ndim != 2 or visible.shape[0] != visible.shape[1]:
+        raise ValueError(f"visible must be a square 2-D array, got shape {visible.shape}")
+    if visible.dtype != np.bool_:
+        raise ValueError(f"visible must be boolean, got dtype {visible.dtype}")
+    size = visible.shape[0]
+    words = -(-size // 32)
+    padded = np.zeros((size, words * 32), dtype=np.uint32)
+    padded[:, :size] = visible
+    # Distinct powers of two sum without carries, so a uint32 sum is an exact bitwise OR.
+    packed = (padded.reshape(size, words, 32) * _bit_weights()).sum(axis=-1, dtype=np.uint32)
+    return packed.view(np.int32)
+
+
+def unpack_bitmask(bits: np.ndarray, size: int) -> np.ndarray:
+    """Inverse of pack_bitmask: bool [size, size] from int32 (or uint32) words."""
+    if not _is_int(size) or size < 0:
+        raise ValueError(f"size must be a non-negative integer, got {size!r}")
+    arr = np.asarray(bits)
+    words = -(-size // 32)
+    if arr.shape != (size, words):
+        raise ValueError(f"bits must have shape ({size}, {words}) for size {size}, got {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"bits must be integers, got dtype {arr.dtype}")
+    wide = arr.astype(np.int64)
+    if np.any(wide < -(2**31)) or np.any(wide >= 2**32):
+        raise ValueError("bits must hold 32-bit words")
+    unsigned = (wide & 0xFFFFFFFF).astype(np.uint32)
+    flat = ((unsigned[..., None] & _bit_weights()) != 0).reshape(size, words * 32)
+    if np.any(flat[:, size:]):
+        raise ValueError(f"bits has set bits beyond column {size - 1}; wrong size?")
+    return flat[:, :size].copy()
+
+
+def walk(tree: Tree, target_argmax: np.ndarray) -> tuple[np.ndarray, int]:
+    """Follow the target's greedy choices down the tree: (accepted packed indices, bonus token).
+
+    target_argmax[i] is the target's next token after packed row i. Children are indexed
+    once by (parent, token), so the walk costs O(T) to set up and O(accepted) to run.
+    """
+    argmax = np.asarray(target_argmax)
+    if argmax.shape != (tree.size,):
+        raise ValueError(f"target_argmax must have shape ({tree.size},), got {argmax.shape}")
+    if argmax.dtype.kind not in "iu":
+        raise ValueError(f"target_argmax must be integer token ids, got dtype {argmax.dtype}")
+    choices = argmax.astype(np.int64).tolist()
+    children = {
+        (parent, token): index
+        for index, (parent, token) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist()))
+        if index > 0
+    }
+    path: list[int] = []
+    current = 0
+    while (current, choices[current]) in children:
+        current = children[(current, choices[current])]
+        path.append(current)
+    return np.array(path, dtype=np.int64), int(choices[current])
