@@ -1,0 +1,195 @@
+"""Synthetic grounded VQA tasks drawn with Pillow from a seed.
+
+Four kinds span the draftability range the paper reports: documents (`receipt`) and charts
+(`chart`) have one short answer fixed by the image (low entropy), `scene` asks about shapes, and
+`caption` accepts several phrasings chosen at random (higher entropy). Layouts are fixed and
+fonts large because a few-M-parameter model trained from scratch on two CPU cores cannot learn
+to find small text at random positions in an hour; the answer still has to be read off the image.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from PIL import Image, ImageDraw, ImageFont
+
+KINDS = ("receipt", "chart", "scene", "caption")
+IMAGE_SIZE = 168  # 6x6 merged image tokens with 14 px patches and 2x2 merge
+COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (235, 195, 20)}
+BACKGROUNDS = {"white": (255, 255, 255), "black": (20, 20, 20), "gray": (128, 128, 128)}
+SHAPES = ("circle", "square", "triangle", "diamond")
+CELLS = {"top left": (0, 0), "top right": (1, 0), "bottom left": (0, 1), "bottom right": (1, 1)}
+ITEMS = ("TEA", "BUN", "MILK", "SOAP", "RICE", "JAM", "EGGS", "SALT", "CAKE", "PEAS")
+BARS = "ABCD"
+CAPTIONS = ("A {c} {s} on a {bg} background.", "There is a {c} {s} on a {bg} background.",
+            "The image shows a {c} {s} on a {bg} background.", "A {bg} background with a {c} {s}.")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One grounded prompt; `answers` lists every accepted reply (several only for captions)."""
+
+    kind: str
+    image: Image.Image
+    prompt: str
+    answer: str
+    answers: tuple[str, ...]
+
+
+@lru_cache(maxsize=None)
+def font(size: int) -> ImageFont.FreeTypeFont:
+    """Pillow's built-in scalable font: no font files to ship or find."""
+    return ImageFont.load_default(size=size)
+
+
+def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, cx: int, cy: int, r: int, fill) -> None:
+    box = (cx - r, cy - r, cx + r, cy + r)
+    if shape == "circle":
+        draw.ellipse(box, fill=fill)
+    elif shape == "square":
+        draw.rectangle(box, fill=fill)
+    elif shape == "triangle":
+        draw.polygon([(cx, cy - r), (cx + r, cy + r), (cx - r, cy + r)], fill=fill)
+    else:
+        draw.polygon([(cx, cy - r), (cx + r, cy), (cx, cy + r), (cx - r, cy)], fill=fill)
+
+
+def _right_text(draw: ImageDraw.ImageDraw, x: int, y: int, text: str, size: int) -> None:
+    draw.text((x - draw.textlength(text, font=font(size)), y), text, fill=(0, 0, 0), font=font(size))
+
+
+def receipt(rng: random.Random) -> Sample:
+    """Item lines with prices and a total X.YY, right-aligned at a fixed place in a big font."""
+    img = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (255, 255, 255))
+    draw = ImageDraw.Draw(img)
+    n = rng.randint(2, 3)
+    prices = [rng.randint(10, 330) for _ in range(n)]
+    for j, (name, cents) in enumerate(zip(rng.sample(ITEMS, n), prices)):
+        draw.text((8, 8 + 22 * j), name, fill=(0, 0, 0), font=font(16))
+        _right_text(draw, 160, 8 + 22 * j, f"{cents // 100}.{cents % 100:02d}", 16)
+    draw.line((8, 84, 160, 84), fill=(0, 0, 0), width=2)
+    total = sum(prices)
+    draw.text((8, 108), "TOTAL", fill=(0, 0, 0), font=font(20))
+    _right_text(draw, 160, 98, f"{total // 100}.{total % 100:02d}", 36)
+    if rng.random() < 0.75:
+        prompt, answer = "What is the total?", f"The total is {total // 100}.{total % 100:02d}."
+    else:
+        prompt, answer = "How many items are on the receipt?", f"There are {n} items."
+    return Sample("receipt", img, prompt, answer, (answer,))
+
+
+def chart(rng: random.Random) -> Sample:
+    """Four labelled bars with distinct values 1-9 printed above them."""
+    img = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (255, 255, 255))
+    draw = ImageDraw.Draw(img)
+    values = rng.sample(range(1, 10), 4)
+    fill = COLOURS[rng.choice(list(COLOURS))]
+    draw.line((8, 140, 160, 140), fill=(0, 0, 0), width=2)
+    for i, (label, v) in enumerate(zip(BARS, values)):
+        x0 = 18 + 38 * i
+        draw.rectangle((x0, 140 - 12 * v, x0 + 26, 139), fill=fill)
+        draw.text((x0 + 7, 140 - 12 * v - 20), str(v), fill=(0, 0, 0), font=font(18))
+        draw.text((x0 + 7, 144), label, fill=(0, 0, 0), font=font(18))
+    q = rng.random()
+    if q < 0.3:
+        prompt, answer = "Which bar is highest?", f"Bar {BARS[values.index(max(values))]} is highest."
+    elif q < 0.5:
+        prompt, answer = "Which bar is lowest?", f"Bar {BARS[values.index(min(values))]} is lowest."
+    else:
+        i = rng.randrange(4)
+        prompt, answer = f"What is the value of {BARS[i]}?", f"The value of {BARS[i]} is {values[i]}."
+    return Sample("chart", img, prompt, answer, (answer,))
+
+
+def scene(rng: random.Random) -> Sample:
+    """One to four distinct shapes in the quadrants; count, colour and position questions."""
+    img = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (255, 255, 255))
+    draw = ImageDraw.Draw(img)
+    n = rng.randint(1, 4)
+    placed = list(zip(rng.sample(SHAPES, n), rng.sample(list(CELLS), n),
+                      [rng.choice(list(COLOURS)) for _ in range(n)]))
+    half = IMAGE_SIZE // 2
+    for shape, cell, colour in placed:
+        cx, cy = CELLS[cell]
+        r = rng.randint(18, 28)
+        jitter = half // 2 - r - 4
+        _draw_shape(draw, shape, cx * half + half // 2 + rng.randint(-jitter, jitter),
+                    cy * half + half // 2 + rng.randint(-jitter, jitter), r, COLOURS[colour])
+    shape, cell, colour = rng.choice(placed)
+    q = rng.random()
+    if q < 0.3:
+        prompt = "How many shapes are there?"
+        answer = "There is 1 shape." if n == 1 else f"There are {n} shapes."
+    elif q < 0.65:
+        prompt, answer = f"What colour is the {shape}?", f"The {shape} is {colour}."
+    else:
+        prompt, answer = f"Where is the {shape}?", f"The {shape} is at the {cell}."
+    return Sample("scene", img, prompt, answer, (answer,))
+
+
+def caption(rng: random.Random) -> Sample:
+    """One big shape; any of several phrasings is right, and the target picks one at random."""
+    bg, colour, shape = rng.choice(list(BACKGROUNDS)), rng.choice(list(COLOURS)), rng.choice(SHAPES)
+    img = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), BACKGROUNDS[bg])
+    r = rng.randint(32, 52)
+    c = IMAGE_SIZE // 2
+    _draw_shape(ImageDraw.Draw(img), shape, c + rng.randint(-20, 20), c + rng.randint(-20, 20), r,
+                COLOURS[colour])
+    answers = tuple(t.format(c=colour, s=shape, bg=bg) for t in CAPTIONS)
+    return Sample("caption", img, "Describe the image.", rng.choice(answers), answers)
+
+
+GENERATORS = {"receipt": receipt, "chart": chart, "scene": scene, "caption": caption}
+
+
+def training_sample(seed: int, index: int, weights: dict[str, float] | None = None) -> Sample:
+    """The `index`-th training sample of run `seed`; its seed space never meets `heldout`'s."""
+    rng = random.Random(f"train:{seed}:{index}")
+    weights = weights or {k: 1.0 for k in KINDS}
+    kind = rng.choices(list(weights), list(weights.values()))[0]
+    return GENERATORS[kind](rng)
+
+
+def heldout(kind: str, n: int, seed: int = 0) -> list[Sample]:
+    """Evaluation samples from a seed namespace that training never draws from."""
+    return [GENERATORS[kind](random.Random(f"heldout:{seed}:{kind}:{i}")) for i in range(n)]
+
+
+def write_task_file(out_dir: Path, kind: str, n: int, seed: int = 0) -> Path:
+    """Write `tasks.jsonl` plus PNGs beside it; image paths are relative to the JSONL file.
+
+    Each line holds `image`, `prompt`, `answer`, and also `kind` and `answers` (all accepted
+    replies) so evaluation can score captions, whose phrasing is free.
+    """
+    out_dir = Path(out_dir)
+    (out_dir / "images").mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i, s in enumerate(heldout(kind, n, seed)):
+        rel = f"images/{kind}_{i:03d}.png"
+        s.image.save(out_dir / rel, optimize=True)
+        lines.append(json.dumps({"image": rel, "prompt": s.prompt, "answer": s.answer, "kind": kind,
+                                 "answers": list(s.answers)}))
+    path = out_dir / "tasks.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def read_task_file(path: Path) -> list[dict]:
+    """Task lines with `image` resolved to an absolute path."""
+    path = Path(path)
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for r in rows:
+        r["image"] = str((path.parent / r["image"]).resolve())
+    return rows
+
+
+def corpus_text(seed: int, n: int) -> list[str]:
+    """Prompt and answer strings of `n` training samples, for fitting the tokenizer."""
+    out = []
+    for i in range(n):
+        s = training_sample(seed, i)
+        out.extend([s.prompt, *s.answers])
+    return out

@@ -1,0 +1,202 @@
+"""Train the project's tiny Qwen2.5-VL target from scratch on the synthetic corpus, and score it.
+
+The model is a stock `Qwen2_5_VLForConditionalGeneration`, so every adapter, exporter and runtime
+path in the toolkit treats it exactly like a downloaded Qwen checkpoint. Training data are drawn
+by sample index from the run seed, so a resumed run sees the same stream as an uninterrupted one.
+
+    python -m glance_export.train.target runs/target --steps 6000 --time-budget 3600
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from PIL import Image
+from transformers import (AutoImageProcessor, AutoTokenizer, GenerationConfig, Qwen2_5_VLConfig,
+                          Qwen2_5_VLForConditionalGeneration)
+
+from glance_export.train import corpus
+from glance_export.train.prompts import encode, image_processor_config
+from glance_export.train.tokenizer import train_tokenizer
+
+# Receipts carry the hardest skill (reading digits), so they get the largest share of the stream.
+MIX = {"receipt": 0.4, "chart": 0.25, "scene": 0.2, "caption": 0.15}
+
+
+def model_config(tokenizer, hidden: int = 192, layers: int = 4, vision_hidden: int = 128,
+                 vision_depth: int = 4) -> Qwen2_5_VLConfig:
+    """A few-M-parameter Qwen2.5-VL; the vision window covers the whole image (full attention)."""
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in
+           ("<|im_end|>", "<|endoftext|>", "<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
+            "<|vision_end|>")}
+    heads = 4
+    third = hidden // heads // 2 // 3
+    text = dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 8 // 3,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=2,
+                max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], bos_token_id=None,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": [hidden // heads // 2 - 2 * third, third, third]})
+    vision = dict(depth=vision_depth, hidden_size=vision_hidden, intermediate_size=vision_hidden * 2,
+                  num_heads=4, out_hidden_size=hidden, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, window_size=2 * corpus.IMAGE_SIZE,
+                  fullatt_block_indexes=[vision_depth - 1])
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                            video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                            vision_end_token_id=ids["<|vision_end|>"], eos_token_id=ids["<|im_end|>"],
+                            pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=False)
+
+
+def write_processing_files(out_dir: Path, seed: int) -> tuple:
+    """Tokenizer, chat template and image-processor config: everything but the weights."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(corpus.corpus_text(seed, 4000))
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / "preprocessor_config.json").write_text(
+        json.dumps(image_processor_config(corpus.IMAGE_SIZE), indent=2))
+    return AutoTokenizer.from_pretrained(out_dir), AutoImageProcessor.from_pretrained(out_dir)
+
+
+def collate(items: list[dict], pad_id: int) -> dict:
+    """Right-pad a list of `encode` outputs into one batch."""
+    width = max(it["input_ids"].shape[1] for it in items)
+    fills = {"input_ids": pad_id, "attention_mask": 0, "mm_token_type_ids": 0, "labels": -100}
+    batch = {k: torch.full((len(items), width), v, dtype=items[0][k].dtype) for k, v in fills.items()}
+    for i, it in enumerate(items):
+        n = it["input_ids"].shape[1]
+        for k in fills:
+            batch[k][i, :n] = it[k][0]
+    batch["pixel_values"] = torch.cat([it["pixel_values"] for it in items])
+    batch["image_grid_thw"] = torch.cat([it["image_grid_thw"] for it in items])
+    return batch
+
+
+def _lr(step: int, steps: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, steps - warmup))))
+
+
+@torch.no_grad()
+def greedy(model, tokenizer, image_processor, image: Image.Image, prompt: str, max_new: int = 24) -> str:
+    """The target's greedy reply (the output speculative decoding must reproduce)."""
+    inputs = encode(tokenizer, image_processor, image, prompt)
+    model.model.rope_deltas = None  # cached per prompt by the model; stale across prompts
+    out = model.generate(**inputs, max_new_tokens=max_new, do_sample=False)
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+def score(model, tokenizer, image_processor, rows: list[dict]) -> dict:
+    """Exact match per kind, with the real image and with a blank one of the same size."""
+    result: dict[str, dict] = {}
+    for r in rows:
+        image = r["image"] if isinstance(r["image"], Image.Image) else Image.open(r["image"]).convert("RGB")
+        accepted = set(r.get("answers") or [r["answer"]])
+        blank = Image.new("RGB", image.size, (255, 255, 255))
+        m = result.setdefault(r["kind"], {"n": 0, "exact": 0, "exact_blank": 0})
+        m["n"] += 1
+        m["exact"] += greedy(model, tokenizer, image_processor, image, r["prompt"]) in accepted
+        m["exact_blank"] += greedy(model, tokenizer, image_processor, blank, r["prompt"]) in accepted
+    for m in result.values():
+        m["exact"], m["exact_blank"] = m["exact"] / m["n"], m["exact_blank"] / m["n"]
+    return result
+
+
+def evaluate(snapshot_dir: Path, task_file: Path) -> dict:
+    """Per-kind greedy exact match of a snapshot on a task JSONL, plus the blank-image control."""
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(snapshot_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(snapshot_dir)
+    image_processor = AutoImageProcessor.from_pretrained(snapshot_dir)
+    rows = corpus.read_task_file(task_file)
+    for r in rows:
+        r.setdefault("kind", Path(task_file).parent.name)
+    return score(model, tokenizer, image_processor, rows)
+
+
+def _heldout_rows(n: int) -> list[dict]:
+    return [{"kind": s.kind, "image": s.image, "prompt": s.prompt, "answers": list(s.answers)}
+            for kind in corpus.KINDS for s in corpus.heldout(kind, n, seed=1)]
+
+
+def train_target(out_dir: Path, *, steps: int = 6000, seed: int = 0, time_budget_s: float = 3600.0,
+                 batch_size: int = 16, lr: float = 1e-3, warmup: int = 200, log_every: int = 50,
+                 ckpt_every: int = 500, eval_every: int = 1000, mix: dict[str, float] | None = None,
+                 **size) -> Path:
+    """Train (or resume) a target in `out_dir` and write a complete HF snapshot there.
+
+    Stops at `steps` or when `time_budget_s` runs out, whichever comes first; a checkpoint in
+    `out_dir/checkpoint.pt` lets a later call with the same arguments continue the same run.
+    """
+    out_dir = Path(out_dir)
+    torch.manual_seed(seed)
+    tokenizer, image_processor = write_processing_files(out_dir, seed)
+    config = model_config(tokenizer, **size)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
+    ckpt, step = out_dir / "checkpoint.pt", 0
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        step = state["step"]
+        print(f"resumed at step {step}", flush=True)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"params {n_params / 1e6:.2f}M  vocab {len(tokenizer)}", flush=True)
+    rows = _heldout_rows(8)
+    start, smooth = time.time(), None
+    model.train()
+    while step < steps and time.time() - start < time_budget_s:
+        samples = [corpus.training_sample(seed, step * batch_size + j, mix or MIX) for j in range(batch_size)]
+        batch = collate([encode(tokenizer, image_processor, s.image, s.prompt, s.answer) for s in samples],
+                        tokenizer.pad_token_id)
+        for g in opt.param_groups:
+            g["lr"] = _lr(step, steps, lr, warmup)
+        model.model.rope_deltas = None
+        loss = model(**batch).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        smooth = loss.item() if smooth is None else 0.95 * smooth + 0.05 * loss.item()
+        if step % log_every == 0:
+            print(f"step {step}/{steps} loss {smooth:.4f} lr {g['lr']:.2e} "
+                  f"{time.time() - start:.0f}s", flush=True)
+        if step % ckpt_every == 0 or step == steps:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
+        if step % eval_every == 0 or step == steps:
+            model.eval()
+            print(f"eval step {step}: {json.dumps(score(model, tokenizer, image_processor, rows))}", flush=True)
+            model.train()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
+    model.generation_config = GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                               bos_token_id=None, do_sample=False, max_new_tokens=32)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out_dir", type=Path)
+    p.add_argument("--steps", type=int, default=6000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-budget", type=float, default=3600.0, help="seconds; stops early and saves")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--eval", type=Path, nargs="*", default=[], help="task files to score at the end")
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    out = train_target(a.out_dir, steps=a.steps, seed=a.seed, time_budget_s=a.time_budget,
+                       batch_size=a.batch_size, lr=a.lr)
+    for task_file in a.eval:
+        print(task_file, json.dumps(evaluate(out, task_file)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
