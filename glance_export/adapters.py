@@ -1,0 +1,169 @@
+"""Model adapters: open a HF-format snapshot directory and turn (image, prompt) into model inputs.
+
+One adapter serves every supported family; what differs between them (vision or not, M-RoPE or
+1-D positions, where the language model lives) is read from `config.json`'s `model_type`.
+Weights load from safetensors only and `trust_remote_code` is never set.
+
+transformers' `AutoProcessor` cannot be used here: for Qwen-VL it insists on a video processor
+that needs torchvision. The prompt is therefore built from its parts, which is also what the
+processor does: the snapshot's chat template, its image processor, and the image placeholder
+expanded to `grid_t * grid_h * grid_w / merge_size**2` image tokens.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from glance_runtime.errors import GlanceError
+
+VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+TEXT_FAMILIES = ("qwen2", "qwen3", "llama")
+SUPPORTED_FAMILIES = VL_FAMILIES + TEXT_FAMILIES
+MAX_IMAGE_PIXELS = 8192 * 8192
+IMAGE_PLACEHOLDER = "<|image_pad|>"
+
+
+@dataclass
+class Prompt:
+    """Everything the target's prefill needs, as numpy so every backend can consume it."""
+
+    input_ids: np.ndarray  # int64 [P]
+    pixel_values: np.ndarray | None = None  # float32 [patches, C*T*p*p], processor output
+    image_grid_thw: np.ndarray | None = None  # int64 [1, 3]
+
+    @property
+    def length(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    if not Path(model_dir).is_dir():
+        raise GlanceError(f"model directory {model_dir} does not exist; pass a HF snapshot directory")
+    if not path.is_file():
+        raise GlanceError(f"{path} is missing; a model directory needs config.json, safetensors and tokenizer files")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise GlanceError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+
+
+def resolve_family(config: dict[str, Any]) -> str:
+    family = config.get("model_type")
+    if family not in SUPPORTED_FAMILIES:
+        raise GlanceError(f"unsupported model family {family!r}; supported: {', '.join(SUPPORTED_FAMILIES)}")
+    return family
+
+
+def load_image(path: str | Path) -> Image.Image:
+    """Open and decode an image fully now, so a bad file fails here with its name, not deep in a model."""
+    path = Path(path)
+    if not path.is_file():
+        raise GlanceError(f"image {path} does not exist")
+    try:
+        with Image.open(path) as img:
+            width, height = img.size
+            if width * height > MAX_IMAGE_PIXELS:
+                raise GlanceError(f"image {path} is {width}x{height}, larger than {MAX_IMAGE_PIXELS} pixels; "
+                                  "downscale it first")
+            return img.convert("RGB")
+    except GlanceError:
+        raise
+    except Image.DecompressionBombError:
+        raise GlanceError(f"image {path} is absurdly large; downscale it first") from None
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise GlanceError(f"image {path} cannot be decoded ({exc}); pass a PNG, JPEG or other Pillow format") from None
+
+
+class Snapshot:
+    """A model directory: its config, family, tokenizer, image processor and weights."""
+
+    def __init__(self, model_dir: str | Path):
+        self.path = Path(model_dir)
+        self.config = read_config(self.path)
+        self.family = resolve_family(self.config)
+        self.is_vl = self.family in VL_FAMILIES
+        if not any(self.path.glob("*.safetensors")):
+            raise GlanceError(f"{self.path} has no *.safetensors weights; convert the checkpoint to safetensors")
+        if not (self.path / "tokenizer.json").is_file() and not (self.path / "tokenizer_config.json").is_file():
+            raise GlanceError(f"{self.path} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
+        if self.is_vl and not (self.path / "preprocessor_config.json").is_file():
+            raise GlanceError(f"{self.path} has no preprocessor_config.json; a vision model needs its image processor")
+
+    @property
+    def text_config(self) -> dict[str, Any]:
+        return self.config.get("text_config", self.config) if self.is_vl else self.config
+
+    @cached_property
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(self.path, trust_remote_code=False)
+        if not tok.chat_template:
+            raise GlanceError(f"{self.path} has no chat template; add chat_template.jinja to the snapshot")
+        return tok
+
+    @cached_property
+    def image_processor(self):
+        from transformers import AutoImageProcessor
+
+        return AutoImageProcessor.from_pretrained(self.path, trust_remote_code=False)
+
+    @cached_property
+    def image_token_id(self) -> int:
+        return int(self.config["image_token_id"])
+
+    @cached_property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """EOS ids from generation_config.json, config.json and the tokenizer, like `generate` would stop on."""
+        ids: set[int] = set()
+        for source in (self.path / "generation_config.json", None):
+            cfg = json.loads(source.read_text()) if source is not None and source.is_file() else self.text_config
+            eos = cfg.get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return tuple(sorted(ids))
+
+    def build_prompt(self, text: str, image: str | Path | Image.Image | None = None) -> Prompt:
+        """Render one user turn with the snapshot's own chat template and image processor."""
+        if image is not None and not self.is_vl:
+            raise GlanceError(f"{self.path} is a text-only {self.family} model; drop --image")
+        content: list[dict[str, str]] = [{"type": "image"}] if image is not None else []
+        content.append({"type": "text", "text": text})
+        rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": content}],
+                                                      add_generation_prompt=True, tokenize=False)
+        if image is None:
+            ids = self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+            return Prompt(np.asarray(ids, dtype=np.int64))
+        if rendered.count(IMAGE_PLACEHOLDER) != 1:
+            raise GlanceError(f"the chat template of {self.path} must emit exactly one {IMAGE_PLACEHOLDER} per image")
+        pil = load_image(image) if not isinstance(image, Image.Image) else image.convert("RGB")
+        processed = self.image_processor(images=[pil], return_tensors="np")
+        grid = np.asarray(processed["image_grid_thw"], dtype=np.int64)
+        n_tokens = int(grid[0].prod()) // int(self.image_processor.merge_size) ** 2
+        rendered = rendered.replace(IMAGE_PLACEHOLDER, IMAGE_PLACEHOLDER * n_tokens)
+        ids = np.asarray(self.tokenizer(rendered, add_special_tokens=False)["input_ids"], dtype=np.int64)
+        if int((ids == self.image_token_id).sum()) != n_tokens:
+            raise GlanceError(f"the tokenizer of {self.path} does not map {IMAGE_PLACEHOLDER} to image_token_id "
+                              f"{self.image_token_id}")
+        return Prompt(ids, np.asarray(processed["pixel_values"], dtype=np.float32), grid)
+
+    def load_model(self, dtype: str = "float32"):
+        """The unmodified target, in eval mode; sdpa attention so custom 4D tree masks are honoured."""
+        import torch
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+        auto = AutoModelForImageTextToText if self.is_vl else AutoModelForCausalLM
+        try:
+            model = auto.from_pretrained(self.path, dtype=getattr(torch, dtype), use_safetensors=True,
+                                         trust_remote_code=False, attn_implementation="sdpa")
+        except (OSError, ValueError) as exc:
+            raise GlanceError(f"cannot load weights from {self.path}: {str(exc).splitlines()[0]}") from None
+        return model.eval()

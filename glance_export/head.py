@@ -1,0 +1,274 @@
+"""The GLANCE draft head: a DFlash-style block-diffusion drafter over the target's own hidden states.
+
+Context rows (committed tokens) enter as the concatenated taps of a few target layers, are fused by
+`fc` + `hidden_norm`, and are projected to keys/values by every head layer; block rows (anchor and
+masks) give the queries. Attention is non-causal. The checkpoint layout is the published one
+(DESIGN.md), so heads trained elsewhere load unchanged.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+from glance_runtime.errors import GlanceError
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def tap_layers(num_target_layers: int, num_head_layers: int) -> list[int]:
+    """Which target layers the head reads: the middle one for one layer, else spread over the depth."""
+    if num_head_layers == 1:
+        return [num_target_layers // 2]
+    span = (num_target_layers - 4) / (num_head_layers - 1)
+    return [int(round(1 + i * span)) for i in range(num_head_layers)]
+
+
+@dataclass
+class HeadConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    block_size: int
+    num_target_layers: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 32768
+
+    def to_json(self) -> dict[str, Any]:
+        """Qwen3-style config plus the DFlash fields, as published heads have it."""
+        raw = asdict(self)
+        dflash = {"target_layer_ids": raw.pop("target_layer_ids"), "mask_token_id": raw.pop("mask_token_id")}
+        return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_act": "silu",
+                "tie_word_embeddings": False, **raw, "rope_parameters": {"rope_type": "default",
+                                                                          "rope_theta": raw["rope_theta"]},
+                "dflash_config": dflash}
+
+    @classmethod
+    def from_json(cls, cfg: dict[str, Any]) -> "HeadConfig":
+        try:
+            dflash = cfg["dflash_config"]
+            rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+            heads = cfg["num_attention_heads"]
+            return cls(hidden_size=cfg["hidden_size"], num_hidden_layers=cfg["num_hidden_layers"],
+                       num_attention_heads=heads, num_key_value_heads=cfg.get("num_key_value_heads", heads),
+                       head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                       intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
+                       block_size=cfg["block_size"], num_target_layers=cfg["num_target_layers"],
+                       target_layer_ids=list(dflash["target_layer_ids"]), mask_token_id=dflash["mask_token_id"],
+                       rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+                       rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 1_000_000.0)),
+                       max_position_embeddings=cfg.get("max_position_embeddings", 32768))
+        except KeyError as exc:
+            raise GlanceError(f"head config.json lacks {exc.args[0]!r}; expected a DFlash/GLANCE head config") from None
+
+    def qwen3(self) -> Qwen3Config:
+        return Qwen3Config(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                           num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+                           head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps, vocab_size=self.vocab_size,
+                           max_position_embeddings=self.max_position_embeddings, hidden_act="silu",
+                           rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta})
+
+
+class HeadAttention(nn.Module):
+    """Block queries against [context ; block] keys, no causal mask."""
+
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+
+    def _split(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        return x.view(x.shape[0], x.shape[1], heads, self.head_dim).transpose(1, 2)
+
+    def key_value(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated keys and values [batch, kv_heads, rows, head_dim] of context or block rows."""
+        k = self.k_norm(self._split(self.k_proj(x), self.kv_heads))
+        v = self._split(self.v_proj(x), self.kv_heads)
+        cos, sin = rope
+        k, _ = apply_rotary_pos_emb(k, k, cos, sin)
+        return k, v
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx_k: torch.Tensor,
+                ctx_v: torch.Tensor, ctx_mask: torch.Tensor | None = None) -> torch.Tensor:
+        q = self.q_norm(self._split(self.q_proj(x), self.heads))
+        cos, sin = rope
+        q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+        k_blk, v_blk = self.key_value(x, rope)
+        k = torch.cat([ctx_k, k_blk], dim=2).repeat_interleave(self.heads // self.kv_heads, dim=1)
+        v = torch.cat([ctx_v, v_blk], dim=2).repeat_interleave(self.heads // self.kv_heads, dim=1)
+        mask = None
+        if ctx_mask is not None:
+            block_cols = ctx_mask.new_zeros(*ctx_mask.shape[:-1], x.shape[1])
+            mask = torch.cat([ctx_mask, block_cols], dim=-1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+
+
+class HeadLayer(nn.Module):
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        self.self_attn = HeadAttention(cfg)
+        self.mlp = Qwen3MLP(cfg.qwen3())
+        self.input_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def forward(self, x, rope, ctx_k, ctx_v, ctx_mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), rope, ctx_k, ctx_v, ctx_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DraftHead(nn.Module):
+    """The head without the target's embedding and LM head, which it borrows at run time."""
+
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        self.config = cfg
+        n_taps = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(n_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(HeadLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(cfg.qwen3())
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary_emb(x, positions)
+
+    def context_kv(self, taps: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer K/V of context rows: taps [batch, rows, n_taps*H], positions [batch, rows].
+
+        Context K/V depend only on their own row, so a cache of them grows by appending."""
+        ctx = self.hidden_norm(self.fc(taps))
+        rope = self.rope(ctx, positions)
+        return [layer.self_attn.key_value(ctx, rope) for layer in self.layers]
+
+    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor,
+                ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], ctx_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed hidden states of the block [batch, B, H]; ctx_mask (additive, optional) hides context."""
+        rope = self.rope(block_embeds, positions)
+        x = block_embeds
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            x = layer(x, rope, k, v, ctx_mask)
+        return self.norm(x)
+
+
+def init_head(cfg: HeadConfig, seed: int) -> DraftHead:
+    """Untrained weights: normal(0, 0.02) matrices and unit norms, from a fixed seed."""
+    gen = torch.Generator().manual_seed(seed)
+    head = DraftHead(cfg)
+    with torch.no_grad():
+        for name, param in head.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
+    return head.eval()
+
+
+def save_head(head: DraftHead, out_dir: str | Path) -> Path:
+    """Write config.json + model.safetensors to a temporary sibling, then rename into place."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(head.config.to_json(), indent=2))
+        state = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
+        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def load_head(head_dir: str | Path, dtype: torch.dtype = torch.float32) -> DraftHead:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    head_dir = Path(head_dir)
+    cfg_path, weights = head_dir / "config.json", head_dir / WEIGHTS_FILE
+    if not cfg_path.is_file() or not weights.is_file():
+        raise GlanceError(f"{head_dir} is not a head directory (needs config.json and {WEIGHTS_FILE}); "
+                          "create one with `glance-export init-head`")
+    cfg = HeadConfig.from_json(json.loads(cfg_path.read_text()))
+    head = DraftHead(cfg)
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError) as exc:
+        raise GlanceError(f"cannot read {weights}: {exc}") from None
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise GlanceError(f"{weights} does not match its config (missing {sorted(missing)[:3]}, "
+                          f"unexpected {sorted(unexpected)[:3]})")
+    return head.to(dtype).eval()
+
+
+def head_config_for(snapshot, num_layers: int, block_size: int, mask_token_id: int) -> HeadConfig:
+    """Size a head for a target: same hidden size and attention shape, taps spread over its depth."""
+    tc = snapshot.text_config
+    heads = tc["num_attention_heads"]
+    rope = tc.get("rope_parameters") or tc.get("rope_scaling") or {}
+    n_target = tc["num_hidden_layers"]
+    return HeadConfig(hidden_size=tc["hidden_size"], num_hidden_layers=num_layers, num_attention_heads=heads,
+                      num_key_value_heads=tc.get("num_key_value_heads") or heads,
+                      head_dim=tc.get("head_dim") or tc["hidden_size"] // heads,
+                      intermediate_size=tc["intermediate_size"], vocab_size=tc["vocab_size"],
+                      block_size=block_size, num_target_layers=n_target,
+                      target_layer_ids=tap_layers(n_target, num_layers), mask_token_id=mask_token_id,
+                      rms_norm_eps=tc.get("rms_norm_eps", 1e-6),
+                      rope_theta=rope.get("rope_theta", tc.get("rope_theta", 1_000_000.0)),
+                      max_position_embeddings=tc.get("max_position_embeddings", 32768))
+
+
+def pick_mask_token(snapshot) -> int:
+    """`<|MASK|>` if the tokenizer has it, else the first embedding row the tokenizer never emits."""
+    tok = snapshot.tokenizer
+    vocab = tok.get_vocab()
+    if "<|MASK|>" in vocab:
+        return int(vocab["<|MASK|>"])
+    first_unused = len(tok)
+    if first_unused < snapshot.text_config["vocab_size"]:
+        return first_unused
+    raise GlanceError(f"{snapshot.path}: the tokenizer has no <|MASK|> token and uses every embedding row; "
+                      "pass --mask-token-id")
+
+
+def check_head_matches(head: DraftHead, snapshot) -> None:
+    """A head reads specific layers of a specific hidden size; refuse a head made for another target."""
+    tc, cfg = snapshot.text_config, head.config
+    if cfg.hidden_size != tc["hidden_size"] or cfg.num_target_layers != tc["num_hidden_layers"]:
+        raise GlanceError(f"head was made for a target with hidden size {cfg.hidden_size} and "
+                          f"{cfg.num_target_layers} layers, but {snapshot.path} has {tc['hidden_size']} and "
+                          f"{tc['num_hidden_layers']}; use a head trained for this target")
+    if max(cfg.target_layer_ids) >= tc["num_hidden_layers"] or cfg.mask_token_id >= tc["vocab_size"]:
+        raise GlanceError("head config taps a layer or uses a mask token outside the target; check its config.json")

@@ -1,0 +1,1 @@
+"""Backends: torch (reference), onnxruntime, tensorrt; each imported only when chosen."""

@@ -1,0 +1,156 @@
+"""The PyTorch reference backend, and beside it the greedy oracle every other path is checked against.
+
+The backend drives the unmodified transformers target with explicit positions and a 4D additive
+tree mask over a DynamicCache; the oracle drives the same model the ordinary way (the model's own
+positions, causal mask and cache growth), so the two share no position or mask code.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from glance_export.adapters import Prompt, Snapshot
+from glance_export.head import DraftHead, check_head_matches
+
+
+def _entropy(logits: torch.Tensor) -> float:
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return float(-(logp.exp() * logp).sum())
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, snapshot: Snapshot, head: DraftHead | None = None, dtype: str = "float32",
+                 model: torch.nn.Module | None = None):
+        self.snapshot = snapshot
+        self.model = model if model is not None else snapshot.load_model(dtype)
+        self.head = head
+        if head is not None:
+            check_head_matches(head, snapshot)
+            self.head = head.to(self.model.dtype)
+        self.block_size = head.config.block_size if head is not None else 1
+        self.embed = self.model.get_input_embeddings()
+        self.lm_head = self.model.get_output_embeddings()
+        self._reset()
+
+    def _reset(self) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.model.config)
+        self.start = 0  # stream position of the current anchor == committed target KV rows
+        self.delta = 0  # M-RoPE offset: text position = stream position + delta
+        self.head_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.pending_taps: list[torch.Tensor] = []  # committed rows not yet projected into head_kv
+        self.pending_from = 0  # stream position of the first pending row
+        self.verify_taps: torch.Tensor | None = None
+
+    def _taps(self, hidden_states: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        if self.head is None:
+            return None
+        return torch.cat([hidden_states[i + 1] for i in self.head.config.target_layer_ids], dim=-1)
+
+    def _positions(self, stream: torch.Tensor) -> torch.Tensor:
+        pos = (stream + self.delta)[None]
+        return pos[None].expand(3, 1, -1) if self.snapshot.is_vl else pos
+
+    def prompt_positions(self, prompt: Prompt) -> tuple[torch.Tensor, int]:
+        """Prefill positions and M-RoPE delta from the model's own rope-index function."""
+        ids = torch.from_numpy(prompt.input_ids)[None]
+        if prompt.image_grid_thw is None:
+            pos = torch.arange(ids.shape[1])[None]
+            return (pos[None].expand(3, 1, -1) if self.snapshot.is_vl else pos), 0
+        mm = (ids == self.snapshot.image_token_id).int()
+        pos, delta = self.model.model.get_rope_index(input_ids=ids, mm_token_type_ids=mm,
+                                                     image_grid_thw=torch.from_numpy(prompt.image_grid_thw),
+                                                     attention_mask=torch.ones_like(ids))
+        return pos, int(delta.reshape(-1)[0])
+
+    @torch.no_grad()
+    def prefill(self, prompt: Prompt) -> tuple[int, float]:
+        self._reset()
+        ids = torch.from_numpy(prompt.input_ids)[None]
+        positions, self.delta = self.prompt_positions(prompt)
+        extra = {}
+        if prompt.pixel_values is not None:
+            extra = dict(pixel_values=torch.from_numpy(prompt.pixel_values).to(self.model.dtype),
+                         image_grid_thw=torch.from_numpy(prompt.image_grid_thw),
+                         mm_token_type_ids=(ids == self.snapshot.image_token_id).int())
+        out = self.model(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True,
+                         output_hidden_states=self.head is not None, **extra)
+        self.start = ids.shape[1]
+        if self.head is not None:
+            self.pending_taps = [self._taps(out.hidden_states)[0]]
+        logits = out.logits[0, -1]
+        return int(logits.argmax()), _entropy(logits)
+
+    @torch.no_grad()
+    def draft(self, anchor: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        if self.head is None:
+            raise RuntimeError("draft() needs a head; decode with speculative=False instead")
+        if self.pending_taps:
+            taps = torch.cat(self.pending_taps)[None]
+            pos = torch.arange(self.pending_from, self.pending_from + taps.shape[1])[None]
+            new = self.head.context_kv(taps, pos)
+            self.head_kv = new if self.head_kv is None else [
+                (torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(self.head_kv, new)]
+            self.pending_taps, self.pending_from = [], self.start
+        cfg = self.head.config
+        block = torch.full((1, cfg.block_size), cfg.mask_token_id, dtype=torch.long)
+        block[0, 0] = anchor
+        pos = torch.arange(self.start, self.start + cfg.block_size)[None]
+        hidden = self.head(self.embed(block), pos, self.head_kv)
+        logp = torch.log_softmax(self.lm_head(hidden[0, 1:]).float(), dim=-1)
+        top = torch.topk(logp, k, dim=-1)
+        return top.indices.numpy().astype(np.int64), top.values.double().numpy()
+
+    @torch.no_grad()
+    def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray) -> tuple[np.ndarray, float]:
+        past, size = self.cache.get_seq_length(), len(tokens)
+        mask = torch.zeros(1, 1, size, past + size, dtype=self.model.dtype)
+        mask[0, 0, :, past:].masked_fill_(~torch.from_numpy(visible), torch.finfo(self.model.dtype).min)
+        out = self.model(input_ids=torch.from_numpy(tokens)[None], attention_mask=mask,
+                         position_ids=self._positions(self.start + torch.from_numpy(depths)),
+                         cache=self.cache, use_cache=True, output_hidden_states=self.head is not None)
+        if self.head is not None:
+            self.verify_taps = self._taps(out.hidden_states)[0]
+        logits = out.logits[0]
+        return logits.argmax(-1).numpy().astype(np.int64), _entropy(logits[0])
+
+    def commit(self, rows: np.ndarray) -> None:
+        """Compact the pack's KV in place: kept rows move down to follow the prefix, the rest is cut."""
+        keep = torch.from_numpy(self.start + rows)
+        dst = slice(self.start, self.start + len(rows))
+        for layer in self.cache.layers:
+            layer.keys[:, :, dst] = layer.keys[:, :, keep]
+            layer.values[:, :, dst] = layer.values[:, :, keep]
+            layer.keys, layer.values = layer.keys[:, :, :dst.stop], layer.values[:, :, :dst.stop]
+        if self.head is not None:
+            self.pending_taps.append(self.verify_taps[torch.from_numpy(rows)])
+        self.start += len(rows)
+
+
+@torch.no_grad()
+def greedy_reference(model: torch.nn.Module, snapshot: Snapshot, prompt: Prompt, max_new_tokens: int,
+                     stop_ids: Sequence[int]) -> list[int]:
+    """Plain greedy decoding with the model's own cache and positions: the parity oracle."""
+    from transformers import DynamicCache
+
+    ids = torch.from_numpy(prompt.input_ids)[None]
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+    if snapshot.is_vl:
+        model.model.rope_deltas = None  # cached per prompt by the model; stale deltas shift positions
+    if prompt.pixel_values is not None:
+        inputs.update(pixel_values=torch.from_numpy(prompt.pixel_values).to(model.dtype),
+                      image_grid_thw=torch.from_numpy(prompt.image_grid_thw),
+                      mm_token_type_ids=(ids == snapshot.image_token_id).int())
+    cache = DynamicCache(config=model.config)
+    logits = model(**inputs, cache=cache, use_cache=True).logits[0, -1]
+    tokens: list[int] = []
+    while True:
+        tokens.append(int(logits.argmax()))
+        if tokens[-1] in stop_ids or len(tokens) >= max_new_tokens:
+            return tokens
+        logits = model(input_ids=torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True).logits[0, -1]

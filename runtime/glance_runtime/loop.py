@@ -1,0 +1,111 @@
+"""The GLANCE decode loop: draft once, build the tree, verify once, walk, commit. Greedy only.
+
+`speculative=False` runs the same loop with a tree of the anchor alone, which is exactly
+autoregressive greedy decoding on the same backend (the `--no-spec` path and the AR baseline).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .backend import Backend
+from .tree import Tree, build_tree, visibility, walk
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    max_new_tokens: int = 128
+    budget: int = 63  # tree nodes besides the anchor
+    branch_k: int = 8  # top-k per offset; 1 with budget <= B-1 is the chain ablation
+    speculative: bool = True
+
+
+@dataclass
+class RoundLog:
+    entropy: float  # target's next-token entropy (nats) at the anchor
+    accepted: int  # tau of this round: accepted drafted tokens + the bonus
+    tree_size: int  # packed rows verified, anchor included
+    draft_ms: float
+    verify_ms: float
+    total_ms: float
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]
+    rounds: list[RoundLog] = field(default_factory=list)
+    prefill_ms: float = 0.0
+    total_ms: float = 0.0
+    stopped_on: int | None = None  # the stop token that ended decoding, if any
+
+    @property
+    def tau(self) -> float:
+        """Tokens per round pooled over all rounds (not a mean of per-prompt means)."""
+        return sum(r.accepted for r in self.rounds) / len(self.rounds) if self.rounds else 0.0
+
+    @property
+    def ms_per_token(self) -> float:
+        return self.total_ms / max(len(self.tokens), 1)
+
+    @property
+    def ms_per_token_decode(self) -> float:
+        """Excludes prefill and the token it produced."""
+        return (self.total_ms - self.prefill_ms) / max(len(self.tokens) - 1, 1)
+
+    def stats(self) -> dict:
+        return {"tokens": len(self.tokens), "rounds": len(self.rounds), "tau": round(self.tau, 4),
+                "ms_per_token": round(self.ms_per_token, 3),
+                "ms_per_token_decode": round(self.ms_per_token_decode, 3),
+                "prefill_ms": round(self.prefill_ms, 3), "total_ms": round(self.total_ms, 3)}
+
+
+def _clip(new: list[int], produced: int, cfg: DecodeConfig, stops: Sequence[int]) -> tuple[list[int], int | None]:
+    """Cut a round's tokens at the first stop token (kept) and at max_new_tokens."""
+    new = new[: cfg.max_new_tokens - produced]
+    for i, tok in enumerate(new):
+        if tok in stops:
+            return new[: i + 1], tok
+    return new, None
+
+
+def _tree(backend: Backend, anchor: int, cfg: DecodeConfig) -> Tree:
+    if not cfg.speculative or cfg.budget == 0:
+        return Tree(tokens=np.array([anchor], np.int64), parents=np.array([-1], np.int64),
+                    depths=np.zeros(1, np.int64), scores=np.zeros(1))
+    ids, logp = backend.draft(anchor, cfg.branch_k)
+    return build_tree(anchor, ids, logp, cfg.budget)
+
+
+def decode(backend: Backend, prompt, cfg: DecodeConfig, stop_ids: Sequence[int] = (),
+           on_commit: Callable[[list[int]], None] | None = None) -> DecodeResult:
+    """Greedy decode with GLANCE (or plain AR); `on_commit` sees each round's new tokens (streaming)."""
+    stops = frozenset(int(s) for s in stop_ids)
+    t0 = time.perf_counter()
+    first, _ = backend.prefill(prompt)
+    out = DecodeResult(tokens=[], prefill_ms=(time.perf_counter() - t0) * 1e3)
+    new, out.stopped_on = _clip([first], 0, cfg, stops)
+    out.tokens += new
+    if on_commit:
+        on_commit(new)
+    anchor = first
+    while out.stopped_on is None and len(out.tokens) < cfg.max_new_tokens:
+        r0 = time.perf_counter()
+        tree = _tree(backend, anchor, cfg)
+        r1 = time.perf_counter()
+        argmax, entropy = backend.verify(tree.tokens, tree.depths, visibility(tree.parents))
+        r2 = time.perf_counter()
+        path, bonus = walk(tree, argmax)
+        backend.commit(np.concatenate([[0], path]).astype(np.int64))
+        new, out.stopped_on = _clip([int(t) for t in tree.tokens[path]] + [int(bonus)], len(out.tokens), cfg, stops)
+        out.tokens += new
+        anchor = int(bonus)
+        r3 = time.perf_counter()
+        out.rounds.append(RoundLog(entropy=float(entropy), accepted=len(path) + 1, tree_size=tree.size,
+                                   draft_ms=(r1 - r0) * 1e3, verify_ms=(r2 - r1) * 1e3, total_ms=(r3 - r0) * 1e3))
+        if on_commit:
+            on_commit(new)
+    out.total_ms = (time.perf_counter() - t0) * 1e3
+    return out
