@@ -1,0 +1,47 @@
+"""The contract between the exporters and the graph backends (ONNX Runtime, TensorRT): graph file
+names, input/output names, shapes and layouts. Stated once here; both sides import it.
+
+Batch is 1 throughout. `S` = committed rows already in a cache, `T` = rows in this pass, `H` = hidden
+size, `kvh`/`D` = KV heads / head dim. KV tensors are **sequence-major** `[rows, kvh, D]` so that the
+first S rows of a preallocated `[max_context, kvh, D]` buffer are one contiguous block: the runtime
+hands that view to the graph with no copy, and compaction moves only the accepted rows.
+
+vision graph (VL targets): `pixel_values` f[N_patch, C*t*p*p], `image_grid_thw` i64[1, 3]
+    (plus whatever grid-derived index tensors the exporter declares in the manifest)
+    -> `image_embeds` f[N_img, H]; Qwen3-VL also -> `deepstack_embeds` f[n_deep, N_img, H].
+target graph (prefill, plain decode and tree verify are one graph):
+    `input_ids` i64[1, T]; `image_embeds` f[N_img, H] (VL only; rows replace the image tokens in order;
+    a decode pass passes one dummy row); Qwen3-VL also `deepstack_embeds` f[n_deep, N_img, H];
+    `position_ids` i64[3, 1, T] for M-RoPE targets (stream position + delta on every axis after the
+    prompt), i64[1, T] otherwise; `tree_mask` bool[T, T] (row i sees column j of this pass; every row
+    sees all S past rows; prefill passes the causal lower triangle); `entropy_row` i64[1] (which row's
+    entropy to compute); `past_key_{l}` / `past_value_{l}` f[S, kvh, D] per target layer l
+    -> `next_tokens` i64[T] (greedy token after each row), `entropy` f[1] (nats, at entropy_row),
+    `present_key_{l}` / `present_value_{l}` f[T, kvh, D] (this pass's rows only),
+    `taps` f[T, n_taps*H] (outputs of the head's tapped layers, concatenated in head order).
+draft graph: `context_taps` f[N, n_taps*H] (newly committed rows), `context_positions` i64[N],
+    `anchor` i64[1], `start` i64[1] (stream position of the anchor; block rows sit at start..start+B-1),
+    `past_ctx_key_{j}` / `past_ctx_value_{j}` f[S_h, kvh, D] per head layer j
+    -> `topk_ids` i64[B-1, K], `topk_logprobs` f[B-1, K] (log-softmax over the vocabulary, descending),
+    `ctx_key_{j}` / `ctx_value_{j}` f[N, kvh, D] (the new context rows' K/V, to append to the cache).
+"""
+from __future__ import annotations
+
+VISION_GRAPH = "vision.onnx"
+TARGET_GRAPH = "target.onnx"
+DRAFT_GRAPH = "draft.onnx"
+MANIFEST = "manifest.json"
+
+
+def target_kv_names(num_layers: int) -> tuple[list[str], list[str]]:
+    """(inputs, outputs) KV names of the target graph, keys and values interleaved per layer."""
+    ins = [f"past_{kind}_{l}" for l in range(num_layers) for kind in ("key", "value")]
+    outs = [f"present_{kind}_{l}" for l in range(num_layers) for kind in ("key", "value")]
+    return ins, outs
+
+
+def draft_kv_names(num_layers: int) -> tuple[list[str], list[str]]:
+    """(inputs, outputs) context-KV names of the draft graph, keys and values interleaved per layer."""
+    ins = [f"past_ctx_{kind}_{j}" for j in range(num_layers) for kind in ("key", "value")]
+    outs = [f"ctx_{kind}_{j}" for j in range(num_layers) for kind in ("key", "value")]
+    return ins, outs
