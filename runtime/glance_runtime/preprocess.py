@@ -1,0 +1,239 @@
+"""Torch-free prompt building: chat template, tokenizer and the Qwen2-VL image processor in numpy/PIL.
+
+The edge runtime cannot import transformers, yet its prompts must be the exact ids and pixels the
+exporter's reference path (transformers) produces, or parity with the torch oracle is lost at token
+zero. So this module re-derives each step from the snapshot's own files: `chat_template.jinja` (or
+`tokenizer_config.json`'s template) rendered with jinja2 under the same environment settings,
+`tokenizer.json` through `tokenizers`, and `preprocessor_config.json` driving a smart resize, a PIL
+bicubic resize of the uint8 image, rescale/normalise and the patch layout the vision tower expects.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from .errors import GlanceError
+
+MAX_IMAGE_PIXELS = 8192 * 8192
+IMAGE_PLACEHOLDER = "<|image_pad|>"
+_RESAMPLE = {0: Image.Resampling.NEAREST, 1: Image.Resampling.LANCZOS, 2: Image.Resampling.BILINEAR,
+             3: Image.Resampling.BICUBIC, 4: Image.Resampling.BOX, 5: Image.Resampling.HAMMING}
+
+
+@dataclass
+class Prompt:
+    """Everything the target's prefill needs, as numpy (field-compatible with glance_export.adapters.Prompt)."""
+
+    input_ids: np.ndarray  # int64 [P]
+    pixel_values: np.ndarray | None = None  # float32 [patches, C*t*p*p]
+    image_grid_thw: np.ndarray | None = None  # int64 [1, 3]
+
+    @property
+    def length(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def load_image(path: str | Path) -> Image.Image:
+    """Open and decode an image fully now, so a bad file fails here with its name, not inside a graph."""
+    path = Path(path)
+    if not path.is_file():
+        raise GlanceError(f"image {path} does not exist")
+    try:
+        with Image.open(path) as img:
+            width, height = img.size
+            if width * height > MAX_IMAGE_PIXELS:
+                raise GlanceError(f"image {path} is {width}x{height}, larger than {MAX_IMAGE_PIXELS} pixels; "
+                                  "downscale it first")
+            return img.convert("RGB")
+    except GlanceError:
+        raise
+    except Image.DecompressionBombError:
+        raise GlanceError(f"image {path} is absurdly large; downscale it first") from None
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise GlanceError(f"image {path} cannot be decoded ({exc}); pass a PNG, JPEG or other Pillow format") from None
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Nearest size with both sides multiples of `factor` and area within [min_pixels, max_pixels]."""
+    if max(height, width) / min(height, width) > 200:
+        raise GlanceError(f"image aspect ratio {max(height, width) / min(height, width):.0f}:1 is over 200:1; "
+                          "crop it first")
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+@dataclass(frozen=True)
+class ImageProcessorConfig:
+    """The fields of a Qwen2-VL `preprocessor_config.json` that shape pixel_values."""
+
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    image_mean: tuple[float, ...] = (0.48145466, 0.4578275, 0.40821073)
+    image_std: tuple[float, ...] = (0.26862954, 0.26130258, 0.27577711)
+    rescale_factor: float = 1 / 255
+    resample: int = 3  # PIL bicubic
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> "ImageProcessorConfig":
+        """Read min/max pixels from the legacy keys or from `size` {shortest_edge, longest_edge}."""
+        size = raw.get("size") or {}
+        base = cls()
+        mean, std = raw.get("image_mean", base.image_mean), raw.get("image_std", base.image_std)
+        return cls(patch_size=int(raw.get("patch_size", base.patch_size)),
+                   temporal_patch_size=int(raw.get("temporal_patch_size", base.temporal_patch_size)),
+                   merge_size=int(raw.get("merge_size", base.merge_size)),
+                   min_pixels=int(raw.get("min_pixels") or size.get("shortest_edge") or base.min_pixels),
+                   max_pixels=int(raw.get("max_pixels") or size.get("longest_edge") or base.max_pixels),
+                   image_mean=tuple(mean) if isinstance(mean, (list, tuple)) else (float(mean),) * 3,
+                   image_std=tuple(std) if isinstance(std, (list, tuple)) else (float(std),) * 3,
+                   rescale_factor=float(raw.get("rescale_factor", base.rescale_factor)),
+                   resample=int(raw.get("resample", base.resample)))
+
+
+def process_image(image: Image.Image, cfg: ImageProcessorConfig) -> tuple[np.ndarray, np.ndarray]:
+    """pixel_values float32 [grid_h*grid_w, C*t*p*p] in merge-window order, and image_grid_thw int64 [1, 3].
+
+    Resizing happens on the uint8 image (as transformers' PIL backend does); rescale runs in float64
+    and normalisation in float32, matching its rounding so the result is bit-identical."""
+    p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
+    rgb = image.convert("RGB")
+    height, width = smart_resize(rgb.height, rgb.width, p * m, cfg.min_pixels, cfg.max_pixels)
+    resized = rgb.resize((width, height), resample=_RESAMPLE[cfg.resample])
+    pixels = (np.asarray(resized).astype(np.float64) * cfg.rescale_factor).astype(np.float32)
+    pixels = (pixels - np.asarray(cfg.image_mean, np.float32)) / np.asarray(cfg.image_std, np.float32)
+    chw = pixels.transpose(2, 0, 1)
+    gh, gw = height // p, width // p
+    blocks = chw.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
+    frames = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], t, p, p))
+    flat = np.ascontiguousarray(frames).reshape(gh * gw, 3 * t * p * p)
+    return flat, np.array([[1, gh, gw]], dtype=np.int64)
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token from tokenizer_config.json, stored either as a string or as an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class ChatTemplate:
+    """A chat template rendered the way transformers renders it (sandboxed jinja2, trimmed blocks)."""
+
+    def __init__(self, source: str, special_tokens: dict[str, str]):
+        import jinja2
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise jinja2.exceptions.TemplateError(message)
+
+        def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+                   sort_keys: bool = False) -> str:
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = tojson
+        env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
+                           namespace=jinja2.utils.Namespace)
+        try:
+            self.template = env.from_string(source)
+        except jinja2.exceptions.TemplateSyntaxError as exc:
+            raise GlanceError(f"the chat template does not parse ({exc.message} at line {exc.lineno})") from None
+        self.special_tokens = special_tokens
+
+    @classmethod
+    def from_dir(cls, path: Path) -> "ChatTemplate":
+        """`chat_template.jinja` if present, else the template inside `tokenizer_config.json`."""
+        tok_cfg_path = path / "tokenizer_config.json"
+        tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.is_file() else {}
+        specials = {k: s for k, v in tok_cfg.items() if k.endswith("_token") and (s := _token_text(v)) is not None}
+        jinja_file = path / "chat_template.jinja"
+        source = jinja_file.read_text() if jinja_file.is_file() else tok_cfg.get("chat_template")
+        if isinstance(source, list):  # named templates: [{"name": ..., "template": ...}]
+            source = next((t["template"] for t in source if t.get("name") == "default"), None)
+        if not source:
+            raise GlanceError(f"{path} has no chat template; add chat_template.jinja to the snapshot")
+        return cls(source, specials)
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                    **self.special_tokens)
+
+
+class PromptBuilder:
+    """Turns (text, image) into a Prompt from a directory of tokenizer/template/processor files.
+
+    `image_token_id` is None for text-only targets; then an image is refused."""
+
+    def __init__(self, files_dir: str | Path, image_token_id: int | None = None):
+        self.path = Path(files_dir)
+        if not (self.path / "tokenizer.json").is_file():
+            raise GlanceError(f"{self.path} has no tokenizer.json; the torch-free runtime needs the fast tokenizer file")
+        self.image_token_id = image_token_id
+        if image_token_id is not None and not (self.path / "preprocessor_config.json").is_file():
+            raise GlanceError(f"{self.path} has no preprocessor_config.json; a vision model needs its image processor")
+        self.template = ChatTemplate.from_dir(self.path)
+
+    @cached_property
+    def tokenizer(self):
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(self.path / "tokenizer.json"))
+
+    @cached_property
+    def image_config(self) -> ImageProcessorConfig:
+        return ImageProcessorConfig.from_json(json.loads((self.path / "preprocessor_config.json").read_text()))
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+    def stop_token_ids(self, config_eos: int | list[int] | None = None) -> tuple[int, ...]:
+        """EOS ids from generation_config.json, the model config's value and the tokenizer's eos_token."""
+        ids: set[int] = set()
+        gen = self.path / "generation_config.json"
+        for eos in (json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None, config_eos):
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        eos_text = self.template.special_tokens.get("eos_token")
+        if eos_text is not None and (tok := self.tokenizer.token_to_id(eos_text)) is not None:
+            ids.add(int(tok))
+        return tuple(sorted(int(i) for i in ids))
+
+    def build(self, text: str, image: str | Path | Image.Image | None = None) -> Prompt:
+        """Render one user turn with the snapshot's chat template; expand the image placeholder."""
+        if image is not None and self.image_token_id is None:
+            raise GlanceError(f"the model in {self.path} is text-only; drop --image")
+        content: list[dict[str, str]] = [{"type": "image"}] if image is not None else []
+        content.append({"type": "text", "text": text})
+        rendered = self.template.render([{"role": "user", "content": content}])
+        if image is None:
+            return Prompt(self.encode(rendered))
+        if rendered.count(IMAGE_PLACEHOLDER) != 1:
+            raise GlanceError(f"the chat template in {self.path} must emit exactly one {IMAGE_PLACEHOLDER} per image")
+        pil = image.convert("RGB") if isinstance(image, Image.Image) else load_image(image)
+        pixel_values, grid = process_image(pil, self.image_config)
+        n_tokens = int(grid[0].prod()) // self.image_config.merge_size ** 2
+        ids = self.encode(rendered.replace(IMAGE_PLACEHOLDER, IMAGE_PLACEHOLDER * n_tokens))
+        if int((ids == self.image_token_id).sum()) != n_tokens:
+            raise GlanceError(f"the tokenizer in {self.path} does not map {IMAGE_PLACEHOLDER} to image_token_id "
+                              f"{self.image_token_id}")
+        return Prompt(ids, pixel_values, grid)

@@ -1,0 +1,141 @@
+"""The torch-free prompt path against transformers: same ids, same pixels, same M-RoPE positions."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from glance_export.adapters import Snapshot
+from glance_runtime.errors import GlanceError
+from glance_runtime.preprocess import PromptBuilder, load_image, smart_resize
+from glance_runtime.rope_index import rope_index
+from tiny_models import ALL_FAMILIES, VL_FAMILIES, make_image, make_snapshot
+
+SIZES = [(64, 64), (200, 100), (37, 300), (300, 37), (1000, 800), (20, 20), (113, 97)]
+TEXTS = ["What colour is the square?", "", "Read the total: 42.17 — ünïcødé ✓ <|im_end|> not special?"]
+
+
+@pytest.fixture(scope="module")
+def snapshots(tmp_path_factory) -> dict[str, Snapshot]:
+    root = tmp_path_factory.mktemp("snaps")
+    return {f: Snapshot(make_snapshot(root / f, f, layers=2)) for f in ALL_FAMILIES}
+
+
+def _builder(snap: Snapshot) -> PromptBuilder:
+    """A builder over the files an export ships. tokenizer.json is the tokenizer as transformers loads it:
+    for some model types (qwen2) transformers replaces the file's pre-tokenizer, so exports must save
+    the effective one rather than copy the snapshot's file."""
+    out = snap.path / "runtime_files"
+    if not out.is_dir():
+        out.mkdir()
+        for name in ("chat_template.jinja", "tokenizer_config.json", "preprocessor_config.json",
+                     "generation_config.json"):
+            if (snap.path / name).is_file():
+                shutil.copy(snap.path / name, out / name)
+        snap.tokenizer.backend_tokenizer.save(str(out / "tokenizer.json"))
+    return PromptBuilder(out, snap.image_token_id if snap.is_vl else None)
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+@pytest.mark.parametrize("text", TEXTS)
+def test_text_prompt_ids_match(snapshots, family, text):
+    snap = snapshots[family]
+    ours, ref = _builder(snap).build(text), snap.build_prompt(text)
+    assert ours.input_ids.dtype == np.int64
+    np.testing.assert_array_equal(ours.input_ids, ref.input_ids)
+    assert ours.pixel_values is None and ours.image_grid_thw is None
+
+
+@pytest.mark.parametrize("family", VL_FAMILIES)
+@pytest.mark.parametrize("size", SIZES)
+def test_image_prompt_matches_processor(snapshots, family, size, tmp_path):
+    snap = snapshots[family]
+    image = make_image(tmp_path / "img.png", *size, seed=sum(size))
+    ours, ref = _builder(snap).build("Describe the image.", image), snap.build_prompt("Describe the image.", image)
+    np.testing.assert_array_equal(ours.input_ids, ref.input_ids)
+    np.testing.assert_array_equal(ours.image_grid_thw, ref.image_grid_thw)
+    assert ours.pixel_values.dtype == np.float32 and ours.pixel_values.shape == ref.pixel_values.shape
+    np.testing.assert_array_equal(ours.pixel_values, ref.pixel_values)  # bit-exact
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "L", "P"])
+def test_non_rgb_images_match(snapshots, mode):
+    snap = snapshots["qwen2_5_vl"]
+    rgb = Image.fromarray(np.random.default_rng(1).integers(0, 255, (90, 130, 3), dtype=np.uint8))
+    image = rgb.convert(mode)
+    ours, ref = _builder(snap).build("Hi", image), snap.build_prompt("Hi", image)
+    np.testing.assert_array_equal(ours.input_ids, ref.input_ids)
+    np.testing.assert_array_equal(ours.pixel_values, ref.pixel_values)  # bit-exact
+
+
+def test_smart_resize_bounds():
+    for h, w in [(10, 10), (4000, 3000), (28, 5000), (333, 777)]:
+        rh, rw = smart_resize(h, w, 28, 56 * 56, 28 * 28 * 256)
+        assert rh % 28 == 0 and rw % 28 == 0 and 56 * 56 <= rh * rw <= 28 * 28 * 256
+    with pytest.raises(GlanceError, match="aspect ratio"):
+        smart_resize(10, 2500, 28, 56 * 56, 28 * 28 * 256)
+
+
+@pytest.fixture(scope="module")
+def models(snapshots):
+    return {f: snapshots[f].load_model() for f in VL_FAMILIES}
+
+
+@pytest.mark.parametrize("family", VL_FAMILIES)
+@pytest.mark.parametrize("size", [(64, 64), (200, 100), (37, 300), (1000, 800)])
+def test_rope_index_matches_model(snapshots, models, family, size, tmp_path):
+    snap, model = snapshots[family], models[family]
+    prompt = _builder(snap).build("Describe it.", make_image(tmp_path / "i.png", *size, seed=3))
+    ids = torch.from_numpy(prompt.input_ids)[None]
+    ref_pos, ref_delta = model.model.get_rope_index(
+        input_ids=ids, mm_token_type_ids=(ids == snap.image_token_id).int(),
+        image_grid_thw=torch.from_numpy(prompt.image_grid_thw), attention_mask=torch.ones_like(ids))
+    pos, delta = rope_index(prompt.input_ids, snap.image_token_id, prompt.image_grid_thw,
+                            snap.config["vision_config"]["spatial_merge_size"])
+    np.testing.assert_array_equal(pos, ref_pos.numpy())
+    assert delta == int(ref_delta.reshape(-1)[0])
+    if prompt.image_grid_thw[0, 1:].min() > 2:  # a merged grid with more than one row and column
+        assert delta < 0
+
+
+def test_rope_index_text_only():
+    pos, delta = rope_index(np.arange(7), image_token_id=99, image_grid_thw=None, spatial_merge_size=2)
+    assert pos.shape == (3, 1, 7) and delta == 0
+    np.testing.assert_array_equal(pos[1, 0], np.arange(7))
+
+
+def test_stop_ids_match_adapter(snapshots):
+    for family in ALL_FAMILIES:
+        snap = snapshots[family]
+        eos = snap.text_config.get("eos_token_id")
+        assert _builder(snap).stop_token_ids(eos) == snap.stop_token_ids
+
+
+def test_image_errors(snapshots, tmp_path):
+    builder = _builder(snapshots["qwen2_vl"])
+    with pytest.raises(GlanceError, match="does not exist"):
+        builder.build("x", tmp_path / "missing.png")
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\nnot really a png")
+    with pytest.raises(GlanceError, match="cannot be decoded"):
+        builder.build("x", bad)
+    huge = tmp_path / "huge.png"
+    Image.new("1", (9000, 8000)).save(huge)
+    with pytest.raises(GlanceError, match="larger than") as err:
+        load_image(huge)
+    assert "\n" not in str(err.value)
+    with pytest.raises(GlanceError, match="text-only"):
+        _builder(snapshots["qwen2"]).build("x", make_image(tmp_path / "ok.png", 32, 32, 0))
+
+
+def test_missing_files(snapshots, tmp_path):
+    with pytest.raises(GlanceError, match="tokenizer.json"):
+        PromptBuilder(tmp_path)
+    (tmp_path / "tokenizer.json").write_text((snapshots["qwen2"].path / "tokenizer.json").read_text())
+    with pytest.raises(GlanceError, match="chat template"):
+        PromptBuilder(tmp_path)
+    with pytest.raises(GlanceError, match="preprocessor_config"):
+        PromptBuilder(tmp_path, image_token_id=5)
