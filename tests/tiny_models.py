@@ -52,7 +52,8 @@ def _config(family: str, ids: dict[str, int], layers: int):
     vocab = ids["vocab"] + 8  # spare embedding rows past the tokenizer, like real checkpoints
     text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                tie_word_embeddings=False, eos_token_id=ids["<|im_end|>"], rms_norm_eps=1e-6)
+                tie_word_embeddings=False, eos_token_id=ids["<|im_end|>"], rms_norm_eps=1e-6,
+                bos_token_id=None, pad_token_id=ids["<|endoftext|>"])
     vl_ids = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                   vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
                   eos_token_id=ids["<|im_end|>"])
@@ -77,7 +78,7 @@ def _config(family: str, ids: dict[str, int], layers: int):
     cls = {"qwen2": tf.Qwen2Config, "qwen3": tf.Qwen3Config, "llama": tf.LlamaConfig}[family]
     if family == "qwen3":
         text["head_dim"] = 16
-    return cls(**text, bos_token_id=None, pad_token_id=ids["<|endoftext|>"])
+    return cls(**text)
 
 
 def _processor(family: str) -> dict:

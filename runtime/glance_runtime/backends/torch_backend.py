@@ -110,9 +110,9 @@ class TorchBackend:
     def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray) -> tuple[np.ndarray, float]:
         past, size = self.cache.get_seq_length(), len(tokens)
         mask = torch.zeros(1, 1, size, past + size, dtype=self.model.dtype)
-        mask[0, 0, :, past:].masked_fill_(~torch.from_numpy(visible), torch.finfo(self.model.dtype).min)
-        out = self.model(input_ids=torch.from_numpy(tokens)[None], attention_mask=mask,
-                         position_ids=self._positions(self.start + torch.from_numpy(depths)),
+        mask[0, 0, :, past:].masked_fill_(~torch.tensor(visible), torch.finfo(self.model.dtype).min)
+        out = self.model(input_ids=torch.tensor(tokens)[None], attention_mask=mask,
+                         position_ids=self._positions(self.start + torch.tensor(depths)),
                          cache=self.cache, use_cache=True, output_hidden_states=self.head is not None)
         if self.head is not None:
             self.verify_taps = self._taps(out.hidden_states)[0]

@@ -1,0 +1,78 @@
+"""Losslessness audit: every task decoded by the greedy oracle twice and by GLANCE once.
+
+The oracle's second run is the self-consistency control: a backend whose own greedy decode is not
+repeatable cannot be asked to match it more often than it matches itself.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from glance_runtime.errors import GlanceError
+from glance_runtime.loop import DecodeConfig, decode
+from glance_runtime.runner import Runner
+
+
+@dataclass(frozen=True)
+class Task:
+    prompt: str
+    image: Path | None = None
+
+
+def read_tasks(path: str | Path) -> list[Task]:
+    """TASKS.jsonl: one {"prompt": str, "image": path relative to the file (optional)} per line."""
+    path = Path(path)
+    if not path.is_file():
+        raise GlanceError(f"task file {path} does not exist")
+    tasks = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise GlanceError(f"{path}:{lineno} is not valid JSON ({exc.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise GlanceError(f"{path}:{lineno} needs a string \"prompt\" field")
+        image = row.get("image")
+        tasks.append(Task(row["prompt"], path.parent / image if image else None))
+    return tasks
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def audit(runner: Runner, tasks: list[Task], cfg: DecodeConfig,
+          progress: Callable[[str], None] = lambda _: None) -> dict:
+    """Decode every task three times and report parity, self-consistency and pooled tau."""
+    if runner.oracle is None:
+        ar_cfg = DecodeConfig(max_new_tokens=cfg.max_new_tokens, speculative=False)
+        oracle = lambda prompt, n: decode(runner.backend, prompt, ar_cfg, runner.stop_ids).tokens  # noqa: E731
+    else:
+        oracle = runner.oracle
+    rows, accepted, rounds = [], 0, 0
+    for i, task in enumerate(tasks, 1):
+        prompt = runner.build_prompt(task.prompt, task.image)
+        ref = oracle(prompt, cfg.max_new_tokens)
+        again = oracle(prompt, cfg.max_new_tokens)
+        spec = decode(runner.backend, prompt, cfg, runner.stop_ids)
+        accepted += sum(r.accepted for r in spec.rounds)
+        rounds += len(spec.rounds)
+        div = first_divergence(spec.tokens, ref)
+        rows.append({"prompt": task.prompt, "image": str(task.image) if task.image else None,
+                     "identical": div is None, "self_consistent": again == ref, "first_divergence": div,
+                     "tokens": len(spec.tokens), "rounds": len(spec.rounds), "tau": round(spec.tau, 4)})
+        progress(f"[{i}/{len(tasks)}] identical={div is None} tau={spec.tau:.2f} tokens={len(spec.tokens)}")
+    identical = sum(r["identical"] for r in rows)
+    consistent = sum(r["self_consistent"] for r in rows)
+    return {"backend": runner.backend.name, "n": len(rows), "identical": identical, "self_consistent": consistent,
+            "first_divergence": [r["first_divergence"] for r in rows],
+            "tau": round(accepted / rounds, 4) if rounds else 0.0, "rounds": rounds,
+            "budget": cfg.budget, "branch_k": cfg.branch_k, "max_new_tokens": cfg.max_new_tokens,
+            "passed": bool(rows) and identical >= consistent, "prompts": rows}

@@ -1,0 +1,76 @@
+"""`glance-run`: answer one prompt about one image, streaming the answer as rounds commit."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .errors import GlanceError
+from .loop import DecodeConfig, decode
+from .runner import BACKENDS, open_runner
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="glance-run", description="Lossless speculative decoding of one prompt.")
+    p.add_argument("--prompt", required=True, help="the question or instruction")
+    p.add_argument("--image", type=Path, help="image file (omit for text-only prompts)")
+    p.add_argument("--model", type=Path, help="target model: a HF snapshot directory")
+    p.add_argument("--head", type=Path, help="GLANCE/DFlash draft head directory")
+    p.add_argument("--backend", choices=BACKENDS, default="torch")
+    p.add_argument("--no-spec", action="store_true", help="plain greedy decoding, no draft head")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--budget", type=int, default=63, help="tree nodes verified per round besides the anchor")
+    p.add_argument("--branch-k", type=int, default=8, help="top-k per draft offset")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    return p
+
+
+def _stream(detokenize, tokens: list[int]):
+    """Print only the newly decodable suffix, so multi-token characters come out whole."""
+    shown = [""]
+
+    def on_commit(new: list[int]) -> None:
+        tokens.extend(new)
+        text = detokenize(tokens)
+        if text.startswith(shown[0]) and not text.endswith("\ufffd"):
+            sys.stdout.write(text[len(shown[0]):])
+            sys.stdout.flush()
+            shown[0] = text
+
+    return on_commit, shown
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.no_spec and args.head is None:
+        raise GlanceError("speculative decoding needs --head (or pass --no-spec for plain greedy decoding)")
+    if args.max_new_tokens < 1 or args.budget < 0 or args.branch_k < 1:
+        raise GlanceError("--max-new-tokens and --branch-k must be >= 1 and --budget >= 0")
+    if args.image is not None and not args.image.is_file():
+        raise GlanceError(f"image {args.image} does not exist")
+    runner = open_runner(args.backend, model=args.model, head=None if args.no_spec else args.head)
+    prompt = runner.build_prompt(args.prompt, args.image)
+    cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, budget=args.budget, branch_k=args.branch_k,
+                       speculative=not args.no_spec)
+    streamed: list[int] = []
+    on_commit, shown = _stream(runner.detokenize, streamed) if not args.json else (None, [""])
+    result = decode(runner.backend, prompt, cfg, runner.stop_ids, on_commit=on_commit)
+    text = runner.detokenize(result.tokens)
+    stats = {"backend": runner.backend.name, "speculative": cfg.speculative, **result.stats(),
+             "tokens_per_s": round(1e3 / result.ms_per_token, 2) if result.ms_per_token else None}
+    if args.json:
+        print(json.dumps({"text": text, "token_ids": result.tokens, **stats}))
+        return 0
+    sys.stdout.write(text[len(shown[0]):] + "\n")
+    print(f"[{stats['backend']}] tau {stats['tau']:.2f} | {stats['tokens']} tokens in {stats['rounds']} rounds | "
+          f"{stats['tokens_per_s']} tok/s | {stats['ms_per_token']:.1f} ms/token "
+          f"({stats['ms_per_token_decode']:.1f} without prefill)", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(parser().parse_args(argv))
+    except GlanceError as exc:
+        print(f"glance-run: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,29 @@
+"""Shared fixtures: tiny snapshots of every family and images of several sizes, built once per session."""
+from __future__ import annotations
+
+import pytest
+
+from tiny_models import make_image, make_snapshot
+
+IMAGE_SIZES = {"wide": (150, 90), "tall": (70, 130), "square": (112, 112), "large": (300, 200)}
+
+
+@pytest.fixture(scope="session")
+def snapshot_dir(tmp_path_factory):
+    """family -> snapshot directory (built lazily, then cached)."""
+    root = tmp_path_factory.mktemp("snapshots")
+    built: dict[str, object] = {}
+
+    def get(family: str):
+        if family not in built:
+            built[family] = make_snapshot(root / family, family)
+        return built[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def images(tmp_path_factory):
+    root = tmp_path_factory.mktemp("images")
+    return {name: make_image(root / f"{name}.png", w, h, seed=i)
+            for i, (name, (w, h)) in enumerate(IMAGE_SIZES.items())}

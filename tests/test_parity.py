@@ -1,0 +1,155 @@
+"""Parity suite: GLANCE on the torch backend must reproduce the greedy oracle token for token (fp32).
+
+Covers every family, text and image prompts of several shapes, budgets {chain, 8, 31, 63} and block
+sizes {4, 8, 16}; with seeded drafters, full / partial / zero / off-first-branch acceptance and stop
+tokens inside an accepted path; and the committed KV rows against a fresh prefill.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from drafters import SeededDrafter
+from glance_export.adapters import Snapshot
+from glance_export.head import head_config_for, init_head, pick_mask_token
+from glance_runtime.backends.torch_backend import TorchBackend, greedy_reference
+from glance_runtime.loop import DecodeConfig, decode
+from tiny_models import ALL_FAMILIES, VL_FAMILIES
+
+MAX_NEW = 24
+BUDGETS = {"chain": (15, 1), "b8": (8, 8), "b31": (31, 8), "b63": (63, 8)}
+
+
+@pytest.fixture(scope="module")
+def backend_for(snapshot_dir):
+    cache: dict[tuple[str, int], TorchBackend] = {}
+
+    def get(family: str, block_size: int = 8) -> TorchBackend:
+        if (family, block_size) not in cache:
+            snap = Snapshot(snapshot_dir(family))
+            head = init_head(head_config_for(snap, 1, block_size, pick_mask_token(snap)), seed=block_size)
+            cache[family, block_size] = TorchBackend(snap, head)
+        return cache[family, block_size]
+
+    return get
+
+
+def _prompt(backend: TorchBackend, images, image: str | None, text: str = "What colour is the square?"):
+    return backend.snapshot.build_prompt(text, images[image] if image else None)
+
+
+def _oracle(backend: TorchBackend, prompt, stops=()):
+    return greedy_reference(backend.model, backend.snapshot, prompt, MAX_NEW, stops)
+
+
+def _cases():
+    for family in ALL_FAMILIES:
+        for image in (["wide", "tall", None] if family in VL_FAMILIES else [None]):
+            yield family, image
+
+
+@pytest.mark.parametrize("family,image", list(_cases()))
+@pytest.mark.parametrize("budget", list(BUDGETS))
+@pytest.mark.parametrize("block_size", [4, 8, 16])
+def test_random_head_matches_oracle(backend_for, images, family, image, budget, block_size):
+    backend = backend_for(family, block_size)
+    prompt = _prompt(backend, images, image)
+    nodes, k = BUDGETS[budget]
+    cfg = DecodeConfig(max_new_tokens=MAX_NEW, budget=min(nodes, block_size - 1) if k == 1 else nodes, branch_k=k)
+    assert decode(backend, prompt, cfg).tokens == _oracle(backend, prompt)
+
+
+def test_output_depends_on_image_and_text(backend_for, images):
+    """Guards the suite itself: a collapsed target would make every parity check vacuous."""
+    backend = backend_for("qwen2_5_vl")
+    outs = {tuple(_oracle(backend, _prompt(backend, images, name))) for name in ("wide", "tall", "square")}
+    outs.add(tuple(_oracle(backend, _prompt(backend, images, "wide", "Describe the image."))))
+    assert len(outs) == 4
+    assert all(len(set(o)) > 3 for o in outs)
+
+
+SEEDS = {
+    "full": (lambda d: 0, "full"),
+    "partial": (lambda d: 0 if d <= 2 else None, "partial"),
+    "zero": (lambda d: None, "zero"),
+    "second_branch": (lambda d: 1 if d == 1 else 0, "branch"),
+}
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen2_vl", "llama"])
+@pytest.mark.parametrize("seed", list(SEEDS))
+@pytest.mark.parametrize("budget", ["chain", "b31"])
+def test_seeded_acceptance(backend_for, images, family, seed, budget):
+    backend = backend_for(family, 8)
+    prompt = _prompt(backend, images, "wide" if family in VL_FAMILIES else None)
+    truth = _oracle(backend, prompt)
+    column, kind = SEEDS[seed]
+    if kind == "branch" and budget == "chain":
+        pytest.skip("a chain has no second branch")
+    nodes, k = BUDGETS[budget]
+    drafter = SeededDrafter(backend, truth, prompt.length, column)
+    result = decode(drafter, prompt, DecodeConfig(max_new_tokens=MAX_NEW, budget=min(nodes, 7) if k == 1 else nodes,
+                                                  branch_k=k))
+    assert result.tokens == truth
+    taus = [r.accepted for r in result.rounds[:-1]]  # the last round is cut by max_new_tokens
+    if kind == "zero":
+        assert all(t == 1 for t in taus)
+    elif k == 1:  # a chain holds every seeded offset, so acceptance is exact
+        assert taus and all(t == (3 if kind == "partial" else 8) for t in taus)
+    elif kind == "partial":  # a tree may drop deep nodes in favour of siblings, never the best first one
+        assert taus and all(2 <= t <= 3 for t in taus)
+    else:
+        assert taus and all(t >= 2 for t in taus), "the walk must accept past the root's seeded child"
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3"])
+def test_stop_token_inside_accepted_path(backend_for, images, family):
+    backend = backend_for(family, 8)
+    prompt = _prompt(backend, images, "wide" if family in VL_FAMILIES else None)
+    truth = _oracle(backend, prompt)
+    stop = truth[5]  # lands mid-block: the first round commits tokens 1..8
+    expected = _oracle(backend, prompt, stops=(stop,))
+    assert expected[-1] == stop and len(expected) < len(truth)
+    drafter = SeededDrafter(backend, truth, prompt.length, lambda d: 0)
+    result = decode(drafter, prompt, DecodeConfig(max_new_tokens=MAX_NEW, budget=7, branch_k=1), stop_ids=(stop,))
+    assert result.tokens == expected and result.stopped_on == stop
+    assert result.rounds[0].accepted == 8, "the stop token must have been inside an accepted block"
+
+
+def test_max_new_tokens_cuts_an_accepted_block(backend_for):
+    backend = backend_for("qwen2", 8)
+    prompt = backend.snapshot.build_prompt("Hello there")
+    truth = _oracle(backend, prompt)
+    result = decode(SeededDrafter(backend, truth, prompt.length, lambda d: 0), prompt,
+                    DecodeConfig(max_new_tokens=5, budget=7, branch_k=1))
+    assert result.tokens == truth[:5]
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llama"])
+def test_committed_kv_and_head_context_match_fresh_prefill(backend_for, images, family):
+    """After multi-token rounds, every kept KV row and head context row equals a fresh prefill's."""
+    backend = backend_for(family, 8)
+    prompt = _prompt(backend, images, "tall" if family in VL_FAMILIES else None)
+    truth = _oracle(backend, prompt)
+    drafter = SeededDrafter(backend, truth, prompt.length, lambda d: 0 if d % 3 else 1)
+    result = decode(drafter, prompt, DecodeConfig(max_new_tokens=MAX_NEW, budget=31, branch_k=8))
+    assert result.tokens == truth and max(r.accepted for r in result.rounds) > 1
+    backend.draft(result.tokens[-1], 2)  # folds the last round's rows into the head's context cache
+    # The last round may commit rows past max_new_tokens; all of them lie on the greedy path.
+    rows = backend.start
+    longer = greedy_reference(backend.model, backend.snapshot, prompt, rows - prompt.length, ())
+    assert rows >= prompt.length + len(result.tokens) - 1 and longer[:MAX_NEW] == truth
+
+    fresh = TorchBackend(backend.snapshot, backend.head, model=backend.model)
+    extended = type(prompt)(np.concatenate([prompt.input_ids, longer]), prompt.pixel_values,
+                            prompt.image_grid_thw)
+    fresh.prefill(extended)
+    for kept, ref in zip(backend.cache.layers, fresh.cache.layers):
+        torch.testing.assert_close(kept.keys, ref.keys, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(kept.values, ref.values, atol=1e-4, rtol=1e-4)
+    taps = fresh.pending_taps[0][None]
+    expected = backend.head.context_kv(taps, torch.arange(rows)[None])
+    for (k, v), (k_ref, v_ref) in zip(backend.head_kv, expected):
+        torch.testing.assert_close(k, k_ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v, v_ref, atol=1e-4, rtol=1e-4)
