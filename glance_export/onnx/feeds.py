@@ -1,0 +1,75 @@
+"""Random but well-formed inputs for each graph: used to trace the export and to validate it.
+
+Validation must not reuse the trace's shapes, so every size is a parameter; trees are random
+branching trees packed parents-first, with the visibility rule the runtime uses.
+"""
+from __future__ import annotations
+
+import numpy as np
+from PIL import Image
+
+from glance_export.adapters import Snapshot
+from glance_runtime.graphs import draft_kv_names, target_kv_names
+from glance_runtime.tree import visibility
+
+from .spec import Dims
+from .vision_indices import vision_index_inputs
+
+
+def random_tree(rng: np.random.Generator, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(depths, visible) of a random prefix-closed tree of `size` rows, root first."""
+    parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, size)], dtype=np.int64)
+    depths = np.zeros(size, np.int64)
+    for i in range(1, size):
+        depths[i] = depths[parents[i]] + 1
+    return depths, visibility(parents)
+
+
+def target_feed(dims: Dims, rng: np.random.Generator, rows: int, past: int, n_img: int, dtype: str,
+                tree: bool) -> dict[str, np.ndarray]:
+    """A prefill-like pass (causal mask, n_img image tokens among the ids) or a tree-verify pass."""
+    ids = rng.integers(0, dims.vocab, size=(1, rows), dtype=np.int64)
+    if dims.image_token_id is not None:
+        ids[ids == dims.image_token_id] = 0
+        ids[0, rng.choice(rows, size=min(n_img, rows), replace=False)] = dims.image_token_id
+    if tree:
+        depths, mask = random_tree(rng, rows)
+        stream = past + depths
+    else:
+        mask = np.tril(np.ones((rows, rows), dtype=bool))
+        stream = past + np.arange(rows)
+    feed: dict[str, np.ndarray] = {"input_ids": ids}
+    if dims.is_vl:
+        feed["image_embeds"] = rng.normal(size=(n_img, dims.hidden)).astype(dtype)
+        if dims.deepstack:
+            feed["deepstack_embeds"] = rng.normal(size=(dims.deepstack, n_img, dims.hidden)).astype(dtype)
+        feed["position_ids"] = np.broadcast_to(stream, (3, 1, rows)).copy()
+        if not tree:  # image rows get distinct h/w positions as a real prompt's do
+            feed["position_ids"][1:, 0] += rng.integers(0, 3, size=(2, rows))
+    else:
+        feed["position_ids"] = stream[None].astype(np.int64)
+    feed["tree_mask"] = mask
+    feed["entropy_row"] = np.array([rng.integers(0, rows)], dtype=np.int64)
+    for name in target_kv_names(dims.layers)[0]:
+        feed[name] = rng.normal(size=(past, dims.kv_heads, dims.head_dim)).astype(dtype)
+    return feed
+
+
+def draft_feed(dims: Dims, rng: np.random.Generator, rows: int, past: int, dtype: str) -> dict[str, np.ndarray]:
+    start = past + rows
+    feed = {"context_taps": (rng.normal(size=(rows, dims.n_taps * dims.hidden)) * 4).astype(dtype),
+            "context_positions": np.arange(past, start, dtype=np.int64),
+            "anchor": rng.integers(0, dims.vocab, size=(1,), dtype=np.int64),
+            "start": np.array([start], dtype=np.int64)}
+    for name in draft_kv_names(dims.head_layers)[0]:
+        feed[name] = rng.normal(size=(past, dims.head_kv_heads, dims.head_head_dim)).astype(dtype)
+    return feed
+
+
+def vision_feed(snapshot: Snapshot, dims: Dims, rng: np.random.Generator, width: int, height: int,
+                dtype: str) -> dict[str, np.ndarray]:
+    """Pixels of a random width x height image through the snapshot's own processor, plus index inputs."""
+    pixels = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    out = snapshot.image_processor(images=[Image.fromarray(pixels)], return_tensors="np")
+    feed = {"pixel_values": np.asarray(out["pixel_values"], dtype=dtype)}
+    return {**feed, **vision_index_inputs(np.asarray(out["image_grid_thw"]), dims.vision)}

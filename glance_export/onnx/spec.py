@@ -1,0 +1,103 @@
+"""Sizes of a target/head pair, and the symbolic axes of each graph with their bounds.
+
+One place derives every number the graphs, the sample inputs, the manifest and the TensorRT profiles
+need, so they cannot drift apart.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from glance_export.adapters import Snapshot
+from glance_export.head import DraftHead
+
+DTYPES = {"fp32": "float32", "fp16": "float16"}
+
+
+@dataclass(frozen=True)
+class Dims:
+    family: str
+    is_vl: bool
+    hidden: int
+    vocab: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    tap_ids: tuple[int, ...]
+    deepstack: int  # Qwen3-VL layers that add deepstack rows; 0 elsewhere
+    head_layers: int
+    head_kv_heads: int
+    head_head_dim: int
+    block_size: int
+    mask_token_id: int
+    image_token_id: int | None
+    vision: dict[str, Any] | None  # index_params plus patch_dim / max_patches, VL only
+
+    @property
+    def n_taps(self) -> int:
+        return len(self.tap_ids)
+
+    @property
+    def position_axes(self) -> int:
+        return 3 if self.is_vl else 1
+
+
+def vision_params(snapshot: Snapshot) -> dict[str, Any]:
+    """What `vision_indices.vision_index_inputs` needs, plus the pixel row width and the size bounds."""
+    vc = snapshot.config["vision_config"]
+    proc = snapshot.image_processor
+    merge, patch = int(vc["spatial_merge_size"]), int(vc["patch_size"])
+    max_pixels = int(getattr(proc, "max_pixels", None) or proc.size["longest_edge"])
+    min_pixels = int(getattr(proc, "min_pixels", None) or proc.size["shortest_edge"])
+    return {"family": snapshot.family, "merge_size": merge, "patch_size": patch,
+            "window_size": vc.get("window_size"),
+            "grid_per_side": int(vc.get("num_position_embeddings", 0) ** 0.5),
+            "patch_dim": int(vc.get("in_channels", vc.get("in_chans", 3))) * int(vc["temporal_patch_size"]) * patch * patch,
+            "min_patches": min_pixels // (patch * patch), "max_patches": max_pixels // (patch * patch)}
+
+
+def dims_for(snapshot: Snapshot, head: DraftHead) -> Dims:
+    tc, hc = snapshot.text_config, head.config
+    deep = snapshot.config.get("vision_config", {}).get("deepstack_visual_indexes") or []
+    return Dims(family=snapshot.family, is_vl=snapshot.is_vl, hidden=tc["hidden_size"], vocab=tc["vocab_size"],
+                layers=tc["num_hidden_layers"], kv_heads=tc.get("num_key_value_heads") or tc["num_attention_heads"],
+                head_dim=tc.get("head_dim") or tc["hidden_size"] // tc["num_attention_heads"],
+                tap_ids=tuple(hc.target_layer_ids), deepstack=len(deep) if snapshot.family == "qwen3_vl" else 0,
+                head_layers=hc.num_hidden_layers, head_kv_heads=hc.num_key_value_heads, head_head_dim=hc.head_dim,
+                block_size=hc.block_size, mask_token_id=hc.mask_token_id,
+                image_token_id=snapshot.image_token_id if snapshot.is_vl else None,
+                vision=vision_params(snapshot) if snapshot.is_vl else None)
+
+
+def axis_bounds(dims: Dims, max_tree: int, max_context: int) -> dict[str, list[int]]:
+    """[min, max] of every symbolic axis; the runtime sizes buffers and TensorRT profiles from these."""
+    bounds = {"T": [1, max_context], "S": [0, max_context - 1], "N": [1, max_context], "S_h": [0, max_context - 1],
+              "T_verify": [1, max_tree]}
+    if dims.is_vl:
+        v = dims.vision
+        unit = v["merge_size"] ** 2
+        bounds["N_patch"] = [v["min_patches"], v["max_patches"]]
+        bounds["N_img"] = [0, v["max_patches"] // unit]
+        bounds["N_merged"] = [v["min_patches"] // unit, v["max_patches"] // unit]
+    return bounds
+
+
+def dynamic_axes(dims: Dims, graph: str, input_names: list[str], output_names: list[str]) -> dict[str, dict[int, str]]:
+    """Symbolic axes per tensor name, in the letters of `glance_runtime.graphs`."""
+    if graph == "target":
+        axes = {"input_ids": {1: "T"}, "image_embeds": {0: "N_img"}, "deepstack_embeds": {1: "N_img"},
+                "position_ids": {2 if dims.is_vl else 1: "T"},
+                "tree_mask": {0: "T", 1: "T"}, "next_tokens": {0: "T"}, "taps": {0: "T"}}
+        axes.update({n: {0: "S"} for n in input_names if n.startswith("past_")})
+        axes.update({n: {0: "T"} for n in output_names if n.startswith("present_")})
+    elif graph == "draft":
+        axes = {"context_taps": {0: "N"}, "context_positions": {0: "N"}}
+        axes.update({n: {0: "S_h"} for n in input_names if n.startswith("past_ctx_")})
+        axes.update({n: {0: "N"} for n in output_names if n.startswith("ctx_")})
+    else:
+        axes = {"pixel_values": {0: "N_patch"}, "vision_pos_ids": {0: "N_patch"}, "window_ids": {0: "N_patch"},
+                "pos_interp_index": {0: "N_patch"}, "pos_interp_weight": {0: "N_patch"},
+                "window_index": {0: "N_merged"}, "window_reverse": {0: "N_merged"},
+                "image_embeds": {0: "N_merged"}, "deepstack_embeds": {1: "N_merged"}}
+    names = set(input_names) | set(output_names)
+    return {k: v for k, v in axes.items() if k in names}
