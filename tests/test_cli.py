@@ -1,0 +1,86 @@
+"""The commands end to end on tiny snapshots: outputs, exit codes and one-line errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from glance_export.cli import main as export_main
+from glance_runtime.cli import main as run_main
+
+
+@pytest.fixture(scope="module")
+def head_dir(snapshot_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "head"
+    assert export_main(["init-head", "--model", str(snapshot_dir("qwen2_5_vl")), "--out", str(out),
+                        "--block-size", "8", "--seed", "1"]) == 0
+    return out
+
+
+def test_init_head_writes_a_loadable_head(head_dir):
+    cfg = json.loads((head_dir / "config.json").read_text())
+    assert cfg["block_size"] == 8 and cfg["dflash_config"]["target_layer_ids"] == [2]
+
+
+def test_run_json_spec_equals_no_spec(snapshot_dir, images, head_dir, capsys):
+    base = ["--model", str(snapshot_dir("qwen2_5_vl")), "--image", str(images["wide"]),
+            "--prompt", "What colour is the square?", "--max-new-tokens", "12", "--json"]
+    assert run_main(base + ["--head", str(head_dir), "--budget", "31"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert run_main(base + ["--no-spec"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert {"text", "tokens", "tau", "rounds", "ms_per_token", "backend"} <= set(spec)
+    assert spec["token_ids"] == plain["token_ids"] and spec["text"] == plain["text"]
+    assert spec["backend"] == "torch" and spec["tokens"] == 12 and plain["tau"] == 1.0
+
+
+def test_run_streams_text_and_prints_stats(snapshot_dir, head_dir, capsys):
+    assert run_main(["--model", str(snapshot_dir("qwen2_5_vl")), "--head", str(head_dir), "--prompt", "Hello",
+                     "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr()
+    assert out.out.endswith("\n") and "tau" in out.err and "tok/s" in out.err
+
+
+def test_audit_reports_parity(snapshot_dir, images, head_dir, tmp_path, capsys):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"image": str(images["tall"]), "prompt": "What is shown?"}) + "\n"
+                     + json.dumps({"prompt": "Describe nothing."}) + "\n")
+    code = export_main(["audit", "--model", str(snapshot_dir("qwen2_5_vl")), "--head", str(head_dir),
+                        "--data", str(tasks), "--max-new-tokens", "10", "--budget", "8", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["n"] == 2 and report["identical"] == 2 and report["self_consistent"] == 2
+    assert report["first_divergence"] == [None, None] and report["tau"] >= 1.0
+
+
+def _one_line_error(capsys, code):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "error:" in err[0] and "Traceback" not in err[0]
+    return err[0]
+
+
+def test_errors_are_one_line(snapshot_dir, head_dir, tmp_path, capsys):
+    model = str(snapshot_dir("qwen2_5_vl"))
+    line = _one_line_error(capsys, run_main(["--model", model, "--head", str(head_dir), "--prompt", "x",
+                                             "--image", str(tmp_path / "missing.png")]))
+    assert "missing.png does not exist" in line
+    line = _one_line_error(capsys, run_main(["--model", model, "--prompt", "x"]))
+    assert "--head" in line
+    line = _one_line_error(capsys, export_main(["audit", "--model", model, "--head", str(head_dir),
+                                                "--data", str(tmp_path / "none.jsonl")]))
+    assert "none.jsonl does not exist" in line
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{oops\n')
+    line = _one_line_error(capsys, export_main(["audit", "--model", model, "--head", str(head_dir),
+                                                "--data", str(bad)]))
+    assert "bad.jsonl:2" in line
+    line = _one_line_error(capsys, export_main(["init-head", "--model", str(tmp_path), "--out", str(tmp_path / "h")]))
+    assert "config.json is missing" in line
+    assert not (tmp_path / "h").exists()
+
+
+def test_empty_task_file_fails_the_audit(snapshot_dir, head_dir, tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    code = export_main(["audit", "--model", str(snapshot_dir("qwen2_5_vl")), "--head", str(head_dir),
+                        "--data", str(empty)])
+    assert code == 1 and "FAIL" in capsys.readouterr().out
