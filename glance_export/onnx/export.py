@@ -36,19 +36,32 @@ def _torch_export(module: nn.Module, feed: dict[str, np.ndarray], path: Path, ax
                           dynamo=False, do_constant_folding=True)
 
 
-def export_graph(module: nn.Module, feed: dict[str, np.ndarray], path: Path, axes: dict, opset: int) -> Path:
+def pin_outputs(model: onnx.ModelProto, shapes: dict[str, list[int | str]]) -> None:
+    """Declare each output's shape: static sizes as values, symbolic axes by their contract letter."""
+    for value in model.graph.output:
+        dims = value.type.tensor_type.shape.dim
+        for dim, size in zip(dims, shapes[value.name]):
+            if isinstance(size, int):
+                dim.dim_value = size
+            else:
+                dim.dim_param = size
+
+
+def export_graph(module: nn.Module, feed: dict[str, np.ndarray], path: Path, axes: dict, opset: int,
+                 output_shapes: dict[str, list[int | str]]) -> Path:
     """Trace `module` on `feed` into `path`; checker (full, with strict shape inference) must pass."""
-    if weight_bytes(module) < EXTERNAL_DATA_BYTES:
-        _torch_export(module, feed, path, axes, opset)
-    else:
-        scratch = Path(tempfile.mkdtemp(prefix=".scratch.", dir=path.parent))
-        try:
-            _torch_export(module, feed, scratch / path.name, axes, opset)
-            model = onnx.load(str(scratch / path.name), load_external_data=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".scratch.", dir=path.parent))
+    try:
+        _torch_export(module, feed, scratch / path.name, axes, opset)
+        model = onnx.load(str(scratch / path.name), load_external_data=True)
+        pin_outputs(model, output_shapes)
+        if weight_bytes(module) < EXTERNAL_DATA_BYTES:
+            onnx.save_model(model, str(path))
+        else:
             onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                             location=f"{path.name}.data", size_threshold=1024)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     onnx.checker.check_model(str(path), full_check=True)
     return path
 

@@ -101,3 +101,21 @@ def dynamic_axes(dims: Dims, graph: str, input_names: list[str], output_names: l
                 "image_embeds": {0: "N_merged"}, "deepstack_embeds": {1: "N_merged"}}
     names = set(input_names) | set(output_names)
     return {k: v for k, v in axes.items() if k in names}
+
+
+def output_shapes(dims: Dims, graph: str, branch_k: int) -> dict[str, list[int | str]]:
+    """Declared output shapes; the tracer loses some static sizes (rotary halves, top-k rows)."""
+    if graph == "target":
+        shapes: dict[str, list[int | str]] = {"next_tokens": ["T"], "entropy": [1], "taps": ["T", dims.n_taps * dims.hidden]}
+        for l in range(dims.layers):
+            shapes[f"present_key_{l}"] = shapes[f"present_value_{l}"] = ["T", dims.kv_heads, dims.head_dim]
+        return shapes
+    if graph == "draft":
+        shapes = {"topk_ids": [dims.block_size - 1, branch_k], "topk_logprobs": [dims.block_size - 1, branch_k]}
+        for j in range(dims.head_layers):
+            shapes[f"ctx_key_{j}"] = shapes[f"ctx_value_{j}"] = ["N", dims.head_kv_heads, dims.head_head_dim]
+        return shapes
+    shapes = {"image_embeds": ["N_merged", dims.hidden]}
+    if dims.deepstack:
+        shapes["deepstack_embeds"] = [dims.deepstack, "N_merged", dims.hidden]
+    return shapes

@@ -1,0 +1,105 @@
+"""`export_artifacts`: target + head -> a directory of validated ONNX graphs, manifest and tokenizer files.
+
+Everything is written into a temporary sibling of the output directory and renamed into place only
+after every graph has passed the checker and the ONNX Runtime validation, so a failed export never
+leaves a half-written artifacts directory behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from glance_runtime.errors import GlanceError
+from glance_runtime.graphs import MANIFEST
+
+from .export import export_graph
+from .feeds import draft_feed, target_feed, vision_feed
+from .manifest import build_manifest, copy_runtime_files
+from .sources import build_graphs, dims_for, load_sources
+from .spec import DTYPES, axis_bounds, dynamic_axes, output_shapes
+from .validate import validate_graphs
+
+OPSETS = range(14, 21)  # TensorRT 10.3 (Jetson Orin) parses up to opset 20
+
+
+def _check_args(out: Path, dtype: str, opset: int, max_tree: int, max_context: int, branch_k: int) -> None:
+    if dtype not in DTYPES:
+        raise GlanceError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    if opset not in OPSETS:
+        raise GlanceError(f"opset {opset} is not supported; use {OPSETS.start}..{OPSETS.stop - 1}")
+    if max_tree < 1 or max_context <= max_tree:
+        raise GlanceError(f"need 1 <= max_tree < max_context, got max_tree={max_tree}, max_context={max_context}")
+    if branch_k < 1:
+        raise GlanceError(f"branch_k must be at least 1, got {branch_k}")
+    if out.exists() and not (out / MANIFEST).is_file():
+        raise GlanceError(f"{out} exists and is not an artifacts directory; pick a new output directory")
+
+
+def _trace_feeds(snapshot, dims, dtype: str) -> dict[str, dict[str, np.ndarray]]:
+    """Inputs to trace with: sizes distinct from each other and from 1, so no axis gets frozen."""
+    rng = np.random.default_rng(0)
+    np_dtype = DTYPES[dtype]
+    feeds = {"target": target_feed(dims, rng, 6, 3, 2, np_dtype, tree=False),
+             "draft": draft_feed(dims, rng, 5, 2, np_dtype)}
+    if dims.is_vl:
+        feeds["vision"] = vision_feed(snapshot, dims, rng, 100, 80, np_dtype)
+    return feeds
+
+
+def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
+                     opset: int = 17, max_tree: int = 64, max_context: int = 2048, branch_k: int = 8,
+                     progress: Callable[[str], None] = print) -> Path:
+    """Export vision (VL only), target and draft graphs, validate them, and write the manifest."""
+    out = Path(out_dir)
+    _check_args(out, dtype, opset, max_tree, max_context, branch_k)
+    started = time.perf_counter()
+    snapshot, model, head = load_sources(model_dir, head_dir, dtype)
+    dims = dims_for(snapshot, head)
+    graphs = build_graphs(model, head, dims, branch_k)
+    progress(f"loaded {dims.family} target ({dims.layers} layers) and head ({dims.head_layers} layers, "
+             f"block {dims.block_size}) as {dtype}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        for name, feed in _trace_feeds(snapshot, dims, dtype).items():
+            t0 = time.perf_counter()
+            module = graphs[name]
+            axes = dynamic_axes(dims, name, module.input_names, module.output_names)
+            path = export_graph(module, feed, tmp / f"{name}.onnx", axes, opset,
+                                output_shapes(dims, name, branch_k))
+            progress(f"exported {path.name} (opset {opset}, {path.stat().st_size / 1e6:.1f} MB) "
+                     f"in {time.perf_counter() - t0:.1f}s; checker passed")
+        validate_graphs(tmp, graphs, dims, snapshot, dtype, progress=progress)
+        files = copy_runtime_files(snapshot, tmp)
+        manifest = build_manifest(snapshot, head, Path(head_dir), dims, tmp, dtype=dtype, opset=opset,
+                                  branch_k=branch_k, max_tree=max_tree, max_context=max_context,
+                                  axes=axis_bounds(dims, max_tree, max_context), files=files)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    progress(f"wrote {out} in {time.perf_counter() - started:.1f}s")
+    return out
+
+
+def validate_artifacts(artifacts_dir: str | Path, model_dir: str | Path, head_dir: str | Path, *, seed: int = 1,
+                       progress: Callable[[str], None] = print) -> dict[str, dict[str, float]]:
+    """Re-validate an artifacts directory against the torch target and head it was exported from."""
+    artifacts = Path(artifacts_dir)
+    if not (artifacts / MANIFEST).is_file():
+        raise GlanceError(f"{artifacts} has no {MANIFEST}; export it with `glance-export onnx` first")
+    manifest = json.loads((artifacts / MANIFEST).read_text())
+    snapshot, model, head = load_sources(model_dir, head_dir, manifest["dtype"])
+    dims = dims_for(snapshot, head)
+    graphs = build_graphs(model, head, dims, manifest["branch_k"])
+    return validate_graphs(artifacts, graphs, dims, snapshot, manifest["dtype"], seed=seed, progress=progress)

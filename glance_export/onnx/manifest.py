@@ -1,0 +1,98 @@
+"""manifest.json of an artifacts directory: everything a graph runtime needs besides the graphs.
+
+Schema (format_version 1): toolkit_version, family, is_vl, dtype, opset, branch_k, block_size,
+mask_token_id, image_token_id, stop_token_ids, limits {max_tree, max_context}, axes {name: [min, max]},
+source {config_sha256, weights_sha256 {file: sha}}, head {config, weights_sha256}, rope {...},
+graphs {target|draft|vision: {file, data_file, inputs/outputs {name: {dtype, shape}}, ...sizes}},
+vision.index_params (the `vision_indices` parameters), files (tokenizer/processor files copied beside).
+"""
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+import glance_export
+from glance_export.adapters import Snapshot
+from glance_export.head import WEIGHTS_FILE, DraftHead
+
+from .spec import Dims
+from .vision import INDEX_INPUTS
+
+FORMAT_VERSION = 1
+RUNTIME_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json",
+                 "generation_config.json", "special_tokens_map.json", "config.json")
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def copy_runtime_files(snapshot: Snapshot, out: Path) -> list[str]:
+    """Tokenizer, chat template, processor and generation configs (and config.json for the rope index)."""
+    copied = []
+    for name in RUNTIME_FILES:
+        if (snapshot.path / name).is_file():
+            shutil.copy2(snapshot.path / name, out / name)
+            copied.append(name)
+    return copied
+
+
+def io_spec(path: Path) -> dict[str, dict[str, dict[str, Any]]]:
+    """Inputs and outputs of a graph file as {name: {dtype, shape}}, symbolic axes by name."""
+    graph = onnx.load(str(path), load_external_data=False).graph
+
+    def describe(values) -> dict[str, dict[str, Any]]:
+        out = {}
+        for v in values:
+            t = v.type.tensor_type
+            shape = [d.dim_param or d.dim_value for d in t.shape.dim]
+            out[v.name] = {"dtype": onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name, "shape": shape}
+        return out
+
+    return {"inputs": describe(graph.input), "outputs": describe(graph.output)}
+
+
+def build_manifest(snapshot: Snapshot, head: DraftHead, head_dir: Path, dims: Dims, out: Path, *, dtype: str,
+                   opset: int, branch_k: int, max_tree: int, max_context: int, axes: dict[str, list[int]],
+                   files: list[str]) -> dict[str, Any]:
+    tc = snapshot.text_config
+    graphs: dict[str, Any] = {
+        "target": {"num_layers": dims.layers, "num_kv_heads": dims.kv_heads, "head_dim": dims.head_dim,
+                   "hidden_size": dims.hidden, "vocab_size": dims.vocab, "tap_layer_ids": list(dims.tap_ids),
+                   "position_axes": dims.position_axes, "deepstack_layers": dims.deepstack},
+        "draft": {"num_layers": dims.head_layers, "num_kv_heads": dims.head_kv_heads,
+                  "head_dim": dims.head_head_dim, "context_width": dims.n_taps * dims.hidden},
+    }
+    if dims.is_vl:
+        graphs["vision"] = {"index_params": {k: dims.vision[k] for k in
+                                             ("family", "merge_size", "patch_size", "window_size", "grid_per_side")},
+                            "index_inputs": INDEX_INPUTS[dims.family], "patch_dim": dims.vision["patch_dim"]}
+    for name, entry in graphs.items():
+        path = out / f"{name}.onnx"
+        data = path.with_name(f"{path.name}.data")
+        entry.update(file=path.name, data_file=data.name if data.exists() else None, **io_spec(path))
+    rope = tc.get("rope_parameters") or tc.get("rope_scaling") or {}
+    return {
+        "format": "glance-onnx", "format_version": FORMAT_VERSION, "toolkit_version": glance_export.__version__,
+        "family": dims.family, "is_vl": dims.is_vl, "dtype": dtype, "opset": opset,
+        "float_io_dtype": "float16" if dtype == "fp16" else "float32",
+        "fp32_outputs": ["entropy", "topk_logprobs"],
+        "branch_k": branch_k, "block_size": dims.block_size, "mask_token_id": dims.mask_token_id,
+        "image_token_id": dims.image_token_id, "stop_token_ids": list(snapshot.stop_token_ids),
+        "limits": {"max_tree": max_tree, "max_context": max_context}, "axes": axes,
+        "rope": {"theta": rope.get("rope_theta", tc.get("rope_theta")), "mrope_section": rope.get("mrope_section"),
+                 "vision_start_token_id": snapshot.config.get("vision_start_token_id"),
+                 "spatial_merge_size": dims.vision["merge_size"] if dims.is_vl else None},
+        "source": {"config_sha256": sha256(snapshot.path / "config.json"),
+                   "weights_sha256": {p.name: sha256(p) for p in sorted(snapshot.path.glob("*.safetensors"))}},
+        "head": {"config": head.config.to_json(), "weights_sha256": sha256(Path(head_dir) / WEIGHTS_FILE)},
+        "graphs": graphs, "files": files,
+    }

@@ -1,0 +1,48 @@
+"""Open the target snapshot and the head for export, refusing bad input with one-line errors,
+and wrap them as the three graph modules."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from glance_export.adapters import Snapshot
+from glance_export.head import DraftHead, check_head_matches, load_head
+from glance_runtime.errors import GlanceError
+
+from .draft import DraftGraph
+from .spec import DTYPES, Dims, dims_for
+from .target import TargetGraph
+from .vision import VisionGraph
+
+
+def load_sources(model_dir: str | Path, head_dir: str | Path, dtype: str) -> tuple[Snapshot, nn.Module, DraftHead]:
+    """Snapshot, target model (eager attention: plain MatMul/Softmax in the graph) and matching head."""
+    if dtype not in DTYPES:
+        raise GlanceError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    if not Path(head_dir).is_dir():
+        raise GlanceError(f"head directory {head_dir} does not exist; create one with `glance-export init-head`")
+    snapshot = Snapshot(model_dir)
+    head = load_head(head_dir, getattr(torch, DTYPES[dtype]))
+    check_head_matches(head, snapshot)
+    if head.config.vocab_size != snapshot.text_config["vocab_size"]:
+        raise GlanceError(f"head vocab size {head.config.vocab_size} differs from the target's "
+                          f"{snapshot.text_config['vocab_size']}; use a head trained for this target")
+    model = snapshot.load_model(DTYPES[dtype])
+    model.set_attn_implementation("eager")
+    return snapshot, model, head
+
+
+def build_graphs(model: nn.Module, head: DraftHead, dims: Dims, branch_k: int) -> dict[str, nn.Module]:
+    """The wrapped graphs by name: target, draft and (VL only) vision."""
+    if not 1 <= branch_k <= dims.vocab:
+        raise GlanceError(f"branch_k must be between 1 and the vocabulary size {dims.vocab}, got {branch_k}")
+    graphs = {"target": TargetGraph(model, list(dims.tap_ids), dims.image_token_id, dims.deepstack),
+              "draft": DraftGraph(head, model.get_input_embeddings(), model.get_output_embeddings(), branch_k)}
+    if dims.is_vl:
+        graphs["vision"] = VisionGraph(model.model.visual, dims.family)
+    return {name: g.eval() for name, g in graphs.items()}
+
+
+__all__ = ["load_sources", "build_graphs", "dims_for"]

@@ -1,0 +1,126 @@
+"""Graph-level validation: each ONNX graph in ONNX Runtime (CPU) against its torch wrapper.
+
+Fresh random inputs with shapes unlike the trace's (prefill with image rows, a branching tree over a
+non-empty past, a single-row decode with no image rows, two image sizes) catch sizes the tracer froze.
+Floats must agree to `atol + rtol * max|reference|` per output; greedy tokens and top-k ids must be
+identical wherever the reference has a clear margin (near-ties may legitimately flip).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from glance_runtime.errors import GlanceError
+
+from .export import torch_args
+from .feeds import draft_feed, target_feed, vision_feed
+from .spec import DTYPES, Dims
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    rtol: float  # times the largest |value| of the reference output
+    margin: float  # logit / log-prob gap above which ids must match exactly
+
+
+TOLERANCES = {"fp32": Tolerance(atol=1e-4, rtol=1e-4, margin=1e-3),
+              "fp16": Tolerance(atol=2e-2, rtol=2e-2, margin=0.25)}
+
+
+def validation_feeds(graph: str, dims: Dims, snapshot, dtype: str, seed: int) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    np_dtype = DTYPES[dtype]
+    if graph == "target":
+        return [target_feed(dims, rng, 9, 0, 3, np_dtype, tree=False),
+                target_feed(dims, rng, 11, 5, 1, np_dtype, tree=True),
+                target_feed(dims, rng, 1, 4, 0, np_dtype, tree=True)]
+    if graph == "draft":
+        return [draft_feed(dims, rng, 7, 0, np_dtype), draft_feed(dims, rng, 3, 6, np_dtype)]
+    return [vision_feed(snapshot, dims, rng, 150, 100, np_dtype), vision_feed(snapshot, dims, rng, 60, 220, np_dtype)]
+
+
+def _clear(sorted_desc: np.ndarray, margin: float) -> np.ndarray:
+    """Columns of a descending [rows, K] array separated from both neighbours by more than margin."""
+    gaps = -np.diff(sorted_desc, axis=-1)
+    left = np.concatenate([np.full_like(gaps[:, :1], np.inf), gaps], axis=-1)
+    right = np.concatenate([gaps, np.zeros_like(gaps[:, :1])], axis=-1)  # the K-th's next value is unknown
+    return (left > margin) & (right > margin)
+
+
+def _reference(module: nn.Module, feed: dict[str, np.ndarray]) -> tuple[list[np.ndarray], np.ndarray | None]:
+    """Torch outputs, and the target's logits (captured from its LM head) for token margins."""
+    captured = []
+    hook = module.lm_head.register_forward_hook(lambda m, i, o: captured.append(o)) \
+        if hasattr(module, "tap_ids") else None
+    with torch.no_grad():
+        out = module(*torch_args(module, feed))
+    if hook is not None:
+        hook.remove()
+    outs = [t.float().numpy() if t.is_floating_point() else t.numpy() for t in (out if isinstance(out, tuple) else (out,))]
+    return outs, captured[0][0].float().numpy() if captured else None
+
+
+def compare(graph: str, names: list[str], ref: list[np.ndarray], got: list[np.ndarray], logits: np.ndarray | None,
+            tol: Tolerance, errors: dict[str, float]) -> None:
+    """Raise GlanceError on the first output out of tolerance; record max errors into `errors`."""
+    by_name = dict(zip(names, ref))
+    for name, r, g in zip(names, ref, got):
+        if r.shape != g.shape:
+            raise GlanceError(f"{graph} graph: output {name} has shape {g.shape}, torch gives {r.shape}")
+        if name == "next_tokens":
+            top2 = np.sort(logits, axis=-1)[:, -2:]
+            clear = (top2[:, 1] - top2[:, 0]) > tol.margin
+            bad = int((clear & (r != g)).sum())
+            errors[name] = max(errors.get(name, 0), bad)
+            if bad:
+                raise GlanceError(f"{graph} graph: output next_tokens differs on {bad} rows with a clear margin")
+        elif name == "topk_ids":
+            clear = _clear(by_name["topk_logprobs"], tol.margin)
+            bad = int((clear & (r != g)).sum())
+            errors[name] = max(errors.get(name, 0), bad)
+            if bad:
+                raise GlanceError(f"{graph} graph: output topk_ids differs at {bad} clearly separated entries")
+        elif np.issubdtype(r.dtype, np.integer):
+            if not np.array_equal(r, g):
+                raise GlanceError(f"{graph} graph: integer output {name} differs from torch")
+        elif r.size:
+            err = float(np.abs(g.astype(np.float64) - r).max())
+            allowed = tol.atol + tol.rtol * float(np.abs(r).max())
+            errors[name] = max(errors.get(name, 0.0), err)
+            if not err <= allowed:
+                raise GlanceError(f"{graph} graph: output {name} max error {err:.3g} exceeds {allowed:.3g}")
+
+
+def validate_graph(graph: str, path: Path, module: nn.Module, feeds: list[dict[str, np.ndarray]],
+                   tol: Tolerance) -> dict[str, float]:
+    """Max error per output over all feeds (mismatch counts for ids); raises GlanceError on failure."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # fp16 graphs warn about CPU constant folding; not our concern here
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    inputs = [i.name for i in session.get_inputs()]
+    errors: dict[str, float] = {}
+    for feed in feeds:
+        ref, logits = _reference(module, feed)
+        got = session.run(module.output_names, {n: feed[n] for n in inputs})
+        compare(graph, module.output_names, ref, got, logits, tol, errors)
+    return errors
+
+
+def validate_graphs(out_dir: Path, graphs: dict[str, nn.Module], dims: Dims, snapshot, dtype: str, *,
+                    seed: int = 1, progress: Callable[[str], None] = print) -> dict[str, dict[str, float]]:
+    """Validate every graph file in out_dir against its wrapper; returns max errors by graph and output."""
+    report = {}
+    for name, module in graphs.items():
+        feeds = validation_feeds(name, dims, snapshot, dtype, seed)
+        report[name] = validate_graph(name, Path(out_dir) / f"{name}.onnx", module, feeds, TOLERANCES[dtype])
+        worst = max(report[name].values(), default=0.0)
+        progress(f"validated {name}.onnx in ONNX Runtime on {len(feeds)} inputs (max error {worst:.3g})")
+    return report
