@@ -107,13 +107,6 @@ def test_rope_index_text_only():
     np.testing.assert_array_equal(pos[1, 0], np.arange(7))
 
 
-def test_stop_ids_match_adapter(snapshots):
-    for family in ALL_FAMILIES:
-        snap = snapshots[family]
-        eos = snap.text_config.get("eos_token_id")
-        assert _builder(snap).stop_token_ids(eos) == snap.stop_token_ids
-
-
 def test_image_errors(snapshots, tmp_path):
     builder = _builder(snapshots["qwen2_vl"])
     with pytest.raises(GlanceError, match="does not exist"):

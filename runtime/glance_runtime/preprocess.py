@@ -207,17 +207,6 @@ class PromptBuilder:
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
 
-    def stop_token_ids(self, config_eos: int | list[int] | None = None) -> tuple[int, ...]:
-        """EOS ids from generation_config.json, the model config's value and the tokenizer's eos_token."""
-        ids: set[int] = set()
-        gen = self.path / "generation_config.json"
-        for eos in (json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None, config_eos):
-            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        eos_text = self.template.special_tokens.get("eos_token")
-        if eos_text is not None and (tok := self.tokenizer.token_to_id(eos_text)) is not None:
-            ids.add(int(tok))
-        return tuple(sorted(int(i) for i in ids))
-
     def build(self, text: str, image: str | Path | Image.Image | None = None) -> Prompt:
         """Render one user turn with the snapshot's chat template; expand the image placeholder."""
         if image is not None and self.image_token_id is None:

@@ -1,0 +1,183 @@
+"""The ONNX Runtime backend: the Backend protocol on the exported graphs, with numpy and onnxruntime only.
+
+It mirrors the torch reference backend step for step (same positions, masks, head context and
+commit rule), but the KV caches are preallocated seq-major buffers (`kv_cache`) handed to the graphs
+as zero-copy views, prompts are built without transformers (`preprocess`), and M-RoPE prefill
+positions come from the numpy port of the model's rope-index function (`rope_index`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import GlanceError
+from ..graphs import DRAFT_GRAPH, TARGET_GRAPH, VISION_GRAPH, draft_kv_names, target_kv_names
+from ..kv_cache import KVCache
+from ..manifest import Manifest, load_manifest
+from ..preprocess import Prompt, PromptBuilder
+from ..rope_index import rope_index
+from ..vision_indices import vision_index_inputs
+
+PROVIDER_ALIASES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
+                    "tensorrt": "TensorrtExecutionProvider", "trt": "TensorrtExecutionProvider",
+                    "nv_tensorrt_rtx": "NvTensorRTRTXExecutionProvider", "coreml": "CoreMLExecutionProvider",
+                    "dml": "DmlExecutionProvider"}
+
+
+def resolve_providers(requested: Sequence[str] | str | None) -> list[str]:
+    """Full provider names in priority order, CPU last as the fallback; unknown or missing ones fail here."""
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    if requested is None:
+        return ["CPUExecutionProvider"]
+    names = [requested] if isinstance(requested, str) else list(requested)
+    chosen = []
+    for name in names:
+        full = PROVIDER_ALIASES.get(name.lower(), name)
+        if full not in available:
+            raise GlanceError(f"execution provider {name!r} is not available in this onnxruntime "
+                              f"(available: {', '.join(available)}); install the matching onnxruntime build")
+        chosen.append(full)
+    return chosen + ([] if "CPUExecutionProvider" in chosen else ["CPUExecutionProvider"])
+
+
+def _limit(flag: str, asked: int | None, exported: int) -> int:
+    """A runtime limit: the export's bound by default, never above it (graphs and profiles are sized to it)."""
+    if asked is None:
+        return exported
+    if not 1 <= asked <= exported:
+        raise GlanceError(f"{flag} {asked} is outside 1..{exported}, the range these artifacts were exported for; "
+                          f"re-export with a larger `glance-export onnx {flag}`")
+    return asked
+
+
+class OrtBackend:
+    """Exported graphs in `artifacts_dir` (see glance_runtime.graphs) driven by ONNX Runtime."""
+
+    name = "onnxruntime"
+
+    def __init__(self, artifacts_dir: str | Path, providers: Sequence[str] | str | None = None,
+                 max_context: int | None = None, max_tree: int | None = None, threads: int | None = None):
+        import onnxruntime as ort
+
+        self.path = Path(artifacts_dir)
+        self.manifest: Manifest = load_manifest(self.path)
+        m = self.manifest
+        self.providers = resolve_providers(providers)
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = threads
+        options.log_severity_level = 3
+
+        def session(graph: str):
+            return ort.InferenceSession(str(self.path / graph), sess_options=options, providers=self.providers)
+
+        self.target = session(TARGET_GRAPH)
+        self.vision = session(VISION_GRAPH) if m.is_vl else None
+        self.head = session(DRAFT_GRAPH)
+        self.prompts = PromptBuilder(self.path, m.image_token_id if m.is_vl else None)
+        self.stop_token_ids = m.stop_token_ids
+        self.block_size = m.block_size
+        self.max_tree = _limit("--max-tree", max_tree, m.max_tree)
+        self.max_context = _limit("--max-context", max_context, m.max_context)
+        self.float = np.dtype(m.float_dtype)
+        self.kv = KVCache(m.target.num_layers, m.target.kv_heads, m.target.head_dim, self.max_context, self.float)
+        self.head_kv = KVCache(m.head.num_layers, m.head.kv_heads, m.head.head_dim, self.max_context, self.float)
+        self.kv_in, kv_out = target_kv_names(m.target.num_layers)
+        self.head_in, _ = draft_kv_names(m.head.num_layers)
+        self.target_outputs = ["next_tokens", "entropy", *kv_out, "taps"]
+        self._dummy_image = np.zeros((1, m.hidden_size), self.float)
+        self._dummy_deep = np.zeros((m.deepstack_layers, 1, m.hidden_size), self.float)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.kv.clear()
+        self.head_kv.clear()
+        self.start = 0  # stream position of the current anchor == committed target KV rows
+        self.delta = 0  # M-RoPE offset: text position = stream position + delta
+        self.pending_taps: list[np.ndarray] = []  # committed rows not yet projected into the head cache
+        self.pending_from = 0
+        self.verify_taps = np.zeros((0, 0), self.float)  # taps of the last target pass
+
+    def build_prompt(self, text: str, image=None) -> Prompt:
+        return self.prompts.build(text, image)
+
+    def _positions(self, stream: np.ndarray) -> np.ndarray:
+        pos = (stream + self.delta).astype(np.int64)[None]
+        return np.broadcast_to(pos, (3, 1, pos.shape[1])).copy() if self.manifest.is_vl else pos
+
+    def _run_target(self, ids: np.ndarray, positions: np.ndarray, tree_mask: np.ndarray, entropy_row: int,
+                    image: np.ndarray, deep: np.ndarray | None) -> list[np.ndarray]:
+        """One target pass over T rows after the committed ones; its K/V rows are appended to the cache."""
+        self.kv.check_room(ids.shape[0])
+        feeds = {"input_ids": ids[None], "position_ids": positions,
+                 "tree_mask": np.ascontiguousarray(tree_mask, dtype=bool),
+                 "entropy_row": np.array([entropy_row], np.int64)}
+        if self.manifest.is_vl:
+            feeds["image_embeds"] = image
+            if self.manifest.deepstack_layers:
+                feeds["deepstack_embeds"] = deep
+        feeds.update(zip(self.kv_in, self.kv.view()))
+        out = self.target.run(self.target_outputs, feeds)
+        self.kv.append(out[2:-1])
+        self.verify_taps = out[-1]
+        return out
+
+    def _encode_image(self, prompt: Prompt) -> tuple[np.ndarray, np.ndarray | None]:
+        feeds = {"pixel_values": prompt.pixel_values.astype(self.float)}
+        feeds.update(vision_index_inputs(prompt.image_grid_thw, self.manifest.vision_index_params))
+        wanted = {i.name for i in self.vision.get_inputs()}
+        out = self.vision.run(None, {k: v for k, v in feeds.items() if k in wanted})
+        return out[0], (out[1] if self.manifest.deepstack_layers else None)
+
+    def prefill(self, prompt: Prompt) -> tuple[int, float]:
+        self._reset()
+        ids = np.asarray(prompt.input_ids, dtype=np.int64)
+        length = ids.shape[0]
+        image, deep = self._dummy_image, self._dummy_deep
+        if self.manifest.is_vl:
+            pos, self.delta = rope_index(ids, self.manifest.image_token_id, prompt.image_grid_thw,
+                                         self.manifest.spatial_merge_size)
+            if prompt.pixel_values is not None:
+                image, deep = self._encode_image(prompt)
+        else:
+            pos = np.arange(length, dtype=np.int64)[None]
+        out = self._run_target(ids, pos, np.tri(length, dtype=bool), length - 1, image, deep)
+        self.start = length
+        self.pending_taps, self.pending_from = [self.verify_taps], 0
+        return int(out[0][-1]), float(out[1][0])
+
+    def draft(self, anchor: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        if k > self.manifest.branch_k:
+            raise GlanceError(f"--branch-k {k} exceeds the draft graph's top-{self.manifest.branch_k}; "
+                              f"lower it or re-export with `glance-export onnx --branch-k {k}`")
+        taps = self.pending_taps[0] if len(self.pending_taps) == 1 else np.concatenate(self.pending_taps)
+        self.head_kv.check_room(taps.shape[0])
+        feeds = {"context_taps": taps,
+                 "context_positions": np.arange(self.pending_from, self.pending_from + taps.shape[0], dtype=np.int64),
+                 "anchor": np.array([anchor], np.int64), "start": np.array([self.start], np.int64)}
+        feeds.update(zip(self.head_in, self.head_kv.view()))
+        out = self.head.run(None, feeds)
+        self.head_kv.append(out[2:])
+        self.pending_taps, self.pending_from = [], self.start
+        return out[0][:, :k].astype(np.int64), out[1][:, :k].astype(np.float64)
+
+    def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray) -> tuple[np.ndarray, float]:
+        size = len(tokens)
+        if size > self.max_tree:
+            raise GlanceError(f"tree of {size} rows exceeds --max-tree {self.max_tree}; "
+                              f"lower --budget to {self.max_tree - 1} or raise --max-tree (up to the export's limit)")
+        positions = self._positions(self.start + np.asarray(depths, dtype=np.int64))
+        out = self._run_target(np.asarray(tokens, dtype=np.int64), positions, visible, 0,
+                               self._dummy_image, self._dummy_deep)
+        return out[0].astype(np.int64), float(out[1][0])
+
+    def commit(self, rows: np.ndarray) -> None:
+        """Compact the pack's KV in place (kept rows move down after the prefix); queue their taps for the head."""
+        rows = np.asarray(rows, dtype=np.int64)
+        self.kv.compact(rows)
+        self.pending_taps.append(self.verify_taps[rows])
+        self.start += len(rows)
