@@ -18,6 +18,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 KINDS = ("receipt", "chart", "scene", "caption")
 IMAGE_SIZE = 168  # 6x6 merged image tokens with 14 px patches and 2x2 merge
+CELL = 28  # pixels per merged image token
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (235, 195, 20)}
 BACKGROUNDS = {"white": (255, 255, 255), "black": (20, 20, 20), "gray": (128, 128, 128)}
 SHAPES = ("circle", "square", "triangle", "diamond")
@@ -61,38 +62,47 @@ def _right_text(draw: ImageDraw.ImageDraw, x: int, y: int, text: str, size: int)
     draw.text((x - draw.textlength(text, font=font(size)), y), text, fill=(0, 0, 0), font=font(size))
 
 
+def cell_text(draw: ImageDraw.ImageDraw, row: int, text: str, size: int) -> None:
+    """Right-aligned text with one character centred per image-token cell, like a till display."""
+    first = IMAGE_SIZE // CELL - len(text)
+    for i, ch in enumerate(text):
+        draw.text(((first + i) * CELL + CELL // 2, row * CELL + CELL // 2), ch, fill=(0, 0, 0), font=font(size),
+                  anchor="mm")
+
+
 def receipt(rng: random.Random) -> Sample:
-    """Item lines with prices and a total X.YY, right-aligned at a fixed place in a big font."""
+    """Item lines with prices and a total (1.00-59.97) in big till digits at a fixed place."""
     img = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (255, 255, 255))
     draw = ImageDraw.Draw(img)
     n = rng.randint(2, 3)
-    prices = [rng.randint(10, 330) for _ in range(n)]
+    prices = [rng.randint(50, 1999) for _ in range(n)]
     for j, (name, cents) in enumerate(zip(rng.sample(ITEMS, n), prices)):
         draw.text((8, 8 + 22 * j), name, fill=(0, 0, 0), font=font(16))
         _right_text(draw, 160, 8 + 22 * j, f"{cents // 100}.{cents % 100:02d}", 16)
-    draw.line((8, 84, 160, 84), fill=(0, 0, 0), width=2)
+    draw.line((8, 78, 160, 78), fill=(0, 0, 0), width=2)
+    draw.text((8, 88), "TOTAL", fill=(0, 0, 0), font=font(18))
     total = sum(prices)
-    draw.text((8, 108), "TOTAL", fill=(0, 0, 0), font=font(20))
-    _right_text(draw, 160, 98, f"{total // 100}.{total % 100:02d}", 36)
+    text = f"{total // 100}.{total % 100:02d}"
+    cell_text(draw, 4, text, 36)
     if rng.random() < 0.75:
-        prompt, answer = "What is the total?", f"The total is {total // 100}.{total % 100:02d}."
+        prompt, answer = "What is the total?", f"The total is {text}."
     else:
         prompt, answer = "How many items are on the receipt?", f"There are {n} items."
     return Sample("receipt", img, prompt, answer, (answer,))
 
 
 def chart(rng: random.Random) -> Sample:
-    """Four labelled bars with distinct values 1-9 printed above them."""
+    """Four labelled bars with distinct values 1-9, printed in a value row above the plot."""
     img = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (255, 255, 255))
     draw = ImageDraw.Draw(img)
     values = rng.sample(range(1, 10), 4)
     fill = COLOURS[rng.choice(list(COLOURS))]
     draw.line((8, 140, 160, 140), fill=(0, 0, 0), width=2)
     for i, (label, v) in enumerate(zip(BARS, values)):
-        x0 = 18 + 38 * i
-        draw.rectangle((x0, 140 - 12 * v, x0 + 26, 139), fill=fill)
-        draw.text((x0 + 7, 140 - 12 * v - 20), str(v), fill=(0, 0, 0), font=font(18))
-        draw.text((x0 + 7, 144), label, fill=(0, 0, 0), font=font(18))
+        cx = CELL * (i + 1) + CELL // 2  # one bar per image-token column
+        draw.rectangle((cx - 11, 140 - 12 * v, cx + 11, 139), fill=fill)
+        draw.text((cx, CELL // 2), str(v), fill=(0, 0, 0), font=font(28), anchor="mm")
+        draw.text((cx, 154), label, fill=(0, 0, 0), font=font(22), anchor="mm")
     q = rng.random()
     if q < 0.3:
         prompt, answer = "Which bar is highest?", f"Bar {BARS[values.index(max(values))]} is highest."
@@ -193,3 +203,29 @@ def corpus_text(seed: int, n: int) -> list[str]:
         s = training_sample(seed, i)
         out.extend([s.prompt, *s.answers])
     return out
+
+
+def write_examples(root: Path, n: int = 16, seed: int = 0) -> list[Path]:
+    """`root/<kind>/tasks.jsonl` for every kind, plus one demo image per kind in `root/demo/`."""
+    root = Path(root)
+    paths = [write_task_file(root / kind, kind, n, seed) for kind in KINDS]
+    (root / "demo").mkdir(parents=True, exist_ok=True)
+    prompts = {}
+    for kind in KINDS:
+        s = heldout(kind, 1, seed + 1000)[0]
+        s.image.save(root / "demo" / f"{kind}.png", optimize=True)
+        prompts[f"{kind}.png"] = s.prompt
+    (root / "demo" / "prompts.json").write_text(json.dumps(prompts, indent=2) + "\n")
+    return paths
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser(description="Write held-out task files and demo images.")
+    p.add_argument("root", type=Path)
+    p.add_argument("--n", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    for path in write_examples(a.root, a.n, a.seed):
+        print(path)

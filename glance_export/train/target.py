@@ -22,6 +22,7 @@ from transformers import (AutoImageProcessor, AutoTokenizer, GenerationConfig, Q
 from glance_export.train import corpus
 from glance_export.train.prompts import encode, image_processor_config
 from glance_export.train.tokenizer import train_tokenizer
+from glance_export.train.warmup import warmup_vision
 
 # Receipts carry the hardest skill (reading digits), so they get the largest share of the stream.
 MIX = {"receipt": 0.4, "chart": 0.25, "scene": 0.2, "caption": 0.15}
@@ -125,9 +126,10 @@ def _heldout_rows(n: int) -> list[dict]:
 def train_target(out_dir: Path, *, steps: int = 6000, seed: int = 0, time_budget_s: float = 3600.0,
                  batch_size: int = 16, lr: float = 1e-3, warmup: int = 200, log_every: int = 50,
                  ckpt_every: int = 500, eval_every: int = 1000, mix: dict[str, float] | None = None,
-                 **size) -> Path:
+                 vision_warmup: int = 300, **size) -> Path:
     """Train (or resume) a target in `out_dir` and write a complete HF snapshot there.
 
+    A fresh run first spends `vision_warmup` steps teaching the vision tower digits (see `warmup`).
     Stops at `steps` or when `time_budget_s` runs out, whichever comes first; a checkpoint in
     `out_dir/checkpoint.pt` lets a later call with the same arguments continue the same run.
     """
@@ -144,6 +146,8 @@ def train_target(out_dir: Path, *, steps: int = 6000, seed: int = 0, time_budget
         opt.load_state_dict(state["opt"])
         step = state["step"]
         print(f"resumed at step {step}", flush=True)
+    else:
+        warmup_vision(model, image_processor, steps=vision_warmup, seed=seed)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"params {n_params / 1e6:.2f}M  vocab {len(tokenizer)}", flush=True)
     rows = _heldout_rows(8)
