@@ -1,0 +1,301 @@
+"""ONNX export of the target, draft and vision graphs: files, manifest, validation, atomicity, errors,
+and a real decode replayed through the exported graphs (numpy KV) that must match the greedy oracle."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from drafters import SeededDrafter
+from glance_export import __version__
+from glance_export.adapters import Snapshot
+from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
+from glance_export.onnx import export_artifacts, validate_artifacts, vision_index_inputs
+from glance_export.onnx import artifacts as artifacts_mod
+from glance_export.onnx import export as export_mod
+from glance_runtime.backends.torch_backend import TorchBackend, greedy_reference
+from glance_runtime.errors import GlanceError
+from glance_runtime.graphs import draft_kv_names, target_kv_names
+from glance_runtime.loop import DecodeConfig, decode
+from tiny_models import ALL_FAMILIES, VL_FAMILIES
+
+BLOCK = 6
+MAX_NEW = 16
+TIMINGS: dict[str, float] = {}
+
+
+def _head(snapshot_dir, family: str, root: Path) -> Path:
+    snap = Snapshot(snapshot_dir(family))
+    return save_head(init_head(head_config_for(snap, 2, BLOCK, pick_mask_token(snap)), seed=3), root / f"head_{family}")
+
+
+@pytest.fixture(scope="module")
+def exported(snapshot_dir, tmp_path_factory):
+    """family -> (model dir, head dir, artifacts dir), exported once per module (fp32, opset 17)."""
+    root = tmp_path_factory.mktemp("onnx_export")
+    done: dict[str, tuple[Path, Path, Path]] = {}
+
+    def get(family: str):
+        if family not in done:
+            head = _head(snapshot_dir, family, root)
+            t0 = time.perf_counter()
+            out = export_artifacts(snapshot_dir(family), head, root / f"art_{family}", max_tree=32,
+                                   max_context=256, progress=lambda _: None)
+            TIMINGS[family] = time.perf_counter() - t0
+            done[family] = (Path(snapshot_dir(family)), head, out)
+        return done[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_graphs_pass_checker_with_contract_names(exported, family):
+    _, _, out = exported(family)
+    manifest = json.loads((out / "manifest.json").read_text())
+    layers, head_layers = manifest["graphs"]["target"]["num_layers"], manifest["graphs"]["draft"]["num_layers"]
+    expected = {"target.onnx", "draft.onnx"} | ({"vision.onnx"} if family in VL_FAMILIES else set())
+    assert {p.name for p in out.glob("*.onnx")} == expected
+    for name in expected:
+        onnx.checker.check_model(str(out / name), full_check=True)
+    target = onnx.load(str(out / "target.onnx"), load_external_data=False).graph
+    past, present = target_kv_names(layers)
+    images = ["image_embeds"] + (["deepstack_embeds"] if family == "qwen3_vl" else []) if family in VL_FAMILIES else []
+    assert [i.name for i in target.input] == ["input_ids", *images, "position_ids", "tree_mask", "entropy_row", *past]
+    assert [o.name for o in target.output] == ["next_tokens", "entropy", *present, "taps"]
+    draft = onnx.load(str(out / "draft.onnx"), load_external_data=False).graph
+    ctx_in, ctx_out = draft_kv_names(head_layers)
+    assert [i.name for i in draft.input] == ["context_taps", "context_positions", "anchor", "start", *ctx_in]
+    assert [o.name for o in draft.output] == ["topk_ids", "topk_logprobs", *ctx_out]
+    assert max(imp.version for imp in onnx.load(str(out / "target.onnx"), load_external_data=False).opset_import
+               if imp.domain in ("", "ai.onnx")) == 17
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_manifest_describes_the_export(exported, family):
+    model_dir, head_dir, out = exported(family)
+    m = json.loads((out / "manifest.json").read_text())
+    snap = Snapshot(model_dir)
+    assert m["format"] == "glance-onnx" and m["toolkit_version"] == __version__ and m["family"] == family
+    assert (m["dtype"], m["opset"], m["branch_k"], m["block_size"]) == ("fp32", 17, 8, BLOCK)
+    assert m["limits"] == {"max_tree": 32, "max_context": 256}
+    assert m["axes"]["T"] == [1, 256] and m["axes"]["S"] == [0, 255] and m["axes"]["T_verify"] == [1, 32]
+    assert m["stop_token_ids"] == list(snap.stop_token_ids)
+    assert m["mask_token_id"] == json.loads((head_dir / "config.json").read_text())["dflash_config"]["mask_token_id"]
+    assert m["head"]["config"]["block_size"] == BLOCK
+    t = m["graphs"]["target"]
+    assert (t["num_layers"], t["num_kv_heads"], t["head_dim"]) == (4, 2, 16)
+    assert t["outputs"]["present_key_0"]["shape"] == ["T", 2, 16]
+    assert m["graphs"]["draft"]["outputs"]["topk_ids"]["shape"] == [BLOCK - 1, 8]
+    import hashlib
+    assert m["source"]["config_sha256"] == hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
+    assert set(m["source"]["weights_sha256"]) == {p.name for p in model_dir.glob("*.safetensors")}
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        assert name in m["files"] and (out / name).is_file()
+    if family in VL_FAMILIES:
+        assert m["image_token_id"] == snap.image_token_id and "preprocessor_config.json" in m["files"]
+        v = m["graphs"]["vision"]
+        assert list(v["inputs"]) == ["pixel_values", *v["index_inputs"]]
+    else:
+        assert m["image_token_id"] is None and "vision" not in m["graphs"]
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llama"])
+def test_validation_passes_on_fresh_inputs(exported, family):
+    model_dir, head_dir, out = exported(family)
+    report = validate_artifacts(out, model_dir, head_dir, seed=7, progress=lambda _: None)
+    assert set(report) == {"target", "draft"} | ({"vision"} if family in VL_FAMILIES else set())
+    assert report["target"]["next_tokens"] == 0 and report["target"]["taps"] < 1e-2
+
+
+@pytest.mark.parametrize("grid", [(1, 4, 4), (1, 6, 10), (1, 16, 8), (1, 22, 14)])
+@pytest.mark.parametrize("family", VL_FAMILIES)
+def test_vision_indices_match_transformers(family, grid):
+    from transformers import vision_utils as vu
+
+    params = {"family": family, "merge_size": 2, "patch_size": 14, "window_size": 112, "grid_per_side": 8}
+    got = vision_index_inputs(np.array([grid]), params)
+    g = torch.tensor([grid])
+    assert np.array_equal(got["vision_pos_ids"], vu.get_vision_position_ids(g, 2).numpy())
+    if family == "qwen2_5_vl":
+        order, cu = vu.get_vision_window_index(g, 2, 112, 14)
+        assert np.array_equal(got["window_index"], order.numpy())
+        bounds = np.concatenate([[0], np.cumsum(np.bincount(got["window_ids"]))])
+        assert np.array_equal(np.unique(bounds), cu.numpy())
+        assert np.array_equal(got["window_index"][got["window_reverse"]], np.arange(len(order)))
+    if family == "qwen3_vl":
+        idx, w = vu.get_vision_interpolation_indices_and_weights(g, 8, mode="bilinear", align_corners=True,
+                                                                 spatial_merge_size=2)
+        assert np.array_equal(got["pos_interp_index"], idx.numpy())
+        assert np.array_equal(got["pos_interp_weight"], w.numpy())
+
+
+class GraphReplay:
+    """The reference backend's prefill/draft/verify/commit, run through the exported graphs by hand.
+
+    Positions of the prompt come from the torch model's own rope index; everything else is ONNX
+    Runtime on numpy buffers: KV rows appended after each pass and gathered on commit."""
+
+    name = "onnx-replay"
+
+    def __init__(self, out: Path, reference: TorchBackend):
+        import onnxruntime as ort
+
+        self.m = json.loads((out / "manifest.json").read_text())
+        self.reference, self.block_size = reference, self.m["block_size"]
+        self.sessions = {g: ort.InferenceSession(str(out / e["file"]), providers=["CPUExecutionProvider"])
+                         for g, e in self.m["graphs"].items()}
+        t, d = self.m["graphs"]["target"], self.m["graphs"]["draft"]
+        self.kv_names, _ = target_kv_names(t["num_layers"])
+        self.ctx_names, _ = draft_kv_names(d["num_layers"])
+        self.empty_kv = np.zeros((0, t["num_kv_heads"], t["head_dim"]), np.float32)
+        self.empty_ctx = np.zeros((0, d["num_kv_heads"], d["head_dim"]), np.float32)
+        self.no_image = {"image_embeds": np.zeros((0, t["hidden_size"]), np.float32)} if self.m["is_vl"] else {}
+        if t["deepstack_layers"]:
+            self.no_image["deepstack_embeds"] = np.zeros((t["deepstack_layers"], 0, t["hidden_size"]), np.float32)
+
+    def _target(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+        feed.update(zip(self.kv_names, self.kv))
+        out = self.sessions["target"].run(None, feed)
+        self.present, self.taps = out[2:-1], out[-1]
+        return out
+
+    def prefill(self, prompt):
+        self.kv, self.ctx = [self.empty_kv] * len(self.kv_names), [self.empty_ctx] * len(self.ctx_names)
+        ids = prompt.input_ids[None]
+        positions, self.delta = self.reference.prompt_positions(prompt)
+        feed = {"input_ids": ids, "position_ids": positions.numpy().astype(np.int64),
+                "tree_mask": np.tri(ids.shape[1], dtype=bool), "entropy_row": np.array([ids.shape[1] - 1]),
+                **self.no_image}
+        if prompt.pixel_values is not None:
+            vision = self.sessions["vision"]
+            feeds = {"pixel_values": prompt.pixel_values,
+                     **vision_index_inputs(prompt.image_grid_thw, self.m["graphs"]["vision"]["index_params"])}
+            embeds = vision.run(None, feeds)
+            feed.update(zip(["image_embeds", "deepstack_embeds"], embeds))
+        out = self._target(feed)
+        self.kv = [np.concatenate([k, p]) for k, p in zip(self.kv, self.present)]
+        self.start, self.pending, self.pending_from = ids.shape[1], [self.taps], 0
+        return int(out[0][-1]), float(out[1][0])
+
+    def draft(self, anchor: int, k: int):
+        taps = np.concatenate(self.pending)
+        feed = {"context_taps": taps, "anchor": np.array([anchor]), "start": np.array([self.start]),
+                "context_positions": np.arange(self.pending_from, self.pending_from + len(taps)),
+                **dict(zip(self.ctx_names, self.ctx))}
+        out = self.sessions["draft"].run(None, feed)
+        self.ctx = [np.concatenate([c, n]) for c, n in zip(self.ctx, out[2:])]
+        self.pending, self.pending_from = [], self.start
+        return out[0][:, :k], out[1][:, :k].astype(np.float64)
+
+    def verify(self, tokens, depths, visible):
+        stream = (self.start + depths + self.delta)[None].astype(np.int64)
+        positions = np.broadcast_to(stream, (3, 1, len(tokens))).copy() if self.m["is_vl"] else stream
+        out = self._target({"input_ids": tokens[None].astype(np.int64), "position_ids": positions,
+                            "tree_mask": visible, "entropy_row": np.array([0]), **self.no_image})
+        return out[0], float(out[1][0])
+
+    def commit(self, rows):
+        self.kv = [np.concatenate([k, p[rows]]) for k, p in zip(self.kv, self.present)]
+        self.pending.append(self.taps[rows])
+        self.start += len(rows)
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_replayed_decode_matches_greedy_oracle(exported, images, family):
+    model_dir, head_dir, out = exported(family)
+    from glance_export.head import load_head
+
+    reference = TorchBackend(Snapshot(model_dir), load_head(head_dir))
+    prompt = reference.snapshot.build_prompt("What colour is the square?",
+                                             images["wide"] if family in VL_FAMILIES else None)
+    ref_token, ref_entropy = reference.prefill(prompt)
+    replay = GraphReplay(out, reference)
+    token, entropy = replay.prefill(prompt)
+    assert token == ref_token and entropy == pytest.approx(ref_entropy, rel=1e-4, abs=1e-5)
+    truth = greedy_reference(reference.model, reference.snapshot, prompt, MAX_NEW, ())
+    columns = [0, 0, 2, None, 1, 0]  # true token first, off the first branch, absent: partial acceptance
+    drafter = SeededDrafter(replay, truth, prompt.length, lambda d: columns[d % len(columns)])
+    result = decode(drafter, prompt, DecodeConfig(max_new_tokens=MAX_NEW, budget=24, branch_k=4))
+    assert result.tokens == truth
+    assert max(r.accepted for r in result.rounds) > 2 and max(r.tree_size for r in result.rounds) > BLOCK
+
+
+def test_fp16_export_validates(snapshot_dir, tmp_path):
+    head = _head(snapshot_dir, "qwen2_5_vl", tmp_path)
+    out = export_artifacts(snapshot_dir("qwen2_5_vl"), head, tmp_path / "fp16", dtype="fp16", max_tree=16,
+                           max_context=128, progress=lambda _: None)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["dtype"] == "fp16" and m["float_io_dtype"] == "float16"
+    assert m["graphs"]["target"]["inputs"]["past_key_0"]["dtype"] == "float16"
+    assert m["graphs"]["target"]["outputs"]["entropy"]["dtype"] == "float32"
+
+
+def test_external_data_when_weights_are_large(snapshot_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(export_mod, "EXTERNAL_DATA_BYTES", 0)
+    head = _head(snapshot_dir, "qwen3", tmp_path)
+    out = export_artifacts(snapshot_dir("qwen3"), head, tmp_path / "ext", max_tree=8, max_context=64,
+                           progress=lambda _: None)
+    m = json.loads((out / "manifest.json").read_text())
+    for graph in ("target", "draft"):
+        assert m["graphs"][graph]["data_file"] == f"{graph}.onnx.data" and (out / f"{graph}.onnx.data").is_file()
+        onnx.checker.check_model(str(out / f"{graph}.onnx"), full_check=True)
+
+
+def test_failed_export_leaves_nothing(snapshot_dir, tmp_path, monkeypatch):
+    head = _head(snapshot_dir, "qwen2", tmp_path)
+
+    def broken(*args, **kwargs):
+        raise GlanceError("target graph: output taps max error 1 exceeds 0.1")
+
+    monkeypatch.setattr(artifacts_mod, "validate_graphs", broken)
+    parent = tmp_path / "arts"
+    with pytest.raises(GlanceError, match="exceeds"):
+        export_artifacts(snapshot_dir("qwen2"), head, parent / "out", max_tree=8, max_context=64,
+                         progress=lambda _: None)
+    assert list(parent.iterdir()) == []
+
+
+def test_reexport_replaces_previous_artifacts(exported, tmp_path):
+    model_dir, head_dir, _ = exported("qwen3")
+    out = tmp_path / "again"
+    export_artifacts(model_dir, head_dir, out, max_tree=8, max_context=64, progress=lambda _: None)
+    (out / "stale.txt").write_text("x")
+    export_artifacts(model_dir, head_dir, out, max_tree=8, max_context=64, branch_k=4, progress=lambda _: None)
+    assert not (out / "stale.txt").exists() and json.loads((out / "manifest.json").read_text())["branch_k"] == 4
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(model_dir="missing"), "does not exist"),
+    (dict(head_dir="missing"), "head directory"),
+    (dict(dtype="bf16"), "unsupported dtype"),
+    (dict(opset=23), "opset 23"),
+    (dict(max_tree=64, max_context=64), "max_tree"),
+    (dict(branch_k=0), "branch_k"),
+    (dict(head_dir="other"), "head was made for"),
+    (dict(out_dir="occupied"), "not an artifacts directory"),
+])
+def test_bad_input_is_one_line_error(exported, tmp_path, change, message):
+    model_dir, head_dir, _ = exported("qwen3")
+    snap = Snapshot(model_dir)
+    cfg = head_config_for(snap, 2, BLOCK, pick_mask_token(snap))
+    cfg.num_target_layers = 6
+    paths = {"missing": tmp_path / "missing", "other": save_head(init_head(cfg, 0), tmp_path / "other_head"),
+             "occupied": tmp_path / "occupied"}
+    paths["occupied"].mkdir()
+    (paths["occupied"] / "keep.txt").write_text("user data")
+    args = dict(model_dir=model_dir, head_dir=head_dir, out_dir=tmp_path / "out")
+    options = {}
+    for key, value in change.items():
+        if key in args:
+            args[key] = paths[value]
+        else:
+            options[key] = value
+    with pytest.raises(GlanceError, match=message) as err:
+        export_artifacts(args["model_dir"], args["head_dir"], args["out_dir"], progress=lambda _: None, **options)
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "out").exists() and (paths["occupied"] / "keep.txt").is_file()
