@@ -22,8 +22,8 @@ from glance_runtime.graphs import MANIFEST
 from .export import export_graph
 from .feeds import draft_feed, target_feed, vision_feed
 from .manifest import build_manifest, copy_runtime_files
-from .sources import build_graphs, dims_for, load_sources
-from .spec import DTYPES, axis_bounds, dynamic_axes, output_shapes
+from .sources import build_graphs, load_sources
+from .spec import DTYPES, axis_bounds, dims_for, dynamic_axes, output_shapes
 from .validate import validate_graphs
 
 OPSETS = range(14, 21)  # TensorRT 10.3 (Jetson Orin) parses up to opset 20
@@ -78,6 +78,7 @@ def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str |
                      f"in {time.perf_counter() - t0:.1f}s; checker passed")
         validate_graphs(tmp, graphs, dims, snapshot, dtype, progress=progress)
         files = copy_runtime_files(snapshot, tmp)
+        progress(f"copied {', '.join(files)}; hashing the source weights for the manifest")
         manifest = build_manifest(snapshot, head, Path(head_dir), dims, tmp, dtype=dtype, opset=opset,
                                   branch_k=branch_k, max_tree=max_tree, max_context=max_context,
                                   axes=axis_bounds(dims, max_tree, max_context), files=files)

@@ -12,7 +12,7 @@ from glance_export.head import DraftHead, check_head_matches, load_head
 from glance_runtime.errors import GlanceError
 
 from .draft import DraftGraph
-from .spec import DTYPES, Dims, dims_for
+from .spec import DTYPES, Dims
 from .target import TargetGraph
 from .vision import VisionGraph
 
@@ -43,6 +43,3 @@ def build_graphs(model: nn.Module, head: DraftHead, dims: Dims, branch_k: int) -
     if dims.is_vl:
         graphs["vision"] = VisionGraph(model.model.visual, dims.family)
     return {name: g.eval() for name, g in graphs.items()}
-
-
-__all__ = ["load_sources", "build_graphs", "dims_for"]
