@@ -89,8 +89,10 @@ class OrtBackend:
         self.kv_in, kv_out = target_kv_names(m.target.num_layers)
         self.head_in, _ = draft_kv_names(m.head.num_layers)
         self.target_outputs = ["next_tokens", "entropy", *kv_out, "taps"]
-        self._dummy_image = np.zeros((1, m.hidden_size), self.float)
-        self._dummy_deep = np.zeros((m.deepstack_layers, 1, m.hidden_size), self.float)
+        # Passes without the image send zero image rows, not a dummy row: the graph substitutes rows
+        # whenever a pass holds as many image-token ids as rows, and a generated token can be that id.
+        self._no_image = np.zeros((0, m.hidden_size), self.float)
+        self._no_deep = np.zeros((m.deepstack_layers, 0, m.hidden_size), self.float)
         self._reset()
 
     def _reset(self) -> None:
@@ -137,7 +139,7 @@ class OrtBackend:
         self._reset()
         ids = np.asarray(prompt.input_ids, dtype=np.int64)
         length = ids.shape[0]
-        image, deep = self._dummy_image, self._dummy_deep
+        image, deep = self._no_image, self._no_deep
         if self.manifest.is_vl:
             pos, self.delta = rope_index(ids, self.manifest.image_token_id, prompt.image_grid_thw,
                                          self.manifest.spatial_merge_size)
@@ -172,7 +174,7 @@ class OrtBackend:
                               f"lower --budget to {self.max_tree - 1} or raise --max-tree (up to the export's limit)")
         positions = self._positions(self.start + np.asarray(depths, dtype=np.int64))
         out = self._run_target(np.asarray(tokens, dtype=np.int64), positions, visible, 0,
-                               self._dummy_image, self._dummy_deep)
+                               self._no_image, self._no_deep)
         return out[0].astype(np.int64), float(out[1][0])
 
     def commit(self, rows: np.ndarray) -> None:
