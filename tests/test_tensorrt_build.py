@@ -50,3 +50,12 @@ def test_profiles_cover_prefill_and_tree_verify(snapshot_dir, tmp_path):
 def test_missing_manifest_is_one_line_error(tmp_path):
     with pytest.raises(GlanceError, match="no manifest.json"):
         build_engines(tmp_path)
+
+
+def test_external_data_graphs_build(snapshot_dir, tmp_path, monkeypatch):
+    from glance_export.onnx import export as export_mod
+
+    monkeypatch.setattr(export_mod, "EXTERNAL_DATA_BYTES", 0)
+    out = _export(snapshot_dir, tmp_path, "qwen3")
+    assert (out / "target.onnx.data").is_file()
+    assert set(build_engines(out, progress=lambda _: None)) == {"target", "draft"}

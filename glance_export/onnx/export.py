@@ -1,8 +1,8 @@
 """Export one wrapped graph to ONNX with the TorchScript exporter, then prove the file well-formed.
 
 TorchScript (`dynamo=False`) traces these wrappers in about a second and emits plain opset-17 ops
-(MatMul/Softmax/Add attention) that TensorRT 10.3 parses. Graphs whose weights pass 2 GB are re-saved
-with all weights in one external data file beside the graph.
+(MatMul/Softmax/Add attention) that TensorRT 10.3 parses. Graphs whose weights approach 2 GB keep
+them in one external data file beside the graph (`<graph>.onnx.data`).
 """
 from __future__ import annotations
 
@@ -14,7 +14,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 import torch
+from onnx.external_data_helper import convert_model_to_external_data, uses_external_data
 from torch import nn
+
+from .external_data import gather_external_data, graph_tensors
 
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's hard limit is 2 GiB; stay clear of it
 
@@ -53,20 +56,19 @@ def export_graph(module: nn.Module, feed: dict[str, np.ndarray], path: Path, axe
     scratch = Path(tempfile.mkdtemp(prefix=".scratch.", dir=path.parent))
     try:
         _torch_export(module, feed, scratch / path.name, axes, opset)
-        model = onnx.load(str(scratch / path.name), load_external_data=True)
+        model = onnx.load(str(scratch / path.name), load_external_data=False)
         pin_outputs(model, output_shapes)
-        if weight_bytes(module) < EXTERNAL_DATA_BYTES:
-            onnx.save_model(model, str(path))
+        external = any(uses_external_data(t) for t in graph_tensors(model.graph))
+        if not external and weight_bytes(module) >= EXTERNAL_DATA_BYTES:
+            convert_model_to_external_data(model, all_tensors_to_one_file=False, size_threshold=1024)
+            onnx.save_model(model, str(scratch / path.name))  # writes one file per tensor, like the exporter
+            external = True
+        if external:
+            gather_external_data(model, scratch, path)
         else:
-            onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=f"{path.name}.data", size_threshold=1024)
+            onnx.save_model(model, str(path))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     onnx.checker.check_model(str(path), full_check=True)
     return path
 
-
-def graph_files(path: Path) -> list[Path]:
-    """The graph and its external data file, if any."""
-    data = path.with_name(f"{path.name}.data")
-    return [path] + ([data] if data.exists() else [])
