@@ -107,6 +107,15 @@ def test_rope_index_text_only():
     np.testing.assert_array_equal(pos[1, 0], np.arange(7))
 
 
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_decode_matches_tokenizer(snapshots, family):
+    snap = snapshots[family]
+    builder = _builder(snap)
+    for text in TEXTS:
+        ids = builder.build(text).input_ids.tolist()
+        assert builder.decode(ids) == snap.tokenizer.decode(ids, skip_special_tokens=True)
+
+
 def test_image_errors(snapshots, tmp_path):
     builder = _builder(snapshots["qwen2_vl"])
     with pytest.raises(GlanceError, match="does not exist"):

@@ -207,6 +207,10 @@ class PromptBuilder:
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
 
+    def decode(self, ids) -> str:
+        """Text of generated ids, special tokens dropped (what the CLI prints)."""
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
     def build(self, text: str, image: str | Path | Image.Image | None = None) -> Prompt:
         """Render one user turn with the snapshot's chat template; expand the image placeholder."""
         if image is not None and self.image_token_id is None:

@@ -107,6 +107,9 @@ class OrtBackend:
     def build_prompt(self, text: str, image=None) -> Prompt:
         return self.prompts.build(text, image)
 
+    def detokenize(self, ids) -> str:
+        return self.prompts.decode(ids)
+
     def _positions(self, stream: np.ndarray) -> np.ndarray:
         pos = (stream + self.delta).astype(np.int64)[None]
         return np.broadcast_to(pos, (3, 1, pos.shape[1])).copy() if self.manifest.is_vl else pos

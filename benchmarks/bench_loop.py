@@ -1,0 +1,175 @@
+"""AR vs speculative decoding on one backend in one process, interleaved; plus the loop's own overhead.
+
+    python benchmarks/bench_loop.py --artifacts ART [--image IMG] [--prompt TEXT] [--samples 6]
+    python benchmarks/bench_loop.py --backend torch --model SNAP --head HEAD ...
+
+Each sample runs AR and speculative decoding back to back, alternating which goes first; sample 0
+is a warm-up and is dropped. ms/token is reported without prefill (rounds only) and with it.
+tau pools rounds. For ONNX Runtime the graph sessions are timed, so each round splits into
+draft-graph + verify-graph time and everything else (tree build, feeds, KV copy/compaction, walk):
+the "outside" share, whose target is <= 15%.
+
+`--seed-drafts full|partial` replaces the head's top-k at each offset with the backend's own AR
+output (placed first), so acceptance is what a good head would get: an upper bound that shows the
+loop's speed at a given tau, not a measurement of any trained head.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+
+from glance_runtime.loop import DecodeConfig, DecodeResult, decode  # noqa: E402
+
+
+class TimedSession:
+    """Wraps an onnxruntime session; records the wall time of every run() call."""
+
+    def __init__(self, session):
+        self.session, self.durations = session, []
+
+    def run(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self.session.run(*args, **kwargs)
+        finally:
+            self.durations.append(time.perf_counter() - t0)
+
+    def __getattr__(self, name):
+        return getattr(self.session, name)
+
+
+class SeededDrafts:
+    """Puts the known greedy continuation first in the head's top-k at offsets 1..depth (upper-bound tau)."""
+
+    def __init__(self, backend, truth: list[int], prompt_len: int, depth: int):
+        self.inner, self.truth, self.prompt_len, self.depth = backend, truth, prompt_len, depth
+        self.name, self.block_size = backend.name, backend.block_size
+
+    def prefill(self, prompt):
+        return self.inner.prefill(prompt)
+
+    def draft(self, anchor, k):
+        ids, logp = self.inner.draft(anchor, k)
+        ids = ids.copy()
+        done = self.inner.start - self.prompt_len
+        for d in range(1, min(self.depth, ids.shape[0]) + 1):
+            if done + d < len(self.truth):
+                true = self.truth[done + d]
+                row = [true] + [t for t in ids[d - 1].tolist() if t != true]
+                ids[d - 1] = row[:k]
+        return ids, logp
+
+    def verify(self, tokens, depths, visible):
+        return self.inner.verify(tokens, depths, visible)
+
+    def commit(self, rows):
+        return self.inner.commit(rows)
+
+
+def open_backend(args):
+    if args.backend == "onnxruntime":
+        from glance_runtime.backends.ort_backend import OrtBackend
+
+        backend = OrtBackend(args.artifacts, providers=args.provider, threads=args.threads)
+        backend.target, backend.head = TimedSession(backend.target), TimedSession(backend.head)
+        return backend, backend.build_prompt, backend.stop_token_ids, (backend.target, backend.head)
+    from glance_export.adapters import Snapshot
+    from glance_export.head import load_head
+    from glance_runtime.backends.torch_backend import TorchBackend
+
+    snapshot = Snapshot(args.model)
+    backend = TorchBackend(snapshot, load_head(args.head))
+    return backend, snapshot.build_prompt, snapshot.stop_token_ids, None
+
+
+def run_once(backend, timed, prompt, cfg: DecodeConfig, stops) -> tuple[DecodeResult, float | None]:
+    """One decode; also the graph-run seconds of its rounds (the prefill's target pass, the first, excluded)."""
+    if timed is None:
+        return decode(backend, prompt, cfg, stop_ids=stops), None
+    start = [len(s.durations) for s in timed]
+    result = decode(backend, prompt, cfg, stop_ids=stops)
+    target, head = (s.durations[n:] for s, n in zip(timed, start))
+    return result, sum(target[1:]) + sum(head)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backend", choices=("onnxruntime", "torch"), default="onnxruntime")
+    ap.add_argument("--artifacts", type=Path)
+    ap.add_argument("--provider", action="append", help="onnxruntime execution provider (repeatable); default CPU")
+    ap.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
+    ap.add_argument("--model", type=Path)
+    ap.add_argument("--head", type=Path)
+    ap.add_argument("--prompt", default="Describe the image.")
+    ap.add_argument("--image", type=Path)
+    ap.add_argument("--samples", type=int, default=6, help="including the dropped warm-up sample")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--budget", type=int, default=63)
+    ap.add_argument("--branch-k", type=int, default=8)
+    ap.add_argument("--seed-drafts", choices=("none", "partial", "full"), default="none")
+    ap.add_argument("--json", type=Path, help="also write the raw numbers here")
+    args = ap.parse_args()
+    if args.samples < 2:
+        ap.error("--samples must be at least 2 (the first is a dropped warm-up)")
+
+    backend, build_prompt, stops, timed = open_backend(args)
+    prompt = build_prompt(args.prompt, args.image)
+    ar_cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, speculative=False)
+    spec_cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, budget=args.budget, branch_k=args.branch_k)
+    truth = decode(backend, prompt, ar_cfg, stop_ids=stops).tokens
+    spec_backend = backend
+    if args.seed_drafts != "none":
+        depth = backend.block_size - 1 if args.seed_drafts == "full" else max(1, (backend.block_size - 1) // 2)
+        spec_backend = SeededDrafts(backend, truth, prompt.length, depth)
+
+    runs: dict[str, list[tuple[DecodeResult, float | None]]] = {"ar": [], "spec": []}
+    for i in range(args.samples):
+        order = [("ar", backend, ar_cfg), ("spec", spec_backend, spec_cfg)]
+        for name, b, cfg in (order if i % 2 == 0 else order[::-1]):
+            result, graph_s = run_once(b, timed, prompt, cfg, stops)
+            if result.tokens != truth:
+                raise SystemExit(f"{name} sample {i} diverged from AR: lossless decoding is broken")
+            runs[name].append((result, graph_s))
+    summary = {"backend": backend.name, "providers": getattr(backend, "providers", None), "prompt_tokens": prompt.length,
+               "new_tokens": len(truth), "samples_kept": args.samples - 1, "seed_drafts": args.seed_drafts,
+               "budget": args.budget, "branch_k": args.branch_k, "block_size": backend.block_size}
+    for name, kept in runs.items():
+        kept = kept[1:]  # drop the warm-up
+        results = [r for r, _ in kept]
+        rounds = [rd for r in results for rd in r.rounds]
+        round_ms = sum(rd.total_ms for rd in rounds)
+        entry = {"ms_per_token_decode": statistics.median(r.ms_per_token_decode for r in results),
+                 "ms_per_token_with_prefill": statistics.median(r.ms_per_token for r in results),
+                 "prefill_ms": statistics.median(r.prefill_ms for r in results),
+                 "tau": sum(rd.accepted for rd in rounds) / len(rounds), "rounds_per_run": len(rounds) / len(results),
+                 "mean_tree_size": float(np.mean([rd.tree_size for rd in rounds]))}
+        graph = [g for _, g in kept]
+        if all(g is not None for g in graph):
+            entry["outside_graph_share"] = 1 - sum(graph) * 1e3 / round_ms
+            entry["graph_ms_per_round"] = sum(graph) * 1e3 / len(rounds)
+            entry["round_ms"] = round_ms / len(rounds)
+        summary[name] = entry
+    summary["speedup_decode"] = summary["ar"]["ms_per_token_decode"] / summary["spec"]["ms_per_token_decode"]
+    summary["speedup_with_prefill"] = summary["ar"]["ms_per_token_with_prefill"] / summary["spec"]["ms_per_token_with_prefill"]
+    print(f"{summary['backend']} {summary['providers'] or ''}: prompt {prompt.length} tokens, {len(truth)} new, "
+          f"{summary['samples_kept']} samples kept (first dropped as warm-up), drafts: {args.seed_drafts}")
+    for name in ("ar", "spec"):
+        e = summary[name]
+        share = f", outside graphs {e['outside_graph_share']:.1%} of each round" if "outside_graph_share" in e else ""
+        print(f"  {name:4s} {e['ms_per_token_decode']:8.3f} ms/token excl. prefill "
+              f"({e['ms_per_token_with_prefill']:.3f} incl. prefill {e['prefill_ms']:.1f} ms), tau {e['tau']:.2f}{share}")
+    print(f"  speedup {summary['speedup_decode']:.2f}x excl. prefill, {summary['speedup_with_prefill']:.2f}x incl.")
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
