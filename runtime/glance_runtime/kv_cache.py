@@ -54,18 +54,17 @@ class KVCache:
     def compact(self, rows: np.ndarray) -> None:
         """Keep rows `rows` (ascending indices into the last appended block), packed right after the rows
         before that block; drop the rest of the block. Rows already in place are not touched."""
-        rows = np.asarray(rows, dtype=np.int64)
-        if rows.size and (rows.min() < 0 or rows.max() >= self.length - self._block_start
-                          or np.any(np.diff(rows) <= 0)):
-            raise ValueError(f"compact rows must be ascending indices into the last block, got {rows.tolist()}")
-        moved = np.flatnonzero(rows != np.arange(rows.size))
-        if moved.size:
-            first = int(moved[0])  # rows[first:] all move: indices are strictly ascending
-            dst = slice(self._block_start + first, self._block_start + rows.size)
-            src = self._block_start + rows[first:]
+        keep = [int(r) for r in rows]  # a handful of rows: plain Python beats numpy's per-call overhead here
+        block = self.length - self._block_start
+        if keep and (keep[0] < 0 or keep[-1] >= block or any(b <= a for a, b in zip(keep, keep[1:]))):
+            raise ValueError(f"compact rows must be ascending indices into the last block, got {keep}")
+        first = next((i for i, r in enumerate(keep) if r != i), len(keep))
+        if first < len(keep):  # keep[first:] all move: indices are strictly ascending
+            dst = slice(self._block_start + first, self._block_start + len(keep))
+            src = np.array(keep[first:], dtype=np.int64) + self._block_start
             for buf in self.buffers:
                 buf[dst] = buf[src]
-        self.length = self._block_start + int(rows.size)
+        self.length = self._block_start + len(keep)
 
     def clear(self) -> None:
         """Forget every row (a new prompt); the buffers are reused, not reallocated."""
