@@ -33,13 +33,13 @@ TEXT = "What colour is the square?"
 class Exported:
     """One family's snapshot, its torch model (for the oracle) and its ONNX artifacts."""
 
-    def __init__(self, root: Path, snapshot_path: Path, block_size: int):
+    def __init__(self, root: Path, snapshot_path: Path, block_size: int, dtype: str = "fp32"):
         self.snapshot = Snapshot(snapshot_path)
         self.model = self.snapshot.load_model()
         head = init_head(head_config_for(self.snapshot, 1, block_size, pick_mask_token(self.snapshot)),
                          seed=block_size)
         head_dir = save_head(head, root / "head")
-        self.artifacts = export_artifacts(snapshot_path, head_dir, root / "artifacts", max_tree=64,
+        self.artifacts = export_artifacts(snapshot_path, head_dir, root / "artifacts", dtype=dtype, max_tree=64,
                                           max_context=512, progress=lambda _: None)
         self.backend = OrtBackend(self.artifacts)
         self._truth: dict[tuple[bytes, tuple[int, ...]], list[int]] = {}
@@ -56,13 +56,13 @@ class Exported:
 
 @pytest.fixture(scope="module")
 def exported(snapshot_dir, tmp_path_factory):
-    built: dict[tuple[str, int], Exported] = {}
+    built: dict[tuple[str, int, str], Exported] = {}
 
-    def get(family: str, block_size: int = 8) -> Exported:
-        if (family, block_size) not in built:
-            root = tmp_path_factory.mktemp(f"ort_{family}_{block_size}")
-            built[family, block_size] = Exported(root, snapshot_dir(family), block_size)
-        return built[family, block_size]
+    def get(family: str, block_size: int = 8, dtype: str = "fp32") -> Exported:
+        if (family, block_size, dtype) not in built:
+            root = tmp_path_factory.mktemp(f"ort_{family}_{block_size}_{dtype}")
+            built[family, block_size, dtype] = Exported(root, snapshot_dir(family), block_size, dtype)
+        return built[family, block_size, dtype]
 
     return get
 
@@ -94,6 +94,19 @@ def test_block_16_head(exported, images):
     truth = ex.oracle(prompt)
     for budget in ("chain", "b63"):
         assert decode(ex.backend, prompt, _cfg(budget, 16)).tokens == truth
+
+
+def test_fp16_artifacts(exported, images):
+    """fp16 graphs run with fp16 caches; on these wide-margin tiny models speculative output equals the
+    same backend's AR output (the fp16 gate in general is the self-consistency control, DESIGN.md)."""
+    ex = exported("qwen2_5_vl", dtype="fp16")
+    assert ex.backend.kv.buffers[0].dtype == np.float16
+    prompt = ex.prompt(images["wide"])
+    ar = decode(ex.backend, prompt, DecodeConfig(max_new_tokens=MAX_NEW, speculative=False)).tokens
+    for budget in ("chain", "b31"):
+        assert decode(ex.backend, prompt, _cfg(budget)).tokens == ar
+    seeded = decode(SeededDrafter(ex.backend, ar, prompt.length, lambda d: 0), prompt, _cfg("b31"))
+    assert seeded.tokens == ar and seeded.tau > 2
 
 
 SEEDS = {"full": lambda d: 0, "partial": lambda d: 0 if d <= 2 else None, "zero": lambda d: None,

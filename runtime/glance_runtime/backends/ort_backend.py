@@ -111,8 +111,10 @@ class OrtBackend:
         return self.prompts.decode(ids)
 
     def _positions(self, stream: np.ndarray) -> np.ndarray:
-        pos = (stream + self.delta).astype(np.int64)[None]
-        return np.broadcast_to(pos, (3, 1, pos.shape[1])).copy() if self.manifest.is_vl else pos
+        """Stream positions + delta: [3, 1, T] (same on every M-RoPE axis) for VL targets, else [1, T]."""
+        pos = np.empty((3 if self.manifest.is_vl else 1, 1, len(stream)), np.int64)
+        pos[:] = stream + self.delta
+        return pos if self.manifest.is_vl else pos[0]
 
     def _run_target(self, ids: np.ndarray, positions: np.ndarray, tree_mask: np.ndarray, entropy_row: int,
                     image: np.ndarray, deep: np.ndarray | None) -> list[np.ndarray]:
