@@ -1,0 +1,64 @@
+"""Write a mid-size random Qwen2.5-VL snapshot, a matching random head, and their ONNX artifacts.
+
+The test snapshots (hidden 64) run a graph pass in about a millisecond, so any fixed per-round
+Python cost looks huge next to them; this model (default hidden 512, 8 layers, 32k vocabulary)
+gives graph passes closer in proportion to a real target when measuring the loop's overhead.
+
+    python benchmarks/make_bench_model.py OUT [--hidden 512 --layers 8 --vocab 32000 --block-size 16]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "runtime"), str(ROOT)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--family", default="qwen2_5_vl")
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-context", type=int, default=1024)
+    args = ap.parse_args()
+
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from glance_export.adapters import Snapshot
+    from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
+    from glance_export.onnx import export_artifacts
+    from tiny_models import make_snapshot
+
+    snap_dir = make_snapshot(args.out / "snapshot", args.family, layers=args.layers)
+    raw = json.loads((snap_dir / "config.json").read_text())
+    text = raw["text_config"]
+    heads = args.hidden // 64
+    text.update(hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4, num_attention_heads=heads,
+                num_key_value_heads=max(1, heads // 4), vocab_size=args.vocab)
+    text["rope_parameters"]["mrope_section"] = [8, 12, 12]  # halves of head_dim 64, in Qwen's 2:3:3 split
+    raw["vision_config"]["out_hidden_size"] = args.hidden
+    (snap_dir / "config.json").write_text(json.dumps(raw, indent=2))
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(snap_dir))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, 2.0 / args.hidden ** 0.5)
+    for old in snap_dir.glob("*.safetensors"):
+        old.unlink()
+    model.save_pretrained(snap_dir)
+    snapshot = Snapshot(snap_dir)
+    head = init_head(head_config_for(snapshot, 1, args.block_size, pick_mask_token(snapshot)), seed=0)
+    head_dir = save_head(head, args.out / "head")
+    export_artifacts(snap_dir, head_dir, args.out / "artifacts", max_tree=64, max_context=args.max_context)
+
+
+if __name__ == "__main__":
+    main()
