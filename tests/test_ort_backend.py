@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -208,6 +209,14 @@ def test_limits_and_provider_errors(exported, images):
     assert OrtBackend(ex.artifacts, providers="cpu").providers == ["CPUExecutionProvider"]
     with pytest.raises(GlanceError, match="text-only"):
         ex.backend.build_prompt("hi", images["wide"])
+
+
+def test_corrupt_graph_fails_in_one_line(exported, tmp_path):
+    art = Path(shutil.copytree(exported("qwen3").artifacts, tmp_path / "art"))
+    (art / "draft.onnx").write_bytes(b"not a protobuf")
+    with pytest.raises(GlanceError, match="cannot load .*draft.onnx.*glance-export onnx") as err:
+        OrtBackend(art)
+    assert "\n" not in str(err.value)
 
 
 BLOCKED_RUN = """

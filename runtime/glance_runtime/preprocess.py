@@ -140,9 +140,12 @@ class ChatTemplate:
     """A chat template rendered the way transformers renders it (sandboxed jinja2, trimmed blocks)."""
 
     def __init__(self, source: str, special_tokens: dict[str, str]):
-        import jinja2
-        import jinja2.ext
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        try:
+            import jinja2
+            import jinja2.ext
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError:
+            raise GlanceError("rendering the chat template needs jinja2: pip install 'jinja2>=3.1'") from None
 
         def raise_exception(message: str) -> None:
             raise jinja2.exceptions.TemplateError(message)

@@ -26,11 +26,19 @@ PROVIDER_ALIASES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvide
                     "dml": "DmlExecutionProvider"}
 
 
+def _onnxruntime():
+    """onnxruntime, or a one-line fix when this install lacks it."""
+    try:
+        import onnxruntime
+    except ImportError:
+        raise GlanceError("the onnxruntime backend needs onnxruntime: pip install 'glance-toolkit[onnxruntime]' "
+                          "(on Jetson, onnxruntime-gpu from the Jetson AI Lab index)") from None
+    return onnxruntime
+
+
 def resolve_providers(requested: Sequence[str] | str | None) -> list[str]:
     """Full provider names in priority order, CPU last as the fallback; unknown or missing ones fail here."""
-    import onnxruntime as ort
-
-    available = ort.get_available_providers()
+    available = _onnxruntime().get_available_providers()
     if requested is None:
         return ["CPUExecutionProvider"]
     names = [requested] if isinstance(requested, str) else list(requested)
@@ -61,8 +69,7 @@ class OrtBackend:
 
     def __init__(self, artifacts_dir: str | Path, providers: Sequence[str] | str | None = None,
                  max_context: int | None = None, max_tree: int | None = None, threads: int | None = None):
-        import onnxruntime as ort
-
+        ort = _onnxruntime()
         self.path = Path(artifacts_dir)
         self.manifest: Manifest = load_manifest(self.path)
         m = self.manifest
@@ -73,7 +80,12 @@ class OrtBackend:
         options.log_severity_level = 3
 
         def session(graph: str):
-            return ort.InferenceSession(str(self.path / graph), sess_options=options, providers=self.providers)
+            try:
+                return ort.InferenceSession(str(self.path / graph), sess_options=options, providers=self.providers)
+            except Exception as exc:  # onnxruntime's load errors share no base class short of Exception
+                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise GlanceError(f"onnxruntime cannot load {self.path / graph} ({reason}); "
+                                  "re-export with `glance-export onnx`") from None
 
         self.target = session(TARGET_GRAPH)
         self.vision = session(VISION_GRAPH) if m.is_vl else None
