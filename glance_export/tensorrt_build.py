@@ -64,6 +64,15 @@ def _shapes(shape: list[int | str], axes: dict[str, Range], name: str) -> tuple[
     return out
 
 
+def _allow_attention_fallback(trt, network) -> None:
+    """Let ONNX Attention ops (opset 23) fall back to plain layers where no fused kernel fits (fp32, masks)."""
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        if layer.type == trt.LayerType.ATTENTION_INPUT:
+            layer.__class__ = trt.IAttentionBoundaryLayer
+            layer.attention.decomposable = True
+
+
 def build_engine(onnx_path: Path, inputs: dict[str, dict[str, Any]], profiles: list[Profile], *,
                  workspace_gib: float = 2.0) -> bytes:
     """Parse and build one graph; GlanceError names the graph and the parser/builder failure."""
@@ -76,6 +85,7 @@ def build_engine(onnx_path: Path, inputs: dict[str, dict[str, Any]], profiles: l
     if not parser.parse_from_file(str(onnx_path)):
         errors = "; ".join(parser.get_error(i).desc() for i in range(parser.num_errors))
         raise GlanceError(f"TensorRT cannot parse {onnx_path.name}: {errors}")
+    _allow_attention_fallback(trt, network)
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * (1 << 30)))
     for profile in profiles:

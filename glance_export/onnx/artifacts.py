@@ -19,27 +19,32 @@ import numpy as np
 from glance_runtime.errors import GlanceError
 from glance_runtime.graphs import MANIFEST
 
-from .export import export_graph
+from .export import ATTENTION_OPSET, export_graph
 from .feeds import draft_feed, target_feed, vision_feed
 from .manifest import build_manifest, copy_runtime_files
 from .sources import build_graphs, load_sources
 from .spec import DTYPES, axis_bounds, dims_for, dynamic_axes, output_shapes
 from .validate import validate_graphs
 
-OPSETS = range(14, 21)  # TensorRT 10.3 (Jetson Orin) parses up to opset 20
+OPSETS = (*range(14, 21), ATTENTION_OPSET)  # TensorRT 10.3 (Jetson Orin) parses up to 20; 23 needs 10.14+
 
 
 def _check_args(out: Path, dtype: str, opset: int, max_tree: int, max_context: int, branch_k: int) -> None:
     if dtype not in DTYPES:
         raise GlanceError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     if opset not in OPSETS:
-        raise GlanceError(f"opset {opset} is not supported; use {OPSETS.start}..{OPSETS.stop - 1}")
+        raise GlanceError(f"opset {opset} is not supported; use 14..20 (plain ops, TensorRT 10.3+) or "
+                          f"{ATTENTION_OPSET} (ONNX Attention op, TensorRT 10.14+)")
     if max_tree < 1 or max_context <= max_tree:
         raise GlanceError(f"need 1 <= max_tree < max_context, got max_tree={max_tree}, max_context={max_context}")
     if branch_k < 1:
         raise GlanceError(f"branch_k must be at least 1, got {branch_k}")
     if out.exists() and not (out / MANIFEST).is_file():
         raise GlanceError(f"{out} exists and is not an artifacts directory; pick a new output directory")
+
+
+def _attention(opset: int) -> str:
+    return "sdpa" if opset >= ATTENTION_OPSET else "eager"
 
 
 def _trace_feeds(snapshot, dims, dtype: str) -> dict[str, dict[str, np.ndarray]]:
@@ -60,7 +65,7 @@ def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str |
     out = Path(out_dir)
     _check_args(out, dtype, opset, max_tree, max_context, branch_k)
     started = time.perf_counter()
-    snapshot, model, head = load_sources(model_dir, head_dir, dtype)
+    snapshot, model, head = load_sources(model_dir, head_dir, dtype, _attention(opset))
     dims = dims_for(snapshot, head)
     graphs = build_graphs(model, head, dims, branch_k)
     progress(f"loaded {dims.family} target ({dims.layers} layers) and head ({dims.head_layers} layers, "
@@ -100,7 +105,7 @@ def validate_artifacts(artifacts_dir: str | Path, model_dir: str | Path, head_di
     if not (artifacts / MANIFEST).is_file():
         raise GlanceError(f"{artifacts} has no {MANIFEST}; export it with `glance-export onnx` first")
     manifest = json.loads((artifacts / MANIFEST).read_text())
-    snapshot, model, head = load_sources(model_dir, head_dir, manifest["dtype"])
+    snapshot, model, head = load_sources(model_dir, head_dir, manifest["dtype"], _attention(manifest["opset"]))
     dims = dims_for(snapshot, head)
     graphs = build_graphs(model, head, dims, manifest["branch_k"])
     return validate_graphs(artifacts, graphs, dims, snapshot, manifest["dtype"], seed=seed, progress=progress)

@@ -28,8 +28,9 @@ class DraftGraph(nn.Module):
         self.input_names = ["context_taps", "context_positions", "anchor", "start", *past]
         self.output_names = ["topk_ids", "topk_logprobs", *new]
 
-    def forward(self, context_taps, context_positions, anchor, start, *past):
+    def forward(self, *inputs: torch.Tensor):
         """Inputs in `input_names` order."""
+        context_taps, context_positions, anchor, start, *past = inputs
         new = self.head.context_kv(context_taps[None], context_positions[None])
         ctx = [(torch.cat([head_major(past[2 * j]), k], dim=2), torch.cat([head_major(past[2 * j + 1]), v], dim=2))
                for j, (k, v) in enumerate(new)]

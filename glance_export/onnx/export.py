@@ -1,11 +1,15 @@
 """Export one wrapped graph to ONNX with the TorchScript exporter, then prove the file well-formed.
 
 TorchScript (`dynamo=False`) traces these wrappers in about a second and emits plain opset-17 ops
-(MatMul/Softmax/Add attention) that TensorRT 10.3 parses. Graphs whose weights approach 2 GB keep
+(MatMul/Softmax/Add attention) that TensorRT 10.3 parses. Opset 23 is an option for newer runtimes: the
+dynamo exporter (about 20 s a graph) turns the model's sdpa attention into the ONNX Attention op. Graphs whose weights approach 2 GB keep
 them in one external data file beside the graph (`<graph>.onnx.data`).
 """
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import shutil
 import tempfile
 import warnings
@@ -20,6 +24,7 @@ from torch import nn
 from .external_data import gather_external_data, graph_tensors
 
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's hard limit is 2 GiB; stay clear of it
+ATTENTION_OPSET = 23  # ONNX Attention (and RMSNormalization, RotaryEmbedding) need opset 23 and TensorRT 10.14+
 
 
 def weight_bytes(module: nn.Module) -> int:
@@ -31,12 +36,28 @@ def torch_args(module: nn.Module, feed: dict[str, np.ndarray]) -> tuple[torch.Te
     return tuple(torch.from_numpy(np.ascontiguousarray(feed[n])) for n in module.input_names)
 
 
+def _dynamo_shapes(names: list[str], axes: dict[str, dict[int, str]]) -> tuple:
+    """torch.export dims for `forward(*inputs)`: one named Dim per contract letter, shared across inputs."""
+    from torch.export import Dim
+
+    symbols: dict[str, Dim] = {}
+    shapes = [{i: symbols.setdefault(a, Dim(a, min=0, max=1 << 20)) for i, a in axes[n].items()} if n in axes else None
+              for n in names]
+    return (tuple(shapes),)
+
+
 def _torch_export(module: nn.Module, feed: dict[str, np.ndarray], path: Path, axes: dict, opset: int) -> None:
-    with torch.no_grad(), warnings.catch_warnings():
+    """TorchScript up to opset 20; the dynamo exporter from opset 23, which emits the ONNX Attention op."""
+    names = dict(input_names=module.input_names, output_names=module.output_names, opset_version=opset)
+    with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")  # tracer warnings about Python ints are expected and checked by validation
-        torch.onnx.export(module, torch_args(module, feed), str(path), input_names=module.input_names,
-                          output_names=module.output_names, dynamic_axes=axes, opset_version=opset,
-                          dynamo=False, do_constant_folding=True)
+        logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+        if opset >= ATTENTION_OPSET:
+            torch.onnx.export(module, torch_args(module, feed), str(path), dynamo=True, verbose=False,
+                              dynamic_shapes=_dynamo_shapes(module.input_names, axes), **names)
+        else:
+            torch.onnx.export(module, torch_args(module, feed), str(path), dynamo=False, dynamic_axes=axes,
+                              do_constant_folding=True, **names)
 
 
 def pin_outputs(model: onnx.ModelProto, shapes: dict[str, list[int | str]]) -> None:

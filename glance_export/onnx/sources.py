@@ -17,8 +17,10 @@ from .target import TargetGraph
 from .vision import VisionGraph
 
 
-def load_sources(model_dir: str | Path, head_dir: str | Path, dtype: str) -> tuple[Snapshot, nn.Module, DraftHead]:
-    """Snapshot, target model (eager attention: plain MatMul/Softmax in the graph) and matching head."""
+def load_sources(model_dir: str | Path, head_dir: str | Path, dtype: str,
+                 attention: str = "eager") -> tuple[Snapshot, nn.Module, DraftHead]:
+    """Snapshot, target model and matching head. Eager attention exports as plain MatMul/Softmax;
+    sdpa becomes the ONNX Attention op under the opset-23 (dynamo) exporter."""
     if dtype not in DTYPES:
         raise GlanceError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     if not Path(head_dir).is_dir():
@@ -30,7 +32,7 @@ def load_sources(model_dir: str | Path, head_dir: str | Path, dtype: str) -> tup
         raise GlanceError(f"head vocab size {head.config.vocab_size} differs from the target's "
                           f"{snapshot.text_config['vocab_size']}; use a head trained for this target")
     model = snapshot.load_model(DTYPES[dtype])
-    model.set_attn_implementation("eager")
+    model.set_attn_implementation(attention)
     return snapshot, model, head
 
 

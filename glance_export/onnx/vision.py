@@ -50,7 +50,9 @@ class VisionGraph(nn.Module):
         rows = x.reshape(-1, self.unit, x.shape[-1]).index_select(0, order)
         return rows.reshape(-1, x.shape[-1])
 
-    def forward(self, pixel_values, vision_pos_ids, *extra):
+    def forward(self, *inputs: torch.Tensor):
+        """Inputs in `input_names` order."""
+        pixel_values, vision_pos_ids, *extra = inputs
         vis = self.visual
         x = vis.patch_embed(pixel_values)
         window_mask = None
