@@ -34,13 +34,13 @@ TEXT = "What colour is the square?"
 class Exported:
     """One family's snapshot, its torch model (for the oracle) and its ONNX artifacts."""
 
-    def __init__(self, root: Path, snapshot_path: Path, block_size: int, dtype: str = "fp32"):
+    def __init__(self, root: Path, snapshot_path: Path, block_size: int, dtype: str = "fp32", opset: int = 17):
         self.snapshot = Snapshot(snapshot_path)
         self.model = self.snapshot.load_model()
         head = init_head(head_config_for(self.snapshot, 1, block_size, pick_mask_token(self.snapshot)),
                          seed=block_size)
         head_dir = save_head(head, root / "head")
-        self.artifacts = export_artifacts(snapshot_path, head_dir, root / "artifacts", dtype=dtype, max_tree=64,
+        self.artifacts = export_artifacts(snapshot_path, head_dir, root / "artifacts", dtype=dtype, opset=opset, max_tree=64,
                                           max_context=512, progress=lambda _: None)
         self.backend = OrtBackend(self.artifacts)
         self._truth: dict[tuple[bytes, tuple[int, ...]], list[int]] = {}
@@ -57,13 +57,14 @@ class Exported:
 
 @pytest.fixture(scope="module")
 def exported(snapshot_dir, tmp_path_factory):
-    built: dict[tuple[str, int, str], Exported] = {}
+    built: dict[tuple[str, int, str, int], Exported] = {}
 
-    def get(family: str, block_size: int = 8, dtype: str = "fp32") -> Exported:
-        if (family, block_size, dtype) not in built:
-            root = tmp_path_factory.mktemp(f"ort_{family}_{block_size}_{dtype}")
-            built[family, block_size, dtype] = Exported(root, snapshot_dir(family), block_size, dtype)
-        return built[family, block_size, dtype]
+    def get(family: str, block_size: int = 8, dtype: str = "fp32", opset: int = 17) -> Exported:
+        key = (family, block_size, dtype, opset)
+        if key not in built:
+            root = tmp_path_factory.mktemp(f"ort_{family}_{block_size}_{dtype}_{opset}")
+            built[key] = Exported(root, snapshot_dir(family), block_size, dtype, opset)
+        return built[key]
 
     return get
 
@@ -95,6 +96,17 @@ def test_block_16_head(exported, images):
     truth = ex.oracle(prompt)
     for budget in ("chain", "b63"):
         assert decode(ex.backend, prompt, _cfg(budget, 16)).tokens == truth
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "llama"])
+def test_opset_23_attention_graphs(exported, images, family):
+    """Graphs using the ONNX Attention op (opset 23) run through the same backend, token for token."""
+    ex = exported(family, opset=23)
+    prompt = ex.prompt(images["tall"] if family in VL_FAMILIES else None)
+    truth = ex.oracle(prompt)
+    for budget in ("chain", "b31"):
+        assert decode(ex.backend, prompt, _cfg(budget)).tokens == truth
+    assert decode(SeededDrafter(ex.backend, truth, prompt.length, lambda d: 0), prompt, _cfg("b31")).tokens == truth
 
 
 def test_fp16_artifacts(exported, images):
