@@ -99,8 +99,9 @@ class OrtBackend:
         self.kv = KVCache(m.target.num_layers, m.target.kv_heads, m.target.head_dim, self.max_context, self.float)
         self.head_kv = KVCache(m.head.num_layers, m.head.kv_heads, m.head.head_dim, self.max_context, self.float)
         self.kv_in, kv_out = target_kv_names(m.target.num_layers)
-        self.head_in, _ = draft_kv_names(m.head.num_layers)
+        self.head_in, head_out = draft_kv_names(m.head.num_layers)
         self.target_outputs = ["next_tokens", "entropy", *kv_out, "taps"]
+        self.draft_outputs = ["topk_ids", "topk_logprobs", *head_out]
         # Passes without the image send zero image rows, not a dummy row: the graph substitutes rows
         # whenever a pass holds as many image-token ids as rows, and a generated token can be that id.
         self._no_image = np.zeros((0, m.hidden_size), self.float)
@@ -146,7 +147,8 @@ class OrtBackend:
         return out
 
     def _encode_image(self, prompt: Prompt) -> tuple[np.ndarray, np.ndarray | None]:
-        feeds = {"pixel_values": prompt.pixel_values.astype(self.float)}
+        """Image rows (and Qwen3-VL deepstack rows); feeds the grid-derived index inputs the graph declares."""
+        feeds = {"pixel_values": prompt.pixel_values.astype(self.float), "image_grid_thw": prompt.image_grid_thw}
         feeds.update(vision_index_inputs(prompt.image_grid_thw, self.manifest.vision_index_params))
         wanted = {i.name for i in self.vision.get_inputs()}
         out = self.vision.run(None, {k: v for k, v in feeds.items() if k in wanted})
@@ -179,7 +181,7 @@ class OrtBackend:
                  "context_positions": np.arange(self.pending_from, self.pending_from + taps.shape[0], dtype=np.int64),
                  "anchor": np.array([anchor], np.int64), "start": np.array([self.start], np.int64)}
         feeds.update(zip(self.head_in, self.head_kv.view()))
-        out = self.head.run(None, feeds)
+        out = self.head.run(self.draft_outputs, feeds)
         self.head_kv.append(out[2:])
         self.pending_taps, self.pending_from = [], self.start
         return out[0][:, :k].astype(np.int64), out[1][:, :k].astype(np.float64)
