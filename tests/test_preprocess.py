@@ -116,6 +116,40 @@ def test_decode_matches_tokenizer(snapshots, family):
         assert builder.decode(ids) == snap.tokenizer.decode(ids, skip_special_tokens=True)
 
 
+# Exercises what real Qwen templates rely on: block whitespace trimming, namespace, loop controls,
+# tojson, special-token variables and a default system turn.
+RICH_TEMPLATE = """{% set ns = namespace(images=0) %}
+{% if messages[0]['role'] != 'system' %}
+<|im_start|>system
+You are helpful.{{ eos_token }}
+{% endif %}
+{% for m in messages %}
+    {% if m['role'] not in ['user', 'assistant', 'system'] %}{{ raise_exception('bad role') }}{% endif %}
+<|im_start|>{{ m['role'] }}
+{% for c in m['content'] %}
+    {% if c['type'] == 'image' %}{% set ns.images = ns.images + 1 %}Picture {{ ns.images }}: <|vision_start|><|image_pad|><|vision_end|>
+    {% elif c['type'] == 'text' %}{{ c['text'] }}{% else %}{% continue %}{% endif %}
+{% endfor %}
+{{ {'n': ns.images, 'pad': pad_token} | tojson }}<|im_end|>
+{% endfor %}
+{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_rich_template_renders_like_transformers(snapshots, tmp_path):
+    snap = snapshots["qwen2_5_vl"]
+    for name in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json"):
+        shutil.copy(snap.path / name, tmp_path / name)
+    (tmp_path / "chat_template.jinja").write_text(RICH_TEMPLATE)
+    ref_tok = snap.tokenizer
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi \"there\" ü"}]}]
+    ref = ref_tok.apply_chat_template(messages, chat_template=RICH_TEMPLATE, add_generation_prompt=True,
+                                      tokenize=False)
+    assert PromptBuilder(tmp_path, snap.image_token_id).template.render(messages) == ref
+    with pytest.raises(GlanceError, match="chat template rejected the prompt: bad role"):
+        PromptBuilder(tmp_path, snap.image_token_id).template.render([{"role": "tool", "content": []}])
+
+
 def test_image_errors(snapshots, tmp_path):
     builder = _builder(snapshots["qwen2_vl"])
     with pytest.raises(GlanceError, match="does not exist"):

@@ -179,8 +179,13 @@ class ChatTemplate:
         return cls(source, specials)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                    **self.special_tokens)
+        from jinja2.exceptions import TemplateError
+
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        **self.special_tokens)
+        except TemplateError as exc:
+            raise GlanceError(f"the chat template rejected the prompt: {exc}") from None
 
 
 class PromptBuilder:
