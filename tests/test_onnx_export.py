@@ -298,3 +298,13 @@ def test_bad_input_is_one_line_error(exported, tmp_path, change, message):
         export_artifacts(args["model_dir"], args["head_dir"], args["out_dir"], progress=lambda _: None, **options)
     assert "\n" not in str(err.value)
     assert not (tmp_path / "out").exists() and (paths["occupied"] / "keep.txt").is_file()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_5_vl"])
+def test_copied_tokenizer_tokenizes_like_transformers(exported, family):
+    from tokenizers import Tokenizer
+
+    model_dir, _, out = exported(family)
+    text = "Read the total on the receipt: 42.17 and 0123456789"
+    expected = Snapshot(model_dir).tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert Tokenizer.from_file(str(out / "tokenizer.json")).encode(text, add_special_tokens=False).ids == expected

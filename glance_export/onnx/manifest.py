@@ -36,12 +36,20 @@ def sha256(path: Path) -> str:
 
 
 def copy_runtime_files(snapshot: Snapshot, out: Path) -> list[str]:
-    """Tokenizer, chat template, processor and generation configs (and config.json for the rope index)."""
+    """Tokenizer, chat template, processor and generation configs (and config.json for the rope index).
+
+    tokenizer.json is written as transformers loads it, not copied: for some classes (qwen2) transformers
+    replaces the file's pre-tokenizer, and a runtime reading the raw file would tokenize differently."""
     copied = []
     for name in RUNTIME_FILES:
-        if (snapshot.path / name).is_file():
+        backend = getattr(snapshot.tokenizer, "backend_tokenizer", None) if name == "tokenizer.json" else None
+        if backend is not None:
+            backend.save(str(out / name))
+        elif (snapshot.path / name).is_file():
             shutil.copy2(snapshot.path / name, out / name)
-            copied.append(name)
+        else:
+            continue
+        copied.append(name)
     return copied
 
 
