@@ -46,6 +46,16 @@ def _audit(args: argparse.Namespace) -> int:
     return 0 if report["passed"] else 1
 
 
+def _train_head(args: argparse.Namespace) -> int:
+    from .train.head_trainer import train_head
+
+    train_head(args.model, args.data, args.out, layers=args.layers, block_size=args.block_size, steps=args.steps,
+               lr=args.lr, batch=args.batch, anchors=args.anchors, gamma=args.gamma,
+               max_new_tokens=args.max_new_tokens, seed=args.seed, time_budget_s=args.time_budget,
+               resume=args.resume, progress=lambda line: print(line, flush=True))
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="glance-export", description="GLANCE export toolkit.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -58,6 +68,23 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("--seed", type=int, default=0)
     h.add_argument("--mask-token-id", type=int)
     h.set_defaults(func=_init_head)
+
+    t = sub.add_parser("train-head", help="train a GLANCE head on the target's own answers to a task file")
+    t.add_argument("--model", type=Path, required=True)
+    t.add_argument("--data", type=Path, required=True, help="TASKS.jsonl of training prompts (answers not needed)")
+    t.add_argument("--out", type=Path, required=True)
+    t.add_argument("--resume", type=Path, help="continue from this head directory")
+    t.add_argument("--layers", type=int, default=1)
+    t.add_argument("--block-size", type=int, default=16)
+    t.add_argument("--steps", type=int, default=2000)
+    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--batch", type=int, default=8, help="sequences per step")
+    t.add_argument("--anchors", type=int, default=16, help="anchors sampled per sequence")
+    t.add_argument("--gamma", type=float, default=7.0, help="offset k is weighted exp(-(k-1)/gamma)")
+    t.add_argument("--max-new-tokens", type=int, default=64, help="length of the target's answers")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--time-budget", type=float, help="stop after this many seconds of training")
+    t.set_defaults(func=_train_head)
 
     a = sub.add_parser("audit", help="check GLANCE output against greedy decoding, prompt by prompt")
     a.add_argument("--model", type=Path)

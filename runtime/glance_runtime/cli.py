@@ -59,7 +59,9 @@ def run(args: argparse.Namespace) -> int:
     stats = {"backend": runner.backend.name, "speculative": cfg.speculative, **result.stats(),
              "tokens_per_s": round(1e3 / result.ms_per_token, 2) if result.ms_per_token else None}
     if args.json:
-        print(json.dumps({"text": text, "token_ids": result.tokens, **stats}))
+        log = [{"entropy": round(r.entropy, 4), "accepted": r.accepted, "tree_size": r.tree_size,
+                "ms": round(r.total_ms, 3)} for r in result.rounds]
+        print(json.dumps({"text": text, "token_ids": result.tokens, **stats, "round_log": log}))
         return 0
     sys.stdout.write(text[len(shown[0]):] + "\n")
     print(f"[{stats['backend']}] tau {stats['tau']:.2f} | {stats['tokens']} tokens in {stats['rounds']} rounds | "

@@ -1,0 +1,146 @@
+"""Train a GLANCE head for any supported target on its own greedy generations (the DFlash recipe).
+
+For every task the target answers greedily; one forward pass over prompt + answer gives the tapped
+hidden states of every row. A training example is an anchor inside the answer: block
+`[anchor, MASK x (B-1)]` at positions `anchor .. anchor+B-1`, context = rows strictly before the
+anchor, and offset k learns token `anchor + k` with weight `exp(-(k-1)/gamma)`. Many anchors of one
+sequence share one context projection; a mask hides the rows at or after each anchor.
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from glance_runtime.errors import GlanceError
+
+from ..adapters import Snapshot
+from ..audit import read_tasks
+from ..head import DraftHead, head_config_for, init_head, load_head, pick_mask_token, save_head
+
+
+@dataclass
+class Sequence:
+    ids: torch.Tensor  # int64 [L]: prompt + the target's own answer
+    taps: torch.Tensor  # [L, n_taps * H], detached
+    answer_start: int  # first generated row == first anchor position
+
+
+@torch.no_grad()
+def collect_sequences(snapshot: Snapshot, model, task_file: Path, layer_ids: list[int], max_new_tokens: int,
+                      progress: Callable[[str], None]) -> list[Sequence]:
+    """Generate each task's greedy answer, then tap the target over prompt + answer in one pass."""
+    from glance_runtime.backends.torch_backend import greedy_reference
+
+    tasks = read_tasks(task_file)
+    if not tasks:
+        raise GlanceError(f"{task_file} has no tasks")
+    out = []
+    for i, task in enumerate(tasks, 1):
+        prompt = snapshot.build_prompt(task.prompt, task.image)
+        answer = greedy_reference(model, snapshot, prompt, max_new_tokens, snapshot.stop_token_ids)
+        ids = torch.cat([torch.from_numpy(prompt.input_ids), torch.tensor(answer)])[None]
+        inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+        if prompt.pixel_values is not None:
+            model.model.rope_deltas = None
+            inputs.update(pixel_values=torch.from_numpy(prompt.pixel_values).to(model.dtype),
+                          image_grid_thw=torch.from_numpy(prompt.image_grid_thw),
+                          mm_token_type_ids=(ids == snapshot.image_token_id).int())
+        hidden = model(**inputs, output_hidden_states=True).hidden_states
+        taps = torch.cat([hidden[l + 1][0] for l in layer_ids], dim=-1).float()
+        out.append(Sequence(ids[0], taps, prompt.length))
+        if i % 20 == 0 or i == len(tasks):
+            progress(f"generated {i}/{len(tasks)} answers")
+    return out
+
+
+def sequence_loss(head: DraftHead, embed, lm_head, seq: Sequence, anchors: torch.Tensor,
+                  gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted block loss of `anchors` (rows of seq) and their offset-1 top-1 hits."""
+    cfg = head.config
+    rows, n, block = seq.ids.shape[0], anchors.shape[0], cfg.block_size
+    ctx = head.context_kv(seq.taps[None], torch.arange(rows)[None])
+    ctx = [(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1)) for k, v in ctx]
+    offsets = torch.arange(block)
+    block_ids = torch.full((n, block), cfg.mask_token_id, dtype=torch.long)
+    block_ids[:, 0] = seq.ids[anchors]
+    positions = anchors[:, None] + offsets[None]
+    hide = torch.arange(rows)[None, :] >= anchors[:, None]  # context strictly before the anchor
+    mask = torch.zeros(n, 1, block, rows).masked_fill(hide[:, None, None, :], torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        embeds = embed(block_ids).float()
+    hidden = head(embeds, positions, ctx, mask)
+    logits = lm_head(hidden[:, 1:]).float()
+    target_rows = positions[:, 1:]
+    valid = target_rows < rows
+    labels = torch.where(valid, seq.ids[target_rows.clamp(max=rows - 1)], torch.full_like(target_rows, -100))
+    weights = torch.exp(-(offsets[1:].float() - 1) / gamma)[None].expand(n, -1)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
+                         reduction="none").view(n, -1)
+    w = weights * valid
+    hits = (logits[:, 0].argmax(-1) == labels[:, 0]).float()
+    return (ce * w).sum() / w.sum().clamp(min=1e-6), hits
+
+
+def train_head(model_dir: str | Path, task_file: str | Path, out_dir: str | Path, *, layers: int = 1,
+               block_size: int = 16, steps: int = 2000, lr: float = 3e-3, batch: int = 8, anchors: int = 16,
+               gamma: float = 7.0, max_new_tokens: int = 64, seed: int = 0, time_budget_s: float | None = None,
+               resume: str | Path | None = None, checkpoint_every: int = 500,
+               progress: Callable[[str], None] = print) -> Path:
+    """Train (or continue) a head; returns the saved head directory."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    snapshot = Snapshot(model_dir)
+    model = snapshot.load_model("float32")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if resume is not None:
+        head = load_head(resume).train()
+    else:
+        head = init_head(head_config_for(snapshot, layers, block_size, pick_mask_token(snapshot)), seed).train()
+    cfg = head.config
+    progress(f"stage 1/2: target answers and taps of layers {cfg.target_layer_ids}")
+    seqs = [s for s in collect_sequences(snapshot, model, Path(task_file), cfg.target_layer_ids, max_new_tokens,
+                                         progress) if s.ids.shape[0] - s.answer_start >= 2]
+    if not seqs:
+        raise GlanceError("the target produced no answer longer than one token; nothing to train on")
+    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+    warmup = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    progress(f"stage 2/2: {steps} steps on {len(seqs)} sequences, block {cfg.block_size}")
+    t0, done = time.time(), 0
+    for step in range(1, steps + 1):
+        opt.zero_grad()
+        total, hits, count = 0.0, 0.0, 0
+        for seq in rng.sample(seqs, min(batch, len(seqs))):
+            lo, hi = seq.answer_start, seq.ids.shape[0] - 2
+            picks = torch.tensor(sorted(rng.sample(range(lo, hi + 1), min(anchors, hi - lo + 1))))
+            loss, hit = sequence_loss(head, embed, lm_head, seq, picks, gamma)
+            (loss / batch).backward()
+            total += loss.item()
+            hits += float(hit.sum())
+            count += len(picks)
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        done = step
+        if step % 50 == 0 or step == steps:
+            progress(f"step {step}/{steps} loss {total / batch:.4f} offset-1 acc {hits / count:.3f} "
+                     f"({time.time() - t0:.0f}s)")
+        if step % checkpoint_every == 0:
+            save_head(head.eval(), out_dir)
+            head.train()
+        if time_budget_s is not None and time.time() - t0 > time_budget_s:
+            progress(f"time budget reached after {step} steps")
+            break
+    out = save_head(head.eval(), out_dir)
+    progress(f"saved head to {out} after {done} steps")
+    return out
