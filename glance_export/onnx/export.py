@@ -1,9 +1,9 @@
 """Export one wrapped graph to ONNX with the TorchScript exporter, then prove the file well-formed.
 
 TorchScript (`dynamo=False`) traces these wrappers in about a second and emits plain opset-17 ops
-(MatMul/Softmax/Add attention) that TensorRT 10.3 parses. Opset 23 is an option for newer runtimes: the
-dynamo exporter (about 20 s a graph) turns the model's sdpa attention into the ONNX Attention op. Graphs whose weights approach 2 GB keep
-them in one external data file beside the graph (`<graph>.onnx.data`).
+(MatMul/Softmax/Add attention) that TensorRT 10.3 parses. Opset 23 is an option for newer runtimes:
+the dynamo exporter (about 20 s a graph) turns the model's sdpa attention into the ONNX Attention op.
+Graphs whose weights approach 2 GB keep them in one external data file (`<graph>.onnx.data`).
 """
 from __future__ import annotations
 
@@ -46,12 +46,23 @@ def _dynamo_shapes(names: list[str], axes: dict[str, dict[int, str]]) -> tuple:
     return (tuple(shapes),)
 
 
+@contextlib.contextmanager
+def _quiet(logger_name: str):
+    """Silence a logger's warnings for the duration (the dynamo exporter logs per skipped op library)."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _torch_export(module: nn.Module, feed: dict[str, np.ndarray], path: Path, axes: dict, opset: int) -> None:
     """TorchScript up to opset 20; the dynamo exporter from opset 23, which emits the ONNX Attention op."""
     names = dict(input_names=module.input_names, output_names=module.output_names, opset_version=opset)
-    with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+    with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), _quiet("torch.onnx"):
         warnings.simplefilter("ignore")  # tracer warnings about Python ints are expected and checked by validation
-        logging.getLogger("torch.onnx").setLevel(logging.ERROR)
         if opset >= ATTENTION_OPSET:
             torch.onnx.export(module, torch_args(module, feed), str(path), dynamo=True, verbose=False,
                               dynamic_shapes=_dynamo_shapes(module.input_names, axes), **names)
