@@ -1,6 +1,7 @@
 """The torch-free prompt path against transformers: same ids, same pixels, same M-RoPE positions."""
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -10,7 +11,7 @@ from PIL import Image
 
 from glance_export.adapters import Snapshot
 from glance_runtime.errors import GlanceError
-from glance_runtime.preprocess import PromptBuilder, load_image, smart_resize
+from glance_runtime.preprocess import ImageProcessorConfig, PromptBuilder, load_image, process_image, smart_resize
 from glance_runtime.rope_index import rope_index
 from tiny_models import ALL_FAMILIES, VL_FAMILIES, make_image, make_snapshot
 
@@ -69,6 +70,23 @@ def test_non_rgb_images_match(snapshots, mode):
     ours, ref = _builder(snap).build("Hi", image), snap.build_prompt("Hi", image)
     np.testing.assert_array_equal(ours.input_ids, ref.input_ids)
     np.testing.assert_array_equal(ours.pixel_values, ref.pixel_values)  # bit-exact
+
+
+@pytest.mark.parametrize("flags", [{"do_normalize": False}, {"do_rescale": False}, {"do_resize": False}])
+def test_processor_flags_match(snapshots, flags, tmp_path):
+    """do_resize / do_rescale / do_normalize switched off in preprocessor_config.json, as transformers honours them."""
+    from transformers import AutoImageProcessor
+
+    snap = snapshots["qwen2_vl"]
+    builder = _builder(snap)
+    raw = json.loads((builder.path / "preprocessor_config.json").read_text())
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({**raw, **flags}))
+    ours = ImageProcessorConfig.from_json({**raw, **flags})
+    image = Image.fromarray(np.random.default_rng(4).integers(0, 255, (112, 168, 3), dtype=np.uint8))
+    ref = AutoImageProcessor.from_pretrained(tmp_path)(images=[image], return_tensors="np")
+    pixels, grid = process_image(image, ours)
+    np.testing.assert_array_equal(grid, ref["image_grid_thw"])
+    np.testing.assert_array_equal(pixels, ref["pixel_values"])
 
 
 def test_smart_resize_bounds():

@@ -92,6 +92,9 @@ class ImageProcessorConfig:
     image_std: tuple[float, ...] = (0.26862954, 0.26130258, 0.27577711)
     rescale_factor: float = 1 / 255
     resample: int = 3  # PIL bicubic
+    do_resize: bool = True
+    do_rescale: bool = True
+    do_normalize: bool = True
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> "ImageProcessorConfig":
@@ -107,7 +110,9 @@ class ImageProcessorConfig:
                    image_mean=tuple(mean) if isinstance(mean, (list, tuple)) else (float(mean),) * 3,
                    image_std=tuple(std) if isinstance(std, (list, tuple)) else (float(std),) * 3,
                    rescale_factor=float(raw.get("rescale_factor", base.rescale_factor)),
-                   resample=int(raw.get("resample", base.resample)))
+                   resample=int(raw.get("resample", base.resample)),
+                   do_resize=bool(raw.get("do_resize", True)), do_rescale=bool(raw.get("do_rescale", True)),
+                   do_normalize=bool(raw.get("do_normalize", True)))
 
 
 def process_image(image: Image.Image, cfg: ImageProcessorConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -117,10 +122,16 @@ def process_image(image: Image.Image, cfg: ImageProcessorConfig) -> tuple[np.nda
     and normalisation in float32, matching its rounding so the result is bit-identical."""
     p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
     rgb = image.convert("RGB")
-    height, width = smart_resize(rgb.height, rgb.width, p * m, cfg.min_pixels, cfg.max_pixels)
-    resized = rgb.resize((width, height), resample=_RESAMPLE[cfg.resample])
-    pixels = (np.asarray(resized).astype(np.float64) * cfg.rescale_factor).astype(np.float32)
-    pixels = (pixels - np.asarray(cfg.image_mean, np.float32)) / np.asarray(cfg.image_std, np.float32)
+    height, width = rgb.height, rgb.width
+    if cfg.do_resize:
+        height, width = smart_resize(height, width, p * m, cfg.min_pixels, cfg.max_pixels)
+        rgb = rgb.resize((width, height), resample=_RESAMPLE[cfg.resample])
+    elif height % (p * m) or width % (p * m):
+        raise GlanceError(f"with do_resize false the image must be a multiple of {p * m} px; got {width}x{height}")
+    pixels = np.asarray(rgb).astype(np.float64)
+    pixels = (pixels * cfg.rescale_factor if cfg.do_rescale else pixels).astype(np.float32)
+    if cfg.do_normalize:
+        pixels = (pixels - np.asarray(cfg.image_mean, np.float32)) / np.asarray(cfg.image_std, np.float32)
     chw = pixels.transpose(2, 0, 1)
     gh, gw = height // p, width // p
     blocks = chw.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
