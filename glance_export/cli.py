@@ -56,6 +56,16 @@ def _train_head(args: argparse.Namespace) -> int:
     return 0
 
 
+def _onnx(args: argparse.Namespace) -> int:
+    from .onnx import export_artifacts
+
+    out = export_artifacts(args.model, args.head, args.out, dtype=args.dtype, opset=args.opset, max_tree=args.max_tree,
+                           max_context=args.max_context, branch_k=args.branch_k,
+                           progress=(lambda _: None) if args.quiet else (lambda line: print(line, flush=True)))
+    print(f"wrote ONNX artifacts to {out}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="glance-export", description="GLANCE export toolkit.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -85,6 +95,18 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--time-budget", type=float, help="stop after this many seconds of training")
     t.set_defaults(func=_train_head)
+
+    o = sub.add_parser("onnx", help="export vision, target and draft graphs with a manifest, validated in ONNX Runtime")
+    o.add_argument("--model", type=Path, required=True)
+    o.add_argument("--head", type=Path, required=True)
+    o.add_argument("--out", type=Path, required=True)
+    o.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32")
+    o.add_argument("--opset", type=int, default=17, help="14..20 (plain ops, TensorRT 10.3) or 23 (ONNX Attention)")
+    o.add_argument("--max-tree", type=int, default=64, help="largest verify pass (anchor + tree nodes)")
+    o.add_argument("--max-context", type=int, default=2048, help="KV cache rows: prompt + answer")
+    o.add_argument("--branch-k", type=int, default=8, help="top-k the draft graph returns per offset")
+    o.add_argument("--quiet", action="store_true")
+    o.set_defaults(func=_onnx)
 
     a = sub.add_parser("audit", help="check GLANCE output against greedy decoding, prompt by prompt")
     a.add_argument("--model", type=Path)
