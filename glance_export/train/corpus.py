@@ -46,7 +46,7 @@ def font(size: int) -> ImageFont.FreeTypeFont:
     return ImageFont.load_default(size=size)
 
 
-def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, cx: int, cy: int, r: int, fill) -> None:
+def draw_shape(draw: ImageDraw.ImageDraw, shape: str, cx: int, cy: int, r: int, fill) -> None:
     box = (cx - r, cy - r, cx + r, cy + r)
     if shape == "circle":
         draw.ellipse(box, fill=fill)
@@ -91,18 +91,23 @@ def receipt(rng: random.Random) -> Sample:
     return Sample("receipt", img, prompt, answer, (answer,))
 
 
-def chart(rng: random.Random) -> Sample:
-    """Four labelled bars with distinct values 1-9, printed in a value row above the plot."""
+def chart_image(values: list[int], colour: str) -> Image.Image:
+    """Four labelled bars, one per image-token column, with their values in a row above the plot."""
     img = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (255, 255, 255))
     draw = ImageDraw.Draw(img)
-    values = rng.sample(range(1, 10), 4)
-    fill = COLOURS[rng.choice(list(COLOURS))]
     draw.line((8, 140, 160, 140), fill=(0, 0, 0), width=2)
     for i, (label, v) in enumerate(zip(BARS, values)):
-        cx = CELL * (i + 1) + CELL // 2  # one bar per image-token column
-        draw.rectangle((cx - 11, 140 - 12 * v, cx + 11, 139), fill=fill)
+        cx = CELL * (i + 1) + CELL // 2
+        draw.rectangle((cx - 11, 140 - 12 * v, cx + 11, 139), fill=COLOURS[colour])
         draw.text((cx, CELL // 2), str(v), fill=(0, 0, 0), font=font(28), anchor="mm")
         draw.text((cx, 154), label, fill=(0, 0, 0), font=font(22), anchor="mm")
+    return img
+
+
+def chart(rng: random.Random) -> Sample:
+    """Bar chart with distinct values 1-9: highest, lowest and value-of questions."""
+    values = rng.sample(range(1, 10), 4)
+    img = chart_image(values, rng.choice(list(COLOURS)))
     q = rng.random()
     if q < 0.3:
         prompt, answer = "Which bar is highest?", f"Bar {BARS[values.index(max(values))]} is highest."
@@ -114,20 +119,32 @@ def chart(rng: random.Random) -> Sample:
     return Sample("chart", img, prompt, answer, (answer,))
 
 
-def scene(rng: random.Random) -> Sample:
-    """One to four distinct shapes in the quadrants; count, colour and position questions."""
+def scene_layout(rng: random.Random) -> list[tuple[str, str, str]]:
+    """One to four distinct shapes, each in its own quadrant, as (shape, quadrant, colour)."""
+    n = rng.randint(1, 4)
+    return list(zip(rng.sample(SHAPES, n), rng.sample(list(CELLS), n),
+                    [rng.choice(list(COLOURS)) for _ in range(n)]))
+
+
+def scene_image(rng: random.Random, placed: list[tuple[str, str, str]]) -> Image.Image:
+    """Draw a layout with random sizes and offsets inside each quadrant."""
     img = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (255, 255, 255))
     draw = ImageDraw.Draw(img)
-    n = rng.randint(1, 4)
-    placed = list(zip(rng.sample(SHAPES, n), rng.sample(list(CELLS), n),
-                      [rng.choice(list(COLOURS)) for _ in range(n)]))
     half = IMAGE_SIZE // 2
     for shape, cell, colour in placed:
         cx, cy = CELLS[cell]
         r = rng.randint(18, 28)
         jitter = half // 2 - r - 4
-        _draw_shape(draw, shape, cx * half + half // 2 + rng.randint(-jitter, jitter),
-                    cy * half + half // 2 + rng.randint(-jitter, jitter), r, COLOURS[colour])
+        draw_shape(draw, shape, cx * half + half // 2 + rng.randint(-jitter, jitter),
+                   cy * half + half // 2 + rng.randint(-jitter, jitter), r, COLOURS[colour])
+    return img
+
+
+def scene(rng: random.Random) -> Sample:
+    """Shapes in the quadrants; count, colour and position questions."""
+    placed = scene_layout(rng)
+    n = len(placed)
+    img = scene_image(rng, placed)
     shape, cell, colour = rng.choice(placed)
     q = rng.random()
     if q < 0.3:
@@ -140,14 +157,20 @@ def scene(rng: random.Random) -> Sample:
     return Sample("scene", img, prompt, answer, (answer,))
 
 
-def caption(rng: random.Random) -> Sample:
-    """One big shape; any of several phrasings is right, and the target picks one at random."""
-    bg, colour, shape = rng.choice(list(BACKGROUNDS)), rng.choice(list(COLOURS)), rng.choice(SHAPES)
+def caption_image(rng: random.Random, bg: str, colour: str, shape: str) -> Image.Image:
+    """One big shape near the centre of a plain background."""
     img = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), BACKGROUNDS[bg])
     r = rng.randint(32, 52)
     c = IMAGE_SIZE // 2
-    _draw_shape(ImageDraw.Draw(img), shape, c + rng.randint(-20, 20), c + rng.randint(-20, 20), r,
-                COLOURS[colour])
+    draw_shape(ImageDraw.Draw(img), shape, c + rng.randint(-20, 20), c + rng.randint(-20, 20), r,
+               COLOURS[colour])
+    return img
+
+
+def caption(rng: random.Random) -> Sample:
+    """One big shape; any of several phrasings is right, and the target picks one at random."""
+    bg, colour, shape = rng.choice(list(BACKGROUNDS)), rng.choice(list(COLOURS)), rng.choice(SHAPES)
+    img = caption_image(rng, bg, colour, shape)
     answers = tuple(t.format(c=colour, s=shape, bg=bg) for t in CAPTIONS)
     return Sample("caption", img, "Describe the image.", rng.choice(answers), answers)
 

@@ -1,10 +1,12 @@
-"""Vision warmup: teach the fresh vision tower to recognise digits before the language model trains.
+"""Vision warmup: supervise the fresh vision tower directly before the language model trains.
 
 From scratch, the answer loss alone barely reaches the vision tower until the language model
-attends to the right image token, and it will not attend until the features carry the digit: the
-run sits on the answer-template loss. A short auxiliary phase breaks that loop: every merged
-image token classifies the digit centred in its 28 px cell (or none), through a throwaway linear
-probe. Only the vision tower's weights are kept.
+attends to the right image tokens, and it will not attend until their features carry the answer:
+the run sits on the answer-template loss (measured: digits, shapes and positions all stall). A
+short auxiliary phase breaks that loop. Throwaway linear probes read the merged image tokens:
+per cell (the digit centred in it; in charts, which bar is highest or lowest), per image quadrant
+(mean of its cells: shape and colour there) and per image (mean of all cells: shape, colour and
+background of a lone shape). Only the vision tower's weights are kept.
 """
 from __future__ import annotations
 
@@ -14,53 +16,108 @@ import time
 import torch
 from PIL import Image, ImageDraw
 
-from glance_export.train.corpus import CELL, IMAGE_SIZE, font
+from glance_export.train import corpus
+from glance_export.train.corpus import BACKGROUNDS, CELL, CELLS, COLOURS, IMAGE_SIZE, SHAPES, font
 
-NONE = 10  # class of a cell without a digit
+SIDE = IMAGE_SIZE // CELL
+NO_DIGIT = 10
+# head -> (pooling, classes); quadrant heads use class 0 for an empty quadrant
+HEADS = {"digit": ("cell", 11), "rank": ("cell", 3), "quad_shape": ("quad", len(SHAPES) + 1),
+         "quad_colour": ("quad", len(COLOURS) + 1), "shape": ("image", len(SHAPES)),
+         "colour": ("image", len(COLOURS)), "background": ("image", len(BACKGROUNDS))}
+Labels = dict[str, list[int]]
 
 
-def glyph_grid(rng: random.Random) -> tuple[Image.Image, list[int]]:
-    """An image with digits in random cells of the merged-token grid, and each cell's class."""
+def glyph_grid(rng: random.Random) -> tuple[Image.Image, Labels]:
+    """Digits in random cells of the merged-token grid, in till-like sizes."""
     img = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (255, 255, 255))
     draw = ImageDraw.Draw(img)
-    side = IMAGE_SIZE // CELL
-    labels = []
-    for row in range(side):
-        for col in range(side):
+    digits = []
+    for row in range(SIDE):
+        for col in range(SIDE):
             if rng.random() < 0.4:
                 d = rng.randrange(10)
                 xy = (col * CELL + CELL // 2 + rng.randint(-4, 4), row * CELL + CELL // 2 + rng.randint(-3, 3))
                 draw.text(xy, str(d), fill=(0, 0, 0), font=font(rng.randint(24, 38)), anchor="mm")
-                labels.append(d)
+                digits.append(d)
             else:
-                labels.append(NONE)
-    return img, labels
+                digits.append(NO_DIGIT)
+    return img, {"digit": digits}
+
+
+def chart_cells(rng: random.Random) -> tuple[Image.Image, Labels]:
+    """A corpus chart: value digits in the top row, highest (1) / lowest (2) under the bars."""
+    values = rng.sample(range(1, 10), 4)
+    img = corpus.chart_image(values, rng.choice(list(COLOURS)))
+    digit, rank = [NO_DIGIT] * SIDE * SIDE, [-100] * SIDE * SIDE
+    for i, v in enumerate(values):
+        digit[i + 1] = v
+        rank[(SIDE - 1) * SIDE + i + 1] = 1 if v == max(values) else 2 if v == min(values) else 0
+    return img, {"digit": digit, "rank": rank}
+
+
+def scene_quads(rng: random.Random) -> tuple[Image.Image, Labels]:
+    """A corpus scene with the shape and colour in each quadrant (0: empty)."""
+    placed = corpus.scene_layout(rng)
+    img = corpus.scene_image(rng, placed)
+    shape, colour = [0] * 4, [0] * 4
+    for s, cell, c in placed:
+        x, y = CELLS[cell]
+        shape[2 * y + x], colour[2 * y + x] = SHAPES.index(s) + 1, list(COLOURS).index(c) + 1
+    return img, {"quad_shape": shape, "quad_colour": colour}
+
+
+def lone_shape(rng: random.Random) -> tuple[Image.Image, Labels]:
+    """A corpus caption image with its shape, colour and background."""
+    bg, colour, shape = rng.choice(list(BACKGROUNDS)), rng.choice(list(COLOURS)), rng.choice(SHAPES)
+    return corpus.caption_image(rng, bg, colour, shape), {
+        "shape": [SHAPES.index(shape)], "colour": [list(COLOURS).index(colour)],
+        "background": [list(BACKGROUNDS).index(bg)]}
+
+
+SOURCES = (glyph_grid, chart_cells, scene_quads, lone_shape)
+
+
+def _pool(feats: torch.Tensor, how: str) -> torch.Tensor:
+    """Merged-token features (B*36, H) pooled to cells, quadrants (row-major) or whole images."""
+    grid = feats.view(-1, SIDE, SIDE, feats.shape[-1])
+    if how == "cell":
+        return feats
+    if how == "quad":
+        h = SIDE // 2
+        return grid.view(-1, 2, h, 2, h, feats.shape[-1]).mean((2, 4)).reshape(-1, feats.shape[-1])
+    return grid.mean((1, 2))
 
 
 def warmup_vision(model, image_processor, *, steps: int, seed: int, batch_size: int = 16, lr: float = 2e-3,
-                  log_every: int = 50) -> float:
-    """Train `model.model.visual` on glyph grids for `steps` steps; returns the last batch's digit accuracy."""
+                  log_every: int = 100) -> dict[str, float]:
+    """Train `model.model.visual` with the probes for `steps` steps; returns last-batch probe accuracies."""
     visual = model.model.visual
-    probe = torch.nn.Linear(visual.config.out_hidden_size, NONE + 1)
-    params = list(visual.parameters()) + list(probe.parameters())
+    width = visual.config.out_hidden_size
+    probes = torch.nn.ModuleDict({k: torch.nn.Linear(width, n) for k, (_, n) in HEADS.items()})
+    params = list(visual.parameters()) + list(probes.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-    start, acc = time.time(), 0.0
+    sizes = {"cell": SIDE * SIDE, "quad": 4, "image": 1}
+    start, acc = time.time(), {}
     for step in range(steps):
-        pairs = [glyph_grid(random.Random(f"glyph:{seed}:{step}:{j}")) for j in range(batch_size)]
+        pairs = [SOURCES[j % len(SOURCES)](random.Random(f"warmup:{seed}:{step}:{j}")) for j in range(batch_size)]
         vision = image_processor(images=[p[0] for p in pairs], return_tensors="pt")
-        labels = torch.tensor([c for p in pairs for c in p[1]])
         feats = visual(vision["pixel_values"], grid_thw=vision["image_grid_thw"]).pooler_output
-        logits = probe(feats)
-        loss = torch.nn.functional.cross_entropy(logits, labels)
+        loss = torch.zeros(())
+        for k, (how, _) in HEADS.items():
+            labels = torch.tensor([c for _, lab in pairs for c in lab.get(k, [-100] * sizes[how])])
+            logits = probes[k](_pool(feats, how))
+            loss = loss + torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100)
+            shown = (labels >= 0) & (labels != (NO_DIGIT if k == "digit" else -1))
+            acc[k] = (logits.argmax(-1)[shown] == labels[shown]).float().mean().item()
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, (step + 1) / 50)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        digit = labels != NONE
-        acc = (logits.argmax(-1)[digit] == labels[digit]).float().mean().item()
         if (step + 1) % log_every == 0:
-            print(f"warmup {step + 1}/{steps} loss {loss.item():.4f} digit acc {acc:.3f} "
-                  f"{time.time() - start:.0f}s", flush=True)
+            accs = " ".join(f"{k} {v:.2f}" for k, v in acc.items())
+            print(f"warmup {step + 1}/{steps} loss {loss.item():.3f} acc {accs} {time.time() - start:.0f}s",
+                  flush=True)
     return acc
