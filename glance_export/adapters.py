@@ -12,7 +12,6 @@ expanded to `grid_t * grid_h * grid_w / merge_size**2` image tokens.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -21,25 +20,11 @@ import numpy as np
 from PIL import Image
 
 from glance_runtime.errors import GlanceError
+from glance_runtime.preprocess import IMAGE_PLACEHOLDER, Prompt, load_image
 
 VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 TEXT_FAMILIES = ("qwen2", "qwen3", "llama")
 SUPPORTED_FAMILIES = VL_FAMILIES + TEXT_FAMILIES
-MAX_IMAGE_PIXELS = 8192 * 8192
-IMAGE_PLACEHOLDER = "<|image_pad|>"
-
-
-@dataclass
-class Prompt:
-    """Everything the target's prefill needs, as numpy so every backend can consume it."""
-
-    input_ids: np.ndarray  # int64 [P]
-    pixel_values: np.ndarray | None = None  # float32 [patches, C*T*p*p], processor output
-    image_grid_thw: np.ndarray | None = None  # int64 [1, 3]
-
-    @property
-    def length(self) -> int:
-        return int(self.input_ids.shape[0])
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
@@ -59,26 +44,6 @@ def resolve_family(config: dict[str, Any]) -> str:
     if family not in SUPPORTED_FAMILIES:
         raise GlanceError(f"unsupported model family {family!r}; supported: {', '.join(SUPPORTED_FAMILIES)}")
     return family
-
-
-def load_image(path: str | Path) -> Image.Image:
-    """Open and decode an image fully now, so a bad file fails here with its name, not deep in a model."""
-    path = Path(path)
-    if not path.is_file():
-        raise GlanceError(f"image {path} does not exist")
-    try:
-        with Image.open(path) as img:
-            width, height = img.size
-            if width * height > MAX_IMAGE_PIXELS:
-                raise GlanceError(f"image {path} is {width}x{height}, larger than {MAX_IMAGE_PIXELS} pixels; "
-                                  "downscale it first")
-            return img.convert("RGB")
-    except GlanceError:
-        raise
-    except Image.DecompressionBombError:
-        raise GlanceError(f"image {path} is absurdly large; downscale it first") from None
-    except (OSError, ValueError, SyntaxError) as exc:
-        raise GlanceError(f"image {path} cannot be decoded ({exc}); pass a PNG, JPEG or other Pillow format") from None
 
 
 class Snapshot:

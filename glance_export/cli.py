@@ -33,8 +33,11 @@ def _audit(args: argparse.Namespace) -> int:
 
     from .audit import audit, read_tasks
 
+    if args.backend == "torch" and args.head is None:
+        raise GlanceError("the torch audit needs --head")
     tasks = read_tasks(args.data)
-    runner = open_runner(args.backend, model=args.model, head=args.head, artifacts=args.artifacts)
+    ort = {} if args.backend == "torch" else dict(providers=args.provider)
+    runner = open_runner(args.backend, model=args.model, head=args.head, artifacts=args.artifacts, **ort)
     cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, budget=args.budget, branch_k=args.branch_k)
     report = audit(runner, tasks, cfg, progress=lambda line: print(line, file=sys.stderr))
     if args.json:
@@ -110,10 +113,11 @@ def parser() -> argparse.ArgumentParser:
 
     a = sub.add_parser("audit", help="check GLANCE output against greedy decoding, prompt by prompt")
     a.add_argument("--model", type=Path)
-    a.add_argument("--head", type=Path, required=True)
+    a.add_argument("--head", type=Path, help="draft head (torch backend; the onnxruntime one reads --artifacts)")
     a.add_argument("--data", type=Path, required=True, help="TASKS.jsonl")
     a.add_argument("--backend", choices=BACKENDS, default="torch")
     a.add_argument("--artifacts", type=Path, help="exported graphs (onnxruntime backend)")
+    a.add_argument("--provider", action="append", help="ONNX Runtime execution provider(s)")
     a.add_argument("--budget", type=int, default=63)
     a.add_argument("--branch-k", type=int, default=8)
     a.add_argument("--max-new-tokens", type=int, default=64)

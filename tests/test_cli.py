@@ -86,3 +86,59 @@ def test_empty_task_file_fails_the_audit(snapshot_dir, head_dir, tmp_path, capsy
     code = export_main(["audit", "--model", str(snapshot_dir("qwen2_5_vl")), "--head", str(head_dir),
                         "--data", str(empty)])
     assert code == 1 and "FAIL" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def artifacts(snapshot_dir, head_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli_onnx") / "art"
+    assert export_main(["onnx", "--model", str(snapshot_dir("qwen2_5_vl")), "--head", str(head_dir),
+                        "--out", str(out), "--max-context", "256", "--max-tree", "32", "--quiet"]) == 0
+    return out
+
+
+def test_onnxruntime_run_matches_torch(snapshot_dir, images, head_dir, artifacts, capsys):
+    common = ["--image", str(images["tall"]), "--prompt", "What colour is the square?", "--max-new-tokens", "10",
+              "--json", "--budget", "31"]
+    assert run_main(["--backend", "onnxruntime", "--artifacts", str(artifacts)] + common) == 0
+    ort = json.loads(capsys.readouterr().out)
+    assert run_main(["--model", str(snapshot_dir("qwen2_5_vl")), "--head", str(head_dir)] + common) == 0
+    torch_run = json.loads(capsys.readouterr().out)
+    assert ort["backend"] == "onnxruntime" and ort["token_ids"] == torch_run["token_ids"]
+
+
+def test_onnxruntime_audit_against_the_torch_oracle(snapshot_dir, images, artifacts, tmp_path, capsys):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"image": str(images["wide"]), "prompt": "What is shown?"}) + "\n")
+    code = export_main(["audit", "--backend", "onnxruntime", "--artifacts", str(artifacts), "--model",
+                        str(snapshot_dir("qwen2_5_vl")), "--data", str(tasks), "--max-new-tokens", "8", "--budget", "31",
+                        "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["backend"] == "onnxruntime" and report["identical"] == report["n"] == 1
+    other = str(snapshot_dir("qwen3"))
+    capsys.readouterr()
+    line = _one_line_error(capsys, export_main(["audit", "--backend", "onnxruntime", "--artifacts", str(artifacts),
+                                                "--model", other, "--data", str(tasks), "--budget", "31"]))
+    assert "re-export" in line
+
+
+def test_onnxruntime_without_artifacts_exports_once_into_the_cache(snapshot_dir, head_dir, tmp_path, monkeypatch,
+                                                                   capsys):
+    monkeypatch.setenv("GLANCE_CACHE", str(tmp_path / "cache"))
+    args = ["--backend", "onnxruntime", "--model", str(snapshot_dir("qwen3")), "--head", str(head_dir),
+            "--prompt", "Hello", "--max-new-tokens", "4", "--json"]
+    code = export_main(["init-head", "--model", str(snapshot_dir("qwen3")), "--out", str(tmp_path / "h3"),
+                        "--block-size", "4"])
+    args[args.index(str(head_dir))] = str(tmp_path / "h3")
+    capsys.readouterr()
+    assert code == 0 and run_main(args) == 0
+    first = capsys.readouterr()
+    assert "exporting" in first.err and len(list((tmp_path / "cache" / "onnx").iterdir())) == 1
+    assert run_main(args) == 0
+    second = capsys.readouterr()
+    assert "exporting" not in second.err
+    assert json.loads(second.out)["token_ids"] == json.loads(first.out)["token_ids"]
+
+
+def test_onnxruntime_needs_artifacts_or_model_and_head(capsys):
+    line = _one_line_error(capsys, run_main(["--backend", "onnxruntime", "--prompt", "x"]))
+    assert "--artifacts" in line

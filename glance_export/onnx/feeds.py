@@ -13,7 +13,7 @@ from glance_runtime.graphs import draft_kv_names, target_kv_names
 from glance_runtime.tree import visibility
 
 from .spec import Dims
-from .vision_indices import vision_index_inputs
+from glance_runtime.vision_indices import vision_index_inputs
 
 
 def random_tree(rng: np.random.Generator, size: int) -> tuple[np.ndarray, np.ndarray]:

@@ -18,6 +18,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", type=Path, help="target model: a HF snapshot directory")
     p.add_argument("--head", type=Path, help="GLANCE/DFlash draft head directory")
     p.add_argument("--backend", choices=BACKENDS, default="torch")
+    p.add_argument("--artifacts", type=Path, help="exported graphs for --backend onnxruntime (glance-export onnx)")
+    p.add_argument("--provider", action="append", help="ONNX Runtime execution provider (cpu, cuda, tensorrt or a "
+                   "full name); repeat for a priority list; CPU is the fallback")
+    p.add_argument("--max-context", type=int, help="KV rows to allocate (default: the export's bound)")
+    p.add_argument("--max-tree", type=int, help="largest verify pass (default: the export's bound)")
+    p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads")
     p.add_argument("--no-spec", action="store_true", help="plain greedy decoding, no draft head")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--budget", type=int, default=63, help="tree nodes verified per round besides the anchor")
@@ -42,13 +48,16 @@ def _stream(detokenize, tokens: list[int]):
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.no_spec and args.head is None:
+    if not args.no_spec and args.head is None and args.backend == "torch":
         raise GlanceError("speculative decoding needs --head (or pass --no-spec for plain greedy decoding)")
     if args.max_new_tokens < 1 or args.budget < 0 or args.branch_k < 1:
         raise GlanceError("--max-new-tokens and --branch-k must be >= 1 and --budget >= 0")
     if args.image is not None and not args.image.is_file():
         raise GlanceError(f"image {args.image} does not exist")
-    runner = open_runner(args.backend, model=args.model, head=None if args.no_spec else args.head)
+    ort = {} if args.backend == "torch" else dict(providers=args.provider, max_context=args.max_context,
+                                                  max_tree=args.max_tree, threads=args.threads)
+    runner = open_runner(args.backend, model=args.model, head=None if args.no_spec else args.head,
+                         artifacts=args.artifacts, progress=lambda line: print(line, file=sys.stderr), **ort)
     prompt = runner.build_prompt(args.prompt, args.image)
     cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, budget=args.budget, branch_k=args.branch_k,
                        speculative=not args.no_spec)

@@ -6,12 +6,13 @@ size, `kvh`/`D` = KV heads / head dim. KV tensors are **sequence-major** `[rows,
 first S rows of a preallocated `[max_context, kvh, D]` buffer are one contiguous block: the runtime
 hands that view to the graph with no copy, and compaction moves only the accepted rows.
 
-vision graph (VL targets): `pixel_values` f[N_patch, C*t*p*p], `image_grid_thw` i64[1, 3]
-    (plus whatever grid-derived index tensors the exporter declares in the manifest)
+vision graph (VL targets): `pixel_values` f[N_patch, C*t*p*p] and the grid-derived index tensors of
+    `vision_indices` (declared in the manifest; the towers' grid loops cannot be traced)
     -> `image_embeds` f[N_img, H]; Qwen3-VL also -> `deepstack_embeds` f[n_deep, N_img, H].
 target graph (prefill, plain decode and tree verify are one graph):
-    `input_ids` i64[1, T]; `image_embeds` f[N_img, H] (VL only; rows replace the image tokens in order;
-    a decode pass passes one dummy row); Qwen3-VL also `deepstack_embeds` f[n_deep, N_img, H];
+    `input_ids` i64[1, T]; `image_embeds` f[N_img, H] (VL only; rows replace the image tokens in order
+    when the pass holds exactly N_img image tokens, so every pass after prefill sends zero rows: a
+    generated image-pad token must stay a token); Qwen3-VL also `deepstack_embeds` f[n_deep, N_img, H];
     `position_ids` i64[3, 1, T] for M-RoPE targets (stream position + delta on every axis after the
     prompt), i64[1, T] otherwise; `tree_mask` bool[T, T] (row i sees column j of this pass; every row
     sees all S past rows; prefill passes the causal lower triangle); `entropy_row` i64[1] (which row's

@@ -30,7 +30,7 @@ _RESAMPLE = {0: Image.Resampling.NEAREST, 1: Image.Resampling.LANCZOS, 2: Image.
 
 @dataclass
 class Prompt:
-    """Everything the target's prefill needs, as numpy (field-compatible with glance_export.adapters.Prompt)."""
+    """Everything the target's prefill needs, as numpy, for every backend."""
 
     input_ids: np.ndarray  # int64 [P]
     pixel_values: np.ndarray | None = None  # float32 [patches, C*t*p*p]

@@ -4,12 +4,16 @@ Backends are imported only when chosen, so the ONNX Runtime path never imports t
 """
 from __future__ import annotations
 
+import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from . import __version__
 from .backend import Backend
 from .errors import GlanceError
+from .graphs import MANIFEST
 
 BACKENDS = ("torch", "onnxruntime")
 
@@ -41,10 +45,67 @@ def open_torch(model: Path, head: Path | None, dtype: str = "float32") -> Runner
                   oracle=lambda prompt, n: greedy_reference(backend.model, snapshot, prompt, n, stops))
 
 
+def open_onnxruntime(artifacts: Path, model: Path | None = None, **options) -> Runner:
+    """ORT on exported graphs. With `model` (the snapshot they came from) the torch oracle is offered,
+    loaded on first use only, so plain runs never import torch."""
+    from .backends.ort_backend import OrtBackend
+
+    backend = OrtBackend(artifacts, **options)
+    reference: list[Runner] = []
+
+    def oracle(prompt, max_new_tokens: int) -> list[int]:
+        if not reference:
+            from .manifest import check_source
+
+            check_source(backend.manifest, model)
+            reference.append(open_torch(model, None))
+        return reference[0].oracle(prompt, max_new_tokens)
+
+    return Runner(backend=backend, build_prompt=backend.build_prompt, stop_ids=tuple(backend.stop_token_ids),
+                  detokenize=backend.detokenize, oracle=oracle if model is not None else None)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("GLANCE_CACHE", Path.home() / ".cache" / "glance"))
+
+
+def exported_artifacts(model: Path, head: Path, progress: Callable[[str], None]) -> Path:
+    """Artifacts for (model, head) in the cache, exported on first use.
+
+    Keyed by file names, sizes and modification times (cheap even for multi-GB weights) and the
+    toolkit version; the manifest's own hashes still guard against a mismatched directory."""
+    key = hashlib.sha256(__version__.encode())
+    for root in (Path(model), Path(head)):
+        if not root.is_dir():
+            raise GlanceError(f"{root} does not exist")
+        for f in sorted(p for p in root.iterdir() if p.is_file()):
+            stat = f.stat()
+            key.update(f"{f.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    out = cache_root() / "onnx" / key.hexdigest()[:20]
+    if (out / MANIFEST).is_file():
+        return out
+    try:
+        from glance_export.onnx import export_artifacts
+    except ImportError:
+        raise GlanceError("no --artifacts given and exporting needs the export extra: "
+                          "pip install 'glance-toolkit[export]', or pass --artifacts DIR") from None
+    progress(f"exporting {model} + {head} to {out} (once; later runs reuse it)")
+    return export_artifacts(model, head, out, progress=progress)
+
+
 def open_runner(backend: str, *, model: Path | None = None, head: Path | None = None,
-                artifacts: Path | None = None, dtype: str = "float32") -> Runner:
+                artifacts: Path | None = None, dtype: str = "float32",
+                progress: Callable[[str], None] = lambda _: None, **ort_options) -> Runner:
+    """`ort_options`: providers, max_context, max_tree, threads (onnxruntime only)."""
     if backend == "torch":
         if model is None:
             raise GlanceError("the torch backend needs --model (a HF snapshot directory)")
         return open_torch(model, head, dtype)
+    if backend == "onnxruntime":
+        if artifacts is None:
+            if model is None or head is None:
+                raise GlanceError("the onnxruntime backend needs --artifacts DIR (from `glance-export onnx`), "
+                                  "or --model and --head to export them once into the cache")
+            artifacts = exported_artifacts(model, head, progress)
+        return open_onnxruntime(artifacts, model, **ort_options)
     raise GlanceError(f"unknown backend {backend!r}; choose one of: {', '.join(BACKENDS)}")

@@ -2,9 +2,8 @@
 
 The HF vision towers derive rotary positions, attention windows and position-embedding resampling from
 the image grid with Python loops, which a traced graph would freeze to one image size, so the exported
-vision graph takes these tensors as inputs and the runtime computes them here. This is the runtime's
-copy of `glance_export.onnx.vision_indices` (the edge install cannot import the exporter package);
-tests/test_ort_vision_indices.py keeps the two equal. `params` is the manifest's vision index params.
+vision graph takes these tensors as inputs and the runtime computes them here; the exporter imports
+this same module. `params` is the manifest's vision index params.
 
 Inputs produced (N = patches = h * w of the grid, U = merge_size**2, M = N / U merged tokens):
     vision_pos_ids     i64[N, 2]  (row, column) of every patch, in the processor's merge-block order
