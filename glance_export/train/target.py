@@ -150,7 +150,7 @@ def train_target(out_dir: Path, *, steps: int = 3200, seed: int = 0, time_budget
         warmup_vision(model, image_processor, steps=vision_warmup, seed=seed)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"params {n_params / 1e6:.2f}M  vocab {len(tokenizer)}", flush=True)
-    rows = _heldout_rows(8)
+    rows = _heldout_rows(8) if eval_every else []
     start, smooth = time.time(), None
     model.train()
     while step < steps and time.time() - start < time_budget_s:
@@ -172,7 +172,7 @@ def train_target(out_dir: Path, *, steps: int = 3200, seed: int = 0, time_budget
                   f"{time.time() - start:.0f}s", flush=True)
         if step % ckpt_every == 0 or step == steps:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
-        if step % eval_every == 0 or step == steps:
+        if eval_every and (step % eval_every == 0 or step == steps):
             model.eval()
             print(f"eval step {step}: {json.dumps(score(model, tokenizer, image_processor, rows))}", flush=True)
             model.train()
