@@ -2,8 +2,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tiny_models import make_image, make_snapshot
+
+# The models here are tiny: one thread is fastest, and two threads on a busy 2-core machine spin-wait
+# each other into a 10x slowdown.
+torch.set_num_threads(1)
 
 IMAGE_SIZES = {"wide": (150, 90), "tall": (70, 130), "square": (112, 112), "large": (300, 200)}
 
