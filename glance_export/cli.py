@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from glance_runtime.defaults import default_model
 from glance_runtime.errors import GlanceError
 from glance_runtime.loop import DecodeConfig
 from glance_runtime.runner import BACKENDS
@@ -33,6 +34,9 @@ def _audit(args: argparse.Namespace) -> int:
 
     from .audit import audit, read_tasks
 
+    if args.model is None and args.artifacts is None:
+        args.model, default_head = default_model()
+        args.head = args.head or default_head
     if args.backend == "torch" and args.head is None:
         raise GlanceError("the torch audit needs --head")
     tasks = read_tasks(args.data)
@@ -112,7 +116,7 @@ def parser() -> argparse.ArgumentParser:
     o.set_defaults(func=_onnx)
 
     a = sub.add_parser("audit", help="check GLANCE output against greedy decoding, prompt by prompt")
-    a.add_argument("--model", type=Path)
+    a.add_argument("--model", type=Path, help="target snapshot (default: the embedded glance-vl-tiny)")
     a.add_argument("--head", type=Path, help="draft head (torch backend; the onnxruntime one reads --artifacts)")
     a.add_argument("--data", type=Path, required=True, help="TASKS.jsonl")
     a.add_argument("--backend", choices=BACKENDS, default="torch")

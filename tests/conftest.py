@@ -13,6 +13,14 @@ torch.set_num_threads(1)
 IMAGE_SIZES = {"wide": (150, 90), "tall": (70, 130), "square": (112, 112), "large": (300, 200)}
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache(tmp_path_factory):
+    """Exports made on first use go to a temporary cache, never the user's home."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GLANCE_CACHE", str(tmp_path_factory.mktemp("glance_cache")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def snapshot_dir(tmp_path_factory):
     """family -> snapshot directory (built lazily, then cached)."""

@@ -23,7 +23,7 @@ def test_init_head_writes_a_loadable_head(head_dir):
 
 
 def test_run_json_spec_equals_no_spec(snapshot_dir, images, head_dir, capsys):
-    base = ["--model", str(snapshot_dir("qwen2_5_vl")), "--image", str(images["wide"]),
+    base = ["--backend", "torch", "--model", str(snapshot_dir("qwen2_5_vl")), "--image", str(images["wide"]),
             "--prompt", "What colour is the square?", "--max-new-tokens", "12", "--json"]
     assert run_main(base + ["--head", str(head_dir), "--budget", "31"]) == 0
     spec = json.loads(capsys.readouterr().out)
@@ -37,7 +37,8 @@ def test_run_json_spec_equals_no_spec(snapshot_dir, images, head_dir, capsys):
 
 
 def test_run_streams_text_and_prints_stats(snapshot_dir, head_dir, capsys):
-    assert run_main(["--model", str(snapshot_dir("qwen2_5_vl")), "--head", str(head_dir), "--prompt", "Hello",
+    assert run_main(["--backend", "torch", "--model", str(snapshot_dir("qwen2_5_vl")), "--head", str(head_dir),
+                     "--prompt", "Hello",
                      "--max-new-tokens", "6"]) == 0
     out = capsys.readouterr()
     assert out.out.endswith("\n") and "tau" in out.err and "tok/s" in out.err
@@ -101,7 +102,8 @@ def test_onnxruntime_run_matches_torch(snapshot_dir, images, head_dir, artifacts
               "--json", "--budget", "31"]
     assert run_main(["--backend", "onnxruntime", "--artifacts", str(artifacts)] + common) == 0
     ort = json.loads(capsys.readouterr().out)
-    assert run_main(["--model", str(snapshot_dir("qwen2_5_vl")), "--head", str(head_dir)] + common) == 0
+    assert run_main(["--backend", "torch", "--model", str(snapshot_dir("qwen2_5_vl")), "--head", str(head_dir)]
+                    + common) == 0
     torch_run = json.loads(capsys.readouterr().out)
     assert ort["backend"] == "onnxruntime" and ort["token_ids"] == torch_run["token_ids"]
 
@@ -139,6 +141,13 @@ def test_onnxruntime_without_artifacts_exports_once_into_the_cache(snapshot_dir,
     assert json.loads(second.out)["token_ids"] == json.loads(first.out)["token_ids"]
 
 
-def test_onnxruntime_needs_artifacts_or_model_and_head(capsys):
-    line = _one_line_error(capsys, run_main(["--backend", "onnxruntime", "--prompt", "x"]))
+def test_onnxruntime_needs_artifacts_or_model_and_head(snapshot_dir, capsys):
+    line = _one_line_error(capsys, run_main(["--backend", "onnxruntime", "--model", str(snapshot_dir("qwen2")),
+                                             "--prompt", "x"]))
     assert "--artifacts" in line
+
+
+def test_backend_defaults_to_onnxruntime_when_a_head_is_given(snapshot_dir, head_dir, capsys):
+    assert run_main(["--model", str(snapshot_dir("qwen2_5_vl")), "--head", str(head_dir), "--prompt", "Hi",
+                     "--max-new-tokens", "3", "--budget", "15", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["backend"] == "onnxruntime"

@@ -92,7 +92,9 @@ def _processor(family: str) -> dict:
 def make_snapshot(out: Path, family: str, layers: int = 4, seed: int = 0, std: float = 0.5) -> Path:
     """Write a complete HF-format snapshot directory for a tiny random model of `family`."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.utils import logging
 
+    logging.disable_progress_bar()  # the snapshot is tiny; progress lines would only pollute captured stderr
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     ids = _tokenizer(out)

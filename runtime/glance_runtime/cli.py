@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .errors import GlanceError
 from .loop import DecodeConfig, decode
+from .defaults import auto_backend, default_model
 from .runner import BACKENDS, open_runner
 
 
@@ -15,9 +16,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="glance-run", description="Lossless speculative decoding of one prompt.")
     p.add_argument("--prompt", required=True, help="the question or instruction")
     p.add_argument("--image", type=Path, help="image file (omit for text-only prompts)")
-    p.add_argument("--model", type=Path, help="target model: a HF snapshot directory")
+    p.add_argument("--model", type=Path, help="target model: a HF snapshot directory (default: the embedded "
+                   "glance-vl-tiny with its head)")
     p.add_argument("--head", type=Path, help="GLANCE/DFlash draft head directory")
-    p.add_argument("--backend", choices=BACKENDS, default="torch")
+    p.add_argument("--backend", choices=BACKENDS, help="default: onnxruntime where installed, else torch")
     p.add_argument("--artifacts", type=Path, help="exported graphs for --backend onnxruntime (glance-export onnx)")
     p.add_argument("--provider", action="append", help="ONNX Runtime execution provider (cpu, cuda, tensorrt or a "
                    "full name); repeat for a priority list; CPU is the fallback")
@@ -48,6 +50,10 @@ def _stream(detokenize, tokens: list[int]):
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.model is None and args.artifacts is None:
+        args.model, default_head = default_model()
+        args.head = args.head or default_head
+    args.backend = args.backend or (auto_backend() if args.head or args.artifacts else "torch")
     if not args.no_spec and args.head is None and args.backend == "torch":
         raise GlanceError("speculative decoding needs --head (or pass --no-spec for plain greedy decoding)")
     if args.max_new_tokens < 1 or args.budget < 0 or args.branch_k < 1:
@@ -56,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         raise GlanceError(f"image {args.image} does not exist")
     ort = {} if args.backend == "torch" else dict(providers=args.provider, max_context=args.max_context,
                                                   max_tree=args.max_tree, threads=args.threads)
-    runner = open_runner(args.backend, model=args.model, head=None if args.no_spec else args.head,
+    runner = open_runner(args.backend, model=args.model, head=args.head,
                          artifacts=args.artifacts, progress=lambda line: print(line, file=sys.stderr), **ort)
     prompt = runner.build_prompt(args.prompt, args.image)
     cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, budget=args.budget, branch_k=args.branch_k,

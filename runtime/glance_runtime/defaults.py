@@ -1,0 +1,26 @@
+"""The embedded default model: a small Qwen2.5-VL and its GLANCE head, trained in this project and
+shipped in the repository's `models/`, so a fresh install can answer without any download."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from .errors import GlanceError
+
+MODELS_ROOT = Path(__file__).resolve().parents[2] / "models"
+DEFAULT_MODEL = MODELS_ROOT / "glance-vl-tiny"
+DEFAULT_HEAD = MODELS_ROOT / "glance-vl-tiny-head"
+
+
+def default_model() -> tuple[Path, Path]:
+    """(target snapshot, head) of the embedded default, or a clear error where this install lacks it."""
+    for path in (DEFAULT_MODEL, DEFAULT_HEAD):
+        if not (path / "config.json").is_file():
+            raise GlanceError(f"the embedded default model is missing ({path}); install from a clone of the "
+                              "repository with `pip install -e .`, or pass --model and --head")
+    return DEFAULT_MODEL, DEFAULT_HEAD
+
+
+def auto_backend() -> str:
+    """ONNX Runtime where it is installed (the edge path), else the torch reference."""
+    return "onnxruntime" if importlib.util.find_spec("onnxruntime") is not None else "torch"
