@@ -19,15 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-
-from glance_runtime.loop import DecodeConfig, DecodeResult, decode  # noqa: E402
+from glance_runtime.backends.seeded import SeededDrafter
+from glance_runtime.loop import DecodeConfig, DecodeResult, decode
 
 
 class TimedSession:
@@ -45,34 +43,6 @@ class TimedSession:
 
     def __getattr__(self, name):
         return getattr(self.session, name)
-
-
-class SeededDrafts:
-    """Puts the known greedy continuation first in the head's top-k at offsets 1..depth (upper-bound tau)."""
-
-    def __init__(self, backend, truth: list[int], prompt_len: int, depth: int):
-        self.inner, self.truth, self.prompt_len, self.depth = backend, truth, prompt_len, depth
-        self.name, self.block_size = backend.name, backend.block_size
-
-    def prefill(self, prompt):
-        return self.inner.prefill(prompt)
-
-    def draft(self, anchor, k):
-        ids, logp = self.inner.draft(anchor, k)
-        ids = ids.copy()
-        done = self.inner.start - self.prompt_len
-        for d in range(1, min(self.depth, ids.shape[0]) + 1):
-            if done + d < len(self.truth):
-                true = self.truth[done + d]
-                row = [true] + [t for t in ids[d - 1].tolist() if t != true]
-                ids[d - 1] = row[:k]
-        return ids, logp
-
-    def verify(self, tokens, depths, visible):
-        return self.inner.verify(tokens, depths, visible)
-
-    def commit(self, rows):
-        return self.inner.commit(rows)
 
 
 def open_backend(args):
@@ -129,7 +99,7 @@ def measure(backend, timed, prompt, stops, args) -> dict:
     spec_backend = backend
     if args.seed_drafts != "none":
         depth = backend.block_size - 1 if args.seed_drafts == "full" else max(1, (backend.block_size - 1) // 2)
-        spec_backend = SeededDrafts(backend, truth, prompt.length, depth)
+        spec_backend = SeededDrafter(backend, truth, prompt.length, lambda d: 0 if d <= depth else None)
     runs: dict[str, list] = {"ar": [], "spec": []}
     for i in range(args.samples):
         order = [("ar", backend, ar_cfg), ("spec", spec_backend, spec_cfg)]

@@ -8,9 +8,6 @@ masks) give the queries. Attention is non-causal. The checkpoint layout is the p
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +23,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
+from glance_runtime.atomic import atomic_directory
 from glance_runtime.errors import GlanceError
 
 WEIGHTS_FILE = "model.safetensors"
@@ -195,20 +193,11 @@ def save_head(head: DraftHead, out_dir: str | Path) -> Path:
     """Write config.json + model.safetensors to a temporary sibling, then rename into place."""
     from safetensors.torch import save_file
 
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_directory(out_dir) as tmp:
         (tmp / "config.json").write_text(json.dumps(head.config.to_json(), indent=2))
         state = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return Path(out_dir)
 
 
 def load_head(head_dir: str | Path, dtype: torch.dtype = torch.float32) -> DraftHead:

@@ -10,7 +10,7 @@ import onnx
 import pytest
 import torch
 
-from drafters import SeededDrafter
+from glance_runtime.backends.seeded import SeededDrafter
 from glance_export import __version__
 from glance_export.adapters import Snapshot
 from glance_export.head import head_config_for, init_head, pick_mask_token, save_head

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from drafters import SeededDrafter
+from glance_runtime.backends.seeded import SeededDrafter
 from glance_export.adapters import Snapshot
 from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
 from glance_export.onnx import export_artifacts

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from drafters import SeededDrafter
+from glance_runtime.backends.seeded import SeededDrafter
 from glance_export.adapters import Snapshot
 from glance_export.head import head_config_for, init_head, pick_mask_token
 from glance_runtime.backends.torch_backend import TorchBackend, greedy_reference

@@ -7,15 +7,13 @@ leaves a half-written artifacts directory behind.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
+from glance_runtime.atomic import atomic_directory
 from glance_runtime.errors import GlanceError
 from glance_runtime.graphs import MANIFEST
 
@@ -70,9 +68,7 @@ def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str |
     graphs = build_graphs(model, head, dims, branch_k)
     progress(f"loaded {dims.family} target ({dims.layers} layers) and head ({dims.head_layers} layers, "
              f"block {dims.block_size}) as {dtype}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_directory(out) as tmp:
         for name, feed in _trace_feeds(snapshot, dims, dtype).items():
             t0 = time.perf_counter()
             module = graphs[name]
@@ -88,12 +84,6 @@ def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str |
                                   branch_k=branch_k, max_tree=max_tree, max_context=max_context,
                                   axes=axis_bounds(dims, max_tree, max_context), files=files)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     progress(f"wrote {out} in {time.perf_counter() - started:.1f}s")
     return out
 

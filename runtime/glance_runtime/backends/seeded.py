@@ -1,15 +1,15 @@
-"""A test drafter: wraps a real backend and seeds the target's own greedy continuation into the top-k.
+"""A seeded drafter: wraps a real backend and seeds the target's own greedy continuation into the top-k.
 
 Random heads accept almost nothing, which would leave the walk, multi-token commits and KV
-compaction untested. This wrapper knows the oracle's tokens and, per draft offset, puts the true
-next token at a chosen top-k column (or removes it), so full, partial, zero and off-first-branch
-acceptance all happen on purpose while the target, tree, verify and commit stay real.
+compaction untested, and says nothing about the loop's speed at a given tau. This wrapper knows the
+oracle's tokens and, per draft offset, puts the true next token at a chosen top-k column (or removes
+it), so full, partial, zero and off-first-branch acceptance all happen on purpose while the target,
+tree, verify and commit stay real. Used by the parity tests and the benchmark's upper-bound mode.
 """
 from __future__ import annotations
 
 from typing import Callable
 
-import numpy as np
 
 
 class SeededDrafter:
