@@ -73,8 +73,7 @@ def _clip(new: list[int], produced: int, cfg: DecodeConfig, stops: Sequence[int]
 
 def _tree(backend: Backend, anchor: int, cfg: DecodeConfig) -> Tree:
     if not cfg.speculative or cfg.budget == 0:
-        return Tree(tokens=np.array([anchor], np.int64), parents=np.array([-1], np.int64),
-                    depths=np.zeros(1, np.int64), scores=np.zeros(1))
+        return Tree.root(anchor)
     ids, logp = backend.draft(anchor, cfg.branch_k)
     return build_tree(anchor, ids, logp, cfg.budget)
 

@@ -87,6 +87,22 @@ class Tree:
             arr.setflags(write=False)
             object.__setattr__(self, name, arr)
 
+    @classmethod
+    def _trusted(cls, tokens: list[int], parents: list[int], depths: list[int], scores: list[float]) -> "Tree":
+        """Skip validation for trees this module built itself (the per-round hot path)."""
+        tree = object.__new__(cls)
+        for name, values, dtype in (("tokens", tokens, np.int64), ("parents", parents, np.int64),
+                                    ("depths", depths, np.int64), ("scores", scores, np.float64)):
+            arr = np.array(values, dtype=dtype)
+            arr.setflags(write=False)
+            object.__setattr__(tree, name, arr)
+        return tree
+
+    @classmethod
+    def root(cls, anchor: int) -> "Tree":
+        """The anchor alone: a verify pass of one row is a plain autoregressive step."""
+        return cls._trusted([int(anchor)], [-1], [0], [0.0])
+
     @property
     def size(self) -> int:
         """Packed length T, root included."""
@@ -144,33 +160,25 @@ def build_tree(
     parents = [-1]
     depths = [0]
     scores = [0.0]
-    heap: list[tuple[float, int, int, int, int]] = []  # (-score, counter, parent index, depth, column)
-    counter = 0
-
-    def push_children(parent: int) -> None:
-        nonlocal counter
-        depth = depths[parent] + 1
-        if depth > offsets:
-            return
-        row = logprobs[depth - 1]
-        for col in range(branch_k):
-            heapq.heappush(heap, (-(scores[parent] + float(row[col])), counter, parent, depth, col))
-            counter += 1
-
-    push_children(0)
+    # Lazy best-first: a popped node pushes only its best child and its next sibling, since every
+    # other candidate scores no higher than one of those two. Keying ties on (parent's packed index,
+    # column) pops nodes in exactly the order of pushing all children at once: insertion order.
+    heap: list[tuple[float, int, int, int]] = []  # (-score, parent index, column, depth)
+    lp, id_rows = logprobs.tolist(), ids.tolist()  # Python scalars: the loop below is hot
+    if offsets:
+        heap.append((-lp[0][0], 0, 0, 1))
     while heap and len(tokens) <= budget:
-        neg_score, _, parent, depth, col = heapq.heappop(heap)
-        tokens.append(int(ids[depth - 1, col]))
+        neg_score, parent, col, depth = heapq.heappop(heap)
+        index = len(tokens)
+        tokens.append(id_rows[depth - 1][col])
         parents.append(parent)
         depths.append(depth)
         scores.append(-neg_score)
-        push_children(len(tokens) - 1)
-    return Tree(
-        tokens=np.array(tokens, dtype=np.int64),
-        parents=np.array(parents, dtype=np.int64),
-        depths=np.array(depths, dtype=np.int64),
-        scores=np.array(scores, dtype=np.float64),
-    )
+        if col + 1 < branch_k:
+            heapq.heappush(heap, (-(scores[parent] + lp[depth - 1][col + 1]), parent, col + 1, depth))
+        if depth < offsets:
+            heapq.heappush(heap, (neg_score - lp[depth][0], index, 0, depth + 1))
+    return Tree._trusted(tokens, parents, depths, scores)
 
 
 def chain_tree(anchor: int, topk_ids: np.ndarray, topk_logprobs: np.ndarray, length: int) -> Tree:
