@@ -53,9 +53,40 @@ def _audit(args: argparse.Namespace) -> int:
     return 0 if report["passed"] else 1
 
 
+def _threads(n: int | None) -> None:
+    if n:
+        import torch
+
+        torch.set_num_threads(n)
+
+
+def _train_target(args: argparse.Namespace) -> int:
+    from .train.target import evaluate, train_target
+
+    _threads(args.threads)
+    out = train_target(args.out, steps=args.steps, seed=args.seed, time_budget_s=args.time_budget,
+                       batch_size=args.batch_size, lr=args.lr)
+    for task_file in args.eval:
+        print(task_file, json.dumps(evaluate(out, task_file)), flush=True)
+    return 0
+
+
+def _corpus(args: argparse.Namespace) -> int:
+    from .train import corpus
+    from .train.head_data import write_training_tasks
+
+    if args.kind == "train":
+        path = write_training_tasks(args.out, args.n, seed=args.seed)
+    else:
+        path = corpus.write_task_file(args.out, args.kind, args.n, seed=args.seed)
+    print(f"wrote {args.n} {args.kind} tasks to {path}")
+    return 0
+
+
 def _train_head(args: argparse.Namespace) -> int:
     from .train.head_trainer import train_head
 
+    _threads(args.threads)
     train_head(args.model, args.data, args.out, layers=args.layers, block_size=args.block_size, steps=args.steps,
                lr=args.lr, batch=args.batch, anchors=args.anchors, gamma=args.gamma,
                max_new_tokens=args.max_new_tokens, seed=args.seed, time_budget_s=args.time_budget,
@@ -86,6 +117,25 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("--mask-token-id", type=int)
     h.set_defaults(func=_init_head)
 
+    c = sub.add_parser("corpus", help="write a synthetic task file (held-out kinds, or training prompts)")
+    c.add_argument("--out", type=Path, required=True)
+    c.add_argument("--kind", choices=("receipt", "chart", "scene", "caption", "train"), required=True,
+                   help="a held-out task kind, or 'train' for mixed training prompts (head training data)")
+    c.add_argument("--n", type=int, default=20)
+    c.add_argument("--seed", type=int, default=0)
+    c.set_defaults(func=_corpus)
+
+    g = sub.add_parser("train-target", help="train the embedded default VLM from scratch on the synthetic corpus")
+    g.add_argument("--out", type=Path, required=True, help="run directory; holds checkpoints and the snapshot")
+    g.add_argument("--steps", type=int, default=3200)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--time-budget", type=float, default=3000.0, help="seconds; stops early and saves")
+    g.add_argument("--batch-size", type=int, default=16)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--threads", type=int, help="torch CPU threads")
+    g.add_argument("--eval", type=Path, nargs="*", default=[], help="task files to score at the end")
+    g.set_defaults(func=_train_target)
+
     t = sub.add_parser("train-head", help="train a GLANCE head on the target's own answers to a task file")
     t.add_argument("--model", type=Path, required=True)
     t.add_argument("--data", type=Path, required=True, help="TASKS.jsonl of training prompts (answers not needed)")
@@ -101,6 +151,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--max-new-tokens", type=int, default=64, help="length of the target's answers")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--time-budget", type=float, help="stop after this many seconds of training")
+    t.add_argument("--threads", type=int, help="torch CPU threads")
     t.set_defaults(func=_train_head)
 
     o = sub.add_parser("onnx", help="export vision, target and draft graphs with a manifest, validated in ONNX Runtime")
