@@ -4,7 +4,7 @@ From scratch, the answer loss alone barely reaches the vision tower until the la
 attends to the right image tokens, and it will not attend until their features carry the answer:
 the run sits on the answer-template loss (measured: digits, shapes and positions all stall). A
 short auxiliary phase breaks that loop. Throwaway linear probes read the merged image tokens:
-per cell (the digit centred in it; in charts, which bar is highest or lowest), per image quadrant
+per cell (the digit centred in it; in charts, each label cell's letter, bar value and rank), per image quadrant
 (mean of its cells: shape and colour there) and per image (mean of all cells: shape, colour and
 background of a lone shape). Only the vision tower's weights are kept.
 """
@@ -22,7 +22,7 @@ from glance_export.train.corpus import BACKGROUNDS, CELL, CELLS, COLOURS, IMAGE_
 SIDE = IMAGE_SIZE // CELL
 NO_DIGIT = 10
 # head -> (pooling, classes); quadrant heads use class 0 for an empty quadrant
-HEADS = {"digit": ("cell", 11), "rank": ("cell", 3), "quad_shape": ("quad", len(SHAPES) + 1),
+HEADS = {"digit": ("cell", 11), "rank": ("cell", 3), "letter": ("cell", 4), "bar_value": ("cell", 10), "quad_shape": ("quad", len(SHAPES) + 1),
          "quad_colour": ("quad", len(COLOURS) + 1), "shape": ("image", len(SHAPES)),
          "colour": ("image", len(COLOURS)), "background": ("image", len(BACKGROUNDS))}
 Labels = dict[str, list[int]]
@@ -46,14 +46,18 @@ def glyph_grid(rng: random.Random) -> tuple[Image.Image, Labels]:
 
 
 def chart_cells(rng: random.Random) -> tuple[Image.Image, Labels]:
-    """A corpus chart: value digits in the top row, highest (1) / lowest (2) under the bars."""
+    """A corpus chart: value digits in the top row; each label cell learns its letter, its bar's
+    value and whether that bar is highest (1) or lowest (2), so one content lookup answers."""
     values = rng.sample(range(1, 10), 4)
     img = corpus.chart_image(values, rng.choice(list(COLOURS)))
-    digit, rank = [NO_DIGIT] * SIDE * SIDE, [-100] * SIDE * SIDE
+    digit = [NO_DIGIT] * SIDE * SIDE
+    rank, letter, bar_value = ([-100] * SIDE * SIDE for _ in range(3))
     for i, v in enumerate(values):
         digit[i + 1] = v
-        rank[(SIDE - 1) * SIDE + i + 1] = 1 if v == max(values) else 2 if v == min(values) else 0
-    return img, {"digit": digit, "rank": rank}
+        at = (SIDE - 1) * SIDE + i + 1
+        rank[at] = 1 if v == max(values) else 2 if v == min(values) else 0
+        letter[at], bar_value[at] = i, v
+    return img, {"digit": digit, "rank": rank, "letter": letter, "bar_value": bar_value}
 
 
 def scene_quads(rng: random.Random) -> tuple[Image.Image, Labels]:
