@@ -8,7 +8,6 @@ vision.index_params (the `vision_indices` parameters), files (tokenizer/processo
 """
 from __future__ import annotations
 
-import hashlib
 import shutil
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import onnx
 import glance_export
 from glance_export.adapters import Snapshot
 from glance_export.head import WEIGHTS_FILE, DraftHead
+from glance_runtime.manifest import sha256
 
 from .spec import Dims
 from .vision import INDEX_INPUTS
@@ -25,14 +25,6 @@ from .vision import INDEX_INPUTS
 FORMAT_VERSION = 1
 RUNTIME_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json",
                  "generation_config.json", "special_tokens_map.json", "config.json")
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def copy_runtime_files(snapshot: Snapshot, out: Path) -> list[str]:

@@ -116,7 +116,8 @@ def load_manifest(artifacts_dir: str | Path) -> Manifest:
         raise GlanceError(f"{file} is incomplete or malformed ({type(exc).__name__}: {exc}); {REEXPORT}") from None
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
+    """Streamed, so multi-GB weights never sit in memory."""
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
@@ -129,10 +130,10 @@ def check_source(manifest: Manifest, model_dir: str | Path) -> None:
     model = Path(model_dir)
     expected = manifest.source.get("weights_sha256") or {}
     config_sha = manifest.source.get("config_sha256")
-    if config_sha and (not (model / "config.json").is_file() or _sha256(model / "config.json") != config_sha):
+    if config_sha and (not (model / "config.json").is_file() or sha256(model / "config.json") != config_sha):
         raise GlanceError(f"{model}/config.json differs from the one {manifest.path} was exported from; "
                           f"pass the original model directory or {REEXPORT}")
     for name, sha in expected.items():
-        if not (model / name).is_file() or _sha256(model / name) != sha:
+        if not (model / name).is_file() or sha256(model / name) != sha:
             raise GlanceError(f"{model}/{name} differs from the weights {manifest.path} was exported from; "
                               f"pass the original model directory or {REEXPORT}")
