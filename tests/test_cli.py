@@ -151,3 +151,11 @@ def test_backend_defaults_to_onnxruntime_when_a_head_is_given(snapshot_dir, head
     assert run_main(["--model", str(snapshot_dir("qwen2_5_vl")), "--head", str(head_dir), "--prompt", "Hi",
                      "--max-new-tokens", "3", "--budget", "15", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["backend"] == "onnxruntime"
+
+
+def test_missing_default_model_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    import glance_runtime.defaults as defaults
+
+    monkeypatch.setattr(defaults, "DEFAULT_MODEL", tmp_path / "glance-vl-tiny")
+    line = _one_line_error(capsys, run_main(["--prompt", "What is the total?"]))
+    assert "embedded default model is missing" in line and "--model" in line
