@@ -14,18 +14,13 @@ from PIL import Image
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from glance_export.train.tokenizer import CHAT_TEMPLATE  # the Qwen-style template of the default model
+
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
             "<|image_pad|>", "<|video_pad|>"]
 VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 TEXT_FAMILIES = ("qwen2", "qwen3", "llama")
 ALL_FAMILIES = VL_FAMILIES + TEXT_FAMILIES
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
-    "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 CORPUS = ["What colour is the square? The square is red, green or blue.",
           "Describe the image. How many circles are there? Read the total on the receipt: 42.17",
           "user assistant system The quick brown fox jumps over the lazy dog 0123456789"]
