@@ -4,7 +4,11 @@ The model is a stock `Qwen2_5_VLForConditionalGeneration`, so every adapter, exp
 path in the toolkit treats it exactly like a downloaded Qwen checkpoint. Training data are drawn
 by sample index from the run seed, so a resumed run sees the same stream as an uninterrupted one.
 
-    python -m glance_export.train.target runs/target --steps 3600 --time-budget 2700
+    python -m glance_export.train.target runs/target --threads 1             # warmup + 3600 steps
+    python -m glance_export.train.target runs/target --steps 5600 --threads 1  # resume: +2000 steps
+
+The second call resumes from `checkpoint.pt` with a longer cosine schedule (a warm restart at
+~3e-4); charts went from 71% to 98% held-out exact match in those 2000 steps.
 """
 from __future__ import annotations
 
