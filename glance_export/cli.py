@@ -127,7 +127,7 @@ def parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("train-target", help="train the embedded default VLM from scratch on the synthetic corpus")
     g.add_argument("--out", type=Path, required=True, help="run directory; holds checkpoints and the snapshot")
-    g.add_argument("--steps", type=int, default=3200)
+    g.add_argument("--steps", type=int, default=3600, help="3600 from scratch; resume with a larger value to continue")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--time-budget", type=float, default=3000.0, help="seconds; stops early and saves")
     g.add_argument("--batch-size", type=int, default=16)
