@@ -39,6 +39,7 @@ def _audit(args: argparse.Namespace) -> int:
         args.head = args.head or default_head
     if args.backend == "torch" and args.head is None:
         raise GlanceError("the torch audit needs --head")
+    _threads(args.threads)
     tasks = read_tasks(args.data)
     ort = {} if args.backend == "torch" else dict(providers=args.provider)
     runner = open_runner(args.backend, model=args.model, head=args.head, artifacts=args.artifacts, **ort)
@@ -176,6 +177,7 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--budget", type=int, default=63)
     a.add_argument("--branch-k", type=int, default=8)
     a.add_argument("--max-new-tokens", type=int, default=64)
+    a.add_argument("--threads", type=int, help="torch CPU threads (the oracle and the torch backend)")
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=_audit)
     return p

@@ -68,7 +68,9 @@ def test_scene_answers_match_pixels():
         s = corpus.scene(random.Random(i))
         px = _pixels(s).astype(int)
         quads = {name: px[y * half:(y + 1) * half, x * half:(x + 1) * half] for name, (x, y) in corpus.CELLS.items()}
-        filled = {name for name, q in quads.items() if (q != 255).any()}
+        painted = {name: {c for c, rgb in corpus.COLOURS.items() if (np.abs(q - rgb).sum(-1) == 0).any()}
+                   for name, q in quads.items()}
+        filled = {name for name, colours in painted.items() if colours}
         if s.prompt.startswith("How many"):
             assert str(len(filled)) in s.answer
         elif s.prompt.startswith("What colour"):
@@ -77,6 +79,19 @@ def test_scene_answers_match_pixels():
         else:
             cell = s.answer.split(" at the ")[1].rstrip(".")
             assert cell in filled
+
+
+def test_scene_cover_map_marks_exactly_the_painted_pixels():
+    for i in range(10):
+        rng = random.Random(i)
+        placed = corpus.scene_layout(rng)
+        img, cover = corpus.scene_drawing(rng, placed)
+        px, mark = np.asarray(img).astype(int), np.asarray(cover)
+        for j, (_, _, colour) in enumerate(placed):
+            painted = np.abs(px - corpus.COLOURS[colour]).sum(-1) == 0
+            assert (mark == j + 1).any() and (painted[mark == j + 1]).all()
+        background = px[mark == 0]
+        assert all(not (np.abs(background - rgb).sum(-1) == 0).any() for rgb in corpus.COLOURS.values())
 
 
 def test_caption_answers_name_colour_shape_and_background():

@@ -126,18 +126,34 @@ def scene_layout(rng: random.Random) -> list[tuple[str, str, str]]:
                     [rng.choice(list(COLOURS)) for _ in range(n)]))
 
 
-def scene_image(rng: random.Random, placed: list[tuple[str, str, str]]) -> Image.Image:
-    """Draw a layout with random sizes and offsets inside each quadrant."""
+def scene_drawing(rng: random.Random, placed: list[tuple[str, str, str]]) -> tuple[Image.Image, Image.Image]:
+    """Draw a layout with random sizes and offsets inside each quadrant, in a frame split into quadrants.
+
+    The frame and dividers are what make "top left" readable: on a plain background every image
+    token looks alike and rotary attention only sees relative offsets, so no model can tell where
+    an empty-surrounded shape sits without a landmark. Also returns a cover map (pixel value: index
+    in `placed` plus one, 0 for background) for the vision warmup's per-cell labels.
+    """
     img = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (255, 255, 255))
-    draw = ImageDraw.Draw(img)
+    cover = Image.new("L", (IMAGE_SIZE, IMAGE_SIZE), 0)
+    draw, mark = ImageDraw.Draw(img), ImageDraw.Draw(cover)
     half = IMAGE_SIZE // 2
-    for shape, cell, colour in placed:
+    draw.line((half - 1, 0, half - 1, IMAGE_SIZE), fill=(160, 160, 160), width=2)
+    draw.line((0, half - 1, IMAGE_SIZE, half - 1), fill=(160, 160, 160), width=2)
+    draw.rectangle((0, 0, IMAGE_SIZE - 1, IMAGE_SIZE - 1), outline=(0, 0, 0), width=3)
+    for i, (shape, cell, colour) in enumerate(placed):
         cx, cy = CELLS[cell]
-        r = rng.randint(18, 28)
-        jitter = half // 2 - r - 4
-        draw_shape(draw, shape, cx * half + half // 2 + rng.randint(-jitter, jitter),
-                   cy * half + half // 2 + rng.randint(-jitter, jitter), r, COLOURS[colour])
-    return img
+        r = rng.randint(18, 26)
+        jitter = half // 2 - r - 5
+        x = cx * half + half // 2 + rng.randint(-jitter, jitter)
+        y = cy * half + half // 2 + rng.randint(-jitter, jitter)
+        draw_shape(draw, shape, x, y, r, COLOURS[colour])
+        draw_shape(mark, shape, x, y, r, i + 1)
+    return img, cover
+
+
+def scene_image(rng: random.Random, placed: list[tuple[str, str, str]]) -> Image.Image:
+    return scene_drawing(rng, placed)[0]
 
 
 def scene(rng: random.Random) -> Sample:

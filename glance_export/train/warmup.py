@@ -4,7 +4,9 @@ From scratch, the answer loss alone barely reaches the vision tower until the la
 attends to the right image tokens, and it will not attend until their features carry the answer:
 the run sits on the answer-template loss (measured: digits, shapes and positions all stall). A
 short auxiliary phase breaks that loop. Throwaway linear probes read the merged image tokens:
-per cell (the digit centred in it; in charts, each label cell's letter, bar value and rank), per image quadrant
+per cell (the digit centred in it; in charts, each label cell's letter, bar value and rank; in
+scenes, the quadrant the cell lies in and the shape and colour covering it, so the language
+model can find a shape by content and read its place off the same token), per image quadrant
 (mean of its cells: shape and colour there) and per image (mean of all cells: shape, colour and
 background of a lone shape). Only the vision tower's weights are kept.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import random
 import time
 
+import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
@@ -22,9 +25,12 @@ from glance_export.train.corpus import BACKGROUNDS, CELL, CELLS, COLOURS, IMAGE_
 SIDE = IMAGE_SIZE // CELL
 NO_DIGIT = 10
 # head -> (pooling, classes); quadrant heads use class 0 for an empty quadrant
-HEADS = {"digit": ("cell", 11), "rank": ("cell", 3), "letter": ("cell", 4), "bar_value": ("cell", 10), "quad_shape": ("quad", len(SHAPES) + 1),
-         "quad_colour": ("quad", len(COLOURS) + 1), "shape": ("image", len(SHAPES)),
+HEADS = {"digit": ("cell", 11), "rank": ("cell", 3), "letter": ("cell", 4), "bar_value": ("cell", 10),
+         "cell_quad": ("cell", 4), "cell_shape": ("cell", len(SHAPES) + 1), "cell_colour": ("cell", len(COLOURS) + 1),
+         "quad_shape": ("quad", len(SHAPES) + 1), "quad_colour": ("quad", len(COLOURS) + 1),
+         "shape": ("image", len(SHAPES)),
          "colour": ("image", len(COLOURS)), "background": ("image", len(BACKGROUNDS))}
+EMPTY = {"digit": NO_DIGIT, "cell_shape": 0, "cell_colour": 0}  # left out of the logged accuracies
 Labels = dict[str, list[int]]
 
 
@@ -61,14 +67,30 @@ def chart_cells(rng: random.Random) -> tuple[Image.Image, Labels]:
 
 
 def scene_quads(rng: random.Random) -> tuple[Image.Image, Labels]:
-    """A corpus scene with the shape and colour in each quadrant (0: empty)."""
+    """A corpus scene: per quadrant its shape and colour (0: empty); per cell its quadrant and the
+    shape and colour covering at least a fifth of it (0: none)."""
     placed = corpus.scene_layout(rng)
-    img = corpus.scene_image(rng, placed)
+    img, cover = corpus.scene_drawing(rng, placed)
     shape, colour = [0] * 4, [0] * 4
     for s, cell, c in placed:
         x, y = CELLS[cell]
         shape[2 * y + x], colour[2 * y + x] = SHAPES.index(s) + 1, list(COLOURS).index(c) + 1
-    return img, {"quad_shape": shape, "quad_colour": colour}
+    cells = np.asarray(cover).reshape(SIDE, CELL, SIDE, CELL).transpose(0, 2, 1, 3).reshape(SIDE * SIDE, -1)
+    cell_quad, cell_shape, cell_colour = [], [], []
+    for i, pixels in enumerate(cells):
+        row, col = divmod(i, SIDE)
+        cell_quad.append(2 * (row >= SIDE // 2) + (col >= SIDE // 2))
+        counts = np.bincount(pixels, minlength=len(placed) + 1)
+        top = int(counts[1:].argmax()) if len(placed) else 0
+        if len(placed) and counts[top + 1] >= pixels.size // 5:
+            s, _, c = placed[top]
+            cell_shape.append(SHAPES.index(s) + 1)
+            cell_colour.append(list(COLOURS).index(c) + 1)
+        else:
+            cell_shape.append(0)
+            cell_colour.append(0)
+    return img, {"quad_shape": shape, "quad_colour": colour, "cell_quad": cell_quad, "cell_shape": cell_shape,
+                 "cell_colour": cell_colour}
 
 
 def lone_shape(rng: random.Random) -> tuple[Image.Image, Labels]:
@@ -112,7 +134,7 @@ def warmup_vision(model, image_processor, *, steps: int, seed: int, batch_size: 
             labels = torch.tensor([c for _, lab in pairs for c in lab.get(k, [-100] * sizes[how])])
             logits = probes[k](_pool(feats, how))
             loss = loss + torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100)
-            shown = (labels >= 0) & (labels != (NO_DIGIT if k == "digit" else -1))
+            shown = (labels >= 0) & (labels != EMPTY.get(k, -1))
             acc[k] = (logits.argmax(-1)[shown] == labels[shown]).float().mean().item()
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, (step + 1) / 50)
