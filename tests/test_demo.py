@@ -1,0 +1,57 @@
+"""The shipped default model and the README demo: `glance-run` with no --model answers every example
+image correctly on ONNX Runtime, speculation changes nothing, and the held-out sets audit identical."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from glance_export.cli import main as export_main
+from glance_export.train import corpus
+from glance_runtime.cli import main as run_main
+from glance_runtime.defaults import DEFAULT_HEAD, DEFAULT_MODEL, MODELS_ROOT
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+PROMPTS = json.loads((EXAMPLES / "demo" / "prompts.json").read_text())
+
+
+def _run(args: list[str], capsys) -> dict:
+    assert run_main(args + ["--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("kind", corpus.KINDS)
+def test_demo_answers_the_example_image(kind, capsys):
+    args = ["--image", str(EXAMPLES / "demo" / f"{kind}.png"), "--prompt", PROMPTS[f"{kind}.png"]]
+    spec, plain = _run(args, capsys), _run(args + ["--no-spec"], capsys)
+    drawn = corpus.heldout(kind, 1, 1000)[0]
+    assert spec["backend"] == "onnxruntime" and spec["text"] in drawn.answers
+    assert spec["token_ids"] == plain["token_ids"] and plain["tau"] == 1.0
+    if kind in ("receipt", "chart"):
+        assert spec["tau"] >= 3.0
+
+
+def test_examples_are_the_generator_output():
+    for kind in corpus.KINDS:
+        rows = corpus.read_task_file(EXAMPLES / kind / "tasks.jsonl")
+        drawn = corpus.heldout(kind, len(rows), 0)
+        assert [(r["prompt"], r["answer"]) for r in rows] == [(s.prompt, s.answer) for s in drawn]
+    assert PROMPTS == {f"{k}.png": corpus.heldout(k, 1, 1000)[0].prompt for k in corpus.KINDS}
+
+
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+def test_heldout_sets_audit_identical_to_greedy(backend, capsys):
+    for kind in corpus.KINDS:
+        code = export_main(["audit", "--backend", backend, "--data", str(EXAMPLES / kind / "tasks.jsonl"),
+                            "--max-new-tokens", "32", "--json"])
+        report = json.loads(capsys.readouterr().out)
+        assert code == 0 and report["n"] == 20 and report["identical"] == 20, (kind, report["first_divergence"])
+        assert report["self_consistent"] == 20 and report["tau"] > 1.5
+
+
+def test_shipped_model_fits_the_size_cap_and_has_a_card():
+    files = [p for p in MODELS_ROOT.rglob("*") if p.is_file()]
+    assert sum(p.stat().st_size for p in files) <= 60 * 2**20
+    assert (DEFAULT_MODEL / "MODEL_CARD.md").is_file() and (DEFAULT_HEAD / "config.json").is_file()
+    assert not [p for p in files if p.suffix in (".pt", ".bin", ".pkl", ".onnx")]
