@@ -159,3 +159,19 @@ def test_missing_default_model_is_a_clear_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(defaults, "DEFAULT_MODEL", tmp_path / "glance-vl-tiny")
     line = _one_line_error(capsys, run_main(["--prompt", "What is the total?"]))
     assert "embedded default model is missing" in line and "--model" in line
+
+
+def test_eval_scores_each_kind_with_a_blank_control(snapshot_dir, tmp_path, capsys):
+    from glance_export.train import corpus
+
+    tasks = corpus.write_task_file(tmp_path / "chart", "chart", 2)
+    assert export_main(["eval", "--model", str(snapshot_dir("qwen2_5_vl")), "--data", str(tasks)]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"{tasks}: chart exact match ") and line.endswith("%)") and "of 2 (blank image" in line
+
+
+def test_bad_training_mix_is_a_clear_error(tmp_path, capsys):
+    for mix in (["scene=lots"], ["posters=1"], ["scene=0"]):
+        line = _one_line_error(capsys, export_main(["train-target", "--out", str(tmp_path / "t"), "--mix", *mix]))
+        assert "--mix" in line
+    assert not (tmp_path / "t").exists()
