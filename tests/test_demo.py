@@ -3,6 +3,9 @@ image correctly on ONNX Runtime, speculation changes nothing, and the held-out s
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,7 +13,8 @@ import pytest
 from glance_export.cli import main as export_main
 from glance_export.train import corpus
 from glance_runtime.cli import main as run_main
-from glance_runtime.defaults import DEFAULT_HEAD, DEFAULT_MODEL, MODELS_ROOT
+from glance_runtime.defaults import DEFAULT_ARTIFACTS, DEFAULT_HEAD, DEFAULT_MODEL, MODELS_ROOT
+from glance_runtime.manifest import check_source, load_manifest, sha256
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 PROMPTS = json.loads((EXAMPLES / "demo" / "prompts.json").read_text())
@@ -54,4 +58,36 @@ def test_shipped_model_fits_the_size_cap_and_has_a_card():
     files = [p for p in MODELS_ROOT.rglob("*") if p.is_file()]
     assert sum(p.stat().st_size for p in files) <= 60 * 2**20
     assert (DEFAULT_MODEL / "MODEL_CARD.md").is_file() and (DEFAULT_HEAD / "config.json").is_file()
-    assert not [p for p in files if p.suffix in (".pt", ".bin", ".pkl", ".onnx")]
+    assert not [p for p in files if p.suffix in (".pt", ".bin", ".pkl")]
+    assert {p.parent for p in files if p.suffix == ".onnx"} == {DEFAULT_ARTIFACTS}
+
+
+def test_shipped_graphs_were_exported_from_the_shipped_weights():
+    check_source(load_manifest(DEFAULT_ARTIFACTS), DEFAULT_MODEL)
+    raw = json.loads((DEFAULT_ARTIFACTS / "manifest.json").read_text())
+    assert raw["head"]["weights_sha256"] == sha256(DEFAULT_HEAD / "model.safetensors")
+
+
+TORCH_FREE_DEMO = """
+import importlib.abc, sys
+
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "transformers", "glance_export", "safetensors"):
+            raise ImportError(f"{name} is blocked: an edge install has no training stack")
+        return None
+
+sys.meta_path.insert(0, Blocker())
+from glance_runtime.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_demo_runs_on_an_edge_install_without_torch(tmp_path):
+    env = {**os.environ, "GLANCE_CACHE": str(tmp_path / "cache")}
+    run = subprocess.run([sys.executable, "-c", TORCH_FREE_DEMO, "--image", str(EXAMPLES / "demo" / "receipt.png"),
+                          "--prompt", PROMPTS["receipt.png"]], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() in corpus.heldout("receipt", 1, 1000)[0].answers
+    assert "[onnxruntime] tau" in run.stderr and "exporting" not in run.stderr
+    assert not (tmp_path / "cache").exists()

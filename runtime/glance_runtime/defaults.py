@@ -1,15 +1,18 @@
 """The embedded default model: a small Qwen2.5-VL and its GLANCE head, trained in this project and
-shipped in the repository's `models/`, so a fresh install can answer without any download."""
+shipped in the repository's `models/`, so a fresh install can answer without any download. Its ONNX
+graphs ship too, so a torch-free edge install runs it on ONNX Runtime without exporting."""
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
 
 from .errors import GlanceError
+from .graphs import MANIFEST
 
 MODELS_ROOT = Path(__file__).resolve().parents[2] / "models"
 DEFAULT_MODEL = MODELS_ROOT / "glance-vl-tiny"
 DEFAULT_HEAD = MODELS_ROOT / "glance-vl-tiny-head"
+DEFAULT_ARTIFACTS = MODELS_ROOT / "glance-vl-tiny-onnx"
 
 
 def default_model() -> tuple[Path, Path]:
@@ -19,6 +22,11 @@ def default_model() -> tuple[Path, Path]:
             raise GlanceError(f"the embedded default model is missing ({path}); install from a clone of the "
                               "repository with `pip install -e .`, or pass --model and --head")
     return DEFAULT_MODEL, DEFAULT_HEAD
+
+
+def default_artifacts() -> Path | None:
+    """The shipped ONNX graphs of the default model, where this install has them."""
+    return DEFAULT_ARTIFACTS if (DEFAULT_ARTIFACTS / MANIFEST).is_file() else None
 
 
 def auto_backend() -> str:
