@@ -103,8 +103,13 @@ def _print_scores(model: Path, task_file: Path) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from .adapters import Snapshot
+
     _threads(args.threads)
     model = args.model or default_model()[0]
+    family = Snapshot(model).family
+    if family != "qwen2_5_vl":
+        raise GlanceError(f"{model} is a {family} model; eval scores Qwen2.5-VL targets on the synthetic corpus")
     for task_file in args.data:
         if not Path(task_file).is_file():
             raise GlanceError(f"{task_file} does not exist; write one with `glance-export corpus`")

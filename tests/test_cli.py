@@ -168,6 +168,11 @@ def test_eval_scores_each_kind_with_a_blank_control(snapshot_dir, tmp_path, caps
     assert export_main(["eval", "--model", str(snapshot_dir("qwen2_5_vl")), "--data", str(tasks)]) == 0
     line = capsys.readouterr().out.strip()
     assert line.startswith(f"{tasks}: chart exact match ") and line.endswith("%)") and "of 2 (blank image" in line
+    line = _one_line_error(capsys, export_main(["eval", "--model", str(snapshot_dir("qwen3")), "--data", str(tasks)]))
+    assert "qwen3" in line
+    line = _one_line_error(capsys, export_main(["eval", "--model", str(snapshot_dir("qwen2_5_vl")), "--data",
+                                                str(tmp_path / "none.jsonl")]))
+    assert "does not exist" in line
 
 
 def test_bad_training_mix_is_a_clear_error(tmp_path, capsys):
