@@ -15,6 +15,7 @@ from glance_export.train import corpus
 from glance_runtime.cli import main as run_main
 from glance_runtime.defaults import DEFAULT_ARTIFACTS, DEFAULT_HEAD, DEFAULT_MODEL, MODELS_ROOT
 from glance_runtime.manifest import check_source, load_manifest, sha256
+from edge_install import BLOCK_TRAINING_STACK
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 PROMPTS = json.loads((EXAMPLES / "demo" / "prompts.json").read_text())
@@ -68,16 +69,7 @@ def test_shipped_graphs_were_exported_from_the_shipped_weights():
     assert raw["head"]["weights_sha256"] == sha256(DEFAULT_HEAD / "model.safetensors")
 
 
-TORCH_FREE_DEMO = """
-import importlib.abc, sys
-
-class Blocker(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("torch", "transformers", "glance_export", "safetensors"):
-            raise ImportError(f"{name} is blocked: an edge install has no training stack")
-        return None
-
-sys.meta_path.insert(0, Blocker())
+TORCH_FREE_DEMO = BLOCK_TRAINING_STACK + """
 from glance_runtime.cli import main
 sys.exit(main(sys.argv[1:]))
 """

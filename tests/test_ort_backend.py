@@ -24,6 +24,7 @@ from glance_runtime.backends.ort_backend import OrtBackend
 from glance_runtime.backends.torch_backend import TorchBackend, greedy_reference
 from glance_runtime.errors import GlanceError
 from glance_runtime.loop import DecodeConfig, decode
+from edge_install import BLOCK_TRAINING_STACK
 from tiny_models import ALL_FAMILIES, VL_FAMILIES
 
 MAX_NEW = 24
@@ -239,16 +240,8 @@ def test_corrupt_graph_fails_in_one_line(exported, tmp_path):
     assert "\n" not in str(err.value)
 
 
-BLOCKED_RUN = """
-import importlib.abc, json, sys
-
-class Blocker(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("torch", "transformers", "glance_export", "safetensors"):
-            raise ImportError(f"{name} is blocked: the ONNX Runtime path must not import it")
-        return None
-
-sys.meta_path.insert(0, Blocker())
+BLOCKED_RUN = BLOCK_TRAINING_STACK + """
+import json
 from glance_runtime.backends.ort_backend import OrtBackend
 from glance_runtime.loop import DecodeConfig, decode
 
