@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from glance_runtime.defaults import default_artifacts, default_model
+from glance_runtime.defaults import default_model, resolve
 from glance_runtime.errors import GlanceError
 from glance_runtime.loop import DecodeConfig
 from glance_runtime.runner import BACKENDS
@@ -34,11 +34,7 @@ def _audit(args: argparse.Namespace) -> int:
 
     from .audit import audit, read_tasks
 
-    if args.model is None and args.artifacts is None:
-        args.model, default_head = default_model()
-        args.head = args.head or default_head
-        if args.backend == "onnxruntime" and args.head == default_head:
-            args.artifacts = default_artifacts()
+    args.model, args.head, args.artifacts, args.backend = resolve(args.model, args.head, args.artifacts, args.backend)
     if args.backend == "torch" and args.head is None:
         raise GlanceError("the torch audit needs --head")
     _threads(args.threads)

@@ -13,7 +13,7 @@ import pytest
 from glance_export.cli import main as export_main
 from glance_export.train import corpus
 from glance_runtime.cli import main as run_main
-from glance_runtime.defaults import DEFAULT_ARTIFACTS, DEFAULT_HEAD, DEFAULT_MODEL, MODELS_ROOT
+from glance_runtime.defaults import DEFAULT_ARTIFACTS, DEFAULT_HEAD, DEFAULT_MODEL, MODELS_ROOT, resolve
 from glance_runtime.manifest import check_source, load_manifest, sha256
 from edge_install import BLOCK_TRAINING_STACK
 
@@ -35,6 +35,15 @@ def test_demo_answers_the_example_image(kind, capsys):
     assert spec["token_ids"] == plain["token_ids"] and plain["tau"] == 1.0
     if kind in ("receipt", "chart"):
         assert spec["tau"] >= 3.0
+
+
+def test_embedded_default_is_served_from_shipped_graphs_only_with_its_own_head(tmp_path):
+    assert resolve(None, None, None, None) == (DEFAULT_MODEL, DEFAULT_HEAD, DEFAULT_ARTIFACTS, "onnxruntime")
+    assert resolve(None, None, None, "torch") == (DEFAULT_MODEL, DEFAULT_HEAD, None, "torch")
+    other = tmp_path / "head"
+    assert resolve(None, other, None, "onnxruntime") == (DEFAULT_MODEL, other, None, "onnxruntime")
+    assert resolve(tmp_path, None, None, None) == (tmp_path, None, None, "torch")
+    assert resolve(None, None, tmp_path, None) == (None, None, tmp_path, "onnxruntime")
 
 
 def test_examples_are_the_generator_output():

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .errors import GlanceError
 from .loop import DecodeConfig, decode
-from .defaults import DEFAULT_HEAD, auto_backend, default_artifacts, default_model
+from .defaults import resolve
 from .runner import BACKENDS, open_runner
 
 
@@ -50,13 +50,7 @@ def _stream(detokenize, tokens: list[int]):
 
 
 def run(args: argparse.Namespace) -> int:
-    embedded = args.model is None and args.artifacts is None
-    if embedded:
-        args.model, default_head = default_model()
-        args.head = args.head or default_head
-    args.backend = args.backend or (auto_backend() if args.head or args.artifacts else "torch")
-    if embedded and args.backend == "onnxruntime" and args.head == DEFAULT_HEAD:
-        args.artifacts = default_artifacts()
+    args.model, args.head, args.artifacts, args.backend = resolve(args.model, args.head, args.artifacts, args.backend)
     if not args.no_spec and args.head is None and args.backend == "torch":
         raise GlanceError("speculative decoding needs --head (or pass --no-spec for plain greedy decoding)")
     if args.max_new_tokens < 1 or args.budget < 0 or args.branch_k < 1:

@@ -32,3 +32,18 @@ def default_artifacts() -> Path | None:
 def auto_backend() -> str:
     """ONNX Runtime where it is installed (the edge path), else the torch reference."""
     return "onnxruntime" if importlib.util.find_spec("onnxruntime") is not None else "torch"
+
+
+def resolve(model: Path | None, head: Path | None, artifacts: Path | None,
+            backend: str | None) -> tuple[Path | None, Path | None, Path | None, str]:
+    """(model, head, artifacts, backend) as the commands use them: with neither a model nor artifacts
+    given, the embedded default, served from its shipped graphs on onnxruntime; an unset backend is
+    onnxruntime where installed when there is something to speculate with, else the torch reference."""
+    embedded = model is None and artifacts is None
+    if embedded:
+        model, default_head = default_model()
+        head = head or default_head
+    backend = backend or (auto_backend() if head or artifacts else "torch")
+    if embedded and backend == "onnxruntime" and head == DEFAULT_HEAD:
+        artifacts = default_artifacts()
+    return model, head, artifacts, backend
