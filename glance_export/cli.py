@@ -173,10 +173,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--time-budget", type=float, default=3000.0, help="seconds; stops early and saves")
     g.add_argument("--batch-size", type=int, default=16)
-    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--lr", type=float, default=5e-4)
     g.add_argument("--threads", type=int, help="torch CPU threads")
     g.add_argument("--mix", nargs="+", metavar="KIND=WEIGHT",
-                   help="training mix by task kind (default receipt=0.15 chart=0.4 scene=0.35 caption=0.1)")
+                   help="training mix by task kind (default receipt=0.1 chart=0.35 scene=0.45 caption=0.1)")
     g.add_argument("--eval", type=Path, nargs="*", default=[], help="task files to score at the end")
     g.set_defaults(func=_train_target)
 

@@ -30,7 +30,7 @@ def _run(args: list[str], capsys) -> dict:
 def test_demo_answers_the_example_image(kind, capsys):
     args = ["--image", str(EXAMPLES / "demo" / f"{kind}.png"), "--prompt", PROMPTS[f"{kind}.png"]]
     spec, plain = _run(args, capsys), _run(args + ["--no-spec"], capsys)
-    drawn = corpus.heldout(kind, 1, 1000)[0]
+    drawn = corpus.demo_sample(kind)
     assert spec["backend"] == "onnxruntime" and spec["text"] in drawn.answers
     assert spec["token_ids"] == plain["token_ids"] and plain["tau"] == 1.0
     if kind in ("receipt", "chart"):
@@ -51,7 +51,7 @@ def test_examples_are_the_generator_output():
         rows = corpus.read_task_file(EXAMPLES / kind / "tasks.jsonl")
         drawn = corpus.heldout(kind, len(rows), 0)
         assert [(r["prompt"], r["answer"]) for r in rows] == [(s.prompt, s.answer) for s in drawn]
-    assert PROMPTS == {f"{k}.png": corpus.heldout(k, 1, 1000)[0].prompt for k in corpus.KINDS}
+    assert PROMPTS == {f"{k}.png": corpus.demo_sample(k).prompt for k in corpus.KINDS}
 
 
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
@@ -89,6 +89,6 @@ def test_demo_runs_on_an_edge_install_without_torch(tmp_path):
     run = subprocess.run([sys.executable, "-c", TORCH_FREE_DEMO, "--image", str(EXAMPLES / "demo" / "receipt.png"),
                           "--prompt", PROMPTS["receipt.png"]], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() in corpus.heldout("receipt", 1, 1000)[0].answers
+    assert run.stdout.strip() in corpus.demo_sample("receipt").answers
     assert "[onnxruntime] tau" in run.stderr and "exporting" not in run.stderr
     assert not (tmp_path / "cache").exists()

@@ -62,23 +62,46 @@ def test_chart_answers_match_bar_heights():
             assert s.answer.endswith(f" is {values[k]}.")
 
 
+def _shape_of(mask: np.ndarray) -> str:
+    """Name a filled shape from its pixels: bounding-box fill, then where its widest row lies."""
+    rows, cols = np.nonzero(mask)
+    box = mask[rows.min():rows.max() + 1, cols.min():cols.max() + 1]
+    fill = box.mean()
+    if fill > 0.9:
+        return "square"
+    if fill > 0.7:
+        return "circle"
+    widths = box.sum(1)
+    return "triangle" if widths.argmax() > 0.8 * len(widths) else "diamond"
+
+
 def test_scene_answers_match_pixels():
     half = corpus.IMAGE_SIZE // 2
-    for i in range(30):
+    asked = set()
+    for i in range(60):
         s = corpus.scene(random.Random(i))
         px = _pixels(s).astype(int)
         quads = {name: px[y * half:(y + 1) * half, x * half:(x + 1) * half] for name, (x, y) in corpus.CELLS.items()}
-        painted = {name: {c for c, rgb in corpus.COLOURS.items() if (np.abs(q - rgb).sum(-1) == 0).any()}
-                   for name, q in quads.items()}
+        masks = {(name, c): (np.abs(q - rgb).sum(-1) == 0) for name, q in quads.items()
+                 for c, rgb in corpus.COLOURS.items()}
+        painted = {name: {c for (n, c), m in masks.items() if n == name and m.any()} for name in quads}
         filled = {name for name, colours in painted.items() if colours}
-        if s.prompt.startswith("How many"):
+        kind = s.prompt.split()[0]
+        asked.add(kind)
+        if kind == "How":
             assert str(len(filled)) in s.answer
-        elif s.prompt.startswith("What colour"):
-            colour = s.answer.split()[-1].rstrip(".")
-            assert (np.abs(px - corpus.COLOURS[colour]).sum(-1) == 0).any()
-        else:
+        elif kind == "Where":
+            colour = s.prompt.split()[3]
             cell = s.answer.split(" at the ")[1].rstrip(".")
-            assert cell in filled
+            assert painted[cell] == {colour}
+        else:
+            cell = s.prompt.split(" at the ")[1].rstrip("?")
+            (colour,) = painted[cell]
+            if kind == "What":
+                assert s.answer.endswith(f" is {colour}.")
+            else:
+                assert s.answer.endswith(f" is a {_shape_of(masks[cell, colour])}.")
+    assert asked == {"How", "Where", "What", "Which"}
 
 
 def test_scene_cover_map_marks_exactly_the_painted_pixels():
