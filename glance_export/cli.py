@@ -11,6 +11,9 @@ from glance_runtime.errors import GlanceError
 from glance_runtime.loop import DecodeConfig
 from glance_runtime.runner import BACKENDS
 
+from .device_profiles import PROFILE_NAMES
+from .precision import PRECISIONS
+
 
 def _init_head(args: argparse.Namespace) -> int:
     from .adapters import Snapshot
@@ -146,6 +149,18 @@ def _onnx(args: argparse.Namespace) -> int:
     return 0
 
 
+def _build(args: argparse.Namespace) -> int:
+    from .devices import probe_device
+    from .engine_build import BuildRequest, build
+
+    request = BuildRequest(target=args.target, out=args.out, model=args.model, head=args.head,
+                           artifacts=args.artifacts, precision=args.precision, max_context=args.max_context,
+                           max_tree=args.max_tree, memory_gib=args.memory_gib, workspace_gib=args.workspace_gib,
+                           timing_cache=args.timing_cache, plan_only=args.plan_only)
+    build(request, probe_device(), progress=lambda line: print(line, flush=True))
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="glance-export", description="GLANCE export toolkit.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -215,6 +230,23 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--branch-k", type=int, default=8, help="top-k the draft graph returns per offset")
     o.add_argument("--quiet", action="store_true")
     o.set_defaults(func=_onnx)
+
+    b = sub.add_parser("build", help="build TensorRT engines for a device target (or --plan-only: a bundle to build there)")
+    b.add_argument("--target", required=True, choices=("jetson",) + PROFILE_NAMES,
+                   help="device profile (engines/profiles); jetson picks Orin or Thor from this device")
+    b.add_argument("--model", type=Path, help="target snapshot: export it (cached) with --head")
+    b.add_argument("--head", type=Path, help="draft head of --model")
+    b.add_argument("--artifacts", type=Path, help="an export from `glance-export onnx` (no torch needed)")
+    b.add_argument("--out", type=Path, required=True, help="engines directory (the bundle with --plan-only)")
+    b.add_argument("--precision", choices=PRECISIONS, help="default: the target's (strongly typed builders: the export's)")
+    b.add_argument("--max-context", type=int, help="lower the export's max context (default: what fits in memory)")
+    b.add_argument("--max-tree", type=int, help="lower the export's max tree (default: the target's cap)")
+    b.add_argument("--memory-gib", type=float, help="device memory budget (default: this device's, else the target's)")
+    b.add_argument("--workspace-gib", type=float, help="builder workspace (trtexec --memPoolSize=workspace)")
+    b.add_argument("--timing-cache", type=Path, help="read if present, written after (trtexec --timingCacheFile)")
+    b.add_argument("--plan-only", action="store_true",
+                   help="write the export, target profile, README and build.sh for the device; needs no TensorRT")
+    b.set_defaults(func=_build)
 
     a = sub.add_parser("audit", help="check GLANCE output against greedy decoding, prompt by prompt")
     a.add_argument("--model", type=Path, help="target snapshot (default: the embedded glance-vl-tiny)")

@@ -1,19 +1,23 @@
 """Build TensorRT engines from an ONNX artifacts directory, with profiles sized from its manifest.
 
-The same code proves in CI, with the TensorRT-RTX builder on a CPU-only machine, that every exported
-graph parses and compiles under a real TensorRT compiler, and later builds deployable engines. The
-target gets two profiles: prefill (long passes, image rows) and verify (T up to max_tree over any past).
+One code path over the API that `tensorrt` and `tensorrt_rtx` share. In CI the TensorRT-RTX builder
+proves on a CPU-only machine that every exported graph parses and compiles under a real TensorRT
+compiler; `glance-export build` uses the same functions to build deployable engines. Each graph's
+optimization profiles come from `profiles_for`, from the manifest's (possibly lowered) axis bounds.
 """
 from __future__ import annotations
 
-import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from glance_runtime.errors import GlanceError
-from glance_runtime.graphs import MANIFEST
+from glance_runtime.manifest import sha256
+
+from .precision import Precision
+from .toolchain import Toolchain
 
 Range = tuple[int, int, int]  # min, opt, max
 
@@ -48,6 +52,9 @@ def profiles_for(manifest: dict[str, Any], graph: str) -> list[Profile]:
     if graph == "draft":
         return [Profile("draft", {"N": (1, _opt(1, axes["N"][1], max_tree), axes["N"][1]),
                                   "S_h": _span(axes["S_h"], axes["S_h"][1] // 2)})]
+    if graph == "vocab":
+        return [Profile("embed", {"E": _span(axes["E"], 256), "R": (1, 1, 1)}),
+                Profile("project", {"E": (1, 1, 1), "R": _span(axes["R"], 32)})]
     patches = _span(axes["N_patch"], axes["N_patch"][1] // 4)
     unit = manifest["graphs"]["vision"]["index_params"]["merge_size"] ** 2
     return [Profile("vision", {"N_patch": patches, "N_merged": tuple(p // unit for p in patches)})]
@@ -65,7 +72,11 @@ def _shapes(shape: list[int | str], axes: dict[str, Range], name: str) -> tuple[
 
 
 def _allow_attention_fallback(trt, network) -> None:
-    """Let ONNX Attention ops (opset 23) fall back to plain layers where no fused kernel fits (fp32, masks)."""
+    """Let ONNX Attention ops (opset 23) fall back to plain layers where no fused kernel fits (fp32, masks).
+
+    TensorRT before 10.14 has no attention layers (and its parser refuses opset 23 before this runs)."""
+    if not hasattr(trt.LayerType, "ATTENTION_INPUT"):
+        return
     for i in range(network.num_layers):
         layer = network.get_layer(i)
         if layer.type == trt.LayerType.ATTENTION_INPUT:
@@ -73,21 +84,63 @@ def _allow_attention_fallback(trt, network) -> None:
             layer.attention.decomposable = True
 
 
-def build_engine(onnx_path: Path, inputs: dict[str, dict[str, Any]], profiles: list[Profile], *,
-                 workspace_gib: float = 2.0) -> bytes:
-    """Parse and build one graph; GlanceError names the graph and the parser/builder failure."""
-    import tensorrt_rtx as trt
 
+
+class TimingCache:
+    """One timing cache shared by every graph of a build: read from `path` when it exists, written back
+    atomically after a successful build (trtexec's --timingCacheFile)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.cache = None
+
+    def attach(self, config) -> None:
+        if self.cache is None:
+            self.cache = config.create_timing_cache(self.path.read_bytes() if self.path.is_file() else b"")
+        if not config.set_timing_cache(self.cache, False):
+            raise GlanceError(f"{self.path} was written by another TensorRT version or GPU; delete it or pass "
+                              f"another --timing-cache")
+
+    def save(self) -> None:
+        if self.cache is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_bytes(bytes(self.cache.serialize()))
+        os.replace(tmp, self.path)
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    precision: Precision
+    workspace_gib: float = 2.0
+    timing_cache: TimingCache | None = None
+
+
+def build_engine(toolchain: Toolchain, onnx_path: Path, inputs: dict[str, dict[str, Any]], profiles: list[Profile],
+                 options: BuildOptions) -> bytes:
+    """Parse and build one graph; GlanceError names the graph and the parser/builder failure.
+
+    A precision reached through a builder flag needs a weakly typed network; otherwise the network is
+    strongly typed, so the engine computes in exactly the graph's dtypes."""
+    trt = toolchain.module
     logger = trt.Logger(trt.Logger.ERROR)
     builder = trt.Builder(logger)
-    network = builder.create_network(0)
+    flag = options.precision.builder_flag
+    network = builder.create_network(0 if flag else 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(onnx_path)):
         errors = "; ".join(parser.get_error(i).desc() for i in range(parser.num_errors))
         raise GlanceError(f"TensorRT cannot parse {onnx_path.name}: {errors}")
     _allow_attention_fallback(trt, network)
     config = builder.create_builder_config()
-    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * (1 << 30)))
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(options.workspace_gib * (1 << 30)))
+    if flag:
+        config.set_flag(getattr(trt.BuilderFlag, flag))
+    if options.precision.name == "fp32":
+        config.clear_flag(trt.BuilderFlag.TF32)
+    if options.timing_cache is not None:
+        options.timing_cache.attach(config)
     for profile in profiles:
         opt = builder.create_optimization_profile()
         for name, spec in inputs.items():
@@ -99,24 +152,27 @@ def build_engine(onnx_path: Path, inputs: dict[str, dict[str, Any]], profiles: l
     return bytes(engine)
 
 
-def build_engines(artifacts_dir: str | Path, engine_dir: str | Path | None = None, *, workspace_gib: float = 2.0,
-                  progress: Callable[[str], None] = print) -> dict[str, int]:
-    """Build every graph of an artifacts directory; write `<graph>.engine` files when engine_dir is given.
+def _file_record(path: Path) -> dict[str, Any]:
+    return {"file": path.name, "bytes": path.stat().st_size, "sha256": sha256(path)}
 
-    Returns the serialized engine size per graph."""
-    artifacts = Path(artifacts_dir)
-    if not (artifacts / MANIFEST).is_file():
-        raise GlanceError(f"{artifacts} has no {MANIFEST}; export it with `glance-export onnx` first")
-    manifest = json.loads((artifacts / MANIFEST).read_text())
-    sizes = {}
+
+def build_engines(toolchain: Toolchain, artifacts: Path, manifest: dict[str, Any], engine_dir: Path,
+                  options: BuildOptions, progress: Callable[[str], None] = print) -> dict[str, dict[str, Any]]:
+    """Build every graph the manifest lists into `engine_dir/<graph>.engine`.
+
+    `manifest` is the artifacts manifest, its axes possibly lowered (`memory_plan.Limits.apply`).
+    Returns, per graph, what engines.json records: the engine and ONNX files (sizes, sha256), the build
+    time and every profile's min/opt/max per axis."""
+    records = {}
     for graph, entry in manifest["graphs"].items():
         t0 = time.perf_counter()
         profiles = profiles_for(manifest, graph)
-        engine = build_engine(artifacts / entry["file"], entry["inputs"], profiles, workspace_gib=workspace_gib)
-        sizes[graph] = len(engine)
-        if engine_dir is not None:
-            Path(engine_dir).mkdir(parents=True, exist_ok=True)
-            (Path(engine_dir) / f"{graph}.engine").write_bytes(engine)
+        engine = build_engine(toolchain, artifacts / entry["file"], entry["inputs"], profiles, options)
+        path = engine_dir / f"{graph}.engine"
+        path.write_bytes(engine)
+        onnx = [_file_record(artifacts / name) for name in (entry["file"], entry.get("data_file")) if name]
+        records[graph] = {**_file_record(path), "onnx": onnx, "build_s": round(time.perf_counter() - t0, 2),
+                          "profiles": {p.name: {axis: list(rng) for axis, rng in p.axes.items()} for p in profiles}}
         progress(f"built {graph} engine ({', '.join(p.name for p in profiles)} profiles, "
                  f"{len(engine) / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f}s")
-    return sizes
+    return records

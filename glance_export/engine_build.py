@@ -1,0 +1,186 @@
+"""`glance-export build`: artifacts -> checked against the target -> sized to its memory -> engines + engines.json.
+
+Every refusal (wrong GPU, TensorRT version, precision, memory, mismatched artifacts) happens before the
+first engine is built, and the engines directory appears whole or not at all. With `--artifacts` this
+path imports neither torch nor onnx: a Jetson builds from an export made on a workstation.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from glance_runtime.atomic import atomic_directory
+from glance_runtime.errors import GlanceError
+from glance_runtime.graphs import MANIFEST
+from glance_runtime.manifest import check_source, load_manifest, sha256
+
+from . import __version__
+from .device_profiles import DeviceProfile, load_profile
+from .devices import Device, check_device, resolve_target
+from .memory_plan import plan_memory
+from .plan_bundle import write_bundle
+from .precision import choose_precision
+from .tensorrt_build import BuildOptions, TimingCache, build_engines
+from .toolchain import Toolchain, check_opset, check_version, load_toolchain
+
+ENGINE_MANIFEST = "engines.json"
+HEAD_WEIGHTS = "model.safetensors"  # glance_export.head.WEIGHTS_FILE, not imported here: that module needs torch
+CACHE_DTYPE = "fp32"  # what `exported_artifacts` exports (the --model/--head path)
+
+
+@dataclass(frozen=True)
+class BuildRequest:
+    target: str
+    out: Path
+    model: Path | None = None
+    head: Path | None = None
+    artifacts: Path | None = None
+    precision: str | None = None
+    max_context: int | None = None
+    max_tree: int | None = None
+    memory_gib: float | None = None
+    workspace_gib: float | None = None
+    timing_cache: Path | None = None
+    plan_only: bool = False
+
+    def device_flags(self) -> list[str]:
+        """The flags a plan-only bundle's build.sh passes on, as the user gave them."""
+        flags = []
+        for flag, value in (("--precision", self.precision), ("--max-context", self.max_context),
+                            ("--max-tree", self.max_tree), ("--memory-gib", self.memory_gib),
+                            ("--workspace-gib", self.workspace_gib)):
+            if value is not None:
+                flags += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+        return flags
+
+
+class Stopwatch:
+    """Progress lines prefixed with the seconds since the build started."""
+
+    def __init__(self, progress: Callable[[str], None]):
+        self.progress, self.t0 = progress, time.perf_counter()
+
+    def __call__(self, line: str) -> None:
+        self.progress(f"[{time.perf_counter() - self.t0:6.1f}s] {line}")
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def _read_manifest(artifacts: Path) -> dict[str, Any]:
+    load_manifest(artifacts)  # format, version and completeness, with the runtime's one-line errors
+    return json.loads((artifacts / MANIFEST).read_text())
+
+
+def check_head(manifest: dict[str, Any], head: Path, artifacts: Path) -> None:
+    """Refuse artifacts exported with another draft head (the manifest records its weights' sha256)."""
+    expected = (manifest.get("head") or {}).get("weights_sha256")
+    if expected and (not (head / HEAD_WEIGHTS).is_file() or sha256(head / HEAD_WEIGHTS) != expected):
+        raise GlanceError(f"{head}/{HEAD_WEIGHTS} differs from the head {artifacts} was exported with; pass the "
+                          f"original head directory, or re-export with `glance-export onnx --model M --head {head}`")
+
+
+def _artifacts(request: BuildRequest, say: Callable[[str], None]) -> Path:
+    """The artifacts directory: given, or exported once into the cache; checked against --model/--head."""
+    if request.artifacts is None and (request.model is None or request.head is None):
+        raise GlanceError("build needs --artifacts DIR (from `glance-export onnx`), or --model and --head to export them")
+    if (request.model is None) != (request.head is None):
+        raise GlanceError("pass --model and --head together (the artifacts are checked against both)")
+    if request.artifacts is not None:
+        artifacts = request.artifacts
+    else:
+        from glance_runtime.runner import exported_artifacts
+
+        artifacts = exported_artifacts(request.model, request.head, say)
+    if request.model is not None:
+        check_source(load_manifest(artifacts), request.model)
+        check_head(_read_manifest(artifacts), request.head, artifacts)
+    return artifacts
+
+
+def _identity(artifacts: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    return {"path": str(artifacts.resolve()), "manifest_sha256": sha256(artifacts / MANIFEST),
+            "toolkit_version": manifest["toolkit_version"], "family": manifest["family"], "dtype": manifest["dtype"],
+            "opset": manifest["opset"], "limits": manifest["limits"], "source": manifest.get("source"),
+            "head_weights_sha256": (manifest.get("head") or {}).get("weights_sha256")}
+
+
+def _device_record(profile: DeviceProfile, device: Device) -> dict[str, Any]:
+    if device.name is None:
+        return {"name": "ahead-of-time, no GPU", "compute_capability": None,
+                "runs_on_compute_capabilities": list(profile.compute_capabilities)}
+    return {"name": device.name, "compute_capability": device.compute_capability, "memory_gib": device.memory_gib}
+
+
+def build(request: BuildRequest, device: Device, toolchain: Toolchain | None = None, *,
+          profile: DeviceProfile | None = None, progress: Callable[[str], None] = print) -> Path:
+    """Build (or with plan_only, bundle) for `request.target`; returns the output directory.
+
+    `device` and `toolchain` are this machine's (`probe_device()`, `load_toolchain(profile)` when None);
+    `profile` overrides the target's file (tests)."""
+    say = Stopwatch(progress)
+    profile = profile or load_profile(resolve_target(request.target, device))
+    if request.plan_only:
+        return _plan_only(request, profile, say)
+    check_device(profile, device)
+    toolchain = toolchain or load_toolchain(profile)
+    check_version(profile, toolchain)
+    say(f"target {profile.name}: {device.describe() if device.name else 'ahead-of-time build, no GPU'}; "
+        f"{toolchain.name} {toolchain.version}")
+    dtype = _read_manifest(request.artifacts)["dtype"] if request.artifacts else CACHE_DTYPE
+    precision = choose_precision(profile, request.precision, dtype, device)
+    artifacts = _artifacts(request, say)
+    manifest = _read_manifest(artifacts)
+    check_opset(profile, manifest["opset"], toolchain.version)
+    plan = plan_memory(profile, manifest, artifacts, precision.name, device, max_context=request.max_context,
+                       max_tree=request.max_tree, memory_gib=request.memory_gib, workspace_gib=request.workspace_gib)
+    say(plan.explain())
+    cache_note = None
+    timing_cache = None
+    if request.timing_cache is not None:
+        if profile.timing_cache:
+            timing_cache = TimingCache(request.timing_cache)
+        else:
+            cache_note = f"{toolchain.name} ignores timing caches; {request.timing_cache} not used"
+            say(cache_note)
+    options = BuildOptions(precision, plan.workspace_gib, timing_cache)
+    say(f"building {', '.join(manifest['graphs'])} at {precision.name} ({precision.how})")
+    with atomic_directory(request.out) as tmp:
+        engines = build_engines(toolchain, artifacts, plan.limits.apply(manifest), tmp, options, say)
+        record = {
+            "format": "glance-engines", "format_version": 1, "toolkit_version": __version__, "target": profile.name,
+            "tensorrt": {"module": toolchain.name, "version": toolchain.version},
+            "device": _device_record(profile, device),
+            "precision": {"name": precision.name, "artifacts_dtype": manifest["dtype"], "how": precision.how},
+            "limits": {"max_context": plan.limits.max_context, "max_tree": plan.limits.max_tree,
+                       "max_image_tokens": plan.limits.max_image_tokens},
+            "memory_plan": plan.record(),
+            "timing_cache": {"path": str(request.timing_cache) if request.timing_cache else None,
+                             "used": timing_cache is not None, "note": cache_note},
+            "artifacts": _identity(artifacts, manifest), "engines": engines, "build_s": round(say.elapsed, 2),
+            "target_profile": profile.raw}
+        (tmp / ENGINE_MANIFEST).write_text(json.dumps(record, indent=2) + "\n")
+    if timing_cache is not None:
+        timing_cache.save()
+    say(f"wrote {len(engines)} engines and {ENGINE_MANIFEST} to {request.out}")
+    return request.out
+
+
+def _plan_only(request: BuildRequest, profile: DeviceProfile, say: Callable[[str], None]) -> Path:
+    """Check what can be checked without the device, then write the bundle it builds from."""
+    no_gpu = Device(None)
+    dtype = _read_manifest(request.artifacts)["dtype"] if request.artifacts else CACHE_DTYPE
+    precision = choose_precision(profile, request.precision, dtype, no_gpu)
+    artifacts = _artifacts(request, say)
+    manifest = _read_manifest(artifacts)
+    check_opset(profile, manifest["opset"], None)
+    plan = plan_memory(profile, manifest, artifacts, precision.name, no_gpu, max_context=request.max_context,
+                       max_tree=request.max_tree, memory_gib=request.memory_gib, workspace_gib=request.workspace_gib)
+    say(plan.explain())
+    out = write_bundle(request.out, artifacts, profile, request.device_flags(), plan, precision)
+    say(f"wrote a build bundle for {profile.name} to {out}: copy it to the device and run ./build.sh there")
+    return out

@@ -1,0 +1,176 @@
+"""Size a build to the target's memory: weights + KV cache at max context + builder workspace must fit.
+
+On a Jetson the GPU shares the module's memory with the OS and the runtime process, so the context,
+tree and image limits an engine is built for are derived from that budget (never above the export's,
+whose axis bounds the ONNX graphs were traced for), and the build says which limit bound each one.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from glance_runtime.errors import GlanceError
+
+from .device_profiles import DeviceProfile
+from .devices import Device
+
+GIB = float(1 << 30)
+BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+IO_BYTES = {"float32": 4, "float16": 2}
+CONTEXT_STEP = 256  # a budget-derived max context is rounded down to a multiple of this
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_context: int
+    max_tree: int
+    max_image_tokens: int | None  # None: a text-only model
+
+    def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """A copy of the artifacts manifest with its axis bounds lowered to these limits (never raised)."""
+        out = copy.deepcopy(manifest)
+        axes, ctx = out["axes"], self.max_context
+        lowered = {"T": ctx, "S": ctx - 1, "N": ctx, "S_h": ctx - 1, "E": ctx, "T_verify": self.max_tree}
+        if self.max_image_tokens is not None and "N_img" in axes:
+            unit = out["graphs"]["vision"]["index_params"]["merge_size"] ** 2
+            lowered.update(N_img=self.max_image_tokens, N_merged=max(axes["N_merged"][0], self.max_image_tokens),
+                           N_patch=max(axes["N_patch"][0], self.max_image_tokens * unit))
+        for axis, hi in lowered.items():
+            if axis in axes:
+                axes[axis] = [axes[axis][0], min(axes[axis][1], hi)]
+        out["limits"] = {**out["limits"], "max_context": ctx, "max_tree": self.max_tree}
+        return out
+
+
+def _size(gib: float) -> str:
+    return f"{gib:.2f} GiB" if gib >= 0.1 else f"{gib * 1024:.1f} MiB"
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    limits: Limits
+    memory_gib: float
+    memory_source: str
+    reserve_gib: float
+    workspace_gib: float
+    weights_gib: float
+    kv_bytes_per_row: int
+    reasons: dict[str, str]  # limit -> what bound it
+
+    @property
+    def kv_gib(self) -> float:
+        return self.kv_bytes_per_row * self.limits.max_context / GIB
+
+    @property
+    def total_gib(self) -> float:
+        return self.weights_gib + self.kv_gib + self.workspace_gib
+
+    def explain(self) -> str:
+        lim = self.limits
+        image = (f", max image tokens {lim.max_image_tokens} ({self.reasons['max_image_tokens']})"
+                 if lim.max_image_tokens is not None else "")
+        return (f"memory plan: weights {_size(self.weights_gib)} + KV {_size(self.kv_gib)} "
+                f"({lim.max_context} rows x {self.kv_bytes_per_row / 1024:.1f} KiB) + workspace "
+                f"{self.workspace_gib:g} GiB = {_size(self.total_gib)} of {self.memory_gib - self.reserve_gib:g} GiB "
+                f"({self.memory_gib:g} GiB {self.memory_source}, {self.reserve_gib:g} reserved); "
+                f"max context {lim.max_context} ({self.reasons['max_context']}), "
+                f"max tree {lim.max_tree} ({self.reasons['max_tree']}){image}")
+
+    def record(self) -> dict[str, Any]:
+        return {"memory_gib": self.memory_gib, "memory_source": self.memory_source, "reserve_gib": self.reserve_gib,
+                "workspace_gib": self.workspace_gib, "weights_gib": round(self.weights_gib, 4),
+                "kv_gib": round(self.kv_gib, 4), "kv_bytes_per_row": self.kv_bytes_per_row,
+                "total_gib": round(self.total_gib, 4), "reasons": self.reasons}
+
+
+def weights_bytes(artifacts: Path, manifest: dict[str, Any]) -> int:
+    """Bytes of every graph file and its external data: the weights each engine will hold."""
+    total = 0
+    for entry in manifest["graphs"].values():
+        for name in (entry["file"], entry.get("data_file")):
+            if name:
+                total += (artifacts / name).stat().st_size
+    return total
+
+
+def kv_bytes_per_row(manifest: dict[str, Any]) -> int:
+    """K and V of one context row in every graph that keeps a cache (target and head layers)."""
+    io = IO_BYTES[manifest["float_io_dtype"]]
+    return sum(2 * g["num_layers"] * g["num_kv_heads"] * g["head_dim"] * io
+               for g in manifest["graphs"].values() if {"num_layers", "num_kv_heads", "head_dim"} <= g.keys())
+
+
+def _budget(profile: DeviceProfile, device: Device, memory_gib: float | None) -> tuple[float, str]:
+    if memory_gib is not None:
+        if memory_gib <= 0:
+            raise GlanceError("--memory-gib must be positive")
+        return memory_gib, "from --memory-gib"
+    if device.memory_gib and device.compute_capability in profile.compute_capabilities:
+        return round(device.memory_gib, 1), "on this device"
+    return profile.memory_gib, f"the {profile.name} default, --memory-gib to change"
+
+
+def _workspace(profile: DeviceProfile, workspace_gib: float | None) -> float:
+    ws = profile.workspace_gib if workspace_gib is None else workspace_gib
+    if not 0 < ws <= profile.max_workspace_gib:
+        raise GlanceError(f"--workspace-gib {ws:g} is outside {profile.name}'s 0 < workspace <= "
+                          f"{profile.max_workspace_gib:g} GiB ({profile.raw['workspace_gib']['note']})")
+    return ws
+
+
+def _requested(flag: str, value: int | None, exported: int) -> None:
+    """A limit may only lower the export's: its graphs' axis bounds, which the engine profiles come from."""
+    if value is None:
+        return
+    if value < 1:
+        raise GlanceError(f"{flag} must be at least 1")
+    if value > exported:
+        raise GlanceError(f"{flag} {value} is more than the export's {exported}, and engine profiles are sized from "
+                          f"the export; re-export with a larger `glance-export onnx {flag} {value}`")
+
+
+def plan_memory(profile: DeviceProfile, manifest: dict[str, Any], artifacts: Path, precision: str, device: Device, *,
+                max_context: int | None = None, max_tree: int | None = None, memory_gib: float | None = None,
+                workspace_gib: float | None = None) -> MemoryPlan:
+    export_ctx, export_tree = manifest["limits"]["max_context"], manifest["limits"]["max_tree"]
+    _requested("--max-context", max_context, export_ctx)
+    _requested("--max-tree", max_tree, export_tree)
+    memory, source = _budget(profile, device, memory_gib)
+    workspace = _workspace(profile, workspace_gib)
+    weights = weights_bytes(artifacts, manifest) * BYTES[precision] / BYTES[manifest["dtype"]] / GIB
+    per_row = kv_bytes_per_row(manifest)
+    room = memory - profile.reserve_gib - weights - workspace
+    fit = max(0, math.floor(room * GIB / per_row)) if per_row else export_ctx
+
+    def over(rows: int) -> str:
+        need = weights + workspace + per_row * rows / GIB
+        return f"needs {need:.2f} GiB, {need - (memory - profile.reserve_gib):.2f} GiB over the budget"
+
+    if max_context is not None:
+        if max_context > fit:
+            lower = f"lower --max-context to {fit} or below" if fit >= 1 else "lower --workspace-gib or --precision"
+            raise GlanceError(f"the model does not fit {profile.name} at --max-context {max_context}: {over(max_context)} "
+                              f"({memory:g} GiB {source} - {profile.reserve_gib:g} reserved); {lower}, "
+                              f"or pass --memory-gib if the device has more")
+        ctx, ctx_why = max_context, "--max-context"
+    else:
+        smallest = min(export_ctx, CONTEXT_STEP)
+        if fit < smallest:
+            raise GlanceError(f"the model does not fit {profile.name}: at a {smallest}-row context it {over(smallest)} "
+                              f"({memory:g} GiB {source} - {profile.reserve_gib:g} reserved); lower --workspace-gib "
+                              f"(now {workspace:g}), build at a narrower --precision, or pass --memory-gib if the "
+                              f"device has more")
+        ctx, ctx_why = ((export_ctx, "the export's limit") if fit >= export_ctx
+                        else (fit // CONTEXT_STEP * CONTEXT_STEP, "what fits the memory budget"))
+    tree, tree_why = min((export_tree, "the export's limit"), (profile.max_tree, f"{profile.name}'s cap"),
+                         (ctx, "the max context"), *([(max_tree, "--max-tree")] if max_tree else []),
+                         key=lambda pair: pair[0])
+    reasons = {"max_context": ctx_why, "max_tree": tree_why}
+    image = None
+    if "N_img" in manifest["axes"]:
+        image = min(manifest["axes"]["N_img"][1], ctx // 2)
+        reasons["max_image_tokens"] = "the export's limit" if image == manifest["axes"]["N_img"][1] else "half the context"
+    return MemoryPlan(Limits(ctx, tree, image), memory, source, profile.reserve_gib, workspace, weights, per_row, reasons)

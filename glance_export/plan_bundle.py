@@ -1,0 +1,89 @@
+"""`glance-export build --plan-only`: a folder to carry to a device this machine is not, and build there.
+
+It holds the whole ONNX export (hard links where the filesystem allows, so no weight is copied on the
+same disk), the target profile, a README and a one-line build.sh running `glance-export build --artifacts .`.
+No TensorRT is needed to write it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+from pathlib import Path
+
+from glance_runtime.atomic import atomic_directory
+from glance_runtime.graphs import MANIFEST
+
+from .device_profiles import DeviceProfile, profile_text
+from .memory_plan import MemoryPlan
+from .precision import Precision
+
+SCRIPT = "build.sh"
+README = "README.md"
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def build_command(profile: DeviceProfile, flags: list[str]) -> str:
+    return shlex.join(["glance-export", "build", "--artifacts", ".", "--target", profile.name, "--out", "engines",
+                       *flags])
+
+
+def _readme(profile: DeviceProfile, manifest: dict, command: str, plan: MemoryPlan, precision: Precision,
+            files: list[str]) -> str:
+    opset = manifest["opset"]
+    parser = (f"opset {opset} graphs parse on every accepted version" if opset <= profile.max_opset
+              else f"opset {opset} (ONNX Attention) graphs need {profile.module} >= {profile.attention_op_from}")
+    return f"""# GLANCE build bundle: {profile.name}
+
+{profile.description}.
+
+This folder is a complete ONNX export ({manifest['family']}, {manifest['dtype']}, opset {opset}, max context
+{manifest['limits']['max_context']}, max tree {manifest['limits']['max_tree']}) plus what the device needs to
+build TensorRT engines from it. It also runs as is on ONNX Runtime (`glance-run --artifacts .`).
+
+## On the device
+
+- GPU: compute capability {', '.join(profile.compute_capabilities)}.
+- `{profile.module}` >= {profile.min_version} and < {profile.below_version}: {profile.install}.
+- The toolkit's edge install (`pip install glance-toolkit`; no torch or onnx needed).
+
+Then run `./{SCRIPT}`, which is:
+
+    {command}
+
+It writes `engines/<graph>.engine` for every graph and `engines/engines.json` (TensorRT version, device,
+precision, profiles, hashes). Extra flags pass through, e.g. `./{SCRIPT} --timing-cache timing.cache`.
+
+## Planned on the export machine
+
+- Precision {precision.name}: {precision.how}.
+- Parser: {profile.attention}; {parser}.
+- {plan.explain()}. On the device the budget is the device's own memory unless `--memory-gib` is given.
+
+Files: {', '.join(files)}.
+"""
+
+
+def write_bundle(out: Path, artifacts: Path, profile: DeviceProfile, flags: list[str], plan: MemoryPlan,
+                 precision: Precision) -> Path:
+    manifest = json.loads((artifacts / MANIFEST).read_text())
+    command = build_command(profile, flags)
+    written = [f"{profile.name}.json", SCRIPT, README]  # never linked: writing them would write through a link
+    with atomic_directory(out) as tmp:
+        files = sorted(p.name for p in artifacts.iterdir()
+                       if p.is_file() and not p.name.startswith(".") and p.name not in written)
+        for name in files:
+            _link_or_copy(artifacts / name, tmp / name)
+        (tmp / written[0]).write_text(profile_text(profile.name))
+        script = tmp / SCRIPT
+        script.write_text(f'#!/bin/sh\ncd "$(dirname "$0")" && exec {command} "$@"\n')
+        script.chmod(0o755)
+        (tmp / README).write_text(_readme(profile, manifest, command, plan, precision, files + written[:2]))
+    return out
