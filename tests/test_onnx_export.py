@@ -62,19 +62,23 @@ def test_graphs_pass_checker_with_contract_names(exported, family):
     _, _, out = exported(family)
     manifest = json.loads((out / "manifest.json").read_text())
     layers, head_layers = manifest["graphs"]["target"]["num_layers"], manifest["graphs"]["draft"]["num_layers"]
-    expected = {"target.onnx", "draft.onnx"} | ({"vision.onnx"} if family in VL_FAMILIES else set())
+    expected = {"target.onnx", "draft.onnx", "vocab.onnx"} | ({"vision.onnx"} if family in VL_FAMILIES else set())
     assert {p.name for p in out.glob("*.onnx")} == expected
     for name in expected:
         onnx.checker.check_model(str(out / name), full_check=True)
     target = onnx.load(str(out / "target.onnx"), load_external_data=False).graph
     past, present = target_kv_names(layers)
-    images = ["image_embeds"] + (["deepstack_embeds"] if family == "qwen3_vl" else []) if family in VL_FAMILIES else []
-    assert [i.name for i in target.input] == ["input_ids", *images, "position_ids", "tree_mask", "entropy_row", *past]
-    assert [o.name for o in target.output] == ["next_tokens", "entropy", *present, "taps"]
+    images = ["input_ids", "inputs_embeds", "image_embeds"] + (["deepstack_embeds"] if family == "qwen3_vl" else []) \
+        if family in VL_FAMILIES else ["inputs_embeds"]
+    assert [i.name for i in target.input] == [*images, "position_ids", "tree_mask", *past]
+    assert [o.name for o in target.output] == ["hidden", *present, "taps"]
     draft = onnx.load(str(out / "draft.onnx"), load_external_data=False).graph
     ctx_in, ctx_out = draft_kv_names(head_layers)
-    assert [i.name for i in draft.input] == ["context_taps", "context_positions", "anchor", "start", *ctx_in]
-    assert [o.name for o in draft.output] == ["topk_ids", "topk_logprobs", *ctx_out]
+    assert [i.name for i in draft.input] == ["context_taps", "context_positions", "block_embeds", "start", *ctx_in]
+    assert [o.name for o in draft.output] == ["hidden", *ctx_out]
+    vocab = onnx.load(str(out / "vocab.onnx"), load_external_data=False).graph
+    assert [i.name for i in vocab.input] == ["ids", "hidden"]
+    assert [o.name for o in vocab.output] == ["embeds", "topk_ids", "topk_logprobs", "entropy", "topk_embeds"]
     assert max(imp.version for imp in onnx.load(str(out / "target.onnx"), load_external_data=False).opset_import
                if imp.domain in ("", "ai.onnx")) == 17
 
@@ -94,7 +98,10 @@ def test_manifest_describes_the_export(exported, family):
     t = m["graphs"]["target"]
     assert (t["num_layers"], t["num_kv_heads"], t["head_dim"]) == (4, 2, 16)
     assert t["outputs"]["present_key_0"]["shape"] == ["T", 2, 16]
-    assert m["graphs"]["draft"]["outputs"]["topk_ids"]["shape"] == [BLOCK - 1, 8]
+    assert m["graphs"]["draft"]["outputs"]["hidden"]["shape"] == [BLOCK - 1, 64]
+    assert m["graphs"]["vocab"]["outputs"]["topk_ids"]["shape"] == ["R", 8]
+    assert m["axes"]["R"] == [1, 32] and m["axes"]["E"] == [1, 256]
+    assert m["graphs"]["vocab"]["tied"] is False and m["graphs"]["vocab"]["vocab_size"] == snap.text_config["vocab_size"]
     import hashlib
     assert m["source"]["config_sha256"] == hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
     assert set(m["source"]["weights_sha256"]) == {p.name for p in model_dir.glob("*.safetensors")}
@@ -112,8 +119,8 @@ def test_manifest_describes_the_export(exported, family):
 def test_validation_passes_on_fresh_inputs(exported, family):
     model_dir, head_dir, out = exported(family)
     report = validate_artifacts(out, model_dir, head_dir, seed=7, progress=lambda _: None)
-    assert set(report) == {"target", "draft"} | ({"vision"} if family in VL_FAMILIES else set())
-    assert report["target"]["next_tokens"] == 0 and report["target"]["taps"] < 1e-2
+    assert set(report) == {"target", "draft", "vocab"} | ({"vision"} if family in VL_FAMILIES else set())
+    assert report["vocab"]["topk_ids"] == 0 and report["target"]["taps"] < 1e-2
 
 
 @pytest.mark.parametrize("grid", [(1, 4, 4), (1, 6, 10), (1, 16, 8), (1, 22, 14)])
@@ -162,10 +169,19 @@ class GraphReplay:
         if t["deepstack_layers"]:
             self.no_image["deepstack_embeds"] = np.zeros((t["deepstack_layers"], 0, t["hidden_size"]), np.float32)
 
+    def _vocab(self, ids=None, hidden=None) -> list[np.ndarray]:
+        """The vocab graph with a dummy for whichever input is not used."""
+        ids = np.zeros(1, np.int64) if ids is None else np.asarray(ids, np.int64)
+        hidden = np.zeros((1, self.m["graphs"]["vocab"]["hidden_size"]), np.float32) if hidden is None else hidden
+        return self.sessions["vocab"].run(None, {"ids": ids, "hidden": hidden})
+
     def _target(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
         feed.update(zip(self.kv_names, self.kv))
+        feed["inputs_embeds"] = self._vocab(ids=feed["input_ids"][0])[0]
+        if not self.m["is_vl"]:
+            del feed["input_ids"]
         out = self.sessions["target"].run(None, feed)
-        self.present, self.taps = out[2:-1], out[-1]
+        self.present, self.taps = out[1:-1], out[-1]
         return out
 
     def prefill(self, prompt):
@@ -173,35 +189,38 @@ class GraphReplay:
         ids = prompt.input_ids[None]
         positions, self.delta = self.reference.prompt_positions(prompt)
         feed = {"input_ids": ids, "position_ids": positions.numpy().astype(np.int64),
-                "tree_mask": np.tri(ids.shape[1], dtype=bool), "entropy_row": np.array([ids.shape[1] - 1]),
-                **self.no_image}
+                "tree_mask": np.tri(ids.shape[1], dtype=bool), **self.no_image}
         if prompt.pixel_values is not None:
             vision = self.sessions["vision"]
             feeds = {"pixel_values": prompt.pixel_values,
                      **vision_index_inputs(prompt.image_grid_thw, self.m["graphs"]["vision"]["index_params"])}
             embeds = vision.run(None, feeds)
             feed.update(zip(["image_embeds", "deepstack_embeds"], embeds))
-        out = self._target(feed)
+        hidden = self._target(feed)[0]
         self.kv = [np.concatenate([k, p]) for k, p in zip(self.kv, self.present)]
         self.start, self.pending, self.pending_from = ids.shape[1], [self.taps], 0
-        return int(out[0][-1]), float(out[1][0])
+        _, top, _, entropy, _ = self._vocab(hidden=hidden[-1:])
+        return int(top[0, 0]), float(entropy[0])
 
     def draft(self, anchor: int, k: int):
         taps = np.concatenate(self.pending)
-        feed = {"context_taps": taps, "anchor": np.array([anchor]), "start": np.array([self.start]),
+        block = self._vocab(ids=[anchor] + [self.m["mask_token_id"]] * (self.block_size - 1))[0]
+        feed = {"context_taps": taps, "block_embeds": block, "start": np.array([self.start]),
                 "context_positions": np.arange(self.pending_from, self.pending_from + len(taps)),
                 **dict(zip(self.ctx_names, self.ctx))}
         out = self.sessions["draft"].run(None, feed)
-        self.ctx = [np.concatenate([c, n]) for c, n in zip(self.ctx, out[2:])]
+        self.ctx = [np.concatenate([c, n]) for c, n in zip(self.ctx, out[1:])]
         self.pending, self.pending_from = [], self.start
-        return out[0][:, :k], out[1][:, :k].astype(np.float64)
+        _, ids, logp, _, _ = self._vocab(hidden=out[0])
+        return ids[:, :k], logp[:, :k].astype(np.float64)
 
     def verify(self, tokens, depths, visible):
         stream = (self.start + depths + self.delta)[None].astype(np.int64)
         positions = np.broadcast_to(stream, (3, 1, len(tokens))).copy() if self.m["is_vl"] else stream
-        out = self._target({"input_ids": tokens[None].astype(np.int64), "position_ids": positions,
-                            "tree_mask": visible, "entropy_row": np.array([0]), **self.no_image})
-        return out[0], float(out[1][0])
+        hidden = self._target({"input_ids": tokens[None].astype(np.int64), "position_ids": positions,
+                               "tree_mask": visible, **self.no_image})[0]
+        _, top, _, entropy, _ = self._vocab(hidden=hidden)
+        return top[:, 0], float(entropy[0])
 
     def commit(self, rows):
         self.kv = [np.concatenate([k, p[rows]]) for k, p in zip(self.kv, self.present)]
@@ -234,13 +253,14 @@ def test_fp16_export_validates(exported):
     m = json.loads((out / "manifest.json").read_text())
     assert m["dtype"] == "fp16" and m["float_io_dtype"] == "float16"
     assert m["graphs"]["target"]["inputs"]["past_key_0"]["dtype"] == "float16"
-    assert m["graphs"]["target"]["outputs"]["entropy"]["dtype"] == "float32"
+    assert m["graphs"]["vocab"]["outputs"]["entropy"]["dtype"] == "float32"
+    assert m["graphs"]["vocab"]["outputs"]["topk_embeds"]["dtype"] == "float16"
 
 
 def test_external_data_when_weights_are_large(exported):
     _, _, out = exported("qwen3", "external")
     m = json.loads((out / "manifest.json").read_text())
-    for graph in ("target", "draft"):
+    for graph in ("target", "draft", "vocab"):
         assert m["graphs"][graph]["data_file"] == f"{graph}.onnx.data" and (out / f"{graph}.onnx.data").is_file()
         onnx.checker.check_model(str(out / f"{graph}.onnx"), full_check=True)
 

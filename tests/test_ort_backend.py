@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 import shutil
 import subprocess
 import sys
@@ -121,6 +122,38 @@ def test_fp16_artifacts(exported, images):
         assert decode(ex.backend, prompt, _cfg(budget)).tokens == ar
     seeded = decode(SeededDrafter(ex.backend, ar, prompt.length, lambda d: 0), prompt, _cfg("b31"))
     assert seeded.tokens == ar and seeded.tau > 2
+
+
+class _Counted:
+    """An ONNX Runtime session that counts its runs into a shared Counter."""
+
+    def __init__(self, session, counts: Counter, name: str):
+        self.session, self.counts, self.name = session, counts, name
+
+    def run(self, *args, **kwargs):
+        self.counts[self.name] += 1
+        return self.session.run(*args, **kwargs)
+
+    def get_inputs(self):
+        return self.session.get_inputs()
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_a_round_is_at_most_four_graph_runs(exported, images, speculative):
+    """draft, vocab (project the block), target (verify), vocab (project the tree): the embeddings the
+    next pass needs come back with each projection, so no round runs the vocab graph a third time."""
+    ex = exported("qwen2_5_vl")
+    backend = OrtBackend(ex.artifacts)
+    counts: Counter = Counter()
+    for name in ("target", "head", "vocab", "vision"):
+        setattr(backend, name, _Counted(getattr(backend, name), counts, name))
+    prompt = ex.prompt(images["wide"])
+    result = decode(backend, prompt, DecodeConfig(max_new_tokens=MAX_NEW, budget=31, speculative=speculative))
+    rounds = len(result.rounds)
+    assert result.tokens == ex.oracle(prompt) and rounds > 3
+    prefill = Counter(vision=1, target=1, vocab=2)  # embed the prompt, project its last row
+    per_round = Counter(head=1, vocab=2, target=1) if speculative else Counter(vocab=1, target=1)
+    assert counts == prefill + Counter({k: v * rounds for k, v in per_round.items()})
 
 
 SEEDS = {"full": lambda d: 0, "partial": lambda d: 0 if d <= 2 else None, "zero": lambda d: None,

@@ -41,17 +41,17 @@ def _tokenizer(out: Path) -> dict[str, int]:
     return ids
 
 
-def _config(family: str, ids: dict[str, int], layers: int):
+def _config(family: str, ids: dict[str, int], layers: int, tied: bool = False):
     import transformers as tf
 
     vocab = ids["vocab"] + 8  # spare embedding rows past the tokenizer, like real checkpoints
     text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                tie_word_embeddings=False, eos_token_id=ids["<|im_end|>"], rms_norm_eps=1e-6,
+                tie_word_embeddings=tied, eos_token_id=ids["<|im_end|>"], rms_norm_eps=1e-6,
                 bos_token_id=None, pad_token_id=ids["<|endoftext|>"])
     vl_ids = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                   vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-                  eos_token_id=ids["<|im_end|>"])
+                  eos_token_id=ids["<|im_end|>"], tie_word_embeddings=tied)
     if family == "qwen2_vl":
         text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
         vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
@@ -84,8 +84,10 @@ def _processor(family: str) -> dict:
             "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True}
 
 
-def make_snapshot(out: Path, family: str, layers: int = 4, seed: int = 0, std: float = 0.5) -> Path:
-    """Write a complete HF-format snapshot directory for a tiny random model of `family`."""
+def make_snapshot(out: Path, family: str, layers: int = 4, seed: int = 0, std: float = 0.5,
+                  tied: bool = False) -> Path:
+    """Write a complete HF-format snapshot directory for a tiny random model of `family`; `tied` shares
+    the embedding with the LM head, as Qwen2.5-VL-3B and Qwen3-VL-2B/4B do."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging
 
@@ -93,7 +95,7 @@ def make_snapshot(out: Path, family: str, layers: int = 4, seed: int = 0, std: f
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     ids = _tokenizer(out)
-    config = _config(family, ids, layers)
+    config = _config(family, ids, layers, tied)
     torch.manual_seed(seed)
     auto = AutoModelForImageTextToText if family in VL_FAMILIES else AutoModelForCausalLM
     model = auto.from_config(config)

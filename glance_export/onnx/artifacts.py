@@ -18,7 +18,7 @@ from glance_runtime.errors import GlanceError
 from glance_runtime.graphs import MANIFEST
 
 from .export import ATTENTION_OPSET, export_graph
-from .feeds import draft_feed, target_feed, vision_feed
+from .feeds import draft_feed, target_feed, vision_feed, vocab_feed
 from .manifest import build_manifest, copy_runtime_files
 from .sources import build_graphs, load_sources
 from .spec import DTYPES, axis_bounds, dims_for, dynamic_axes, output_shapes
@@ -50,7 +50,8 @@ def _trace_feeds(snapshot, dims, dtype: str) -> dict[str, dict[str, np.ndarray]]
     rng = np.random.default_rng(0)
     np_dtype = DTYPES[dtype]
     feeds = {"target": target_feed(dims, rng, 6, 3, 2, np_dtype, tree=False),
-             "draft": draft_feed(dims, rng, 5, 2, np_dtype)}
+             "draft": draft_feed(dims, rng, 5, 2, np_dtype),
+             "vocab": vocab_feed(dims, rng, 4, 3, np_dtype)}
     if dims.is_vl:
         feeds["vision"] = vision_feed(snapshot, dims, rng, 100, 80, np_dtype)
     return feeds
@@ -59,7 +60,7 @@ def _trace_feeds(snapshot, dims, dtype: str) -> dict[str, dict[str, np.ndarray]]
 def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
                      opset: int = 17, max_tree: int = 64, max_context: int = 2048, branch_k: int = 8,
                      progress: Callable[[str], None] = print) -> Path:
-    """Export vision (VL only), target and draft graphs, validate them, and write the manifest."""
+    """Export vision (VL only), target, draft and vocab graphs, validate them, and write the manifest."""
     out = Path(out_dir)
     _check_args(out, dtype, opset, max_tree, max_context, branch_k)
     started = time.perf_counter()
@@ -74,7 +75,7 @@ def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str |
             module = graphs[name]
             axes = dynamic_axes(dims, name, module.input_names, module.output_names)
             path = export_graph(module, feed, tmp / f"{name}.onnx", axes, opset,
-                                output_shapes(dims, name, branch_k))
+                                output_shapes(dims, name, branch_k), fold_constants=name != "vocab")
             progress(f"exported {path.name} (opset {opset}, {path.stat().st_size / 1e6:.1f} MB) "
                      f"in {time.perf_counter() - t0:.1f}s; checker passed")
         validate_graphs(tmp, graphs, dims, snapshot, dtype, progress=progress)

@@ -22,6 +22,7 @@ from onnx.external_data_helper import convert_model_to_external_data, uses_exter
 from torch import nn
 
 from .external_data import gather_external_data, graph_tensors
+from .rewrite import gemm_for_transposed_weights
 
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's hard limit is 2 GiB; stay clear of it
 ATTENTION_OPSET = 23  # ONNX Attention (and RMSNormalization, RotaryEmbedding) need opset 23 and TensorRT 10.14+
@@ -58,17 +59,18 @@ def _quiet(logger_name: str):
         logger.setLevel(level)
 
 
-def _torch_export(module: nn.Module, feed: dict[str, np.ndarray], path: Path, axes: dict, opset: int) -> None:
+def _torch_export(module: nn.Module, feed: dict[str, np.ndarray], path: Path, axes: dict, opset: int,
+                  fold: bool) -> None:
     """TorchScript up to opset 20; the dynamo exporter from opset 23, which emits the ONNX Attention op."""
     names = dict(input_names=module.input_names, output_names=module.output_names, opset_version=opset)
     with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), _quiet("torch.onnx"):
         warnings.simplefilter("ignore")  # tracer warnings about Python ints are expected and checked by validation
         if opset >= ATTENTION_OPSET:
             torch.onnx.export(module, torch_args(module, feed), str(path), dynamo=True, verbose=False,
-                              dynamic_shapes=_dynamo_shapes(module.input_names, axes), **names)
+                              dynamic_shapes=_dynamo_shapes(module.input_names, axes), optimize=fold, **names)
         else:
             torch.onnx.export(module, torch_args(module, feed), str(path), dynamo=False, dynamic_axes=axes,
-                              do_constant_folding=True, **names)
+                              do_constant_folding=fold, **names)
 
 
 def pin_outputs(model: onnx.ModelProto, shapes: dict[str, list[int | str]]) -> None:
@@ -83,12 +85,16 @@ def pin_outputs(model: onnx.ModelProto, shapes: dict[str, list[int | str]]) -> N
 
 
 def export_graph(module: nn.Module, feed: dict[str, np.ndarray], path: Path, axes: dict, opset: int,
-                 output_shapes: dict[str, list[int | str]]) -> Path:
-    """Trace `module` on `feed` into `path`; checker (full, with strict shape inference) must pass."""
+                 output_shapes: dict[str, list[int | str]], fold_constants: bool = True) -> Path:
+    """Trace `module` on `feed` into `path`; checker (full, with strict shape inference) must pass.
+
+    `fold_constants=False` keeps weight transposes as nodes, for `gemm_for_transposed_weights` to
+    turn into Gemms on the stored weight (the vocab graph: one copy of a possibly tied matrix)."""
     scratch = Path(tempfile.mkdtemp(prefix=".scratch.", dir=path.parent))
     try:
-        _torch_export(module, feed, scratch / path.name, axes, opset)
+        _torch_export(module, feed, scratch / path.name, axes, opset, fold_constants)
         model = onnx.load(str(scratch / path.name), load_external_data=False)
+        gemm_for_transposed_weights(model)
         pin_outputs(model, output_shapes)
         external = any(uses_external_data(t) for t in graph_tensors(model.graph))
         if not external and weight_bytes(module) >= EXTERNAL_DATA_BYTES:

@@ -38,7 +38,7 @@ def target_feed(dims: Dims, rng: np.random.Generator, rows: int, past: int, n_im
     else:
         mask = np.tril(np.ones((rows, rows), dtype=bool))
         stream = past + np.arange(rows)
-    feed: dict[str, np.ndarray] = {"input_ids": ids}
+    feed: dict[str, np.ndarray] = {"input_ids": ids, "inputs_embeds": rng.normal(size=(rows, dims.hidden)).astype(dtype)}
     if dims.is_vl:
         feed["image_embeds"] = rng.normal(size=(n_img, dims.hidden)).astype(dtype)
         if dims.deepstack:
@@ -49,7 +49,6 @@ def target_feed(dims: Dims, rng: np.random.Generator, rows: int, past: int, n_im
     else:
         feed["position_ids"] = stream[None].astype(np.int64)
     feed["tree_mask"] = mask
-    feed["entropy_row"] = np.array([rng.integers(0, rows)], dtype=np.int64)
     for name in target_kv_names(dims.layers)[0]:
         feed[name] = rng.normal(size=(past, dims.kv_heads, dims.head_dim)).astype(dtype)
     return feed
@@ -59,11 +58,17 @@ def draft_feed(dims: Dims, rng: np.random.Generator, rows: int, past: int, dtype
     start = past + rows
     feed = {"context_taps": (rng.normal(size=(rows, dims.n_taps * dims.hidden)) * 4).astype(dtype),
             "context_positions": np.arange(past, start, dtype=np.int64),
-            "anchor": rng.integers(0, dims.vocab, size=(1,), dtype=np.int64),
+            "block_embeds": rng.normal(size=(dims.block_size, dims.hidden)).astype(dtype),
             "start": np.array([start], dtype=np.int64)}
     for name in draft_kv_names(dims.head_layers)[0]:
         feed[name] = rng.normal(size=(past, dims.head_kv_heads, dims.head_head_dim)).astype(dtype)
     return feed
+
+
+def vocab_feed(dims: Dims, rng: np.random.Generator, ids: int, rows: int, dtype: str) -> dict[str, np.ndarray]:
+    """Ids to embed and hidden rows to project; rows are scaled like final-normed hidden states."""
+    return {"ids": rng.integers(0, dims.vocab, size=(ids,), dtype=np.int64),
+            "hidden": rng.normal(size=(rows, dims.hidden)).astype(dtype)}
 
 
 def vision_feed(snapshot: Snapshot, dims: Dims, rng: np.random.Generator, width: int, height: int,

@@ -1,9 +1,10 @@
 """manifest.json of an artifacts directory: everything a graph runtime needs besides the graphs.
 
-Schema (format_version 1): toolkit_version, family, is_vl, dtype, opset, branch_k, block_size,
+Schema (format_version 2): toolkit_version, family, is_vl, dtype, opset, branch_k, block_size,
 mask_token_id, image_token_id, stop_token_ids, limits {max_tree, max_context}, axes {name: [min, max]},
 source {config_sha256, weights_sha256 {file: sha}}, head {config, weights_sha256}, rope {...},
-graphs {target|draft|vision: {file, data_file, inputs/outputs {name: {dtype, shape}}, ...sizes}},
+graphs {target|draft|vocab|vision: {file, data_file, inputs/outputs {name: {dtype, shape}}, ...sizes}}
+(vocab also records vocab_size and whether the LM head is tied to the embedding),
 vision.index_params (the `vision_indices` parameters), files (tokenizer/processor files copied beside).
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from glance_runtime.manifest import sha256
 from .spec import Dims
 from .vision import INDEX_INPUTS
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: embedding and LM head moved into the vocab graph
 RUNTIME_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json",
                  "generation_config.json", "special_tokens_map.json", "config.json")
 
@@ -70,6 +71,7 @@ def build_manifest(snapshot: Snapshot, head: DraftHead, head_dir: Path, dims: Di
                    "position_axes": dims.position_axes, "deepstack_layers": dims.deepstack},
         "draft": {"num_layers": dims.head_layers, "num_kv_heads": dims.head_kv_heads,
                   "head_dim": dims.head_head_dim, "context_width": dims.n_taps * dims.hidden},
+        "vocab": {"vocab_size": dims.vocab, "hidden_size": dims.hidden, "tied": dims.tied, "branch_k": branch_k},
     }
     if dims.is_vl:
         graphs["vision"] = {"index_params": {k: dims.vision[k] for k in
@@ -84,7 +86,7 @@ def build_manifest(snapshot: Snapshot, head: DraftHead, head_dir: Path, dims: Di
         "format": "glance-onnx", "format_version": FORMAT_VERSION, "toolkit_version": glance_export.__version__,
         "family": dims.family, "is_vl": dims.is_vl, "dtype": dtype, "opset": opset,
         "float_io_dtype": "float16" if dtype == "fp16" else "float32",
-        "fp32_outputs": ["entropy", "topk_logprobs"],
+        "fp32_outputs": ["topk_logprobs", "entropy"],
         "branch_k": branch_k, "block_size": dims.block_size, "mask_token_id": dims.mask_token_id,
         "image_token_id": dims.image_token_id, "stop_token_ids": list(snapshot.stop_token_ids),
         "limits": {"max_tree": max_tree, "max_context": max_context}, "axes": axes,

@@ -1,5 +1,5 @@
 """Open the target snapshot and the head for export, refusing bad input with one-line errors,
-and wrap them as the three graph modules."""
+and wrap them as the graph modules."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,6 +15,7 @@ from .draft import DraftGraph
 from .spec import DTYPES, Dims
 from .target import TargetGraph
 from .vision import VisionGraph
+from .vocab import VocabGraph
 
 
 def load_sources(model_dir: str | Path, head_dir: str | Path, dtype: str,
@@ -37,11 +38,12 @@ def load_sources(model_dir: str | Path, head_dir: str | Path, dtype: str,
 
 
 def build_graphs(model: nn.Module, head: DraftHead, dims: Dims, branch_k: int) -> dict[str, nn.Module]:
-    """The wrapped graphs by name: target, draft and (VL only) vision."""
+    """The wrapped graphs by name: target, draft, vocab and (VL only) vision."""
     if not 1 <= branch_k <= dims.vocab:
         raise GlanceError(f"branch_k must be between 1 and the vocabulary size {dims.vocab}, got {branch_k}")
     graphs = {"target": TargetGraph(model, list(dims.tap_ids), dims.image_token_id, dims.deepstack),
-              "draft": DraftGraph(head, model.get_input_embeddings(), model.get_output_embeddings(), branch_k)}
+              "draft": DraftGraph(head),
+              "vocab": VocabGraph(model.get_input_embeddings(), model.get_output_embeddings(), branch_k)}
     if dims.is_vl:
         graphs["vision"] = VisionGraph(model.model.visual, dims.family)
     return {name: g.eval() for name, g in graphs.items()}

@@ -32,6 +32,7 @@ class Dims:
     mask_token_id: int
     image_token_id: int | None
     vision: dict[str, Any] | None  # index_params plus patch_dim / max_patches, VL only
+    tied: bool  # the LM head is the embedding matrix (one tensor in the vocab graph)
 
     @property
     def n_taps(self) -> int:
@@ -66,13 +67,14 @@ def dims_for(snapshot: Snapshot, head: DraftHead) -> Dims:
                 head_layers=hc.num_hidden_layers, head_kv_heads=hc.num_key_value_heads, head_head_dim=hc.head_dim,
                 block_size=hc.block_size, mask_token_id=hc.mask_token_id,
                 image_token_id=snapshot.image_token_id if snapshot.is_vl else None,
-                vision=vision_params(snapshot) if snapshot.is_vl else None)
+                vision=vision_params(snapshot) if snapshot.is_vl else None,
+                tied=bool(snapshot.config.get("tie_word_embeddings", tc.get("tie_word_embeddings", False))))
 
 
 def axis_bounds(dims: Dims, max_tree: int, max_context: int) -> dict[str, list[int]]:
     """[min, max] of every symbolic axis; the runtime sizes buffers and TensorRT profiles from these."""
     bounds = {"T": [1, max_context], "S": [0, max_context - 1], "N": [1, max_context], "S_h": [0, max_context - 1],
-              "T_verify": [1, max_tree]}
+              "T_verify": [1, max_tree], "E": [1, max_context], "R": [1, max(max_tree, dims.block_size - 1)]}
     if dims.is_vl:
         v = dims.vision
         unit = v["merge_size"] ** 2
@@ -85,15 +87,18 @@ def axis_bounds(dims: Dims, max_tree: int, max_context: int) -> dict[str, list[i
 def dynamic_axes(dims: Dims, graph: str, input_names: list[str], output_names: list[str]) -> dict[str, dict[int, str]]:
     """Symbolic axes per tensor name, in the letters of `glance_runtime.graphs`."""
     if graph == "target":
-        axes = {"input_ids": {1: "T"}, "image_embeds": {0: "N_img"}, "deepstack_embeds": {1: "N_img"},
-                "position_ids": {2 if dims.is_vl else 1: "T"},
-                "tree_mask": {0: "T", 1: "T"}, "next_tokens": {0: "T"}, "taps": {0: "T"}}
+        axes = {"input_ids": {1: "T"}, "inputs_embeds": {0: "T"}, "image_embeds": {0: "N_img"},
+                "deepstack_embeds": {1: "N_img"}, "position_ids": {2 if dims.is_vl else 1: "T"},
+                "tree_mask": {0: "T", 1: "T"}, "hidden": {0: "T"}, "taps": {0: "T"}}
         axes.update({n: {0: "S"} for n in input_names if n.startswith("past_")})
         axes.update({n: {0: "T"} for n in output_names if n.startswith("present_")})
     elif graph == "draft":
         axes = {"context_taps": {0: "N"}, "context_positions": {0: "N"}}
         axes.update({n: {0: "S_h"} for n in input_names if n.startswith("past_ctx_")})
         axes.update({n: {0: "N"} for n in output_names if n.startswith("ctx_")})
+    elif graph == "vocab":
+        axes = {"ids": {0: "E"}, "embeds": {0: "E"}, "hidden": {0: "R"}, "topk_ids": {0: "R"},
+                "topk_logprobs": {0: "R"}, "entropy": {0: "R"}, "topk_embeds": {0: "R"}}
     else:
         axes = {"pixel_values": {0: "N_patch"}, "vision_pos_ids": {0: "N_patch"}, "window_ids": {0: "N_patch"},
                 "pos_interp_index": {0: "N_patch"}, "pos_interp_weight": {0: "N_patch"},
@@ -106,15 +111,18 @@ def dynamic_axes(dims: Dims, graph: str, input_names: list[str], output_names: l
 def output_shapes(dims: Dims, graph: str, branch_k: int) -> dict[str, list[int | str]]:
     """Declared output shapes; the tracer loses some static sizes (rotary halves, top-k rows)."""
     if graph == "target":
-        shapes: dict[str, list[int | str]] = {"next_tokens": ["T"], "entropy": [1], "taps": ["T", dims.n_taps * dims.hidden]}
+        shapes: dict[str, list[int | str]] = {"hidden": ["T", dims.hidden], "taps": ["T", dims.n_taps * dims.hidden]}
         for l in range(dims.layers):
             shapes[f"present_key_{l}"] = shapes[f"present_value_{l}"] = ["T", dims.kv_heads, dims.head_dim]
         return shapes
     if graph == "draft":
-        shapes = {"topk_ids": [dims.block_size - 1, branch_k], "topk_logprobs": [dims.block_size - 1, branch_k]}
+        shapes = {"hidden": [dims.block_size - 1, dims.hidden]}
         for j in range(dims.head_layers):
             shapes[f"ctx_key_{j}"] = shapes[f"ctx_value_{j}"] = ["N", dims.head_kv_heads, dims.head_head_dim]
         return shapes
+    if graph == "vocab":
+        return {"embeds": ["E", dims.hidden], "topk_ids": ["R", branch_k], "topk_logprobs": ["R", branch_k],
+                "entropy": ["R"], "topk_embeds": ["R", branch_k, dims.hidden]}
     shapes = {"image_embeds": ["N_merged", dims.hidden]}
     if dims.deepstack:
         shapes["deepstack_embeds"] = [dims.deepstack, "N_merged", dims.hidden]

@@ -1,9 +1,10 @@
 """The target graph as a torch module: one pass for prefill, plain decode and tree verify.
 
-It drives the model's own embedding, rotary embedding, decoder layers, final norm and LM head, so the
-exported graph computes what the reference backend computes; only the cache and the mask are ours: the
-past K/V arrive as sequence-major tensors, a pass-through cache hands them to each layer and keeps this
-pass's rows, and the 4D additive mask is built in-graph from the pass's boolean tree mask.
+It drives the model's own rotary embedding, decoder layers and final norm, so the exported graph
+computes what the reference backend computes; the embedding and LM head are the vocab graph's. Only
+the cache and the mask are ours: the past K/V arrive as sequence-major tensors, a pass-through cache
+hands them to each layer and keeps this pass's rows, and the 4D additive mask is built in-graph from
+the pass's boolean tree mask.
 """
 from __future__ import annotations
 
@@ -42,12 +43,6 @@ def head_major(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0)
 
 
-def entropy_at(logits: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-    """Next-token entropy (nats, fp32) of one row of logits [T, V]; row is i64[1]."""
-    logp = torch.log_softmax(logits.index_select(0, row).float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
 def padded(rows: torch.Tensor) -> torch.Tensor:
     """rows [N, H] plus one zero row at index N, so gathers stay in range even when N is 0."""
     return torch.cat([rows, rows.new_zeros(1, rows.shape[1])], dim=0)
@@ -59,24 +54,23 @@ class TargetGraph(nn.Module):
     def __init__(self, model: nn.Module, tap_ids: list[int], image_token_id: int | None, deepstack: int = 0):
         super().__init__()
         self.lm = language_model(model)
-        self.lm_head = model.get_output_embeddings()
         self.tap_ids = list(tap_ids)
         self.image_token_id = image_token_id
         self.deepstack = deepstack
         self.num_layers = len(self.lm.layers)
         past, present = target_kv_names(self.num_layers)
-        images = ["image_embeds"] if image_token_id is not None else []
+        images = ["input_ids", "inputs_embeds", "image_embeds"] if image_token_id is not None else ["inputs_embeds"]
         images += ["deepstack_embeds"] if deepstack else []
-        self.input_names = ["input_ids", *images, "position_ids", "tree_mask", "entropy_row", *past]
-        self.output_names = ["next_tokens", "entropy", *present, "taps"]
+        self.input_names = [*images, "position_ids", "tree_mask", *past]
+        self.output_names = ["hidden", *present, "taps"]
 
-    def embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None):
+    def embed(self, input_ids: torch.Tensor, inputs_embeds: torch.Tensor, image_embeds: torch.Tensor | None):
         """Token embeddings with image-token rows replaced by the vision rows, in order.
 
         Rows are replaced only when the pass holds exactly as many image tokens as image rows (a
         prefill with its image), as the HF model does; other passes gather the zero pad row and
         discard it, so a decode pass may pass zero rows or a dummy row."""
-        embeds = self.lm.embed_tokens(input_ids)
+        embeds = inputs_embeds[None]
         if image_embeds is None:
             return embeds, None, None
         is_img = input_ids[0] == self.image_token_id
@@ -97,11 +91,11 @@ class TargetGraph(nn.Module):
 
     def forward(self, *inputs: torch.Tensor):
         named = dict(zip(self.input_names, inputs))
-        input_ids, position_ids, tree_mask = named["input_ids"], named["position_ids"], named["tree_mask"]
+        input_ids, position_ids, tree_mask = named.get("input_ids"), named["position_ids"], named["tree_mask"]
         image_embeds, deepstack_embeds = named.get("image_embeds"), named.get("deepstack_embeds")
-        entropy_row, past = named["entropy_row"], inputs[-2 * self.num_layers:]
+        past = inputs[-2 * self.num_layers:]
         cache = PassCache([(head_major(past[2 * l]), head_major(past[2 * l + 1])) for l in range(self.num_layers)])
-        hidden, use, index = self.embed(input_ids, image_embeds)
+        hidden, use, index = self.embed(input_ids, named["inputs_embeds"], image_embeds)
         mask = self.additive_mask(tree_mask, past[0], hidden.dtype)
         rope = self.lm.rotary_emb(hidden, position_ids)
         taps = {}
@@ -114,12 +108,9 @@ class TargetGraph(nn.Module):
                 hidden = hidden + torch.where(use[None, :, None], add[None], torch.zeros_like(add[None]))
         hidden = self.lm.norm(hidden)
         taps[self.num_layers - 1] = hidden  # transformers reports the last layer after the final norm
-        logits = self.lm_head(hidden)[0]
-        next_tokens = logits.argmax(-1)
-        entropy = entropy_at(logits, entropy_row)
         present = []
         for l in range(self.num_layers):
             k, v = cache.present[l]
             present += [seq_major(k), seq_major(v)]
         tap_out = torch.cat([taps[i] for i in self.tap_ids], dim=-1)[0]
-        return (next_tokens, entropy, *present, tap_out)
+        return (hidden[0], *present, tap_out)

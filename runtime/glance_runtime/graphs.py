@@ -6,24 +6,35 @@ size, `kvh`/`D` = KV heads / head dim. KV tensors are **sequence-major** `[rows,
 first S rows of a preallocated `[max_context, kvh, D]` buffer are one contiguous block: the runtime
 hands that view to the graph with no copy, and compaction moves only the accepted rows.
 
+The target's embedding and LM head live in the vocab graph only, so no weight is stored twice (a
+tied matrix stays one tensor); target and draft graphs work on hidden states. A round is four runs:
+draft -> vocab (project the block) -> target (verify the tree) -> vocab (project the tree rows).
+
 vision graph (VL targets): `pixel_values` f[N_patch, C*t*p*p] and the grid-derived index tensors of
     `vision_indices` (declared in the manifest; the towers' grid loops cannot be traced)
     -> `image_embeds` f[N_img, H]; Qwen3-VL also -> `deepstack_embeds` f[n_deep, N_img, H].
+vocab graph: `ids` i64[E] (tokens to embed), `hidden` f[R, H] (final-normed rows to project)
+    -> `embeds` f[E, H], `topk_ids` i64[R, K] (descending; column 0 is the greedy token),
+    `topk_logprobs` f32[R, K] (log-softmax over the vocabulary), `entropy` f32[R] (nats),
+    `topk_embeds` f[R, K, H] (embeddings of `topk_ids`, so the next pass's inputs need no extra run).
+    Both axes are at least 1: a run that only embeds projects one dummy row, and vice versa.
 target graph (prefill, plain decode and tree verify are one graph):
-    `input_ids` i64[1, T]; `image_embeds` f[N_img, H] (VL only; rows replace the image tokens in order
-    when the pass holds exactly N_img image tokens, so every pass after prefill sends zero rows: a
-    generated image-pad token must stay a token); Qwen3-VL also `deepstack_embeds` f[n_deep, N_img, H];
+    `input_ids` i64[1, T] (VL only, to find image tokens); `inputs_embeds` f[T, H] (the vocab graph's
+    embeddings of the pass's ids); `image_embeds` f[N_img, H] (VL only; rows replace the image tokens in
+    order when the pass holds exactly N_img image tokens, so every pass after prefill sends zero rows:
+    a generated image-pad token must stay a token); Qwen3-VL also `deepstack_embeds` f[n_deep, N_img, H];
     `position_ids` i64[3, 1, T] for M-RoPE targets (stream position + delta on every axis after the
     prompt), i64[1, T] otherwise; `tree_mask` bool[T, T] (row i sees column j of this pass; every row
-    sees all S past rows; prefill passes the causal lower triangle); `entropy_row` i64[1] (which row's
-    entropy to compute); `past_key_{l}` / `past_value_{l}` f[S, kvh, D] per target layer l
-    -> `next_tokens` i64[T] (greedy token after each row), `entropy` f[1] (nats, at entropy_row),
-    `present_key_{l}` / `present_value_{l}` f[T, kvh, D] (this pass's rows only),
-    `taps` f[T, n_taps*H] (outputs of the head's tapped layers, concatenated in head order).
+    sees all S past rows; prefill passes the causal lower triangle); `past_key_{l}` / `past_value_{l}`
+    f[S, kvh, D] per target layer l
+    -> `hidden` f[T, H] (after the final norm: the vocab graph's input), `present_key_{l}` /
+    `present_value_{l}` f[T, kvh, D] (this pass's rows only), `taps` f[T, n_taps*H] (outputs of the
+    head's tapped layers, concatenated in head order).
 draft graph: `context_taps` f[N, n_taps*H] (newly committed rows), `context_positions` i64[N],
-    `anchor` i64[1], `start` i64[1] (stream position of the anchor; block rows sit at start..start+B-1),
-    `past_ctx_key_{j}` / `past_ctx_value_{j}` f[S_h, kvh, D] per head layer j
-    -> `topk_ids` i64[B-1, K], `topk_logprobs` f[B-1, K] (log-softmax over the vocabulary, descending),
+    `block_embeds` f[B, H] (embeddings of [anchor, MASK x (B-1)]), `start` i64[1] (stream position of
+    the anchor; block rows sit at start..start+B-1), `past_ctx_key_{j}` / `past_ctx_value_{j}`
+    f[S_h, kvh, D] per head layer j
+    -> `hidden` f[B-1, H] (final-normed rows of offsets 1..B-1: the vocab graph's input),
     `ctx_key_{j}` / `ctx_value_{j}` f[N, kvh, D] (the new context rows' K/V, to append to the cache).
 """
 from __future__ import annotations
@@ -31,6 +42,7 @@ from __future__ import annotations
 VISION_GRAPH = "vision.onnx"
 TARGET_GRAPH = "target.onnx"
 DRAFT_GRAPH = "draft.onnx"
+VOCAB_GRAPH = "vocab.onnx"
 MANIFEST = "manifest.json"
 
 

@@ -14,10 +14,10 @@ from typing import Any
 
 from . import __version__
 from .errors import GlanceError
-from .graphs import DRAFT_GRAPH, MANIFEST, TARGET_GRAPH, VISION_GRAPH
+from .graphs import DRAFT_GRAPH, MANIFEST, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH
 
 FORMAT = "glance-onnx"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 REEXPORT = "re-export with `glance-export onnx`"
 
 
@@ -43,6 +43,7 @@ class Manifest:
     deepstack_layers: int
     block_size: int
     branch_k: int
+    mask_token_id: int
     image_token_id: int | None
     stop_token_ids: tuple[int, ...]
     max_tree: int
@@ -92,7 +93,8 @@ def load_manifest(artifacts_dir: str | Path) -> Manifest:
     try:
         graphs = raw["graphs"]
         is_vl = bool(raw["is_vl"])
-        needed = {"target": TARGET_GRAPH, "draft": DRAFT_GRAPH, **({"vision": VISION_GRAPH} if is_vl else {})}
+        needed = {"target": TARGET_GRAPH, "draft": DRAFT_GRAPH, "vocab": VOCAB_GRAPH,
+                  **({"vision": VISION_GRAPH} if is_vl else {})}
         for key, name in needed.items():
             if key not in graphs or not (path / name).is_file():
                 raise GlanceError(f"{path} lacks the {key} graph ({name}); {REEXPORT}")
@@ -107,7 +109,7 @@ def load_manifest(artifacts_dir: str | Path) -> Manifest:
             path=path, toolkit_version=raw["toolkit_version"], family=raw["family"], is_vl=is_vl,
             float_dtype=raw["float_io_dtype"], hidden_size=int(target["hidden_size"]), target=_stack(target),
             head=_stack(graphs["draft"]), deepstack_layers=int(target.get("deepstack_layers") or 0), block_size=int(raw["block_size"]),
-            branch_k=int(raw["branch_k"]),
+            branch_k=int(raw["branch_k"]), mask_token_id=int(raw["mask_token_id"]),
             image_token_id=raw.get("image_token_id"), stop_token_ids=tuple(int(i) for i in raw["stop_token_ids"]),
             max_tree=int(raw["limits"]["max_tree"]), max_context=int(raw["limits"]["max_context"]),
             spatial_merge_size=(raw.get("rope") or {}).get("spatial_merge_size"),

@@ -14,6 +14,7 @@ from . import __version__
 from .backend import Backend
 from .errors import GlanceError
 from .graphs import MANIFEST
+from .manifest import FORMAT_VERSION
 
 BACKENDS = ("torch", "onnxruntime")
 
@@ -72,9 +73,9 @@ def cache_root() -> Path:
 def exported_artifacts(model: Path, head: Path, progress: Callable[[str], None]) -> Path:
     """Artifacts for (model, head) in the cache, exported on first use.
 
-    Keyed by file names, sizes and modification times (cheap even for multi-GB weights) and the
-    toolkit version; the manifest's own hashes still guard against a mismatched directory."""
-    key = hashlib.sha256(__version__.encode())
+    Keyed by file names, sizes and modification times (cheap even for multi-GB weights), the
+    toolkit version and the artifacts format; the manifest's own hashes still guard against a mismatched directory."""
+    key = hashlib.sha256(f"{__version__}:{FORMAT_VERSION}".encode())
     for root in (Path(model), Path(head)):
         if not root.is_dir():
             raise GlanceError(f"{root} does not exist")

@@ -4,6 +4,11 @@ It mirrors the torch reference backend step for step (same positions, masks, hea
 commit rule), but the KV caches are preallocated seq-major buffers (`kv_cache`) handed to the graphs
 as zero-copy views, prompts are built without transformers (`preprocess`), and M-RoPE prefill
 positions come from the numpy port of the model's rope-index function (`rope_index`).
+
+The vocab graph holds the embedding and LM head. Each projection also returns the embeddings of its
+top-k tokens, and every token a later pass feeds (the next anchor, the tree's nodes) is one of them,
+so a round is four runs: draft, vocab, target, vocab. Only tokens from elsewhere (a prompt, a test's
+seeded draft) cost an embedding run.
 """
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import GlanceError
-from ..graphs import DRAFT_GRAPH, TARGET_GRAPH, VISION_GRAPH, draft_kv_names, target_kv_names
+from ..graphs import DRAFT_GRAPH, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH, draft_kv_names, target_kv_names
 from ..kv_cache import KVCache
 from ..manifest import Manifest, load_manifest
 from ..preprocess import Prompt, PromptBuilder
@@ -90,6 +95,7 @@ class OrtBackend:
         self.target = session(TARGET_GRAPH)
         self.vision = session(VISION_GRAPH) if m.is_vl else None
         self.head = session(DRAFT_GRAPH)
+        self.vocab = session(VOCAB_GRAPH)
         self.prompts = PromptBuilder(self.path, m.image_token_id if m.is_vl else None)
         self.stop_token_ids = m.stop_token_ids
         self.block_size = m.block_size
@@ -100,12 +106,16 @@ class OrtBackend:
         self.head_kv = KVCache(m.head.num_layers, m.head.kv_heads, m.head.head_dim, self.max_context, self.float)
         self.kv_in, kv_out = target_kv_names(m.target.num_layers)
         self.head_in, head_out = draft_kv_names(m.head.num_layers)
-        self.target_outputs = ["next_tokens", "entropy", *kv_out, "taps"]
-        self.draft_outputs = ["topk_ids", "topk_logprobs", *head_out]
+        self.target_outputs = ["hidden", *kv_out, "taps"]
+        self.draft_outputs = ["hidden", *head_out]
+        self.vocab_outputs = ["embeds", "topk_ids", "topk_logprobs", "entropy", "topk_embeds"]
         # Passes without the image send zero image rows, not a dummy row: the graph substitutes rows
         # whenever a pass holds as many image-token ids as rows, and a generated token can be that id.
         self._no_image = np.zeros((0, m.hidden_size), self.float)
         self._no_deep = np.zeros((m.deepstack_layers, 0, m.hidden_size), self.float)
+        self._no_ids, self._no_rows = np.zeros(1, np.int64), np.zeros((1, m.hidden_size), self.float)
+        self.block = np.empty((self.block_size, m.hidden_size), self.float)  # [anchor, MASK x (B-1)] embeddings
+        self.block[1:] = self._vocab(np.array([m.mask_token_id], np.int64), self._no_rows)[0]
         self._reset()
 
     def _reset(self) -> None:
@@ -116,6 +126,8 @@ class OrtBackend:
         self.pending_taps: list[np.ndarray] = []  # committed rows not yet projected into the head cache
         self.pending_from = 0
         self.verify_taps = np.zeros((0, 0), self.float)  # taps of the last target pass
+        self.known_ids = np.zeros(0, np.int64)  # tokens whose embeddings the last projection returned
+        self.known_embeds = np.zeros((0, self.manifest.hidden_size), self.float)
 
     def build_prompt(self, text: str, image=None) -> Prompt:
         return self.prompts.build(text, image)
@@ -129,20 +141,43 @@ class OrtBackend:
         pos[:] = stream + self.delta
         return pos if self.manifest.is_vl else pos[0]
 
-    def _run_target(self, ids: np.ndarray, positions: np.ndarray, tree_mask: np.ndarray, entropy_row: int,
+    def _vocab(self, ids: np.ndarray, hidden: np.ndarray) -> list[np.ndarray]:
+        return self.vocab.run(self.vocab_outputs, {"ids": ids, "hidden": hidden})
+
+    def _project(self, hidden: np.ndarray, extra_ids: np.ndarray | None = None,
+                 extra_embeds: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Top-k ids, log-probs and entropies of hidden rows; their top-k embeddings (plus any extra
+        known ones) become the lookup table for the next pass's inputs."""
+        _, ids, logp, entropy, embeds = self._vocab(self._no_ids, hidden)
+        self.known_ids, self.known_embeds = ids.reshape(-1), embeds.reshape(-1, embeds.shape[-1])
+        if extra_ids is not None:
+            self.known_ids = np.concatenate([self.known_ids, extra_ids])
+            self.known_embeds = np.concatenate([self.known_embeds, extra_embeds])
+        return ids, logp, entropy
+
+    def _embed(self, tokens: np.ndarray) -> np.ndarray:
+        """Embeddings of tokens: looked up among the last projection's, else one vocab run."""
+        known = self.known_ids
+        if known.size:
+            order = np.argsort(known, kind="stable")
+            at = order[np.minimum(np.searchsorted(known, tokens, sorter=order), known.size - 1)]
+            if np.array_equal(known[at], tokens):
+                return self.known_embeds[at]
+        return self._vocab(tokens, self._no_rows)[0]
+
+    def _run_target(self, ids: np.ndarray, positions: np.ndarray, tree_mask: np.ndarray,
                     image: np.ndarray, deep: np.ndarray | None) -> list[np.ndarray]:
         """One target pass over T rows after the committed ones; its K/V rows are appended to the cache."""
         self.kv.check_room(ids.shape[0])
-        feeds = {"input_ids": ids[None], "position_ids": positions,
-                 "tree_mask": np.ascontiguousarray(tree_mask, dtype=bool),
-                 "entropy_row": np.array([entropy_row], np.int64)}
+        feeds = {"inputs_embeds": self._embed(ids), "position_ids": positions,
+                 "tree_mask": np.ascontiguousarray(tree_mask, dtype=bool)}
         if self.manifest.is_vl:
-            feeds["image_embeds"] = image
+            feeds["input_ids"], feeds["image_embeds"] = ids[None], image
             if self.manifest.deepstack_layers:
                 feeds["deepstack_embeds"] = deep
         feeds.update(zip(self.kv_in, self.kv.view()))
         out = self.target.run(self.target_outputs, feeds)
-        self.kv.append(out[2:-1])
+        self.kv.append(out[1:-1])
         self.verify_taps = out[-1]
         return out
 
@@ -166,10 +201,11 @@ class OrtBackend:
                 image, deep = self._encode_image(prompt)
         else:
             pos = np.arange(length, dtype=np.int64)[None]
-        out = self._run_target(ids, pos, np.tri(length, dtype=bool), length - 1, image, deep)
+        hidden = self._run_target(ids, pos, np.tri(length, dtype=bool), image, deep)[0]
         self.start = length
         self.pending_taps, self.pending_from = [self.verify_taps], 0
-        return int(out[0][-1]), float(out[1][0])
+        top, _, entropy = self._project(hidden[-1:])
+        return int(top[0, 0]), float(entropy[0])
 
     def draft(self, anchor: int, k: int) -> tuple[np.ndarray, np.ndarray]:
         if k > self.manifest.branch_k:
@@ -177,14 +213,17 @@ class OrtBackend:
                               f"lower it or re-export with `glance-export onnx --branch-k {k}`")
         taps = self.pending_taps[0] if len(self.pending_taps) == 1 else np.concatenate(self.pending_taps)
         self.head_kv.check_room(taps.shape[0])
+        anchor_id = np.array([anchor], np.int64)
+        self.block[0] = self._embed(anchor_id)[0]
         feeds = {"context_taps": taps,
                  "context_positions": np.arange(self.pending_from, self.pending_from + taps.shape[0], dtype=np.int64),
-                 "anchor": np.array([anchor], np.int64), "start": np.array([self.start], np.int64)}
+                 "block_embeds": self.block, "start": np.array([self.start], np.int64)}
         feeds.update(zip(self.head_in, self.head_kv.view()))
         out = self.head.run(self.draft_outputs, feeds)
-        self.head_kv.append(out[2:])
+        self.head_kv.append(out[1:])
         self.pending_taps, self.pending_from = [], self.start
-        return out[0][:, :k].astype(np.int64), out[1][:, :k].astype(np.float64)
+        ids, logp, _ = self._project(out[0], anchor_id, self.block[:1])
+        return ids[:, :k].astype(np.int64), logp[:, :k].astype(np.float64)
 
     def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray) -> tuple[np.ndarray, float]:
         size = len(tokens)
@@ -192,9 +231,10 @@ class OrtBackend:
             raise GlanceError(f"tree of {size} rows exceeds --max-tree {self.max_tree}; "
                               f"lower --budget to {self.max_tree - 1} or raise --max-tree (up to the export's limit)")
         positions = self._positions(self.start + np.asarray(depths, dtype=np.int64))
-        out = self._run_target(np.asarray(tokens, dtype=np.int64), positions, visible, 0,
-                               self._no_image, self._no_deep)
-        return out[0].astype(np.int64), float(out[1][0])
+        hidden = self._run_target(np.asarray(tokens, dtype=np.int64), positions, visible,
+                                  self._no_image, self._no_deep)[0]
+        top, _, entropy = self._project(hidden)
+        return top[:, 0].astype(np.int64), float(entropy[0])
 
     def commit(self, rows: np.ndarray) -> None:
         """Compact the pack's KV in place (kept rows move down after the prefix); queue their taps for the head."""

@@ -1,0 +1,30 @@
+"""The vocab graph as a torch module: the target's embedding and LM head, in the one graph that owns them.
+
+Both the verify pass and the draft pass need the vocabulary matrices (embeddings in, logits out);
+keeping them here instead of in the target and draft graphs means a 151,936-row matrix is stored
+once, and a tied embedding stays one tensor (the exporter turns `hidden @ W.T` into a Gemm on W).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class VocabGraph(nn.Module):
+    """Inputs and outputs exactly as `glance_runtime.graphs` states for the vocab graph."""
+
+    input_names = ["ids", "hidden"]
+    output_names = ["embeds", "topk_ids", "topk_logprobs", "entropy", "topk_embeds"]
+
+    def __init__(self, embed: nn.Embedding, lm_head: nn.Linear, branch_k: int):
+        super().__init__()
+        self.embed, self.lm_head, self.branch_k = embed, lm_head, branch_k
+
+    def forward(self, *inputs: torch.Tensor):
+        """Inputs in `input_names` order (variadic like the other graphs, for the dynamo exporter's shapes)."""
+        ids, hidden = inputs
+        logits = nn.functional.linear(hidden, self.lm_head.weight).float()
+        top = torch.topk(logits, self.branch_k, dim=-1)
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+        entropy = lse[:, 0] - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+        return self.embed(ids), top.indices, top.values - lse, entropy, self.embed(top.indices)
