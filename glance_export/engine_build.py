@@ -127,12 +127,12 @@ def build(request: BuildRequest, device: Device, toolchain: Toolchain | None = N
     if request.plan_only:
         return _plan_only(request, profile, say)
     check_device(profile, device)
+    dtype = _read_manifest(request.artifacts)["dtype"] if request.artifacts else CACHE_DTYPE
+    precision = choose_precision(profile, request.precision, dtype, device)
     toolchain = toolchain or load_toolchain(profile)
     check_version(profile, toolchain)
     say(f"target {profile.name}: {device.describe() if device.name else 'ahead-of-time build, no GPU'}; "
         f"{toolchain.name} {toolchain.version}")
-    dtype = _read_manifest(request.artifacts)["dtype"] if request.artifacts else CACHE_DTYPE
-    precision = choose_precision(profile, request.precision, dtype, device)
     artifacts = _artifacts(request, say)
     manifest = _read_manifest(artifacts)
     check_opset(profile, manifest["opset"], toolchain.version)

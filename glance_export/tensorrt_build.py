@@ -87,26 +87,28 @@ def _allow_attention_fallback(trt, network) -> None:
 
 
 class TimingCache:
-    """One timing cache shared by every graph of a build: read from `path` when it exists, written back
-    atomically after a successful build (trtexec's --timingCacheFile)."""
+    """One timing cache carried through every graph of a build: read from `path` when it exists, written
+    back atomically after a successful build (trtexec's --timingCacheFile).
+
+    It travels as serialized bytes, because a cache object does not outlive the builder config it came from."""
 
     def __init__(self, path: Path):
         self.path = path
-        self.cache = None
+        self.data = path.read_bytes() if path.is_file() else b""
 
     def attach(self, config) -> None:
-        if self.cache is None:
-            self.cache = config.create_timing_cache(self.path.read_bytes() if self.path.is_file() else b"")
-        if not config.set_timing_cache(self.cache, False):
+        if not config.set_timing_cache(config.create_timing_cache(self.data), False):
             raise GlanceError(f"{self.path} was written by another TensorRT version or GPU; delete it or pass "
                               f"another --timing-cache")
 
+    def collect(self, config) -> None:
+        """Keep what this graph's build added (call while `config` is alive)."""
+        self.data = bytes(config.get_timing_cache().serialize())
+
     def save(self) -> None:
-        if self.cache is None:
-            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_bytes(bytes(self.cache.serialize()))
+        tmp.write_bytes(self.data)
         os.replace(tmp, self.path)
 
 
@@ -149,6 +151,8 @@ def build_engine(toolchain: Toolchain, onnx_path: Path, inputs: dict[str, dict[s
     engine = builder.build_serialized_network(network, config)
     if engine is None:
         raise GlanceError(f"TensorRT could not build an engine for {onnx_path.name}; see the builder log above")
+    if options.timing_cache is not None:
+        options.timing_cache.collect(config)
     return bytes(engine)
 
 

@@ -1,23 +1,30 @@
 """Every exported graph must parse and build under a real TensorRT compiler (TensorRT-RTX's CPU builder),
-with the manifest's profiles: target prefill and tree verify (T 1..max_tree over past 0..max_context).
+with the manifest's profiles: target prefill and tree verify (T 1..max_tree over past 0..max_context),
+the vocabulary graph's embed and project passes, and the memory plan that sizes them for a device.
 
 Artifacts come from the same per-session exports as test_onnx_export (fp32, fp16, external data)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import onnx
 import pytest
 
 from glance_export.adapters import Snapshot
+from glance_export.device_profiles import load_profile
+from glance_export.devices import Device
 from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
+from glance_export.memory_plan import Limits, kv_bytes_per_row, plan_memory
 from glance_export.onnx import export_artifacts
-from glance_export.tensorrt_build import build_engines, profiles_for
+from glance_export.precision import choose_precision
+from glance_export.tensorrt_build import BuildOptions, build_engines, profiles_for
+from glance_export.toolchain import load_toolchain
 from glance_runtime.errors import GlanceError
 from test_onnx_export import export_once
-from tiny_models import ALL_FAMILIES, VL_FAMILIES
 
 pytest.importorskip("tensorrt_rtx")
+RTX = load_profile("rtx")
 
 
 @pytest.fixture(scope="module")
@@ -25,21 +32,22 @@ def exported(snapshot_dir, tmp_path_factory):
     return lambda family, variant="fp32": export_once(snapshot_dir, tmp_path_factory, family, variant)[2]
 
 
-@pytest.mark.parametrize("family", ALL_FAMILIES)
-def test_every_graph_builds(exported, tmp_path, family):
-    sizes = build_engines(exported(family), tmp_path / "engines", workspace_gib=1, progress=lambda _: None)
-    expected = {"target", "draft"} | ({"vision"} if family in VL_FAMILIES else set())
-    assert set(sizes) == expected and all(size > 0 for size in sizes.values())
-    assert {p.stem for p in (tmp_path / "engines").glob("*.engine")} == expected
+def _build_all(artifacts: Path, out: Path) -> set[str]:
+    """Build every graph with TensorRT-RTX at the export's own precision; the graphs that built."""
+    manifest = json.loads((artifacts / "manifest.json").read_text())
+    out.mkdir()
+    options = BuildOptions(choose_precision(RTX, None, manifest["dtype"], Device(None)), workspace_gib=1)
+    records = build_engines(load_toolchain(RTX), artifacts, manifest, out, options, progress=lambda _: None)
+    assert set(records) == set(manifest["graphs"]) and all(r["bytes"] > 0 for r in records.values())
+    return set(records)
 
 
 @pytest.mark.parametrize("family,variant", [("qwen3_vl", "fp16"), ("qwen3", "external")])
-def test_fp16_and_external_data_graphs_build(exported, family, variant):
-    expected = {"target", "draft"} | ({"vision"} if family in VL_FAMILIES else set())
-    assert set(build_engines(exported(family, variant), progress=lambda _: None)) == expected
+def test_fp16_and_external_data_graphs_build(exported, tmp_path, family, variant):
+    assert _build_all(exported(family, variant), tmp_path / "e") == {p.stem for p in (tmp_path / "e").glob("*.engine")}
 
 
-def test_profiles_cover_prefill_and_tree_verify(exported):
+def test_profiles_cover_prefill_tree_verify_and_vocab_passes(exported):
     manifest = json.loads((exported("qwen2_5_vl") / "manifest.json").read_text())
     prefill, verify = profiles_for(manifest, "target")
     assert prefill.axes["T"] == (1, 256, 256) and verify.axes["T"] == (1, 32, 32)
@@ -47,6 +55,54 @@ def test_profiles_cover_prefill_and_tree_verify(exported):
     assert verify.axes["N_img"] == (0, 1, 1) and prefill.axes["N_img"][2] == manifest["axes"]["N_img"][1]
     (draft,) = profiles_for(manifest, "draft")
     assert draft.axes["N"][2] == 256 and draft.axes["S_h"] == (0, 127, 255)
+    manifest["axes"].update(E=[1, 2048], R=[1, 63])  # the vocabulary graph's axes, whatever the export has
+    embed, project = profiles_for(manifest, "vocab")
+    assert embed.axes == {"E": (1, 256, 2048), "R": (1, 1, 1)} and project.axes == {"E": (1, 1, 1), "R": (1, 32, 63)}
+
+
+def test_lowered_limits_shrink_every_axis_they_bound(exported):
+    manifest = json.loads((exported("qwen2_5_vl") / "manifest.json").read_text())
+    low = Limits(max_context=96, max_tree=16, max_image_tokens=40).apply(manifest)
+    prefill, verify = profiles_for(low, "target")
+    assert prefill.axes["T"][2] == 96 and prefill.axes["S"][2] == 95 and verify.axes["T"][2] == 16
+    assert prefill.axes["N_img"][2] == 40 and profiles_for(low, "vision")[0].axes["N_merged"][2] == 40
+    assert low["limits"] == {"max_context": 96, "max_tree": 16} and manifest["limits"]["max_context"] == 256
+    raised = Limits(max_context=4096, max_tree=64, max_image_tokens=None).apply(manifest)
+    assert raised["axes"] == manifest["axes"]  # never above the export's bounds
+
+
+def _synthetic_export(tmp_path: Path, weights_gib: float, dtype: str) -> dict:
+    """A manifest of a 28-layer target with GQA (4 KV heads of 128) and its weights as one sparse file."""
+    with open(tmp_path / "target.onnx", "wb") as fh:
+        fh.truncate(int(weights_gib * (1 << 30)))
+    io = "float16" if dtype == "fp16" else "float32"
+    return {"dtype": dtype, "float_io_dtype": io, "limits": {"max_context": 32768, "max_tree": 64},
+            "axes": {"T": [1, 32768], "S": [0, 32767]},
+            "graphs": {"target": {"file": "target.onnx", "num_layers": 28, "num_kv_heads": 4, "head_dim": 128}}}
+
+
+def test_memory_plan_derives_context_from_the_budget(tmp_path):
+    manifest = _synthetic_export(tmp_path, 3.0, "fp16")
+    orin = load_profile("jetson-orin")
+    plan = plan_memory(orin, manifest, tmp_path, "fp16", Device(None))
+    per_row = kv_bytes_per_row(manifest)
+    assert per_row == 2 * 28 * 4 * 128 * 2
+    fit = int((orin.memory_gib - orin.reserve_gib - 3.0 - orin.workspace_gib) * (1 << 30) // per_row)
+    assert plan.limits.max_context == fit // 256 * 256 and plan.reasons["max_context"] == "what fits the memory budget"
+    assert plan.limits.max_tree == orin.max_tree and plan.total_gib <= orin.memory_gib - orin.reserve_gib
+    assert "max context" in plan.explain() and "jetson-orin default" in plan.explain()
+    roomy = plan_memory(orin, manifest, tmp_path, "fp16", Device(None), memory_gib=64)
+    assert roomy.limits.max_context == 32768 and roomy.reasons["max_context"] == "the export's limit"
+    on_device = plan_memory(orin, manifest, tmp_path, "fp16", Device("Jetson AGX Orin", "8.7", 30.6, "orin"))
+    assert on_device.memory_gib == 30.6 and on_device.memory_source == "on this device"
+
+
+def test_memory_plan_counts_weights_at_the_built_precision(tmp_path):
+    manifest = _synthetic_export(tmp_path, 6.0, "fp32")
+    thor = load_profile("jetson-thor")
+    assert plan_memory(thor, manifest, tmp_path, "fp16", Device(None)).weights_gib == pytest.approx(3.0)
+    with pytest.raises(GlanceError, match=r"does not fit jetson-orin: .* GiB over the budget.*--workspace-gib"):
+        plan_memory(load_profile("jetson-orin"), manifest, tmp_path, "fp32", Device(None))
 
 
 def test_opset23_attention_graphs_validate_and_build(snapshot_dir, tmp_path):
@@ -57,9 +113,4 @@ def test_opset23_attention_graphs_validate_and_build(snapshot_dir, tmp_path):
                            progress=lambda _: None)
     ops = {n.op_type for n in onnx.load(str(out / "target.onnx")).graph.node}
     assert "Attention" in ops and json.loads((out / "manifest.json").read_text())["opset"] == 23
-    assert set(build_engines(out, progress=lambda _: None)) == {"target", "draft"}
-
-
-def test_missing_manifest_is_one_line_error(tmp_path):
-    with pytest.raises(GlanceError, match="no manifest.json"):
-        build_engines(tmp_path)
+    _build_all(out, tmp_path / "engines")

@@ -1,0 +1,270 @@
+"""`glance-export build`: real TensorRT-RTX engines for every family with a checked engine manifest, each
+refusal as one line with exit 2 and nothing written (the GPU and the TensorRT version are simulated; the
+build never is), the --plan-only bundle, and the --artifacts path on an install without torch or onnx."""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from edge_install import BLOCK_EXPORT_STACK
+from glance_export import cli, devices
+from glance_export.adapters import Snapshot
+from glance_export.device_profiles import load_profile, profile_text
+from glance_export.devices import Device, probe_device, resolve_target
+from glance_export.engine_build import BuildRequest, build
+from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
+from glance_export.memory_plan import kv_bytes_per_row, weights_bytes
+from glance_export.tensorrt_build import profiles_for
+from glance_export.toolchain import Toolchain
+from glance_runtime.errors import GlanceError
+from glance_runtime.manifest import sha256
+from test_onnx_export import export_once
+from tiny_models import ALL_FAMILIES
+
+trt = pytest.importorskip("tensorrt_rtx")
+
+NO_GPU = Device(None)
+H100 = Device("NVIDIA H100 80GB HBM3", "9.0", 79.6)
+A10 = Device("NVIDIA A10", "8.6", 22.5)
+ORIN = Device("NVIDIA Jetson AGX Orin Developer Kit", "8.7", 30.6, "orin")
+GTX1080 = Device("NVIDIA GeForce GTX 1080", "6.1", 8.0)
+
+
+@pytest.fixture(scope="module")
+def exported(snapshot_dir, tmp_path_factory):
+    """family -> (model dir, head dir, artifacts dir), shared with the other export tests."""
+    return lambda family, variant="fp32": export_once(snapshot_dir, tmp_path_factory, family, variant)
+
+
+def run_cli(monkeypatch, capsys, device: Device, *argv: str) -> tuple[int, str, str]:
+    """`glance-export build ...` in process, on a machine whose GPU probe finds `device`."""
+    monkeypatch.setattr(devices, "probe_device", lambda: device)
+    rc = cli.main(["build", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _manifest(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_build_rtx_engines_for_every_family(exported, monkeypatch, capsys, tmp_path, family):
+    _, _, artifacts = exported(family)
+    out = tmp_path / "engines"
+    rc, stdout, _ = run_cli(monkeypatch, capsys, NO_GPU, "--target", "rtx", "--artifacts", artifacts, "--out", out)
+    assert rc == 0
+    art = _manifest(artifacts / "manifest.json")
+    record = _manifest(out / "engines.json")
+    assert set(record["engines"]) == set(art["graphs"])
+    assert sorted(p.name for p in out.iterdir()) == sorted(["engines.json", *(f"{g}.engine" for g in art["graphs"])])
+    for graph, entry in record["engines"].items():
+        engine = out / entry["file"]
+        assert entry["bytes"] == engine.stat().st_size > 0 and entry["sha256"] == sha256(engine)
+        assert [o["sha256"] for o in entry["onnx"]] == [sha256(artifacts / o["file"]) for o in entry["onnx"]]
+        assert entry["onnx"][0]["file"] == art["graphs"][graph]["file"]
+        assert entry["profiles"] == {p.name: {a: list(r) for a, r in p.axes.items()} for p in profiles_for(art, graph)}
+    assert record["tensorrt"] == {"module": "tensorrt_rtx", "version": trt.__version__}
+    assert record["device"]["name"] == "ahead-of-time, no GPU" and record["target"] == "rtx"
+    assert record["precision"] == {"name": "fp32", "artifacts_dtype": "fp32", "how": "the graphs' own fp32 dtypes"}
+    assert record["artifacts"]["manifest_sha256"] == sha256(artifacts / "manifest.json")
+    assert record["artifacts"]["source"] == art["source"]
+    assert record["artifacts"]["head_weights_sha256"] == art["head"]["weights_sha256"]
+    assert record["limits"]["max_context"] == art["limits"]["max_context"] and record["build_s"] > 0
+    lines = stdout.splitlines()
+    assert all(line.startswith("[") and "s] " in line for line in lines)
+    assert sum("built " in line for line in lines) == len(art["graphs"]) and "memory plan:" in stdout
+
+
+def test_lower_limits_size_the_engine_profiles(exported, monkeypatch, capsys, tmp_path):
+    _, _, artifacts = exported("qwen2_5_vl")
+    rc, stdout, _ = run_cli(monkeypatch, capsys, NO_GPU, "--target", "rtx", "--artifacts", artifacts,
+                            "--out", tmp_path / "e", "--max-context", 96, "--max-tree", 16)
+    assert rc == 0 and "max context 96 (--max-context), max tree 16 (--max-tree)" in stdout
+    record = _manifest(tmp_path / "e" / "engines.json")
+    assert record["limits"] == {"max_context": 96, "max_tree": 16, "max_image_tokens": 48}
+    target = record["engines"]["target"]["profiles"]
+    assert target["prefill"]["T"][2] == 96 and target["verify"]["T"][2] == 16 and target["prefill"]["N_img"][2] == 48
+    assert record["engines"]["vision"]["profiles"]["vision"]["N_merged"][2] == 48
+
+
+def test_model_and_head_export_through_the_cache_and_build(snapshot_dir, monkeypatch, capsys, tmp_path, exported):
+    model, head, _ = exported("qwen3")
+    args = ("--target", "rtx", "--model", model, "--head", head, "--out", tmp_path / "e")
+    rc, _, _ = run_cli(monkeypatch, capsys, NO_GPU, *args)  # exports, unless an earlier test did
+    assert rc == 0
+    record = _manifest(tmp_path / "e" / "engines.json")
+    assert record["artifacts"]["source"]["config_sha256"] == sha256(model / "config.json")
+    rc, stdout, _ = run_cli(monkeypatch, capsys, NO_GPU, *args)
+    assert rc == 0 and "exporting" not in stdout  # the cached export is reused
+
+
+def test_timing_cache_is_written_atomically_where_the_builder_keeps_one(exported, tmp_path):
+    """rtx's profile says TensorRT-RTX ignores timing caches (they are no-ops there since 1.2); with the
+    profile saying otherwise, the same builder calls still run and the cache file is written whole."""
+    _, _, artifacts = exported("qwen3")
+    cache = tmp_path / "caches" / "timing.cache"
+    request = BuildRequest("rtx", tmp_path / "e", artifacts=artifacts, timing_cache=cache)
+    build(request, NO_GPU, progress=lambda _: None)
+    note = _manifest(tmp_path / "e" / "engines.json")["timing_cache"]
+    assert not cache.exists() and not note["used"] and "ignores timing caches" in note["note"]
+    profile = load_profile("rtx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # TensorRT-RTX deprecates the (no-op) cache calls
+        build(request, NO_GPU, profile=dataclasses.replace(profile, timing_cache=True), progress=lambda _: None)
+    assert cache.stat().st_size > 0 and os.listdir(cache.parent) == ["timing.cache"]
+    assert _manifest(tmp_path / "e" / "engines.json")["timing_cache"]["used"]
+
+
+REFUSALS = {  # id: (device, extra argv, artifacts family, pattern)
+    "no-tensorrt": (H100, ["--target", "datacenter"], "qwen3", r"tensorrt, which is not installed here \(pip install tensorrt-cu12.*--plan-only"),
+    "gpu-not-in-profile": (GTX1080, ["--target", "rtx"], "qwen3", r"GTX 1080 \(compute capability 6\.1\) is not a rtx GPU"),
+    "gpu-of-another-target": (H100, ["--target", "jetson-orin"], "qwen3", r"is not a jetson-orin GPU .*use --target datacenter"),
+    "no-gpu-for-full-tensorrt": (NO_GPU, ["--target", "jetson-orin"], "qwen3", r"no NVIDIA GPU found.*--plan-only"),
+    "jetson-off-device": (NO_GPU, ["--target", "jetson"], "qwen3", r"--target jetson picks Orin or Thor .* name one: --target jetson-orin"),
+    "fp8-on-orin": (ORIN, ["--target", "jetson-orin", "--precision", "fp8"], "qwen3", r"jetson-orin cannot run fp8 engines \(Orin's"),
+    "fp8-below-sm89": (A10, ["--target", "datacenter", "--precision", "fp8"], "qwen3", r"fp8 needs compute capability >= 8\.9"),
+    "fp8-without-quantized-export": (H100, ["--target", "datacenter", "--precision", "fp8"], "qwen3", r"fp8 engines need an FP8-quantized export"),
+    "strongly-typed-dtype-mismatch": (NO_GPU, ["--target", "rtx", "--precision", "fp16"], "qwen3",
+     r"strongly typed .* these artifacts are fp32, not fp16; re-export with `glance-export onnx --dtype fp16`"),
+    "bf16-not-exportable": (NO_GPU, ["--target", "rtx", "--precision", "bf16"], "qwen3", r"exports fp32 or fp16 only; use --precision fp32"),
+    "context-above-export": (NO_GPU, ["--target", "rtx", "--max-context", "4096"], "qwen3",
+     r"--max-context 4096 is more than the export's 256.*glance-export onnx --max-context 4096"),
+    "tree-above-export": (NO_GPU, ["--target", "rtx", "--max-tree", "64"], "qwen3", r"--max-tree 64 is more than the export's 32"),
+    "does-not-fit": (NO_GPU, ["--target", "rtx", "--memory-gib", "2.5"], "qwen3",
+     r"does not fit rtx: at a 256-row context it needs 2\.00 GiB, 0\.50 GiB over the budget .*--workspace-gib"),
+    "workspace-above-cap": (NO_GPU, ["--target", "rtx", "--workspace-gib", "16"], "qwen3",
+                            r"--workspace-gib 16 is outside rtx's"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_refusals_are_one_line_and_write_nothing(exported, monkeypatch, capsys, tmp_path, case):
+    device, argv, family, pattern = REFUSALS[case]
+    if case == "no-tensorrt" and importlib.util.find_spec("tensorrt") is not None:
+        pytest.skip("full TensorRT is installed here")
+    _, _, artifacts = exported(family)
+    rc, stdout, stderr = run_cli(monkeypatch, capsys, device, *argv, "--artifacts", artifacts, "--out", tmp_path / "e")
+    assert rc == 2 and stderr.count("\n") == 1 and stderr.startswith("glance-export: error: ")
+    assert "Traceback" not in stderr and re.search(pattern, stderr), stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_memory_refusal_names_the_context_that_fits(exported, monkeypatch, capsys, tmp_path):
+    _, _, artifacts = exported("qwen3")
+    art = _manifest(artifacts / "manifest.json")
+    rtx = load_profile("rtx")
+    rows = 100  # leave room for exactly this many KV rows
+    gib = rtx.reserve_gib + 1 + (weights_bytes(artifacts, art) + rows * kv_bytes_per_row(art) + 512) / (1 << 30)
+    rc, _, stderr = run_cli(monkeypatch, capsys, NO_GPU, "--target", "rtx", "--artifacts", artifacts,
+                            "--out", tmp_path / "e", "--memory-gib", f"{gib:.9f}", "--workspace-gib", 1,
+                            "--max-context", 200)
+    assert rc == 2 and f"lower --max-context to {rows} or below" in stderr and not (tmp_path / "e").exists()
+
+
+def test_tensorrt_version_outside_the_range_is_refused(exported, tmp_path):
+    _, _, artifacts = exported("qwen3")
+    request = BuildRequest("rtx", tmp_path / "e", artifacts=artifacts)
+    with pytest.raises(GlanceError, match=r"tensorrt_rtx 1\.5\.0 is outside the rtx range \(>= 1\.7, < 2\)"):
+        build(request, NO_GPU, Toolchain(trt, "1.5.0"))
+    assert not (tmp_path / "e").exists()
+
+
+def test_artifacts_from_another_model_or_head_are_refused(exported, monkeypatch, capsys, tmp_path):
+    model, head, artifacts = exported("qwen3")
+    other_model = exported("llama")[0]
+    snap = Snapshot(model)
+    other_head = save_head(init_head(head_config_for(snap, 2, 6, pick_mask_token(snap)), seed=11), tmp_path / "h")
+    for m, h, pattern in ((other_model, head, "config.json differs from the one"),
+                          (model, other_head, "model.safetensors differs from the head")):
+        rc, _, stderr = run_cli(monkeypatch, capsys, NO_GPU, "--target", "rtx", "--artifacts", artifacts,
+                                "--model", m, "--head", h, "--out", tmp_path / "e")
+        assert rc == 2 and pattern in stderr and not (tmp_path / "e").exists()
+
+
+def test_missing_manifest_and_missing_head_are_one_line_errors(monkeypatch, capsys, tmp_path):
+    rc, _, stderr = run_cli(monkeypatch, capsys, NO_GPU, "--target", "rtx", "--artifacts", tmp_path, "--out",
+                            tmp_path / "e")
+    assert rc == 2 and "has no manifest.json" in stderr
+    rc, _, stderr = run_cli(monkeypatch, capsys, NO_GPU, "--target", "rtx", "--model", tmp_path, "--out", tmp_path / "e")
+    assert rc == 2 and "--model and --head" in stderr
+
+
+def test_jetson_is_detected_from_the_device_tree_or_the_l4t_release(tmp_path):
+    orin = tmp_path / "orin"
+    (orin / "proc/device-tree").mkdir(parents=True)
+    (orin / "proc/device-tree/model").write_bytes(b"NVIDIA Jetson Orin Nano Engineering Reference Developer Kit\x00")
+    (orin / "proc/meminfo").write_text("MemTotal:        7999568 kB\nMemFree: 1 kB\n")
+    device = probe_device(orin)
+    assert (device.jetson, device.compute_capability) == ("orin", "8.7") and device.memory_gib == pytest.approx(7.63, 0.01)
+    assert resolve_target("jetson", device) == "jetson-orin"
+    thor = tmp_path / "thor"
+    (thor / "etc").mkdir(parents=True)
+    (thor / "etc/nv_tegra_release").write_text("# R38 (release), REVISION: 2.0, GCID: 1, BOARD: generic, EABI: aarch64\n")
+    assert resolve_target("jetson", probe_device(thor)) == "jetson-thor"
+    assert resolve_target("jetson", Device("NVIDIA Thor", "11.0")) == "jetson-thor"
+    with pytest.raises(GlanceError, match="name one"):
+        resolve_target("jetson", H100)
+
+
+def test_plan_only_writes_a_bundle_the_device_builds_from(exported, monkeypatch, capsys, tmp_path):
+    _, _, artifacts = exported("qwen2_5_vl")
+    bundle = tmp_path / "bundle"
+    rc, stdout, _ = run_cli(monkeypatch, capsys, NO_GPU, "--target", "jetson-orin", "--artifacts", artifacts,
+                            "--out", bundle, "--plan-only", "--precision", "fp16", "--max-context", 128)
+    assert rc == 0 and "memory plan:" in stdout and "./build.sh" in stdout
+    exported_files = sorted(p.name for p in artifacts.iterdir())
+    assert sorted(p.name for p in bundle.iterdir()) == sorted(exported_files + ["README.md", "build.sh", "jetson-orin.json"])
+    assert all((bundle / n).read_bytes() == (artifacts / n).read_bytes() for n in exported_files)
+    assert (bundle / "target.onnx").stat().st_ino == (artifacts / "target.onnx").stat().st_ino  # hard-linked
+    assert (bundle / "jetson-orin.json").read_text() == profile_text("jetson-orin")
+    command = "glance-export build --artifacts . --target jetson-orin --out engines --precision fp16 --max-context 128"
+    assert (bundle / "build.sh").read_text() == f'#!/bin/sh\ncd "$(dirname "$0")" && exec {command} "$@"\n'
+    assert os.access(bundle / "build.sh", os.X_OK)
+    readme = (bundle / "README.md").read_text()
+    assert command in readme and "JetPack" in readme and "BuilderFlag.FP16" in readme
+    # Run here, the script reaches the build and refuses: this machine is not an Orin.
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    run = subprocess.run([str(bundle / "build.sh")], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    if probe_device().jetson != "orin":
+        assert run.returncode == 2 and "jetson-orin" in run.stderr and not (bundle / "engines").exists()
+    # The bundle is a complete export: TensorRT-RTX builds it as is.
+    rc, _, _ = run_cli(monkeypatch, capsys, NO_GPU, "--target", "rtx", "--artifacts", bundle, "--out", tmp_path / "e")
+    assert rc == 0 and (tmp_path / "e" / "vision.engine").is_file()
+
+
+def test_plan_only_for_jetson_needs_a_named_module(exported, monkeypatch, capsys, tmp_path):
+    _, _, artifacts = exported("qwen3")
+    rc, _, stderr = run_cli(monkeypatch, capsys, NO_GPU, "--target", "jetson", "--artifacts", artifacts,
+                            "--out", tmp_path / "b", "--plan-only")
+    assert rc == 2 and "name one" in stderr and not (tmp_path / "b").exists()
+
+
+EDGE_BUILD = BLOCK_EXPORT_STACK + """
+import sys
+from glance_export import cli, devices
+from glance_export.adapters import Snapshot
+
+devices.probe_device = lambda: devices.Device(None)  # whatever GPU this machine has: build ahead of time
+assert cli.main(["build", "--artifacts", sys.argv[1], "--out", sys.argv[2], "--target", "rtx"]) == 0
+sys.modules["tensorrt_rtx"] = None  # the plan needs no TensorRT at all
+assert cli.main(["build", "--artifacts", sys.argv[1], "--out", sys.argv[3], "--target", "jetson-thor", "--plan-only"]) == 0
+"""
+
+
+def test_artifacts_build_runs_without_torch_or_onnx(exported, tmp_path):
+    _, _, artifacts = exported("qwen2_vl")
+    run = subprocess.run([sys.executable, "-c", EDGE_BUILD, str(artifacts), str(tmp_path / "e"), str(tmp_path / "b")],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert set(_manifest(tmp_path / "e" / "engines.json")["engines"]) == set(_manifest(artifacts / "manifest.json")["graphs"])
+    assert (tmp_path / "b" / "build.sh").read_text().count("--target jetson-thor") == 1
