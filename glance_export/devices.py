@@ -14,7 +14,6 @@ from glance_runtime.errors import GlanceError
 
 from .device_profiles import PROFILE_NAMES, DeviceProfile, load_profile, version_tuple
 
-JETSON_CC = {"orin": "8.7", "thor": "11.0"}
 JETSON_RELEASES = {"R36": "orin", "R38": "thor"}  # L4T release line: JetPack 6 ships for Orin, JetPack 7 for Thor
 
 
@@ -45,15 +44,23 @@ def _meminfo_gib(root: Path) -> float | None:
     return None
 
 
+def jetson_profiles() -> dict[str, DeviceProfile]:
+    """Jetson family ("orin", "thor") -> its target profile."""
+    profiles = (load_profile(name) for name in PROFILE_NAMES)
+    return {p.jetson: p for p in profiles if p.jetson}
+
+
 def _jetson(root: Path) -> Device | None:
     model = _read(root / "proc/device-tree/model")
-    family = next((f for f in JETSON_CC if f in model.lower()), None)
+    families = jetson_profiles()
+    family = next((f for f in families if f in model.lower()), None)
     if family is None:
         release = _read(root / "etc/nv_tegra_release")
         family = next((f for tag, f in JETSON_RELEASES.items() if release.startswith(f"# {tag}")), None)
     if family is None:
         return None
-    return Device(model or f"Jetson {family.title()}", JETSON_CC[family], _meminfo_gib(root), family)
+    cc = families[family].compute_capabilities[0]
+    return Device(model or f"Jetson {family.title()}", cc, _meminfo_gib(root), family)
 
 
 def _nvidia_smi() -> Device:
@@ -78,11 +85,13 @@ def resolve_target(target: str, device: Device) -> str:
     if target != "jetson":
         load_profile(target)
         return target
-    family = device.jetson or next((f for f, cc in JETSON_CC.items() if cc == device.compute_capability), None)
-    if family is None:
+    families = jetson_profiles()
+    family = device.jetson or next((f for f, p in families.items()
+                                    if device.compute_capability in p.compute_capabilities), None)
+    if family not in families:
         raise GlanceError(f"--target jetson picks Orin or Thor from the device it runs on, and this machine has "
                           f"{device.describe()}; name one: --target jetson-orin or --target jetson-thor")
-    return f"jetson-{family}"
+    return families[family].name
 
 
 def check_device(profile: DeviceProfile, device: Device) -> None:

@@ -20,9 +20,9 @@ from glance_runtime.manifest import check_source, load_manifest, sha256
 from . import __version__
 from .device_profiles import DeviceProfile, load_profile
 from .devices import Device, check_device, resolve_target
-from .memory_plan import plan_memory
+from .memory_plan import MemoryPlan, plan_memory
 from .plan_bundle import write_bundle
-from .precision import choose_precision
+from .precision import Precision, choose_precision
 from .tensorrt_build import BuildOptions, TimingCache, build_engines
 from .toolchain import Toolchain, check_opset, check_version, load_toolchain
 
@@ -116,6 +116,35 @@ def _device_record(profile: DeviceProfile, device: Device) -> dict[str, Any]:
     return {"name": device.name, "compute_capability": device.compute_capability, "memory_gib": device.memory_gib}
 
 
+def _precision(request: BuildRequest, profile: DeviceProfile, device: Device) -> Precision:
+    """Checked before any export or TensorRT import, so a precision the target cannot run fails first."""
+    dtype = _read_manifest(request.artifacts)["dtype"] if request.artifacts else CACHE_DTYPE
+    return choose_precision(profile, request.precision, dtype, device)
+
+
+def _planned(request: BuildRequest, profile: DeviceProfile, precision: Precision, device: Device,
+             version: str | None, say: Callable[[str], None]) -> tuple[Path, dict[str, Any], MemoryPlan]:
+    """The checked artifacts, their manifest, and the memory plan (printed) that sizes the engines."""
+    artifacts = _artifacts(request, say)
+    manifest = _read_manifest(artifacts)
+    check_opset(profile, manifest["opset"], version)
+    plan = plan_memory(profile, manifest, artifacts, precision.name, device, max_context=request.max_context,
+                       max_tree=request.max_tree, memory_gib=request.memory_gib, workspace_gib=request.workspace_gib)
+    say(plan.explain())
+    return artifacts, manifest, plan
+
+
+def _timing_cache(request: BuildRequest, profile: DeviceProfile, toolchain: Toolchain,
+                  say: Callable[[str], None]) -> tuple[TimingCache | None, dict[str, Any]]:
+    """The cache to build with (None where the builder keeps none), and what engines.json says about it."""
+    path = request.timing_cache
+    if path is None or profile.timing_cache:
+        return (TimingCache(path) if path else None), {"path": str(path) if path else None, "used": path is not None}
+    note = f"{toolchain.name} ignores timing caches; {path} not used"
+    say(note)
+    return None, {"path": str(path), "used": False, "note": note}
+
+
 def build(request: BuildRequest, device: Device, toolchain: Toolchain | None = None, *,
           profile: DeviceProfile | None = None, progress: Callable[[str], None] = print) -> Path:
     """Build (or with plan_only, bundle) for `request.target`; returns the output directory.
@@ -127,30 +156,17 @@ def build(request: BuildRequest, device: Device, toolchain: Toolchain | None = N
     if request.plan_only:
         return _plan_only(request, profile, say)
     check_device(profile, device)
-    dtype = _read_manifest(request.artifacts)["dtype"] if request.artifacts else CACHE_DTYPE
-    precision = choose_precision(profile, request.precision, dtype, device)
+    precision = _precision(request, profile, device)
     toolchain = toolchain or load_toolchain(profile)
     check_version(profile, toolchain)
     say(f"target {profile.name}: {device.describe() if device.name else 'ahead-of-time build, no GPU'}; "
         f"{toolchain.name} {toolchain.version}")
-    artifacts = _artifacts(request, say)
-    manifest = _read_manifest(artifacts)
-    check_opset(profile, manifest["opset"], toolchain.version)
-    plan = plan_memory(profile, manifest, artifacts, precision.name, device, max_context=request.max_context,
-                       max_tree=request.max_tree, memory_gib=request.memory_gib, workspace_gib=request.workspace_gib)
-    say(plan.explain())
-    cache_note = None
-    timing_cache = None
-    if request.timing_cache is not None:
-        if profile.timing_cache:
-            timing_cache = TimingCache(request.timing_cache)
-        else:
-            cache_note = f"{toolchain.name} ignores timing caches; {request.timing_cache} not used"
-            say(cache_note)
-    options = BuildOptions(precision, plan.workspace_gib, timing_cache)
+    artifacts, manifest, plan = _planned(request, profile, precision, device, toolchain.version, say)
+    timing_cache, cache_record = _timing_cache(request, profile, toolchain, say)
     say(f"building {', '.join(manifest['graphs'])} at {precision.name} ({precision.how})")
     with atomic_directory(request.out) as tmp:
-        engines = build_engines(toolchain, artifacts, plan.limits.apply(manifest), tmp, options, say)
+        engines = build_engines(toolchain, artifacts, plan.limits.apply(manifest), tmp,
+                                BuildOptions(precision, plan.workspace_gib, timing_cache), say)
         record = {
             "format": "glance-engines", "format_version": 1, "toolkit_version": __version__, "target": profile.name,
             "tensorrt": {"module": toolchain.name, "version": toolchain.version},
@@ -158,11 +174,8 @@ def build(request: BuildRequest, device: Device, toolchain: Toolchain | None = N
             "precision": {"name": precision.name, "artifacts_dtype": manifest["dtype"], "how": precision.how},
             "limits": {"max_context": plan.limits.max_context, "max_tree": plan.limits.max_tree,
                        "max_image_tokens": plan.limits.max_image_tokens},
-            "memory_plan": plan.record(),
-            "timing_cache": {"path": str(request.timing_cache) if request.timing_cache else None,
-                             "used": timing_cache is not None, "note": cache_note},
-            "artifacts": _identity(artifacts, manifest), "engines": engines, "build_s": round(say.elapsed, 2),
-            "target_profile": profile.raw}
+            "memory_plan": plan.record(), "timing_cache": cache_record, "artifacts": _identity(artifacts, manifest),
+            "engines": engines, "build_s": round(say.elapsed, 2), "target_profile": profile.raw}
         (tmp / ENGINE_MANIFEST).write_text(json.dumps(record, indent=2) + "\n")
     if timing_cache is not None:
         timing_cache.save()
@@ -173,14 +186,8 @@ def build(request: BuildRequest, device: Device, toolchain: Toolchain | None = N
 def _plan_only(request: BuildRequest, profile: DeviceProfile, say: Callable[[str], None]) -> Path:
     """Check what can be checked without the device, then write the bundle it builds from."""
     no_gpu = Device(None)
-    dtype = _read_manifest(request.artifacts)["dtype"] if request.artifacts else CACHE_DTYPE
-    precision = choose_precision(profile, request.precision, dtype, no_gpu)
-    artifacts = _artifacts(request, say)
-    manifest = _read_manifest(artifacts)
-    check_opset(profile, manifest["opset"], None)
-    plan = plan_memory(profile, manifest, artifacts, precision.name, no_gpu, max_context=request.max_context,
-                       max_tree=request.max_tree, memory_gib=request.memory_gib, workspace_gib=request.workspace_gib)
-    say(plan.explain())
+    precision = _precision(request, profile, no_gpu)
+    artifacts, _, plan = _planned(request, profile, precision, no_gpu, None, say)
     out = write_bundle(request.out, artifacts, profile, request.device_flags(), plan, precision)
     say(f"wrote a build bundle for {profile.name} to {out}: copy it to the device and run ./build.sh there")
     return out

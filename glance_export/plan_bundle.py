@@ -44,9 +44,9 @@ def _readme(profile: DeviceProfile, manifest: dict, command: str, plan: MemoryPl
 
 {profile.description}.
 
-This folder is a complete ONNX export ({manifest['family']}, {manifest['dtype']}, opset {opset}, max context
-{manifest['limits']['max_context']}, max tree {manifest['limits']['max_tree']}) plus what the device needs to
-build TensorRT engines from it. It also runs as is on ONNX Runtime (`glance-run --artifacts .`).
+This folder is a complete ONNX export ({manifest['family']}, {manifest['dtype']}, opset {opset}, max context \
+{manifest['limits']['max_context']}, max tree {manifest['limits']['max_tree']}) and what the device needs to build \
+TensorRT engines from it. It also runs as is on ONNX Runtime (`glance-run --artifacts .`).
 
 ## On the device
 
@@ -65,7 +65,9 @@ precision, profiles, hashes). Extra flags pass through, e.g. `./{SCRIPT} --timin
 
 - Precision {precision.name}: {precision.how}.
 - Parser: {profile.attention}; {parser}.
-- {plan.explain()}. On the device the budget is the device's own memory unless `--memory-gib` is given.
+- {plan.explain()}.
+- On the device the memory budget is the device's own memory unless `--memory-gib` is given
+  ({profile.memory_note}).
 
 Files: {', '.join(files)}.
 """
