@@ -21,7 +21,7 @@ from . import __version__
 from .device_profiles import DeviceProfile, load_profile
 from .devices import Device, check_device, resolve_target
 from .memory_plan import MemoryPlan, plan_memory
-from .plan_bundle import write_bundle
+from .plan_bundle import SCRIPT, write_bundle
 from .precision import Precision, choose_precision
 from .tensorrt_build import BuildOptions, TimingCache, build_engines
 from .toolchain import Toolchain, check_opset, check_version, load_toolchain
@@ -97,9 +97,20 @@ def _artifacts(request: BuildRequest, say: Callable[[str], None]) -> Path:
 
         artifacts = exported_artifacts(request.model, request.head, say)
     if request.model is not None:
+        say(f"checking {artifacts} against {request.model} and {request.head} (sha256)")
         check_source(load_manifest(artifacts), request.model)
         check_head(_read_manifest(artifacts), request.head, artifacts)
     return artifacts
+
+
+def check_out(out: Path, marker: str, artifacts: Path) -> None:
+    """--out is replaced whole: never let that be the export itself, or a directory this command did not write."""
+    source = artifacts.resolve()
+    if out.resolve() == source or out.resolve() in source.parents:
+        raise GlanceError(f"--out {out} would replace the artifacts it is built from; pass another directory")
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / marker).is_file())):
+        raise GlanceError(f"--out {out} exists and has no {marker}, so `glance-export build` did not write it; "
+                          f"pass a new or empty directory")
 
 
 def _identity(artifacts: Path, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -162,6 +173,7 @@ def build(request: BuildRequest, device: Device, toolchain: Toolchain | None = N
     say(f"target {profile.name}: {device.describe() if device.name else 'ahead-of-time build, no GPU'}; "
         f"{toolchain.name} {toolchain.version}")
     artifacts, manifest, plan = _planned(request, profile, precision, device, toolchain.version, say)
+    check_out(request.out, ENGINE_MANIFEST, artifacts)
     timing_cache, cache_record = _timing_cache(request, profile, toolchain, say)
     say(f"building {', '.join(manifest['graphs'])} at {precision.name} ({precision.how})")
     with atomic_directory(request.out) as tmp:
@@ -188,6 +200,7 @@ def _plan_only(request: BuildRequest, profile: DeviceProfile, say: Callable[[str
     no_gpu = Device(None)
     precision = _precision(request, profile, no_gpu)
     artifacts, _, plan = _planned(request, profile, precision, no_gpu, None, say)
+    check_out(request.out, SCRIPT, artifacts)
     out = write_bundle(request.out, artifacts, profile, request.device_flags(), plan, precision)
     say(f"wrote a build bundle for {profile.name} to {out}: copy it to the device and run ./build.sh there")
     return out

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import warnings
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ import pytest
 from edge_install import BLOCK_EXPORT_STACK
 from glance_export import cli, devices
 from glance_export.adapters import Snapshot
-from glance_export.device_profiles import load_profile, profile_text
+from glance_export.device_profiles import PROFILE_NAMES, load_profile, profile_text
 from glance_export.devices import Device, probe_device, resolve_target
 from glance_export.engine_build import BuildRequest, build
 from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
@@ -197,6 +198,37 @@ def test_missing_manifest_and_missing_head_are_one_line_errors(monkeypatch, caps
     assert rc == 2 and "has no manifest.json" in stderr
     rc, _, stderr = run_cli(monkeypatch, capsys, NO_GPU, "--target", "rtx", "--model", tmp_path, "--out", tmp_path / "e")
     assert rc == 2 and "--model and --head" in stderr
+
+
+def test_out_never_replaces_the_export_or_a_foreign_directory(exported, monkeypatch, capsys, tmp_path):
+    _, _, artifacts = exported("qwen3")
+    before = sorted(p.name for p in artifacts.iterdir())
+    rc, _, stderr = run_cli(monkeypatch, capsys, NO_GPU, "--target", "rtx", "--artifacts", artifacts, "--out", artifacts)
+    assert rc == 2 and "would replace the artifacts" in stderr and sorted(p.name for p in artifacts.iterdir()) == before
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    for extra in ([], ["--plan-only"]):
+        rc, _, stderr = run_cli(monkeypatch, capsys, NO_GPU, "--target", "rtx", "--artifacts", artifacts,
+                                "--out", tmp_path / "mine", *extra)
+        assert rc == 2 and "did not write it" in stderr and (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+
+
+def test_device_profiles_state_the_platform_facts():
+    """The files in engines/ are the ones the installed package reads, and say what the platforms are."""
+    packaged = resources.files("glance_export").joinpath("profiles")
+    engines = Path(__file__).resolve().parents[1] / "engines" / "profiles"
+    assert sorted(p.name for p in engines.glob("*.json")) == sorted(f"{n}.json" for n in PROFILE_NAMES)
+    assert all(packaged.joinpath(f"{n}.json").read_text() == (engines / f"{n}.json").read_text() for n in PROFILE_NAMES)
+    orin, thor, dc, rtx = (load_profile(n) for n in PROFILE_NAMES)
+    assert orin.compute_capabilities == ("8.7",) and "fp8" not in orin.precisions and orin.min_version == "10.3"
+    assert orin.max_opset == 20 and orin.attention_op_from == "10.14"
+    assert thor.compute_capabilities == ("11.0",) and "fp8" in thor.precisions and thor.min_version == "10.13"
+    assert set(dc.compute_capabilities) == {"8.0", "8.6", "8.9", "9.0", "10.0"} and dc.precision_min_cc == {"fp8": "8.9"}
+    assert rtx.module == "tensorrt_rtx" and rtx.strongly_typed and rtx.ahead_of_time and not rtx.timing_cache
+    for p in (orin, thor, dc, rtx):
+        assert p.default_precision in p.precisions and 0 < p.workspace_gib <= p.max_workspace_gib
+        assert p.reserve_gib < p.memory_gib and p.module in ("tensorrt", "tensorrt_rtx")
+    assert orin.max_workspace_gib <= 4 and thor.max_workspace_gib <= 4  # shared memory on Jetson
 
 
 def test_jetson_is_detected_from_the_device_tree_or_the_l4t_release(tmp_path):
