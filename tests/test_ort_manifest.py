@@ -11,7 +11,7 @@ from glance_export.adapters import Snapshot
 from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
 from glance_export.onnx import export_artifacts
 from glance_runtime.errors import GlanceError
-from glance_runtime.manifest import check_source, check_version, load_manifest
+from glance_runtime.manifest import FORMAT_VERSION, check_source, check_version, load_manifest
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_missing_listed_file(artifacts):
 def test_bad_json_format_and_fields(artifacts):
     _edit(artifacts, lambda raw: raw.update(format_version=99))
     _fails(artifacts, "v99")
-    _edit(artifacts, lambda raw: raw.update(format_version=1, limits={}))
+    _edit(artifacts, lambda raw: raw.update(format_version=FORMAT_VERSION, limits={}))
     _fails(artifacts, "incomplete or malformed")
     (artifacts / "manifest.json").write_text("{not json")
     _fails(artifacts, "not valid JSON")
