@@ -110,4 +110,5 @@ def check_device(profile: DeviceProfile, device: Device) -> None:
 
 
 def meets(cc: str, minimum: str) -> bool:
+    """Compute capability `cc` is at least `minimum` ("12.0" >= "8.9")."""
     return version_tuple(cc) >= version_tuple(minimum)

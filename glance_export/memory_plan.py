@@ -50,39 +50,71 @@ def _size(gib: float) -> str:
 
 
 @dataclass(frozen=True)
+class Budget:
+    """What a build has to fit in, and what it costs before the KV cache."""
+
+    memory_gib: float
+    source: str  # where memory_gib came from
+    reserve_gib: float  # the OS and the runtime process
+    workspace_gib: float
+    weights_gib: float  # at the built precision
+    kv_bytes_per_row: int
+
+    @property
+    def usable_gib(self) -> float:
+        return self.memory_gib - self.reserve_gib
+
+    def need_gib(self, rows: int) -> float:
+        return self.weights_gib + self.workspace_gib + self.kv_bytes_per_row * rows / GIB
+
+    def rows_that_fit(self, ceiling: int) -> int:
+        """The most context rows that fit, up to `ceiling`."""
+        if not self.kv_bytes_per_row:
+            return ceiling if self.need_gib(0) <= self.usable_gib else 0
+        room = (self.usable_gib - self.need_gib(0)) * GIB
+        return max(0, min(ceiling, math.floor(room / self.kv_bytes_per_row)))
+
+    def shortfall(self, rows: int) -> str:
+        need = self.need_gib(rows)
+        return (f"needs {need:.2f} GiB, {need - self.usable_gib:.2f} GiB over the budget of {self.usable_gib:g} GiB "
+                f"({self.describe()})")
+
+    def describe(self) -> str:
+        return f"{self.memory_gib:g} GiB {self.source}, {self.reserve_gib:g} reserved"
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     limits: Limits
-    memory_gib: float
-    memory_source: str
-    reserve_gib: float
-    workspace_gib: float
-    weights_gib: float
-    kv_bytes_per_row: int
+    budget: Budget
     reasons: dict[str, str]  # limit -> what bound it
 
     @property
+    def workspace_gib(self) -> float:
+        return self.budget.workspace_gib
+
+    @property
     def kv_gib(self) -> float:
-        return self.kv_bytes_per_row * self.limits.max_context / GIB
+        return self.budget.kv_bytes_per_row * self.limits.max_context / GIB
 
     @property
     def total_gib(self) -> float:
-        return self.weights_gib + self.kv_gib + self.workspace_gib
+        return self.budget.need_gib(self.limits.max_context)
 
     def explain(self) -> str:
-        lim = self.limits
+        lim, b = self.limits, self.budget
         image = (f", max image tokens {lim.max_image_tokens} ({self.reasons['max_image_tokens']})"
                  if lim.max_image_tokens is not None else "")
-        return (f"memory plan: weights {_size(self.weights_gib)} + KV {_size(self.kv_gib)} "
-                f"({lim.max_context} rows x {self.kv_bytes_per_row / 1024:.1f} KiB) + workspace "
-                f"{self.workspace_gib:g} GiB = {_size(self.total_gib)} of {self.memory_gib - self.reserve_gib:g} GiB "
-                f"({self.memory_gib:g} GiB {self.memory_source}, {self.reserve_gib:g} reserved); "
-                f"max context {lim.max_context} ({self.reasons['max_context']}), "
-                f"max tree {lim.max_tree} ({self.reasons['max_tree']}){image}")
+        return (f"memory plan: weights {_size(b.weights_gib)} + KV {_size(self.kv_gib)} ({lim.max_context} rows x "
+                f"{b.kv_bytes_per_row / 1024:.1f} KiB) + workspace {b.workspace_gib:g} GiB = {_size(self.total_gib)} "
+                f"of {b.usable_gib:g} GiB ({b.describe()}); max context {lim.max_context} "
+                f"({self.reasons['max_context']}), max tree {lim.max_tree} ({self.reasons['max_tree']}){image}")
 
     def record(self) -> dict[str, Any]:
-        return {"memory_gib": self.memory_gib, "memory_source": self.memory_source, "reserve_gib": self.reserve_gib,
-                "workspace_gib": self.workspace_gib, "weights_gib": round(self.weights_gib, 4),
-                "kv_gib": round(self.kv_gib, 4), "kv_bytes_per_row": self.kv_bytes_per_row,
+        b = self.budget
+        return {"memory_gib": b.memory_gib, "memory_source": b.source, "reserve_gib": b.reserve_gib,
+                "workspace_gib": b.workspace_gib, "weights_gib": round(b.weights_gib, 4),
+                "kv_gib": round(self.kv_gib, 4), "kv_bytes_per_row": b.kv_bytes_per_row,
                 "total_gib": round(self.total_gib, 4), "reasons": self.reasons}
 
 
@@ -103,7 +135,7 @@ def kv_bytes_per_row(manifest: dict[str, Any]) -> int:
                for g in manifest["graphs"].values() if {"num_layers", "num_kv_heads", "head_dim"} <= g.keys())
 
 
-def _budget(profile: DeviceProfile, device: Device, memory_gib: float | None) -> tuple[float, str]:
+def _memory(profile: DeviceProfile, device: Device, memory_gib: float | None) -> tuple[float, str]:
     if memory_gib is not None:
         if memory_gib <= 0:
             raise GlanceError("--memory-gib must be positive")
@@ -132,39 +164,36 @@ def _requested(flag: str, value: int | None, exported: int) -> None:
                           f"the export; re-export with a larger `glance-export onnx {flag} {value}`")
 
 
+def _max_context(profile: DeviceProfile, budget: Budget, exported: int, requested: int | None) -> tuple[int, str]:
+    fit = budget.rows_that_fit(exported)
+    if requested is not None:
+        if requested > fit:
+            lower = f"lower --max-context to {fit} or below" if fit else "lower --workspace-gib or --precision"
+            raise GlanceError(f"the model does not fit {profile.name} at --max-context {requested}: "
+                              f"{budget.shortfall(requested)}; {lower}, or pass --memory-gib if the device has more")
+        return requested, "--max-context"
+    smallest = min(exported, CONTEXT_STEP)
+    if fit < smallest:
+        raise GlanceError(f"the model does not fit {profile.name}: at a {smallest}-row context it "
+                          f"{budget.shortfall(smallest)}; lower --workspace-gib (now {budget.workspace_gib:g}), build "
+                          f"at a narrower --precision, or pass --memory-gib if the device has more")
+    if fit == exported:
+        return exported, "the export's limit"
+    return fit // CONTEXT_STEP * CONTEXT_STEP, "what fits the memory budget"
+
+
 def plan_memory(profile: DeviceProfile, manifest: dict[str, Any], artifacts: Path, precision: str, device: Device, *,
                 max_context: int | None = None, max_tree: int | None = None, memory_gib: float | None = None,
                 workspace_gib: float | None = None) -> MemoryPlan:
+    """Check a build fits the target's memory and derive the limits its engines are sized for."""
     export_ctx, export_tree = manifest["limits"]["max_context"], manifest["limits"]["max_tree"]
     _requested("--max-context", max_context, export_ctx)
     _requested("--max-tree", max_tree, export_tree)
-    memory, source = _budget(profile, device, memory_gib)
-    workspace = _workspace(profile, workspace_gib)
+    memory, source = _memory(profile, device, memory_gib)
     weights = weights_bytes(artifacts, manifest) * BYTES[precision] / BYTES[manifest["dtype"]] / GIB
-    per_row = kv_bytes_per_row(manifest)
-    room = memory - profile.reserve_gib - weights - workspace
-    fit = max(0, math.floor(room * GIB / per_row)) if per_row else export_ctx
-
-    def over(rows: int) -> str:
-        need = weights + workspace + per_row * rows / GIB
-        return f"needs {need:.2f} GiB, {need - (memory - profile.reserve_gib):.2f} GiB over the budget"
-
-    if max_context is not None:
-        if max_context > fit:
-            lower = f"lower --max-context to {fit} or below" if fit >= 1 else "lower --workspace-gib or --precision"
-            raise GlanceError(f"the model does not fit {profile.name} at --max-context {max_context}: {over(max_context)} "
-                              f"({memory:g} GiB {source} - {profile.reserve_gib:g} reserved); {lower}, "
-                              f"or pass --memory-gib if the device has more")
-        ctx, ctx_why = max_context, "--max-context"
-    else:
-        smallest = min(export_ctx, CONTEXT_STEP)
-        if fit < smallest:
-            raise GlanceError(f"the model does not fit {profile.name}: at a {smallest}-row context it {over(smallest)} "
-                              f"({memory:g} GiB {source} - {profile.reserve_gib:g} reserved); lower --workspace-gib "
-                              f"(now {workspace:g}), build at a narrower --precision, or pass --memory-gib if the "
-                              f"device has more")
-        ctx, ctx_why = ((export_ctx, "the export's limit") if fit >= export_ctx
-                        else (fit // CONTEXT_STEP * CONTEXT_STEP, "what fits the memory budget"))
+    budget = Budget(memory, source, profile.reserve_gib, _workspace(profile, workspace_gib), weights,
+                    kv_bytes_per_row(manifest))
+    ctx, ctx_why = _max_context(profile, budget, export_ctx, max_context)
     tree, tree_why = min((export_tree, "the export's limit"), (profile.max_tree, f"{profile.name}'s cap"),
                          (ctx, "the max context"), *([(max_tree, "--max-tree")] if max_tree else []),
                          key=lambda pair: pair[0])
@@ -173,4 +202,4 @@ def plan_memory(profile: DeviceProfile, manifest: dict[str, Any], artifacts: Pat
     if "N_img" in manifest["axes"]:
         image = min(manifest["axes"]["N_img"][1], ctx // 2)
         reasons["max_image_tokens"] = "the export's limit" if image == manifest["axes"]["N_img"][1] else "half the context"
-    return MemoryPlan(Limits(ctx, tree, image), memory, source, profile.reserve_gib, workspace, weights, per_row, reasons)
+    return MemoryPlan(Limits(ctx, tree, image), budget, reasons)

@@ -142,7 +142,7 @@ REFUSALS = {  # id: (device, extra argv, artifacts family, pattern)
      r"--max-context 4096 is more than the export's 256.*glance-export onnx --max-context 4096"),
     "tree-above-export": (NO_GPU, ["--target", "rtx", "--max-tree", "64"], "qwen3", r"--max-tree 64 is more than the export's 32"),
     "does-not-fit": (NO_GPU, ["--target", "rtx", "--memory-gib", "2.5"], "qwen3",
-     r"does not fit rtx: at a 256-row context it needs 2\.00 GiB, 0\.50 GiB over the budget .*--workspace-gib"),
+     r"does not fit rtx: at a 256-row context it needs 2\.00 GiB, 0\.50 GiB over the budget of 1\.5 GiB .*--workspace-gib"),
     "workspace-above-cap": (NO_GPU, ["--target", "rtx", "--workspace-gib", "16"], "qwen3",
                             r"--workspace-gib 16 is outside rtx's"),
 }

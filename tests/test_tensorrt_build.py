@@ -89,18 +89,18 @@ def test_memory_plan_derives_context_from_the_budget(tmp_path):
     assert per_row == 2 * 28 * 4 * 128 * 2
     fit = int((orin.memory_gib - orin.reserve_gib - 3.0 - orin.workspace_gib) * (1 << 30) // per_row)
     assert plan.limits.max_context == fit // 256 * 256 and plan.reasons["max_context"] == "what fits the memory budget"
-    assert plan.limits.max_tree == orin.max_tree and plan.total_gib <= orin.memory_gib - orin.reserve_gib
+    assert plan.limits.max_tree == orin.max_tree and plan.total_gib <= plan.budget.usable_gib
     assert "max context" in plan.explain() and "jetson-orin default" in plan.explain()
     roomy = plan_memory(orin, manifest, tmp_path, "fp16", Device(None), memory_gib=64)
     assert roomy.limits.max_context == 32768 and roomy.reasons["max_context"] == "the export's limit"
     on_device = plan_memory(orin, manifest, tmp_path, "fp16", Device("Jetson AGX Orin", "8.7", 30.6, "orin"))
-    assert on_device.memory_gib == 30.6 and on_device.memory_source == "on this device"
+    assert (on_device.budget.memory_gib, on_device.budget.source) == (30.6, "on this device")
 
 
 def test_memory_plan_counts_weights_at_the_built_precision(tmp_path):
     manifest = _synthetic_export(tmp_path, 6.0, "fp32")
     thor = load_profile("jetson-thor")
-    assert plan_memory(thor, manifest, tmp_path, "fp16", Device(None)).weights_gib == pytest.approx(3.0)
+    assert plan_memory(thor, manifest, tmp_path, "fp16", Device(None)).budget.weights_gib == pytest.approx(3.0)
     with pytest.raises(GlanceError, match=r"does not fit jetson-orin: .* GiB over the budget.*--workspace-gib"):
         plan_memory(load_profile("jetson-orin"), manifest, tmp_path, "fp32", Device(None))
 
