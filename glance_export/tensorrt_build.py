@@ -84,8 +84,6 @@ def _allow_attention_fallback(trt, network) -> None:
             layer.attention.decomposable = True
 
 
-
-
 class TimingCache:
     """One timing cache carried through every graph of a build: read from `path` when it exists, written
     back atomically after a successful build (trtexec's --timingCacheFile).
@@ -115,13 +113,14 @@ class TimingCache:
 @dataclass(frozen=True)
 class BuildOptions:
     precision: Precision
-    workspace_gib: float = 2.0
+    workspace_gib: float
     timing_cache: TimingCache | None = None
 
 
 def build_engine(toolchain: Toolchain, onnx_path: Path, inputs: dict[str, dict[str, Any]], profiles: list[Profile],
-                 options: BuildOptions) -> bytes:
-    """Parse and build one graph; GlanceError names the graph and the parser/builder failure.
+                 options: BuildOptions) -> memoryview:
+    """Parse and build one graph (the serialized engine, not copied: it can be GBs); GlanceError names the
+    graph and the parser/builder failure.
 
     A precision reached through a builder flag needs a weakly typed network; otherwise the network is
     strongly typed, so the engine computes in exactly the graph's dtypes."""
@@ -153,7 +152,7 @@ def build_engine(toolchain: Toolchain, onnx_path: Path, inputs: dict[str, dict[s
         raise GlanceError(f"TensorRT could not build an engine for {onnx_path.name}; see the builder log above")
     if options.timing_cache is not None:
         options.timing_cache.collect(config)
-    return bytes(engine)
+    return memoryview(engine)
 
 
 def _file_record(path: Path) -> dict[str, Any]:
@@ -178,5 +177,5 @@ def build_engines(toolchain: Toolchain, artifacts: Path, manifest: dict[str, Any
         records[graph] = {**_file_record(path), "onnx": onnx, "build_s": round(time.perf_counter() - t0, 2),
                           "profiles": {p.name: {axis: list(rng) for axis, rng in p.axes.items()} for p in profiles}}
         progress(f"built {graph} engine ({', '.join(p.name for p in profiles)} profiles, "
-                 f"{len(engine) / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f}s")
+                 f"{engine.nbytes / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f}s")
     return records
