@@ -54,7 +54,7 @@ def open_backend(args):
         return backend, backend.build_prompt, backend.stop_token_ids, (backend.target, backend.head)
     from glance_export.adapters import Snapshot
     from glance_export.head import load_head
-    from glance_runtime.backends.torch_backend import TorchBackend
+    from glance_export.reference import TorchBackend
 
     snapshot = Snapshot(args.model)
     backend = TorchBackend(snapshot, load_head(args.head))

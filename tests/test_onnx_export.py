@@ -17,7 +17,7 @@ from glance_export.head import head_config_for, init_head, pick_mask_token, save
 from glance_export.onnx import export_artifacts, validate_artifacts, vision_index_inputs
 from glance_export.onnx import artifacts as artifacts_mod
 from glance_export.onnx import export as export_mod
-from glance_runtime.backends.torch_backend import TorchBackend, greedy_reference
+from glance_export.reference import TorchBackend, greedy_reference
 from glance_runtime.errors import GlanceError
 from glance_runtime.graphs import draft_kv_names, target_kv_names
 from glance_runtime.loop import DecodeConfig, decode

@@ -22,7 +22,7 @@ from glance_export.adapters import Snapshot
 from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
 from glance_export.onnx import export_artifacts
 from glance_runtime.backends.ort_backend import OrtBackend
-from glance_runtime.backends.torch_backend import TorchBackend, greedy_reference
+from glance_export.reference import TorchBackend, greedy_reference
 from glance_runtime.errors import GlanceError
 from glance_runtime.loop import DecodeConfig, decode
 from edge_install import BLOCK_TRAINING_STACK

@@ -13,7 +13,7 @@ import torch
 from glance_runtime.backends.seeded import SeededDrafter
 from glance_export.adapters import Snapshot
 from glance_export.head import head_config_for, init_head, pick_mask_token
-from glance_runtime.backends.torch_backend import TorchBackend, greedy_reference
+from glance_export.reference import TorchBackend, greedy_reference
 from glance_runtime.loop import DecodeConfig, decode
 from tiny_models import ALL_FAMILIES, VL_FAMILIES
 

@@ -3,6 +3,8 @@
 Both the verify pass and the draft pass need the vocabulary matrices (embeddings in, logits out);
 keeping them here instead of in the target and draft graphs means a 151,936-row matrix is stored
 once, and a tied embedding stays one tensor (the exporter turns `hidden @ W.T` into a Gemm on W).
+Entropy is taken of the first row only (the anchor's, in a verify or prefill projection): the other
+rows need none, and on a CPU a full-vocabulary exp per row costs as much as the top-k.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ class VocabGraph(nn.Module):
         """Inputs in `input_names` order (variadic like the other graphs, for the dynamo exporter's shapes)."""
         ids, hidden = inputs
         logits = nn.functional.linear(hidden, self.lm_head.weight).float()
-        top = torch.topk(logits, self.branch_k, dim=-1)
-        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-        entropy = lse[:, 0] - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-        return self.embed(ids), top.indices, top.values - lse, entropy, self.embed(top.indices)
+        top = torch.topk(logits, self.branch_k, dim=-1)  # on the logits: column 0 is exactly their argmax
+        logp = torch.log_softmax(logits, dim=-1)
+        entropy = -(logp[:1].exp() * logp[:1]).sum(-1)
+        return self.embed(ids), top.indices, logp.gather(-1, top.indices), entropy, self.embed(top.indices)

@@ -23,6 +23,7 @@ from glance_runtime.errors import GlanceError
 from ..adapters import Snapshot
 from ..audit import read_tasks
 from ..head import DraftHead, head_config_for, init_head, load_head, pick_mask_token, save_head
+from ..reference import greedy_reference
 
 
 @dataclass
@@ -36,8 +37,6 @@ class Sequence:
 def collect_sequences(snapshot: Snapshot, model, task_file: Path, layer_ids: list[int], max_new_tokens: int,
                       progress: Callable[[str], None]) -> list[Sequence]:
     """Generate each task's greedy answer, then tap the target over prompt + answer in one pass."""
-    from glance_runtime.backends.torch_backend import greedy_reference
-
     tasks = read_tasks(task_file)
     if not tasks:
         raise GlanceError(f"{task_file} has no tasks")

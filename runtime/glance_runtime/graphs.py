@@ -15,7 +15,8 @@ vision graph (VL targets): `pixel_values` f[N_patch, C*t*p*p] and the grid-deriv
     -> `image_embeds` f[N_img, H]; Qwen3-VL also -> `deepstack_embeds` f[n_deep, N_img, H].
 vocab graph: `ids` i64[E] (tokens to embed), `hidden` f[R, H] (final-normed rows to project)
     -> `embeds` f[E, H], `topk_ids` i64[R, K] (descending; column 0 is the greedy token),
-    `topk_logprobs` f32[R, K] (log-softmax over the vocabulary), `entropy` f32[R] (nats),
+    `topk_logprobs` f32[R, K] (log-softmax over the vocabulary), `entropy` f32[1] (nats, of row 0:
+    the anchor's in a verify projection, the last prompt row's in prefill),
     `topk_embeds` f[R, K, H] (embeddings of `topk_ids`, so the next pass's inputs need no extra run).
     Both axes are at least 1: a run that only embeds projects one dummy row, and vice versa.
 target graph (prefill, plain decode and tree verify are one graph):

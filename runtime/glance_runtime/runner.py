@@ -1,6 +1,7 @@
 """Opens a backend with everything a caller needs around it: prompt building, stop ids, detokenizing.
 
-Backends are imported only when chosen, so the ONNX Runtime path never imports torch.
+Backends are imported only when chosen, and the torch reference comes through the one lazy door
+to the exporter side (`exporter`), so the ONNX Runtime path never imports torch.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from . import __version__
+from . import __version__, exporter
 from .backend import Backend
 from .errors import GlanceError
 from .graphs import MANIFEST
@@ -28,24 +29,6 @@ class Runner:
     oracle: Callable[[Any, int], list[int]] | None = None  # independent greedy decode, when the backend has one
 
 
-def open_torch(model: Path, head: Path | None, dtype: str = "float32") -> Runner:
-    try:
-        from glance_export.adapters import Snapshot
-        from glance_export.head import load_head
-
-        from .backends.torch_backend import TorchBackend, greedy_reference
-    except ImportError as exc:
-        raise GlanceError(f"the torch backend needs the export extra ({exc.name} is missing): "
-                          "pip install 'glance-toolkit[export]'") from None
-
-    snapshot = Snapshot(model)
-    backend = TorchBackend(snapshot, load_head(head) if head is not None else None, dtype=dtype)
-    stops = snapshot.stop_token_ids
-    return Runner(backend=backend, build_prompt=snapshot.build_prompt, stop_ids=stops,
-                  detokenize=lambda ids: snapshot.tokenizer.decode(list(ids), skip_special_tokens=True),
-                  oracle=lambda prompt, n: greedy_reference(backend.model, snapshot, prompt, n, stops))
-
-
 def open_onnxruntime(artifacts: Path, model: Path | None = None, **options) -> Runner:
     """ORT on exported graphs. With `model` (the snapshot they came from) the torch oracle is offered,
     loaded on first use only, so plain runs never import torch."""
@@ -59,7 +42,7 @@ def open_onnxruntime(artifacts: Path, model: Path | None = None, **options) -> R
             from .manifest import check_source
 
             check_source(backend.manifest, model)
-            reference.append(open_torch(model, None))
+            reference.append(exporter.torch_runner(model, None))
         return reference[0].oracle(prompt, max_new_tokens)
 
     return Runner(backend=backend, build_prompt=backend.build_prompt, stop_ids=tuple(backend.stop_token_ids),
@@ -85,13 +68,7 @@ def exported_artifacts(model: Path, head: Path, progress: Callable[[str], None])
     out = cache_root() / "onnx" / key.hexdigest()[:20]
     if (out / MANIFEST).is_file():
         return out
-    try:
-        from glance_export.onnx import export_artifacts
-    except ImportError:
-        raise GlanceError("no --artifacts given and exporting needs the export extra: "
-                          "pip install 'glance-toolkit[export]', or pass --artifacts DIR") from None
-    progress(f"exporting {model} + {head} to {out} (once; later runs reuse it)")
-    return export_artifacts(model, head, out, progress=progress)
+    return exporter.export(model, head, out, progress)
 
 
 def open_runner(backend: str, *, model: Path | None = None, head: Path | None = None,
@@ -101,7 +78,7 @@ def open_runner(backend: str, *, model: Path | None = None, head: Path | None = 
     if backend == "torch":
         if model is None:
             raise GlanceError("the torch backend needs --model (a HF snapshot directory)")
-        return open_torch(model, head, dtype)
+        return exporter.torch_runner(model, head, dtype)
     if backend == "onnxruntime":
         if artifacts is None:
             if model is None or head is None:

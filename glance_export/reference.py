@@ -2,17 +2,21 @@
 
 The backend drives the unmodified transformers target with explicit positions and a 4D additive
 tree mask over a DynamicCache; the oracle drives the same model the ordinary way (the model's own
-positions, causal mask and cache growth), so the two share no position or mask code.
+positions, causal mask and cache growth), so the two share no position or mask code. Both need
+torch, so they live on the exporter side; the runtime reaches them through `glance_runtime.exporter`.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from glance_export.adapters import Prompt, Snapshot
-from glance_export.head import DraftHead, check_head_matches
+from glance_runtime.runner import Runner
+
+from .adapters import Prompt, Snapshot
+from .head import DraftHead, check_head_matches, load_head
 
 
 def _entropy(logits: torch.Tensor) -> float:
@@ -154,3 +158,13 @@ def greedy_reference(model: torch.nn.Module, snapshot: Snapshot, prompt: Prompt,
         if tokens[-1] in stop_ids or len(tokens) >= max_new_tokens:
             return tokens
         logits = model(input_ids=torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True).logits[0, -1]
+
+
+def open_reference(model: Path, head: Path | None, dtype: str = "float32") -> Runner:
+    """The torch backend on a snapshot, with the greedy oracle beside it."""
+    snapshot = Snapshot(model)
+    backend = TorchBackend(snapshot, load_head(head) if head is not None else None, dtype=dtype)
+    stops = snapshot.stop_token_ids
+    return Runner(backend=backend, build_prompt=snapshot.build_prompt, stop_ids=stops,
+                  detokenize=lambda ids: snapshot.tokenizer.decode(list(ids), skip_special_tokens=True),
+                  oracle=lambda prompt, n: greedy_reference(backend.model, snapshot, prompt, n, stops))
