@@ -231,14 +231,15 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--quiet", action="store_true")
     o.set_defaults(func=_onnx)
 
-    b = sub.add_parser("build", help="build TensorRT engines for a device target (or --plan-only: a bundle to build there)")
+    b = sub.add_parser("build", help="build TensorRT engines for a device target (--plan-only: a bundle to build there)")
     b.add_argument("--target", required=True, choices=("jetson",) + PROFILE_NAMES,
                    help="device profile (engines/profiles); jetson picks Orin or Thor from this device")
     b.add_argument("--model", type=Path, help="target snapshot: export it (cached) with --head")
     b.add_argument("--head", type=Path, help="draft head of --model")
     b.add_argument("--artifacts", type=Path, help="an export from `glance-export onnx` (no torch needed)")
     b.add_argument("--out", type=Path, required=True, help="engines directory (the bundle with --plan-only)")
-    b.add_argument("--precision", choices=PRECISIONS, help="default: the target's (strongly typed builders: the export's)")
+    b.add_argument("--precision", choices=PRECISIONS,
+                   help="default: the target's (strongly typed builders: the export's)")
     b.add_argument("--max-context", type=int, help="lower the export's max context (default: what fits in memory)")
     b.add_argument("--max-tree", type=int, help="lower the export's max tree (default: the target's cap)")
     b.add_argument("--memory-gib", type=float, help="device memory budget (default: this device's, else the target's)")

@@ -67,8 +67,8 @@ def _nvidia_smi() -> Device:
     if shutil.which("nvidia-smi") is None:
         return Device(None)
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,compute_cap,memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
+        query = ["nvidia-smi", "--query-gpu=name,compute_cap,memory.total", "--format=csv,noheader,nounits"]
+        out = subprocess.run(query, capture_output=True, text=True, timeout=20, check=True).stdout
         name, cc, mib = (field.strip() for field in out.splitlines()[0].split(","))
         return Device(name, cc, float(mib) / 1024)
     except (OSError, subprocess.SubprocessError, IndexError, ValueError):

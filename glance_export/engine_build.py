@@ -87,7 +87,8 @@ def check_head(manifest: dict[str, Any], head: Path, artifacts: Path) -> None:
 def _artifacts(request: BuildRequest, say: Callable[[str], None]) -> Path:
     """The artifacts directory: given, or exported once into the cache; checked against --model/--head."""
     if request.artifacts is None and (request.model is None or request.head is None):
-        raise GlanceError("build needs --artifacts DIR (from `glance-export onnx`), or --model and --head to export them")
+        raise GlanceError("build needs --artifacts DIR (from `glance-export onnx`), or --model and --head to export "
+                          "them")
     if (request.model is None) != (request.head is None):
         raise GlanceError("pass --model and --head together (the artifacts are checked against both)")
     if request.artifacts is not None:

@@ -200,6 +200,7 @@ def plan_memory(profile: DeviceProfile, manifest: dict[str, Any], artifacts: Pat
     reasons = {"max_context": ctx_why, "max_tree": tree_why}
     image = None
     if "N_img" in manifest["axes"]:
-        image = min(manifest["axes"]["N_img"][1], ctx // 2)
-        reasons["max_image_tokens"] = "the export's limit" if image == manifest["axes"]["N_img"][1] else "half the context"
+        exported_image = manifest["axes"]["N_img"][1]
+        image = min(exported_image, ctx // 2)
+        reasons["max_image_tokens"] = "the export's limit" if image == exported_image else "half the context"
     return MemoryPlan(Limits(ctx, tree, image), budget, reasons)

@@ -47,8 +47,9 @@ def choose_precision(profile: DeviceProfile, requested: str | None, artifacts_dt
     if name == artifacts_dtype:
         return Precision(name, None, f"the graphs' own {name} dtypes")
     if profile.strongly_typed:
+        exportable = " or ".join(EXPORT_DTYPES)
         fix = (f"re-export with `glance-export onnx --dtype {name}`" if name in EXPORT_DTYPES
-               else f"`glance-export onnx` exports {' or '.join(EXPORT_DTYPES)} only; use --precision {artifacts_dtype}")
+               else f"`glance-export onnx` exports {exportable} only; use --precision {artifacts_dtype}")
         raise GlanceError(f"{profile.module} builds strongly typed networks (precision comes from the ONNX dtypes) "
                           f"and these artifacts are {artifacts_dtype}, not {name}; {fix}")
     if artifacts_dtype != "fp32":

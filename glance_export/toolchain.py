@@ -47,9 +47,10 @@ def check_opset(profile: DeviceProfile, opset: int, version: str | None) -> None
 
     `version` None (a plan for another machine) accepts what any version in the profile's range parses."""
     newest = profile.below_version if version is None else version
-    attention_ok = profile.attention_op_from is not None and version_tuple(newest) >= version_tuple(profile.attention_op_from)
+    since = profile.attention_op_from
+    attention_ok = since is not None and version_tuple(newest) >= version_tuple(since)
     limit = 23 if attention_ok else profile.max_opset
     if opset > limit:
         where = f"{profile.module} {version}" if version else f"the {profile.name} target"
-        raise GlanceError(f"these artifacts are opset {opset}, and {where} parses opset <= {limit} "
-                          f"({profile.attention}); re-export with `glance-export onnx --opset 17`")
+        raise GlanceError(f"these artifacts are opset {opset}, and {where} parses opset <= {limit}; re-export with "
+                          f"`glance-export onnx --opset 17` (plain MatMul/Softmax attention)")

@@ -19,11 +19,12 @@ from glance_export.memory_plan import Limits, kv_bytes_per_row, plan_memory
 from glance_export.onnx import export_artifacts
 from glance_export.precision import choose_precision
 from glance_export.tensorrt_build import BuildOptions, build_engines, profiles_for
-from glance_export.toolchain import load_toolchain
+from glance_export.engine_build import BuildRequest, build
+from glance_export.toolchain import Toolchain, check_opset, load_toolchain
 from glance_runtime.errors import GlanceError
 from test_onnx_export import export_once
 
-pytest.importorskip("tensorrt_rtx")
+trt = pytest.importorskip("tensorrt_rtx")
 RTX = load_profile("rtx")
 
 
@@ -114,3 +115,10 @@ def test_opset23_attention_graphs_validate_and_build(snapshot_dir, tmp_path):
     ops = {n.op_type for n in onnx.load(str(out / "target.onnx")).graph.node}
     assert "Attention" in ops and json.loads((out / "manifest.json").read_text())["opset"] == 23
     _build_all(out, tmp_path / "engines")
+    # JetPack 6's TensorRT 10.3 parses opset <= 20 only (version simulated; refused before any build).
+    orin = Device("NVIDIA Jetson AGX Orin", "8.7", 30.6, "orin")
+    refusal = r"opset 23, and tensorrt 10\.3\.0 parses opset <= 20; re-export with `glance-export onnx --opset 17`"
+    with pytest.raises(GlanceError, match=refusal):
+        build(BuildRequest("jetson-orin", tmp_path / "orin", artifacts=out), orin, Toolchain(trt, "10.3.0"))
+    check_opset(load_profile("jetson-orin"), 23, "10.14.1")
+    assert not (tmp_path / "orin").exists()
