@@ -8,6 +8,7 @@ from pathlib import Path
 
 from glance_runtime.defaults import default_model, resolve
 from glance_runtime.errors import GlanceError
+from glance_runtime.limits import check_decode
 from glance_runtime.loop import DecodeConfig
 from glance_runtime.runner import BACKENDS
 
@@ -45,6 +46,7 @@ def _audit(args: argparse.Namespace) -> int:
     ort = {} if args.backend == "torch" else dict(providers=args.provider)
     runner = open_runner(args.backend, model=args.model, head=args.head, artifacts=args.artifacts, **ort)
     cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, budget=args.budget, branch_k=args.branch_k)
+    check_decode(runner.limits, cfg)
     report = audit(runner, tasks, cfg, progress=lambda line: print(line, file=sys.stderr))
     if args.json:
         print(json.dumps(report, indent=2))

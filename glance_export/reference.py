@@ -13,6 +13,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from glance_runtime.limits import Limits
 from glance_runtime.runner import Runner
 
 from .adapters import Prompt, Snapshot
@@ -167,4 +168,5 @@ def open_reference(model: Path, head: Path | None, dtype: str = "float32") -> Ru
     stops = snapshot.stop_token_ids
     return Runner(backend=backend, build_prompt=snapshot.build_prompt, stop_ids=stops,
                   detokenize=lambda ids: snapshot.tokenizer.decode(list(ids), skip_special_tokens=True),
+                  limits=Limits(backend.block_size, snapshot.text_config["vocab_size"]),
                   oracle=lambda prompt, n: greedy_reference(backend.model, snapshot, prompt, n, stops))

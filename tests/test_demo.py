@@ -91,4 +91,4 @@ def test_demo_runs_on_an_edge_install_without_torch(tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() in corpus.demo_sample("receipt").answers
     assert "[onnxruntime] tau" in run.stderr and "exporting" not in run.stderr
-    assert not (tmp_path / "cache").exists()
+    assert not (tmp_path / "cache" / "onnx").exists()  # no export; the cache holds only hash stamps

@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from glance_runtime.atomic import atomic_directory
+from glance_runtime.atomic import atomic_directory, check_writable
 from glance_runtime.errors import GlanceError
 from glance_runtime.graphs import MANIFEST
 
@@ -39,6 +39,7 @@ def _check_args(out: Path, dtype: str, opset: int, max_tree: int, max_context: i
         raise GlanceError(f"branch_k must be at least 1, got {branch_k}")
     if out.exists() and not (out / MANIFEST).is_file():
         raise GlanceError(f"{out} exists and is not an artifacts directory; pick a new output directory")
+    check_writable(out)
 
 
 def _attention(opset: int) -> str:

@@ -5,7 +5,8 @@ mask_token_id, image_token_id, stop_token_ids, limits {max_tree, max_context}, a
 source {config_sha256, weights_sha256 {file: sha}}, head {config, weights_sha256}, rope {...},
 graphs {target|draft|vocab|vision: {file, data_file, inputs/outputs {name: {dtype, shape}}, ...sizes}}
 (vocab also records vocab_size and whether the LM head is tied to the embedding),
-vision.index_params (the `vision_indices` parameters), files (tokenizer/processor files copied beside).
+vision.index_params (the `vision_indices` parameters), files (tokenizer/processor files copied beside),
+file_hashes {file: {sha256, size}} of every file written beside the manifest (checked on every load).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import onnx
 import glance_export
 from glance_export.adapters import Snapshot
 from glance_export.head import WEIGHTS_FILE, DraftHead
-from glance_runtime.manifest import sha256
+from glance_runtime.integrity import record, sha256
 
 from .spec import Dims
 from .vision import INDEX_INPUTS
@@ -81,6 +82,7 @@ def build_manifest(snapshot: Snapshot, head: DraftHead, head_dir: Path, dims: Di
         path = out / f"{name}.onnx"
         data = path.with_name(f"{path.name}.data")
         entry.update(file=path.name, data_file=data.name if data.exists() else None, **io_spec(path))
+    written = [n for entry in graphs.values() for n in (entry["file"], entry["data_file"]) if n] + files
     rope = tc.get("rope_parameters") or tc.get("rope_scaling") or {}
     return {
         "format": "glance-onnx", "format_version": FORMAT_VERSION, "toolkit_version": glance_export.__version__,
@@ -96,5 +98,5 @@ def build_manifest(snapshot: Snapshot, head: DraftHead, head_dir: Path, dims: Di
         "source": {"config_sha256": sha256(snapshot.path / "config.json"),
                    "weights_sha256": {p.name: sha256(p) for p in sorted(snapshot.path.glob("*.safetensors"))}},
         "head": {"config": head.config.to_json(), "weights_sha256": sha256(Path(head_dir) / WEIGHTS_FILE)},
-        "graphs": graphs, "files": files,
+        "graphs": graphs, "files": files, "file_hashes": record(out, written),
     }

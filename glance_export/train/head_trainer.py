@@ -17,13 +17,14 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
 
 from glance_runtime.errors import GlanceError
 
-from ..adapters import Snapshot
+from ..adapters import Prompt, Snapshot
 from ..audit import read_tasks
 from ..head import DraftHead, head_config_for, init_head, load_head, pick_mask_token, save_head
-from ..reference import greedy_reference
+from ..reference import TorchBackend, greedy_reference
 
 
 @dataclass
@@ -34,9 +35,33 @@ class Sequence:
 
 
 @torch.no_grad()
+def tap_rows(snapshot: Snapshot, model, prompt: Prompt, answer: list[int], layer_ids: list[int]) -> torch.Tensor:
+    """Taps of prompt + answer as decoding produces them: the prompt with its image, then the answer on
+    the prompt's cache at positions `stream + delta`. Image features go to the prompt's image-pad rows
+    only, so an answer that contains the image-pad id is embedded as the plain token, as in decoding."""
+    reference = TorchBackend(snapshot, model=model)
+    positions, delta = reference.prompt_positions(prompt)
+    ids = torch.from_numpy(prompt.input_ids)[None]
+    extra = {}
+    if prompt.pixel_values is not None:
+        extra = dict(pixel_values=torch.from_numpy(prompt.pixel_values).to(model.dtype),
+                     image_grid_thw=torch.from_numpy(prompt.image_grid_thw),
+                     mm_token_type_ids=(ids == snapshot.image_token_id).int())
+    cache = DynamicCache(config=model.config)
+    passes = [model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, output_hidden_states=True,
+                    **extra).hidden_states]
+    if answer:
+        stream = (torch.arange(prompt.length, prompt.length + len(answer)) + delta)[None]
+        passes.append(model(input_ids=torch.tensor(answer)[None], cache=cache, use_cache=True,
+                            position_ids=stream[None].expand(3, 1, -1) if snapshot.is_vl else stream,
+                            output_hidden_states=True).hidden_states)
+    return torch.cat([torch.cat([hidden[l + 1][0] for l in layer_ids], dim=-1) for hidden in passes]).float()
+
+
+@torch.no_grad()
 def collect_sequences(snapshot: Snapshot, model, task_file: Path, layer_ids: list[int], max_new_tokens: int,
                       progress: Callable[[str], None]) -> list[Sequence]:
-    """Generate each task's greedy answer, then tap the target over prompt + answer in one pass."""
+    """Generate each task's greedy answer, then tap the target over prompt + answer."""
     tasks = read_tasks(task_file)
     if not tasks:
         raise GlanceError(f"{task_file} has no tasks")
@@ -44,16 +69,8 @@ def collect_sequences(snapshot: Snapshot, model, task_file: Path, layer_ids: lis
     for i, task in enumerate(tasks, 1):
         prompt = snapshot.build_prompt(task.prompt, task.image)
         answer = greedy_reference(model, snapshot, prompt, max_new_tokens, snapshot.stop_token_ids)
-        ids = torch.cat([torch.from_numpy(prompt.input_ids), torch.tensor(answer)])[None]
-        inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
-        if prompt.pixel_values is not None:
-            model.model.rope_deltas = None
-            inputs.update(pixel_values=torch.from_numpy(prompt.pixel_values).to(model.dtype),
-                          image_grid_thw=torch.from_numpy(prompt.image_grid_thw),
-                          mm_token_type_ids=(ids == snapshot.image_token_id).int())
-        hidden = model(**inputs, output_hidden_states=True).hidden_states
-        taps = torch.cat([hidden[l + 1][0] for l in layer_ids], dim=-1).float()
-        out.append(Sequence(ids[0], taps, prompt.length))
+        ids = torch.cat([torch.from_numpy(prompt.input_ids), torch.tensor(answer, dtype=torch.long)])
+        out.append(Sequence(ids, tap_rows(snapshot, model, prompt, answer, layer_ids), prompt.length))
         if i % 20 == 0 or i == len(tasks):
             progress(f"generated {i}/{len(tasks)} answers")
     return out

@@ -1,4 +1,9 @@
-"""Artifacts appear whole or not at all: built in a temporary sibling, renamed into place at the end."""
+"""Outputs appear whole or not at all: built in a temporary sibling, renamed into place at the end.
+
+Killed at any point (even SIGKILL, where no cleanup runs), a command leaves the previous output in
+place or, for the instant between two renames, parked in a hidden sibling; the next run into the
+same place restores a parked output and removes the half-built leftovers of processes that are gone.
+"""
 from __future__ import annotations
 
 import os
@@ -8,19 +13,82 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from .errors import GlanceError
+
+NEW, OLD = "new", "old"  # hidden siblings: .NAME.new.PID.* (being built), .NAME.old.PID.* (being replaced)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def recover(out: Path) -> None:
+    """Put back an output parked by a process killed mid-swap; delete dead processes' partial builds."""
+    prefix = f".{out.name}."
+    for sibling in sorted(out.parent.iterdir()) if out.parent.is_dir() else []:
+        kind, _, rest = sibling.name[len(prefix):].partition(".")
+        pid = rest.partition(".")[0]
+        if not sibling.name.startswith(prefix) or kind not in (NEW, OLD) or not pid.isdigit() or _alive(int(pid)):
+            continue
+        if kind == OLD and not out.exists():
+            os.replace(sibling, out)
+        else:
+            shutil.rmtree(sibling, ignore_errors=True)
+
+
+def check_writable(out: str | Path) -> None:
+    """Refuse, before any work, an output whose directory cannot be created or written."""
+    out = Path(out).absolute()
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise GlanceError(f"cannot create {out}: {parent} is a file, not a directory; pick another output path")
+    try:  # a real probe: permission bits say nothing for root, read-only mounts or /proc
+        os.rmdir(tempfile.mkdtemp(prefix=".glance-probe.", dir=parent))
+    except OSError as exc:
+        raise GlanceError(f"cannot create {out}: {parent} is not writable ({exc.strerror}); "
+                          "pick a writable output path") from None
+
+
+def _fresh(out: Path, kind: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.{kind}.{os.getpid()}.", dir=out.parent))
+
 
 @contextmanager
 def atomic_directory(out: str | Path) -> Iterator[Path]:
     """Yield a fresh temporary directory next to `out`; on success it replaces `out`, on any failure
     (including Ctrl-C) it is removed and `out` is left as it was."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    check_writable(out)
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        recover(out)
+        tmp = _fresh(out, NEW)
+    except OSError as exc:
+        raise GlanceError(f"cannot create {out} ({exc.strerror}); pick a writable output path") from None
+    try:
+        tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; the result is an ordinary directory
         yield tmp
         if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+            parked = _fresh(out, OLD)
+            os.replace(out, parked)  # onto the empty directory mkdtemp made: still one rename
+            os.replace(tmp, out)
+            shutil.rmtree(parked, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

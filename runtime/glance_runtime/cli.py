@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from .errors import GlanceError
+from .limits import check_decode
 from .loop import DecodeConfig, decode
 from .defaults import resolve
 from .runner import BACKENDS, open_runner
@@ -49,21 +50,30 @@ def _stream(detokenize, tokens: list[int]):
     return on_commit, shown
 
 
+def _check_paths(args: argparse.Namespace) -> None:
+    """Missing inputs are named before anything else is concluded from their absence."""
+    for flag, path in (("--model", args.model), ("--head", args.head), ("--artifacts", args.artifacts)):
+        if path is not None and not path.is_dir():
+            state = "is not a directory" if path.exists() else "does not exist"
+            raise GlanceError(f"{flag} {path} {state}; pass an existing directory")
+    if args.image is not None and not args.image.is_file():
+        raise GlanceError(f"image {args.image} does not exist")
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_paths(args)
     args.model, args.head, args.artifacts, args.backend = resolve(args.model, args.head, args.artifacts, args.backend)
     if not args.no_spec and args.head is None and args.backend == "torch":
         raise GlanceError("speculative decoding needs --head (or pass --no-spec for plain greedy decoding)")
-    if args.max_new_tokens < 1 or args.budget < 0 or args.branch_k < 1:
-        raise GlanceError("--max-new-tokens and --branch-k must be >= 1 and --budget >= 0")
-    if args.image is not None and not args.image.is_file():
-        raise GlanceError(f"image {args.image} does not exist")
+    cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, budget=args.budget, branch_k=args.branch_k,
+                       speculative=not args.no_spec)
+    check_decode(None, cfg)
     ort = {} if args.backend == "torch" else dict(providers=args.provider, max_context=args.max_context,
                                                   max_tree=args.max_tree, threads=args.threads)
     runner = open_runner(args.backend, model=args.model, head=args.head,
                          artifacts=args.artifacts, progress=lambda line: print(line, file=sys.stderr), **ort)
+    check_decode(runner.limits, cfg)
     prompt = runner.build_prompt(args.prompt, args.image)
-    cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, budget=args.budget, branch_k=args.branch_k,
-                       speculative=not args.no_spec)
     streamed: list[int] = []
     on_commit, shown = _stream(runner.detokenize, streamed) if not args.json else (None, [""])
     result = decode(runner.backend, prompt, cfg, runner.stop_ids, on_commit=on_commit)

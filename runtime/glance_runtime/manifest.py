@@ -6,7 +6,6 @@ than as a shape error deep inside ONNX Runtime or TensorRT.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 from . import __version__
 from .errors import GlanceError
 from .graphs import DRAFT_GRAPH, MANIFEST, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH
+from .integrity import file_digest, sha256, verify_files  # noqa: F401 (sha256: callers hash through here)
 
 FORMAT = "glance-onnx"
 FORMAT_VERSION = 2
@@ -104,6 +104,7 @@ def load_manifest(artifacts_dir: str | Path) -> Manifest:
         for name in raw.get("files", []):
             if not (path / name).is_file():
                 raise GlanceError(f"{path} lacks {name}, listed in its manifest; copy the whole directory or {REEXPORT}")
+        _check_hashes(path, raw, needed)
         target, vision = graphs["target"], graphs.get("vision") or {}
         return Manifest(
             path=path, toolkit_version=raw["toolkit_version"], family=raw["family"], is_vl=is_vl,
@@ -118,13 +119,18 @@ def load_manifest(artifacts_dir: str | Path) -> Manifest:
         raise GlanceError(f"{file} is incomplete or malformed ({type(exc).__name__}: {exc}); {REEXPORT}") from None
 
 
-def sha256(path: Path) -> str:
-    """Streamed, so multi-GB weights never sit in memory."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+def _check_hashes(path: Path, raw: dict[str, Any], needed: dict[str, str]) -> None:
+    """Every graph, weights file and tokenizer/processor file against the sha256 and size the export recorded."""
+    hashes = raw.get("file_hashes")
+    if not isinstance(hashes, dict):
+        raise GlanceError(f"{path / MANIFEST} records no file hashes (an export from before they were checked); "
+                          f"{REEXPORT}")
+    graphs = raw["graphs"]
+    names = [*needed.values(), *(graphs[k].get("data_file") for k in needed), *raw.get("files", [])]
+    unrecorded = [n for n in names if n and n not in hashes]
+    if unrecorded:
+        raise GlanceError(f"{path / MANIFEST} records no hash for {unrecorded[0]}; {REEXPORT}")
+    verify_files(path, {n: hashes[n] for n in names if n}, f"copy the directory again or {REEXPORT}")
 
 
 def check_source(manifest: Manifest, model_dir: str | Path) -> None:
@@ -132,10 +138,10 @@ def check_source(manifest: Manifest, model_dir: str | Path) -> None:
     model = Path(model_dir)
     expected = manifest.source.get("weights_sha256") or {}
     config_sha = manifest.source.get("config_sha256")
-    if config_sha and (not (model / "config.json").is_file() or sha256(model / "config.json") != config_sha):
+    if config_sha and (not (model / "config.json").is_file() or file_digest(model / "config.json") != config_sha):
         raise GlanceError(f"{model}/config.json differs from the one {manifest.path} was exported from; "
                           f"pass the original model directory or {REEXPORT}")
     for name, sha in expected.items():
-        if not (model / name).is_file() or sha256(model / name) != sha:
+        if not (model / name).is_file() or file_digest(model / name) != sha:
             raise GlanceError(f"{model}/{name} differs from the weights {manifest.path} was exported from; "
                               f"pass the original model directory or {REEXPORT}")

@@ -6,16 +6,17 @@ to the exporter side (`exporter`), so the ONNX Runtime path never imports torch.
 from __future__ import annotations
 
 import hashlib
-import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from . import __version__, exporter
 from .backend import Backend
+from .cache import cache_root, file_lock
 from .errors import GlanceError
-from .graphs import MANIFEST
-from .manifest import FORMAT_VERSION
+from .limits import Limits
+from .manifest import FORMAT_VERSION, load_manifest
 
 BACKENDS = ("torch", "onnxruntime")
 
@@ -26,6 +27,7 @@ class Runner:
     build_prompt: Callable[[str, str | Path | None], Any]
     stop_ids: tuple[int, ...]
     detokenize: Callable[[Sequence[int]], str]
+    limits: Limits
     oracle: Callable[[Any, int], list[int]] | None = None  # independent greedy decode, when the backend has one
 
 
@@ -45,19 +47,18 @@ def open_onnxruntime(artifacts: Path, model: Path | None = None, **options) -> R
             reference.append(exporter.torch_runner(model, None))
         return reference[0].oracle(prompt, max_new_tokens)
 
+    limits = Limits(backend.block_size, backend.manifest.branch_k, backend.max_tree, exported=True)
     return Runner(backend=backend, build_prompt=backend.build_prompt, stop_ids=tuple(backend.stop_token_ids),
-                  detokenize=backend.detokenize, oracle=oracle if model is not None else None)
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("GLANCE_CACHE", Path.home() / ".cache" / "glance"))
+                  detokenize=backend.detokenize, limits=limits, oracle=oracle if model is not None else None)
 
 
 def exported_artifacts(model: Path, head: Path, progress: Callable[[str], None]) -> Path:
     """Artifacts for (model, head) in the cache, exported on first use.
 
     Keyed by file names, sizes and modification times (cheap even for multi-GB weights), the
-    toolkit version and the artifacts format; the manifest's own hashes still guard against a mismatched directory."""
+    toolkit version and the artifacts format; the manifest's own hashes still guard against a mismatched directory.
+    A lock file beside the entry makes concurrent first uses export once (the others wait, then reuse it),
+    and an entry that fails its manifest's checks (a damaged or half-deleted one) is exported again."""
     key = hashlib.sha256(f"{__version__}:{FORMAT_VERSION}".encode())
     for root in (Path(model), Path(head)):
         if not root.is_dir():
@@ -66,9 +67,15 @@ def exported_artifacts(model: Path, head: Path, progress: Callable[[str], None])
             stat = f.stat()
             key.update(f"{f.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     out = cache_root() / "onnx" / key.hexdigest()[:20]
-    if (out / MANIFEST).is_file():
-        return out
-    return exporter.export(model, head, out, progress)
+    with file_lock(out.with_name(f"{out.name}.lock")):
+        if out.exists():
+            try:
+                load_manifest(out)
+                return out
+            except GlanceError as exc:
+                progress(f"cached export {out} is unusable ({exc}); exporting it again")
+                shutil.rmtree(out)
+        return exporter.export(model, head, out, progress)
 
 
 def open_runner(backend: str, *, model: Path | None = None, head: Path | None = None,

@@ -1,0 +1,108 @@
+"""Files checked against the sha256 their manifest records, cheaply enough to do on every load.
+
+A file is hashed in full only when it is new to this machine or its size, modification time,
+change time or inode differ from when it was last hashed; otherwise the digest comes from a small
+stamp file per directory under the cache root. Stamps are only kept for files whose times are a
+couple of seconds old, so a write landing in the same clock tick as a hash is never trusted.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Mapping
+
+from .cache import cache_root
+from .errors import GlanceError
+
+RACY_NS = 2_000_000_000  # a file changed this recently may change again without its times moving
+
+
+def sha256(path: Path) -> str:
+    """Streamed, so multi-GB weights never sit in memory."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _stat_key(st: os.stat_result) -> list[int]:
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+class Stamps:
+    """Digests of the files in one directory, keyed by name and trusted while their stat key holds."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory).resolve()
+        tag = hashlib.sha256(str(self.directory).encode()).hexdigest()[:20]
+        self.file = cache_root() / "stamps" / f"{tag}.json"
+        try:
+            self.entries: dict[str, list] = json.loads(self.file.read_text())
+        except (OSError, ValueError):
+            self.entries = {}
+        self.changed = False
+
+    def digest(self, name: str) -> str:
+        path = self.directory / name
+        st = path.stat()
+        key = _stat_key(st)
+        entry = self.entries.get(name)
+        if entry and entry[:-1] == key:
+            return entry[-1]
+        digest = sha256(path)
+        if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > RACY_NS:
+            self.entries[name] = [*key, digest]
+            self.changed = True
+        return digest
+
+    def save(self) -> None:
+        """Best effort: without a writable cache the next load just hashes again."""
+        if not self.changed:
+            return
+        try:
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.file.with_name(f".{self.file.name}.{os.getpid()}")
+            tmp.write_text(json.dumps(self.entries))
+            os.replace(tmp, self.file)
+        except OSError:
+            pass
+
+
+def file_digest(path: str | Path) -> str:
+    """sha256 of one file, through its directory's stamps."""
+    path = Path(path)
+    stamps = Stamps(path.parent)
+    digest = stamps.digest(path.name)
+    stamps.save()
+    return digest
+
+
+def record(directory: str | Path, names: list[str]) -> dict[str, dict[str, int | str]]:
+    """{name: {sha256, size}} of files in `directory`, as a manifest records them."""
+    directory = Path(directory)
+    return {name: {"sha256": sha256(directory / name), "size": (directory / name).stat().st_size} for name in names}
+
+
+def verify_files(directory: str | Path, expected: Mapping[str, Mapping[str, object]], fix: str) -> None:
+    """Check every file named in `expected` ({name: {sha256, size}}) against its recorded size and
+    digest; the first mismatch is one GlanceError naming the file and `fix`."""
+    directory = Path(directory)
+    stamps = Stamps(directory)
+    try:
+        for name, want in expected.items():
+            path = directory / name
+            if not path.is_file():
+                raise GlanceError(f"{path} is missing; {fix}")
+            size = path.stat().st_size
+            if "size" in want and size != want["size"]:
+                raise GlanceError(f"{path} is {size} bytes but its manifest records {want['size']} (truncated or "
+                                  f"replaced); {fix}")
+            if stamps.digest(name) != want["sha256"]:
+                raise GlanceError(f"{path} does not match the sha256 its manifest records (corrupted or "
+                                  f"modified); {fix}")
+    finally:
+        stamps.save()
