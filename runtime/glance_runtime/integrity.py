@@ -88,8 +88,8 @@ def record(directory: str | Path, names: list[str]) -> dict[str, dict[str, int |
 
 
 def verify_files(directory: str | Path, expected: Mapping[str, Mapping[str, object]], fix: str) -> None:
-    """Check every file named in `expected` ({name: {sha256, size}}) against its recorded size and
-    digest; the first mismatch is one GlanceError naming the file and `fix`."""
+    """Check every file named in `expected` ({name: {sha256, size or bytes}}) against its recorded size
+    and digest; the first mismatch is one GlanceError naming the file and `fix`."""
     directory = Path(directory)
     stamps = Stamps(directory)
     try:
@@ -97,12 +97,19 @@ def verify_files(directory: str | Path, expected: Mapping[str, Mapping[str, obje
             path = directory / name
             if not path.is_file():
                 raise GlanceError(f"{path} is missing; {fix}")
-            size = path.stat().st_size
-            if "size" in want and size != want["size"]:
-                raise GlanceError(f"{path} is {size} bytes but its manifest records {want['size']} (truncated or "
+            size, recorded = path.stat().st_size, want.get("size", want.get("bytes"))
+            if recorded is not None and size != recorded:
+                raise GlanceError(f"{path} is {size} bytes but its manifest records {recorded} (truncated or "
                                   f"replaced); {fix}")
             if stamps.digest(name) != want["sha256"]:
                 raise GlanceError(f"{path} does not match the sha256 its manifest records (corrupted or "
                                   f"modified); {fix}")
     finally:
         stamps.save()
+
+
+def verify_engines(engine_dir: str | Path, record: Mapping[str, object]) -> None:
+    """The engines an engines.json record lists ({graph: {file, bytes, sha256}}), checked before loading."""
+    engines = record.get("engines") or {}
+    verify_files(engine_dir, {e["file"]: e for e in engines.values()},
+                 "rebuild the engines with `glance-export build`")
