@@ -15,6 +15,8 @@ from glance_runtime.runner import BACKENDS
 from .device_profiles import PROFILE_NAMES
 from .precision import PRECISIONS
 
+AUDIT_MAX_NEW_TOKENS = 64
+
 
 def _init_head(args: argparse.Namespace) -> int:
     from .adapters import Snapshot
@@ -38,6 +40,12 @@ def _audit(args: argparse.Namespace) -> int:
 
     from .audit import audit, read_tasks
 
+    if args.save_reference is not None:
+        return _save_reference(args)
+    if args.reference is not None:
+        return _audit_reference(args)
+    args.backend = args.backend or "torch"
+    args.max_new_tokens = AUDIT_MAX_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
     args.model, args.head, args.artifacts, args.backend = resolve(args.model, args.head, args.artifacts, args.backend)
     if args.backend == "torch" and args.head is None:
         raise GlanceError("the torch audit needs --head")
@@ -54,6 +62,58 @@ def _audit(args: argparse.Namespace) -> int:
         print(f"{report['identical']}/{report['n']} identical to greedy (self-consistent {report['self_consistent']}/"
               f"{report['n']}), tau {report['tau']:.2f} over {report['rounds']} rounds: "
               f"{'PASS' if report['passed'] else 'FAIL'}")
+    return 0 if report["passed"] else 1
+
+
+def _save_reference(args: argparse.Namespace) -> int:
+    """Workstation side: the fp32 PyTorch greedy tokens and margins of --data, written to a file."""
+    from .reference_file import check_destination, write_reference
+
+    try:
+        from .reference_record import record_reference
+    except ImportError as exc:
+        missing = exc.name or "torch"
+        raise GlanceError(f"--save-reference runs the PyTorch model and needs the export extra ({missing} is "
+                          "missing): record on a workstation with `pip install 'glance-toolkit[export]'`, "
+                          "then audit here with --reference FILE") from None
+    check_destination(args.save_reference)
+    model = args.model or default_model()[0]
+    _threads(args.threads)
+    max_new = AUDIT_MAX_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
+    ref = record_reference(model, args.data, max_new, progress=lambda line: print(line, file=sys.stderr))
+    path = write_reference(args.save_reference, ref)
+    margins = [m for task in ref.tasks for m in task.margins]
+    print(f"wrote the fp32 greedy reference of {len(ref.tasks)} prompts ({len(margins)} tokens, smallest top-2 "
+          f"margin {min(margins):.4g}) to {path}")
+    return 0
+
+
+def _audit_reference(args: argparse.Namespace) -> int:
+    """Device side, no torch: the backend's GLANCE and own greedy output against a recorded reference."""
+    from glance_runtime.runner import open_runner
+
+    from .audit import read_tasks
+    from .reference_audit import audit_against_reference, summary
+    from .reference_file import check_reference, load_reference, model_source
+
+    ref = load_reference(args.reference)
+    model, head, artifacts, backend = resolve(args.model, args.head, args.artifacts, args.backend)
+    if backend == "torch" and (model is None or head is None):
+        raise GlanceError("the torch audit needs --model and --head")
+    tasks = read_tasks(args.data)
+    options = {} if backend == "torch" else dict(providers=args.provider)
+    runner = open_runner(backend, model=model if backend == "torch" else None, head=head, artifacts=artifacts,
+                         **options)
+    manifest = getattr(runner.backend, "manifest", None)
+    source, where = (manifest.source, str(manifest.path)) if manifest is not None else (model_source(model), str(model))
+    max_new = ref.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
+    check_reference(ref, args.reference, source=source, where=where, tasks=tasks, tasks_path=args.data,
+                    stop_ids=runner.stop_ids, max_new_tokens=max_new)
+    cfg = DecodeConfig(max_new_tokens=max_new, budget=args.budget, branch_k=args.branch_k)
+    check_decode(runner.limits, cfg)
+    report = audit_against_reference(runner, ref, args.reference, tasks, cfg,
+                                     progress=lambda line: print(line, file=sys.stderr))
+    print(json.dumps(report, indent=2) if args.json else "\n".join(summary(report)))
     return 0 if report["passed"] else 1
 
 
@@ -255,14 +315,21 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--model", type=Path, help="target snapshot (default: the embedded glance-vl-tiny)")
     a.add_argument("--head", type=Path, help="draft head (torch backend; the onnxruntime one reads --artifacts)")
     a.add_argument("--data", type=Path, required=True, help="TASKS.jsonl")
-    a.add_argument("--backend", choices=BACKENDS, default="torch")
+    a.add_argument("--backend", choices=BACKENDS,
+                   help="default: torch; with --reference, onnxruntime where installed")
     a.add_argument("--artifacts", type=Path, help="exported graphs (onnxruntime backend)")
     a.add_argument("--provider", action="append", help="ONNX Runtime execution provider(s)")
     a.add_argument("--budget", type=int, default=63)
     a.add_argument("--branch-k", type=int, default=8)
-    a.add_argument("--max-new-tokens", type=int, default=64)
+    a.add_argument("--max-new-tokens", type=int,
+                   help=f"default {AUDIT_MAX_NEW_TOKENS}; with --reference, the value it was recorded with")
     a.add_argument("--threads", type=int, help="torch CPU threads (the oracle and the torch backend)")
     a.add_argument("--json", action="store_true")
+    recorded = a.add_mutually_exclusive_group()
+    recorded.add_argument("--save-reference", type=Path, metavar="FILE",
+                          help="record the fp32 PyTorch greedy tokens and top-2 margins of --data (needs torch)")
+    recorded.add_argument("--reference", type=Path, metavar="FILE",
+                          help="compare the backend with a recorded reference instead of the torch oracle (no torch)")
     a.set_defaults(func=_audit)
     return p
 

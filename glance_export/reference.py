@@ -137,10 +137,23 @@ class TorchBackend:
         self.start += len(rows)
 
 
-@torch.no_grad()
 def greedy_reference(model: torch.nn.Module, snapshot: Snapshot, prompt: Prompt, max_new_tokens: int,
                      stop_ids: Sequence[int]) -> list[int]:
     """Plain greedy decoding with the model's own cache and positions: the parity oracle."""
+    return greedy_with_margins(model, snapshot, prompt, max_new_tokens, stop_ids)[0]
+
+
+def _top2_margin(logits: torch.Tensor) -> float:
+    """Top-1 minus top-2 logit: how far the greedy choice is from a tie."""
+    top = torch.topk(logits.float(), 2).values
+    return float(top[0] - top[1])
+
+
+@torch.no_grad()
+def greedy_with_margins(model: torch.nn.Module, snapshot: Snapshot, prompt: Prompt, max_new_tokens: int,
+                        stop_ids: Sequence[int]) -> tuple[list[int], list[float]]:
+    """The oracle's tokens and, per token, the top-2 logit margin it was chosen with (recorded references
+    use it to tell a reduced-precision flip at a near-tie from a real divergence)."""
     from transformers import DynamicCache
 
     ids = torch.from_numpy(prompt.input_ids)[None]
@@ -154,10 +167,12 @@ def greedy_reference(model: torch.nn.Module, snapshot: Snapshot, prompt: Prompt,
     cache = DynamicCache(config=model.config)
     logits = model(**inputs, cache=cache, use_cache=True).logits[0, -1]
     tokens: list[int] = []
+    margins: list[float] = []
     while True:
         tokens.append(int(logits.argmax()))
+        margins.append(_top2_margin(logits))
         if tokens[-1] in stop_ids or len(tokens) >= max_new_tokens:
-            return tokens
+            return tokens, margins
         logits = model(input_ids=torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True).logits[0, -1]
 
 
