@@ -112,7 +112,8 @@ def audit_against_reference(runner: Runner, ref: Reference, path: Path, tasks: S
 
 def _where(diff: dict[str, Any]) -> str:
     margin = "n/a" if diff["fp32_margin"] is None else f"{diff['fp32_margin']:.4g}"
-    picked = f", {diff['token']} for {diff['reference_token']}" if diff.get("reference_token") is not None else ""
+    picked = f", {diff['token']} instead of {diff['reference_token']}" if diff.get("reference_token") is not None \
+        else ""
     return f"token {diff['first_divergence']} (fp32 top-2 margin {margin}{picked})"
 
 

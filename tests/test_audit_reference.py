@@ -165,7 +165,7 @@ def test_fp16_divergence_is_reported_with_its_fp32_margin(near_tie, capsys):
     assert export_main(["audit", "--reference", str(near_tie.reference), "--artifacts", str(near_tie.fp16),
                         "--data", str(near_tie.tasks), "--budget", "8"]) == 0
     text = capsys.readouterr().out
-    assert f"at token {near_tie.at} (fp32 top-2 margin {margin:.4g}, {near_tie.a} for {near_tie.b})" in text
+    assert f"at token {near_tie.at} (fp32 top-2 margin {margin:.4g}, {near_tie.a} instead of {near_tie.b})" in text
     assert text.splitlines()[-1].startswith("PASS (fp16:")
 
 
