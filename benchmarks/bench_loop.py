@@ -6,9 +6,9 @@
 
 Each sample runs AR and speculative decoding back to back, alternating which goes first; sample 0
 of every task is a warm-up and is dropped. ms/token is reported without prefill (rounds only) and
-with it. tau pools rounds; tasks combine by the geometric mean of their speedups. For ONNX Runtime the graph sessions are timed, so each round splits into
-draft-graph + verify-graph time and everything else (tree build, feeds, KV copy/compaction, walk):
-the "outside" share, whose target is <= 15%.
+with it. tau pools rounds; tasks combine by the geometric mean of their speedups. For ONNX Runtime the graph runs are timed, so
+each round splits into target, draft and vocab graph time and everything else (tree build, uploads,
+embedding copies, KV compaction, walk): the "outside" share, whose target is <= 15%.
 
 `--seed-drafts full|partial` replaces the head's top-k at each offset with the backend's own AR
 output (placed first), so acceptance is what a good head would get: an upper bound that shows the
@@ -28,21 +28,22 @@ from glance_runtime.backends.seeded import SeededDrafter
 from glance_runtime.loop import DecodeConfig, DecodeResult, decode
 
 
-class TimedSession:
-    """Wraps an onnxruntime session; records the wall time of every run() call."""
+GRAPHS = ("target", "draft", "vocab")
 
-    def __init__(self, session):
-        self.session, self.durations = session, []
 
-    def run(self, *args, **kwargs):
+class TimedGraph:
+    """Wraps one graph of a graph backend; records the wall time of every run."""
+
+    def __init__(self, graph):
+        self.graph, self.durations = graph, []
+        self.input_names = graph.input_names
+
+    def run(self, inputs, outputs) -> None:
         t0 = time.perf_counter()
         try:
-            return self.session.run(*args, **kwargs)
+            self.graph.run(inputs, outputs)
         finally:
             self.durations.append(time.perf_counter() - t0)
-
-    def __getattr__(self, name):
-        return getattr(self.session, name)
 
 
 def open_backend(args):
@@ -50,8 +51,9 @@ def open_backend(args):
         from glance_runtime.backends.ort_backend import OrtBackend
 
         backend = OrtBackend(args.artifacts, providers=args.provider, threads=args.threads)
-        backend.target, backend.head = TimedSession(backend.target), TimedSession(backend.head)
-        return backend, backend.build_prompt, backend.stop_token_ids, (backend.target, backend.head)
+        timed = {name: TimedGraph(backend.graphs[name]) for name in GRAPHS}
+        backend.graphs.update(timed)
+        return backend, backend.build_prompt, backend.stop_token_ids, timed
     from glance_export.adapters import Snapshot
     from glance_export.head import load_head
     from glance_export.reference import TorchBackend
@@ -61,17 +63,17 @@ def open_backend(args):
     return backend, snapshot.build_prompt, snapshot.stop_token_ids, None
 
 
-def run_once(backend, timed, prompt, cfg: DecodeConfig, stops) -> tuple[DecodeResult, tuple[float, float] | None]:
-    """One decode; also the (verify, draft) graph-run seconds of its rounds (the prefill pass excluded)."""
+def run_once(backend, timed, prompt, cfg: DecodeConfig, stops) -> tuple[DecodeResult, dict[str, float] | None]:
+    """One decode; also the graph-run seconds of its rounds by graph (prefill's target and vocab runs excluded)."""
     if timed is None:
         return decode(backend, prompt, cfg, stop_ids=stops), None
-    start = [len(s.durations) for s in timed]
+    start = {name: len(g.durations) for name, g in timed.items()}
     result = decode(backend, prompt, cfg, stop_ids=stops)
-    target, head = (s.durations[n:] for s, n in zip(timed, start))
-    return result, (sum(target[1:]), sum(head))
+    prefill_runs = {"target": 1, "vocab": 2, "draft": 0}
+    return result, {name: sum(g.durations[start[name] + prefill_runs[name]:]) for name, g in timed.items()}
 
 
-def summarize(kept: list[tuple[DecodeResult, tuple[float, float] | None]]) -> dict:
+def summarize(kept: list[tuple[DecodeResult, dict[str, float] | None]]) -> dict:
     """ms/token (median over samples), pooled tau, and the per-round split of one mode on one task."""
     results = [r for r, _ in kept]
     rounds = [rd for r in results for rd in r.rounds]
@@ -84,10 +86,10 @@ def summarize(kept: list[tuple[DecodeResult, tuple[float, float] | None]]) -> di
              "mean_tree_size": float(np.mean([rd.tree_size for rd in rounds]))}
     graph = [g for _, g in kept]
     if all(g is not None for g in graph):
-        verify_s, draft_s = sum(g[0] for g in graph), sum(g[1] for g in graph)
-        entry["outside_graph_share"] = 1 - (verify_s + draft_s) * 1e3 / round_ms
-        entry["verify_graph_ms_per_round"] = verify_s * 1e3 / len(rounds)
-        entry["draft_graph_ms_per_round"] = draft_s * 1e3 / len(rounds)
+        seconds = {name: sum(g[name] for g in graph) for name in GRAPHS}
+        entry["outside_graph_share"] = 1 - sum(seconds.values()) * 1e3 / round_ms
+        for name, s in seconds.items():
+            entry[f"{name}_graph_ms_per_round"] = s * 1e3 / len(rounds)
     return entry
 
 
@@ -126,9 +128,9 @@ def report(name: str, task: dict) -> None:
     print(f"{name}: prompt {task['prompt_tokens']} tokens, {task['new_tokens']} new")
     for mode in ("ar", "spec"):
         e = task[mode]
-        split = (f"; round {e['round_ms']:.2f} ms = verify graph {e['verify_graph_ms_per_round']:.2f} + draft graph "
-                 f"{e['draft_graph_ms_per_round']:.2f} + outside {e['outside_graph_share']:.1%}"
-                 if "outside_graph_share" in e else f"; round {e['round_ms']:.2f} ms")
+        split = (f"; round {e['round_ms']:.2f} ms = target {e['target_graph_ms_per_round']:.2f} + draft "
+                 f"{e['draft_graph_ms_per_round']:.2f} + vocab {e['vocab_graph_ms_per_round']:.2f} + outside "
+                 f"{e['outside_graph_share']:.1%}" if "outside_graph_share" in e else f"; round {e['round_ms']:.2f} ms")
         print(f"  {mode:4s} {e['ms_per_token_decode']:8.3f} ms/token excl. prefill "
               f"({e['ms_per_token_with_prefill']:.3f} incl. prefill {e['prefill_ms']:.1f} ms), tau {e['tau']:.2f}{split}")
     print(f"  speedup {task['speedup_decode']:.2f}x excl. prefill, {task['speedup_with_prefill']:.2f}x incl.")

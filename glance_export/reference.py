@@ -29,13 +29,14 @@ class TorchBackend:
     name = "torch"
 
     def __init__(self, snapshot: Snapshot, head: DraftHead | None = None, dtype: str = "float32",
-                 model: torch.nn.Module | None = None):
+                 model: torch.nn.Module | None = None, device: str = "cpu"):
         self.snapshot = snapshot
-        self.model = model if model is not None else snapshot.load_model(dtype)
+        self.device = torch.device(device)
+        self.model = (model if model is not None else snapshot.load_model(dtype)).to(self.device)
         self.head = head
         if head is not None:
             check_head_matches(head, snapshot)
-            self.head = head.to(self.model.dtype)
+            self.head = head.to(self.device, self.model.dtype)
         self.block_size = head.config.block_size if head is not None else 1
         self.embed = self.model.get_input_embeddings()
         self.lm_head = self.model.get_output_embeddings()
@@ -57,31 +58,35 @@ class TorchBackend:
             return None
         return torch.cat([hidden_states[i + 1] for i in self.head.config.target_layer_ids], dim=-1)
 
+    def _t(self, array) -> torch.Tensor:
+        """A numpy array (or list) as a tensor on the model's device."""
+        return torch.as_tensor(np.asarray(array), device=self.device)
+
     def _positions(self, stream: torch.Tensor) -> torch.Tensor:
         pos = (stream + self.delta)[None]
         return pos[None].expand(3, 1, -1) if self.snapshot.is_vl else pos
 
     def prompt_positions(self, prompt: Prompt) -> tuple[torch.Tensor, int]:
         """Prefill positions and M-RoPE delta from the model's own rope-index function."""
-        ids = torch.from_numpy(prompt.input_ids)[None]
+        ids = self._t(prompt.input_ids)[None]
         if prompt.image_grid_thw is None:
-            pos = torch.arange(ids.shape[1])[None]
+            pos = torch.arange(ids.shape[1], device=self.device)[None]
             return (pos[None].expand(3, 1, -1) if self.snapshot.is_vl else pos), 0
         mm = (ids == self.snapshot.image_token_id).int()
         pos, delta = self.model.model.get_rope_index(input_ids=ids, mm_token_type_ids=mm,
-                                                     image_grid_thw=torch.from_numpy(prompt.image_grid_thw),
+                                                     image_grid_thw=self._t(prompt.image_grid_thw),
                                                      attention_mask=torch.ones_like(ids))
         return pos, int(delta.reshape(-1)[0])
 
     @torch.no_grad()
     def prefill(self, prompt: Prompt) -> tuple[int, float]:
         self._reset()
-        ids = torch.from_numpy(prompt.input_ids)[None]
+        ids = self._t(prompt.input_ids)[None]
         positions, self.delta = self.prompt_positions(prompt)
         extra = {}
         if prompt.pixel_values is not None:
-            extra = dict(pixel_values=torch.from_numpy(prompt.pixel_values).to(self.model.dtype),
-                         image_grid_thw=torch.from_numpy(prompt.image_grid_thw),
+            extra = dict(pixel_values=self._t(prompt.pixel_values).to(self.model.dtype),
+                         image_grid_thw=self._t(prompt.image_grid_thw),
                          mm_token_type_ids=(ids == self.snapshot.image_token_id).int())
         out = self.model(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True,
                          output_hidden_states=self.head is not None, **extra)
@@ -97,43 +102,43 @@ class TorchBackend:
             raise RuntimeError("draft() needs a head; decode with speculative=False instead")
         if self.pending_taps:
             taps = torch.cat(self.pending_taps)[None]
-            pos = torch.arange(self.pending_from, self.pending_from + taps.shape[1])[None]
+            pos = torch.arange(self.pending_from, self.pending_from + taps.shape[1], device=self.device)[None]
             new = self.head.context_kv(taps, pos)
             self.head_kv = new if self.head_kv is None else [
                 (torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(self.head_kv, new)]
             self.pending_taps, self.pending_from = [], self.start
         cfg = self.head.config
-        block = torch.full((1, cfg.block_size), cfg.mask_token_id, dtype=torch.long)
+        block = torch.full((1, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=self.device)
         block[0, 0] = anchor
-        pos = torch.arange(self.start, self.start + cfg.block_size)[None]
+        pos = torch.arange(self.start, self.start + cfg.block_size, device=self.device)[None]
         hidden = self.head(self.embed(block), pos, self.head_kv)
         logp = torch.log_softmax(self.lm_head(hidden[0, 1:]).float(), dim=-1)
         top = torch.topk(logp, k, dim=-1)
-        return top.indices.numpy().astype(np.int64), top.values.double().numpy()
+        return top.indices.cpu().numpy().astype(np.int64), top.values.double().cpu().numpy()
 
     @torch.no_grad()
     def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray) -> tuple[np.ndarray, float]:
         past, size = self.cache.get_seq_length(), len(tokens)
-        mask = torch.zeros(1, 1, size, past + size, dtype=self.model.dtype)
-        mask[0, 0, :, past:].masked_fill_(~torch.tensor(visible), torch.finfo(self.model.dtype).min)
-        out = self.model(input_ids=torch.tensor(tokens)[None], attention_mask=mask,
-                         position_ids=self._positions(self.start + torch.tensor(depths)),
+        mask = torch.zeros(1, 1, size, past + size, dtype=self.model.dtype, device=self.device)
+        mask[0, 0, :, past:].masked_fill_(~self._t(visible), torch.finfo(self.model.dtype).min)
+        out = self.model(input_ids=self._t(tokens)[None], attention_mask=mask,
+                         position_ids=self._positions(self.start + self._t(depths)),
                          cache=self.cache, use_cache=True, output_hidden_states=self.head is not None)
         if self.head is not None:
             self.verify_taps = self._taps(out.hidden_states)[0]
         logits = out.logits[0]
-        return logits.argmax(-1).numpy().astype(np.int64), _entropy(logits[0])
+        return logits.argmax(-1).cpu().numpy().astype(np.int64), _entropy(logits[0])
 
     def commit(self, rows: np.ndarray) -> None:
         """Compact the pack's KV in place: kept rows move down to follow the prefix, the rest is cut."""
-        keep = torch.from_numpy(self.start + rows)
+        keep = self._t(self.start + rows)
         dst = slice(self.start, self.start + len(rows))
         for layer in self.cache.layers:
             layer.keys[:, :, dst] = layer.keys[:, :, keep]
             layer.values[:, :, dst] = layer.values[:, :, keep]
             layer.keys, layer.values = layer.keys[:, :, :dst.stop], layer.values[:, :, :dst.stop]
         if self.head is not None:
-            self.pending_taps.append(self.verify_taps[torch.from_numpy(rows)])
+            self.pending_taps.append(self.verify_taps[self._t(rows)])
         self.start += len(rows)
 
 
@@ -156,13 +161,14 @@ def greedy_with_margins(model: torch.nn.Module, snapshot: Snapshot, prompt: Prom
     use it to tell a reduced-precision flip at a near-tie from a real divergence)."""
     from transformers import DynamicCache
 
-    ids = torch.from_numpy(prompt.input_ids)[None]
+    device = model.device
+    ids = torch.from_numpy(prompt.input_ids)[None].to(device)
     inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
     if snapshot.is_vl:
         model.model.rope_deltas = None  # cached per prompt by the model; stale deltas shift positions
     if prompt.pixel_values is not None:
-        inputs.update(pixel_values=torch.from_numpy(prompt.pixel_values).to(model.dtype),
-                      image_grid_thw=torch.from_numpy(prompt.image_grid_thw),
+        inputs.update(pixel_values=torch.from_numpy(prompt.pixel_values).to(device, model.dtype),
+                      image_grid_thw=torch.from_numpy(prompt.image_grid_thw).to(device),
                       mm_token_type_ids=(ids == snapshot.image_token_id).int())
     cache = DynamicCache(config=model.config)
     logits = model(**inputs, cache=cache, use_cache=True).logits[0, -1]
@@ -173,13 +179,14 @@ def greedy_with_margins(model: torch.nn.Module, snapshot: Snapshot, prompt: Prom
         margins.append(_top2_margin(logits))
         if tokens[-1] in stop_ids or len(tokens) >= max_new_tokens:
             return tokens, margins
-        logits = model(input_ids=torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True).logits[0, -1]
+        logits = model(input_ids=torch.tensor([[tokens[-1]]], device=device), cache=cache,
+                       use_cache=True).logits[0, -1]
 
 
-def open_reference(model: Path, head: Path | None, dtype: str = "float32") -> Runner:
-    """The torch backend on a snapshot, with the greedy oracle beside it."""
+def open_reference(model: Path, head: Path | None, dtype: str = "float32", device: str = "cpu") -> Runner:
+    """The torch backend on a snapshot (on `device`: "cpu", "cuda"), with the greedy oracle beside it."""
     snapshot = Snapshot(model)
-    backend = TorchBackend(snapshot, load_head(head) if head is not None else None, dtype=dtype)
+    backend = TorchBackend(snapshot, load_head(head) if head is not None else None, dtype=dtype, device=device)
     stops = snapshot.stop_token_ids
     return Runner(backend=backend, build_prompt=snapshot.build_prompt, stop_ids=stops,
                   detokenize=lambda ids: snapshot.tokenizer.decode(list(ids), skip_special_tokens=True),

@@ -22,6 +22,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--head", type=Path, help="GLANCE/DFlash draft head directory")
     p.add_argument("--backend", choices=BACKENDS, help="default: onnxruntime where installed, else torch")
     p.add_argument("--artifacts", type=Path, help="exported graphs for --backend onnxruntime (glance-export onnx)")
+    p.add_argument("--engines", type=Path, help="TensorRT engines for --backend tensorrt (glance-export build)")
     p.add_argument("--provider", action="append", help="ONNX Runtime execution provider (cpu, cuda, tensorrt or a "
                    "full name); repeat for a priority list; CPU is the fallback")
     p.add_argument("--max-context", type=int, help="KV rows to allocate (default: the export's bound)")
@@ -52,7 +53,8 @@ def _stream(detokenize, tokens: list[int]):
 
 def _check_paths(args: argparse.Namespace) -> None:
     """Missing inputs are named before anything else is concluded from their absence."""
-    for flag, path in (("--model", args.model), ("--head", args.head), ("--artifacts", args.artifacts)):
+    for flag, path in (("--model", args.model), ("--head", args.head), ("--artifacts", args.artifacts),
+                       ("--engines", args.engines)):
         if path is not None and not path.is_dir():
             state = "is not a directory" if path.exists() else "does not exist"
             raise GlanceError(f"{flag} {path} {state}; pass an existing directory")
@@ -70,8 +72,8 @@ def run(args: argparse.Namespace) -> int:
     check_decode(None, cfg)
     ort = {} if args.backend == "torch" else dict(providers=args.provider, max_context=args.max_context,
                                                   max_tree=args.max_tree, threads=args.threads)
-    runner = open_runner(args.backend, model=args.model, head=args.head,
-                         artifacts=args.artifacts, progress=lambda line: print(line, file=sys.stderr), **ort)
+    runner = open_runner(args.backend, model=args.model, head=args.head, artifacts=args.artifacts,
+                         engines=args.engines, progress=lambda line: print(line, file=sys.stderr), **ort)
     check_decode(runner.limits, cfg)
     prompt = runner.build_prompt(args.prompt, args.image)
     streamed: list[int] = []
@@ -98,3 +100,6 @@ def main(argv: list[str] | None = None) -> int:
     except GlanceError as exc:
         print(f"glance-run: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("glance-run: interrupted", file=sys.stderr)
+        return 130

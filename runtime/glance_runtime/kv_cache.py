@@ -1,34 +1,46 @@
-"""Preallocated sequence-major KV buffers for graph backends.
+"""Preallocated, sequence-major KV caches on a device, for graph backends.
 
-Each layer's keys and values live in one `[max_context, kvh, D]` array allocated once. Because rows
-are the leading axis, the committed prefix is always the contiguous block `buf[:S]`, so the graphs
-read it with no copy, a pass's new rows are written right after it, and committing a verified tree
-moves only the accepted rows down over the rejected ones. Memory never grows after construction.
+All layers' keys and values live in one allocation `[2 * layers, max_context, kvh, D]` (slot 2l is
+layer l's keys, 2l+1 its values). Because rows are the second axis, a layer's committed prefix is the
+contiguous block `[:S]` of its slot: graphs read it in place, a pass's new rows are written right
+after it (the output is bound there), and committing a verified tree moves only the accepted rows
+down, each with one strided copy across every slot. A round's device calls therefore depend on the
+accepted path, never on the context length or the number of layers; memory never grows.
 """
 from __future__ import annotations
 
-from typing import Sequence
-
 import numpy as np
 
+from .device import Device, Tensor
 from .errors import GlanceError
 
 
 class KVCache:
-    """Keys and values of `layers` layers, interleaved as [key_0, value_0, key_1, ...] like the graphs."""
+    """Keys and values of `layers` layers, listed as [key_0, value_0, key_1, ...] like the graphs."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, max_context: int, dtype=np.float32):
+    def __init__(self, device: Device, layers: int, kv_heads: int, head_dim: int, max_context: int,
+                 dtype=np.float32):
         if max_context < 1:
             raise GlanceError(f"--max-context must be at least 1, got {max_context}")
-        self.max_context = int(max_context)
-        self.buffers = [np.zeros((self.max_context, kv_heads, head_dim), dtype=dtype) for _ in range(2 * layers)]
+        self.device = device
+        self.slots, self.max_context = 2 * layers, int(max_context)
+        self.row_shape = (kv_heads, head_dim)
+        self.buffer = device.empty((self.slots, self.max_context, kv_heads, head_dim), dtype)
+        self.row_bytes = kv_heads * head_dim * self.buffer.dtype.itemsize
         self.length = 0  # committed rows
         self._block_start = 0  # where the last appended block begins (what compact() selects from)
 
-    def view(self, rows: int | None = None) -> list[np.ndarray]:
-        """Zero-copy views of the first `rows` (default: all committed) rows of every buffer."""
-        rows = self.length if rows is None else rows
-        return [buf[:rows] for buf in self.buffers]
+    def _rows(self, slot: int, first: int, count: int) -> Tensor:
+        return self.buffer.tensor((count, *self.row_shape), (slot * self.max_context + first) * self.row_bytes)
+
+    def past(self) -> list[Tensor]:
+        """The committed rows of every slot, read in place by the next pass."""
+        return [self._rows(s, 0, self.length) for s in range(self.slots)]
+
+    def new_rows(self, rows: int) -> list[Tensor]:
+        """Where a pass of `rows` rows writes its K/V: right after the committed rows of every slot."""
+        self.check_room(rows)
+        return [self._rows(s, self.length, rows) for s in range(self.slots)]
 
     def check_room(self, rows: int) -> None:
         """Fail with the flag to change before a pass that would write past max_context."""
@@ -40,33 +52,34 @@ class KVCache:
         raise GlanceError(f"context full: {self.length} committed rows + {rows} new exceed --max-context "
                           f"{self.max_context}; raise --max-context or lower --max-new-tokens")
 
-    def append(self, present: Sequence[np.ndarray]) -> None:
-        """Write a pass's T new rows (one [T, kvh, D] array per buffer) after the committed rows and commit them."""
-        if len(present) != len(self.buffers):
-            raise ValueError(f"expected {len(self.buffers)} present tensors, got {len(present)}")
-        rows = int(present[0].shape[0])
+    def appended(self, rows: int) -> None:
+        """The pass bound to `new_rows(rows)` has written them: they become the last block."""
         self.check_room(rows)
-        for buf, new in zip(self.buffers, present):
-            buf[self.length:self.length + rows] = new
         self._block_start = self.length
         self.length += rows
 
     def compact(self, rows: np.ndarray) -> None:
-        """Keep rows `rows` (ascending indices into the last appended block), packed right after the rows
-        before that block; drop the rest of the block. Rows already in place are not touched."""
-        keep = [int(r) for r in rows]  # a handful of rows: plain Python beats numpy's per-call overhead here
+        """Keep rows `rows` (ascending indices into the last block), packed right after the rows before it.
+
+        Moved rows go in ascending order, one strided copy each (every slot at once): a row only ever
+        moves down onto a row already copied or dropped, so no copy reads what another overwrote."""
+        keep = [int(r) for r in rows]
         block = self.length - self._block_start
         if keep and (keep[0] < 0 or keep[-1] >= block or any(b <= a for a, b in zip(keep, keep[1:]))):
             raise ValueError(f"compact rows must be ascending indices into the last block, got {keep}")
-        first = next((i for i, r in enumerate(keep) if r != i), len(keep))
-        if first < len(keep):  # keep[first:] all move: indices are strictly ascending
-            dst = slice(self._block_start + first, self._block_start + len(keep))
-            src = np.array(keep[first:], dtype=np.int64) + self._block_start
-            for buf in self.buffers:
-                buf[dst] = buf[src]
+        pitch = self.max_context * self.row_bytes
+        base = self._block_start * self.row_bytes
+        for i, r in enumerate(keep):
+            if r != i:
+                self.device.copy_2d(self.buffer, base + i * self.row_bytes, base + r * self.row_bytes,
+                                    self.row_bytes, self.slots, pitch)
         self.length = self._block_start + len(keep)
 
     def clear(self) -> None:
-        """Forget every row (a new prompt); the buffers are reused, not reallocated."""
+        """Forget every row (a new prompt); the buffer is reused, not reallocated."""
         self.length = 0
         self._block_start = 0
+
+    def host_view(self) -> list[np.ndarray]:
+        """The committed rows as host arrays, for tests and debugging (a download on a GPU)."""
+        return [self.device.download(t) for t in self.past()]

@@ -38,6 +38,7 @@ class Manifest:
     is_vl: bool
     float_dtype: str  # numpy name of the graphs' float inputs/outputs
     hidden_size: int
+    tap_width: int  # n_taps * hidden: a row of the target's `taps`, the draft's `context_taps`
     target: Stack
     head: Stack
     deepstack_layers: int
@@ -109,6 +110,7 @@ def load_manifest(artifacts_dir: str | Path) -> Manifest:
         return Manifest(
             path=path, toolkit_version=raw["toolkit_version"], family=raw["family"], is_vl=is_vl,
             float_dtype=raw["float_io_dtype"], hidden_size=int(target["hidden_size"]), target=_stack(target),
+            tap_width=int(graphs["draft"]["context_width"]),
             head=_stack(graphs["draft"]), deepstack_layers=int(target.get("deepstack_layers") or 0), block_size=int(raw["block_size"]),
             branch_k=int(raw["branch_k"]), mask_token_id=int(raw["mask_token_id"]),
             image_token_id=raw.get("image_token_id"), stop_token_ids=tuple(int(i) for i in raw["stop_token_ids"]),

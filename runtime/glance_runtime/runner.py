@@ -18,7 +18,7 @@ from .errors import GlanceError
 from .limits import Limits
 from .manifest import FORMAT_VERSION, load_manifest
 
-BACKENDS = ("torch", "onnxruntime")
+BACKENDS = ("torch", "onnxruntime", "tensorrt")
 
 
 @dataclass
@@ -31,12 +31,9 @@ class Runner:
     oracle: Callable[[Any, int], list[int]] | None = None  # independent greedy decode, when the backend has one
 
 
-def open_onnxruntime(artifacts: Path, model: Path | None = None, **options) -> Runner:
-    """ORT on exported graphs. With `model` (the snapshot they came from) the torch oracle is offered,
+def _graph_runner(backend, model: Path | None) -> Runner:
+    """A graph backend with, when `model` (the snapshot its graphs came from) is given, the torch oracle,
     loaded on first use only, so plain runs never import torch."""
-    from .backends.ort_backend import OrtBackend
-
-    backend = OrtBackend(artifacts, **options)
     reference: list[Runner] = []
 
     def oracle(prompt, max_new_tokens: int) -> list[int]:
@@ -50,6 +47,20 @@ def open_onnxruntime(artifacts: Path, model: Path | None = None, **options) -> R
     limits = Limits(backend.block_size, backend.manifest.branch_k, backend.max_tree, exported=True)
     return Runner(backend=backend, build_prompt=backend.build_prompt, stop_ids=tuple(backend.stop_token_ids),
                   detokenize=backend.detokenize, limits=limits, oracle=oracle if model is not None else None)
+
+
+def open_onnxruntime(artifacts: Path, model: Path | None = None, **options) -> Runner:
+    """ORT on exported graphs (options: providers, max_context, max_tree, threads)."""
+    from .backends.ort_backend import OrtBackend
+
+    return _graph_runner(OrtBackend(artifacts, **options), model)
+
+
+def open_tensorrt(engines: Path, artifacts: Path | None = None, model: Path | None = None, **options) -> Runner:
+    """TensorRT engines from `glance-export build` (options: max_context, max_tree)."""
+    from .backends.trt_backend import TrtBackend
+
+    return _graph_runner(TrtBackend(engines, artifacts, **options), model)
 
 
 def exported_artifacts(model: Path, head: Path, progress: Callable[[str], None]) -> Path:
@@ -79,9 +90,9 @@ def exported_artifacts(model: Path, head: Path, progress: Callable[[str], None])
 
 
 def open_runner(backend: str, *, model: Path | None = None, head: Path | None = None,
-                artifacts: Path | None = None, dtype: str = "float32",
+                artifacts: Path | None = None, engines: Path | None = None, dtype: str = "float32",
                 progress: Callable[[str], None] = lambda _: None, **ort_options) -> Runner:
-    """`ort_options`: providers, max_context, max_tree, threads (onnxruntime only)."""
+    """`ort_options`: providers, max_context, max_tree, threads (onnxruntime; max_* for tensorrt too)."""
     if backend == "torch":
         if model is None:
             raise GlanceError("the torch backend needs --model (a HF snapshot directory)")
@@ -93,4 +104,9 @@ def open_runner(backend: str, *, model: Path | None = None, head: Path | None = 
                                   "or --model and --head to export them once into the cache")
             artifacts = exported_artifacts(model, head, progress)
         return open_onnxruntime(artifacts, model, **ort_options)
+    if backend == "tensorrt":
+        if engines is None:
+            raise GlanceError("the tensorrt backend needs --engines DIR (from `glance-export build`)")
+        limits = {k: v for k, v in ort_options.items() if k in ("max_context", "max_tree")}
+        return open_tensorrt(engines, artifacts, model, **limits)
     raise GlanceError(f"unknown backend {backend!r}; choose one of: {', '.join(BACKENDS)}")

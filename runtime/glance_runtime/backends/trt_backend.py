@@ -1,0 +1,137 @@
+"""The TensorRT backend: engines from `glance-export build`, run by the shared graph backend on CUDA buffers.
+
+An engines directory holds `<graph>.engine` files and `engines.json` (what they were built with and
+from). A TensorRT plan runs only on the TensorRT version and GPU it was built for, so both are checked
+before any engine is deserialized, with a one-line refusal that names the rebuild. Each optimization
+profile gets its own execution context (switching one context between profiles would re-plan every
+pass); each pass picks the tightest profile that holds its shapes (`pick_profile`), so a one-row
+decode or a tree verify never runs in the prefill profile. Works with `tensorrt` and `tensorrt_rtx`
+alike: the runtime API below is common to both.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+from math import prod
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..device import CudaDevice, Tensor
+from ..errors import GlanceError
+from ..integrity import verify_engines
+from ..manifest import load_manifest, sha256
+from .graph_backend import GraphBackend, runtime_limit
+
+ENGINE_MANIFEST = "engines.json"
+REBUILD = "rebuild them on this device with `glance-export build --artifacts ART --target T --out DIR`"
+
+Ranges = dict[str, tuple[Sequence[int], Sequence[int]]]  # input -> (min shape, max shape)
+
+
+def read_engines_record(engines_dir: Path) -> dict[str, Any]:
+    file = engines_dir / ENGINE_MANIFEST
+    if not engines_dir.is_dir():
+        raise GlanceError(f"engines directory {engines_dir} does not exist; build it with `glance-export build`")
+    if not file.is_file():
+        raise GlanceError(f"{engines_dir} has no {ENGINE_MANIFEST}; build it with `glance-export build`")
+    try:
+        record = json.loads(file.read_text())
+        record["tensorrt"]["module"], record["tensorrt"]["version"], record["engines"], record["limits"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise GlanceError(f"{file} is not a complete engine manifest ({type(exc).__name__}); rebuild with "
+                          "`glance-export build`") from None
+    return record
+
+
+def check_engines(record: dict[str, Any], module: str, version: str, compute_capability: str) -> None:
+    """Refuse engines built by another TensorRT or for another GPU: their plans would fail or misbehave."""
+    built = record["tensorrt"]
+    if (built["module"], built["version"]) != (module, version):
+        raise GlanceError(f"engines were built with {built['module']} {built['version']} but this machine has "
+                          f"{module} {version}; {REBUILD}")
+    device = record.get("device") or {}
+    built_cc = device.get("compute_capability")
+    allowed = [built_cc] if built_cc else list(device.get("runs_on_compute_capabilities") or [])
+    if compute_capability not in allowed:
+        raise GlanceError(f"engines were built for compute capability {', '.join(allowed) or '?'} but this GPU is "
+                          f"{compute_capability}; {REBUILD}")
+
+
+def pick_profile(profiles: list[Ranges], shapes: dict[str, tuple[int, ...]]) -> int:
+    """The tightest profile (least input volume at its maxima) whose ranges hold every shape of the pass."""
+    best, best_volume = -1, None
+    for index, ranges in enumerate(profiles):
+        fits = all(all(lo <= s <= hi for s, lo, hi in zip(shape, *ranges[name]))
+                   for name, shape in shapes.items() if name in ranges)
+        volume = sum(prod(hi) for _, hi in ranges.values())
+        if fits and (best_volume is None or volume < best_volume):
+            best, best_volume = index, volume
+    if best < 0:
+        raise GlanceError(f"no engine profile holds a pass of shapes {shapes}; {REBUILD} with larger limits")
+    return best
+
+
+class TrtGraph:
+    """One engine with an execution context per optimization profile, all on the device's stream."""
+
+    def __init__(self, trt, runtime, path: Path, device: CudaDevice):
+        self.device = device
+        engine = runtime.deserialize_cuda_engine(path.read_bytes())
+        if engine is None:
+            raise GlanceError(f"TensorRT cannot deserialize {path}; {REBUILD}")
+        names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+        inputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        self.input_names = frozenset(inputs)
+        self.engine = engine
+        self.profiles: list[Ranges] = []
+        self.contexts = []
+        for index in range(engine.num_optimization_profiles):
+            shapes = {n: engine.get_tensor_profile_shape(n, index) for n in inputs}
+            self.profiles.append({n: (tuple(s[0]), tuple(s[2])) for n, s in shapes.items()})
+            context = engine.create_execution_context()
+            context.set_optimization_profile_async(index, device.stream.ptr)
+            self.contexts.append(context)
+
+    def run(self, inputs: dict[str, Tensor], outputs: dict[str, Tensor]) -> None:
+        context = self.contexts[pick_profile(self.profiles, {n: t.shape for n, t in inputs.items()})]
+        for name, t in inputs.items():
+            context.set_input_shape(name, t.shape)
+            context.set_tensor_address(name, t.ptr)
+        for name, t in outputs.items():
+            context.set_tensor_address(name, t.ptr)
+        if not context.execute_async_v3(self.device.stream.ptr):
+            raise GlanceError("TensorRT failed to enqueue a pass; see the TensorRT log above")
+
+
+class TrtBackend(GraphBackend):
+    """Engines in `engines_dir`; the tokenizer, processor and sizes come from the artifacts they were built
+    from (recorded in engines.json, or `artifacts_dir`), whose manifest must be the one built from."""
+
+    def __init__(self, engines_dir: str | Path, artifacts_dir: str | Path | None = None,
+                 max_context: int | None = None, max_tree: int | None = None):
+        engines = Path(engines_dir)
+        record = read_engines_record(engines)
+        module_name = record["tensorrt"]["module"]
+        try:
+            trt = importlib.import_module(module_name)
+        except ImportError:
+            raise GlanceError(f"these engines need the {module_name} Python module (on Jetson it comes with "
+                              "JetPack: apt install python3-libnvinfer)") from None
+        device = CudaDevice()
+        check_engines(record, module_name, trt.__version__, device.compute_capability())
+        artifacts = Path(artifacts_dir or (record.get("artifacts") or {}).get("path") or engines)
+        manifest = load_manifest(artifacts)
+        expected = (record.get("artifacts") or {}).get("manifest_sha256")
+        if expected and sha256(artifacts / "manifest.json") != expected:
+            raise GlanceError(f"{artifacts} is not the export these engines were built from; pass the original "
+                              f"with --artifacts or {REBUILD}")
+        verify_engines(engines, record)
+        self.runtime = trt.Runtime(trt.Logger(trt.Logger.ERROR))
+        graphs = {graph: TrtGraph(trt, self.runtime, engines / entry["file"], device)
+                  for graph, entry in record["engines"].items()}
+        built = ("engines were built for", "rebuild them with `glance-export build`")
+        super().__init__(manifest, device, graphs, name="tensorrt",
+                         max_context=runtime_limit("--max-context", max_context, int(record["limits"]["max_context"]), *built),
+                         max_tree=runtime_limit("--max-tree", max_tree, int(record["limits"]["max_tree"]), *built))
+        self.path = engines
+        self.precision = (record.get("precision") or {}).get("name", manifest.float_dtype)  # what audits gate on
