@@ -197,7 +197,8 @@ def _train_head(args: argparse.Namespace) -> int:
     train_head(args.model, args.data, args.out, layers=args.layers, block_size=args.block_size, steps=args.steps,
                lr=args.lr, batch=args.batch, anchors=args.anchors, gamma=args.gamma,
                max_new_tokens=args.max_new_tokens, seed=args.seed, time_budget_s=args.time_budget,
-               resume=args.resume, progress=lambda line: print(line, flush=True))
+               resume=args.resume, checkpoint_every=args.checkpoint_every,
+               progress=lambda line: print(line, flush=True))
     return 0
 
 
@@ -278,6 +279,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--max-new-tokens", type=int, default=64, help="length of the target's answers")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--time-budget", type=float, help="stop after this many seconds of training")
+    t.add_argument("--checkpoint-every", type=int, default=500,
+                   help="save head and trainer state every N steps; the same command continues from there")
     t.add_argument("--threads", type=int, help="torch CPU threads")
     t.set_defaults(func=_train_head)
 
@@ -341,3 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     except GlanceError as exc:
         print(f"glance-export: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("glance-export: interrupted; outputs are left as they were before this run (a training run continues "
+              "from its last checkpoint when run again)", file=sys.stderr)
+        return 130

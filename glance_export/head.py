@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -189,14 +189,17 @@ def init_head(cfg: HeadConfig, seed: int) -> DraftHead:
     return head.eval()
 
 
-def save_head(head: DraftHead, out_dir: str | Path) -> Path:
-    """Write config.json + model.safetensors to a temporary sibling, then rename into place."""
+def save_head(head: DraftHead, out_dir: str | Path, also: Callable[[Path], None] | None = None) -> Path:
+    """Write config.json + model.safetensors (and whatever `also` writes into the same directory, such
+    as a trainer's state) to a temporary sibling, then rename into place."""
     from safetensors.torch import save_file
 
     with atomic_directory(out_dir) as tmp:
         (tmp / "config.json").write_text(json.dumps(head.config.to_json(), indent=2))
         state = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        if also is not None:
+            also(tmp)
     return Path(out_dir)
 
 

@@ -25,6 +25,7 @@ from ..adapters import Prompt, Snapshot
 from ..audit import read_tasks
 from ..head import DraftHead, head_config_for, init_head, load_head, pick_mask_token, save_head
 from ..reference import TorchBackend, greedy_reference
+from .checkpoint import capture, load_state, restore, run_signature, writer
 
 
 @dataclass
@@ -109,14 +110,26 @@ def train_head(model_dir: str | Path, task_file: str | Path, out_dir: str | Path
                gamma: float = 7.0, max_new_tokens: int = 64, seed: int = 0, time_budget_s: float | None = None,
                resume: str | Path | None = None, checkpoint_every: int = 500,
                progress: Callable[[str], None] = print) -> Path:
-    """Train (or continue) a head; returns the saved head directory."""
+    """Train (or continue) a head; returns the saved head directory.
+
+    Every `checkpoint_every` steps the head and the trainer state are written to `out_dir` together;
+    the same command run again after an interruption continues from there. The finished head holds
+    no trainer state (a run stopped by its time budget keeps it, so it can be continued)."""
+    if checkpoint_every < 1:
+        raise GlanceError(f"--checkpoint-every must be at least 1, got {checkpoint_every}")
     torch.manual_seed(seed)
     rng = random.Random(seed)
     snapshot = Snapshot(model_dir)
+    signature = run_signature(snapshot.path, Path(task_file), layers=layers, block_size=block_size, steps=steps,
+                              lr=lr, batch=batch, anchors=anchors, gamma=gamma, max_new_tokens=max_new_tokens,
+                              seed=seed, resume=resume)
+    state = load_state(Path(out_dir), signature)
     model = snapshot.load_model("float32")
     for p in model.parameters():
         p.requires_grad_(False)
-    if resume is not None:
+    if state is not None:
+        head = load_head(out_dir).train()
+    elif resume is not None:
         head = load_head(resume).train()
     else:
         head = init_head(head_config_for(snapshot, layers, block_size, pick_mask_token(snapshot)), seed).train()
@@ -131,9 +144,13 @@ def train_head(model_dir: str | Path, task_file: str | Path, out_dir: str | Path
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    done = 0
+    if state is not None:
+        done = restore(state, opt, sched, rng)
+        progress(f"resuming from the checkpoint in {out_dir} at step {done}")
     progress(f"stage 2/2: {steps} steps on {len(seqs)} sequences, block {cfg.block_size}")
-    t0, done = time.time(), 0
-    for step in range(1, steps + 1):
+    t0 = time.time()
+    for step in range(done + 1, steps + 1):
         opt.zero_grad()
         total, hits, count = 0.0, 0.0, 0
         for seq in rng.sample(seqs, min(batch, len(seqs))):
@@ -151,12 +168,14 @@ def train_head(model_dir: str | Path, task_file: str | Path, out_dir: str | Path
         if step % 50 == 0 or step == steps:
             progress(f"step {step}/{steps} loss {total / batch:.4f} offset-1 acc {hits / count:.3f} "
                      f"({time.time() - t0:.0f}s)")
-        if step % checkpoint_every == 0:
-            save_head(head.eval(), out_dir)
+        if step % checkpoint_every == 0 and step < steps:
+            save_head(head.eval(), out_dir, also=writer(capture(signature, step, opt, sched, rng)))
             head.train()
+            progress(f"checkpoint at step {step}")
         if time_budget_s is not None and time.time() - t0 > time_budget_s:
             progress(f"time budget reached after {step} steps")
             break
-    out = save_head(head.eval(), out_dir)
+    unfinished = writer(capture(signature, done, opt, sched, rng)) if done < steps else None
+    out = save_head(head.eval(), out_dir, also=unfinished)
     progress(f"saved head to {out} after {done} steps")
     return out

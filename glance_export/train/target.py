@@ -27,6 +27,7 @@ from glance_export.train import corpus
 from glance_export.train.prompts import encode, image_processor_config
 from glance_export.train.tokenizer import train_tokenizer
 from glance_export.train.warmup import warmup_vision
+from glance_runtime.atomic import atomic_files
 
 # Receipts are a fixed-place read, learnt first; charts and scenes need question-dependent lookups.
 MIX = {"receipt": 0.1, "chart": 0.35, "scene": 0.45, "caption": 0.1}
@@ -58,12 +59,17 @@ def model_config(tokenizer, hidden: int = 192, layers: int = 4, vision_hidden: i
 
 def write_processing_files(out_dir: Path, seed: int) -> tuple:
     """Tokenizer, chat template and image-processor config: everything but the weights."""
-    out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(corpus.corpus_text(seed, 4000))
-    tokenizer.save_pretrained(out_dir)
-    (out_dir / "preprocessor_config.json").write_text(
-        json.dumps(image_processor_config(corpus.IMAGE_SIZE), indent=2))
+    with atomic_files(out_dir) as tmp:
+        tokenizer.save_pretrained(tmp)
+        (tmp / "preprocessor_config.json").write_text(json.dumps(image_processor_config(corpus.IMAGE_SIZE), indent=2))
     return AutoTokenizer.from_pretrained(out_dir), AutoImageProcessor.from_pretrained(out_dir)
+
+
+def save_checkpoint(model, opt, step: int, path: Path) -> None:
+    """Replaced by one rename: a run killed while saving still resumes from the previous checkpoint."""
+    with atomic_files(path.parent) as tmp:
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp / path.name)
 
 
 def collate(items: list[dict], pad_id: int) -> dict:
@@ -175,13 +181,14 @@ def train_target(out_dir: Path, *, steps: int = 3600, seed: int = 0, time_budget
             print(f"step {step}/{steps} loss {smooth:.4f} lr {g['lr']:.2e} "
                   f"{time.time() - start:.0f}s", flush=True)
         if step % ckpt_every == 0 or step == steps:
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
+            save_checkpoint(model, opt, step, ckpt)
         if eval_every and (step % eval_every == 0 or step == steps):
             model.eval()
             print(f"eval step {step}: {json.dumps(score(model, tokenizer, image_processor, rows))}", flush=True)
             model.train()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
+    save_checkpoint(model, opt, step, ckpt)
     model.generation_config = GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                                                bos_token_id=None, do_sample=False, max_new_tokens=32)
-    model.save_pretrained(out_dir)
+    with atomic_files(out_dir) as tmp:
+        model.save_pretrained(tmp)
     return out_dir

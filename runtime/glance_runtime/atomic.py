@@ -92,3 +92,20 @@ def atomic_directory(out: str | Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextmanager
+def atomic_files(directory: str | Path) -> Iterator[Path]:
+    """Yield a temporary directory inside `directory`; on success each file written there replaces its
+    namesake in `directory` by one rename, so every file is seen (or left by a kill) whole, old or new."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    staging = directory / "files"
+    recover(staging)
+    tmp = _fresh(staging, NEW)
+    try:
+        yield tmp
+        for path in sorted(tmp.iterdir()):
+            os.replace(path, directory / path.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
