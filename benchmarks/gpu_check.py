@@ -1,0 +1,252 @@
+"""The GPU check: every backend this machine has, audited and timed, in one call of a few minutes.
+
+For each backend it finds (the torch reference on CUDA, ONNX Runtime with the CUDA provider, TensorRT
+or TensorRT-RTX engines built here; ONNX Runtime on the CPU as the baseline row), in fp32 and in half
+precision: GLANCE and the backend's own greedy decode against the torch fp32 oracle (the oracle runs
+with TF32 off), and AR vs GLANCE ms/token without prefill. Two models: the embedded default (its
+held-out prompts, real draft head) and a mid-size random Qwen2.5-VL written here (seeded drafts, so
+acceptance is high and the speed of the loop itself shows). Prints one table, then what it skipped and
+why. Needs only this repository and what the machine already has (CUDA PyTorch, transformers, onnx,
+onnxruntime); nothing is downloaded.
+
+    python benchmarks/gpu_check.py [--out DIR] [--prompts 6] [--max-new-tokens 48] [--skip-random]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "runtime"), str(ROOT)]
+
+from glance_runtime.backends.seeded import SeededDrafter  # noqa: E402
+from glance_runtime.loop import DecodeConfig, decode  # noqa: E402
+
+KINDS = ("receipt", "chart", "scene", "caption")
+HALF = {"torch": "float16", "onnxruntime": "fp16"}
+
+
+@dataclass
+class Row:
+    model: str
+    backend: str
+    precision: str
+    n: int = 0
+    glance_identical: int = 0
+    greedy_identical: int = 0
+    tau: float = 0.0
+    ar_ms: float = 0.0
+    glance_ms: float = 0.0
+    status: str = "ok"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def speedup(self) -> float:
+        return self.ar_ms / self.glance_ms if self.glance_ms else 0.0
+
+    def passed(self) -> bool:
+        """fp32 must match the oracle on every prompt; half precision as often as the backend's own greedy."""
+        if self.precision in ("fp32", "float32"):
+            return self.glance_identical == self.greedy_identical == self.n
+        return self.glance_identical >= self.greedy_identical
+
+
+@dataclass
+class Case:
+    """A model to check: how to build prompts, the oracle's tokens per prompt, seeded or real drafts."""
+
+    name: str
+    prompts: list
+    oracle: list[list[int]]
+    seeded: bool
+
+
+def measure(backend, stop_ids, case: Case, cfg: DecodeConfig, row: Row) -> Row:
+    """Audit and time one backend on a case: first prompt once as a warm-up, then every prompt."""
+    ar_cfg = DecodeConfig(max_new_tokens=cfg.max_new_tokens, speculative=False)
+    decode(backend, case.prompts[0], ar_cfg, stop_ids)
+    accepted = rounds = 0
+    ar_ms, glance_ms = [], []
+    for prompt, truth in zip(case.prompts, case.oracle):
+        ar = decode(backend, prompt, ar_cfg, stop_ids)
+        drafter = SeededDrafter(backend, ar.tokens, prompt.length, lambda d: 0) if case.seeded else backend
+        spec = decode(drafter, prompt, cfg, stop_ids)
+        row.n += 1
+        row.greedy_identical += ar.tokens == truth
+        row.glance_identical += spec.tokens == truth
+        accepted += sum(r.accepted for r in spec.rounds)
+        rounds += len(spec.rounds)
+        ar_ms.append(ar.ms_per_token_decode)
+        glance_ms.append(spec.ms_per_token_decode)
+    row.tau = accepted / max(rounds, 1)
+    row.ar_ms, row.glance_ms = statistics.median(ar_ms), statistics.median(glance_ms)
+    row.status = "ok" if row.passed() else "FAIL"
+    return row
+
+
+def default_case(n: int, max_new: int, device: str) -> tuple[Case, Path, Path, Path]:
+    """The embedded default on its held-out prompts (n spread over the four kinds), oracle on `device`."""
+    from glance_export.audit import read_tasks
+    from glance_export.reference import TorchBackend, greedy_reference
+    from glance_export.adapters import Snapshot
+    from glance_runtime.defaults import DEFAULT_ARTIFACTS, DEFAULT_HEAD, DEFAULT_MODEL
+
+    snapshot = Snapshot(DEFAULT_MODEL)
+    tasks = [t for i in range(n) for t in read_tasks(ROOT / "examples" / KINDS[i % 4] / "tasks.jsonl")[i // 4:i // 4 + 1]]
+    prompts = [snapshot.build_prompt(t.prompt, t.image) for t in tasks]
+    model = TorchBackend(snapshot, None, device=device).model
+    oracle = [greedy_reference(model, snapshot, p, max_new, snapshot.stop_token_ids) for p in prompts]
+    return Case("default", prompts, oracle, seeded=False), DEFAULT_MODEL, DEFAULT_HEAD, DEFAULT_ARTIFACTS
+
+
+def random_case(root: Path, n: int, max_new: int, device: str) -> tuple[Case, Path, Path, Path]:
+    """A mid-size random Qwen2.5-VL (hidden 512, 8 layers, 32k vocabulary) with seeded drafts."""
+    import subprocess
+
+    if not (root / "artifacts" / "manifest.json").is_file():
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "make_bench_model.py"), str(root)], check=True,
+                       stdout=subprocess.DEVNULL)
+    from glance_export.adapters import Snapshot
+    from glance_export.reference import TorchBackend, greedy_reference
+
+    snapshot = Snapshot(root / "snapshot")
+    texts = ["Describe the image.", "What colour is the square?", "Read the total on the receipt.",
+             "How many circles are there?"]
+    prompts = [snapshot.build_prompt(texts[i % len(texts)] + " " * (i // len(texts)), None) for i in range(n)]
+    model = TorchBackend(snapshot, None, device=device).model
+    oracle = [greedy_reference(model, snapshot, p, max_new, snapshot.stop_token_ids) for p in prompts]
+    return Case("random-512x8", prompts, oracle, seeded=True), root / "snapshot", root / "head", root / "artifacts"
+
+
+def half_artifacts(model: Path, head: Path, out: Path) -> Path:
+    from glance_export.onnx import export_artifacts
+
+    if not (out / "manifest.json").is_file():
+        export_artifacts(model, head, out, dtype="fp16", max_tree=64, max_context=1024, progress=lambda _: None)
+    return out
+
+
+def backends(model: Path, head: Path, artifacts: Path, work: Path, cuda: bool, skipped: list[str]):
+    """(backend name, precision, opener) for everything this machine can run; skipped gets the rest."""
+    import onnxruntime
+
+    from glance_export.head import load_head
+    from glance_export.reference import TorchBackend
+    from glance_export.adapters import Snapshot
+    from glance_runtime.backends.ort_backend import OrtBackend
+
+    snapshot = Snapshot(model)
+    found: list[tuple[str, str, Callable]] = [
+        ("onnxruntime-cpu", "fp32", lambda: (OrtBackend(artifacts), snapshot.stop_token_ids))]
+    if cuda:
+        for dtype in ("float32", "float16"):
+            found.append((f"torch-cuda", dtype, lambda dtype=dtype: (
+                TorchBackend(snapshot, load_head(head), dtype=dtype, device="cuda"), snapshot.stop_token_ids)))
+    else:
+        skipped.append("torch on CUDA: torch.cuda.is_available() is False")
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        found.append(("onnxruntime-cuda", "fp32", lambda: (OrtBackend(artifacts, providers="cuda"),
+                                                            snapshot.stop_token_ids)))
+        found.append(("onnxruntime-cuda", "fp16", lambda: (
+            OrtBackend(half_artifacts(model, head, work / "fp16"), providers="cuda"), snapshot.stop_token_ids)))
+    else:
+        skipped.append(f"ONNX Runtime on CUDA: this onnxruntime has {', '.join(onnxruntime.get_available_providers())}"
+                       " (install onnxruntime-gpu)")
+    module = next((m for m in ("tensorrt", "tensorrt_rtx") if importlib.util.find_spec(m)), None)
+    if module and cuda:
+        found.append((module, "fp32", lambda: (tensorrt_backend(module, artifacts, work / "engines-fp32"),
+                                               snapshot.stop_token_ids)))
+        found.append((module, "fp16", lambda: (tensorrt_backend(module, half_artifacts(model, head, work / "fp16"),
+                                                                work / "engines-fp16"), snapshot.stop_token_ids)))
+    else:
+        skipped.append("TensorRT: " + ("no GPU" if module else "neither tensorrt nor tensorrt_rtx is installed"))
+    return found
+
+
+def tensorrt_backend(module: str, artifacts: Path, out: Path):
+    """Engines built here for this GPU (rtx for TensorRT-RTX, datacenter for TensorRT), then the backend."""
+    from glance_export.devices import probe_device
+    from glance_export.engine_build import BuildRequest, build
+    from glance_runtime.backends.trt_backend import TrtBackend
+
+    if not (out / "engines.json").is_file():
+        target = "rtx" if module == "tensorrt_rtx" else "datacenter"
+        build(BuildRequest(target, out, artifacts=artifacts), probe_device(), progress=lambda _: None)
+    return TrtBackend(out, artifacts)
+
+
+def table(rows: list[Row]) -> str:
+    head = f"{'model':14s} {'backend':17s} {'prec':8s} {'GLANCE=oracle':>13s} {'AR=oracle':>9s} {'tau':>5s} " \
+           f"{'AR ms/tok':>9s} {'GLANCE ms/tok':>13s} {'speedup':>7s}  status"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r.model:14s} {r.backend:17s} {r.precision:8s} {f'{r.glance_identical}/{r.n}':>13s} "
+                     f"{f'{r.greedy_identical}/{r.n}':>9s} {r.tau:5.2f} {r.ar_ms:9.2f} {r.glance_ms:13.2f} "
+                     f"{r.speedup:6.2f}x  {r.status}{' (' + '; '.join(r.notes) + ')' if r.notes else ''}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, help="keep the random model, exports and engines here (default: a temp dir)")
+    ap.add_argument("--prompts", type=int, default=6, help="prompts per model")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--budget", type=int, default=31)
+    ap.add_argument("--skip-random", action="store_true", help="only the embedded default model")
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    args = ap.parse_args()
+
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # the oracle is fp32, not TF32
+    torch.backends.cudnn.allow_tf32 = False
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    work = args.out or Path(tempfile.mkdtemp(prefix="gpu_check."))
+    gpu = torch.cuda.get_device_name(0) if cuda else "no CUDA device"
+    print(f"gpu_check: {gpu}; torch {torch.__version__}; work dir {work}", flush=True)
+    cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, budget=args.budget)
+    skipped: list[str] = []
+    rows: list[Row] = []
+    makers = [lambda: default_case(args.prompts, args.max_new_tokens, device)]
+    if args.skip_random:
+        skipped.append("the mid-size random model: --skip-random")
+    else:
+        makers.append(lambda: random_case(work / "random", args.prompts, args.max_new_tokens, device))
+    started = time.perf_counter()
+    for make in makers:
+        case, model, head, artifacts = make()
+        print(f"[{time.perf_counter() - started:6.1f}s] {case.name}: {len(case.prompts)} prompts, oracle done",
+              flush=True)
+        for name, precision, opener in backends(model, head, artifacts, work / case.name, cuda, skipped):
+            row = Row(case.name, name, precision)
+            try:
+                backend, stops = opener()
+                rows.append(measure(backend, stops, case, cfg, row))
+            except Exception as exc:  # one backend failing must not hide the others' rows
+                row.status = f"ERROR {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+                traceback.print_exc(file=sys.stderr)
+                rows.append(row)
+            print(f"[{time.perf_counter() - started:6.1f}s] {case.name} {name} {precision}: {rows[-1].status}",
+                  flush=True)
+    print()
+    print(table(rows))
+    print("\nskipped:" if skipped else "\nskipped: nothing")
+    for line in dict.fromkeys(skipped):
+        print(f"  - {line}")
+    if args.json:
+        args.json.write_text(json.dumps([{**asdict(r), "speedup": r.speedup} for r in rows], indent=2))
+    return 0 if all(r.status == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
