@@ -52,7 +52,8 @@ def _audit(args: argparse.Namespace) -> int:
     _threads(args.threads)
     tasks = read_tasks(args.data)
     ort = {} if args.backend == "torch" else dict(providers=args.provider)
-    runner = open_runner(args.backend, model=args.model, head=args.head, artifacts=args.artifacts, **ort)
+    runner = open_runner(args.backend, model=args.model, head=args.head, artifacts=args.artifacts,
+                         engines=args.engines, **ort)
     cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, budget=args.budget, branch_k=args.branch_k)
     check_decode(runner.limits, cfg)
     report = audit(runner, tasks, cfg, progress=lambda line: print(line, file=sys.stderr))
@@ -103,7 +104,7 @@ def _audit_reference(args: argparse.Namespace) -> int:
     tasks = read_tasks(args.data)
     options = {} if backend == "torch" else dict(providers=args.provider)
     runner = open_runner(backend, model=model if backend == "torch" else None, head=head, artifacts=artifacts,
-                         **options)
+                         engines=args.engines, **options)
     manifest = getattr(runner.backend, "manifest", None)
     source, where = (manifest.source, str(manifest.path)) if manifest is not None else (model_source(model), str(model))
     max_new = ref.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
@@ -321,6 +322,7 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--backend", choices=BACKENDS,
                    help="default: torch; with --reference, onnxruntime where installed")
     a.add_argument("--artifacts", type=Path, help="exported graphs (onnxruntime backend)")
+    a.add_argument("--engines", type=Path, help="TensorRT engines (tensorrt backend; from `glance-export build`)")
     a.add_argument("--provider", action="append", help="ONNX Runtime execution provider(s)")
     a.add_argument("--budget", type=int, default=63)
     a.add_argument("--branch-k", type=int, default=8)
