@@ -230,7 +230,7 @@ class CudaDevice(Device):
 
     def empty(self, shape: tuple[int, ...], dtype) -> Buffer:
         dtype = np.dtype(dtype)
-        array = self._cuda.DeviceArray(shape=tuple(shape), dtype=dtype)
+        array = self._cuda.DeviceArray.raw((max(prod(shape) * dtype.itemsize, 1),))  # never a null address
         self._keep[int(array.ptr)] = array
         return Buffer(self, int(array.ptr), tuple(shape), dtype)
 
