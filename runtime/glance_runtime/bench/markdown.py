@@ -1,0 +1,95 @@
+"""report.md: the report's numbers as tables a reader scans, each stating what it includes."""
+from __future__ import annotations
+
+import math
+
+
+def _f(x: float, digits: int = 2) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{digits}f}"
+
+
+def _ci(pair) -> str:
+    return f"[{_f(pair[0])}, {_f(pair[1])}]"
+
+
+def _speed_table(report: dict) -> list[str]:
+    lines = ["| kind | mode | tau | ms/token excl. prefill | ms/token incl. | speedup excl. prefill [95%] | "
+             "speedup incl. prefill [95%] | identical to AR |", "|---|---|---|---|---|---|---|---|"]
+    for kind, section in report["kinds"].items():
+        for name, e in section["modes"].items():
+            best = " **best**" if name == section["best"] else ""
+            speed = (f"{_f(e['speedup_decode'])}x {_ci(e['speedup_decode_interval'])}{best}",
+                     f"{_f(e['speedup_with_prefill'])}x {_ci(e['speedup_with_prefill_interval'])}") \
+                if e["kind"] != "ar" else ("1 (baseline)", "1 (baseline)")
+            lines.append(f"| {kind} | {name} | {_f(e['tau'])} | {_f(e['ms_per_token_decode'], 3)} | "
+                         f"{_f(e['ms_per_token_with_prefill'], 3)} | {speed[0]} | {speed[1]} | "
+                         f"{e['identical']}/{e['runs']} |")
+    pooled = report["pooled"]
+    for name, e in pooled["modes"].items():
+        if e["kind"] == "ar":
+            continue
+        best = " **best**" if name == pooled["best"] else ""
+        lines.append(f"| geomean of kinds | {name} | {_f(e['tau'])} (pooled rounds) | | | "
+                     f"{_f(e['speedup_decode'])}x {_ci(e['speedup_decode_interval'])}{best} | "
+                     f"{_f(e['speedup_with_prefill'])}x {_ci(e['speedup_with_prefill_interval'])} | |")
+    return lines
+
+
+def _efficiency_table(report: dict) -> list[str]:
+    lines = ["| mode | tau | tokens/round | rows | target | draft | vocab | outside | outside share | ideal speedup | "
+             "achieved | achieved / ideal |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, e in report["pooled"]["modes"].items():
+        graphs = [_f(e.get(f"{g}_graph_ms"), 3) for g in ("target", "draft", "vocab")]
+        tail = (f"{_f(e['ideal_speedup'])}x | {_f(e['speedup_decode'])}x | {_f(e['achieved_fraction'])}"
+                if e["kind"] != "ar" else "1 | 1 | n/a")
+        lines.append(f"| {name} | {_f(e['tau'])} | {_f(e['tokens_per_round'])} | {_f(e['mean_tree_size'], 1)} | "
+                     f"{' | '.join(graphs)} | {_f(e['outside_ms'], 3)} | {_f(e['outside_share'])} | {tail} |")
+    return lines
+
+
+def law_table(fits: dict) -> list[str]:
+    lines = ["| rounds of | rounds (prompts) | b0 [95%] | b1 [95%] | rank corr. (p) | LR test p | "
+             "decile R^2 | deciles covering the law | verdict |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, f in fits.items():
+        lines.append(f"| {name} | {f['rounds']} ({f['prompts']}) | {_f(f['b0'])} {_ci(f['b0_interval'])} | "
+                     f"{_f(f['b1'])} {_ci(f['b1_interval'])} | {_f(f['spearman_rho'])} ({f['spearman_p']:.3g}) | "
+                     f"{f['lr_p']:.3g} | {_f(f['decile_r2'])} | {_f(f['decile_coverage'])} | {f['verdict']} |")
+    return lines
+
+
+def render(report: dict) -> str:
+    c, s = report["conditions"], report["settings"]
+    out = ["# glance-bench report", "",
+           f"`{c['command']}`", "",
+           f"Backend {c['backend']} ({c.get('providers') or 'default'}), threads {c.get('threads') or 'default'}, "
+           f"{c['cpus']} CPUs, {c['platform']}; load average {c['load_start']} at start, {c['load_end']} at end; "
+           f"{c['started']} to {c['finished']}.", "",
+           f"Per prompt, {s['samples']} interleaved samples of every mode (order rotated per sample), the first "
+           f"dropped as a warm-up; {s['prompts']} prompts; block {s['block_size']}, branch {s['branch_k']}, "
+           f"max {s['max_new_tokens']} new tokens, drafts: {s['drafts']}. ms/token is a ratio of sums over "
+           "prompts (each prompt's median kept run); tau pools rounds and counts the bonus token; speedup = AR "
+           "ms/token over the mode's, both from the same prompts, with paired bootstrap 95% intervals over prompts "
+           f"({s['bootstrap']} replicates); kinds combine by geometric mean. 'Excl. prefill' counts the rounds "
+           "and the tokens they commit; 'incl.' counts the whole answer.", "",
+           "## Speed", "", *_speed_table(report), "",
+           "## Tree against chain at equal rows verified", "",
+           "| budget | " + " | ".join(report["tree_vs_chain"]) + " |",
+           "|---|" + "---|" * len(report["tree_vs_chain"])]
+    budgets = sorted({b for v in report["tree_vs_chain"].values() for b in v}, key=int)
+    for b in budgets:
+        out.append(f"| {b} | " + " | ".join(_f(v.get(b)) + "x" for v in report["tree_vs_chain"].values()) + " |")
+    out += ["", "tau of the tree over tau of the chain (branch 1) with the same head and the same node budget.", "",
+            "## Loop efficiency (all kinds pooled; ms per round)", "", *_efficiency_table(report), "",
+            "Ideal speedup: AR's model cost per token over the mode's model cost per committed token (model cost: "
+            f"{report['pooled']['modes']['ar'].get('cost_source', 'n/a')}), i.e. what the measured acceptance would "
+            "give if nothing ran outside the graphs; 'achieved / ideal' is the share the runtime keeps. Tokens "
+            "per round is tau after the answer's end clips the last round.", "",
+            f"## The draftability law (rounds of {report['law_mode']}, one kept sample per prompt)", "",
+            "`logit p = b0 - b1 H`, accepted drafted tokens truncated-geometric in p with cap min(budget, B-1), "
+            "fitted by maximum likelihood; intervals from a bootstrap over prompts; rank correlation with a "
+            "permutation p-value; LR test against a constant p. b1 > 0 (slope -b1 < 0) is the law's direction.",
+            "", *law_table(report["law"]), "", "Pooled fit per mode:", "", *law_table(report["law_by_mode"]), "",
+            "## Criteria (issue 11)", ""]
+    out += [f"- {'met' if c_['met'] else 'NOT met'}: {c_['criterion']}: {c_['detail']}" for c_ in report["criteria"]]
+    out += ["", "## Files", "", *[f"- `{name}`" for name in report["files"]], ""]
+    return "\n".join(out)

@@ -1,0 +1,98 @@
+"""Interleaved measurement of one prompt in every mode, in one process on one backend.
+
+Per prompt, sample 0 runs AR first (its tokens are the reference every other run must reproduce)
+and is then dropped as a warm-up with the rest of sample 0; later samples rotate the mode order so
+no mode always runs first. Each kept run records its rounds with the graphs' own time where the
+backend exposes its graphs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..backends.seeded import SeededDrafter
+from ..loop import decode
+from .modes import Mode
+from .tasks import Task
+from .timing import GRAPH_NAMES, GraphClock
+
+SEEDED_DEPTH = {"full": lambda block: block - 1, "partial": lambda block: max(1, (block - 1) // 2)}
+
+
+@dataclass
+class Run:
+    """One kept decode of one prompt in one mode."""
+    mode: str
+    sample: int
+    tokens: int
+    prefill_ms: float
+    total_ms: float
+    identical: bool  # same tokens as the prompt's AR reference
+    rounds: list[dict] = field(default_factory=list)
+
+    @property
+    def decode_ms(self) -> float:
+        return self.total_ms - self.prefill_ms
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens from rounds: all but the one prefill produced."""
+        return max(self.tokens - 1, 0)
+
+
+@dataclass
+class PromptResult:
+    task: Task
+    prompt_tokens: int
+    new_tokens: int
+    runs: list[Run] = field(default_factory=list)
+
+    def of(self, mode: str) -> list[Run]:
+        return [r for r in self.runs if r.mode == mode]
+
+
+def _decode(backend, prompt, mode: Mode, max_new_tokens: int, stops: Sequence[int], clock: GraphClock | None,
+            block_size: int):
+    """Decode once; per-round dicts carry RoundLog's fields plus each graph's ms when a clock is attached."""
+    readings: list[dict[str, float]] = []
+    result = decode(backend, prompt, mode.config(max_new_tokens), stops,
+                    on_commit=(lambda _new: readings.append(clock.reading())) if clock else None)
+    rounds = []
+    for i, r in enumerate(result.rounds):
+        row = {"entropy": r.entropy, "accepted": r.accepted, "tree_size": r.tree_size, "cap": mode.cap(block_size),
+               "draft_ms": r.draft_ms, "verify_ms": r.verify_ms, "total_ms": r.total_ms}
+        if clock:
+            before, after = readings[i], readings[i + 1]
+            graph = {name: after[name] - before[name] for name in GRAPH_NAMES}
+            row.update({f"{name}_graph_ms": ms for name, ms in graph.items()})
+            row["outside_ms"] = r.total_ms - sum(graph.values())
+        else:
+            row["outside_ms"] = r.total_ms - r.draft_ms - r.verify_ms
+        rounds.append(row)
+    return result, rounds
+
+
+def measure_prompt(backend, task: Task, build_prompt, stops: Sequence[int], modes: list[Mode], samples: int,
+                   max_new_tokens: int, clock: GraphClock | None, seed_drafts: str = "none") -> PromptResult:
+    """`samples` rounds of every mode (the first dropped); raises nothing on a divergence, which is recorded."""
+    prompt = build_prompt(task.prompt, task.image)
+    block = backend.block_size
+    truth: list[int] | None = None
+    drafter = backend
+    out: PromptResult | None = None
+    for s in range(samples):
+        order = modes[s % len(modes):] + modes[:s % len(modes)]
+        for mode in order:
+            runner = drafter if mode.kind != "ar" else backend
+            result, rounds = _decode(runner, prompt, mode, max_new_tokens, stops, clock, block)
+            if truth is None:
+                truth = result.tokens
+                out = PromptResult(task, int(prompt.length), len(truth))
+                if seed_drafts != "none":
+                    depth = SEEDED_DEPTH[seed_drafts](block)
+                    drafter = SeededDrafter(backend, truth, prompt.length, lambda d: 0 if d <= depth else None)
+            if s == 0:
+                continue
+            out.runs.append(Run(mode.name, s, len(result.tokens), result.prefill_ms, result.total_ms,
+                                result.tokens == truth, rounds))
+    return out

@@ -1,0 +1,99 @@
+"""Assemble and write the bench's outputs: report.json, report.md, rounds.jsonl and the plots."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from .law import LawFit
+from .law_log import POOLED, fit_log, select
+from .markdown import render
+from .measure import PromptResult
+from .modes import Mode
+from .rounds import round_rows, write_rounds
+from .summary import summarize_kind, summarize_pooled, tree_vs_chain
+
+OPEN_ENDED = {"caption"}  # task kinds not grounded in the image's content; the rest must reach 1.5x
+
+
+def _law_mode(modes: list[Mode]) -> str:
+    return max((m for m in modes if m.kind == "tree"), key=lambda m: m.budget).name
+
+
+def _criteria(report: dict) -> list[dict]:
+    """Issue 11's expectations for the embedded default, each met or not with its numbers."""
+    out = []
+    grounded = {k: s for k, s in report["kinds"].items() if k not in OPEN_ENDED}
+    if grounded:
+        best = {k: s["modes"][s["best"]]["speedup_decode"] for k, s in grounded.items()}
+        out.append({"criterion": "at the best budget, >= 1.5x over AR on grounded kinds excluding prefill",
+                    "met": all(v >= 1.5 for v in best.values()),
+                    "detail": ", ".join(f"{k} {v:.2f}x ({grounded[k]['best']})" for k, v in best.items())})
+    pooled = report["tree_vs_chain"].get(POOLED, {})
+    if pooled:
+        out.append({"criterion": "tree tau >= 1.3x the chain's at equal rows verified (pooled)",
+                    "met": all(v >= 1.3 for v in pooled.values()),
+                    "detail": ", ".join(f"budget {b}: {v:.2f}x" for b, v in pooled.items())})
+    law = report["law"][POOLED]
+    lo, hi = law["b1_interval"]
+    out.append({"criterion": "law slope (-b1) negative on pooled rounds, its 95% interval below 0",
+                "met": bool(math.isfinite(law["b1"]) and law["b1"] > 0 and lo is not None and lo > 0),
+                "detail": f"slope {-law['b1']:.3f} (b1 95% interval {lo:.3f} to {hi:.3f}); {law['verdict']}"})
+    return out
+
+
+def build(results: list[PromptResult], modes: list[Mode], conditions: dict, settings: dict, replicates: int,
+          seed: int) -> tuple[dict, list[dict], dict[str, LawFit]]:
+    """The report's dict, the round log's rows and the law's fits (per kind and pooled)."""
+    rng = np.random.default_rng(seed)
+    by_kind: dict[str, list[PromptResult]] = {}
+    for r in results:
+        by_kind.setdefault(r.task.kind, []).append(r)
+    kinds = {k: summarize_kind(rs, modes, replicates, rng) for k, rs in by_kind.items()}
+    pooled = summarize_pooled(by_kind, kinds, modes, replicates, rng)
+    rows = round_rows(results)
+    law_mode = _law_mode(modes)
+    fits = fit_log(rows, law_mode, replicates=replicates, seed=seed)
+    report = {"conditions": conditions, "settings": settings, "kinds": kinds, "pooled": pooled,
+              "tree_vs_chain": {**{k: tree_vs_chain(s, modes) for k, s in kinds.items()},
+                                POOLED: tree_vs_chain(pooled, modes)},
+              "lossless": {"runs": sum(len(r.runs) for r in results),
+                           "identical": sum(run.identical for r in results for run in r.runs)},
+              "law_mode": law_mode,
+              "law": {k: f.as_dict() for k, f in fits.items()},
+              "law_by_mode": {m.name: fit_log(rows, m.name, replicates=replicates, seed=seed)[POOLED].as_dict()
+                              for m in modes if m.kind != "ar"}}
+    report["criteria"] = _criteria(report)
+    return report, rows, fits
+
+
+def _clean(value):
+    """JSON without NaN (written as null), tuples as lists."""
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, np.generic):
+        return _clean(value.item())
+    return value
+
+
+def write(out: Path, report: dict, rows: list[dict], fits: dict[str, LawFit], plots: bool) -> list[str]:
+    """Every output file; returns their names."""
+    files = ["report.json", "report.md", "rounds.jsonl"]
+    if plots:
+        from .plots import PLOTS, plot_law, plot_speedup, plot_verify_cost
+
+        plot_law(out / "law.png", fits, select(rows, report["law_mode"], None), report["law_mode"])
+        plot_speedup(out / "speedup.png", report)
+        plot_verify_cost(out / "verify_cost.png", rows)
+        files += list(PLOTS)
+    report["files"] = files
+    write_rounds(out / "rounds.jsonl", rows)
+    (out / "report.json").write_text(json.dumps(_clean(report), indent=2) + "\n")
+    (out / "report.md").write_text(render(report))
+    return files

@@ -1,0 +1,45 @@
+"""rounds.jsonl: one line per round of every kept run (kind, prompt, mode, sample, anchor entropy,
+accepted length, tree size, cap, draft/verify/outside ms and each graph's ms where timed)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import GlanceError
+from .measure import PromptResult
+
+REQUIRED = ("entropy", "accepted")
+
+
+def round_rows(results: list[PromptResult]) -> list[dict]:
+    rows = []
+    for r in results:
+        for run in r.runs:
+            for i, rd in enumerate(run.rounds):
+                rows.append({"kind": r.task.kind, "prompt": r.task.index, "mode": run.mode, "sample": run.sample,
+                             "round": i, **{k: round(v, 4) if isinstance(v, float) else v for k, v in rd.items()}})
+    return rows
+
+
+def write_rounds(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def read_rounds(path: Path) -> list[dict]:
+    """A round log from `glance-bench` (or any JSON lines with entropy and accepted per round)."""
+    if not path.is_file():
+        raise GlanceError(f"round log {path} does not exist")
+    rows = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise GlanceError(f"{path}:{lineno} is not valid JSON ({exc.msg})") from None
+        if not isinstance(row, dict) or any(not isinstance(row.get(k), (int, float)) for k in REQUIRED):
+            raise GlanceError(f"{path}:{lineno} needs numeric \"entropy\" and \"accepted\" fields")
+        rows.append(row)
+    if not rows:
+        raise GlanceError(f"round log {path} holds no rounds")
+    return rows
