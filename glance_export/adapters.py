@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from jinja2 import TemplateError
 from PIL import Image
 
 from glance_runtime.errors import GlanceError
@@ -32,11 +33,13 @@ def read_config(model_dir: Path) -> dict[str, Any]:
     if not Path(model_dir).is_dir():
         raise GlanceError(f"model directory {model_dir} does not exist; pass a HF snapshot directory")
     if not path.is_file():
-        raise GlanceError(f"{path} is missing; a model directory needs config.json, safetensors and tokenizer files")
+        raise GlanceError(f"{path} is missing; pass a HF snapshot directory (config.json, safetensors and tokenizer "
+                          "files)")
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise GlanceError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        raise GlanceError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); restore it from the model's "
+                          "source") from None
 
 
 def resolve_family(config: dict[str, Any]) -> str:
@@ -69,7 +72,12 @@ class Snapshot:
     def tokenizer(self):
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(self.path, trust_remote_code=False)
+        try:
+            tok = AutoTokenizer.from_pretrained(self.path, trust_remote_code=False)
+        except Exception as exc:  # tokenizers' Rust errors share no base class short of Exception
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise GlanceError(f"cannot load the tokenizer of {self.path} ({reason}); restore its tokenizer files "
+                              "from the model's source") from None
         if not tok.chat_template:
             raise GlanceError(f"{self.path} has no chat template; add chat_template.jinja to the snapshot")
         return tok
@@ -102,8 +110,12 @@ class Snapshot:
             raise GlanceError(f"{self.path} is a text-only {self.family} model; drop --image")
         content: list[dict[str, str]] = [{"type": "image"}] if image is not None else []
         content.append({"type": "text", "text": text})
-        rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": content}],
-                                                      add_generation_prompt=True, tokenize=False)
+        try:
+            rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": content}],
+                                                          add_generation_prompt=True, tokenize=False)
+        except TemplateError as exc:
+            raise GlanceError(f"the chat template of {self.path} does not render ({exc}); restore chat_template.jinja "
+                              "from the model's source") from None
         if image is None:
             ids = self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
             return Prompt(np.asarray(ids, dtype=np.int64))
@@ -123,12 +135,14 @@ class Snapshot:
     def load_model(self, dtype: str = "float32"):
         """The unmodified target, in eval mode; sdpa attention so custom 4D tree masks are honoured."""
         import torch
+        from safetensors import SafetensorError
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         auto = AutoModelForImageTextToText if self.is_vl else AutoModelForCausalLM
         try:
             model = auto.from_pretrained(self.path, dtype=getattr(torch, dtype), use_safetensors=True,
                                          trust_remote_code=False, attn_implementation="sdpa")
-        except (OSError, ValueError) as exc:
-            raise GlanceError(f"cannot load weights from {self.path}: {str(exc).splitlines()[0]}") from None
+        except (OSError, ValueError, SafetensorError) as exc:
+            raise GlanceError(f"cannot load weights from {self.path} ({str(exc).splitlines()[0]}); check that its "
+                              "*.safetensors files are complete, or restore them from the model's source") from None
         return model.eval()

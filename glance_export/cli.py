@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from glance_runtime.cli_parser import OneLineParser
 from glance_runtime.defaults import default_model, resolve
 from glance_runtime.errors import GlanceError
 from glance_runtime.limits import check_decode
@@ -27,7 +28,8 @@ def _init_head(args: argparse.Namespace) -> int:
         raise GlanceError("--layers must be >= 1 and --block-size >= 2")
     mask = args.mask_token_id if args.mask_token_id is not None else pick_mask_token(snapshot)
     if not 0 <= mask < snapshot.text_config["vocab_size"]:
-        raise GlanceError(f"--mask-token-id {mask} is outside the target's vocabulary")
+        raise GlanceError(f"--mask-token-id {mask} is outside the target's vocabulary; pass an id below "
+                          f"{snapshot.text_config['vocab_size']}")
     cfg = head_config_for(snapshot, args.layers, args.block_size, mask)
     out = save_head(init_head(cfg, args.seed), args.out)
     print(f"wrote untrained head to {out} (layers {cfg.num_hidden_layers}, block {cfg.block_size}, "
@@ -38,7 +40,8 @@ def _init_head(args: argparse.Namespace) -> int:
 def _audit(args: argparse.Namespace) -> int:
     from glance_runtime.runner import open_runner
 
-    from .audit import audit, read_tasks
+    from .audit import audit
+    from .tasks import read_tasks
 
     if args.save_reference is not None:
         return _save_reference(args)
@@ -93,7 +96,7 @@ def _audit_reference(args: argparse.Namespace) -> int:
     """Device side, no torch: the backend's GLANCE and own greedy output against a recorded reference."""
     from glance_runtime.runner import open_runner
 
-    from .audit import read_tasks
+    from .tasks import read_tasks
     from .reference_audit import audit_against_reference, summary
     from .reference_file import check_reference, load_reference, model_source
 
@@ -138,7 +141,8 @@ def _mix(pairs: list[str] | None) -> dict[str, float] | None:
         except ValueError:
             mix[kind] = -1.0
         if kind not in KINDS or mix[kind] < 0:
-            raise GlanceError(f"--mix {pair!r}: expected KIND=WEIGHT with KIND one of {', '.join(KINDS)} and WEIGHT >= 0")
+            raise GlanceError(f"--mix {pair!r} is not KIND=WEIGHT; pass pairs with KIND one of {', '.join(KINDS)} "
+                              "and WEIGHT >= 0")
     if not sum(mix.values()):
         raise GlanceError("--mix: at least one weight must be positive")
     return mix
@@ -183,6 +187,8 @@ def _corpus(args: argparse.Namespace) -> int:
     from .train import corpus
     from .train.head_data import write_training_tasks
 
+    if args.n < 1:
+        raise GlanceError(f"--n {args.n}: pass at least 1 task")
     if args.kind == "train":
         path = write_training_tasks(args.out, args.n, seed=args.seed)
     else:
@@ -226,7 +232,7 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="glance-export", description="GLANCE export toolkit.")
+    p = OneLineParser(prog="glance-export", description="GLANCE export toolkit.")
     sub = p.add_subparsers(dest="command", required=True)
 
     h = sub.add_parser("init-head", help="write an untrained draft head for a target")

@@ -23,7 +23,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
-from glance_runtime.atomic import atomic_directory
+from glance_runtime.atomic import atomic_directory, check_writable
 from glance_runtime.errors import GlanceError
 
 WEIGHTS_FILE = "model.safetensors"
@@ -189,11 +189,22 @@ def init_head(cfg: HeadConfig, seed: int) -> DraftHead:
     return head.eval()
 
 
+def check_head_out(out_dir: str | Path) -> None:
+    """A head directory is replaced whole when saved: refuse one that holds anything but a head."""
+    out = Path(out_dir)
+    is_head = (out / "config.json").is_file() and (out / WEIGHTS_FILE).is_file()
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not is_head)):
+        raise GlanceError(f"{out} exists and is not a head directory, and saving would replace it; pick a new "
+                          "or empty output directory")
+    check_writable(out)
+
+
 def save_head(head: DraftHead, out_dir: str | Path, also: Callable[[Path], None] | None = None) -> Path:
     """Write config.json + model.safetensors (and whatever `also` writes into the same directory, such
     as a trainer's state) to a temporary sibling, then rename into place."""
     from safetensors.torch import save_file
 
+    check_head_out(out_dir)
     with atomic_directory(out_dir) as tmp:
         (tmp / "config.json").write_text(json.dumps(head.config.to_json(), indent=2))
         state = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
@@ -217,7 +228,7 @@ def load_head(head_dir: str | Path, dtype: torch.dtype = torch.float32) -> Draft
     try:
         state = load_file(str(weights))
     except (SafetensorError, OSError) as exc:
-        raise GlanceError(f"cannot read {weights}: {exc}") from None
+        raise GlanceError(f"cannot read {weights} ({exc}); restore the head's files or retrain it") from None
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise GlanceError(f"{weights} does not match its config (missing {sorted(missing)[:3]}, "

@@ -86,7 +86,7 @@ def test_empty_task_file_fails_the_audit(snapshot_dir, head_dir, tmp_path, capsy
     empty.write_text("\n")
     code = export_main(["audit", "--model", str(snapshot_dir("qwen2_5_vl")), "--head", str(head_dir),
                         "--data", str(empty)])
-    assert code == 1 and "FAIL" in capsys.readouterr().out
+    assert "empty.jsonl has no tasks" in _one_line_error(capsys, code)  # refused, never a vacuous PASS
 
 
 @pytest.fixture(scope="module")

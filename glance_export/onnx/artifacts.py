@@ -34,9 +34,10 @@ def _check_args(out: Path, dtype: str, opset: int, max_tree: int, max_context: i
         raise GlanceError(f"opset {opset} is not supported; use 14..20 (plain ops, TensorRT 10.3+) or "
                           f"{ATTENTION_OPSET} (ONNX Attention op, TensorRT 10.14+)")
     if max_tree < 1 or max_context <= max_tree:
-        raise GlanceError(f"need 1 <= max_tree < max_context, got max_tree={max_tree}, max_context={max_context}")
+        raise GlanceError(f"need 1 <= max_tree < max_context, got max_tree={max_tree}, max_context={max_context}; "
+                          "lower --max-tree or raise --max-context")
     if branch_k < 1:
-        raise GlanceError(f"branch_k must be at least 1, got {branch_k}")
+        raise GlanceError(f"branch_k must be at least 1, got {branch_k}; pass --branch-k 1 or more")
     if out.exists() and not (out / MANIFEST).is_file():
         raise GlanceError(f"{out} exists and is not an artifacts directory; pick a new output directory")
     check_writable(out)

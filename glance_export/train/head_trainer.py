@@ -22,9 +22,10 @@ from transformers import DynamicCache
 from glance_runtime.errors import GlanceError
 
 from ..adapters import Prompt, Snapshot
-from ..audit import read_tasks
-from ..head import DraftHead, head_config_for, init_head, load_head, pick_mask_token, save_head
+from ..audit import Task
+from ..head import DraftHead, check_head_out, head_config_for, init_head, load_head, pick_mask_token, save_head
 from ..reference import TorchBackend, greedy_reference
+from ..tasks import read_tasks
 from .checkpoint import capture, load_state, restore, run_signature, writer
 
 
@@ -60,12 +61,9 @@ def tap_rows(snapshot: Snapshot, model, prompt: Prompt, answer: list[int], layer
 
 
 @torch.no_grad()
-def collect_sequences(snapshot: Snapshot, model, task_file: Path, layer_ids: list[int], max_new_tokens: int,
+def collect_sequences(snapshot: Snapshot, model, tasks: list[Task], layer_ids: list[int], max_new_tokens: int,
                       progress: Callable[[str], None]) -> list[Sequence]:
     """Generate each task's greedy answer, then tap the target over prompt + answer."""
-    tasks = read_tasks(task_file)
-    if not tasks:
-        raise GlanceError(f"{task_file} has no tasks")
     out = []
     for i, task in enumerate(tasks, 1):
         prompt = snapshot.build_prompt(task.prompt, task.image)
@@ -115,8 +113,10 @@ def train_head(model_dir: str | Path, task_file: str | Path, out_dir: str | Path
     Every `checkpoint_every` steps the head and the trainer state are written to `out_dir` together;
     the same command run again after an interruption continues from there. The finished head holds
     no trainer state (a run stopped by its time budget keeps it, so it can be continued)."""
+    check_head_out(out_dir)
+    tasks = read_tasks(task_file)
     if checkpoint_every < 1:
-        raise GlanceError(f"--checkpoint-every must be at least 1, got {checkpoint_every}")
+        raise GlanceError(f"--checkpoint-every must be at least 1, got {checkpoint_every}; pass a positive step count")
     torch.manual_seed(seed)
     rng = random.Random(seed)
     snapshot = Snapshot(model_dir)
@@ -135,7 +135,7 @@ def train_head(model_dir: str | Path, task_file: str | Path, out_dir: str | Path
         head = init_head(head_config_for(snapshot, layers, block_size, pick_mask_token(snapshot)), seed).train()
     cfg = head.config
     progress(f"stage 1/2: target answers and taps of layers {cfg.target_layer_ids}")
-    seqs = [s for s in collect_sequences(snapshot, model, Path(task_file), cfg.target_layer_ids, max_new_tokens,
+    seqs = [s for s in collect_sequences(snapshot, model, tasks, cfg.target_layer_ids, max_new_tokens,
                                          progress) if s.ids.shape[0] - s.answer_start >= 2]
     if not seqs:
         raise GlanceError("the target produced no answer longer than one token; nothing to train on")

@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from .cli_parser import OneLineParser
 from .errors import GlanceError
 from .limits import check_decode
 from .loop import DecodeConfig, decode
@@ -14,7 +15,7 @@ from .runner import BACKENDS, open_runner
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="glance-run", description="Lossless speculative decoding of one prompt.")
+    p = OneLineParser(prog="glance-run", description="Lossless speculative decoding of one prompt.")
     p.add_argument("--prompt", required=True, help="the question or instruction")
     p.add_argument("--image", type=Path, help="image file (omit for text-only prompts)")
     p.add_argument("--model", type=Path, help="target model: a HF snapshot directory (default: the embedded "
@@ -51,19 +52,24 @@ def _stream(detokenize, tokens: list[int]):
     return on_commit, shown
 
 
-def _check_paths(args: argparse.Namespace) -> None:
-    """Missing inputs are named before anything else is concluded from their absence."""
+def _check_inputs(args: argparse.Namespace) -> None:
+    """Missing or unreadable inputs are named before anything else is concluded from their absence."""
     for flag, path in (("--model", args.model), ("--head", args.head), ("--artifacts", args.artifacts),
                        ("--engines", args.engines)):
         if path is not None and not path.is_dir():
             state = "is not a directory" if path.exists() else "does not exist"
             raise GlanceError(f"{flag} {path} {state}; pass an existing directory")
     if args.image is not None and not args.image.is_file():
-        raise GlanceError(f"image {args.image} does not exist")
+        raise GlanceError(f"image {args.image} does not exist; pass an existing image file")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise GlanceError("--prompt is not valid UTF-8 text (the shell passed undecodable bytes); pass the prompt "
+                          "in UTF-8, e.g. with a UTF-8 locale") from None
 
 
 def run(args: argparse.Namespace) -> int:
-    _check_paths(args)
+    _check_inputs(args)
     args.model, args.head, args.artifacts, args.backend = resolve(args.model, args.head, args.artifacts, args.backend)
     if not args.no_spec and args.head is None and args.backend == "torch":
         raise GlanceError("speculative decoding needs --head (or pass --no-spec for plain greedy decoding)")

@@ -27,7 +27,8 @@ def reachable_nodes(block_size: int, branch_k: int) -> int:
 def check_decode(limits: Limits | None, cfg: DecodeConfig) -> None:
     """One-line refusal of flags out of range, or (given the backend's limits) that it cannot serve."""
     if cfg.max_new_tokens < 1 or cfg.budget < 0 or cfg.branch_k < 1:
-        raise GlanceError("--max-new-tokens and --branch-k must be >= 1 and --budget >= 0")
+        raise GlanceError(f"--max-new-tokens and --branch-k must be >= 1 and --budget >= 0 (got {cfg.max_new_tokens}, "
+                          f"{cfg.branch_k} and {cfg.budget}); pass values in those ranges")
     if limits is None or not cfg.speculative or cfg.budget == 0:
         return
     if cfg.branch_k > limits.max_branch_k:

@@ -45,7 +45,7 @@ def load_image(path: str | Path) -> Image.Image:
     """Open and decode an image fully now, so a bad file fails here with its name, not inside a graph."""
     path = Path(path)
     if not path.is_file():
-        raise GlanceError(f"image {path} does not exist")
+        raise GlanceError(f"image {path} does not exist; pass an existing image file")
     try:
         with Image.open(path) as img:
             width, height = img.size
@@ -172,7 +172,8 @@ class ChatTemplate:
         try:
             self.template = env.from_string(source)
         except jinja2.exceptions.TemplateSyntaxError as exc:
-            raise GlanceError(f"the chat template does not parse ({exc.message} at line {exc.lineno})") from None
+            raise GlanceError(f"the chat template does not parse ({exc.message} at line {exc.lineno}); restore "
+                              "chat_template.jinja from the model's source") from None
         self.special_tokens = special_tokens
 
     @classmethod
