@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass, field
 from math import prod
+from typing import NamedTuple
 
 import numpy as np
 
@@ -56,19 +57,19 @@ class Buffer:
 
     def tensor(self, shape: tuple[int, ...], offset: int = 0) -> "Tensor":
         """A view of `shape` starting `offset` bytes in, to bind as a graph input or output."""
-        nbytes = prod(shape) * self.dtype.itemsize
-        if offset < 0 or offset + nbytes > self.nbytes:
+        shape = tuple(int(s) for s in shape)
+        if offset < 0 or offset + prod(shape) * self.dtype.itemsize > self.nbytes:
             raise ValueError(f"view {shape} at byte {offset} exceeds a buffer of {self.nbytes} bytes")
-        return Tensor(self, offset, tuple(int(s) for s in shape))
+        return Tensor(self, offset, shape)
 
     def rows(self, count: int, first: int = 0) -> "Tensor":
         """Rows first..first+count of the leading axis."""
         return self.tensor((count, *self.shape[1:]), first * self.row_bytes)
 
 
-@dataclass(frozen=True)
-class Tensor:
-    """A typed, shaped view into a Buffer: what a graph binding needs (address, shape, dtype)."""
+class Tensor(NamedTuple):
+    """A typed, shaped view into a Buffer: what a graph binding needs (address, shape, dtype). A plain
+    tuple, because a round makes a few hundred of them."""
 
     buffer: Buffer
     offset: int
@@ -84,7 +85,7 @@ class Tensor:
 
     @property
     def nbytes(self) -> int:
-        return prod(self.shape) * self.dtype.itemsize
+        return prod(self.shape) * self.buffer.dtype.itemsize
 
 
 class Device:
