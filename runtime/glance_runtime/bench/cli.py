@@ -50,8 +50,8 @@ def bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=3, help="runs per prompt and mode, the first dropped as a warm-up")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--seed-drafts", choices=("none", "partial", "full"), default="none",
-                   help="seed the target's own greedy continuation into the draft top-k (an upper bound, for "
-                   "random heads): at every offset (full) or the first half (partial)")
+                   help="seed the target's own greedy continuation into the draft top-k with confident log-probs "
+                   "(an upper bound, for random heads): at every offset (full) or the first half (partial)")
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap replicates for intervals")
     p.add_argument("--seed", type=int, default=0, help="seed of the bootstrap and permutation draws")
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs (no matplotlib needed)")

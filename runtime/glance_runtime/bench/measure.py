@@ -10,13 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..backends.seeded import SeededDrafter
 from ..loop import decode
 from .modes import Mode
+from .seeding import ConfidentSeeds
 from .tasks import Task
 from .timing import GRAPH_NAMES, GraphClock
-
-SEEDED_DEPTH = {"full": lambda block: block - 1, "partial": lambda block: max(1, (block - 1) // 2)}
 
 
 @dataclass
@@ -89,8 +87,7 @@ def measure_prompt(backend, task: Task, build_prompt, stops: Sequence[int], mode
                 truth = result.tokens
                 out = PromptResult(task, int(prompt.length), len(truth))
                 if seed_drafts != "none":
-                    depth = SEEDED_DEPTH[seed_drafts](block)
-                    drafter = SeededDrafter(backend, truth, prompt.length, lambda d: 0 if d <= depth else None)
+                    drafter = ConfidentSeeds(backend, truth, prompt.length, seed_drafts)
             if s == 0:
                 continue
             out.runs.append(Run(mode.name, s, len(result.tokens), result.prefill_ms, result.total_ms,

@@ -1,0 +1,43 @@
+"""The bench's upper-bound drafts: the target's own greedy continuation seeded into the head's top-k,
+with log-probs that say so.
+
+`SeededDrafter` (backends/seeded.py) puts the true token first but keeps the head's own log-probs;
+a random head's are nearly flat, so best-first expansion spreads the tree wide instead of deep and
+the "upper bound" stops at tau 2-3 (issue 11). Here every seeded offset also gets a confident
+distribution (0.9 on the seeded column, the rest shared out), as a good head's would be, so the
+tree follows the seeded path and the loop's speed at a high tau shows.
+"""
+from __future__ import annotations
+
+import math
+
+from ..backends.seeded import SeededDrafter
+
+CONFIDENCE = 0.9
+DEPTH = {"full": lambda block: block - 1, "partial": lambda block: max(1, (block - 1) // 2)}
+
+
+class ConfidentSeeds:
+    """Seeds offsets 1..depth (first column) and gives them confident log-probs; deeper offsets stay the head's."""
+
+    def __init__(self, backend, truth: list[int], prompt_len: int, how: str):
+        depth = DEPTH[how](backend.block_size)
+        self.seeded = SeededDrafter(backend, truth, prompt_len, lambda d: 0 if d <= depth else None)
+        self.depth, self.name, self.block_size = depth, backend.name, backend.block_size
+
+    def prefill(self, prompt):
+        return self.seeded.prefill(prompt)
+
+    def draft(self, anchor: int, k: int):
+        ids, logp = self.seeded.draft(anchor, k)
+        logp = logp.copy()
+        logp[: self.depth, 0] = math.log(CONFIDENCE)
+        if k > 1:
+            logp[: self.depth, 1:] = math.log((1 - CONFIDENCE) / (k - 1))
+        return ids, logp
+
+    def verify(self, tokens, depths, visible):
+        return self.seeded.verify(tokens, depths, visible)
+
+    def commit(self, rows):
+        return self.seeded.commit(rows)

@@ -1,0 +1,177 @@
+"""glance-bench: the law fit on rounds drawn from the law itself, the statistics it rests on, and the
+command end to end on the embedded default (ONNX Runtime). Deterministic checks only: no timing."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from glance_runtime.bench.cli import main as bench_main
+from glance_runtime.bench.law import analyse, expected_accepted
+from glance_runtime.bench.modes import modes_for, parse_budgets
+from glance_runtime.bench.stats import rankdata, spearman
+from glance_runtime.errors import GlanceError
+
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+KINDS = ("receipt", "caption")
+ROUND_FIELDS = {"kind", "prompt", "mode", "sample", "round", "entropy", "accepted", "tree_size", "cap",
+                "draft_ms", "verify_ms", "total_ms", "outside_ms", "target_graph_ms", "draft_graph_ms", "vocab_graph_ms"}
+MODE_FIELDS = {"tau", "rounds", "mean_tree_size", "ms_per_token_decode", "ms_per_token_with_prefill", "prefill_ms",
+               "identical", "runs", "target_graph_ms", "draft_graph_ms", "vocab_graph_ms", "outside_share"}
+SPEC_FIELDS = {"speedup_decode", "speedup_decode_interval", "speedup_with_prefill", "speedup_with_prefill_interval",
+               "ideal_speedup", "achieved_fraction"}
+LAW_FIELDS = {"b0", "b1", "slope", "b0_interval", "b1_interval", "spearman_rho", "spearman_p", "lr_p", "deciles",
+              "decile_r2", "decile_coverage", "verdict", "rounds", "prompts"}
+
+
+def draw_rounds(b0: float, b1: float, n: int, cap, seed: int):
+    """Rounds from the law itself: H ~ gamma, a ~ truncated geometric with logit p = b0 - b1 H."""
+    rng = np.random.default_rng(seed)
+    h = rng.gamma(2.0, 0.6, n)
+    p = 1 / (1 + np.exp(-(b0 - b1 * h)))
+    caps = np.broadcast_to(np.asarray(cap), (n,))
+    a = np.minimum(rng.geometric(1 - p) - 1, caps)
+    return h, a, caps
+
+
+def test_law_fit_recovers_known_coefficients():
+    h, a, cap = draw_rounds(2.0, 1.5, 1500, 15, seed=3)
+    fit = analyse(h, a, cap, groups=np.arange(len(h)) // 3, replicates=200, permutations=500, seed=0)
+    assert fit.converged
+    assert abs(fit.b0 - 2.0) < 0.2 and abs(fit.b1 - 1.5) < 0.2
+    assert fit.b0_interval[0] < 2.0 < fit.b0_interval[1] and fit.b1_interval[0] < 1.5 < fit.b1_interval[1]
+    assert fit.slope < 0 and fit.spearman_rho < -0.3 and fit.spearman_p < 0.01 and fit.lr_p < 1e-6
+    assert len(fit.deciles) == 10 and fit.decile_r2 > 0.8 and fit.decile_coverage >= 0.7
+    assert fit.verdict.startswith("holds")
+
+
+def test_law_fit_with_per_round_caps_and_no_effect():
+    h, a, cap = draw_rounds(1.0, 0.8, 1500, np.resize([3, 7, 15], 1500), seed=4)
+    fit = analyse(h, a, cap, replicates=100, permutations=200)
+    assert abs(fit.b0 - 1.0) < 0.2 and abs(fit.b1 - 0.8) < 0.2
+    h, a, cap = draw_rounds(1.0, 0.0, 800, 15, seed=5)
+    flat = analyse(h, a, cap, replicates=200, permutations=500)
+    assert flat.b1_interval[0] < 0 < flat.b1_interval[1] and not flat.verdict.startswith("holds")
+
+
+def test_law_refuses_impossible_rounds_and_says_when_entropy_is_constant():
+    with pytest.raises(ValueError):
+        analyse([0.1, 0.2], [3, 9], [7, 7])
+    fit = analyse(np.zeros(40), np.resize([1, 2, 3], 40), np.full(40, 15), replicates=20, permutations=20)
+    assert np.isnan(fit.b1) and "barely varies" in fit.verdict
+
+
+def test_expected_accepted_is_the_truncated_geometric_mean():
+    # p = 0.5, L = 2: E = 0.5 + 0.25; p -> 1 gives the cap; always within 0..L.
+    assert expected_accepted(0.0, 0.0, np.array([1.0]), np.array([2]))[0] == pytest.approx(0.75)
+    assert expected_accepted(40.0, 0.0, np.array([0.0]), np.array([15]))[0] == pytest.approx(15)
+    values = expected_accepted(1.0, 2.0, np.linspace(0, 5, 50), np.full(50, 7))
+    assert np.all((values >= 0) & (values <= 7)) and np.all(np.diff(values) < 0)
+
+
+def test_rank_statistics():
+    assert rankdata(np.array([3.0, 1.0, 2.0, 2.0])).tolist() == [4.0, 1.0, 2.5, 2.5]
+    rng = np.random.default_rng(0)
+    x = np.arange(30, dtype=float)
+    rho, p = spearman(x, -x ** 3, 200, rng)
+    assert rho == pytest.approx(-1.0) and p < 0.01
+
+
+def test_budgets_and_modes():
+    assert parse_budgets("63,7, 15,7") == [7, 15, 63]
+    for bad in ("7,x", "", "0,7", "-1"):
+        with pytest.raises(GlanceError, match="--budgets"):
+            parse_budgets(bad)
+    names = [m.name for m in modes_for([7, 15, 31], 8, 16, chain=True)]
+    assert names == ["ar", "tree-7", "tree-15", "tree-31", "chain-7", "chain-15"]
+    assert [m.cap(16) for m in modes_for([7, 31], 8, 16, chain=False)] == [0, 7, 15]
+
+
+@pytest.fixture(scope="module")
+def bench_out(tmp_path_factory):
+    """One small run on the embedded default: 2 prompts of 2 kinds, budgets 7 and 15, chains too."""
+    out = tmp_path_factory.mktemp("bench") / "out"
+    data = [str(REPO / "examples" / k / "tasks.jsonl") for k in KINDS]
+    argv = ["--data", *data, "--n", "2", "--budgets", "7,15", "--chain", "--samples", "2", "--threads", "1",
+            "--bootstrap", "50", "--out", str(out)]
+    assert bench_main(argv) == 0
+    return out
+
+
+def test_bench_writes_every_output_with_its_fields(bench_out):
+    for name in ("report.json", "report.md", "rounds.jsonl", "law.png", "speedup.png", "verify_cost.png"):
+        assert (bench_out / name).is_file(), name
+    for png in bench_out.glob("*.png"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = json.loads((bench_out / "report.json").read_text())
+    assert set(report["kinds"]) == set(KINDS)
+    assert report["settings"]["modes"] == ["ar", "tree-7", "tree-15", "chain-7", "chain-15"]
+    assert report["settings"]["warmup_dropped"] == 1
+    for section in [*report["kinds"].values(), report["pooled"]]:
+        assert section["best"] in report["settings"]["modes"][1:]
+        for name, entry in section["modes"].items():
+            assert {"tau", "rounds", "mean_tree_size", "outside_share"} <= set(entry)
+            if name != "ar":
+                lo, hi = entry["speedup_decode_interval"]
+                assert lo <= entry["speedup_decode"] <= hi and entry["speedup_decode"] > 0
+    for entry in report["kinds"]["receipt"]["modes"].values():
+        assert MODE_FIELDS <= set(entry) and (entry["kind"] == "ar" or SPEC_FIELDS <= set(entry))
+    assert report["kinds"]["receipt"]["modes"]["ar"]["tau"] == 1.0
+    assert report["lossless"]["identical"] == report["lossless"]["runs"] > 0
+    assert set(report["law"]) == {*KINDS, "pooled"} and LAW_FIELDS <= set(report["law"]["pooled"])
+    assert set(report["tree_vs_chain"]["pooled"]) == {"7", "15"}
+    assert {c["criterion"] for c in report["criteria"]} and all("met" in c for c in report["criteria"])
+    md = (bench_out / "report.md").read_text()
+    for heading in ("## Speed", "## Tree against chain", "## Loop efficiency", "## The draftability law"):
+        assert heading in md
+
+
+def test_round_log_has_one_line_per_round_of_every_kept_run(bench_out):
+    rows = [json.loads(line) for line in (bench_out / "rounds.jsonl").read_text().splitlines()]
+    report = json.loads((bench_out / "report.json").read_text())
+    assert all(ROUND_FIELDS <= set(r) for r in rows)
+    assert {r["sample"] for r in rows} == {1}  # sample 0 is the dropped warm-up
+    for kind, section in report["kinds"].items():
+        for mode, entry in section["modes"].items():
+            assert sum(r["kind"] == kind and r["mode"] == mode for r in rows) == entry["rounds"]
+    assert all(r["tree_size"] == 1 and r["accepted"] == 1 for r in rows if r["mode"] == "ar")
+    assert all(r["tree_size"] <= 8 for r in rows if r["mode"] in ("tree-7", "chain-7"))
+    assert all(1 <= r["accepted"] <= r["cap"] + 1 for r in rows)
+
+
+def test_law_runs_alone_on_a_round_log(bench_out, tmp_path, capsys):
+    assert bench_main(["law", str(bench_out / "rounds.jsonl"), "--mode", "tree-7", "--bootstrap", "50",
+                       "--json", "--out", str(tmp_path / "law")]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["mode"] == "tree-7" and LAW_FIELDS <= set(printed["law"]["pooled"])
+    assert {p.name for p in (tmp_path / "law").iterdir()} == {"law.json", "law.md", "law.png"}
+    # A log without modes or caps (e.g. glance-run --json's round_log) needs --cap.
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("".join(json.dumps({"entropy": 0.1 * i, "accepted": 1 + i % 4}) + "\n" for i in range(30)))
+    assert bench_main(["law", str(plain), "--cap", "15", "--bootstrap", "20"]) == 0
+    assert "pooled" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--data", "missing/tasks.jsonl", "--out", "OUT"], "task file missing/tasks.jsonl does not exist"),
+    (["--data", str(REPO / "examples/receipt/tasks.jsonl"), "--budgets", "7,x", "--out", "OUT"], "--budgets"),
+    (["--data", str(REPO / "examples/receipt/tasks.jsonl"), "--samples", "1", "--out", "OUT"], "--samples"),
+    (["--data", str(REPO / "examples/receipt/tasks.jsonl"), "--budgets", "500", "--n", "1", "--out", "OUT"],
+     "--budget 500"),
+    (["law", "missing.jsonl"], "round log missing.jsonl does not exist"),
+])
+def test_bad_input_is_one_line(argv, message, tmp_path, capsys):
+    argv = [str(tmp_path / "out") if a == "OUT" else a for a in argv]
+    assert bench_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("glance-bench: error:") and message in err and "\n" not in err
+
+
+def test_law_refuses_an_unknown_mode_and_a_missing_cap(bench_out, tmp_path, capsys):
+    assert bench_main(["law", str(bench_out / "rounds.jsonl"), "--mode", "tree-99"]) == 2
+    assert "tree-99" in capsys.readouterr().err
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(json.dumps({"entropy": 0.1, "accepted": 2}) + "\n")
+    assert bench_main(["law", str(plain)]) == 2
+    assert "--cap" in capsys.readouterr().err
