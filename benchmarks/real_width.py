@@ -80,7 +80,7 @@ def stage_build(out: Path, name: str, layers: int, vision_depth: int) -> dict:
     published = PUBLISHED[name]
     text, vision = cut(published, layers, vision_depth)
     t0 = time.perf_counter()
-    snap = make_snapshot(out / "snapshot", published["family"], layers=1, tied=True)
+    snap = make_snapshot(out / "snapshot", published["family"], layers=layers, tied=True)
     raw = json.loads((snap / "config.json").read_text())
     raw["text_config"].update(text)
     raw["vision_config"].update(vision)

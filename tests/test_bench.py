@@ -16,7 +16,7 @@ from glance_runtime.errors import GlanceError
 REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 KINDS = ("receipt", "caption")
 ROUND_FIELDS = {"kind", "prompt", "mode", "sample", "round", "entropy", "accepted", "tree_size", "cap",
-                "draft_ms", "verify_ms", "total_ms", "outside_ms", "target_graph_ms", "draft_graph_ms", "vocab_graph_ms"}
+                "draft_ms", "verify_ms", "total_ms", "final", "outside_ms", "target_graph_ms", "draft_graph_ms", "vocab_graph_ms"}
 MODE_FIELDS = {"tau", "rounds", "mean_tree_size", "ms_per_token_decode", "ms_per_token_with_prefill", "prefill_ms",
                "identical", "runs", "target_graph_ms", "draft_graph_ms", "vocab_graph_ms", "outside_share"}
 SPEC_FIELDS = {"speedup_decode", "speedup_decode_interval", "speedup_with_prefill", "speedup_with_prefill_interval",
@@ -138,6 +138,10 @@ def test_round_log_has_one_line_per_round_of_every_kept_run(bench_out):
     assert all(r["tree_size"] == 1 and r["accepted"] == 1 for r in rows if r["mode"] == "ar")
     assert all(r["tree_size"] <= 8 for r in rows if r["mode"] in ("tree-7", "chain-7"))
     assert all(1 <= r["accepted"] <= r["cap"] + 1 for r in rows)
+    last = {}
+    for r in rows:
+        last[(r["kind"], r["prompt"], r["mode"], r["sample"])] = r["round"]
+    assert all(r["final"] == (r["round"] == last[(r["kind"], r["prompt"], r["mode"], r["sample"])]) for r in rows)
 
 
 def test_law_runs_alone_on_a_round_log(bench_out, tmp_path, capsys):
@@ -146,6 +150,11 @@ def test_law_runs_alone_on_a_round_log(bench_out, tmp_path, capsys):
     printed = json.loads(capsys.readouterr().out)
     assert printed["mode"] == "tree-7" and LAW_FIELDS <= set(printed["law"]["pooled"])
     assert {p.name for p in (tmp_path / "law").iterdir()} == {"law.json", "law.md", "law.png"}
+    rows = [json.loads(line) for line in (bench_out / "rounds.jsonl").read_text().splitlines()]
+    assert bench_main(["law", str(bench_out / "rounds.jsonl"), "--mode", "tree-7", "--include-final", "--json",
+                       "--bootstrap", "20"]) == 0
+    counted = json.loads(capsys.readouterr().out)["law"]["pooled"]["rounds"]
+    assert counted == sum(r["mode"] == "tree-7" for r in rows) > printed["law"]["pooled"]["rounds"]
     # A log without modes or caps (e.g. glance-run --json's round_log) needs --cap.
     plain = tmp_path / "plain.jsonl"
     plain.write_text("".join(json.dumps({"entropy": 0.1 * i, "accepted": 1 + i % 4}) + "\n" for i in range(30)))

@@ -64,6 +64,8 @@ def law_parser() -> argparse.ArgumentParser:
     p.add_argument("rounds", type=Path, help="rounds.jsonl from glance-bench (or JSON lines with entropy, accepted)")
     p.add_argument("--mode", help="which mode's rounds (default: the largest tree budget in the log)")
     p.add_argument("--cap", type=int, help="max drafted tokens per round where the log has no cap field (B - 1)")
+    p.add_argument("--include-final", action="store_true", help="keep each answer's final round (its acceptance "
+                   "is cut by the answer's end; left out by default)")
     p.add_argument("--bootstrap", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="also write law.json, law.md and law.png here")
@@ -152,9 +154,13 @@ def run_law(args: argparse.Namespace) -> int:
     if args.bootstrap < 1:
         raise GlanceError("--bootstrap must be at least 1")
     rows = read_rounds(args.rounds)
-    fits = fit_log(rows, args.mode, args.cap, replicates=args.bootstrap, seed=args.seed)
+    if not select(rows, args.mode, args.cap, args.include_final):
+        raise GlanceError("no rounds left to fit (every round ended its answer); pass --include-final")
+    fits = fit_log(rows, args.mode, args.cap, replicates=args.bootstrap, seed=args.seed,
+                   include_final=args.include_final)
     dicts = {k: _clean(f.as_dict()) for k, f in fits.items()}
-    mode = select(rows, args.mode, args.cap)[0].get("mode", "all rounds")
+    chosen = select(rows, args.mode, args.cap, args.include_final)
+    mode = chosen[0].get("mode", "all rounds")
     if args.out:
         if args.out.exists() and not args.out.is_dir():
             raise GlanceError(f"--out {args.out} is a file; pass a directory")
@@ -163,7 +169,7 @@ def run_law(args: argparse.Namespace) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "law.json").write_text(json.dumps({"mode": mode, "law": dicts}, indent=2) + "\n")
         (args.out / "law.md").write_text("\n".join([f"# Draftability law ({mode})", "", *law_table(dicts), ""]))
-        plot_law(args.out / "law.png", fits, select(rows, args.mode, args.cap), str(mode))
+        plot_law(args.out / "law.png", fits, chosen, str(mode))
     if args.json:
         print(json.dumps({"mode": mode, "law": dicts}, indent=2))
     else:

@@ -18,6 +18,7 @@ import numpy as np
 from .stats import cluster_indices, interval, spearman
 
 DECILES = 10
+MIN_ROUNDS = 3  # fewer cannot be fitted at all; the verdict asks for 20
 
 
 @dataclass
@@ -158,6 +159,12 @@ def analyse(entropy: Sequence[float], accepted: Sequence[int], cap: Sequence[int
     if np.any(a < 0) or np.any(a > c):
         raise ValueError("accepted drafted tokens must lie in 0..cap")
     groups = list(range(len(h))) if groups is None else list(groups)
+    if len(h) < MIN_ROUNDS:
+        nan = float("nan")
+        out = LawFit(len(h), len(set(groups)), nan, nan, (nan, nan), (nan, nan), False, nan, nan, nan, nan, nan,
+                     (nan, nan), float(a.mean()) if len(a) else nan)
+        out.verdict = _verdict(out)
+        return out
     b0, b1, ok = fit(h, a, c)
     replicas = []
     for _ in range(replicates if len(h) > 1 else 0):

@@ -2,6 +2,9 @@
 
 Kept samples of one prompt repeat the same rounds (decoding is deterministic), so only each
 prompt's first kept sample enters the fit; otherwise repeats would shrink the intervals for free.
+An answer's final round is left out by default: its acceptance is cut short by the answer's end
+(drafts past the stop token, or past max tokens), not by the target's uncertainty, and on short
+answers such rounds are a large share of all rounds.
 """
 from __future__ import annotations
 
@@ -21,8 +24,9 @@ def default_mode(rows: list[dict]) -> str | None:
     return spec[0] if spec else None
 
 
-def select(rows: list[dict], mode: str | None, cap: int | None) -> list[dict]:
-    """Rows of `mode` (all rows in a log without modes), first kept sample per prompt, cap filled in."""
+def select(rows: list[dict], mode: str | None, cap: int | None, include_final: bool = False) -> list[dict]:
+    """Rows of `mode` (all rows in a log without modes), first kept sample per prompt, final rounds
+    dropped unless `include_final` (logs without the field keep every round), cap filled in."""
     if any("mode" in row for row in rows):
         mode = mode or default_mode(rows)
         modes = sorted({str(row.get("mode")) for row in rows})
@@ -34,6 +38,8 @@ def select(rows: list[dict], mode: str | None, cap: int | None) -> list[dict]:
         key = (row.get("kind"), row.get("prompt"))
         first[key] = min(first.get(key, row.get("sample", 0)), row.get("sample", 0))
     rows = [row for row in rows if row.get("sample", 0) == first[(row.get("kind"), row.get("prompt"))]]
+    if not include_final:
+        rows = [row for row in rows if not row.get("final", False)]
     out = []
     for row in rows:
         row_cap = row.get("cap", cap)
@@ -44,9 +50,9 @@ def select(rows: list[dict], mode: str | None, cap: int | None) -> list[dict]:
 
 
 def fit_log(rows: list[dict], mode: str | None = None, cap: int | None = None, replicates: int = 500,
-            seed: int = 0) -> dict[str, LawFit]:
+            seed: int = 0, include_final: bool = False) -> dict[str, LawFit]:
     """LawFit per kind (where the log names kinds) and pooled."""
-    rows = select(rows, mode, cap)
+    rows = select(rows, mode, cap, include_final)
     bad = [r for r in rows if not 0 <= r["drafted"] <= r["cap"]]
     if bad:
         raise GlanceError(f"a round accepted {bad[0]['accepted']} tokens with a cap of {bad[0]['cap']} drafted ones; "

@@ -8,6 +8,10 @@ def _f(x: float, digits: int = 2) -> str:
     return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{digits}f}"
 
 
+def _p(x) -> str:
+    return "n/a" if x is None or not math.isfinite(x) else f"{x:.3g}"
+
+
 def _ci(pair) -> str:
     return f"[{_f(pair[0])}, {_f(pair[1])}]"
 
@@ -52,8 +56,8 @@ def law_table(fits: dict) -> list[str]:
              "decile R^2 | deciles covering the law | verdict |", "|---|---|---|---|---|---|---|---|---|"]
     for name, f in fits.items():
         lines.append(f"| {name} | {f['rounds']} ({f['prompts']}) | {_f(f['b0'])} {_ci(f['b0_interval'])} | "
-                     f"{_f(f['b1'])} {_ci(f['b1_interval'])} | {_f(f['spearman_rho'])} ({f['spearman_p']:.3g}) | "
-                     f"{f['lr_p']:.3g} | {_f(f['decile_r2'])} | {_f(f['decile_coverage'])} | {f['verdict']} |")
+                     f"{_f(f['b1'])} {_ci(f['b1_interval'])} | {_f(f['spearman_rho'])} ({_p(f['spearman_p'])}) | "
+                     f"{_p(f['lr_p'])} | {_f(f['decile_r2'])} | {_f(f['decile_coverage'])} | {f['verdict']} |")
     return lines
 
 
@@ -87,8 +91,12 @@ def render(report: dict) -> str:
             f"## The draftability law (rounds of {report['law_mode']}, one kept sample per prompt)", "",
             "`logit p = b0 - b1 H`, accepted drafted tokens truncated-geometric in p with cap min(budget, B-1), "
             "fitted by maximum likelihood; intervals from a bootstrap over prompts; rank correlation with a "
-            "permutation p-value; LR test against a constant p. b1 > 0 (slope -b1 < 0) is the law's direction.",
+            "permutation p-value; LR test against a constant p. b1 > 0 (slope -b1 < 0) is the law's direction. "
+            "Each answer's final round is left out (the answer's end, not the target's uncertainty, cuts its "
+            "acceptance); the last table keeps it.",
             "", *law_table(report["law"]), "", "Pooled fit per mode:", "", *law_table(report["law_by_mode"]), "",
+            "Pooled, final rounds included:", "",
+            *law_table({f"{report['law_mode']} + final": report["law_with_final_rounds"]}), "",
             "## Criteria (issue 11)", ""]
     out += [f"- {'met' if c_['met'] else 'NOT met'}: {c_['criterion']}: {c_['detail']}" for c_ in report["criteria"]]
     out += ["", "## Files", "", *[f"- `{name}`" for name in report["files"]], ""]

@@ -58,7 +58,8 @@ def _decode(backend, prompt, mode: Mode, max_new_tokens: int, stops: Sequence[in
     rounds = []
     for i, r in enumerate(result.rounds):
         row = {"entropy": r.entropy, "accepted": r.accepted, "tree_size": r.tree_size, "cap": mode.cap(block_size),
-               "draft_ms": r.draft_ms, "verify_ms": r.verify_ms, "total_ms": r.total_ms}
+               "draft_ms": r.draft_ms, "verify_ms": r.verify_ms, "total_ms": r.total_ms,
+               "final": i == len(result.rounds) - 1}  # the answer's end (stop or max tokens) cut this round
         if clock:
             before, after = readings[i], readings[i + 1]
             graph = {name: after[name] - before[name] for name in GRAPH_NAMES}

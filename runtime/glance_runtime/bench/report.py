@@ -64,7 +64,9 @@ def build(results: list[PromptResult], modes: list[Mode], conditions: dict, sett
               "law_mode": law_mode,
               "law": {k: f.as_dict() for k, f in fits.items()},
               "law_by_mode": {m.name: fit_log(rows, m.name, replicates=replicates, seed=seed)[POOLED].as_dict()
-                              for m in modes if m.kind != "ar"}}
+                              for m in modes if m.kind != "ar"},
+              "law_with_final_rounds": fit_log(rows, law_mode, replicates=replicates, seed=seed,
+                                               include_final=True)[POOLED].as_dict()}
     report["criteria"] = _criteria(report)
     return report, rows, fits
 
