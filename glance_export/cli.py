@@ -47,6 +47,8 @@ def _audit(args: argparse.Namespace) -> int:
         return _save_reference(args)
     if args.reference is not None:
         return _audit_reference(args)
+    if args.drift_from is not None:
+        return _drift(args)
     args.backend = args.backend or "torch"
     args.max_new_tokens = AUDIT_MAX_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
     args.model, args.head, args.artifacts, args.backend = resolve(args.model, args.head, args.artifacts, args.backend)
@@ -67,6 +69,18 @@ def _audit(args: argparse.Namespace) -> int:
               f"{report['n']}), tau {report['tau']:.2f} over {report['rounds']} rounds: "
               f"{'PASS' if report['passed'] else 'FAIL'}")
     return 0 if report["passed"] else 1
+
+
+def _drift(args: argparse.Namespace) -> int:
+    """How far quantized artifacts' greedy output is from the fp32 export's (the quality cost, apart from GLANCE)."""
+    from .drift import drift, drift_lines
+
+    if args.backend not in (None, "onnxruntime") or args.artifacts is None:
+        raise GlanceError("--drift-from compares two exports on onnxruntime: pass --artifacts QUANTIZED")
+    max_new = AUDIT_MAX_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
+    report = drift(args.artifacts, args.drift_from, args.data, max_new, providers=args.provider)
+    print(json.dumps(report, indent=2) if args.json else "\n".join(drift_lines(report)))
+    return 0
 
 
 def _save_reference(args: argparse.Namespace) -> int:
@@ -213,7 +227,8 @@ def _onnx(args: argparse.Namespace) -> int:
     from .onnx import export_artifacts
 
     out = export_artifacts(args.model, args.head, args.out, dtype=args.dtype, opset=args.opset, max_tree=args.max_tree,
-                           max_context=args.max_context, branch_k=args.branch_k,
+                           max_context=args.max_context, branch_k=args.branch_k, quantize=args.quantize,
+                           group_size=args.group_size,
                            progress=(lambda _: None) if args.quiet else (lambda line: print(line, flush=True)))
     print(f"wrote ONNX artifacts to {out}")
     return 0
@@ -300,6 +315,10 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--max-tree", type=int, default=64, help="largest verify pass (anchor + tree nodes)")
     o.add_argument("--max-context", type=int, default=2048, help="KV cache rows: prompt + answer")
     o.add_argument("--branch-k", type=int, default=8, help="top-k the draft graph returns per offset")
+    o.add_argument("--quantize", choices=("int8", "int4"),
+                   help="weight-only: linear layers, LM head and embedding of target and head (vision stays fp32)")
+    o.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128),
+                   help="weights per quantization scale (must divide the hidden size)")
     o.add_argument("--quiet", action="store_true")
     o.set_defaults(func=_onnx)
 
@@ -336,6 +355,8 @@ def parser() -> argparse.ArgumentParser:
                    help=f"default {AUDIT_MAX_NEW_TOKENS}; with --reference, the value it was recorded with")
     a.add_argument("--threads", type=int, help="torch CPU threads (the oracle and the torch backend)")
     a.add_argument("--json", action="store_true")
+    a.add_argument("--drift-from", type=Path, metavar="FP32_ARTIFACTS",
+                   help="instead: greedy token agreement of --artifacts (quantized) with this fp32 export")
     recorded = a.add_mutually_exclusive_group()
     recorded.add_argument("--save-reference", type=Path, metavar="FILE",
                           help="record the fp32 PyTorch greedy tokens and top-2 margins of --data (needs torch)")

@@ -42,6 +42,7 @@ class DeviceProfile:
     reserve_gib: float
     memory_note: str
     max_tree: int
+    quant_schemes: tuple[str, ...]  # weight-only schemes its TensorRT builds: "none", "int8", "int4"
     raw: dict[str, Any]  # the file as read, copied into plan-only bundles and engine manifests
 
 
@@ -64,7 +65,7 @@ def load_profile(name: str) -> DeviceProfile:
         max_workspace_gib=float(raw["workspace_gib"]["max"]), max_opset=int(parser["max_opset"]),
         attention=parser["attention"], attention_op_from=parser["attention_op_from"],
         memory_gib=float(memory["memory_gib"]), reserve_gib=float(memory["reserve_gib"]), memory_note=memory["note"],
-        max_tree=int(raw["max_tree"]), raw=raw)
+        max_tree=int(raw["max_tree"]), quant_schemes=tuple(raw["quantization"]["schemes"]), raw=raw)
 
 
 def version_tuple(text: str) -> tuple[int, ...]:

@@ -23,6 +23,7 @@ from .devices import Device, check_device, resolve_target
 from .memory_plan import MemoryPlan, plan_memory
 from .plan_bundle import SCRIPT, write_bundle
 from .precision import Precision, choose_precision
+from .quant_engines import engine_manifest
 from .tensorrt_build import BuildOptions, TimingCache, build_engines
 from .toolchain import Toolchain, check_opset, check_version, load_toolchain
 
@@ -138,7 +139,7 @@ def _planned(request: BuildRequest, profile: DeviceProfile, precision: Precision
              version: str | None, say: Callable[[str], None]) -> tuple[Path, dict[str, Any], MemoryPlan]:
     """The checked artifacts, their manifest, and the memory plan (printed) that sizes the engines."""
     artifacts = _artifacts(request, say)
-    manifest = _read_manifest(artifacts)
+    manifest = engine_manifest(profile, _read_manifest(artifacts))
     check_opset(profile, manifest["opset"], version)
     plan = plan_memory(profile, manifest, artifacts, precision.name, device, max_context=request.max_context,
                        max_tree=request.max_tree, memory_gib=request.memory_gib, workspace_gib=request.workspace_gib)

@@ -20,6 +20,7 @@ from glance_runtime.graphs import MANIFEST
 from .export import ATTENTION_OPSET, export_graph
 from .feeds import draft_feed, target_feed, vision_feed, vocab_feed
 from .manifest import build_manifest, copy_runtime_files
+from .quantize import check_scheme, quantize_graphs
 from .sources import build_graphs, load_sources
 from .spec import DTYPES, axis_bounds, dims_for, dynamic_axes, output_shapes
 from .validate import validate_graphs
@@ -61,13 +62,18 @@ def _trace_feeds(snapshot, dims, dtype: str) -> dict[str, dict[str, np.ndarray]]
 
 def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
                      opset: int = 17, max_tree: int = 64, max_context: int = 2048, branch_k: int = 8,
+                     quantize: str | None = None, group_size: int = 128,
                      progress: Callable[[str], None] = print) -> Path:
-    """Export vision (VL only), target, draft and vocab graphs, validate them, and write the manifest."""
+    """Export vision (VL only), target, draft and vocab graphs, validate them, and write the manifest.
+
+    `quantize` ("int8"/"int4"): the validated fp32 graphs are then rewritten weight-only (see `quantize.py`)
+    before the manifest hashes them."""
     out = Path(out_dir)
     _check_args(out, dtype, opset, max_tree, max_context, branch_k)
     started = time.perf_counter()
     snapshot, model, head = load_sources(model_dir, head_dir, dtype, _attention(opset))
     dims = dims_for(snapshot, head)
+    scheme = check_scheme(quantize, group_size, dims.hidden, dtype) if quantize else None
     graphs = build_graphs(model, head, dims, branch_k)
     progress(f"loaded {dims.family} target ({dims.layers} layers) and head ({dims.head_layers} layers, "
              f"block {dims.block_size}) as {dtype}")
@@ -81,11 +87,13 @@ def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str |
             progress(f"exported {path.name} (opset {opset}, {path.stat().st_size / 1e6:.1f} MB) "
                      f"in {time.perf_counter() - t0:.1f}s; checker passed")
         validate_graphs(tmp, graphs, dims, snapshot, dtype, progress=progress)
+        quantization = quantize_graphs(tmp, scheme, progress) if scheme else None
         files = copy_runtime_files(snapshot, tmp)
         progress(f"copied {', '.join(files)}; hashing the source weights for the manifest")
         manifest = build_manifest(snapshot, head, Path(head_dir), dims, tmp, dtype=dtype, opset=opset,
                                   branch_k=branch_k, max_tree=max_tree, max_context=max_context,
-                                  axes=axis_bounds(dims, max_tree, max_context), files=files)
+                                  axes=axis_bounds(dims, max_tree, max_context), files=files,
+                                  quantization=quantization)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
     progress(f"wrote {out} in {time.perf_counter() - started:.1f}s")
     return out

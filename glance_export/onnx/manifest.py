@@ -6,7 +6,8 @@ source {config_sha256, weights_sha256 {file: sha}}, head {config, weights_sha256
 graphs {target|draft|vocab|vision: {file, data_file, inputs/outputs {name: {dtype, shape}}, ...sizes}}
 (vocab also records vocab_size and whether the LM head is tied to the embedding),
 vision.index_params (the `vision_indices` parameters), files (tokenizer/processor files copied beside),
-file_hashes {file: {sha256, size}} of every file written beside the manifest (checked on every load).
+file_hashes {file: {sha256, size}} of every file written beside the manifest (checked on every load),
+quantization (null, or the weight-only scheme: bits, group size, library, per-graph ops and TensorRT-form files).
 """
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def io_spec(path: Path) -> dict[str, dict[str, dict[str, Any]]]:
 
 def build_manifest(snapshot: Snapshot, head: DraftHead, head_dir: Path, dims: Dims, out: Path, *, dtype: str,
                    opset: int, branch_k: int, max_tree: int, max_context: int, axes: dict[str, list[int]],
-                   files: list[str]) -> dict[str, Any]:
+                   files: list[str], quantization: dict[str, Any] | None = None) -> dict[str, Any]:
     tc = snapshot.text_config
     graphs: dict[str, Any] = {
         "target": {"num_layers": dims.layers, "num_kv_heads": dims.kv_heads, "head_dim": dims.head_dim,
@@ -83,6 +84,8 @@ def build_manifest(snapshot: Snapshot, head: DraftHead, head_dir: Path, dims: Di
         data = path.with_name(f"{path.name}.data")
         entry.update(file=path.name, data_file=data.name if data.exists() else None, **io_spec(path))
     written = [n for entry in graphs.values() for n in (entry["file"], entry["data_file"]) if n] + files
+    written += [n for entry in (quantization or {}).get("graphs", {}).values()
+                for n in (entry["tensorrt_file"], entry["tensorrt_data_file"]) if n]
     rope = tc.get("rope_parameters") or tc.get("rope_scaling") or {}
     return {
         "format": "glance-onnx", "format_version": FORMAT_VERSION, "toolkit_version": glance_export.__version__,
@@ -98,5 +101,5 @@ def build_manifest(snapshot: Snapshot, head: DraftHead, head_dir: Path, dims: Di
         "source": {"config_sha256": sha256(snapshot.path / "config.json"),
                    "weights_sha256": {p.name: sha256(p) for p in sorted(snapshot.path.glob("*.safetensors"))}},
         "head": {"config": head.config.to_json(), "weights_sha256": sha256(Path(head_dir) / WEIGHTS_FILE)},
-        "graphs": graphs, "files": files, "file_hashes": record(out, written),
+        "graphs": graphs, "files": files, "quantization": quantization, "file_hashes": record(out, written),
     }
