@@ -52,6 +52,7 @@ def bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed-drafts", choices=("none", "partial", "full"), default="none",
                    help="seed the target's own greedy continuation into the draft top-k with confident log-probs "
                    "(an upper bound, for random heads): at every offset (full) or the first half (partial)")
+    p.add_argument("--law-mode", help="whose rounds the law is fitted to (default: the largest tree budget)")
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap replicates for intervals")
     p.add_argument("--seed", type=int, default=0, help="seed of the bootstrap and permutation draws")
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs (no matplotlib needed)")
@@ -116,6 +117,9 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     runner = open_runner(backend, model=model, head=head, artifacts=artifacts, engines=args.engines,
                          progress=lambda line: print(line, file=sys.stderr), **ort)
     modes = modes_for(budgets, args.branch_k, runner.backend.block_size, args.chain)
+    if args.law_mode is not None and args.law_mode not in {m.name for m in modes if m.kind != "ar"}:
+        raise GlanceError(f"--law-mode {args.law_mode} is not a measured mode; choose one of: "
+                          + ", ".join(m.name for m in modes if m.kind != "ar"))
     for mode in modes:
         check_decode(runner.limits, mode.config(args.max_new_tokens))
     conditions = _conditions(runner, args, argv)
@@ -134,7 +138,7 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
                 "drafts": "the head's own" if args.seed_drafts == "none" else f"seeded ({args.seed_drafts}; an upper bound)",
                 "block_size": runner.backend.block_size, "bootstrap": args.bootstrap, "seed": args.seed,
                 "modes": [m.name for m in modes], "data": [str(p) for p in args.data]}
-    report, rows, fits = build(results, modes, conditions, settings, args.bootstrap, args.seed)
+    report, rows, fits = build(results, modes, conditions, settings, args.bootstrap, args.seed, args.law_mode)
     files = write(args.out, report, rows, fits, not args.no_plots)
     lossless = report["lossless"]
     if lossless["identical"] < lossless["runs"]:

@@ -130,6 +130,12 @@ def _deciles(h: np.ndarray, a: np.ndarray, predicted: np.ndarray, rng: np.random
     return bins
 
 
+def _lr_note(f: LawFit) -> str:
+    """The model-based LR test trusts the geometric spread; accepted lengths far less spread out than a
+    geometric's (templated answers) make it weak while the model-free interval and ranks are clear."""
+    return "" if f.lr_p < 0.05 else f"; the LR test alone is not significant (p {f.lr_p:.3g})"
+
+
 def _verdict(f: LawFit) -> str:
     if f.rounds < 20:
         return f"too few rounds ({f.rounds}) to test the law"
@@ -140,10 +146,10 @@ def _verdict(f: LawFit) -> str:
                 else f"; but the decile means depart from the fitted curve (R^2 {f.decile_r2:.2f})")
     if lo > 0 and f.spearman_rho < 0 and f.spearman_p < 0.05:
         return ("holds: accepted length falls as entropy rises (b1 > 0, 95% interval above 0; rank correlation "
-                f"{f.spearman_rho:.2f}, p {f.spearman_p:.3g})" + fit_note)
+                f"{f.spearman_rho:.2f}, p {f.spearman_p:.3g})" + fit_note + _lr_note(f))
     if hi < 0 and f.spearman_rho > 0 and f.spearman_p < 0.05:
         return ("contradicted: accepted length rises with entropy (b1 < 0, 95% interval below 0; rank correlation "
-                f"{f.spearman_rho:.2f}, p {f.spearman_p:.3g})" + fit_note)
+                f"{f.spearman_rho:.2f}, p {f.spearman_p:.3g})" + fit_note + _lr_note(f))
     return (f"inconclusive: b1 {f.b1:.2f} (95% interval {lo:.2f} to {hi:.2f}), rank correlation "
             f"{f.spearman_rho:.2f} (p {f.spearman_p:.3g})")
 

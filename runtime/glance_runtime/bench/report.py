@@ -45,7 +45,7 @@ def _criteria(report: dict) -> list[dict]:
 
 
 def build(results: list[PromptResult], modes: list[Mode], conditions: dict, settings: dict, replicates: int,
-          seed: int) -> tuple[dict, list[dict], dict[str, LawFit]]:
+          seed: int, law_mode: str | None = None) -> tuple[dict, list[dict], dict[str, LawFit]]:
     """The report's dict, the round log's rows and the law's fits (per kind and pooled)."""
     rng = np.random.default_rng(seed)
     by_kind: dict[str, list[PromptResult]] = {}
@@ -54,7 +54,7 @@ def build(results: list[PromptResult], modes: list[Mode], conditions: dict, sett
     kinds = {k: summarize_kind(rs, modes, replicates, rng) for k, rs in by_kind.items()}
     pooled = summarize_pooled(by_kind, kinds, modes, replicates, rng)
     rows = round_rows(results)
-    law_mode = _law_mode(modes)
+    law_mode = law_mode or _law_mode(modes)
     fits = fit_log(rows, law_mode, replicates=replicates, seed=seed)
     report = {"conditions": conditions, "settings": settings, "kinds": kinds, "pooled": pooled,
               "tree_vs_chain": {**{k: tree_vs_chain(s, modes) for k, s in kinds.items()},
