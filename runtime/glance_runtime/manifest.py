@@ -122,7 +122,8 @@ def load_manifest(artifacts_dir: str | Path) -> Manifest:
 
 
 def _check_hashes(path: Path, raw: dict[str, Any], needed: dict[str, str]) -> None:
-    """Every graph, weights file and tokenizer/processor file against the sha256 and size the export recorded."""
+    """Every file the export recorded (graphs, weights, tokenizer and processor files, any others) against its
+    sha256 and size; the files the runtime reads must all be among them."""
     hashes = raw.get("file_hashes")
     if not isinstance(hashes, dict):
         raise GlanceError(f"{path / MANIFEST} records no file hashes (an export from before they were checked); "
@@ -132,7 +133,7 @@ def _check_hashes(path: Path, raw: dict[str, Any], needed: dict[str, str]) -> No
     unrecorded = [n for n in names if n and n not in hashes]
     if unrecorded:
         raise GlanceError(f"{path / MANIFEST} records no hash for {unrecorded[0]}; {REEXPORT}")
-    verify_files(path, {n: hashes[n] for n in names if n}, f"copy the directory again or {REEXPORT}")
+    verify_files(path, hashes, f"copy the directory again or {REEXPORT}")
 
 
 def check_source(manifest: Manifest, model_dir: str | Path) -> None:
