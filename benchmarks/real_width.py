@@ -264,7 +264,9 @@ def main() -> None:
                 "ort_tokens": lambda: stage_ort_tokens(out, args.n, args.max_new_tokens, args.threads)}[args.stage]()
         (out / f"{args.stage}.json").write_text(json.dumps(data, indent=2))
         return
-    results = {}
+    previous = args.out / "real_width.json"
+    results = {k: v for k, v in (json.loads(previous.read_text()) if previous.is_file() else {}).items()
+               if k not in names}  # a later run of some models keeps the others' results
     for name in names:
         r = results[name] = {"build": run_stage(args, name, "build", [])}
         if "failed" not in r["build"]:
