@@ -3,9 +3,13 @@ command end to end on the embedded default (ONNX Runtime). Deterministic checks 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
+
+from edge_install import blocking
 
 from glance_runtime.bench.cli import main as bench_main
 from glance_runtime.bench.law import analyse, expected_accepted
@@ -184,3 +188,25 @@ def test_law_refuses_an_unknown_mode_and_a_missing_cap(bench_out, tmp_path, caps
     plain.write_text(json.dumps({"entropy": 0.1, "accepted": 2}) + "\n")
     assert bench_main(["law", str(plain)]) == 2
     assert "--cap" in capsys.readouterr().err
+
+
+EDGE_BENCH = blocking("torch", "transformers", "glance_export", "safetensors", "matplotlib", "tqdm") + """
+from glance_runtime.bench.cli import main
+code = main(sys.argv[1:])
+print("torch imported:", "torch" in sys.modules, file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def test_edge_install_benches_without_torch_and_refuses_plots_in_one_line(tmp_path):
+    """No torch, matplotlib or tqdm: the bench measures and fits (one line of progress per prompt);
+    plots are refused before any work, with the extra to install."""
+    base = [sys.executable, "-c", EDGE_BENCH, "--data", str(REPO / "examples/scene/tasks.jsonl"), "--n", "1",
+            "--budgets", "7", "--samples", "2", "--bootstrap", "20", "--threads", "1"]
+    run = subprocess.run(base + ["--out", str(tmp_path / "a"), "--no-plots"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "[1/1] scene 0" in run.stderr and "torch imported: False" in run.stderr
+    assert {p.name for p in (tmp_path / "a").iterdir()} == {"report.json", "report.md", "rounds.jsonl"}
+    run = subprocess.run(base + ["--out", str(tmp_path / "b")], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "pip install 'glance-toolkit[bench]'" in run.stderr
+    assert not (tmp_path / "b").exists()

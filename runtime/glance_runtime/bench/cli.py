@@ -24,7 +24,7 @@ from .markdown import law_table
 from .measure import measure_prompt
 from .modes import modes_for, parse_budgets
 from .progress import Progress
-from .report import _clean, build, write
+from .report import clean_json, build, write
 from .tasks import read_tasks
 from .timing import GraphClock
 
@@ -162,7 +162,7 @@ def run_law(args: argparse.Namespace) -> int:
         raise GlanceError("no rounds left to fit (every round ended its answer); pass --include-final")
     fits = fit_log(rows, args.mode, args.cap, replicates=args.bootstrap, seed=args.seed,
                    include_final=args.include_final)
-    dicts = {k: _clean(f.as_dict()) for k, f in fits.items()}
+    dicts = {k: clean_json(f.as_dict()) for k, f in fits.items()}
     chosen = select(rows, args.mode, args.cap, args.include_final)
     mode = chosen[0].get("mode", "all rounds")
     if args.out:

@@ -71,16 +71,16 @@ def build(results: list[PromptResult], modes: list[Mode], conditions: dict, sett
     return report, rows, fits
 
 
-def _clean(value):
+def clean_json(value):
     """JSON without NaN (written as null), tuples as lists."""
     if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
+        return {k: clean_json(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
+        return [clean_json(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, np.generic):
-        return _clean(value.item())
+        return clean_json(value.item())
     return value
 
 
@@ -96,6 +96,6 @@ def write(out: Path, report: dict, rows: list[dict], fits: dict[str, LawFit], pl
         files += list(PLOTS)
     report["files"] = files
     write_rounds(out / "rounds.jsonl", rows)
-    (out / "report.json").write_text(json.dumps(_clean(report), indent=2) + "\n")
+    (out / "report.json").write_text(json.dumps(clean_json(report), indent=2) + "\n")
     (out / "report.md").write_text(render(report))
     return files
