@@ -200,7 +200,8 @@ def run_bench(args, name: str) -> dict:
     kind = next(iter(report["kinds"].values()))
     return {"peak_rss_gib": round(usage.ru_maxrss / 2 ** 20, 2), "wall_s": round(time.perf_counter() - t0, 1),
             "modes": {m: {k: e.get(k) for k in keep if k in e} for m, e in kind["modes"].items()},
-            "lossless": report["lossless"], "command": report["conditions"]["command"]}
+            "lossless": report["lossless"], "command": report["conditions"]["command"],
+            "load_average": [report["conditions"]["load_start"], report["conditions"]["load_end"]]}
 
 
 def render(results: dict, args) -> str:
@@ -228,8 +229,10 @@ def render(results: dict, args) -> str:
             same = sum(a == p["tokens"][: len(a)] for a, p in zip(ort, g["prompts"]))
             lines.append(f"- ONNX Runtime AR tokens equal to transformers `generate`: {same}/{len(ort)} prompts")
         if bench.get("modes"):
+            load = bench.get("load_average", ["?", "?"])
             lines += [f"- glance-bench peak RSS {bench['peak_rss_gib']} GiB; lossless "
-                      f"{bench['lossless']['identical']}/{bench['lossless']['runs']} runs", "",
+                      f"{bench['lossless']['identical']}/{bench['lossless']['runs']} runs; machine load average "
+                      f"{load[0]} to {load[1]} during it", "",
                       "| mode | tau | rows | ms/token excl. prefill | prefill ms | speedup excl. / incl. prefill | "
                       "target ms | draft ms | vocab ms | outside ms (per round) | achieved / ideal |",
                       "|---|---|---|---|---|---|---|---|---|---|---|"]
