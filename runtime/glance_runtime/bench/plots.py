@@ -66,7 +66,8 @@ def plot_speedup(path: Path, report: dict) -> None:
                 entries = sorted((e for e in section["modes"].values() if e["kind"] == kind), key=lambda e: e["budget"])
                 if not entries:
                     continue
-                x = [e["budget"] for e in entries]
+                dodge = 2 ** (0.04 * (i - (len(sections) - 1) / 2))  # side by side, so intervals stay readable
+                x = [e["budget"] * dodge for e in entries]
                 y = [e[f"speedup_{key}"] for e in entries]
                 lo = [y_ - e[f"speedup_{key}_interval"][0] for y_, e in zip(y, entries)]
                 hi = [e[f"speedup_{key}_interval"][1] - y_ for y_, e in zip(y, entries)]
