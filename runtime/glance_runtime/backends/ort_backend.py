@@ -94,6 +94,9 @@ class OrtBackend(GraphBackend):
         if threads:
             options.intra_op_num_threads = threads
         options.log_severity_level = 3
+        # A round alternates four sessions; a session's idle workers spinning for work would steal the
+        # cores the next session's run needs (on 2 cores that doubled a step), so they sleep instead.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         device = device_for(self.providers)
 
         def session(graph: str) -> OrtGraph:
