@@ -109,6 +109,19 @@ def test_run_on_engines_without_a_gpu_is_one_line(rtx_engines, capsys):
     assert code == 2 and len(err) == 1 and "CUDA" in err[0] and "Traceback" not in err[0]
 
 
+def test_a_damaged_engine_is_named_before_anything_loads(rtx_engines, tmp_path, capsys):
+    import shutil
+
+    copy = Path(shutil.copytree(rtx_engines, tmp_path / "engines"))
+    engine = copy / "target.engine"
+    data = bytearray(engine.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    engine.write_bytes(bytes(data))
+    assert run_main(["--backend", "tensorrt", "--engines", str(copy), "--prompt", "What is the total?"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "target.engine" in err[0] and "glance-export build" in err[0]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_gpu(), reason="running TensorRT engines needs an NVIDIA GPU")
 def test_engines_answer_like_onnxruntime(rtx_engines):

@@ -111,6 +111,7 @@ class TrtBackend(GraphBackend):
                  max_context: int | None = None, max_tree: int | None = None):
         engines = Path(engines_dir)
         record = read_engines_record(engines)
+        verify_engines(engines, record)  # first: a damaged copy is named as such on any machine
         module_name = record["tensorrt"]["module"]
         try:
             trt = importlib.import_module(module_name)
@@ -125,7 +126,6 @@ class TrtBackend(GraphBackend):
         if expected and sha256(artifacts / "manifest.json") != expected:
             raise GlanceError(f"{artifacts} is not the export these engines were built from; pass the original "
                               f"with --artifacts or {REBUILD}")
-        verify_engines(engines, record)
         self.runtime = trt.Runtime(trt.Logger(trt.Logger.ERROR))
         graphs = {graph: TrtGraph(trt, self.runtime, engines / entry["file"], device)
                   for graph, entry in record["engines"].items()}
