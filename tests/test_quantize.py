@@ -60,9 +60,10 @@ def _tensors(path: Path) -> list[onnx.TensorProto]:
     return list(graph_tensors(onnx.load(str(path)).graph))
 
 
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
 @pytest.mark.parametrize("family", ALL_FAMILIES)
-def test_glance_is_identical_to_the_quantized_greedy(export, family):
-    _, artifacts = export(family)
+def test_glance_is_identical_to_the_quantized_greedy(export, family, scheme):
+    _, artifacts = export(family, scheme)
     backend = OrtBackend(artifacts)
     stops = backend.stop_token_ids
     for text in PROMPTS:
