@@ -173,12 +173,24 @@ def test_law_runs_alone_on_a_round_log(bench_out, tmp_path, capsys):
     (["--data", str(REPO / "examples/receipt/tasks.jsonl"), "--budgets", "500", "--n", "1", "--out", "OUT"],
      "--budget 500"),
     (["law", "missing.jsonl"], "round log missing.jsonl does not exist"),
+    (["--data", "EMPTY", "--out", "OUT"], "holds no prompts"),
+    (["--data", "LATIN1", "--out", "OUT"], "is not UTF-8"),
+    (["law", "LATIN1"], "is not UTF-8"),
+    (["--data", "EMPTY"], "the following arguments are required: --out"),
 ])
 def test_bad_input_is_one_line(argv, message, tmp_path, capsys):
-    argv = [str(tmp_path / "out") if a == "OUT" else a for a in argv]
-    assert bench_main(argv) == 2
+    (tmp_path / "empty.jsonl").write_text("\n")
+    (tmp_path / "latin1.jsonl").write_bytes('{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    names = {"OUT": tmp_path / "out", "EMPTY": tmp_path / "empty.jsonl", "LATIN1": tmp_path / "latin1.jsonl"}
+    argv = [str(names.get(a, a)) for a in argv]
+    try:
+        code = bench_main(argv)
+    except SystemExit as exc:  # argparse's own refusals
+        code = exc.code
+    assert code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("glance-bench: error:") and message in err and "\n" not in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_law_refuses_an_unknown_mode_and_a_missing_cap(bench_out, tmp_path, capsys):

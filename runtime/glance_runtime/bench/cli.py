@@ -18,6 +18,7 @@ from .. import __version__
 from ..defaults import resolve
 from ..errors import GlanceError
 from ..limits import check_decode
+from ..cli_parser import OneLineParser
 from ..runner import BACKENDS, open_runner
 from .law_log import fit_log, select
 from .markdown import law_table
@@ -30,7 +31,7 @@ from .timing import GraphClock
 
 
 def bench_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="glance-bench", description="Speed, acceptance and the draftability law of "
+    p = OneLineParser(prog="glance-bench", description="Speed, acceptance and the draftability law of "
                                 "GLANCE against AR greedy decoding, measured side by side (see also "
                                 "`glance-bench law ROUNDS.jsonl`).")
     p.add_argument("--data", type=Path, action="extend", nargs="+", required=True,
@@ -60,7 +61,7 @@ def bench_parser() -> argparse.ArgumentParser:
 
 
 def law_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="glance-bench law", description="Fit the draftability law "
+    p = OneLineParser(prog="glance-bench law", description="Fit the draftability law "
                                 "logit p = b0 - b1 H to a round log, per kind and pooled, with diagnostics.")
     p.add_argument("rounds", type=Path, help="rounds.jsonl from glance-bench (or JSON lines with entropy, accepted)")
     p.add_argument("--mode", help="which mode's rounds (default: the largest tree budget in the log)")

@@ -29,8 +29,12 @@ def read_rounds(path: Path) -> list[dict]:
     """A round log from `glance-bench` (or any JSON lines with entropy and accepted per round)."""
     if not path.is_file():
         raise GlanceError(f"round log {path} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise GlanceError(f"round log {path} is not UTF-8 text (byte {exc.start}); pass rounds.jsonl from glance-bench") from None
     rows = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:

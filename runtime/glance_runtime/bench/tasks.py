@@ -27,8 +27,12 @@ def read_tasks(paths: list[Path], limit: int | None = None) -> list[Task]:
     for path in paths:
         if not path.is_file():
             raise GlanceError(f"task file {path} does not exist")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise GlanceError(f"task file {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
         taken = 0
-        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        for lineno, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             if limit is not None and taken >= limit:
@@ -47,5 +51,5 @@ def read_tasks(paths: list[Path], limit: int | None = None) -> list[Task]:
             counts[kind] = counts.get(kind, 0) + 1
             taken += 1
         if taken == 0:
-            raise GlanceError(f"task file {path} holds no prompts")
+            raise GlanceError(f"task file {path} holds no prompts; add one {{\"prompt\": ...}} per line")
     return tasks
