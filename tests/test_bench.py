@@ -174,6 +174,8 @@ def test_law_runs_alone_on_a_round_log(bench_out, tmp_path, capsys):
      "--budget 500"),
     (["law", "missing.jsonl"], "round log missing.jsonl does not exist"),
     (["--data", "EMPTY", "--out", "OUT"], "holds no prompts"),
+    (["--data", str(REPO / "examples/receipt/tasks.jsonl"), "--max-new-tokens", "1", "--out", "OUT"],
+     "leaves no rounds"),
     (["--data", "LATIN1", "--out", "OUT"], "is not UTF-8"),
     (["law", "LATIN1"], "is not UTF-8"),
     (["--data", "EMPTY"], "the following arguments are required: --out"),

@@ -78,6 +78,9 @@ def law_parser() -> argparse.ArgumentParser:
 def _check(args: argparse.Namespace) -> None:
     if args.samples < 2:
         raise GlanceError("--samples must be at least 2 (the first is a dropped warm-up)")
+    if args.max_new_tokens < 2:
+        raise GlanceError(f"--max-new-tokens {args.max_new_tokens} leaves no rounds to measure (prefill gives the "
+                          "first token); pass 2 or more")
     if args.n is not None and args.n < 1:
         raise GlanceError("--n must be at least 1")
     if args.bootstrap < 1:

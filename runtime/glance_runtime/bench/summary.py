@@ -32,15 +32,19 @@ def _per_prompt(results: list[PromptResult], mode: str) -> dict[str, np.ndarray]
 
 def _ms_per_token(cols: dict[str, np.ndarray], idx: np.ndarray, prefill: bool) -> float:
     ms, tokens = (cols["total_ms"], cols["tokens"]) if prefill else (cols["decode_ms"], cols["decode_tokens"])
-    return float(ms[idx].sum() / max(tokens[idx].sum(), 1))
+    total = tokens[idx].sum()
+    return float(ms[idx].sum() / total) if total else float("nan")
 
 
 def _round_costs(results: list[PromptResult], mode: str) -> dict:
     """Pooled rounds of one mode: tau, tree size, per-round ms split into graphs and the outside."""
     rounds = [rd for r in results for run in r.of(mode) for rd in run.rounds]
     runs = [run for r in results for run in r.of(mode)]
-    if not rounds:
-        return {"rounds": 0, "tau": float("nan")}
+    if not rounds:  # every answer ended at prefill's token
+        nan = float("nan")
+        return {"rounds": 0, "cost_source": "none", **{k: nan for k in (
+            "tau", "tokens_per_round", "mean_tree_size", "round_ms", "draft_ms", "verify_ms", "outside_ms",
+            "cost_ms", "outside_share")}}
     out = {"rounds": len(rounds), "tau": sum(rd["accepted"] for rd in rounds) / len(rounds),
            "tokens_per_round": sum(run.decode_tokens for run in runs) / len(rounds),
            "mean_tree_size": float(np.mean([rd["tree_size"] for rd in rounds])),
@@ -63,9 +67,9 @@ def _efficiency(mode_costs: dict, ar_costs: dict, achieved: float) -> dict:
     """Ideal speedup: AR's model cost per token over this mode's model cost per committed token, i.e.
     what the measured acceptance would give with no time spent outside the graphs."""
     per_token = mode_costs["cost_ms"] / mode_costs["tokens_per_round"] if mode_costs["tokens_per_round"] else float("nan")
-    ar_per_token = ar_costs["cost_ms"] / ar_costs["tokens_per_round"]
-    ideal = ar_per_token / per_token
-    return {"ideal_speedup": ideal, "achieved_fraction": achieved / ideal}
+    ar_per_token = ar_costs["cost_ms"] / ar_costs["tokens_per_round"] if ar_costs["tokens_per_round"] else float("nan")
+    ideal = ar_per_token / per_token if per_token else float("nan")
+    return {"ideal_speedup": ideal, "achieved_fraction": achieved / ideal if ideal else float("nan")}
 
 
 def summarize_kind(results: list[PromptResult], modes: list[Mode], replicates: int, rng: np.random.Generator) -> dict:
