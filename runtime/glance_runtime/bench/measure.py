@@ -73,7 +73,7 @@ def _decode(backend, prompt, mode: Mode, max_new_tokens: int, stops: Sequence[in
 
 def measure_prompt(backend, task: Task, build_prompt, stops: Sequence[int], modes: list[Mode], samples: int,
                    max_new_tokens: int, clock: GraphClock | None, seed_drafts: str = "none") -> PromptResult:
-    """`samples` rounds of every mode (the first dropped); raises nothing on a divergence, which is recorded."""
+    """`samples` runs of every mode (the first dropped); a run that differs from AR is recorded, not raised."""
     prompt = build_prompt(task.prompt, task.image)
     block = backend.block_size
     truth: list[int] | None = None
