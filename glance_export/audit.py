@@ -5,40 +5,11 @@ repeatable cannot be asked to match it more often than it matches itself.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
-from glance_runtime.errors import GlanceError
 from glance_runtime.loop import DecodeConfig, decode
 from glance_runtime.runner import Runner
-
-
-@dataclass(frozen=True)
-class Task:
-    prompt: str
-    image: Path | None = None
-
-
-def read_tasks(path: str | Path) -> list[Task]:
-    """TASKS.jsonl: one {"prompt": str, "image": path relative to the file (optional)} per line."""
-    path = Path(path)
-    if not path.is_file():
-        raise GlanceError(f"task file {path} does not exist")
-    tasks = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise GlanceError(f"{path}:{lineno} is not valid JSON ({exc.msg})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise GlanceError(f"{path}:{lineno} needs a string \"prompt\" field")
-        image = row.get("image")
-        tasks.append(Task(row["prompt"], path.parent / image if image else None))
-    return tasks
+from glance_runtime.tasks import Task
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:

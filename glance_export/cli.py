@@ -41,7 +41,7 @@ def _audit(args: argparse.Namespace) -> int:
     from glance_runtime.runner import open_runner
 
     from .audit import audit
-    from .tasks import read_tasks
+    from glance_runtime.tasks import read_tasks
 
     if args.save_reference is not None:
         return _save_reference(args)
@@ -110,7 +110,7 @@ def _audit_reference(args: argparse.Namespace) -> int:
     """Device side, no torch: the backend's GLANCE and own greedy output against a recorded reference."""
     from glance_runtime.runner import open_runner
 
-    from .tasks import read_tasks
+    from glance_runtime.tasks import read_tasks
     from .reference_audit import audit_against_reference, summary
     from .reference_file import check_reference, load_reference, model_source
 

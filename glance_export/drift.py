@@ -13,9 +13,9 @@ from typing import Any, Sequence
 from glance_runtime.errors import GlanceError
 from glance_runtime.graphs import MANIFEST
 from glance_runtime.loop import DecodeConfig, decode
+from glance_runtime.tasks import read_tasks
 
 from .audit import first_divergence
-from .tasks import read_tasks
 
 
 def _manifest(artifacts: Path) -> dict[str, Any]:

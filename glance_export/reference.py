@@ -59,8 +59,8 @@ class TorchBackend:
         return torch.cat([hidden_states[i + 1] for i in self.head.config.target_layer_ids], dim=-1)
 
     def _t(self, array) -> torch.Tensor:
-        """A numpy array (or list) as a tensor on the model's device."""
-        return torch.as_tensor(np.asarray(array), device=self.device)
+        """A numpy array (or list) copied into a tensor on the model's device (tree arrays are read-only)."""
+        return torch.tensor(np.asarray(array), device=self.device)
 
     def _positions(self, stream: torch.Tensor) -> torch.Tensor:
         pos = (stream + self.delta)[None]

@@ -18,8 +18,9 @@ from typing import Any, Callable, Sequence
 from glance_runtime.errors import GlanceError
 from glance_runtime.loop import DecodeConfig, decode
 from glance_runtime.runner import Runner
+from glance_runtime.tasks import Task
 
-from .audit import Task, first_divergence
+from .audit import first_divergence
 from .reference_file import RECORD, RecordedTask, Reference, array_sha256, ids_sha256
 
 _PRECISION_OF_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}

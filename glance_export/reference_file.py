@@ -20,8 +20,7 @@ import numpy as np
 
 from glance_runtime.errors import GlanceError
 from glance_runtime.manifest import sha256
-
-from .audit import Task
+from glance_runtime.tasks import Task
 
 FORMAT = "glance-reference"
 FORMAT_VERSION = 1

@@ -16,7 +16,7 @@ from glance_runtime.manifest import sha256
 
 from . import __version__
 from .adapters import Snapshot
-from .audit import read_tasks
+from glance_runtime.tasks import read_tasks
 from .reference import greedy_with_margins
 from .reference_file import RecordedTask, Reference, array_sha256, ids_sha256, image_sha256, model_source
 

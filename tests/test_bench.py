@@ -173,10 +173,10 @@ def test_law_runs_alone_on_a_round_log(bench_out, tmp_path, capsys):
     (["--data", str(REPO / "examples/receipt/tasks.jsonl"), "--budgets", "500", "--n", "1", "--out", "OUT"],
      "--budget 500"),
     (["law", "missing.jsonl"], "round log missing.jsonl does not exist"),
-    (["--data", "EMPTY", "--out", "OUT"], "holds no prompts"),
+    (["--data", "EMPTY", "--out", "OUT"], "has no tasks"),
     (["--data", str(REPO / "examples/receipt/tasks.jsonl"), "--max-new-tokens", "1", "--out", "OUT"],
      "leaves no rounds"),
-    (["--data", "LATIN1", "--out", "OUT"], "is not UTF-8"),
+    (["--data", "LATIN1", "--out", "OUT"], "is not valid UTF-8"),
     (["law", "LATIN1"], "is not UTF-8"),
     (["--data", "EMPTY"], "the following arguments are required: --out"),
 ])
