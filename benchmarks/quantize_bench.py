@@ -142,9 +142,9 @@ def drift(outputs: list[list[int]], reference: list[list[int]]) -> dict:
             "first_divergence": [r["first_divergence"] for r in rows]}
 
 
-def run_case(name: str, arts: dict[str, Path], tasks: Path | None, args) -> list[dict]:
+def run_case(name: str, arts: dict[str, Path], tasks: Path | None, args, schemes=SCHEMES) -> list[dict]:
     rows = []
-    for scheme in SCHEMES:
+    for scheme in schemes:
         print(f"measuring {name} {scheme}", flush=True)
         m = child(arts[scheme], tasks, args)
         b = graph_bytes(arts[scheme])
@@ -190,6 +190,8 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=24)
     ap.add_argument("--budget", type=int, default=15)
     ap.add_argument("--skip-real", action="store_true")
+    ap.add_argument("--real-schemes", nargs="*", default=["int8", "int4"], choices=("int8", "int4"),
+                    help="quantized schemes measured at real width (int8 runs ~100x slower than int4 there)")
     ap.add_argument("--skip-default", action="store_true")
     ap.add_argument("--measure", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--tasks", type=Path, help=argparse.SUPPRESS)
@@ -227,7 +229,8 @@ def main() -> None:
             s = Snapshot(snap)
             save_head(init_head(head_config_for(s, 1, 16, pick_mask_token(s)), seed=0), head)
         arts = export_all(snap, head, root, args.group_size)
-        rows += run_case(f"3B width, {args.layers} layers (group {args.group_size})", arts, None, args)
+        rows += run_case(f"3B width, {args.layers} layers (group {args.group_size})", arts, None, args,
+                         ("fp32", *args.real_schemes))
     print(table(rows))
     if not args.skip_default:
         print(accuracy_table([r for r in rows if r["case"].startswith("default")]))

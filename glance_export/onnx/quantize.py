@@ -49,13 +49,6 @@ class Scheme:
     def bits(self) -> int:
         return SCHEMES[self.name]
 
-    @property
-    def accuracy_level(self) -> int | None:
-        """MatMulNBits' compute type. ONNX Runtime's CPU kernels multiply 8-bit weights only with int8
-        activations (level 4; at the default fp32 level an int8 matmul dequantizes the whole matrix per
-        call, ~16x slower than fp32); 4-bit weights keep fp32 activations."""
-        return 4 if self.bits == 8 else None
-
 
 def check_scheme(name: str, group_size: int, hidden: int, dtype: str) -> Scheme:
     """One-line refusals for a scheme these graphs cannot take."""
@@ -83,8 +76,12 @@ def _quantizer(model: onnx.ModelProto, scheme: Scheme):
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer, logger
 
     logger.setLevel(logging.WARNING)  # it logs every node of the graph at INFO
+    # accuracy_level stays unset (fp32 activations). The int8-activation level is several times faster on
+    # ONNX Runtime's CPU kernels, but its results depend on how many rows a pass has, so a tree verify and a
+    # one-row greedy step disagree (measured: GLANCE diverged from greedy on a 3B-width int8 model), which
+    # would break losslessness against the deployed model.
     return MatMulNBitsQuantizer(model, bits=scheme.bits, block_size=scheme.group_size, is_symmetric=True,
-                                accuracy_level=scheme.accuracy_level, op_types_to_quantize=("MatMul",))
+                                op_types_to_quantize=("MatMul",))
 
 
 def _initializers(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
@@ -347,9 +344,8 @@ def quantize_graphs(out: Path, scheme: Scheme, progress: Callable[[str], None] =
         "library": "onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer",
         "library_version": importlib.metadata.version("onnxruntime"),
         "graphs": graphs,
-        "accuracy_level": scheme.accuracy_level,
-        "kept": "vision tower, norms, biases and rotary tables stay fp32; activations are fp32 (int8: ONNX Runtime's "
-                "MatMulNBits quantizes them to int8 per block inside the matmul, accuracy_level 4)",
+        "accuracy_level": None,
+        "kept": "vision tower, norms, biases, rotary tables and all activations stay fp32",
         "onnxruntime_form": "MatMulNBits (linear layers and LM head) + GatherBlockQuantized (embedding)",
         "tensorrt_form": f"blocked DequantizeLinear (opset {TENSORRT_OPSET}, zero point 0) -> MatMul/Gemm/Gather",
         "tensorrt_opset": TENSORRT_OPSET,
