@@ -7,14 +7,13 @@ Real width: a random Qwen2.5-VL with Qwen2.5-VL-3B's text width (hidden 2048, 16
 intermediate 11008, the real 151,936-row vocabulary, tied as in the 3B) cut to --layers layers, a tiny
 vision tower, and an untrained 1-layer head (it accepts almost nothing: GLANCE ms/token there is the
 cost of a round at tau ~1, not a speedup claim). Each scheme is measured in its own process (peak RSS
-is that process's: session load + decoding). ms/token excludes prefill, median over samples after a
+is that process's VmHWM: session load + decoding). ms/token excludes prefill, median over samples after a
 dropped warm-up, AR and GLANCE interleaved.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -82,6 +81,14 @@ def _exact(runner, tokens: list[int], answers: list[str]) -> bool:
     return runner.detokenize(tokens).strip() in answers
 
 
+def _peak_rss_mb() -> float:
+    """This process's resident high-water mark (VmHWM: unlike ru_maxrss, not inherited from the parent)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise SystemExit("no VmHWM in /proc/self/status")
+
+
 def measure(artifacts: Path, tasks: Path | None, threads: int, samples: int, max_new: int, budget: int) -> dict:
     """Runs in a child process: one session, interleaved AR/GLANCE samples per prompt, accuracy, peak RSS."""
     from glance_runtime.loop import DecodeConfig, decode
@@ -118,7 +125,7 @@ def measure(artifacts: Path, tasks: Path | None, threads: int, samples: int, max
                         accepted += sum(r.accepted for r in result.rounds)
                         rounds += len(result.rounds)
     return {"ar_ms_per_token": statistics.median(ar_ms), "glance_ms_per_token": statistics.median(spec_ms),
-            "tau": accepted / rounds, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "tau": accepted / rounds, "peak_rss_mb": _peak_rss_mb(),
             "exact": {k: v[0] / v[1] for k, v in correct.items()}, "n_per_kind": {k: v[1] for k, v in correct.items()},
             "outputs": outputs}
 
