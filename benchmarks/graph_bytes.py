@@ -20,30 +20,13 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "runtime"), str(ROOT)]
 
 def make_target(out: Path, hidden: int, layers: int, vocab: int, tied: bool) -> Path:
     """A random Qwen2.5-VL snapshot of the given width and vocabulary, its own tokenizer and processor."""
-    import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    from tiny_models import make_wide_snapshot
 
-    from tiny_models import make_snapshot
-
-    snap = make_snapshot(out, "qwen2_5_vl", layers=layers)
-    raw = json.loads((snap / "config.json").read_text())
     heads = hidden // 64
-    raw["text_config"].update(hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_attention_heads=heads,
-                              num_key_value_heads=max(1, heads // 4), vocab_size=vocab, tie_word_embeddings=tied)
-    raw["text_config"]["rope_parameters"]["mrope_section"] = [8, 12, 12]
-    raw["tie_word_embeddings"] = tied
-    raw["vision_config"]["out_hidden_size"] = hidden
-    (snap / "config.json").write_text(json.dumps(raw, indent=2))
-    torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(snap))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim >= 2:
-                p.normal_(0.0, 2.0 / hidden ** 0.5)
-    for old in snap.glob("*.safetensors"):
-        old.unlink()
-    model.save_pretrained(snap)
-    return snap
+    text = dict(hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_attention_heads=heads,
+                num_key_value_heads=max(1, heads // 4), vocab_size=vocab, num_hidden_layers=layers,
+                rope_parameters={"mrope_section": [8, 12, 12]})
+    return make_wide_snapshot(out, "qwen2_5_vl", text, tied=tied)
 
 
 def graph_bytes(artifacts: Path) -> dict[str, int]:

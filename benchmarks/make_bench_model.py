@@ -28,32 +28,16 @@ def main() -> None:
     ap.add_argument("--max-context", type=int, default=1024)
     args = ap.parse_args()
 
-    import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText
-
     from glance_export.adapters import Snapshot
     from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
     from glance_export.onnx import export_artifacts
-    from tiny_models import make_snapshot
+    from tiny_models import make_wide_snapshot
 
-    snap_dir = make_snapshot(args.out / "snapshot", args.family, layers=args.layers)
-    raw = json.loads((snap_dir / "config.json").read_text())
-    text = raw["text_config"]
     heads = args.hidden // 64
-    text.update(hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4, num_attention_heads=heads,
-                num_key_value_heads=max(1, heads // 4), vocab_size=args.vocab)
-    text["rope_parameters"]["mrope_section"] = [8, 12, 12]  # halves of head_dim 64, in Qwen's 2:3:3 split
-    raw["vision_config"]["out_hidden_size"] = args.hidden
-    (snap_dir / "config.json").write_text(json.dumps(raw, indent=2))
-    torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(snap_dir))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim >= 2:
-                p.normal_(0.0, 2.0 / args.hidden ** 0.5)
-    for old in snap_dir.glob("*.safetensors"):
-        old.unlink()
-    model.save_pretrained(snap_dir)
+    text = dict(hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4, num_attention_heads=heads,
+                num_key_value_heads=max(1, heads // 4), vocab_size=args.vocab, num_hidden_layers=args.layers,
+                rope_parameters={"mrope_section": [8, 12, 12]})  # halves of head_dim 64, in Qwen's 2:3:3 split
+    snap_dir = make_wide_snapshot(args.out / "snapshot", args.family, text)
     snapshot = Snapshot(snap_dir)
     head = init_head(head_config_for(snapshot, 1, args.block_size, pick_mask_token(snapshot)), seed=0)
     head_dir = save_head(head, args.out / "head")

@@ -28,30 +28,11 @@ REAL_PROMPTS = ["Describe the picture in detail.", "What is the total on the rec
 
 def make_real_width(out: Path, layers: int, vocab: int) -> Path:
     """A random Qwen2.5-VL snapshot at Qwen2.5-VL-3B's text width, tied, with the tiny test vision tower."""
-    import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    from tiny_models import make_wide_snapshot
 
-    from tiny_models import make_snapshot
-
-    snap = make_snapshot(out, "qwen2_5_vl", layers=layers)
-    raw = json.loads((snap / "config.json").read_text())
-    hidden = 2048
-    raw["text_config"].update(hidden_size=hidden, intermediate_size=11008, num_attention_heads=16,
-                              num_key_value_heads=2, vocab_size=vocab, tie_word_embeddings=True)
-    raw["text_config"]["rope_parameters"]["mrope_section"] = [16, 24, 24]
-    raw["tie_word_embeddings"] = True
-    raw["vision_config"]["out_hidden_size"] = hidden
-    (snap / "config.json").write_text(json.dumps(raw, indent=2))
-    torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(snap))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim >= 2:
-                p.normal_(0.0, 2.0 / hidden ** 0.5)
-    for old in snap.glob("*.safetensors"):
-        old.unlink()
-    model.save_pretrained(snap)
-    return snap
+    text = dict(hidden_size=2048, intermediate_size=11008, num_attention_heads=16, num_key_value_heads=2,
+                vocab_size=vocab, num_hidden_layers=layers, rope_parameters={"mrope_section": [16, 24, 24]})
+    return make_wide_snapshot(out, "qwen2_5_vl", text, tied=True)
 
 
 def export_all(model: Path, head: Path, out: Path, group: int) -> dict[str, Path]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -69,35 +70,22 @@ def cut(published: dict, layers: int, vision_depth: int) -> tuple[dict, dict]:
 
 
 def stage_build(out: Path, name: str, layers: int, vision_depth: int) -> dict:
-    import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    from safetensors import safe_open
 
     from glance_export.adapters import Snapshot
     from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
     from glance_export.onnx import export_artifacts
-    from tiny_models import make_snapshot
+    from tiny_models import make_wide_snapshot
 
     published = PUBLISHED[name]
     text, vision = cut(published, layers, vision_depth)
     t0 = time.perf_counter()
-    snap = make_snapshot(out / "snapshot", published["family"], layers=layers, tied=True)
-    raw = json.loads((snap / "config.json").read_text())
-    raw["text_config"].update(text)
-    raw["vision_config"].update(vision)
-    raw["tie_word_embeddings"] = True
-    (snap / "config.json").write_text(json.dumps(raw, indent=2))
-    torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(snap))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim >= 2:
-                p.normal_(0.0, 2.0 / text["hidden_size"] ** 0.5)
-    for old in snap.glob("*.safetensors"):
-        old.unlink()
-    model.save_pretrained(snap)
-    params = sum(p.numel() for p in model.parameters())
-    del model
+    snap = make_wide_snapshot(out / "snapshot", published["family"], text, vision, tied=True)
     snapshot = Snapshot(snap)
+    params = 0
+    for file in snap.glob("*.safetensors"):
+        with safe_open(str(file), "np") as weights:
+            params += sum(math.prod(weights.get_slice(k).get_shape()) for k in weights.keys())
     head_dir = save_head(init_head(head_config_for(snapshot, 1, 16, pick_mask_token(snapshot)), seed=0), out / "head")
     made = time.perf_counter() - t0
     t0 = time.perf_counter()

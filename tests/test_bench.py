@@ -177,7 +177,7 @@ def test_law_runs_alone_on_a_round_log(bench_out, tmp_path, capsys):
     (["--data", str(REPO / "examples/receipt/tasks.jsonl"), "--max-new-tokens", "1", "--out", "OUT"],
      "leaves no rounds"),
     (["--data", "LATIN1", "--out", "OUT"], "is not valid UTF-8"),
-    (["law", "LATIN1"], "is not UTF-8"),
+    (["law", "LATIN1"], "is not valid UTF-8"),
     (["--data", "EMPTY"], "the following arguments are required: --out"),
 ])
 def test_bad_input_is_one_line(argv, message, tmp_path, capsys):

@@ -109,6 +109,36 @@ def make_snapshot(out: Path, family: str, layers: int = 4, seed: int = 0, std: f
     return out
 
 
+def make_wide_snapshot(out: Path, family: str, text: dict, vision: dict | None = None, tied: bool = False) -> Path:
+    """A random VL snapshot at another width: `text` and `vision` override the tiny config (nested dicts such
+    as rope_parameters are merged), the tokenizer and processor stay the tiny model's, and weights are
+    re-drawn at std 2/sqrt(hidden) so greedy output still depends on the context. For benchmarks at a
+    real model's width; depth is text's num_hidden_layers."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    snap = make_snapshot(out, family, layers=text.get("num_hidden_layers", 4), tied=tied)
+    raw = json.loads((snap / "config.json").read_text())
+    for section, overrides in (("text_config", text), ("vision_config",
+                                                       {"out_hidden_size": text["hidden_size"], **(vision or {})})):
+        for key, value in overrides.items():
+            if isinstance(value, dict) and isinstance(raw[section].get(key), dict):
+                raw[section][key].update(value)
+            else:
+                raw[section][key] = value
+    raw["text_config"]["tie_word_embeddings"] = raw["tie_word_embeddings"] = tied
+    (snap / "config.json").write_text(json.dumps(raw, indent=2))
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(snap))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, 2.0 / text["hidden_size"] ** 0.5)
+    for old in snap.glob("*.safetensors"):
+        old.unlink()
+    model.save_pretrained(snap)
+    return snap
+
+
 def make_image(path: Path, width: int, height: int, seed: int) -> Path:
     """A seeded image of random coloured rectangles, so different seeds give different pictures."""
     rng = np.random.default_rng(seed)

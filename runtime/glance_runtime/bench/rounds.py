@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from ..errors import GlanceError
+from ..jsonl import read_jsonl
 from .measure import PromptResult
 
 REQUIRED = ("entropy", "accepted")
@@ -27,23 +28,12 @@ def write_rounds(path: Path, rows: list[dict]) -> None:
 
 def read_rounds(path: Path) -> list[dict]:
     """A round log from `glance-bench` (or any JSON lines with entropy and accepted per round)."""
-    if not path.is_file():
-        raise GlanceError(f"round log {path} does not exist")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise GlanceError(f"round log {path} is not UTF-8 text (byte {exc.start}); pass rounds.jsonl from glance-bench") from None
+    fix = "pass rounds.jsonl from glance-bench"
     rows = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise GlanceError(f"{path}:{lineno} is not valid JSON ({exc.msg})") from None
-        if not isinstance(row, dict) or any(not isinstance(row.get(k), (int, float)) for k in REQUIRED):
-            raise GlanceError(f"{path}:{lineno} needs numeric \"entropy\" and \"accepted\" fields")
+    for lineno, row in read_jsonl(path, "round log", fix):
+        if any(not isinstance(row.get(k), (int, float)) for k in REQUIRED):
+            raise GlanceError(f"{path}:{lineno} needs numeric \"entropy\" and \"accepted\" fields; {fix}")
         rows.append(row)
     if not rows:
-        raise GlanceError(f"round log {path} holds no rounds")
+        raise GlanceError(f"round log {path} holds no rounds; {fix}")
     return rows
