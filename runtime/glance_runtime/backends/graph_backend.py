@@ -8,9 +8,10 @@ Everything a pass reads or writes is a preallocated `Buffer`, bound by address:
 - The vocab graph's projections return the top-k tokens' embeddings; the next anchor and every tree
   node is one of them, so inputs are assembled by device copies, not by another graph run.
 - Per round the host sends the tree (ids, positions, mask: kilobytes) and reads back top-k ids,
-  log-probs and one entropy (kilobytes). KV never crosses. Device calls per round: the uploads and
-  downloads below (a fixed number), one row copy per tree row and per accepted row, one strided copy
-  per moved KV row: independent of the context length and of the number of layers.
+  log-probs and one entropy (kilobytes). KV never crosses. Device calls per round, for a T-row tree
+  with `kept` rows committed of which `moved` change place: 20 + T + kept + moved with a draft
+  (draft 3, each projection 7, verify 3 + T embedding rows, commit kept taps rows + moved KV rows),
+  10 + T + kept + moved without: independent of the context length and of the number of layers.
 """
 from __future__ import annotations
 
