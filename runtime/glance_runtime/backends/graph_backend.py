@@ -9,9 +9,9 @@ Everything a pass reads or writes is a preallocated `Buffer`, bound by address:
   node is one of them, so inputs are assembled by device copies, not by another graph run.
 - Per round the host sends the tree (ids, positions, mask: kilobytes) and reads back top-k ids,
   log-probs and one entropy (kilobytes). KV never crosses. Device calls per round, for a T-row tree
-  with `kept` rows committed of which `moved` change place: 20 + T + kept + moved with a draft
-  (draft 3, each projection 7, verify 3 + T embedding rows, commit kept taps rows + moved KV rows),
-  10 + T + kept + moved without: independent of the context length and of the number of layers.
+  with `kept` rows committed of which `moved` change place: 18 + T + kept + moved with a draft
+  (draft 3, each projection 6, verify 3 + T embedding rows, commit kept taps rows + moved KV rows),
+  9 + T + kept + moved without: independent of the context length and of the number of layers.
 """
 from __future__ import annotations
 
@@ -85,11 +85,13 @@ class GraphBackend:
         # top-k embeddings of the last projections, flat [rows * K, H]: row i belongs to token i of top_ids
         self.cands = {"draft": new(((m.block_size - 1) * k, hidden), self.float), "verify": new((rows * k, hidden), self.float)}
         self.scratch_row = new((1, hidden), self.float)
+        self.no_id = new((1,), np.int64)  # the dummy id of a projection-only vocab run (token 0, set once)
         self.scratch_cands = new((k, hidden), self.float)
         self.no_image = new((1, hidden), self.float).rows(0)
         self.no_deep = new((max(m.deepstack_layers, 1), 1, hidden), self.float).tensor((m.deepstack_layers, 0, hidden))
         self._images: dict[str, Buffer] = {}  # vision inputs and outputs, sized by the largest image so far
         self._reset()
+        device.upload(self.no_id.rows(1), np.zeros(1, np.int64))  # device memory is not zeroed
         self.embed_rows(np.array([m.mask_token_id], np.int64), self.block, 1)
         for row in range(2, m.block_size):
             device.copy(self.block.rows(1, row), self.block.rows(1, 1))
@@ -133,8 +135,7 @@ class GraphBackend:
         outputs = {"embeds": self.scratch_row.rows(1), "topk_ids": self.top_ids.rows(rows),
                    "topk_logprobs": self.top_logp.rows(rows), "entropy": self.entropy.rows(1),
                    "topk_embeds": cands.tensor((rows, k, cands.shape[1]))}
-        self.device.upload(self.ids.rows(1), np.zeros(1, np.int64))
-        self.graphs["vocab"].run({"ids": self.ids.rows(1), "hidden": hidden}, outputs)
+        self.graphs["vocab"].run({"ids": self.no_id.rows(1), "hidden": hidden}, outputs)
         ids = self.device.download(self.top_ids.rows(rows))
         logp = self.device.download(self.top_logp.rows(rows))
         entropy = float(self.device.download(self.entropy.rows(1))[0])
@@ -150,10 +151,10 @@ class GraphBackend:
         pos[:] = stream + self.delta
         return pos if self.manifest.is_vl else pos[0]
 
-    def _run_target(self, ids: np.ndarray, positions: np.ndarray, tree_mask: np.ndarray, taps: Tensor,
+    def _run_target(self, ids: np.ndarray, positions: np.ndarray, tree_mask: np.ndarray, taps: Buffer,
                     image: Tensor, deep: Tensor) -> Tensor:
         """One target pass over T rows after the committed ones: new K/V rows land in the cache, taps in
-        `taps`; returns the hidden rows (on the device)."""
+        the first T rows of `taps`; returns the hidden rows (on the device). Room is checked before any view."""
         rows = len(ids)
         self.kv.check_room(rows)
         self.embed_rows(ids, self.embeds, 0)
@@ -168,7 +169,7 @@ class GraphBackend:
             if self.manifest.deepstack_layers:
                 inputs["deepstack_embeds"] = deep
         hidden = self.hidden.rows(rows)
-        outputs = {"hidden": hidden, "taps": taps, **dict(zip(self.kv_out, self.kv.new_rows(rows)))}
+        outputs = {"hidden": hidden, "taps": taps.rows(rows), **dict(zip(self.kv_out, self.kv.new_rows(rows)))}
         self.graphs["target"].run({n: t for n, t in inputs.items() if n in self.graphs["target"].input_names}, outputs)
         self.kv.appended(rows)
         return hidden
@@ -219,8 +220,7 @@ class GraphBackend:
                 image, deep = self._encode_image(prompt)
         else:
             pos = np.arange(length, dtype=np.int64)[None]
-        self.kv.check_room(length)
-        hidden = self._run_target(ids, pos, np.tri(length, dtype=bool), self.pending.rows(length), image, deep)
+        hidden = self._run_target(ids, pos, np.tri(length, dtype=bool), self.pending, image, deep)
         self.start = length
         self.pending_rows, self.pending_from = length, 0
         top, _, entropy = self.project(hidden.buffer.rows(1, length - 1), "verify")
@@ -253,7 +253,7 @@ class GraphBackend:
             raise GlanceError(f"tree of {size} rows exceeds --max-tree {self.max_tree}; "
                               f"lower --budget to {self.max_tree - 1} or raise --max-tree (up to the build's limit)")
         positions = self._positions(self.start + np.asarray(depths, dtype=np.int64))
-        hidden = self._run_target(np.asarray(tokens, dtype=np.int64), positions, visible, self.taps.rows(size),
+        hidden = self._run_target(np.asarray(tokens, dtype=np.int64), positions, visible, self.taps,
                                   self.no_image, self.no_deep)
         top, _, entropy = self.project(hidden, "verify")
         return top[:, 0].astype(np.int64), entropy
