@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from glance_runtime.cli_parser import OneLineParser
+from glance_runtime.cli_parser import OneLineParser, guarded
 from glance_runtime.defaults import default_model, resolve
 from glance_runtime.errors import GlanceError
 from glance_runtime.limits import check_decode
@@ -368,12 +368,6 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except GlanceError as exc:
-        print(f"glance-export: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("glance-export: interrupted; outputs are left as they were before this run (a training run continues "
-              "from its last checkpoint when run again)", file=sys.stderr)
-        return 130
+    return guarded("glance-export", lambda: args.func(args),
+                   "interrupted; outputs are left as they were before this run (a training run continues from its "
+                   "last checkpoint when run again)")

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from .cli_parser import OneLineParser
+from .cli_parser import OneLineParser, guarded
 from .errors import GlanceError
 from .limits import check_decode
 from .loop import DecodeConfig, decode
@@ -101,11 +101,4 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return run(parser().parse_args(argv))
-    except GlanceError as exc:
-        print(f"glance-run: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("glance-run: interrupted", file=sys.stderr)
-        return 130
+    return guarded("glance-run", lambda: run(parser().parse_args(argv)))

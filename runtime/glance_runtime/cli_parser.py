@@ -1,9 +1,12 @@
-"""Argument errors in the same one-line form as every other refusal of the commands."""
+"""Argument errors in the same one-line form as every other refusal of the commands, and the one wrapper
+that turns a command's refusals and Ctrl-C into that line and an exit code."""
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import NoReturn
+from typing import Callable, NoReturn
+
+from .errors import GlanceError
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -12,3 +15,15 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: error: {message}; see {self.prog} --help", file=sys.stderr)
         sys.exit(2)
+
+
+def guarded(prog: str, command: Callable[[], int], interrupted: str = "interrupted") -> int:
+    """Run a command: a GlanceError is one `prog: error:` line and exit 2, Ctrl-C one line and exit 130."""
+    try:
+        return command()
+    except GlanceError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: {interrupted}", file=sys.stderr)
+        return 130

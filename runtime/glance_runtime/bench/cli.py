@@ -18,7 +18,7 @@ from .. import __version__
 from ..defaults import resolve
 from ..errors import GlanceError
 from ..limits import check_decode
-from ..cli_parser import OneLineParser
+from ..cli_parser import OneLineParser, guarded
 from ..runner import BACKENDS, open_runner
 from .law_log import fit_log, select
 from .markdown import law_table
@@ -188,13 +188,6 @@ def run_law(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    try:
-        if argv[:1] == ["law"]:
-            return run_law(law_parser().parse_args(argv[1:]))
-        return run_bench(bench_parser().parse_args(argv), argv)
-    except GlanceError as exc:
-        print(f"glance-bench: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("glance-bench: interrupted", file=sys.stderr)
-        return 130
+    if argv[:1] == ["law"]:
+        return guarded("glance-bench", lambda: run_law(law_parser().parse_args(argv[1:])))
+    return guarded("glance-bench", lambda: run_bench(bench_parser().parse_args(argv), argv))
