@@ -19,31 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import numpy as np
 
 from glance_runtime.backends.seeded import SeededDrafter
+from glance_runtime.bench.timing import GRAPH_NAMES, GraphClock
 from glance_runtime.loop import DecodeConfig, DecodeResult, decode
-
-
-GRAPHS = ("target", "draft", "vocab")
-
-
-class TimedGraph:
-    """Wraps one graph of a graph backend; records the wall time of every run."""
-
-    def __init__(self, graph):
-        self.graph, self.durations = graph, []
-        self.input_names = graph.input_names
-
-    def run(self, inputs, outputs) -> None:
-        t0 = time.perf_counter()
-        try:
-            self.graph.run(inputs, outputs)
-        finally:
-            self.durations.append(time.perf_counter() - t0)
 
 
 def open_backend(args):
@@ -51,9 +33,7 @@ def open_backend(args):
         from glance_runtime.backends.ort_backend import OrtBackend
 
         backend = OrtBackend(args.artifacts, providers=args.provider, threads=args.threads)
-        timed = {name: TimedGraph(backend.graphs[name]) for name in GRAPHS}
-        backend.graphs.update(timed)
-        return backend, backend.build_prompt, backend.stop_token_ids, timed
+        return backend, backend.build_prompt, backend.stop_token_ids, GraphClock.attach(backend)
     from glance_export.adapters import Snapshot
     from glance_export.head import load_head
     from glance_export.reference import TorchBackend
@@ -63,14 +43,14 @@ def open_backend(args):
     return backend, snapshot.build_prompt, snapshot.stop_token_ids, None
 
 
-def run_once(backend, timed, prompt, cfg: DecodeConfig, stops) -> tuple[DecodeResult, dict[str, float] | None]:
-    """One decode; also the graph-run seconds of its rounds by graph (prefill's target and vocab runs excluded)."""
-    if timed is None:
+def run_once(backend, clock: GraphClock | None, prompt, cfg: DecodeConfig,
+             stops) -> tuple[DecodeResult, dict[str, float] | None]:
+    """One decode; also the graph-run seconds of its rounds by graph (the clock read after prefill and at the end)."""
+    if clock is None:
         return decode(backend, prompt, cfg, stop_ids=stops), None
-    start = {name: len(g.durations) for name, g in timed.items()}
-    result = decode(backend, prompt, cfg, stop_ids=stops)
-    prefill_runs = {"target": 1, "vocab": 2, "draft": 0}
-    return result, {name: sum(g.durations[start[name] + prefill_runs[name]:]) for name, g in timed.items()}
+    readings: list[dict[str, float]] = []
+    result = decode(backend, prompt, cfg, stop_ids=stops, on_commit=lambda _new: readings.append(clock.reading()))
+    return result, {name: (readings[-1][name] - readings[0][name]) / 1e3 for name in GRAPH_NAMES}
 
 
 def summarize(kept: list[tuple[DecodeResult, dict[str, float] | None]]) -> dict:
@@ -86,14 +66,14 @@ def summarize(kept: list[tuple[DecodeResult, dict[str, float] | None]]) -> dict:
              "mean_tree_size": float(np.mean([rd.tree_size for rd in rounds]))}
     graph = [g for _, g in kept]
     if all(g is not None for g in graph):
-        seconds = {name: sum(g[name] for g in graph) for name in GRAPHS}
+        seconds = {name: sum(g[name] for g in graph) for name in GRAPH_NAMES}
         entry["outside_graph_share"] = 1 - sum(seconds.values()) * 1e3 / round_ms
         for name, s in seconds.items():
             entry[f"{name}_graph_ms_per_round"] = s * 1e3 / len(rounds)
     return entry
 
 
-def measure(backend, timed, prompt, stops, args) -> dict:
+def measure(backend, clock, prompt, stops, args) -> dict:
     """Interleaved AR and speculative samples of one prompt; the first sample of each is dropped."""
     ar_cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, speculative=False)
     spec_cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, budget=args.budget, branch_k=args.branch_k)
@@ -106,7 +86,7 @@ def measure(backend, timed, prompt, stops, args) -> dict:
     for i in range(args.samples):
         order = [("ar", backend, ar_cfg), ("spec", spec_backend, spec_cfg)]
         for name, b, cfg in (order if i % 2 == 0 else order[::-1]):
-            result, graph_s = run_once(b, timed, prompt, cfg, stops)
+            result, graph_s = run_once(b, clock, prompt, cfg, stops)
             if result.tokens != truth:
                 raise SystemExit(f"{name} sample {i} diverged from AR: lossless decoding is broken")
             runs[name].append((result, graph_s))
@@ -158,13 +138,13 @@ def main() -> None:
     if args.samples < 2:
         ap.error("--samples must be at least 2 (the first is a dropped warm-up)")
 
-    backend, build_prompt, stops, timed = open_backend(args)
+    backend, build_prompt, stops, clock = open_backend(args)
     print(f"{backend.name} {getattr(backend, 'providers', '') or ''}: budget {args.budget}, branch {args.branch_k}, "
           f"block {backend.block_size}, drafts {args.seed_drafts}, {args.samples - 1} samples kept per task "
           "(first dropped as warm-up)")
     tasks = []
     for i, (text, image) in enumerate(load_tasks(args)):
-        tasks.append(measure(backend, timed, build_prompt(text, image), stops, args))
+        tasks.append(measure(backend, clock, build_prompt(text, image), stops, args))
         report(f"task {i} ({text[:40]!r}{', ' + image.name if image else ''})", tasks[-1])
     speedups = [t["speedup_decode"] for t in tasks]
     overall = {"tasks": len(tasks), "geomean_speedup_decode": float(np.exp(np.mean(np.log(speedups)))),
