@@ -117,7 +117,8 @@ class TorchBackend:
         return top.indices.cpu().numpy().astype(np.int64), top.values.double().cpu().numpy()
 
     @torch.no_grad()
-    def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray) -> tuple[np.ndarray, float]:
+    def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray
+               ) -> tuple[np.ndarray, float, np.ndarray]:
         past, size = self.cache.get_seq_length(), len(tokens)
         mask = torch.zeros(1, 1, size, past + size, dtype=self.model.dtype, device=self.device)
         mask[0, 0, :, past:].masked_fill_(~self._t(visible), torch.finfo(self.model.dtype).min)
@@ -126,8 +127,10 @@ class TorchBackend:
                          cache=self.cache, use_cache=True, output_hidden_states=self.head is not None)
         if self.head is not None:
             self.verify_taps = self._taps(out.hidden_states)[0]
-        logits = out.logits[0]
-        return logits.argmax(-1).cpu().numpy().astype(np.int64), _entropy(logits[0])
+        logits = out.logits[0].float()
+        confidence = torch.log_softmax(logits, dim=-1).max(-1).values
+        return (logits.argmax(-1).cpu().numpy().astype(np.int64), _entropy(logits[0]),
+                confidence.double().cpu().numpy())
 
     def commit(self, rows: np.ndarray) -> None:
         """Compact the pack's KV in place: kept rows move down to follow the prefix, the rest is cut."""
@@ -191,4 +194,6 @@ def open_reference(model: Path, head: Path | None, dtype: str = "float32", devic
     return Runner(backend=backend, build_prompt=snapshot.build_prompt, stop_ids=stops,
                   detokenize=lambda ids: snapshot.tokenizer.decode(list(ids), skip_special_tokens=True),
                   limits=Limits(backend.block_size, snapshot.text_config["vocab_size"]),
-                  oracle=lambda prompt, n: greedy_reference(backend.model, snapshot, prompt, n, stops))
+                  oracle=lambda prompt, n: greedy_reference(backend.model, snapshot, prompt, n, stops),
+                  identity=f"torch {Path(model).resolve()} {Path(head).resolve() if head else ''} {dtype}",
+                  calibration_dirs=(Path(head),) if head is not None else ())

@@ -148,7 +148,7 @@ ROWS = [
     Row("run-max-context-beyond-export", "glance-run", lambda i: ort(i, i.art, "--max-context", "100000"),
         "--max-context 100000 is outside"),
     Row("run-max-tree-zero", "glance-run", lambda i: ort(i, i.art, "--max-tree", "0"), "--max-tree 0 is outside"),
-    Row("run-flag-not-a-number", "glance-run", lambda i: run(i, "--budget", "lots"), "invalid int value"),
+    Row("run-flag-not-a-number", "glance-run", lambda i: run(i, "--budget", "lots"), "'lots' is not a budget: pass auto"),
     Row("run-unknown-provider", "glance-run", lambda i: ort(i, i.art, "--provider", "warp9"), "not available"),
     Row("run-spec-without-head", "glance-run", lambda i: ["--backend", "torch", "--model", i.model, *run(i)],
         "needs --head"),

@@ -230,6 +230,8 @@ def test_generated_image_token_is_a_plain_token(exported, images, family):
     ours, ref = ex.backend.verify(*tree), reference.verify(*tree)
     np.testing.assert_array_equal(ours[0], ref[0])
     assert abs(ours[1] - ref[1]) < 1e-3
+    np.testing.assert_allclose(ours[2], ref[2], atol=1e-3)  # each row's confidence in its argmax
+    assert ours[2].shape == (3,) and np.all(ours[2] <= 0)
 
 
 def test_stop_token_and_stop_ids(exported, images):

@@ -97,6 +97,21 @@ def test_kept_scores_are_the_top_budget_scores(case: tuple) -> None:
 
 
 @FAST
+@given(drafts(), st.data())
+def test_prefix_of_a_best_first_tree_is_the_smaller_budgets_tree(case: tuple, data: st.DataObject) -> None:
+    """Cutting the largest tree gives exactly the tree a smaller budget builds: what auto relies on."""
+    ids, logprobs, budget, branch_k = case
+    full = build_tree(ANCHOR, ids, logprobs, budget, branch_k)
+    size = data.draw(st.integers(1, full.size))
+    cut, direct = full.prefix(size), build_tree(ANCHOR, ids, logprobs, size - 1, branch_k)
+    for name in ("tokens", "parents", "depths", "scores"):
+        np.testing.assert_array_equal(getattr(cut, name), getattr(direct, name))
+    assert full.prefix(full.size) is full
+    with pytest.raises(ValueError, match="size must be"):
+        full.prefix(0)
+
+
+@FAST
 @given(drafts())
 def test_node_scores_and_tokens_match_their_columns(case: tuple) -> None:
     ids, logprobs, budget, branch_k = case

@@ -7,6 +7,7 @@ leaves a half-written artifacts directory behind.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Callable
@@ -14,6 +15,7 @@ from typing import Callable
 import numpy as np
 
 from glance_runtime.atomic import atomic_directory, check_writable
+from glance_runtime.calibration import FILE as CALIBRATION
 from glance_runtime.errors import GlanceError
 from glance_runtime.graphs import MANIFEST
 
@@ -89,7 +91,12 @@ def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str |
         validate_graphs(tmp, graphs, dims, snapshot, dtype, progress=progress)
         quantization = quantize_graphs(tmp, scheme, progress) if scheme else None
         files = copy_runtime_files(snapshot, tmp)
-        progress(f"copied {', '.join(files)}; hashing the source weights for the manifest")
+        if (Path(head_dir) / CALIBRATION).is_file():  # refittable, so not hashed into the manifest
+            shutil.copy2(Path(head_dir) / CALIBRATION, tmp / CALIBRATION)
+            files_note = f"{', '.join(files)} and the head's {CALIBRATION}"
+        else:
+            files_note = ", ".join(files)
+        progress(f"copied {files_note}; hashing the source weights for the manifest")
         manifest = build_manifest(snapshot, head, Path(head_dir), dims, tmp, dtype=dtype, opset=opset,
                                   branch_k=branch_k, max_tree=max_tree, max_context=max_context,
                                   axes=axis_bounds(dims, max_tree, max_context), files=files,

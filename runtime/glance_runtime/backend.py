@@ -22,10 +22,12 @@ class Backend(Protocol):
     def draft(self, anchor: int, k: int) -> tuple[np.ndarray, np.ndarray]:
         """One head pass for block [anchor, MASK x (B-1)]: top-k ids and log-probs, [B-1, k] each."""
 
-    def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray) -> tuple[np.ndarray, float]:
+    def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray
+               ) -> tuple[np.ndarray, float, np.ndarray]:
         """One target pass over the packed tree [anchor] + nodes at positions start + depth, each row
-        seeing the committed prefix and its visible pack rows. Returns the per-row argmax [T] and
-        the entropy at the anchor row."""
+        seeing the committed prefix and its visible pack rows. Returns the per-row argmax [T], the
+        entropy at the anchor row, and the per-row log-prob of the argmax [T] (the target's confidence
+        in the token it chose: at the last accepted row, in the next anchor)."""
 
     def commit(self, rows: np.ndarray) -> None:
         """Keep the KV (and head context) of packed rows `rows` ([0] + accepted path, in order);

@@ -6,9 +6,10 @@ import json
 import sys
 from pathlib import Path
 
-from .cli_parser import OneLineParser, guarded
+from .cli_parser import OneLineParser, guarded, parse_budget
 from .errors import GlanceError
 from .limits import check_decode
+from .auto_budget import AUTO, decode_config
 from .loop import DecodeConfig, decode
 from .defaults import resolve
 from .runner import BACKENDS, open_runner
@@ -31,7 +32,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads")
     p.add_argument("--no-spec", action="store_true", help="plain greedy decoding, no draft head")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--budget", type=int, default=63, help="tree nodes verified per round besides the anchor")
+    p.add_argument("--budget", type=parse_budget, help="tree nodes verified per round besides the anchor, or auto: "
+                   "sized each round from the draft's confidence and this device's measured costs (default: auto "
+                   "where a cost profile exists or is measured on first use, i.e. exported graphs and engines; else 63)")
     p.add_argument("--branch-k", type=int, default=8, help="top-k per draft offset")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     return p
@@ -73,24 +76,29 @@ def run(args: argparse.Namespace) -> int:
     args.model, args.head, args.artifacts, args.backend = resolve(args.model, args.head, args.artifacts, args.backend)
     if not args.no_spec and args.head is None and args.backend == "torch":
         raise GlanceError("speculative decoding needs --head (or pass --no-spec for plain greedy decoding)")
-    cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, budget=args.budget, branch_k=args.branch_k,
-                       speculative=not args.no_spec)
-    check_decode(None, cfg)
+    fixed = args.budget if args.budget not in (None, AUTO) else 0
+    check_decode(None, DecodeConfig(max_new_tokens=args.max_new_tokens, budget=fixed, branch_k=args.branch_k))
     ort = {} if args.backend == "torch" else dict(providers=args.provider, max_context=args.max_context,
                                                   max_tree=args.max_tree, threads=args.threads)
+    progress = lambda line: print(line, file=sys.stderr)  # noqa: E731
     runner = open_runner(args.backend, model=args.model, head=args.head, artifacts=args.artifacts,
-                         engines=args.engines, progress=lambda line: print(line, file=sys.stderr), **ort)
+                         engines=args.engines, progress=progress, **ort)
+    check_decode(runner.limits, DecodeConfig(max_new_tokens=args.max_new_tokens, budget=fixed,
+                                             branch_k=args.branch_k, speculative=not args.no_spec))
+    cfg = decode_config(runner, args.budget, max_new_tokens=args.max_new_tokens, branch_k=args.branch_k,
+                        speculative=not args.no_spec, progress=progress)
     check_decode(runner.limits, cfg)
     prompt = runner.build_prompt(args.prompt, args.image)
     streamed: list[int] = []
     on_commit, shown = _stream(runner.detokenize, streamed) if not args.json else (None, [""])
     result = decode(runner.backend, prompt, cfg, runner.stop_ids, on_commit=on_commit)
     text = runner.detokenize(result.tokens)
-    stats = {"backend": runner.backend.name, "speculative": cfg.speculative, **result.stats(),
+    stats = {"backend": runner.backend.name, "speculative": cfg.speculative,
+             "budget": AUTO if cfg.auto else cfg.budget if cfg.speculative else 0, **result.stats(),
              "tokens_per_s": round(1e3 / result.ms_per_token, 2) if result.ms_per_token else None}
     if args.json:
         log = [{"entropy": round(r.entropy, 4), "accepted": r.accepted, "tree_size": r.tree_size,
-                "ms": round(r.total_ms, 3)} for r in result.rounds]
+                "drafted": r.drafted, "ms": round(r.total_ms, 3)} for r in result.rounds]
         print(json.dumps({"text": text, "token_ids": result.tokens, **stats, "round_log": log}))
         return 0
     sys.stdout.write(text[len(shown[0]):] + "\n")

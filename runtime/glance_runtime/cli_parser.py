@@ -17,6 +17,19 @@ class OneLineParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def parse_budget(text: str) -> int | str:
+    """`--budget` values: "auto" or an integer >= 0."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a budget: pass auto or an integer --budget >= 0")
+    return value
+
+
 def guarded(prog: str, command: Callable[[], int], interrupted: str = "interrupted") -> int:
     """Run a command: a GlanceError is one `prog: error:` line and exit 2, Ctrl-C one line and exit 130."""
     try:

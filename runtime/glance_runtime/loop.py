@@ -2,12 +2,13 @@
 
 `speculative=False` runs the same loop with a tree of the anchor alone, which is exactly
 autoregressive greedy decoding on the same backend (the `--no-spec` path and the AR baseline).
+With `auto` (see `auto_budget`), each round may skip the draft or cut the tree; tokens are unchanged.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -15,12 +16,21 @@ from .backend import Backend
 from .tree import Tree, build_tree, visibility, walk
 
 
+class BudgetPolicy(Protocol):
+    """Per-round choices of `--budget auto` (glance_runtime.auto_budget.AutoBudget)."""
+
+    def should_draft(self, surprisal: float | None) -> bool: ...
+
+    def cut(self, scores: np.ndarray, surprisal: float | None) -> int: ...
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     max_new_tokens: int = 128
-    budget: int = 63  # tree nodes besides the anchor
+    budget: int = 63  # tree nodes besides the anchor (with `auto`: the most it may keep)
     branch_k: int = 8  # top-k per offset; 1 with budget <= B-1 is the chain ablation
     speculative: bool = True
+    auto: BudgetPolicy | None = None  # chooses each round's tree size (and whether to draft at all)
 
 
 @dataclass
@@ -31,6 +41,10 @@ class RoundLog:
     draft_ms: float
     verify_ms: float
     total_ms: float
+    drafted: bool = True  # False: a plain greedy step (AR, budget 0, or auto skipped the draft)
+    surprisal: float | None = None  # -log p of the anchor under the target; None after prefill
+    node_scores: list[float] = field(default_factory=list)  # verified nodes' path scores, packed order
+    path: list[int] = field(default_factory=list)  # packed indices of the accepted nodes
 
 
 @dataclass
@@ -71,11 +85,15 @@ def _clip(new: list[int], produced: int, cfg: DecodeConfig, stops: Sequence[int]
     return new, None
 
 
-def _tree(backend: Backend, anchor: int, cfg: DecodeConfig) -> Tree:
-    if not cfg.speculative or cfg.budget == 0:
-        return Tree.root(anchor)
+def _tree(backend: Backend, anchor: int, cfg: DecodeConfig, surprisal: float | None) -> tuple[Tree, bool]:
+    """This round's tree and whether a draft pass made it."""
+    if not cfg.speculative or cfg.budget == 0 or (cfg.auto and not cfg.auto.should_draft(surprisal)):
+        return Tree.root(anchor), False
     ids, logp = backend.draft(anchor, cfg.branch_k)
-    return build_tree(anchor, ids, logp, cfg.budget)
+    tree = build_tree(anchor, ids, logp, cfg.budget)
+    if cfg.auto:
+        tree = tree.prefix(1 + cfg.auto.cut(tree.scores[1:], surprisal))
+    return tree, True
 
 
 def decode(backend: Backend, prompt, cfg: DecodeConfig, stop_ids: Sequence[int] = (),
@@ -89,21 +107,23 @@ def decode(backend: Backend, prompt, cfg: DecodeConfig, stop_ids: Sequence[int] 
     out.tokens += new
     if on_commit:
         on_commit(new)
-    anchor = first
+    anchor, surprisal = first, None
     while out.stopped_on is None and len(out.tokens) < cfg.max_new_tokens:
         r0 = time.perf_counter()
-        tree = _tree(backend, anchor, cfg)
+        tree, drafted = _tree(backend, anchor, cfg, surprisal)
         r1 = time.perf_counter()
-        argmax, entropy = backend.verify(tree.tokens, tree.depths, visibility(tree.parents))
+        argmax, entropy, confidence = backend.verify(tree.tokens, tree.depths, visibility(tree.parents))
         r2 = time.perf_counter()
         path, bonus = walk(tree, argmax)
         backend.commit(np.concatenate([[0], path]).astype(np.int64))
         new, out.stopped_on = _clip([int(t) for t in tree.tokens[path]] + [int(bonus)], len(out.tokens), cfg, stops)
         out.tokens += new
-        anchor = int(bonus)
         r3 = time.perf_counter()
         out.rounds.append(RoundLog(entropy=float(entropy), accepted=len(path) + 1, tree_size=tree.size,
-                                   draft_ms=(r1 - r0) * 1e3, verify_ms=(r2 - r1) * 1e3, total_ms=(r3 - r0) * 1e3))
+                                   draft_ms=(r1 - r0) * 1e3, verify_ms=(r2 - r1) * 1e3, total_ms=(r3 - r0) * 1e3,
+                                   drafted=drafted, surprisal=surprisal, node_scores=tree.scores[1:].tolist(),
+                                   path=path.tolist()))
+        anchor, surprisal = int(bonus), -float(confidence[path[-1] if len(path) else 0])
         if on_commit:
             on_commit(new)
     out.total_ms = (time.perf_counter() - t0) * 1e3

@@ -29,6 +29,9 @@ class Runner:
     detokenize: Callable[[Sequence[int]], str]
     limits: Limits
     oracle: Callable[[Any, int], list[int]] | None = None  # independent greedy decode, when the backend has one
+    home: Path | None = None  # the artifacts or engines served: a cost profile is stored beside them
+    identity: str = ""  # what is served, for cache keys where there is no `home` (the torch reference)
+    calibration_dirs: tuple[Path, ...] = ()  # where `calibration.json` for `--budget auto` may be, first first
 
 
 def _graph_runner(backend, model: Path | None) -> Runner:
@@ -45,8 +48,10 @@ def _graph_runner(backend, model: Path | None) -> Runner:
         return reference[0].oracle(prompt, max_new_tokens)
 
     limits = Limits(backend.block_size, backend.manifest.branch_k, backend.max_tree, exported=True)
+    places = tuple(dict.fromkeys([backend.path, backend.manifest.path]))  # engines first, then their artifacts
     return Runner(backend=backend, build_prompt=backend.build_prompt, stop_ids=tuple(backend.stop_token_ids),
-                  detokenize=backend.detokenize, limits=limits, oracle=oracle if model is not None else None)
+                  detokenize=backend.detokenize, limits=limits, oracle=oracle if model is not None else None,
+                  home=backend.path, identity=str(backend.path), calibration_dirs=places)
 
 
 def open_onnxruntime(artifacts: Path, model: Path | None = None, **options) -> Runner:

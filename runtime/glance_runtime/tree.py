@@ -103,6 +103,16 @@ class Tree:
         """The anchor alone: a verify pass of one row is a plain autoregressive step."""
         return cls._trusted([int(anchor)], [-1], [0], [0.0])
 
+    def prefix(self, size: int) -> "Tree":
+        """The first `size` packed nodes: a tree again, since every parent is packed before its child.
+        On a best-first tree it is the best tree of that size, which is how a round cuts its budget."""
+        if not _is_int(size) or not 1 <= size <= self.size:
+            raise ValueError(f"size must be an integer in 1..{self.size}, got {size!r}")
+        if size == self.size:
+            return self
+        return Tree._trusted(self.tokens[:size].tolist(), self.parents[:size].tolist(),
+                             self.depths[:size].tolist(), self.scores[:size].tolist())
+
     @property
     def size(self) -> int:
         """Packed length T, root included."""

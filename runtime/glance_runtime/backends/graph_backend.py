@@ -247,7 +247,8 @@ class GraphBackend:
                                     extra={anchor: (self.block, 0)})
         return ids[:, :k].astype(np.int64), logp[:, :k].astype(np.float64)
 
-    def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray) -> tuple[np.ndarray, float]:
+    def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray
+               ) -> tuple[np.ndarray, float, np.ndarray]:
         size = len(tokens)
         if size > self.max_tree:
             raise GlanceError(f"tree of {size} rows exceeds --max-tree {self.max_tree}; "
@@ -255,8 +256,8 @@ class GraphBackend:
         positions = self._positions(self.start + np.asarray(depths, dtype=np.int64))
         hidden = self._run_target(np.asarray(tokens, dtype=np.int64), positions, visible, self.taps,
                                   self.no_image, self.no_deep)
-        top, _, entropy = self.project(hidden, "verify")
-        return top[:, 0].astype(np.int64), entropy
+        top, logp, entropy = self.project(hidden, "verify")
+        return top[:, 0].astype(np.int64), entropy, logp[:, 0].astype(np.float64)
 
     def commit(self, rows: np.ndarray) -> None:
         """Compact the pack's KV on the device (kept rows move down after the prefix); queue their taps."""

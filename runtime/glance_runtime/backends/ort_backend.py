@@ -90,6 +90,7 @@ class OrtBackend(GraphBackend):
         path = Path(artifacts_dir)
         manifest = load_manifest(path)
         self.providers = resolve_providers(providers)
+        self.threads = threads
         options = ort.SessionOptions()
         if threads:
             options.intra_op_num_threads = threads

@@ -1,0 +1,105 @@
+"""`--budget auto`: each round, how much to draft and verify, from the draft's confidence and the device's costs.
+
+The rule, per round (D: the profile's draft ms; V(T): its verify-side ms for a T-row tree; u: the
+anchor's surprisal, unknown in the first round; p, q: `Calibration`'s law and node probabilities):
+
+1. Draft or not. A plain greedy step yields one token in V(1). With the law's p = p(u), a drafted chain of
+   m nodes is expected to yield 1 + p + ... + p^m tokens in D + V(m + 1). The round drafts when that
+   rate beats 1 / V(1) for some m in 1..B-1; otherwise it is a plain greedy step (the anchor alone).
+   Without a fitted law, or in the first round, it drafts.
+2. Cut. The draft's candidates grow the tree best-first up to the largest budget, so the first n nodes
+   are the best tree of n nodes and their scores never rise. Node i is accepted with probability q_i;
+   n nodes are expected to yield E(n) = 1 + q_1 + ... + q_n tokens in D + V(n + 1). The round verifies the
+   first n* = argmax_n E(n) / (D + V(n + 1)) nodes (the earliest n on ties), n* = 0 included.
+
+The rate counts D even once the draft has run, so every round is judged as a whole, as the long-run
+rate counts it. Any cut verifies a prefix-closed tree and the walk keeps the target's own choices, so
+the tokens are those of greedy decoding whatever the rule picks; only the time changes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .calibration import Calibration, find_calibration
+from .cost_profile import CostProfile, load, profile_path, describe, stored_or_measured, PROBE_PROMPT
+from .errors import GlanceError
+from .limits import reachable_nodes
+from .loop import DecodeConfig
+
+AUTO = "auto"
+FIXED_DEFAULT = 63  # the budget where no cost profile exists (the torch reference, until one is measured)
+AUTO_MAX_NODES = 63  # auto's largest tree where the graphs set no smaller bound
+
+
+@dataclass(frozen=True)
+class AutoBudget:
+    cost: CostProfile
+    calibration: Calibration
+    max_nodes: int  # the largest tree auto may verify, anchor excluded
+    block_size: int  # B: a drafted chain is at most B-1 deep
+
+    def __post_init__(self) -> None:
+        rows = np.arange(1, self.max_nodes + 2)
+        object.__setattr__(self, "_round_ms", self.cost.draft_ms + self.cost.verify_cost(rows))  # D + V(n+1)
+        object.__setattr__(self, "_plain_ms", float(self.cost.verify_cost(1)))
+
+    def should_draft(self, surprisal: float | None) -> bool:
+        """Step 1: whether the law's best chain repays the draft pass."""
+        p = self.calibration.offset_acceptance(surprisal)
+        if p is None:
+            return True
+        depth = min(self.block_size - 1, self.max_nodes)
+        expected = 1 + np.cumsum(p ** np.arange(1, depth + 1))
+        return bool(np.max(expected / self._round_ms[1:depth + 1]) > 1 / self._plain_ms)
+
+    def cut(self, scores: np.ndarray, surprisal: float | None) -> int:
+        """Step 2: how many of the best-first nodes (with path scores `scores`) to verify."""
+        scores = np.asarray(scores, dtype=float)[: self.max_nodes]
+        q = self.calibration.node_probability(scores, surprisal)
+        expected = 1 + np.concatenate([[0.0], np.cumsum(q)])
+        return int(np.argmax(expected / self._round_ms[: len(expected)]))
+
+
+def has_profile(runner) -> bool:
+    return load(profile_path(runner.home, runner.identity, describe(runner.backend))) is not None
+
+
+def default_budget(runner) -> int | str:
+    """auto where a cost profile exists or is measured on first use (the exported graphs and engines),
+    else the fixed default (the torch reference, a development path)."""
+    graphs = runner.home is not None
+    return AUTO if runner.backend.block_size > 1 and (graphs or has_profile(runner)) else FIXED_DEFAULT
+
+
+def auto_budget(runner, branch_k: int, remeasure: bool = False,
+                progress: Callable[[str], None] = lambda _: None) -> tuple[AutoBudget, Path, Path | None]:
+    """The policy for this runner: its cost profile (stored or measured now) and the calibration found
+    beside its artifacts, engines or head (else the prior). Returns the profile's and calibration's paths too."""
+    backend, limits = runner.backend, runner.limits
+    if backend.block_size < 2:
+        raise GlanceError("--budget auto needs a draft head; pass --head (or a fixed --budget with --no-spec)")
+    largest = min(AUTO_MAX_NODES, reachable_nodes(backend.block_size, branch_k))
+    if limits.max_tree is not None:
+        largest = min(largest, limits.max_tree - 1)
+    cost, cost_path = stored_or_measured(backend, runner.home, runner.identity,
+                                         lambda: runner.build_prompt(PROBE_PROMPT, None), largest + 1, branch_k,
+                                         remeasure=remeasure, progress=progress)
+    calibration, calibration_path = find_calibration(list(runner.calibration_dirs))
+    policy = AutoBudget(cost, calibration, min(largest, cost.max_rows - 1), backend.block_size)
+    return policy, cost_path, calibration_path
+
+
+def decode_config(runner, budget: int | str | None, *, max_new_tokens: int, branch_k: int,
+                  speculative: bool = True, progress: Callable[[str], None] = lambda _: None) -> DecodeConfig:
+    """The commands' DecodeConfig: a fixed budget as given, or auto (asked for, or the default where it applies)."""
+    if budget is None:
+        budget = default_budget(runner) if speculative else FIXED_DEFAULT
+    if budget != AUTO or not speculative:
+        return DecodeConfig(max_new_tokens=max_new_tokens, budget=budget if budget != AUTO else FIXED_DEFAULT,
+                            branch_k=branch_k, speculative=speculative)
+    policy = auto_budget(runner, branch_k, progress=progress)[0]
+    return DecodeConfig(max_new_tokens=max_new_tokens, budget=policy.max_nodes, branch_k=branch_k, auto=policy)

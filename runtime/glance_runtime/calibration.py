@@ -1,0 +1,109 @@
+"""How likely a drafted node is to be accepted, and a round to repay its draft: the numbers `--budget auto`
+decides with, fitted from round logs (`glance-bench calibrate`) and stored as `calibration.json`.
+
+Two small logistic models, both on quantities a round has before it verifies:
+- node: P(node on the accepted path) = sigmoid(a + b * x + c * u), with x = logit(exp(s)) for the node's
+  path score s (the draft's summed log-probs down to it) and u the anchor's surprisal, -log of the
+  target's probability of the anchor it just chose (free: every projection returns top-1 log-probs).
+  With a = c = 0 and b = 1 this is exp(s), the draft's own belief: the prior where no fit exists.
+- law: the draftability law with what is known before the draft: each offset is accepted with
+  p = sigmoid(b0 - b1 * u), so a round expects p + p^2 + ... drafted tokens. The paper's law uses
+  the Shannon entropy at the anchor, which only the verify pass computes; u is the min-entropy of the
+  row that produced the anchor (-log of its top probability), the nearest quantity on hand.
+The c and b1 terms are kept only where they help (see `glance_runtime.bench.calibrate`).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import GlanceError
+
+FILE = "calibration.json"
+FORMAT = "glance-calibration"
+FORMAT_VERSION = 1
+
+
+def path_logit(scores: np.ndarray) -> np.ndarray:
+    """logit(exp(s)) = s - log(1 - e^s): the draft's path probability on the logistic scale."""
+    s = np.minimum(np.asarray(scores, dtype=float), -1e-9)
+    return s - np.log(-np.expm1(s))
+
+
+def _sigmoid(z: np.ndarray | float) -> np.ndarray:
+    return 1 / (1 + np.exp(-np.asarray(z, dtype=float)))
+
+
+@dataclass(frozen=True)
+class Calibration:
+    a: float = 0.0
+    b: float = 1.0
+    c: float = 0.0
+    law: tuple[float, float] | None = None  # (b0, b1); None: no law fitted, every round drafts
+    fitted_on: dict = field(default_factory=dict)  # rounds, nodes, source: what the fit saw
+
+    @property
+    def fitted(self) -> bool:
+        return bool(self.fitted_on)
+
+    def node_probability(self, scores: np.ndarray, surprisal: float | None) -> np.ndarray:
+        """P(accepted) of each node from its path score; never rises down the tree, as long as b >= 0."""
+        u = 0.0 if surprisal is None else surprisal
+        return _sigmoid(self.a + self.b * path_logit(scores) + self.c * u)
+
+    def offset_acceptance(self, surprisal: float | None) -> float | None:
+        """The law's per-offset acceptance p before drafting; None where no law is fitted or nothing is known."""
+        if self.law is None or surprisal is None:
+            return None
+        b0, b1 = self.law
+        return float(_sigmoid(b0 - b1 * surprisal))
+
+    def as_dict(self) -> dict:
+        return {"format": FORMAT, "format_version": FORMAT_VERSION, "node": {"a": self.a, "b": self.b, "c": self.c},
+                "law": None if self.law is None else {"b0": self.law[0], "b1": self.law[1]},
+                "fitted_on": self.fitted_on}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "Calibration":
+        if raw.get("format") != FORMAT or raw.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"not a {FORMAT} v{FORMAT_VERSION} file")
+        node, law = raw["node"], raw.get("law")
+        values = [float(node[k]) for k in ("a", "b", "c")] + ([float(law["b0"]), float(law["b1"])] if law else [])
+        if not all(math.isfinite(v) for v in values) or values[1] < 0:
+            raise ValueError("coefficients must be finite, with b >= 0")
+        return cls(*values[:3], law=(values[3], values[4]) if law else None, fitted_on=dict(raw.get("fitted_on") or {}))
+
+    def save(self, path: Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            tmp.write_text(json.dumps(self.as_dict(), indent=1) + "\n")
+            tmp.replace(path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise GlanceError(f"cannot write {path} ({exc.strerror}); pick a writable --out") from None
+
+
+PRIOR = Calibration()
+
+
+def load_calibration(path: Path) -> Calibration:
+    try:
+        return Calibration.from_dict(json.loads(Path(path).read_text()))
+    except OSError as exc:
+        raise GlanceError(f"cannot read {path} ({exc.strerror}); pass an existing calibration file") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise GlanceError(f"{path} is not a usable calibration ({exc}); refit it with `glance-bench calibrate`") from None
+
+
+def find_calibration(places: list[Path | None]) -> tuple[Calibration, Path | None]:
+    """The first `calibration.json` among `places` (the artifacts, engines or head directories), else the prior."""
+    for place in places:
+        if place is not None and (Path(place) / FILE).is_file():
+            return load_calibration(Path(place) / FILE), Path(place) / FILE
+    return PRIOR, None

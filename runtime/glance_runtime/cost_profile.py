@@ -1,0 +1,221 @@
+"""What a round costs on this device: the verify side of a round against its tree rows, and a draft pass.
+
+`--budget auto` weighs expected tokens against these costs. They are measured, not modelled: on a GPU
+a 64-row verify costs about what one row does, on a CPU or a small Jetson it costs several, and the
+Python around the graphs counts as much as the graphs on a tiny model. So a measurement times real
+rounds through the Backend protocol, split the way the loop splits them:
+- draft: the draft pass plus building the tree from it (what a round skips by not drafting);
+- verify(T): mask, verify pass, walk and commit of a T-row tree (a plain greedy step is verify(1)).
+Each row count is timed several times, interleaved, and the medians kept; the measurement commits one
+row per round (a plain greedy step), so it needs a short prompt and a few dozen rows of context.
+
+A profile is stored beside the artifacts or engines it was measured with (a file per backend, provider,
+thread count and processor or GPU, since the same graphs cost differently elsewhere), or in the cache
+when that directory is read-only, and measured again only when missing or unreadable.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .backend import Backend
+from .cache import cache_root, file_lock
+from .errors import GlanceError
+from .limits import reachable_nodes
+from .tree import build_tree, visibility, walk
+
+FORMAT = "glance-cost"
+FORMAT_VERSION = 1
+PROBE_PROMPT = "Describe what you see in one sentence."
+MIN_REPEATS, MAX_REPEATS = 3, 9  # timed rounds per row count: at least, and at most within `seconds`
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    device: str  # what it was measured on: backend, provider, threads, processor or GPU
+    rows: tuple[int, ...]  # verify rows measured, ascending, starting at 1
+    verify_ms: tuple[float, ...]  # median verify-side ms of a round with that many rows
+    draft_ms: float  # median ms of a draft pass and the tree built from it
+    repeats: int
+    measured_at: str
+
+    def verify_cost(self, rows: np.ndarray | int) -> np.ndarray:
+        """ms of a round's verify side for `rows` rows: linear between measured counts (made non-decreasing,
+        so timing noise never makes a bigger tree look cheaper), extended past the last at its last slope."""
+        grid = np.asarray(self.rows, dtype=float)
+        cost = np.maximum.accumulate(np.asarray(self.verify_ms, dtype=float))
+        rows_f = np.asarray(rows, dtype=float)
+        inside = np.interp(rows_f, grid, cost)
+        if len(grid) < 2:
+            return inside
+        slope = max((cost[-1] - cost[-2]) / (grid[-1] - grid[-2]), 0.0)
+        return np.where(rows_f > grid[-1], cost[-1] + slope * (rows_f - grid[-1]), inside)
+
+    @property
+    def max_rows(self) -> int:
+        return self.rows[-1]
+
+    def as_dict(self) -> dict:
+        return {"format": FORMAT, "format_version": FORMAT_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "CostProfile":
+        if raw.get("format") != FORMAT or raw.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"not a {FORMAT} v{FORMAT_VERSION} file")
+        rows, verify = tuple(int(r) for r in raw["rows"]), tuple(float(v) for v in raw["verify_ms"])
+        if not rows or rows[0] != 1 or len(rows) != len(verify) or list(rows) != sorted(set(rows)):
+            raise ValueError("rows must ascend from 1, one verify time each")
+        if min(verify) <= 0 or float(raw["draft_ms"]) <= 0:
+            raise ValueError("costs must be positive")
+        return cls(device=str(raw["device"]), rows=rows, verify_ms=verify, draft_ms=float(raw["draft_ms"]),
+                   repeats=int(raw["repeats"]), measured_at=str(raw["measured_at"]))
+
+    def table(self) -> str:
+        """The profile as a few readable lines (what `glance-bench cost` prints)."""
+        lines = [f"measured on: {self.device} ({self.measured_at}, median of {self.repeats} rounds each)",
+                 f"draft pass + tree: {self.draft_ms:.2f} ms",
+                 "verify rows    ms   ms/row  x one row"]
+        one = self.verify_ms[0]
+        lines += [f"{r:>11} {ms:>6.2f} {ms / r:>7.3f} {ms / one:>9.2f}" for r, ms in zip(self.rows, self.verify_ms)]
+        return "\n".join(lines)
+
+
+def row_grid(max_rows: int) -> list[int]:
+    """1, 2, 4, ... up to and including max_rows: verify cost bends where the device stops being idle."""
+    grid, r = [], 1
+    while r < max_rows:
+        grid.append(r)
+        r *= 2
+    return grid + [max_rows]
+
+
+def measurable_rows(block_size: int, branch_k: int, max_rows: int) -> int:
+    """The largest verify a draft can fill: the anchor and every node its top-k can reach, up to max_rows."""
+    return max(1, min(max_rows, 1 + reachable_nodes(block_size, branch_k)))
+
+
+def measure(backend: Backend, prompt, max_rows: int, branch_k: int, seconds: float = 2.0,
+            progress: Callable[[str], None] = lambda _: None) -> CostProfile:
+    """Time real rounds of every row count in `row_grid(max_rows)` (capped by what one draft can fill).
+
+    Every round drafts, builds the tree, verifies, walks and commits the anchor alone, so the state stays
+    a valid greedy decode; the first pass over the grid warms the graphs up and is not kept."""
+    if backend.block_size < 2:
+        raise GlanceError("a cost profile needs a draft head (block size 1 here); pass --head or artifacts "
+                          "exported with one")
+    grid = row_grid(measurable_rows(backend.block_size, branch_k, max_rows))
+    anchor, _ = backend.prefill(prompt)
+    verify: dict[int, list[float]] = {rows: [] for rows in grid}
+    draft: list[float] = []
+    start, repeat = time.perf_counter(), 0
+    progress(f"measuring round costs for {', '.join(map(str, grid))} verify rows")
+    while repeat <= MIN_REPEATS or (repeat <= MAX_REPEATS and time.perf_counter() - start < seconds):
+        order = grid if repeat % 2 else grid[::-1]
+        for rows in order:
+            t0 = time.perf_counter()
+            ids, logp = backend.draft(anchor, branch_k)
+            tree = build_tree(anchor, ids, logp, rows - 1)
+            t1 = time.perf_counter()
+            argmax, _, _ = backend.verify(tree.tokens, tree.depths, visibility(tree.parents))
+            walk(tree, argmax)
+            backend.commit(np.zeros(1, np.int64))
+            t2 = time.perf_counter()
+            anchor = int(argmax[0])
+            if repeat:  # the first pass warms up
+                draft.append((t1 - t0) * 1e3)
+                verify[rows].append((t2 - t1) * 1e3)
+        repeat += 1
+    return CostProfile(device=describe(backend), rows=tuple(grid),
+                       verify_ms=tuple(round(statistics.median(verify[r]), 4) for r in grid),
+                       draft_ms=round(statistics.median(draft), 4), repeats=repeat - 1,
+                       measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
+
+
+def _processor() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def describe(backend) -> str:
+    """The backend as far as its costs go: name, provider, threads, and the processor or GPU it runs on."""
+    parts = [backend.name]
+    providers = getattr(backend, "providers", None)
+    if providers:
+        parts.append(providers[0])
+    threads = getattr(backend, "threads", None)
+    parts.append(f"{threads or 'default'} threads")
+    device = getattr(backend, "device", None)
+    capability = getattr(device, "compute_capability", None)
+    if callable(capability):
+        parts.append(f"CUDA GPU {device.device_id} (compute capability {capability()})")
+    elif str(device).startswith("cuda"):
+        parts.append(f"torch {device}")
+    else:
+        parts.append(f"{_processor()} x{os.cpu_count()}")
+    return ", ".join(parts)
+
+
+def profile_path(home: Path | None, identity: str, device: str) -> Path:
+    """Beside the artifacts or engines (`home`) when that directory is writable, else in the cache under
+    what is served (`identity`)."""
+    tag = hashlib.sha256(device.encode()).hexdigest()[:12]
+    if home is not None and os.access(home, os.W_OK):
+        return home / f"cost-profile-{tag}.json"
+    place = hashlib.sha256(identity.encode()).hexdigest()[:12]
+    return cache_root() / "cost" / f"{place}-{tag}.json"
+
+
+def load(path: Path) -> CostProfile | None:
+    """The stored profile, or None where there is none (or it is damaged: it is then measured again)."""
+    try:
+        return CostProfile.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save(profile: CostProfile, path: Path) -> None:
+    """Whole or not at all: written beside, then renamed into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(profile.as_dict(), indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise GlanceError(f"cannot write the cost profile {path} ({exc.strerror}); set GLANCE_CACHE to a "
+                          "writable directory") from None
+
+
+def stored_or_measured(backend: Backend, home: Path | None, identity: str, prompt_for: Callable[[], object],
+                       max_rows: int, branch_k: int, remeasure: bool = False,
+                       progress: Callable[[str], None] = lambda _: None) -> tuple[CostProfile, Path]:
+    """The profile for this backend and device: loaded, or measured once and stored (under a lock, so two
+    first uses measure once and never time each other's passes). A stored one that covers fewer rows
+    than `max_rows` is measured again."""
+    path = profile_path(home, identity, describe(backend))
+    max_rows = measurable_rows(backend.block_size, branch_k, max_rows)
+    found = None if remeasure else load(path)
+    if found is not None and found.max_rows >= max_rows:
+        return found, path
+    with file_lock(path.with_name(f".{path.name}.lock")):
+        found = None if remeasure else load(path)
+        if found is None or found.max_rows < max_rows:
+            found = measure(backend, prompt_for(), max_rows, branch_k, progress=progress)
+            save(found, path)
+            progress(f"cost profile stored in {path}")
+    return found, path
