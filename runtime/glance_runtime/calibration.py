@@ -44,15 +44,18 @@ class Calibration:
     b: float = 1.0
     c: float = 0.0
     law: tuple[float, float] | None = None  # (b0, b1); None: no law fitted, every round drafts
+    surprisal_mean: float = 0.0  # stands in for u where none is known yet (the first round)
     fitted_on: dict = field(default_factory=dict)  # rounds, nodes, source: what the fit saw
 
     @property
     def fitted(self) -> bool:
         return bool(self.fitted_on)
 
-    def node_probability(self, scores: np.ndarray, surprisal: float | None) -> np.ndarray:
-        """P(accepted) of each node from its path score; never rises down the tree, as long as b >= 0."""
-        u = 0.0 if surprisal is None else surprisal
+    def node_probability(self, scores: np.ndarray, surprisal: float | np.ndarray | None) -> np.ndarray:
+        """P(accepted) of each node from its path score (and u: a scalar, or one per node with NaN where
+        unknown); never rises down a round's tree, as long as b >= 0."""
+        u = np.asarray(np.nan if surprisal is None else surprisal, dtype=float)
+        u = np.where(np.isnan(u), self.surprisal_mean, u)
         return _sigmoid(self.a + self.b * path_logit(scores) + self.c * u)
 
     def offset_acceptance(self, surprisal: float | None) -> float | None:
@@ -63,7 +66,8 @@ class Calibration:
         return float(_sigmoid(b0 - b1 * surprisal))
 
     def as_dict(self) -> dict:
-        return {"format": FORMAT, "format_version": FORMAT_VERSION, "node": {"a": self.a, "b": self.b, "c": self.c},
+        return {"format": FORMAT, "format_version": FORMAT_VERSION,
+                "node": {"a": self.a, "b": self.b, "c": self.c, "surprisal_mean": self.surprisal_mean},
                 "law": None if self.law is None else {"b0": self.law[0], "b1": self.law[1]},
                 "fitted_on": self.fitted_on}
 
@@ -72,10 +76,12 @@ class Calibration:
         if raw.get("format") != FORMAT or raw.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"not a {FORMAT} v{FORMAT_VERSION} file")
         node, law = raw["node"], raw.get("law")
-        values = [float(node[k]) for k in ("a", "b", "c")] + ([float(law["b0"]), float(law["b1"])] if law else [])
+        values = [float(node[k]) for k in ("a", "b", "c")] + [float(node.get("surprisal_mean", 0.0))]
+        values += [float(law["b0"]), float(law["b1"])] if law else []
         if not all(math.isfinite(v) for v in values) or values[1] < 0:
             raise ValueError("coefficients must be finite, with b >= 0")
-        return cls(*values[:3], law=(values[3], values[4]) if law else None, fitted_on=dict(raw.get("fitted_on") or {}))
+        return cls(*values[:3], law=(values[4], values[5]) if law else None, surprisal_mean=values[3],
+                   fitted_on=dict(raw.get("fitted_on") or {}))
 
     def save(self, path: Path) -> None:
         path = Path(path)

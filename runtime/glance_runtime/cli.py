@@ -85,10 +85,10 @@ def run(args: argparse.Namespace) -> int:
                          engines=args.engines, progress=progress, **ort)
     check_decode(runner.limits, DecodeConfig(max_new_tokens=args.max_new_tokens, budget=fixed,
                                              branch_k=args.branch_k, speculative=not args.no_spec))
+    prompt = runner.build_prompt(args.prompt, args.image)  # a bad image or prompt is refused before any measuring
     cfg = decode_config(runner, args.budget, max_new_tokens=args.max_new_tokens, branch_k=args.branch_k,
                         speculative=not args.no_spec, progress=progress)
     check_decode(runner.limits, cfg)
-    prompt = runner.build_prompt(args.prompt, args.image)
     streamed: list[int] = []
     on_commit, shown = _stream(runner.detokenize, streamed) if not args.json else (None, [""])
     result = decode(runner.backend, prompt, cfg, runner.stop_ids, on_commit=on_commit)

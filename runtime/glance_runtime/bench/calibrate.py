@@ -1,0 +1,137 @@
+"""Fit `--budget auto`'s calibration (see glance_runtime.calibration) from a round log.
+
+Every verified node of a drafted round is one labelled sample: its path score s, the round's anchor
+surprisal u, and whether the walk accepted it. The node model is a logistic regression on x = logit(exp(s))
+and, only where a likelihood-ratio test says u adds to it (p < 0.05), on u. The law is the draftability
+law's truncated-geometric fit (`law.fit`) with u in place of the entropy; its slope is kept only where it
+is significant and points the law's way (acceptance falls as surprisal rises), else p is the pooled rate.
+First rounds (no u yet) inform the node model without u only.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from ..calibration import Calibration, path_logit
+from ..errors import GlanceError
+from .law import _loglik, _newton, fit
+
+ALPHA = 0.05
+BINS = 10
+MIN_NODES = 20
+
+
+def _chi2_p(statistic: float) -> float:
+    """Upper tail of chi-square with one degree of freedom."""
+    return math.erfc(math.sqrt(max(statistic, 0.0) / 2))
+
+
+def _logistic(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
+    w, _ = _newton(x, y, 1 - y)
+    return w, _loglik(x @ w, y, 1 - y)
+
+
+def node_samples(rows: Sequence[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(path scores, surprisal (NaN in first rounds), accepted 0/1) of every verified node of drafted rounds."""
+    scores, surprisal, accepted = [], [], []
+    for row in rows:
+        nodes = row.get("node_scores") or []
+        if not row.get("drafted", True) or not nodes:
+            continue
+        on_path = set(row.get("path") or [])
+        u = row.get("surprisal")
+        scores += nodes
+        surprisal += [float("nan") if u is None else float(u)] * len(nodes)
+        accepted += [1.0 if i + 1 in on_path else 0.0 for i in range(len(nodes))]
+    return np.asarray(scores, float), np.asarray(surprisal, float), np.asarray(accepted, float)
+
+
+def _node_model(scores: np.ndarray, u: np.ndarray, y: np.ndarray) -> tuple[tuple[float, float, float], dict]:
+    """(a, b, c) and how they were chosen: b < 0 (scores running against acceptance) falls back to the rate."""
+    x = path_logit(scores)
+    ones = np.ones_like(x)
+    (a, b), _ = _logistic(np.column_stack([ones, x]), y)
+    if b < 0:
+        rate = float(np.clip(y.mean(), 1e-6, 1 - 1e-6))
+        a, b = math.log(rate / (1 - rate)), 0.0
+    coef, lr_p = (float(a), float(b), 0.0), float("nan")
+    known = ~np.isnan(u)
+    if known.sum() >= MIN_NODES and np.ptp(u[known]) > 1e-9:
+        xk, yk, uk = x[known], y[known], u[known]
+        _, ll_without = _logistic(np.column_stack([ones[known], xk]), yk)
+        with_u, ll_with = _logistic(np.column_stack([ones[known], xk, uk]), yk)
+        lr_p = _chi2_p(2 * (ll_with - ll_without))
+        if lr_p < ALPHA and with_u[1] >= 0:
+            coef = (float(with_u[0]), float(with_u[1]), float(with_u[2]))
+    return coef, {"surprisal_lr_p": lr_p, "uses_surprisal": coef[2] != 0.0}
+
+
+def _law(rows: Sequence[dict]) -> tuple[tuple[float, float] | None, dict]:
+    """Per-offset acceptance against the anchor's surprisal over drafted rounds with a known u."""
+    kept = [r for r in rows if r.get("drafted", True) and r.get("node_scores") and r.get("surprisal") is not None
+            and r.get("cap")]
+    if len(kept) < 3:
+        return None, {"rounds": len(kept), "note": "too few drafted rounds with a known surprisal; no law, every round drafts"}
+    u = np.array([r["surprisal"] for r in kept], float)
+    a = np.array([min(r["accepted"] - 1, r["cap"]) for r in kept], float)
+    cap = np.array([r["cap"] for r in kept], float)
+    failure = (a < cap).astype(float)
+    pooled = a.sum() / max(a.sum() + failure.sum(), 1e-12)
+    pooled = min(max(pooled, 1e-6), 1 - 1e-6)
+    b0_const = math.log(pooled / (1 - pooled))
+    ll_const = _loglik(np.full_like(u, b0_const), a, failure)
+    info = {"rounds": len(kept), "pooled_p": pooled}
+    if np.ptp(u) > 1e-9:
+        b0, b1, _ = fit(u, a, cap)
+        lr_p = _chi2_p(2 * (_loglik(b0 - b1 * u, a, failure) - ll_const))
+        info.update(b0=b0, b1=b1, lr_p=lr_p)
+        if lr_p < ALPHA and b1 > 0:
+            return (b0, b1), {**info, "uses_surprisal": True}
+    return (b0_const, 0.0), {**info, "uses_surprisal": False}
+
+
+def _bins(predicted: np.ndarray, y: np.ndarray) -> list[dict]:
+    """Nodes sorted by predicted acceptance in equal-count bins: the calibration curve."""
+    order = np.argsort(predicted, kind="mergesort")
+    return [{"predicted": float(predicted[idx].mean()), "observed": float(y[idx].mean()), "nodes": int(len(idx))}
+            for idx in np.array_split(order, min(BINS, len(order))) if len(idx)]
+
+
+def fit_calibration(rows: Sequence[dict], source: str = "") -> tuple[Calibration, dict]:
+    """The calibration and a report (coefficients, tests, Brier scores against the prior, the curve's bins)."""
+    scores, u, y = node_samples(rows)
+    if len(y) < MIN_NODES:
+        raise GlanceError(f"the round log holds {len(y)} drafted nodes with their scores, too few to calibrate "
+                          f"(at least {MIN_NODES}); rerun glance-bench with fixed tree budgets on more prompts")
+    (a, b, c), node_info = _node_model(scores, u, y)
+    law, law_info = _law(rows)
+    modes = sorted({str(r.get("mode")) for r in rows if r.get("node_scores")})
+    known = u[~np.isnan(u)]
+    calibration = Calibration(a, b, c, law=law, surprisal_mean=float(known.mean()) if len(known) else 0.0,
+                              fitted_on={"nodes": int(len(y)), "rounds": sum(1 for r in rows if r.get("node_scores")),
+                                         "modes": modes, "source": source})
+    predicted = calibration.node_probability(scores, u)
+    prior = np.exp(np.minimum(scores, 0.0))
+    report = {"nodes": int(len(y)), "accepted_share": float(y.mean()), "node": {"a": a, "b": b, "c": c, **node_info},
+              "law": law_info, "brier": float(np.mean((predicted - y) ** 2)),
+              "prior_brier": float(np.mean((prior - y) ** 2)), "bins": _bins(predicted, y),
+              "prior_bins": _bins(prior, y)}
+    return calibration, report
+
+
+def summary_lines(calibration: Calibration, report: dict) -> list[str]:
+    node, law = report["node"], report["law"]
+    lines = [f"{report['nodes']} verified nodes, {report['accepted_share']:.1%} accepted",
+             f"node model: logit q = {node['a']:.3f} + {node['b']:.3f} * logit(exp(score))"
+             + (f" + {node['c']:.3f} * surprisal" if node["uses_surprisal"] else
+                f" (surprisal left out: LR p {node['surprisal_lr_p']:.3g})"),
+             f"Brier score {report['brier']:.4f} (the draft's own probabilities: {report['prior_brier']:.4f})"]
+    if calibration.law is None:
+        lines.append(f"law: {law['note']}")
+    else:
+        b0, b1 = calibration.law
+        lines.append(f"law: logit p = {b0:.3f} - {b1:.3f} * surprisal over {law['rounds']} rounds"
+                     + ("" if law["uses_surprisal"] else " (constant: the surprisal slope is not significant)"))
+    return lines
