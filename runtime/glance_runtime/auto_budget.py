@@ -8,7 +8,7 @@ anchor's surprisal, unknown in the first round; p, q: `Calibration`'s law and no
    rate beats 1 / V(1) for some m in 1..B-1; otherwise it is a plain greedy step (the anchor alone).
    Without a fitted law, or in the first round, it drafts.
 2. Cut. The draft's candidates grow the tree best-first up to the largest budget, so the first n nodes
-   are the best tree of n nodes and their scores never rise. Node i is accepted with probability q_i;
+   are the best tree of n nodes by score. Node i is accepted with probability q_i (from its score and depth);
    n nodes are expected to yield E(n) = 1 + q_1 + ... + q_n tokens in D + V(n + 1). The round verifies the
    first n* = argmax_n E(n) / (D + V(n + 1)) nodes (the earliest n on ties), n* = 0 included.
 
@@ -56,10 +56,11 @@ class AutoBudget:
         expected = 1 + np.cumsum(p ** np.arange(1, depth + 1))
         return bool(np.max(expected / self._round_ms[1:depth + 1]) > 1 / self._plain_ms)
 
-    def cut(self, scores: np.ndarray, surprisal: float | None) -> int:
-        """Step 2: how many of the best-first nodes (with path scores `scores`) to verify."""
+    def cut(self, scores: np.ndarray, surprisal: float | None, depths: np.ndarray | None = None) -> int:
+        """Step 2: how many of the best-first nodes (path scores `scores`, depths `depths`) to verify."""
         scores = np.asarray(scores, dtype=float)[: self.max_nodes]
-        q = self.calibration.node_probability(scores, surprisal)
+        depths = None if depths is None else np.asarray(depths)[: self.max_nodes]
+        q = self.calibration.node_probability(scores, surprisal, depths)
         expected = 1 + np.concatenate([[0.0], np.cumsum(q)])
         return int(np.argmax(expected / self._round_ms[: len(expected)]))
 

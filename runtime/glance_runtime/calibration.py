@@ -2,10 +2,11 @@
 decides with, fitted from round logs (`glance-bench calibrate`) and stored as `calibration.json`.
 
 Two small logistic models, both on quantities a round has before it verifies:
-- node: P(node on the accepted path) = sigmoid(a + b * x + c * u), with x = logit(exp(s)) for the node's
-  path score s (the draft's summed log-probs down to it) and u the anchor's surprisal, -log of the
-  target's probability of the anchor it just chose (free: every projection returns top-1 log-probs).
-  With a = c = 0 and b = 1 this is exp(s), the draft's own belief: the prior where no fit exists.
+- node: P(node on the accepted path) = sigmoid(a + b * x + d * depth + c * u), with x = logit(exp(s)) for
+  the node's path score s (the draft's summed log-probs down to it), its depth (a block head's offsets
+  grow less reliable with distance, beyond what its scores admit) and u the anchor's surprisal, -log of
+  the target's probability of the anchor it just chose (free: every projection returns top-1 log-probs).
+  With a = c = d = 0 and b = 1 this is exp(s), the draft's own belief: the prior where no fit exists.
 - law: the draftability law with what is known before the draft: each offset is accepted with
   p = sigmoid(b0 - b1 * u), so a round expects p + p^2 + ... drafted tokens. The paper's law uses
   the Shannon entropy at the anchor, which only the verify pass computes; u is the min-entropy of the
@@ -43,6 +44,7 @@ class Calibration:
     a: float = 0.0
     b: float = 1.0
     c: float = 0.0
+    d: float = 0.0
     law: tuple[float, float] | None = None  # (b0, b1); None: no law fitted, every round drafts
     surprisal_mean: float = 0.0  # stands in for u where none is known yet (the first round)
     fitted_on: dict = field(default_factory=dict)  # rounds, nodes, source: what the fit saw
@@ -51,12 +53,14 @@ class Calibration:
     def fitted(self) -> bool:
         return bool(self.fitted_on)
 
-    def node_probability(self, scores: np.ndarray, surprisal: float | np.ndarray | None) -> np.ndarray:
-        """P(accepted) of each node from its path score (and u: a scalar, or one per node with NaN where
-        unknown); never rises down a round's tree, as long as b >= 0."""
+    def node_probability(self, scores: np.ndarray, surprisal: float | np.ndarray | None,
+                         depths: np.ndarray | None = None) -> np.ndarray:
+        """P(accepted) of each node from its path score and depth (and u: a scalar, or one per node with NaN
+        where unknown); never rises down a path, as long as b >= 0 and d <= 0."""
         u = np.asarray(np.nan if surprisal is None else surprisal, dtype=float)
         u = np.where(np.isnan(u), self.surprisal_mean, u)
-        return _sigmoid(self.a + self.b * path_logit(scores) + self.c * u)
+        depth = 0.0 if depths is None else np.asarray(depths, dtype=float)
+        return _sigmoid(self.a + self.b * path_logit(scores) + self.d * depth + self.c * u)
 
     def offset_acceptance(self, surprisal: float | None) -> float | None:
         """The law's per-offset acceptance p before drafting; None where no law is fitted or nothing is known."""
@@ -67,7 +71,7 @@ class Calibration:
 
     def as_dict(self) -> dict:
         return {"format": FORMAT, "format_version": FORMAT_VERSION,
-                "node": {"a": self.a, "b": self.b, "c": self.c, "surprisal_mean": self.surprisal_mean},
+                "node": {"a": self.a, "b": self.b, "c": self.c, "d": self.d, "surprisal_mean": self.surprisal_mean},
                 "law": None if self.law is None else {"b0": self.law[0], "b1": self.law[1]},
                 "fitted_on": self.fitted_on}
 
@@ -76,11 +80,11 @@ class Calibration:
         if raw.get("format") != FORMAT or raw.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"not a {FORMAT} v{FORMAT_VERSION} file")
         node, law = raw["node"], raw.get("law")
-        values = [float(node[k]) for k in ("a", "b", "c")] + [float(node.get("surprisal_mean", 0.0))]
+        values = [float(node[k]) for k in ("a", "b", "c")] + [float(node.get(k, 0.0)) for k in ("d", "surprisal_mean")]
         values += [float(law["b0"]), float(law["b1"])] if law else []
-        if not all(math.isfinite(v) for v in values) or values[1] < 0:
-            raise ValueError("coefficients must be finite, with b >= 0")
-        return cls(*values[:3], law=(values[4], values[5]) if law else None, surprisal_mean=values[3],
+        if not all(math.isfinite(v) for v in values) or values[1] < 0 or values[3] > 0:
+            raise ValueError("coefficients must be finite, with b >= 0 and d <= 0")
+        return cls(*values[:4], law=(values[5], values[6]) if law else None, surprisal_mean=values[4],
                    fitted_on=dict(raw.get("fitted_on") or {}))
 
     def save(self, path: Path) -> None:

@@ -21,7 +21,7 @@ class BudgetPolicy(Protocol):
 
     def should_draft(self, surprisal: float | None) -> bool: ...
 
-    def cut(self, scores: np.ndarray, surprisal: float | None) -> int: ...
+    def cut(self, scores: np.ndarray, surprisal: float | None, depths: np.ndarray | None = None) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,7 @@ class RoundLog:
     drafted: bool = True  # False: a plain greedy step (AR, budget 0, or auto skipped the draft)
     surprisal: float | None = None  # -log p of the anchor under the target; None after prefill
     node_scores: list[float] = field(default_factory=list)  # verified nodes' path scores, packed order
+    node_depths: list[int] = field(default_factory=list)  # and their depths
     path: list[int] = field(default_factory=list)  # packed indices of the accepted nodes
 
 
@@ -92,7 +93,7 @@ def _tree(backend: Backend, anchor: int, cfg: DecodeConfig, surprisal: float | N
     ids, logp = backend.draft(anchor, cfg.branch_k)
     tree = build_tree(anchor, ids, logp, cfg.budget)
     if cfg.auto:
-        tree = tree.prefix(1 + cfg.auto.cut(tree.scores[1:], surprisal))
+        tree = tree.prefix(1 + cfg.auto.cut(tree.scores[1:], surprisal, tree.depths[1:]))
     return tree, True
 
 
@@ -122,7 +123,7 @@ def decode(backend: Backend, prompt, cfg: DecodeConfig, stop_ids: Sequence[int] 
         out.rounds.append(RoundLog(entropy=float(entropy), accepted=len(path) + 1, tree_size=tree.size,
                                    draft_ms=(r1 - r0) * 1e3, verify_ms=(r2 - r1) * 1e3, total_ms=(r3 - r0) * 1e3,
                                    drafted=drafted, surprisal=surprisal, node_scores=tree.scores[1:].tolist(),
-                                   path=path.tolist()))
+                                   node_depths=tree.depths[1:].tolist(), path=path.tolist()))
         anchor, surprisal = int(bonus), -float(confidence[path[-1] if len(path) else 0])
         if on_commit:
             on_commit(new)

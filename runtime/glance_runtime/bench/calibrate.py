@@ -1,8 +1,9 @@
 """Fit `--budget auto`'s calibration (see glance_runtime.calibration) from a round log.
 
-Every verified node of a drafted round is one labelled sample: its path score s, the round's anchor
-surprisal u, and whether the walk accepted it. The node model is a logistic regression on x = logit(exp(s))
-and, only where a likelihood-ratio test says u adds to it (p < 0.05), on u. The law is the draftability
+Every verified node of a drafted round is one labelled sample: its path score s, its depth, the round's
+anchor surprisal u, and whether the walk accepted it. The node model is a logistic regression on
+x = logit(exp(s)) and depth and, only where a likelihood-ratio test says u adds to them (p < 0.05), on u.
+Coefficients that would make a node likelier than its parent (b < 0 or a positive depth slope) are dropped. The law is the draftability
 law's truncated-geometric fit (`law.fit`) with u in place of the entropy; its slope is kept only where it
 is significant and points the law's way (acceptance falls as surprisal rises), else p is the pooled rate.
 First rounds (no u yet) inform the node model without u only.
@@ -33,38 +34,53 @@ def _logistic(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
     return w, _loglik(x @ w, y, 1 - y)
 
 
-def node_samples(rows: Sequence[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(path scores, surprisal (NaN in first rounds), accepted 0/1) of every verified node of drafted rounds."""
-    scores, surprisal, accepted = [], [], []
+def node_samples(rows: Sequence[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(path scores, depths, surprisal (NaN in first rounds), accepted 0/1) of every verified node of drafted
+    rounds. Logs from before depths were recorded cannot be used."""
+    scores, depths, surprisal, accepted = [], [], [], []
     for row in rows:
         nodes = row.get("node_scores") or []
         if not row.get("drafted", True) or not nodes:
             continue
+        if len(row.get("node_depths") or []) != len(nodes):
+            raise GlanceError("the round log has node scores without their depths; rerun glance-bench with this version")
         on_path = set(row.get("path") or [])
         u = row.get("surprisal")
         scores += nodes
+        depths += row["node_depths"]
         surprisal += [float("nan") if u is None else float(u)] * len(nodes)
         accepted += [1.0 if i + 1 in on_path else 0.0 for i in range(len(nodes))]
-    return np.asarray(scores, float), np.asarray(surprisal, float), np.asarray(accepted, float)
+    return tuple(np.asarray(v, float) for v in (scores, depths, surprisal, accepted))
 
 
-def _node_model(scores: np.ndarray, u: np.ndarray, y: np.ndarray) -> tuple[tuple[float, float, float], dict]:
-    """(a, b, c) and how they were chosen: b < 0 (scores running against acceptance) falls back to the rate."""
-    x = path_logit(scores)
-    ones = np.ones_like(x)
-    (a, b), _ = _logistic(np.column_stack([ones, x]), y)
-    if b < 0:
-        rate = float(np.clip(y.mean(), 1e-6, 1 - 1e-6))
-        a, b = math.log(rate / (1 - rate)), 0.0
-    coef, lr_p = (float(a), float(b), 0.0), float("nan")
+def _monotone(columns: list[np.ndarray], y: np.ndarray) -> np.ndarray:
+    """Logistic weights on [1, x, depth, ...], refitted without depth (then without x) while a weight would
+    make a child likelier than its parent; dropped weights are 0."""
+    w, _ = _logistic(np.column_stack(columns), y)
+    if w[2] > 0:
+        w, _ = _logistic(np.column_stack([columns[0], columns[1], *columns[3:]]), y)
+        w = np.insert(w, 2, 0.0)
+    if w[1] < 0:
+        rest = [columns[0], *columns[3:]]
+        w, _ = _logistic(np.column_stack(rest), y)
+        w = np.concatenate([[w[0], 0.0, 0.0], w[1:]])
+    return w
+
+
+def _node_model(scores: np.ndarray, depths: np.ndarray, u: np.ndarray, y: np.ndarray
+                ) -> tuple[tuple[float, float, float, float], dict]:
+    """(a, b, c, d) and whether u earned its place."""
+    x, ones = path_logit(scores), np.ones_like(scores)
+    a, b, d = _monotone([ones, x, depths], y)
+    coef, lr_p = (float(a), float(b), 0.0, float(d)), float("nan")
     known = ~np.isnan(u)
     if known.sum() >= MIN_NODES and np.ptp(u[known]) > 1e-9:
-        xk, yk, uk = x[known], y[known], u[known]
-        _, ll_without = _logistic(np.column_stack([ones[known], xk]), yk)
-        with_u, ll_with = _logistic(np.column_stack([ones[known], xk, uk]), yk)
+        cols = [ones[known], x[known], depths[known]]
+        _, ll_without = _logistic(np.column_stack(cols), y[known])
+        with_u, ll_with = _logistic(np.column_stack(cols + [u[known]]), y[known])
         lr_p = _chi2_p(2 * (ll_with - ll_without))
-        if lr_p < ALPHA and with_u[1] >= 0:
-            coef = (float(with_u[0]), float(with_u[1]), float(with_u[2]))
+        if lr_p < ALPHA and with_u[1] >= 0 and with_u[2] <= 0:
+            coef = (float(with_u[0]), float(with_u[1]), float(with_u[3]), float(with_u[2]))
     return coef, {"surprisal_lr_p": lr_p, "uses_surprisal": coef[2] != 0.0}
 
 
@@ -101,20 +117,21 @@ def _bins(predicted: np.ndarray, y: np.ndarray) -> list[dict]:
 
 def fit_calibration(rows: Sequence[dict], source: str = "") -> tuple[Calibration, dict]:
     """The calibration and a report (coefficients, tests, Brier scores against the prior, the curve's bins)."""
-    scores, u, y = node_samples(rows)
+    scores, depths, u, y = node_samples(rows)
     if len(y) < MIN_NODES:
         raise GlanceError(f"the round log holds {len(y)} drafted nodes with their scores, too few to calibrate "
                           f"(at least {MIN_NODES}); rerun glance-bench with fixed tree budgets on more prompts")
-    (a, b, c), node_info = _node_model(scores, u, y)
+    (a, b, c, d), node_info = _node_model(scores, depths, u, y)
     law, law_info = _law(rows)
     modes = sorted({str(r.get("mode")) for r in rows if r.get("node_scores")})
     known = u[~np.isnan(u)]
-    calibration = Calibration(a, b, c, law=law, surprisal_mean=float(known.mean()) if len(known) else 0.0,
+    calibration = Calibration(a, b, c, d, law=law, surprisal_mean=float(known.mean()) if len(known) else 0.0,
                               fitted_on={"nodes": int(len(y)), "rounds": sum(1 for r in rows if r.get("node_scores")),
                                          "modes": modes, "source": source})
-    predicted = calibration.node_probability(scores, u)
+    predicted = calibration.node_probability(scores, u, depths)
     prior = np.exp(np.minimum(scores, 0.0))
-    report = {"nodes": int(len(y)), "accepted_share": float(y.mean()), "node": {"a": a, "b": b, "c": c, **node_info},
+    report = {"nodes": int(len(y)), "accepted_share": float(y.mean()),
+              "node": {"a": a, "b": b, "c": c, "d": d, **node_info},
               "law": law_info, "brier": float(np.mean((predicted - y) ** 2)),
               "prior_brier": float(np.mean((prior - y) ** 2)), "bins": _bins(predicted, y),
               "prior_bins": _bins(prior, y)}
@@ -124,7 +141,7 @@ def fit_calibration(rows: Sequence[dict], source: str = "") -> tuple[Calibration
 def summary_lines(calibration: Calibration, report: dict) -> list[str]:
     node, law = report["node"], report["law"]
     lines = [f"{report['nodes']} verified nodes, {report['accepted_share']:.1%} accepted",
-             f"node model: logit q = {node['a']:.3f} + {node['b']:.3f} * logit(exp(score))"
+             f"node model: logit q = {node['a']:.3f} + {node['b']:.3f} * logit(exp(score)) {node['d']:+.3f} * depth"
              + (f" + {node['c']:.3f} * surprisal" if node["uses_surprisal"] else
                 f" (surprisal left out: LR p {node['surprisal_lr_p']:.3g})"),
              f"Brier score {report['brier']:.4f} (the draft's own probabilities: {report['prior_brier']:.4f})"]
