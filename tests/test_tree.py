@@ -112,6 +112,23 @@ def test_prefix_of_a_best_first_tree_is_the_smaller_budgets_tree(case: tuple, da
 
 
 @FAST
+@given(drafts(), st.floats(-12.0, 0.0))
+def test_min_score_keeps_the_budget_tree_nodes_at_or_above_it(case: tuple, floor: float) -> None:
+    ids, logprobs, budget, branch_k = case
+    full = build_tree(ANCHOR, ids, logprobs, budget, branch_k)
+    kept = int(np.sum(full.scores >= floor))
+    assert np.all(full.scores[:kept] >= floor)  # best-first: the kept nodes are a prefix
+    floored = build_tree(ANCHOR, ids, logprobs, budget, branch_k, min_score=floor)
+    np.testing.assert_array_equal(floored.tokens, full.prefix(kept).tokens)
+    np.testing.assert_array_equal(floored.parents, full.prefix(kept).parents)
+
+
+def test_min_score_must_be_a_number() -> None:
+    with pytest.raises(ValueError, match="min_score must be a number"):
+        build_tree(ANCHOR, np.array([[1, 2]]), np.array([[-0.1, -2.0]]), 2, min_score=float("nan"))
+
+
+@FAST
 @given(drafts())
 def test_node_scores_and_tokens_match_their_columns(case: tuple) -> None:
     ids, logprobs, budget, branch_k = case

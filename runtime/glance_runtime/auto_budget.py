@@ -8,7 +8,8 @@ anchor's surprisal, unknown in the first round; p, q: `Calibration`'s law and no
    rate beats 1 / V(1) for some m in 1..B-1; otherwise it is a plain greedy step (the anchor alone).
    Without a fitted law, or in the first round, it drafts.
 2. Cut. The draft's candidates grow the tree best-first up to the largest budget, so the first n nodes
-   are the best tree of n nodes by score. Node i is accepted with probability q_i (from its score and depth);
+   are the best tree of n nodes by score; growth stops at scores where even a depth-1 node would have
+   q < Q_FLOOR (worth less than any row costs; it only saves building nodes no cut keeps). Node i is accepted with probability q_i (from its score and depth);
    n nodes are expected to yield E(n) = 1 + q_1 + ... + q_n tokens in D + V(n + 1). The round verifies the
    first n* = argmax_n E(n) / (D + V(n + 1)) nodes (the earliest n on ties), n* = 0 included.
 
@@ -33,6 +34,7 @@ from .loop import DecodeConfig
 AUTO = "auto"
 FIXED_DEFAULT = 63  # the budget where no cost profile exists (the torch reference, until one is measured)
 AUTO_MAX_NODES = 63  # auto's largest tree where the graphs set no smaller bound
+Q_FLOOR = 0.005  # nodes less likely than this to be accepted are not grown
 
 
 @dataclass(frozen=True)
@@ -46,15 +48,31 @@ class AutoBudget:
         rows = np.arange(1, self.max_nodes + 2)
         object.__setattr__(self, "_round_ms", self.cost.draft_ms + self.cost.verify_cost(rows))  # D + V(n+1)
         object.__setattr__(self, "_plain_ms", float(self.cost.verify_cost(1)))
+        law = self.calibration.law
+        constant = law is None or law[1] == 0  # the same answer every round: decided once
+        object.__setattr__(self, "_always", self._repays(self.calibration.offset_acceptance(1.0)) if constant else None)
 
-    def should_draft(self, surprisal: float | None) -> bool:
-        """Step 1: whether the law's best chain repays the draft pass."""
-        p = self.calibration.offset_acceptance(surprisal)
+    def _repays(self, p: float | None) -> bool:
         if p is None:
             return True
         depth = min(self.block_size - 1, self.max_nodes)
         expected = 1 + np.cumsum(p ** np.arange(1, depth + 1))
         return bool(np.max(expected / self._round_ms[1:depth + 1]) > 1 / self._plain_ms)
+
+    def should_draft(self, surprisal: float | None) -> bool:
+        """Step 1: whether the law's best chain repays the draft pass."""
+        if surprisal is None:
+            return True
+        return self._always if self._always is not None else self._repays(self.calibration.offset_acceptance(surprisal))
+
+    def floor(self, surprisal: float | None) -> float:
+        """The path score below which a node, even at depth 1, has q < Q_FLOOR (-inf where scores do not matter)."""
+        cal = self.calibration
+        if cal.b <= 0:
+            return -np.inf
+        u = cal.surprisal_mean if surprisal is None else surprisal
+        x = (np.log(Q_FLOOR / (1 - Q_FLOOR)) - cal.a - cal.d - cal.c * u) / cal.b  # x = logit(exp(s))
+        return float(-np.logaddexp(0.0, -x))  # s = log(sigmoid(x))
 
     def cut(self, scores: np.ndarray, surprisal: float | None, depths: np.ndarray | None = None) -> int:
         """Step 2: how many of the best-first nodes (path scores `scores`, depths `depths`) to verify."""

@@ -110,8 +110,10 @@ class Tree:
             raise ValueError(f"size must be an integer in 1..{self.size}, got {size!r}")
         if size == self.size:
             return self
-        return Tree._trusted(self.tokens[:size].tolist(), self.parents[:size].tolist(),
-                             self.depths[:size].tolist(), self.scores[:size].tolist())
+        tree = object.__new__(Tree)
+        for name in ("tokens", "parents", "depths", "scores"):
+            object.__setattr__(tree, name, getattr(self, name)[:size])  # views of read-only arrays stay read-only
+        return tree
 
     @property
     def size(self) -> int:
@@ -125,8 +127,9 @@ def build_tree(
     topk_logprobs: np.ndarray,
     budget: int,
     branch_k: int | None = None,
+    min_score: float = -np.inf,
 ) -> Tree:
-    """Keep the `budget` highest-scoring draft nodes (best-first on cumulative log-prob).
+    """Keep the `budget` highest-scoring draft nodes (best-first on cumulative log-prob), none below `min_score`.
 
     Row d-1 of topk_ids/topk_logprobs holds offset d's candidates, best first. Because
     log-probs are <= 0 a child never outscores its parent, so popping a max-heap yields the
@@ -150,6 +153,8 @@ def build_tree(
         raise ValueError("topk_ids needs at least one column (K >= 1)")
     if not _is_int(budget) or budget < 0:
         raise ValueError(f"budget must be a non-negative integer, got {budget!r}")
+    if not isinstance(min_score, (int, float, np.integer, np.floating)) or np.isnan(min_score):
+        raise ValueError(f"min_score must be a number (-inf for none), got {min_score!r}")
     if branch_k is None:
         branch_k = k
     if not _is_int(branch_k) or not 1 <= branch_k <= k:
@@ -177,7 +182,7 @@ def build_tree(
     lp, id_rows = logprobs.tolist(), ids.tolist()  # Python scalars: the loop below is hot
     if offsets:
         heap.append((-lp[0][0], 0, 0, 1))
-    while heap and len(tokens) <= budget:
+    while heap and len(tokens) <= budget and -heap[0][0] >= min_score:
         neg_score, parent, col, depth = heapq.heappop(heap)
         index = len(tokens)
         tokens.append(id_rows[depth - 1][col])
