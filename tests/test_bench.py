@@ -1,8 +1,11 @@
 """glance-bench: the law fit on rounds drawn from the law itself, the statistics it rests on, and the
-command end to end on the embedded default (ONNX Runtime). Deterministic checks only: no timing."""
+command end to end on the embedded default (ONNX Runtime), auto and its `cost` and `calibrate` commands
+included. Deterministic checks only: no timing (auto's sizes depend on the measured costs, so only what
+holds for any sizes is checked)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -13,14 +16,17 @@ from edge_install import blocking
 
 from glance_runtime.bench.cli import main as bench_main
 from glance_runtime.bench.law import analyse, expected_accepted
-from glance_runtime.bench.modes import modes_for, parse_budgets
+from glance_runtime.bench.modes import Mode, modes_for, parse_budgets
 from glance_runtime.bench.stats import rankdata, spearman
+from glance_runtime.calibration import load_calibration
+from glance_runtime.defaults import DEFAULT_ARTIFACTS
 from glance_runtime.errors import GlanceError
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 KINDS = ("receipt", "caption")
 ROUND_FIELDS = {"kind", "prompt", "mode", "sample", "round", "entropy", "accepted", "tree_size", "cap",
-                "draft_ms", "verify_ms", "total_ms", "final", "outside_ms", "target_graph_ms", "draft_graph_ms", "vocab_graph_ms"}
+                "draft_ms", "verify_ms", "total_ms", "final", "outside_ms", "target_graph_ms", "draft_graph_ms", "vocab_graph_ms",
+                "drafted", "surprisal", "node_scores", "node_depths", "path"}
 MODE_FIELDS = {"tau", "rounds", "mean_tree_size", "ms_per_token_decode", "ms_per_token_with_prefill", "prefill_ms",
                "identical", "runs", "target_graph_ms", "draft_graph_ms", "vocab_graph_ms", "outside_share"}
 SPEC_FIELDS = {"speedup_decode", "speedup_decode_interval", "speedup_with_prefill", "speedup_with_prefill_interval",
@@ -83,34 +89,46 @@ def test_rank_statistics():
 
 
 def test_budgets_and_modes():
-    assert parse_budgets("63,7, 15,7") == [7, 15, 63]
-    for bad in ("7,x", "", "0,7", "-1"):
+    assert parse_budgets("63,7, 15,7") == ([7, 15, 63], False)
+    assert parse_budgets("7,AUTO,15") == ([7, 15], True)
+    for bad in ("7,x", "", "0,7", "-1", "auto"):
         with pytest.raises(GlanceError, match="--budgets"):
             parse_budgets(bad)
+    assert Mode("auto", "auto", 63, 8).cap(16) == 15 and Mode("auto", "auto", 5, 8).config(9).budget == 5
     names = [m.name for m in modes_for([7, 15, 31], 8, 16, chain=True)]
     assert names == ["ar", "tree-7", "tree-15", "tree-31", "chain-7", "chain-15"]
     assert [m.cap(16) for m in modes_for([7, 31], 8, 16, chain=False)] == [0, 7, 15]
 
 
 @pytest.fixture(scope="module")
-def bench_out(tmp_path_factory):
-    """One small run on the embedded default: 2 prompts of 2 kinds, budgets 7 and 15, chains too."""
+def artifacts(tmp_path_factory):
+    """The embedded default's graphs, copied without cost profiles: auto measures one and stores it beside
+    them, here rather than in the repository's models/."""
+    art = tmp_path_factory.mktemp("artifacts") / "glance-vl-tiny-onnx"
+    shutil.copytree(DEFAULT_ARTIFACTS, art, ignore=shutil.ignore_patterns("cost-profile-*", ".cost-profile-*"))
+    return art
+
+
+@pytest.fixture(scope="module")
+def bench_out(tmp_path_factory, artifacts):
+    """One small run on the embedded default: 2 prompts of 2 kinds, budgets 7 and 15, chains and auto too."""
     out = tmp_path_factory.mktemp("bench") / "out"
     data = [str(REPO / "examples" / k / "tasks.jsonl") for k in KINDS]
-    argv = ["--data", *data, "--n", "2", "--budgets", "7,15", "--chain", "--samples", "2", "--threads", "1",
-            "--bootstrap", "50", "--out", str(out)]
+    argv = ["--data", *data, "--n", "2", "--budgets", "7,15,auto", "--chain", "--samples", "2", "--threads", "1",
+            "--bootstrap", "50", "--artifacts", str(artifacts), "--out", str(out)]
     assert bench_main(argv) == 0
     return out
 
 
 def test_bench_writes_every_output_with_its_fields(bench_out):
-    for name in ("report.json", "report.md", "rounds.jsonl", "law.png", "speedup.png", "verify_cost.png"):
+    for name in ("report.json", "report.md", "rounds.jsonl", "law.png", "speedup.png", "verify_cost.png",
+                 "auto_sizes.png", "calibration.png"):
         assert (bench_out / name).is_file(), name
     for png in bench_out.glob("*.png"):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = json.loads((bench_out / "report.json").read_text())
     assert set(report["kinds"]) == set(KINDS)
-    assert report["settings"]["modes"] == ["ar", "tree-7", "tree-15", "chain-7", "chain-15"]
+    assert report["settings"]["modes"] == ["ar", "tree-7", "tree-15", "chain-7", "chain-15", "auto"]
     assert report["settings"]["warmup_dropped"] == 1
     for section in [*report["kinds"].values(), report["pooled"]]:
         assert section["best"] in report["settings"]["modes"][1:]
@@ -127,7 +145,8 @@ def test_bench_writes_every_output_with_its_fields(bench_out):
     assert set(report["tree_vs_chain"]["pooled"]) == {"7", "15"}
     assert {c["criterion"] for c in report["criteria"]} and all("met" in c for c in report["criteria"])
     md = (bench_out / "report.md").read_text()
-    for heading in ("## Speed", "## Tree against chain", "## Loop efficiency", "## The draftability law"):
+    for heading in ("## Speed", "## Tree against chain", "## Loop efficiency", "## The draftability law", "## auto",
+                    "## Node calibration"):
         assert heading in md
 
 
@@ -142,10 +161,72 @@ def test_round_log_has_one_line_per_round_of_every_kept_run(bench_out):
     assert all(r["tree_size"] == 1 and r["accepted"] == 1 for r in rows if r["mode"] == "ar")
     assert all(r["tree_size"] <= 8 for r in rows if r["mode"] in ("tree-7", "chain-7"))
     assert all(1 <= r["accepted"] <= r["cap"] + 1 for r in rows)
+    # What auto's calibration is fitted to: every verified node's score and depth, and the accepted path.
+    assert all(not r["drafted"] and r["node_scores"] == r["path"] == [] for r in rows if r["mode"] == "ar")
+    for r in rows:
+        assert len(r["node_scores"]) == len(r["node_depths"]) == r["tree_size"] - 1
+        assert all(s <= 0 for s in r["node_scores"]) and len(r["path"]) == r["accepted"] - 1
+        assert all(1 <= i < r["tree_size"] for i in r["path"]) and r["path"] == sorted(r["path"])
+        assert [r["node_depths"][i - 1] for i in r["path"]] == list(range(1, len(r["path"]) + 1))
+        assert (r["surprisal"] is None) == (r["round"] == 0)
+    assert all(r["drafted"] for r in rows if r["mode"].startswith(("tree-", "chain-")))
+    assert all(r["tree_size"] == 1 for r in rows if r["mode"] == "auto" and not r["drafted"])
     last = {}
     for r in rows:
         last[(r["kind"], r["prompt"], r["mode"], r["sample"])] = r["round"]
     assert all(r["final"] == (r["round"] == last[(r["kind"], r["prompt"], r["mode"], r["sample"])]) for r in rows)
+
+
+def test_auto_is_lossless_and_reported(bench_out, artifacts):
+    report = json.loads((bench_out / "report.json").read_text())
+    rows = [json.loads(line) for line in (bench_out / "rounds.jsonl").read_text().splitlines()]
+    auto = report["auto"]
+    cap = min(auto["max_nodes"], report["settings"]["block_size"] - 1)
+    assert all(r["cap"] == cap for r in rows if r["mode"] == "auto")
+    assert all(r["tree_size"] <= auto["max_nodes"] + 1 for r in rows if r["mode"] == "auto")
+    for kind, section in report["kinds"].items():
+        entry = section["modes"]["auto"]
+        assert entry["kind"] == "auto" and entry["identical"] == entry["runs"] > 0 and SPEC_FIELDS <= set(entry)
+        sizes = auto["sizes"][kind]
+        assert sizes["rounds"] == entry["rounds"] == sizes["no_draft"] + sum(sizes["nodes"].values())
+        assert auto["vs_best_fixed"][kind]["best"] in ("tree-7", "tree-15")
+        lo, hi = auto["vs_best_fixed"][kind]["interval"]
+        assert lo <= auto["vs_best_fixed"][kind]["ratio"] <= hi
+    assert auto["largest_tree"] == "tree-15" and set(auto["vs_largest_tree"]) == {*KINDS, "pooled"}
+    assert auto["cost_profile"]["path"].startswith(str(artifacts / "cost-profile-"))
+    assert auto["cost_profile"]["rows"][0] == 1 and "verify rows" in auto["cost_table"]
+    assert auto["calibration"]["path"] in ("prior", str(artifacts / "calibration.json"))
+    assert any(c["criterion"].startswith("auto within 5%") for c in report["criteria"])
+    curve = report["calibration_curve"]
+    assert curve["modes"] == ["tree-7", "tree-15"] and curve["nodes"] == sum(b["nodes"] for b in curve["bins"])
+    assert all(0 <= b["predicted"] <= 1 and 0 <= b["observed"] <= 1 for b in curve["bins"])
+
+
+def test_cost_prints_the_stored_profile(bench_out, artifacts, capsys):
+    capsys.readouterr()
+    assert bench_main(["cost", "--artifacts", str(artifacts), "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    stored = json.loads((bench_out / "report.json").read_text())["auto"]["cost_profile"]["path"]
+    assert "verify rows" in out and "draft pass" in out and f"stored in {stored}" in out
+
+
+def test_calibrate_writes_a_calibration_auto_runs_with(bench_out, artifacts, tmp_path, capsys):
+    rounds = bench_out / "rounds.jsonl"
+    assert bench_main(["calibrate", str(rounds), "--out", str(tmp_path)]) == 0
+    assert "verified nodes" in capsys.readouterr().out
+    fitted = load_calibration(tmp_path / "calibration.json")
+    assert fitted.fitted and fitted.fitted_on["modes"] == ["tree-15", "tree-7"]
+    assert bench_main(["calibrate", str(rounds), "--mode", "chain-7", "--out", str(tmp_path / "chain.json")]) == 0
+    assert load_calibration(tmp_path / "chain.json").fitted_on["modes"] == ["chain-7"]
+    assert bench_main(["calibrate", str(rounds), "--mode", "tree-99"]) == 2
+    assert "tree-99" in capsys.readouterr().err
+    out = tmp_path / "bench"
+    assert bench_main(["--data", str(REPO / "examples/receipt/tasks.jsonl"), "--n", "1", "--budgets", "7,auto",
+                       "--samples", "2", "--threads", "1", "--bootstrap", "20", "--no-plots", "--artifacts",
+                       str(artifacts), "--calibration", str(tmp_path / "calibration.json"), "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["auto"]["calibration"]["path"] == str(tmp_path / "calibration.json")
+    assert report["lossless"]["identical"] == report["lossless"]["runs"]
 
 
 def test_law_runs_alone_on_a_round_log(bench_out, tmp_path, capsys):
@@ -179,11 +260,21 @@ def test_law_runs_alone_on_a_round_log(bench_out, tmp_path, capsys):
     (["--data", "LATIN1", "--out", "OUT"], "is not valid UTF-8"),
     (["law", "LATIN1"], "is not valid UTF-8"),
     (["--data", "EMPTY"], "the following arguments are required: --out"),
+    (["--data", str(REPO / "examples/receipt/tasks.jsonl"), "--budgets", "auto", "--out", "OUT"], "at least one"),
+    (["--data", str(REPO / "examples/receipt/tasks.jsonl"), "--budgets", "7", "--remeasure", "--out", "OUT"],
+     "add auto to --budgets"),
+    (["--data", str(REPO / "examples/receipt/tasks.jsonl"), "--calibration", "missing.json", "--out", "OUT"],
+     "cannot read missing.json"),
+    (["calibrate", "missing.jsonl"], "round log missing.jsonl does not exist"),
+    (["calibrate", "OLDLOG"], "rerun glance-bench with this version"),
+    (["cost", "--artifacts", "missing"], "--artifacts missing does not exist"),
 ])
 def test_bad_input_is_one_line(argv, message, tmp_path, capsys):
     (tmp_path / "empty.jsonl").write_text("\n")
     (tmp_path / "latin1.jsonl").write_bytes('{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
-    names = {"OUT": tmp_path / "out", "EMPTY": tmp_path / "empty.jsonl", "LATIN1": tmp_path / "latin1.jsonl"}
+    (tmp_path / "old.jsonl").write_text(json.dumps({"mode": "tree-7", "entropy": 0.1, "accepted": 2}) + "\n")
+    names = {"OUT": tmp_path / "out", "EMPTY": tmp_path / "empty.jsonl", "LATIN1": tmp_path / "latin1.jsonl",
+             "OLDLOG": tmp_path / "old.jsonl"}
     argv = [str(names.get(a, a)) for a in argv]
     try:
         code = bench_main(argv)

@@ -1,7 +1,11 @@
-"""`glance-bench`: AR, GLANCE trees and chains on one backend, interleaved per prompt, with the law and plots.
+"""`glance-bench`: AR, GLANCE trees, chains and `--budget auto` on one backend, interleaved per prompt, with
+the law and plots; and the commands around auto: this device's cost profile and the calibration's refit.
 
     glance-bench --data examples/receipt/tasks.jsonl --data examples/chart/tasks.jsonl --out bench/ [--chain]
+                 [--budgets 7,15,31,63,auto] [--calibration FILE] [--remeasure]
     glance-bench law bench/rounds.jsonl [--mode tree-63] [--out DIR]
+    glance-bench cost [--artifacts DIR | --engines DIR | --model DIR --head DIR] [--threads N] [--remeasure]
+    glance-bench calibrate bench/rounds.jsonl [--out calibration.json] [--mode tree-31,tree-63]
 """
 from __future__ import annotations
 
@@ -12,31 +16,32 @@ import platform
 import shlex
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from .. import __version__
+from ..auto_budget import AutoBudget, auto_budget
+from ..calibration import FILE as CALIBRATION_FILE, Calibration, load_calibration
 from ..defaults import resolve
 from ..errors import GlanceError
 from ..limits import check_decode
+from ..loop import DecodeConfig
 from ..cli_parser import OneLineParser, guarded
-from ..runner import BACKENDS, open_runner
+from ..runner import BACKENDS, Runner, open_runner
+from .calibrate import fit_calibration, summary_lines
 from .law_log import fit_log, select
 from .markdown import law_table
 from .measure import measure_prompt
-from .modes import modes_for, parse_budgets
+from .modes import auto_mode, modes_for, parse_budgets
 from .progress import Progress
 from .report import clean_json, build, write
+from .rounds import calibration_rows, read_rounds
 from .tasks import read_tasks
 from .timing import GraphClock
 
 
-def bench_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="glance-bench", description="Speed, acceptance and the draftability law of "
-                                "GLANCE against AR greedy decoding, measured side by side (see also "
-                                "`glance-bench law ROUNDS.jsonl`).")
-    p.add_argument("--data", type=Path, action="extend", nargs="+", required=True,
-                   help="TASKS.jsonl (repeatable); a row's \"kind\", else the file's directory, names its task kind")
-    p.add_argument("--out", type=Path, required=True, help="directory for report.json, report.md, rounds.jsonl, PNGs")
+def _runner_args(p: argparse.ArgumentParser) -> None:
+    """What the bench and `cost` are run on: the same flags as glance-run's."""
     p.add_argument("--backend", choices=BACKENDS, help="default: onnxruntime where installed, else torch")
     p.add_argument("--model", type=Path, help="target snapshot (default: the embedded glance-vl-tiny)")
     p.add_argument("--head", type=Path, help="draft head directory")
@@ -44,8 +49,24 @@ def bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--engines", type=Path, help="TensorRT engines for --backend tensorrt (glance-export build)")
     p.add_argument("--provider", action="append", help="ONNX Runtime execution provider (repeatable)")
     p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads")
-    p.add_argument("--budgets", default="7,15,31,63", help="tree budgets, comma-separated (default 7,15,31,63)")
     p.add_argument("--branch-k", type=int, default=8, help="top-k per draft offset for the trees")
+    p.add_argument("--remeasure", action="store_true", help="measure this device's cost profile for auto again, "
+                   "even where one is stored")
+
+
+def bench_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="glance-bench", description="Speed, acceptance and the draftability law of "
+                                "GLANCE against AR greedy decoding, measured side by side (see also "
+                                "`glance-bench law|cost|calibrate`).")
+    p.add_argument("--data", type=Path, action="extend", nargs="+", required=True,
+                   help="TASKS.jsonl (repeatable); a row's \"kind\", else the file's directory, names its task kind")
+    p.add_argument("--out", type=Path, required=True, help="directory for report.json, report.md, rounds.jsonl, PNGs")
+    _runner_args(p)
+    p.add_argument("--budgets", default="7,15,31,63,auto", help="tree budgets, comma-separated, at least one fixed; "
+                   "auto sizes each round's tree from the draft's confidence and this device's cost profile "
+                   "(default 7,15,31,63,auto)")
+    p.add_argument("--calibration", type=Path, help="calibration.json for auto (default: the one beside the "
+                   "artifacts, engines or head, else the prior; refit one with `glance-bench calibrate`)")
     p.add_argument("--chain", action="store_true", help="also the same head as a chain (branch 1, min(budget, B-1) nodes)")
     p.add_argument("--n", type=int, help="first N prompts of each task file (default: all)")
     p.add_argument("--samples", type=int, default=3, help="runs per prompt and mode, the first dropped as a warm-up")
@@ -75,6 +96,56 @@ def law_parser() -> argparse.ArgumentParser:
     return p
 
 
+def cost_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="glance-bench cost", description="This device's cost profile for --budget auto (a "
+                                "verify pass against its tree rows, and a draft pass): printed with where it is "
+                                "stored, measured first where none is.")
+    _runner_args(p)
+    return p
+
+
+def calibrate_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="glance-bench calibrate", description="Refit --budget auto's calibration (node "
+                                "acceptance from the draft's path scores and the anchor's surprisal; the law on "
+                                "surprisal) from a glance-bench round log.")
+    p.add_argument("rounds", type=Path, help="rounds.jsonl from glance-bench (this version: it logs node scores)")
+    p.add_argument("--out", type=Path, help=f"file to write, or a directory for {CALIBRATION_FILE} (default: "
+                   f"{CALIBRATION_FILE} beside the round log); auto reads it beside the artifacts, engines or head, "
+                   "or from glance-bench --calibration")
+    p.add_argument("--mode", help="comma-separated modes whose rounds to fit (default: every fixed tree, tree-N)")
+    return p
+
+
+def _check_dirs(args: argparse.Namespace) -> None:
+    for flag, path in (("--model", args.model), ("--head", args.head), ("--artifacts", args.artifacts),
+                       ("--engines", args.engines)):
+        if path is not None and not path.is_dir():
+            raise GlanceError(f"{flag} {path} {'is not a directory' if path.exists() else 'does not exist'}")
+
+
+def _open(args: argparse.Namespace) -> Runner:
+    model, head, artifacts, backend = resolve(args.model, args.head, args.artifacts, args.backend)
+    ort = {} if backend == "torch" else dict(providers=args.provider, threads=args.threads)
+    return open_runner(backend, model=model, head=head, artifacts=artifacts, engines=args.engines,
+                       progress=_progress, **ort)
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def _auto(runner: Runner, args: argparse.Namespace, calibration: Calibration | None) -> tuple[AutoBudget, dict]:
+    """The runner's auto policy (with `calibration`, from --calibration, in place of the one found) and what
+    the report records of it: the cost profile with its path, and the calibration's path ("prior" where none)."""
+    policy, cost_path, found = auto_budget(runner, args.branch_k, remeasure=args.remeasure, progress=_progress)
+    if calibration is not None:
+        policy, found = replace(policy, calibration=calibration), args.calibration
+    return policy, {"max_nodes": policy.max_nodes, "cost_table": policy.cost.table(),
+                    "cost_profile": {"path": str(cost_path), **policy.cost.as_dict()},
+                    "calibration": {"path": str(found) if found else "prior",
+                                    "fitted_on": policy.calibration.fitted_on}}
+
+
 def _check(args: argparse.Namespace) -> None:
     if args.samples < 2:
         raise GlanceError("--samples must be at least 2 (the first is a dropped warm-up)")
@@ -85,10 +156,7 @@ def _check(args: argparse.Namespace) -> None:
         raise GlanceError("--n must be at least 1")
     if args.bootstrap < 1:
         raise GlanceError("--bootstrap must be at least 1")
-    for flag, path in (("--model", args.model), ("--head", args.head), ("--artifacts", args.artifacts),
-                       ("--engines", args.engines)):
-        if path is not None and not path.is_dir():
-            raise GlanceError(f"{flag} {path} {'is not a directory' if path.exists() else 'does not exist'}")
+    _check_dirs(args)
     if args.out.exists() and not args.out.is_dir():
         raise GlanceError(f"--out {args.out} is a file; pass a directory")
 
@@ -110,22 +178,26 @@ def _conditions(runner, args: argparse.Namespace, argv: list[str]) -> dict:
 
 def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     _check(args)
-    budgets = parse_budgets(args.budgets)
+    budgets, with_auto = parse_budgets(args.budgets)
+    if not with_auto and (args.calibration is not None or args.remeasure):
+        raise GlanceError("--calibration and --remeasure are for the auto mode; add auto to --budgets")
+    calibration = load_calibration(args.calibration) if args.calibration is not None else None
     tasks = read_tasks(args.data, args.n)
     if not args.no_plots:
         from .plots import pyplot
 
         pyplot()
-    model, head, artifacts, backend = resolve(args.model, args.head, args.artifacts, args.backend)
-    ort = {} if backend == "torch" else dict(providers=args.provider, threads=args.threads)
-    runner = open_runner(backend, model=model, head=head, artifacts=artifacts, engines=args.engines,
-                         progress=lambda line: print(line, file=sys.stderr), **ort)
+    runner = _open(args)
     modes = modes_for(budgets, args.branch_k, runner.backend.block_size, args.chain)
     if args.law_mode is not None and args.law_mode not in {m.name for m in modes if m.kind != "ar"}:
-        raise GlanceError(f"--law-mode {args.law_mode} is not a measured mode; choose one of: "
+        raise GlanceError(f"--law-mode {args.law_mode} is not a fixed mode measured here; choose one of: "
                           + ", ".join(m.name for m in modes if m.kind != "ar"))
     for mode in modes:
         check_decode(runner.limits, mode.config(args.max_new_tokens))
+    auto = None
+    if with_auto:
+        policy, auto = _auto(runner, args, calibration)
+        modes.append(auto_mode(policy, args.branch_k))
     conditions = _conditions(runner, args, argv)
     clock = GraphClock.attach(runner.backend)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -137,12 +209,13 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
             results.append(result)
             progress.step(f"{task.kind} {task.index}: {result.new_tokens} tokens")
     conditions.update(load_end=round(os.getloadavg()[0], 2), finished=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
-    settings = {"budgets": budgets, "branch_k": args.branch_k, "chain": args.chain, "samples": args.samples,
+    settings = {"budgets": budgets, "auto": with_auto, "branch_k": args.branch_k, "chain": args.chain,
+                "samples": args.samples,
                 "warmup_dropped": 1, "prompts": len(tasks), "n": args.n, "max_new_tokens": args.max_new_tokens,
                 "drafts": "the head's own" if args.seed_drafts == "none" else f"seeded ({args.seed_drafts}; an upper bound)",
                 "block_size": runner.backend.block_size, "bootstrap": args.bootstrap, "seed": args.seed,
                 "modes": [m.name for m in modes], "data": [str(p) for p in args.data]}
-    report, rows, fits = build(results, modes, conditions, settings, args.bootstrap, args.seed, args.law_mode)
+    report, rows, fits = build(results, modes, conditions, settings, args.bootstrap, args.seed, args.law_mode, auto)
     files = write(args.out, report, rows, fits, not args.no_plots)
     lossless = report["lossless"]
     if lossless["identical"] < lossless["runs"]:
@@ -152,13 +225,16 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     best = pooled["modes"][pooled["best"]]
     print(f"best {pooled['best']}: {best['speedup_decode']:.2f}x excl. prefill, {best['speedup_with_prefill']:.2f}x "
           f"incl. (geomean of {len(report['kinds'])} kinds), tau {best['tau']:.2f}; law: {report['law']['pooled']['verdict']}")
+    if auto is not None:
+        a = report["auto"]
+        print(f"auto: ms/token {a['vs_best_fixed']['pooled']['ratio']:.2f}x the best fixed tree's, speedup "
+              f"{a['vs_largest_tree']['pooled']['speedup']:.2f}x over {a['largest_tree']} (geomeans of kinds, excl. "
+              f"prefill); no draft in {a['sizes']['pooled']['no_draft_share']:.0%} of rounds")
     print(f"wrote {', '.join(files)} to {args.out}")
     return 0
 
 
 def run_law(args: argparse.Namespace) -> int:
-    from .rounds import read_rounds
-
     if args.bootstrap < 1:
         raise GlanceError("--bootstrap must be at least 1")
     rows = read_rounds(args.rounds)
@@ -186,8 +262,38 @@ def run_law(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_cost(args: argparse.Namespace) -> int:
+    _check_dirs(args)
+    runner = _open(args)
+    # auto drafts with --branch-k: refused here in one line if the draft graph returns fewer candidates.
+    check_decode(runner.limits, DecodeConfig(max_new_tokens=1, budget=1, branch_k=args.branch_k))
+    policy, path, calibration = auto_budget(runner, args.branch_k, remeasure=args.remeasure, progress=_progress)
+    print(policy.cost.table())
+    print(f"stored in {path}")
+    where = calibration or f"the prior (no {CALIBRATION_FILE} beside the artifacts, engines or head)"
+    print(f"auto verifies at most {policy.max_nodes} nodes a round; calibration: {where}")
+    return 0
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    out = args.out or args.rounds.with_name(CALIBRATION_FILE)
+    out = out / CALIBRATION_FILE if out.is_dir() else out
+    modes = [m.strip() for m in args.mode.split(",") if m.strip()] if args.mode else None
+    rows = calibration_rows(read_rounds(args.rounds), modes, str(args.rounds))
+    calibration, fit = fit_calibration(rows, source=f"{args.rounds} ({', '.join(sorted({r['mode'] for r in rows}))})")
+    calibration.save(out)
+    print("\n".join(summary_lines(calibration, fit)))
+    print(f"wrote {out}")
+    return 0
+
+
+SUBCOMMANDS = {"law": lambda argv: run_law(law_parser().parse_args(argv)),
+               "cost": lambda argv: run_cost(cost_parser().parse_args(argv)),
+               "calibrate": lambda argv: run_calibrate(calibrate_parser().parse_args(argv))}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["law"]:
-        return guarded("glance-bench", lambda: run_law(law_parser().parse_args(argv[1:])))
+    if argv[:1] and argv[0] in SUBCOMMANDS:
+        return guarded("glance-bench", lambda: SUBCOMMANDS[argv[0]](argv[1:]))
     return guarded("glance-bench", lambda: run_bench(bench_parser().parse_args(argv), argv))

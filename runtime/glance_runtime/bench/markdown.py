@@ -51,6 +51,39 @@ def _efficiency_table(report: dict) -> list[str]:
     return lines
 
 
+def _auto_lines(report: dict) -> list[str]:
+    """What auto ran with, the sizes it chose, and its speed against the fixed trees (excluding prefill)."""
+    a = report["auto"]
+    path = a["calibration"]["path"]
+    used = "the prior (the draft's own path probabilities)" if path == "prior" else f"`{path}`"
+    lines = ["## auto", "",
+             f"Cost profile `{a['cost_profile']['path']}` (at most {a['max_nodes']} nodes a round):", "", "```",
+             a["cost_table"], "```", "",
+             f"Calibration: {used}.",
+             "", "| kind | rounds | no draft | nodes when drafted (mean) | nodes verified: rounds | "
+             f"auto ms/token / best fixed tree's [95%] | speedup over {a['largest_tree']} [95%] |",
+             "|---|---|---|---|---|---|---|"]
+    for kind, s in a["sizes"].items():
+        best, over = a["vs_best_fixed"][kind], a["vs_largest_tree"][kind]
+        ratio = _f(best["ratio"]) + (f" {_ci(best['interval'])} ({best['best']})" if "best" in best else " (geomean)")
+        speedup = f"{_f(over['speedup'])}x" + (f" {_ci(over['interval'])}" if "interval" in over else " (geomean)")
+        hist = ", ".join(f"{n}: {c}" for n, c in s["nodes"].items())
+        lines.append(f"| {kind} | {s['rounds']} | {_f(100 * s['no_draft_share'], 1)}% | "
+                     f"{_f(s['mean_nodes_when_drafted'], 1)} | {hist} | {ratio} | {speedup} |")
+    return lines + ["", "Rounds of every kept run. A ratio below 1 is auto faster than the kind's best fixed tree "
+                    "(1.05: 5% slower); the pooled rows are geometric means of the kinds.", ""]
+
+
+def _calibration_lines(curve: dict) -> list[str]:
+    lines = [f"## Node calibration (refitted on {', '.join(curve['modes'])})", ""]
+    if "error" in curve:
+        return lines + [f"Not fitted: {curve['error']}", ""]
+    lines += [*[f"- {line}" for line in curve["summary"]], "", "| predicted | observed | nodes |", "|---|---|---|"]
+    lines += [f"| {_f(b['predicted'], 3)} | {_f(b['observed'], 3)} | {b['nodes']} |" for b in curve["bins"]]
+    return lines + ["", "Equal-count bins of verified nodes by the refitted model's predicted acceptance; "
+                    "`glance-bench calibrate rounds.jsonl` writes this calibration for auto to use.", ""]
+
+
 def law_table(fits: dict) -> list[str]:
     lines = ["| rounds of | rounds (prompts) | b0 [95%] | b1 [95%] | rank corr. (p) | LR test p | "
              "decile R^2 | deciles covering the law | verdict |", "|---|---|---|---|---|---|---|---|---|"]
@@ -97,7 +130,9 @@ def render(report: dict) -> str:
             "", *law_table(report["law"]), "", "Pooled fit per mode:", "", *law_table(report["law_by_mode"]), "",
             "Pooled, final rounds included:", "",
             *law_table({f"{report['law_mode']} + final": report["law_with_final_rounds"]}), "",
-            "## Criteria (issue 11)", ""]
+            *(_auto_lines(report) if "auto" in report else []),
+            *_calibration_lines(report["calibration_curve"]),
+            "## Criteria (issues 11 and 12)", ""]
     out += [f"- {'met' if c_['met'] else 'NOT met'}: {c_['criterion']}: {c_['detail']}" for c_ in report["criteria"]]
     out += ["", "## Files", "", *[f"- `{name}`" for name in report["files"]], ""]
     return "\n".join(out)

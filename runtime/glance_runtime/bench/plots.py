@@ -1,4 +1,5 @@
-"""The bench's three PNG plots. matplotlib is the `bench` extra; without it the bench says so in one line."""
+"""The bench's PNG plots (the law, speedups, verify cost; with auto, its chosen sizes; the calibration curve).
+matplotlib is the `bench` extra; without it the bench says so in one line."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,8 +8,7 @@ import numpy as np
 
 from ..errors import GlanceError
 from .law import LawFit, expected_accepted
-
-PLOTS = ("law.png", "speedup.png", "verify_cost.png")
+from .law_log import POOLED
 
 
 def pyplot():
@@ -55,7 +55,8 @@ def plot_law(path: Path, fits: dict[str, LawFit], rows: list[dict], mode: str) -
 
 
 def plot_speedup(path: Path, report: dict) -> None:
-    """Speedup over AR against budget, per kind and the geometric mean; trees solid, chains dashed."""
+    """Speedup over AR against budget, per kind and the geometric mean; trees solid, chains dashed, auto
+    (whose size varies per round) a dotted level."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharey=True)
     sections = {**report["kinds"], "geomean": report["pooled"]}
@@ -73,9 +74,12 @@ def plot_speedup(path: Path, report: dict) -> None:
                 hi = [e[f"speedup_{key}_interval"][1] - y_ for y_, e in zip(y, entries)]
                 ax.errorbar(x, y, yerr=[lo, hi], fmt=style, color=color, capsize=2, markersize=4,
                             label=f"{name} {kind}")
+            if "auto" in section["modes"]:
+                ax.axhline(section["modes"]["auto"][f"speedup_{key}"], color=color, ls=":", lw=1.2,
+                           label=f"{name} auto")
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
-        budgets = sorted({e["budget"] for e in report["pooled"]["modes"].values() if e["kind"] != "ar"})
+        budgets = sorted({e["budget"] for e in report["pooled"]["modes"].values() if e["kind"] in ("tree", "chain")})
         ax.set_xticks(budgets, [str(b) for b in budgets])
         ax.minorticks_off()
         ax.set_xlabel("tree budget (nodes verified besides the anchor)")
@@ -109,6 +113,54 @@ def plot_verify_cost(path: Path, rows: list[dict]) -> None:
     ax.minorticks_off()
     ax.set_xlabel("packed rows verified (anchor included)")
     ax.set_ylabel("target graph ms per verify" if timed else "verify call ms")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def plot_auto_sizes(path: Path, sizes: dict[str, dict]) -> None:
+    """How many rounds auto verified each tree size, as shares per kind and pooled: 'no draft' for plain
+    greedy steps, else the nodes kept besides the anchor."""
+    plt = pyplot()
+    kinds = [k for k in sizes if k != POOLED] + [POOLED]
+    largest = max((int(n) for k in kinds for n in sizes[k]["nodes"]), default=0)
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for i, kind in enumerate(kinds):
+        s = sizes[kind]
+        counts = np.zeros(largest + 2)  # position 0: no draft; n + 1: n nodes
+        counts[0] = s["no_draft"]
+        for n, count in s["nodes"].items():
+            counts[int(n) + 1] = count
+        pooled = kind == POOLED
+        ax.stairs(counts / max(s["rounds"], 1), np.arange(-1.5, largest + 1), color="black" if pooled else f"C{i}",
+                  lw=2 if pooled else 1.2, label=f"{kind} ({s['rounds']} rounds)")
+    step = max(1, (largest + 7) // 8)
+    ticks = sorted({-1, *range(step, largest + 1, step), largest} - {0})
+    ax.set_xticks(ticks, ["no draft" if t < 0 else str(t) for t in ticks], fontsize=7)
+    ax.set_xlabel("nodes auto verified besides the anchor")
+    ax.set_ylabel("share of rounds")
+    ax.set_title("tree sizes chosen by auto", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def plot_calibration(path: Path, curve: dict) -> None:
+    """Observed node acceptance against predicted, in equal-count bins: the refitted calibration and the
+    draft's own probabilities (its path scores), with the diagonal a calibrated model lies on."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(4.2, 4.0))
+    ax.plot([0, 1], [0, 1], color="grey", lw=0.8, label="calibrated")
+    for bins, style, label in ((curve["prior_bins"], "--s", "draft's own probability"),
+                               (curve["bins"], "-o", f"refitted (Brier {curve['brier']:.3f})")):
+        ax.plot([b["predicted"] for b in bins], [b["observed"] for b in bins], style, markersize=4, label=label)
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("predicted acceptance of a node")
+    ax.set_ylabel("observed share accepted")
+    ax.set_title(f"node calibration ({curve['nodes']} nodes of {', '.join(curve['modes'])})", fontsize=8)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=90)

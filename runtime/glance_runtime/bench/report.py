@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .auto_summary import auto_criteria, auto_section, calibration_curve
 from .law import LawFit
 from .law_log import POOLED, fit_log, select
 from .markdown import render
@@ -45,8 +46,12 @@ def _criteria(report: dict) -> list[dict]:
 
 
 def build(results: list[PromptResult], modes: list[Mode], conditions: dict, settings: dict, replicates: int,
-          seed: int, law_mode: str | None = None) -> tuple[dict, list[dict], dict[str, LawFit]]:
-    """The report's dict, the round log's rows and the law's fits (per kind and pooled)."""
+          seed: int, law_mode: str | None = None,
+          auto: dict | None = None) -> tuple[dict, list[dict], dict[str, LawFit]]:
+    """The report's dict, the round log's rows and the law's fits (per kind and pooled). `auto`: what the
+    auto mode ran with (cost profile, calibration), where it ran.
+
+    The law is fitted per fixed mode only: auto's rounds that skip the draft accept nothing by choice."""
     rng = np.random.default_rng(seed)
     by_kind: dict[str, list[PromptResult]] = {}
     for r in results:
@@ -64,10 +69,14 @@ def build(results: list[PromptResult], modes: list[Mode], conditions: dict, sett
               "law_mode": law_mode,
               "law": {k: f.as_dict() for k, f in fits.items()},
               "law_by_mode": {m.name: fit_log(rows, m.name, replicates=replicates, seed=seed)[POOLED].as_dict()
-                              for m in modes if m.kind != "ar"},
+                              for m in modes if m.kind in ("tree", "chain")},
               "law_with_final_rounds": fit_log(rows, law_mode, replicates=replicates, seed=seed,
-                                               include_final=True)[POOLED].as_dict()}
+                                               include_final=True)[POOLED].as_dict(),
+              "calibration_curve": calibration_curve(rows, modes)}
     report["criteria"] = _criteria(report)
+    if auto is not None:
+        report["auto"] = auto_section(by_kind, kinds, modes, auto, replicates, rng)
+        report["criteria"] += auto_criteria(report["auto"])
     return report, rows, fits
 
 
@@ -88,12 +97,18 @@ def write(out: Path, report: dict, rows: list[dict], fits: dict[str, LawFit], pl
     """Every output file; returns their names."""
     files = ["report.json", "report.md", "rounds.jsonl"]
     if plots:
-        from .plots import PLOTS, plot_law, plot_speedup, plot_verify_cost
+        from .plots import plot_auto_sizes, plot_calibration, plot_law, plot_speedup, plot_verify_cost
 
         plot_law(out / "law.png", fits, select(rows, report["law_mode"], None), report["law_mode"])
         plot_speedup(out / "speedup.png", report)
         plot_verify_cost(out / "verify_cost.png", rows)
-        files += list(PLOTS)
+        files += ["law.png", "speedup.png", "verify_cost.png"]
+        if "auto" in report:
+            plot_auto_sizes(out / "auto_sizes.png", report["auto"]["sizes"])
+            files.append("auto_sizes.png")
+        if "bins" in report["calibration_curve"]:
+            plot_calibration(out / "calibration.png", report["calibration_curve"])
+            files.append("calibration.png")
     report["files"] = files
     write_rounds(out / "rounds.jsonl", rows)
     (out / "report.json").write_text(json.dumps(clean_json(report), indent=2) + "\n")

@@ -1,5 +1,7 @@
 """rounds.jsonl: one line per round of every kept run (kind, prompt, mode, sample, anchor entropy,
-accepted length, tree size, cap, draft/verify/outside ms and each graph's ms where timed)."""
+accepted length, tree size, cap, draft/verify/outside ms and each graph's ms where timed; whether the
+round drafted, the anchor's surprisal, the verified nodes' path scores and depths and the accepted
+path, which `glance-bench calibrate` fits auto's calibration to)."""
 from __future__ import annotations
 
 import json
@@ -18,8 +20,17 @@ def round_rows(results: list[PromptResult]) -> list[dict]:
         for run in r.runs:
             for i, rd in enumerate(run.rounds):
                 rows.append({"kind": r.task.kind, "prompt": r.task.index, "mode": run.mode, "sample": run.sample,
-                             "round": i, **{k: round(v, 4) if isinstance(v, float) else v for k, v in rd.items()}})
+                             "round": i, **{k: _compact(v) for k, v in rd.items()}})
     return rows
+
+
+def _compact(value):
+    """Floats to 4 decimals, inside lists too (a tree's node scores), so the log stays small."""
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, list):
+        return [_compact(v) for v in value]
+    return value
 
 
 def write_rounds(path: Path, rows: list[dict]) -> None:
@@ -37,3 +48,28 @@ def read_rounds(path: Path) -> list[dict]:
     if not rows:
         raise GlanceError(f"round log {path} holds no rounds; {fix}")
     return rows
+
+
+def calibration_rows(rows: list[dict], modes: list[str] | None, source: str) -> list[dict]:
+    """The rounds auto's calibration is fitted to: those of `modes` (default: every fixed tree, whose nodes
+    are the best-first order auto cuts from), each prompt's first kept sample only (later ones repeat it)."""
+    if not any("node_scores" in row for row in rows):
+        raise GlanceError(f"{source} has no node scores (an older glance-bench wrote it); rerun glance-bench "
+                          "with this version")
+    present = sorted({str(row.get("mode")) for row in rows})
+    if modes is None:
+        modes = [m for m in present if m.startswith("tree-")]
+        if not modes:
+            raise GlanceError(f"{source} has no fixed tree rounds; pass --mode, one of: {', '.join(present)}")
+    unknown = [m for m in modes if m not in present]
+    if unknown:
+        raise GlanceError(f"mode {unknown[0]!r} is not in {source}; it has: {', '.join(present)}")
+    chosen = [row for row in rows if str(row.get("mode")) in modes]
+    first: dict[tuple, int] = {}
+    for row in chosen:
+        first[_run_of(row)] = min(first.get(_run_of(row), row.get("sample", 0)), row.get("sample", 0))
+    return [row for row in chosen if row.get("sample", 0) == first[_run_of(row)]]
+
+
+def _run_of(row: dict) -> tuple:
+    return row.get("kind"), row.get("prompt"), row.get("mode")

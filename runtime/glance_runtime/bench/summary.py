@@ -36,6 +36,18 @@ def _ms_per_token(cols: dict[str, np.ndarray], idx: np.ndarray, prefill: bool) -
     return float(ms[idx].sum() / total) if total else float("nan")
 
 
+def paired_ratio(results: list[PromptResult], numerator: str, denominator: str, prefill: bool, replicates: int,
+                 rng: np.random.Generator) -> tuple[float, tuple[float, float]]:
+    """`numerator`'s ms/token over `denominator`'s on the same prompts (a speedup of the denominator), with a
+    paired bootstrap 95% interval: each replicate resamples prompts and keeps both modes' runs of each."""
+    top, bottom = _per_prompt(results, numerator), _per_prompt(results, denominator)
+
+    def ratio(idx: np.ndarray) -> float:
+        return _ms_per_token(top, idx, prefill) / _ms_per_token(bottom, idx, prefill)
+
+    return ratio(np.arange(len(results))), interval(bootstrap(ratio, len(results), replicates, rng))
+
+
 def _round_costs(results: list[PromptResult], mode: str) -> dict:
     """Pooled rounds of one mode: tau, tree size, per-round ms split into graphs and the outside."""
     rounds = [rd for r in results for run in r.of(mode) for rd in run.rounds]
@@ -74,26 +86,21 @@ def _efficiency(mode_costs: dict, ar_costs: dict, achieved: float) -> dict:
 
 def summarize_kind(results: list[PromptResult], modes: list[Mode], replicates: int, rng: np.random.Generator) -> dict:
     """Every mode on one kind's prompts; speedup intervals from a paired bootstrap over prompts."""
-    cols = {m.name: _per_prompt(results, m.name) for m in modes}
-    ar = cols["ar"]
     n = len(results)
     ar_costs = _round_costs(results, "ar")
     out: dict = {"prompts": n, "modes": {}}
     for m in modes:
-        c = cols[m.name]
+        c = _per_prompt(results, m.name)
         entry = {"kind": m.kind, "budget": m.budget, "branch_k": m.branch_k,
                  "runs": sum(len(r.of(m.name)) for r in results),
                  "identical": sum(run.identical for r in results for run in r.of(m.name)),
                  "prefill_ms": float(np.median(c["prefill_ms"])),
                  **_round_costs(results, m.name)}
-        every = np.arange(n)
         for prefill, key in ((False, "decode"), (True, "with_prefill")):
-            entry[f"ms_per_token_{key}"] = _ms_per_token(c, every, prefill)
-            if m.kind == "ar":
-                continue
-            ratio = lambda idx, p=prefill, c=c: _ms_per_token(ar, idx, p) / _ms_per_token(c, idx, p)
-            entry[f"speedup_{key}"] = ratio(every)
-            entry[f"speedup_{key}_interval"] = interval(bootstrap(ratio, n, replicates, rng))
+            entry[f"ms_per_token_{key}"] = _ms_per_token(c, np.arange(n), prefill)
+            if m.kind != "ar":
+                entry[f"speedup_{key}"], entry[f"speedup_{key}_interval"] = paired_ratio(
+                    results, "ar", m.name, prefill, replicates, rng)
         if m.kind != "ar":
             entry.update(_efficiency(entry, ar_costs, entry["speedup_decode"]))
         out["modes"][m.name] = entry

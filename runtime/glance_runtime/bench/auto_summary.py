@@ -1,0 +1,83 @@
+"""auto's part of the report: the tree sizes it chose, how often it skipped the draft, its speed against the
+fixed trees (issue 12's criteria), and the calibration curve refitted on the same run's fixed trees."""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from ..auto_budget import AUTO
+from ..errors import GlanceError
+from .calibrate import fit_calibration, summary_lines
+from .law_log import POOLED
+from .measure import PromptResult
+from .modes import Mode
+from .rounds import calibration_rows
+from .stats import geomean
+from .summary import paired_ratio
+
+WITHIN_BEST = 1.05  # auto's ms/token at most 5% above the best fixed budget's, per kind
+OVER_63 = 1.3  # and at least 1.3x faster than budget 63
+
+
+def chosen_sizes(rounds: list[dict]) -> dict:
+    """auto's rounds by what they verified: no draft (a plain greedy step), else the nodes kept besides the
+    anchor (0: drafted, then every node cut)."""
+    kept = [rd["tree_size"] - 1 for rd in rounds if rd["drafted"]]
+    skipped = len(rounds) - len(kept)
+    return {"rounds": len(rounds), "no_draft": skipped,
+            "no_draft_share": skipped / len(rounds) if rounds else float("nan"),
+            "mean_nodes_when_drafted": float(np.mean(kept)) if kept else float("nan"),
+            "nodes": {str(n): count for n, count in sorted(Counter(kept).items())}}
+
+
+def _rounds(results: list[PromptResult]) -> list[dict]:
+    return [rd for r in results for run in r.of(AUTO) for rd in run.rounds]
+
+
+def auto_section(by_kind: dict[str, list[PromptResult]], kinds: dict[str, dict], modes: list[Mode], setup: dict,
+                 replicates: int, rng: np.random.Generator) -> dict:
+    """`setup` (cost profile, calibration) with, per kind and pooled (geomean), the chosen sizes, auto's
+    ms/token over the kind's best fixed tree's (<= 1.05: within 5%) and its speedup over the largest tree,
+    both excluding prefill with paired bootstrap intervals over prompts."""
+    trees = [m for m in modes if m.kind == "tree"]
+    largest = max(trees, key=lambda m: m.budget).name
+    sizes, best, over = {}, {}, {}
+    for kind, results in by_kind.items():
+        sizes[kind] = chosen_sizes(_rounds(results))
+        name = max((m.name for m in trees), key=lambda n: kinds[kind]["modes"][n]["speedup_decode"])
+        ratio, ci = paired_ratio(results, AUTO, name, False, replicates, rng)
+        best[kind] = {"best": name, "ratio": ratio, "interval": ci}
+        speedup, ci = paired_ratio(results, largest, AUTO, False, replicates, rng)
+        over[kind] = {"speedup": speedup, "interval": ci}
+    sizes[POOLED] = chosen_sizes([rd for results in by_kind.values() for rd in _rounds(results)])
+    best[POOLED] = {"ratio": geomean([v["ratio"] for v in best.values()])}
+    over[POOLED] = {"speedup": geomean([v["speedup"] for v in over.values()])}
+    return {**setup, "sizes": sizes, "vs_best_fixed": best, "largest_tree": largest, "vs_largest_tree": over}
+
+
+def auto_criteria(section: dict) -> list[dict]:
+    """Issue 12's expectations, each met or not with its numbers (the second only where tree-63 ran)."""
+    best = {k: v for k, v in section["vs_best_fixed"].items() if k != POOLED}
+    out = [{"criterion": "auto within 5% of the best fixed tree budget of each kind excluding prefill "
+                         "(auto ms/token over the best's <= 1.05)",
+            "met": all(v["ratio"] <= WITHIN_BEST for v in best.values()),
+            "detail": ", ".join(f"{k} {v['ratio']:.2f} of {v['best']}" for k, v in best.items())}]
+    if section["largest_tree"] == "tree-63":
+        over = {k: v["speedup"] for k, v in section["vs_largest_tree"].items() if k != POOLED}
+        out.append({"criterion": "auto >= 1.3x faster than tree-63 on each kind excluding prefill",
+                    "met": all(v >= OVER_63 for v in over.values()),
+                    "detail": ", ".join(f"{k} {v:.2f}x" for k, v in over.items())})
+    return out
+
+
+def calibration_curve(rows: list[dict], modes: list[Mode]) -> dict:
+    """Node acceptance predicted against observed, by a calibration refitted on this run's fixed trees (and
+    by the draft's own probabilities); where the run is too small to fit, why."""
+    names = [m.name for m in modes if m.kind == "tree"]
+    try:
+        calibration, fit = fit_calibration(calibration_rows(rows, names, "the round log"),
+                                           source="glance-bench fixed trees: " + ", ".join(names))
+    except GlanceError as exc:
+        return {"modes": names, "error": str(exc)}
+    return {"modes": names, "summary": summary_lines(calibration, fit), "calibration": calibration.as_dict(), **fit}
