@@ -194,7 +194,25 @@ def build(request: BuildRequest, device: Device, toolchain: Toolchain | None = N
     if timing_cache is not None:
         timing_cache.save()
     say(f"wrote {len(engines)} engines and {ENGINE_MANIFEST} to {request.out}")
+    _measure_costs(request.out, device, int(manifest["branch_k"]), say)
     return request.out
+
+
+def _measure_costs(out: Path, device: Device, branch_k: int, say: Callable[[str], None]) -> None:
+    """Where the engines can run (a device building its own), time their rounds now for `--budget auto`;
+    elsewhere the device measures them on first use."""
+    if not device.name:
+        say("cost profile for --budget auto: measured on the device on first use (no GPU here)")
+        return
+    from glance_runtime.auto_budget import auto_budget
+    from glance_runtime.runner import open_tensorrt
+
+    try:
+        _, path, _ = auto_budget(open_tensorrt(out), branch_k, remeasure=True, progress=say)
+    except GlanceError as exc:
+        say(f"cost profile for --budget auto not measured here ({exc}); the device measures it on first use")
+        return
+    say(f"cost profile for --budget auto stored in {path}")
 
 
 def _plan_only(request: BuildRequest, profile: DeviceProfile, say: Callable[[str], None]) -> Path:

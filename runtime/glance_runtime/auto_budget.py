@@ -101,6 +101,9 @@ def auto_budget(runner, branch_k: int, remeasure: bool = False,
     backend, limits = runner.backend, runner.limits
     if backend.block_size < 2:
         raise GlanceError("--budget auto needs a draft head; pass --head (or a fixed --budget with --no-spec)")
+    if not 1 <= branch_k <= limits.max_branch_k:
+        raise GlanceError(f"--branch-k {branch_k} is outside 1..{limits.max_branch_k}, the candidates a draft pass "
+                          "returns here; pass a --branch-k in that range")
     largest = min(AUTO_MAX_NODES, reachable_nodes(backend.block_size, branch_k))
     if limits.max_tree is not None:
         largest = min(largest, limits.max_tree - 1)

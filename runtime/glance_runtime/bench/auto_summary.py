@@ -8,7 +8,7 @@ import numpy as np
 
 from ..auto_budget import AUTO
 from ..errors import GlanceError
-from .calibrate import fit_calibration, summary_lines
+from .calibrate import fit_calibration, judged, summary_lines
 from .law_log import POOLED
 from .measure import PromptResult
 from .modes import Mode
@@ -71,13 +71,22 @@ def auto_criteria(section: dict) -> list[dict]:
     return out
 
 
+PRIOR_NAME = "no data: the draft's own probabilities (the prior)"
+
+
 def calibration_curve(rows: list[dict], modes: list[Mode]) -> dict:
-    """Node acceptance predicted against observed, by a calibration refitted on this run's fixed trees (and
-    by the draft's own probabilities); where the run is too small to fit, why."""
+    """Node acceptance predicted against observed on this run's fixed trees: by the calibration auto ran with
+    (fitted elsewhere: the honest test), by one refitted on these rounds, and by the draft's own
+    probabilities; where the run is too small to fit, why."""
     names = [m.name for m in modes if m.kind == "tree"]
+    fixed = calibration_rows(rows, names, "the round log")
+    used = next((m.policy.calibration for m in modes if m.policy is not None), None)
+    out: dict = {"modes": names}
+    if used is not None:
+        source = used.fitted_on.get("source") or "another run" if used.fitted else PRIOR_NAME
+        out["used"] = {"fitted_on": source, **judged(used, fixed)}
     try:
-        calibration, fit = fit_calibration(calibration_rows(rows, names, "the round log"),
-                                           source="glance-bench fixed trees: " + ", ".join(names))
+        calibration, fit = fit_calibration(fixed, source="glance-bench fixed trees: " + ", ".join(names))
     except GlanceError as exc:
-        return {"modes": names, "error": str(exc)}
-    return {"modes": names, "summary": summary_lines(calibration, fit), "calibration": calibration.as_dict(), **fit}
+        return {**out, "error": str(exc)}
+    return {**out, "summary": summary_lines(calibration, fit), "calibration": calibration.as_dict(), **fit}

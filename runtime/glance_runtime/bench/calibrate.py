@@ -115,6 +115,15 @@ def _bins(predicted: np.ndarray, y: np.ndarray) -> list[dict]:
             for idx in np.array_split(order, min(BINS, len(order))) if len(idx)]
 
 
+def judged(calibration: Calibration, rows: Sequence[dict]) -> dict:
+    """How well a given calibration (the one auto ran with) predicts the nodes of `rows`: Brier score and bins."""
+    scores, depths, u, y = node_samples(rows)
+    if not len(y):
+        return {"nodes": 0}
+    predicted = calibration.node_probability(scores, u, depths)
+    return {"nodes": int(len(y)), "brier": float(np.mean((predicted - y) ** 2)), "bins": _bins(predicted, y)}
+
+
 def fit_calibration(rows: Sequence[dict], source: str = "") -> tuple[Calibration, dict]:
     """The calibration and a report (coefficients, tests, Brier scores against the prior, the curve's bins)."""
     scores, depths, u, y = node_samples(rows)

@@ -75,9 +75,13 @@ def _auto_lines(report: dict) -> list[str]:
 
 
 def _calibration_lines(curve: dict) -> list[str]:
-    lines = [f"## Node calibration (refitted on {', '.join(curve['modes'])})", ""]
+    lines = [f"## Node calibration (on the nodes of {', '.join(curve['modes'])})", ""]
+    used = curve.get("used")
+    if used and used.get("nodes"):
+        lines += [f"- auto ran with a calibration fitted on {used['fitted_on']}: Brier score {used['brier']:.4f} "
+                  "on this run's nodes", ""]
     if "error" in curve:
-        return lines + [f"Not fitted: {curve['error']}", ""]
+        return lines + [f"Not refitted: {curve['error']}", ""]
     lines += [*[f"- {line}" for line in curve["summary"]], "", "| predicted | observed | nodes |", "|---|---|---|"]
     lines += [f"| {_f(b['predicted'], 3)} | {_f(b['observed'], 3)} | {b['nodes']} |" for b in curve["bins"]]
     return lines + ["", "Equal-count bins of verified nodes by the refitted model's predicted acceptance; "

@@ -8,6 +8,7 @@ import numpy as np
 
 from ..errors import GlanceError
 from .law import LawFit, expected_accepted
+from .auto_summary import PRIOR_NAME
 from .law_log import POOLED
 
 
@@ -148,13 +149,18 @@ def plot_auto_sizes(path: Path, sizes: dict[str, dict]) -> None:
 
 
 def plot_calibration(path: Path, curve: dict) -> None:
-    """Observed node acceptance against predicted, in equal-count bins: the refitted calibration and the
-    draft's own probabilities (its path scores), with the diagonal a calibrated model lies on."""
+    """Observed node acceptance against predicted, in equal-count bins: the calibration auto ran with, one
+    refitted on this run, and the draft's own probabilities (its path scores), with the diagonal a
+    calibrated model lies on."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(4.2, 4.0))
     ax.plot([0, 1], [0, 1], color="grey", lw=0.8, label="calibrated")
-    for bins, style, label in ((curve["prior_bins"], "--s", "draft's own probability"),
-                               (curve["bins"], "-o", f"refitted (Brier {curve['brier']:.3f})")):
+    curves = [(curve["prior_bins"], "--s", "draft's own probability"),
+              (curve["bins"], "-o", f"refitted here (Brier {curve['brier']:.3f})")]
+    used = curve.get("used") or {}
+    if used.get("bins") and used["fitted_on"] != PRIOR_NAME:
+        curves.append((used["bins"], "-^", f"used by auto (Brier {used['brier']:.3f})"))
+    for bins, style, label in curves:
         ax.plot([b["predicted"] for b in bins], [b["observed"] for b in bins], style, markersize=4, label=label)
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
