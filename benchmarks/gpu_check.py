@@ -2,8 +2,9 @@
 
 For each backend it finds (the torch reference on CUDA, ONNX Runtime with the CUDA provider, TensorRT
 or TensorRT-RTX engines built here; ONNX Runtime on the CPU as the baseline row), in fp32 and in half
-precision: GLANCE and the backend's own greedy decode against the torch fp32 oracle (the oracle runs
-with TF32 off), and AR vs GLANCE ms/token without prefill. Two models: the embedded default (its
+precision: GLANCE at the fixed --budget and at auto (this backend's round costs measured here, the
+shipped calibration) and the backend's own greedy decode against the torch fp32 oracle (the oracle runs
+with TF32 off), and AR vs GLANCE vs auto ms/token without prefill. Two models: the embedded default (its
 held-out prompts, real draft head) and a mid-size random Qwen2.5-VL written here (seeded drafts, so
 acceptance is high and the speed of the loop itself shows). Prints one table, then what it skipped and
 why. Needs only this repository and what the machine already has (CUDA PyTorch, transformers, onnx,
@@ -28,7 +29,11 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "runtime"), str(ROOT)]
 
+from glance_runtime.auto_budget import AUTO_MAX_NODES, AutoBudget  # noqa: E402
 from glance_runtime.backends.seeded import SeededDrafter  # noqa: E402
+from glance_runtime.calibration import find_calibration  # noqa: E402
+from glance_runtime.cost_profile import measure as measure_costs  # noqa: E402
+from glance_runtime.limits import reachable_nodes  # noqa: E402
 from glance_runtime.loop import DecodeConfig, decode  # noqa: E402
 
 KINDS = ("receipt", "chart", "scene", "caption")
@@ -43,9 +48,11 @@ class Row:
     n: int = 0
     glance_identical: int = 0
     greedy_identical: int = 0
+    auto_identical: int = 0
     tau: float = 0.0
     ar_ms: float = 0.0
     glance_ms: float = 0.0
+    auto_ms: float = 0.0
     status: str = "ok"
     notes: list[str] = field(default_factory=list)
 
@@ -54,10 +61,11 @@ class Row:
         return self.ar_ms / self.glance_ms if self.glance_ms else 0.0
 
     def passed(self) -> bool:
-        """fp32 must match the oracle on every prompt; half precision as often as the backend's own greedy."""
+        """fp32 must match the oracle on every prompt (fixed budget and auto); half precision as often as the
+        backend's own greedy."""
         if self.precision in ("fp32", "float32"):
-            return self.glance_identical == self.greedy_identical == self.n
-        return self.glance_identical >= self.greedy_identical
+            return self.glance_identical == self.greedy_identical == self.auto_identical == self.n
+        return min(self.glance_identical, self.auto_identical) >= self.greedy_identical
 
 
 @dataclass
@@ -70,25 +78,39 @@ class Case:
     seeded: bool
 
 
-def measure(backend, stop_ids, case: Case, cfg: DecodeConfig, row: Row) -> Row:
-    """Audit and time one backend on a case: first prompt once as a warm-up, then every prompt."""
+def auto_config(backend, prompt, cfg: DecodeConfig, places: list[Path]) -> DecodeConfig:
+    """`--budget auto` as glance-run builds it: this backend's round costs, measured here (not stored), and
+    the calibration shipped beside the model's artifacts or head (else the prior)."""
+    largest = min(AUTO_MAX_NODES, reachable_nodes(backend.block_size, cfg.branch_k),
+                  getattr(backend, "max_tree", AUTO_MAX_NODES + 1) - 1)
+    cost = measure_costs(backend, prompt, largest + 1, cfg.branch_k)
+    policy = AutoBudget(cost, find_calibration(places)[0], min(largest, cost.max_rows - 1), backend.block_size)
+    return DecodeConfig(max_new_tokens=cfg.max_new_tokens, budget=policy.max_nodes, branch_k=cfg.branch_k, auto=policy)
+
+
+def measure(backend, stop_ids, case: Case, cfg: DecodeConfig, auto: DecodeConfig, row: Row) -> Row:
+    """Audit and time one backend on a case, at the fixed budget and at auto: first prompt once as a
+    warm-up, then every prompt."""
     ar_cfg = DecodeConfig(max_new_tokens=cfg.max_new_tokens, speculative=False)
     decode(backend, case.prompts[0], ar_cfg, stop_ids)
     accepted = rounds = 0
-    ar_ms, glance_ms = [], []
+    ar_ms, glance_ms, auto_ms = [], [], []
     for prompt, truth in zip(case.prompts, case.oracle):
         ar = decode(backend, prompt, ar_cfg, stop_ids)
         drafter = SeededDrafter(backend, ar.tokens, prompt.length, lambda d: 0) if case.seeded else backend
         spec = decode(drafter, prompt, cfg, stop_ids)
+        sized = decode(drafter, prompt, auto, stop_ids)
         row.n += 1
         row.greedy_identical += ar.tokens == truth
         row.glance_identical += spec.tokens == truth
+        row.auto_identical += sized.tokens == truth
         accepted += sum(r.accepted for r in spec.rounds)
         rounds += len(spec.rounds)
         ar_ms.append(ar.ms_per_token_decode)
         glance_ms.append(spec.ms_per_token_decode)
+        auto_ms.append(sized.ms_per_token_decode)
     row.tau = accepted / max(rounds, 1)
-    row.ar_ms, row.glance_ms = statistics.median(ar_ms), statistics.median(glance_ms)
+    row.ar_ms, row.glance_ms, row.auto_ms = (statistics.median(ms) for ms in (ar_ms, glance_ms, auto_ms))
     row.status = "ok" if row.passed() else "FAIL"
     return row
 
@@ -185,12 +207,13 @@ def tensorrt_backend(module: str, artifacts: Path, out: Path):
 
 
 def table(rows: list[Row]) -> str:
-    head = f"{'model':14s} {'backend':17s} {'prec':8s} {'GLANCE=oracle':>13s} {'AR=oracle':>9s} {'tau':>5s} " \
-           f"{'AR ms/tok':>9s} {'GLANCE ms/tok':>13s} {'speedup':>7s}  status"
+    head = f"{'model':14s} {'backend':17s} {'prec':8s} {'GLANCE=oracle':>13s} {'auto=oracle':>11s} {'AR=oracle':>9s} " \
+           f"{'tau':>5s} {'AR ms/tok':>9s} {'GLANCE ms/tok':>13s} {'auto ms/tok':>11s} {'speedup':>7s}  status"
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r.model:14s} {r.backend:17s} {r.precision:8s} {f'{r.glance_identical}/{r.n}':>13s} "
-                     f"{f'{r.greedy_identical}/{r.n}':>9s} {r.tau:5.2f} {r.ar_ms:9.2f} {r.glance_ms:13.2f} "
+                     f"{f'{r.auto_identical}/{r.n}':>11s} {f'{r.greedy_identical}/{r.n}':>9s} {r.tau:5.2f} "
+                     f"{r.ar_ms:9.2f} {r.glance_ms:13.2f} {r.auto_ms:11.2f} "
                      f"{r.speedup:6.2f}x  {r.status}{' (' + '; '.join(r.notes) + ')' if r.notes else ''}")
     return "\n".join(lines)
 
@@ -231,7 +254,8 @@ def main() -> int:
             row = Row(case.name, name, precision)
             try:
                 backend, stops = opener()
-                rows.append(measure(backend, stops, case, cfg, row))
+                auto = auto_config(backend, case.prompts[0], cfg, [artifacts, head])
+                rows.append(measure(backend, stops, case, cfg, auto, row))
             except Exception as exc:  # one backend failing must not hide the others' rows
                 row.status = f"ERROR {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
                 traceback.print_exc(file=sys.stderr)

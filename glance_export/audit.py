@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from glance_runtime.auto_budget import AUTO
 from glance_runtime.loop import DecodeConfig, decode
 from glance_runtime.runner import Runner
 from glance_runtime.tasks import Task
@@ -17,6 +18,11 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def budget_of(cfg: DecodeConfig) -> int | str:
+    """The budget a report records: auto where each round chose its own tree (cfg.budget is then its largest)."""
+    return AUTO if cfg.auto else cfg.budget
 
 
 def audit(runner: Runner, tasks: list[Task], cfg: DecodeConfig,
@@ -45,5 +51,5 @@ def audit(runner: Runner, tasks: list[Task], cfg: DecodeConfig,
     return {"backend": runner.backend.name, "n": len(rows), "identical": identical, "self_consistent": consistent,
             "first_divergence": [r["first_divergence"] for r in rows],
             "tau": round(accepted / rounds, 4) if rounds else 0.0, "rounds": rounds,
-            "budget": cfg.budget, "branch_k": cfg.branch_k, "max_new_tokens": cfg.max_new_tokens,
+            "budget": budget_of(cfg), "branch_k": cfg.branch_k, "max_new_tokens": cfg.max_new_tokens,
             "passed": bool(rows) and identical >= consistent, "prompts": rows}

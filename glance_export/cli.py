@@ -6,17 +6,23 @@ import json
 import sys
 from pathlib import Path
 
-from glance_runtime.cli_parser import OneLineParser, guarded
+from glance_runtime.auto_budget import AUTO, decode_config
+from glance_runtime.cli_parser import OneLineParser, guarded, parse_budget
 from glance_runtime.defaults import default_model, resolve
 from glance_runtime.errors import GlanceError
 from glance_runtime.limits import check_decode
 from glance_runtime.loop import DecodeConfig
-from glance_runtime.runner import BACKENDS
+from glance_runtime.runner import BACKENDS, Runner
 
 from .device_profiles import PROFILE_NAMES
 from .precision import PRECISIONS
 
 AUDIT_MAX_NEW_TOKENS = 64
+AUDIT_BUDGET = 63  # fixed, so an audit checks the same trees on every device; auto on request
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr)
 
 
 def _init_head(args: argparse.Namespace) -> int:
@@ -59,9 +65,8 @@ def _audit(args: argparse.Namespace) -> int:
     ort = {} if args.backend == "torch" else dict(providers=args.provider)
     runner = open_runner(args.backend, model=args.model, head=args.head, artifacts=args.artifacts,
                          engines=args.engines, **ort)
-    cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, budget=args.budget, branch_k=args.branch_k)
-    check_decode(runner.limits, cfg)
-    report = audit(runner, tasks, cfg, progress=lambda line: print(line, file=sys.stderr))
+    cfg = _decode_config(runner, args, args.max_new_tokens)
+    report = audit(runner, tasks, cfg, progress=_progress)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -98,7 +103,7 @@ def _save_reference(args: argparse.Namespace) -> int:
     model = args.model or default_model()[0]
     _threads(args.threads)
     max_new = AUDIT_MAX_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
-    ref = record_reference(model, args.data, max_new, progress=lambda line: print(line, file=sys.stderr))
+    ref = record_reference(model, args.data, max_new, progress=_progress)
     path = write_reference(args.save_reference, ref)
     margins = [m for task in ref.tasks for m in task.margins]
     print(f"wrote the fp32 greedy reference of {len(ref.tasks)} prompts ({len(margins)} tokens, smallest top-2 "
@@ -127,12 +132,20 @@ def _audit_reference(args: argparse.Namespace) -> int:
     max_new = ref.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
     check_reference(ref, args.reference, source=source, where=where, tasks=tasks, tasks_path=args.data,
                     stop_ids=runner.stop_ids, max_new_tokens=max_new)
-    cfg = DecodeConfig(max_new_tokens=max_new, budget=args.budget, branch_k=args.branch_k)
-    check_decode(runner.limits, cfg)
-    report = audit_against_reference(runner, ref, args.reference, tasks, cfg,
-                                     progress=lambda line: print(line, file=sys.stderr))
+    cfg = _decode_config(runner, args, max_new)
+    report = audit_against_reference(runner, ref, args.reference, tasks, cfg, progress=_progress)
     print(json.dumps(report, indent=2) if args.json else "\n".join(summary(report)))
     return 0 if report["passed"] else 1
+
+
+def _decode_config(runner: Runner, args: argparse.Namespace, max_new_tokens: int) -> DecodeConfig:
+    """The audit's DecodeConfig, a fixed --budget or auto; flags are checked before auto measures anything."""
+    fixed = 0 if args.budget == AUTO else args.budget
+    check_decode(runner.limits, DecodeConfig(max_new_tokens=max_new_tokens, budget=fixed, branch_k=args.branch_k))
+    cfg = decode_config(runner, args.budget, max_new_tokens=max_new_tokens, branch_k=args.branch_k,
+                        progress=_progress)
+    check_decode(runner.limits, cfg)
+    return cfg
 
 
 def _threads(n: int | None) -> None:
@@ -349,7 +362,9 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--artifacts", type=Path, help="exported graphs (onnxruntime backend)")
     a.add_argument("--engines", type=Path, help="TensorRT engines (tensorrt backend; from `glance-export build`)")
     a.add_argument("--provider", action="append", help="ONNX Runtime execution provider(s)")
-    a.add_argument("--budget", type=int, default=63)
+    a.add_argument("--budget", type=parse_budget, default=AUDIT_BUDGET,
+                   help=f"tree nodes verified per round besides the anchor (default {AUDIT_BUDGET}), or auto: sized "
+                   "each round as glance-run --budget auto does (measures this device's costs on first use)")
     a.add_argument("--branch-k", type=int, default=8)
     a.add_argument("--max-new-tokens", type=int,
                    help=f"default {AUDIT_MAX_NEW_TOKENS}; with --reference, the value it was recorded with")

@@ -20,7 +20,7 @@ from glance_runtime.loop import DecodeConfig, decode
 from glance_runtime.runner import Runner
 from glance_runtime.tasks import Task
 
-from .audit import first_divergence
+from .audit import budget_of, first_divergence
 from .reference_file import RECORD, RecordedTask, Reference, array_sha256, ids_sha256
 
 _PRECISION_OF_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -106,7 +106,7 @@ def audit_against_reference(runner: Runner, ref: Reference, path: Path, tasks: S
             "identical_to_own_greedy": sum(r["glance_vs_own_greedy"]["identical"] for r in rows),
             "first_divergence": [r["first_divergence"] for r in rows],
             "median_fp32_margin": statistics.median(margins) if margins else None,
-            "tau": round(accepted / rounds, 4) if rounds else 0.0, "rounds": rounds, "budget": cfg.budget,
+            "tau": round(accepted / rounds, 4) if rounds else 0.0, "rounds": rounds, "budget": budget_of(cfg),
             "branch_k": cfg.branch_k, "max_new_tokens": cfg.max_new_tokens, "gate": gate,
             "passed": passed, "prompts": rows}
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -259,3 +260,12 @@ def test_embedded_default_round_trip(tmp_path, capsys):
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)
     assert report["identical"] == report["n"] == 3 and report["precision"] == "fp32" and report["tau"] > 1.5
+    assert report["budget"] == 63
+    shipped = Path(shutil.copytree(DEFAULT_ARTIFACTS, tmp_path / "shipped",
+                                   ignore=shutil.ignore_patterns("*cost-profile-*")))  # measured here, not in models/
+    run = _edge(["--reference", str(reference), "--data", str(tasks), "--artifacts", str(shipped), "--budget", "auto",
+                 "--json"])
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    assert report["identical"] == report["n"] == 3 and report["budget"] == "auto" and report["passed"]
+    assert "measuring round costs" in run.stderr and len(list(shipped.glob("cost-profile-*.json"))) == 1

@@ -198,6 +198,11 @@ ROWS = [
     Row("audit-budget-beyond-artifacts", "glance-export", lambda i: [
         "audit", "--backend", "onnxruntime", "--artifacts", i.art, "--model", i.model, "--data",
         i.tasks('{"prompt": "x"}'), "--budget", "999"], "--budget 999"),
+    Row("audit-budget-not-a-number", "glance-export",
+        lambda i: audit(i, i.tasks('{"prompt": "x"}'), "--budget", "lots"), "'lots' is not a budget: pass auto"),
+    Row("audit-auto-branch-k-beyond-artifacts", "glance-export", lambda i: [
+        "audit", "--backend", "onnxruntime", "--artifacts", i.art, "--model", i.model, "--data",
+        i.tasks('{"prompt": "x"}'), "--budget", "auto", "--branch-k", "20"], "--branch-k 20"),
     # glance-export onnx
     Row("onnx-out-exists", "glance-export", lambda i: onnx(i, out="taken"), "exists and is not an artifacts",
         out="taken"),

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
 from glance_export.cli import main as export_main
+from glance_runtime.calibration import FILE as CALIBRATION, Calibration
 from glance_runtime.cli import main as run_main
 
 
@@ -53,6 +56,52 @@ def test_audit_reports_parity(snapshot_dir, images, head_dir, tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["n"] == 2 and report["identical"] == 2 and report["self_consistent"] == 2
     assert report["first_divergence"] == [None, None] and report["tau"] >= 1.0
+
+
+def test_audit_budget_auto_is_recorded_and_63_stays_the_default(snapshot_dir, images, head_dir, tmp_path,
+                                                               monkeypatch, capsys):
+    """auto is an audit on request (its profile measured into the cache: the torch reference has no export
+    directory); without --budget the audit checks the fixed trees of 63 nodes, measuring nothing."""
+    monkeypatch.setenv("GLANCE_CACHE", str(tmp_path / "cache"))
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"image": str(images["tall"]), "prompt": "What is shown?"}) + "\n"
+                     + json.dumps({"prompt": "Describe nothing."}) + "\n")
+    common = ["audit", "--model", str(snapshot_dir("qwen2_5_vl")), "--head", str(head_dir), "--data", str(tasks),
+              "--max-new-tokens", "10", "--json"]
+    assert export_main(common) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["budget"] == 63 and "measuring" not in out.err
+    assert not (tmp_path / "cache" / "cost").exists()
+    code = export_main(common + ["--budget", "auto"])
+    out = capsys.readouterr()
+    report = json.loads(out.out)
+    assert code == 0 and report["budget"] == "auto" and report["identical"] == report["n"] == 2 and report["passed"]
+    assert "measuring round costs" in out.err and len(list((tmp_path / "cache" / "cost").glob("*.json"))) == 1
+
+
+def test_run_budget_auto_logs_skipped_drafts_and_becomes_the_default(snapshot_dir, head_dir, tmp_path, monkeypatch,
+                                                                      capsys):
+    """On torch the default is 63 until a profile exists. With --budget auto and a calibration beside the head
+    whose law says drafts are never accepted, every round after the first is a plain greedy step: lossless,
+    and the JSON round log says so."""
+    monkeypatch.setenv("GLANCE_CACHE", str(tmp_path / "cache"))
+    head = Path(shutil.copytree(head_dir, tmp_path / "head"))
+    Calibration(law=(-20.0, 0.0)).save(head / CALIBRATION)
+    base = ["--backend", "torch", "--model", str(snapshot_dir("qwen2_5_vl")), "--head", str(head),
+            "--prompt", "What colour is the square?", "--max-new-tokens", "10", "--json"]
+    assert run_main(base) == 0
+    fixed = json.loads(capsys.readouterr().out)
+    assert fixed["budget"] == 63 and not (tmp_path / "cache" / "cost").exists()
+    assert run_main(base + ["--budget", "auto"]) == 0
+    auto = json.loads(capsys.readouterr().out)
+    log = auto["round_log"]
+    assert auto["budget"] == "auto" and auto["token_ids"] == fixed["token_ids"] and len(log) == auto["rounds"] > 2
+    assert log[0]["drafted"] and log[0]["tree_size"] > 1  # the first round knows no surprisal: it drafts
+    assert all(not r["drafted"] and r["tree_size"] == 1 and r["accepted"] == 1 for r in log[1:])
+    assert run_main(base) == 0
+    assert json.loads(capsys.readouterr().out)["budget"] == "auto", "a stored profile makes auto the default"
+    assert run_main(base + ["--budget", "15"]) == 0
+    assert json.loads(capsys.readouterr().out)["budget"] == 15
 
 
 def _one_line_error(capsys, code):
@@ -121,6 +170,37 @@ def test_onnxruntime_audit_against_the_torch_oracle(snapshot_dir, images, artifa
     line = _one_line_error(capsys, export_main(["audit", "--backend", "onnxruntime", "--artifacts", str(artifacts),
                                                 "--model", other, "--data", str(tasks), "--budget", "31"]))
     assert "re-export" in line
+
+
+def test_onnxruntime_defaults_to_auto_measured_once_beside_the_artifacts(artifacts, images, tmp_path, capsys):
+    """Exported graphs run auto by default: the first run measures and stores the profile, later runs reuse it."""
+    copy = Path(shutil.copytree(artifacts, tmp_path / "art"))
+    args = ["--backend", "onnxruntime", "--artifacts", str(copy), "--image", str(images["tall"]), "--prompt",
+            "What colour is the square?", "--max-new-tokens", "10", "--json"]
+    assert run_main(args) == 0
+    first = capsys.readouterr()
+    auto = json.loads(first.out)
+    assert auto["budget"] == "auto" and "measuring round costs" in first.err
+    assert len(list(copy.glob("cost-profile-*.json"))) == 1 and all("drafted" in r for r in auto["round_log"])
+    assert run_main(args) == 0
+    second = capsys.readouterr()
+    assert "measuring" not in second.err and json.loads(second.out)["token_ids"] == auto["token_ids"]
+    assert run_main(args + ["--budget", "31"]) == 0
+    fixed = json.loads(capsys.readouterr().out)
+    assert fixed["budget"] == 31 and fixed["token_ids"] == auto["token_ids"]
+
+
+def test_onnxruntime_audit_with_auto(snapshot_dir, images, artifacts, tmp_path, capsys):
+    copy = Path(shutil.copytree(artifacts, tmp_path / "art"))
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"image": str(images["wide"]), "prompt": "What is shown?"}) + "\n"
+                     + json.dumps({"prompt": "Describe nothing."}) + "\n")
+    code = export_main(["audit", "--backend", "onnxruntime", "--artifacts", str(copy), "--model",
+                        str(snapshot_dir("qwen2_5_vl")), "--data", str(tasks), "--max-new-tokens", "12",
+                        "--budget", "auto", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["budget"] == "auto" and report["identical"] == report["n"] == 2
+    assert len(list(copy.glob("cost-profile-*.json"))) == 1
 
 
 def test_onnxruntime_without_artifacts_exports_once_into_the_cache(snapshot_dir, head_dir, tmp_path, monkeypatch,

@@ -23,8 +23,12 @@ from glance_export.head import head_config_for, init_head, pick_mask_token, save
 from glance_export.onnx import export_artifacts
 from glance_runtime.backends.ort_backend import OrtBackend
 from glance_export.reference import TorchBackend, greedy_reference
+from glance_runtime.auto_budget import AutoBudget
+from glance_runtime.calibration import PRIOR
+from glance_runtime.cost_profile import measure
 from glance_runtime.errors import GlanceError
 from glance_runtime.loop import DecodeConfig, decode
+from auto_policies import check_mixed, config, cutting, median_surprisal, skipping
 from edge_install import BLOCK_TRAINING_STACK
 from tiny_models import ALL_FAMILIES, VL_FAMILIES
 
@@ -214,6 +218,30 @@ def test_seeded_acceptance_matches_oracle(exported, images, family, seed, budget
         assert all(t == 1 for t in taus)
     else:
         assert taus and all(t >= 2 for t in taus)
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_auto_matches_oracle(exported, images, family):
+    """Lossless whatever auto decides, on the graphs: rounds that skip the draft and cuts of any size (random
+    head and seeded drafts), then a profile measured here with the prior, as `--budget auto` runs by default,
+    and with a law that makes some of its rounds skip."""
+    ex = exported(family)
+    prompt = ex.prompt(images["wide"] if family in VL_FAMILIES else None)
+    truth = ex.oracle(prompt)
+    split = median_surprisal(ex.backend, prompt, MAX_NEW)
+    seeded = SeededDrafter(ex.backend, truth, prompt.length, SEEDS["partial"])
+    for policy in (skipping, cutting):
+        for drafter in (ex.backend, seeded):
+            result = decode(drafter, prompt, config(policy(split, 8), MAX_NEW))
+            assert result.tokens == truth, (policy.__name__, drafter is seeded)
+            check_mixed(result, policy.__name__, seeded=drafter is seeded)
+    measured = measure(ex.backend, prompt, max_rows=64, branch_k=8, seconds=0.2)
+    assert measured.rows == (1, 2, 4, 8, 16, 32, 64) and measured.draft_ms > 0
+    default = decode(seeded, prompt, config(AutoBudget(measured, PRIOR, 63, 8), MAX_NEW))
+    assert default.tokens == truth and all(r.drafted for r in default.rounds)
+    result = decode(ex.backend, prompt, config(skipping(split, 8, cost=measured), MAX_NEW))
+    assert result.tokens == truth
+    check_mixed(result, "skipping", seeded=False)
 
 
 @pytest.mark.parametrize("family", VL_FAMILIES)

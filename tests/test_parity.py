@@ -1,8 +1,9 @@
 """Parity suite: GLANCE on the torch backend must reproduce the greedy oracle token for token (fp32).
 
-Covers every family, text and image prompts of several shapes, budgets {chain, 8, 31, 63} and block
+Covers every family, text and image prompts of several shapes, budgets {chain, 8, 31, 63, auto} and block
 sizes {4, 8, 16}; with seeded drafters, full / partial / zero / off-first-branch acceptance and stop
-tokens inside an accepted path; and the committed KV rows against a fresh prefill.
+tokens inside an accepted path; and the committed KV rows against a fresh prefill. Auto runs with policies
+that force rounds skipping the draft and cuts of every size down to none (tests/auto_policies.py).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from glance_export.adapters import Snapshot
 from glance_export.head import head_config_for, init_head, pick_mask_token
 from glance_export.reference import TorchBackend, greedy_reference
 from glance_runtime.loop import DecodeConfig, decode
+from auto_policies import check_mixed, config, cutting, median_surprisal, skipping
 from tiny_models import ALL_FAMILIES, VL_FAMILIES
 
 MAX_NEW = 24
@@ -72,6 +74,26 @@ def test_random_head_matches_oracle(backend_for, oracle_for, images, family, ima
     nodes, k = BUDGETS[budget]
     cfg = DecodeConfig(max_new_tokens=MAX_NEW, budget=min(nodes, block_size - 1) if k == 1 else nodes, branch_k=k)
     assert decode(backend, prompt, cfg).tokens == oracle_for(family, image)
+
+
+AUTO_CASES = [(f, i, 8) for f, i in _cases()] + [(f, "wide" if f in VL_FAMILIES else None, b)
+                                                 for f in ALL_FAMILIES for b in (4, 16)]
+
+
+@pytest.mark.parametrize("family,image,block_size", AUTO_CASES)
+def test_auto_matches_oracle(backend_for, oracle_for, images, family, image, block_size):
+    """Lossless whatever auto decides: rounds that skip the draft, cuts of any size, with a random head
+    and with seeded drafts that accept several tokens a round."""
+    backend = backend_for(family, block_size)
+    prompt = _prompt(backend, images, image)
+    truth = oracle_for(family, image)
+    split = median_surprisal(backend, prompt, MAX_NEW)
+    seeded = SeededDrafter(backend, truth, prompt.length, SEEDS["partial"])
+    for policy in (skipping, cutting):
+        for drafter in (backend, seeded):
+            result = decode(drafter, prompt, config(policy(split, block_size), MAX_NEW))
+            assert result.tokens == truth, (policy.__name__, drafter is seeded)
+            check_mixed(result, policy.__name__, seeded=drafter is seeded)
 
 
 def test_output_depends_on_image_and_text(backend_for, images):

@@ -9,7 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from auto_policies import check_mixed, config, cutting, median_surprisal, skipping
 from glance_export.cli import main as export_main
+from glance_runtime.auto_budget import auto_budget
 from glance_runtime.backends.trt_backend import ENGINE_MANIFEST, check_engines, pick_profile, read_engines_record
 from glance_runtime.cli import main as run_main
 from glance_runtime.errors import GlanceError
@@ -125,7 +127,9 @@ def test_a_damaged_engine_is_named_before_anything_loads(rtx_engines, tmp_path, 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_gpu(), reason="running TensorRT engines needs an NVIDIA GPU")
 def test_engines_answer_like_onnxruntime(rtx_engines):
-    """The same loop on TensorRT engines and on ONNX Runtime gives the same tokens (fp32 engines)."""
+    """The same loop on TensorRT engines and on ONNX Runtime gives the same tokens (fp32 engines), with fixed
+    budgets and with auto: as `glance-run` builds it (a profile measured on these engines), and with policies
+    forcing skipped drafts and small cuts (tests/auto_policies.py)."""
     from glance_runtime.runner import open_runner
     from glance_runtime.loop import DecodeConfig, decode
 
@@ -137,3 +141,15 @@ def test_engines_answer_like_onnxruntime(rtx_engines):
         ours = decode(trt.backend, prompt, cfg, trt.stop_ids)
         assert ours.tokens == decode(ort.backend, prompt, cfg, ort.stop_ids).tokens
     assert np.isfinite(ours.tau)
+
+    prompt = ort.build_prompt("Describe the image.", image)  # the default model is least sure here
+    truth = decode(ort.backend, prompt, DecodeConfig(max_new_tokens=32, budget=15), ort.stop_ids).tokens
+    measured, cost_path, _ = auto_budget(trt, branch_k=8)
+    assert cost_path.parent == rtx_engines and measured.cost.device.startswith("tensorrt")
+    split, block = median_surprisal(trt.backend, prompt, 32), trt.backend.block_size
+    policies = {"measured": measured, "cutting": cutting(split, block, measured.max_nodes),
+                "skipping": skipping(split, block, measured.cost, measured.max_nodes)}
+    results = {name: decode(trt.backend, prompt, config(policy, 32), trt.stop_ids)
+               for name, policy in policies.items()}
+    assert {name: r.tokens for name, r in results.items()} == dict.fromkeys(policies, truth)
+    check_mixed(results["skipping"], "skipping", seeded=False)

@@ -1,0 +1,360 @@
+"""`--budget auto`'s pieces on numbers alone: cost profiles, node calibration and the per-round rule.
+
+Profiles and calibrations are built from numbers, and each decision is checked against the same rule
+computed here from scratch (closed-form costs, a plain loop over tree sizes), so a change to the rule or
+to how costs are read shows up as a disagreement, not as a different but plausible choice.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from glance_runtime.auto_budget import Q_FLOOR, AutoBudget
+from glance_runtime.calibration import FILE, PRIOR, Calibration, find_calibration, load_calibration, path_logit
+from glance_runtime.cost_profile import CostProfile, load, measurable_rows, profile_path, row_grid, save
+from glance_runtime.errors import GlanceError
+from glance_runtime.tree import Tree, build_tree
+
+GRID = (1, 2, 4, 8, 16, 32, 64)
+
+
+def gpu_ms(rows: float) -> float:
+    """A GPU-like verify: flat until 16 rows, then a gentle slope (exact at and between GRID's points)."""
+    return 1.0 + max(rows - 16, 0) * 0.01
+
+
+def cpu_ms(rows: float) -> float:
+    """A CPU-like verify: every row costs a quarter of the first."""
+    return 0.75 + 0.25 * rows
+
+
+def profile(verify: list[float] | tuple[float, ...], draft_ms: float, rows: tuple[int, ...] = GRID) -> CostProfile:
+    return CostProfile(device="test", rows=rows, verify_ms=tuple(verify), draft_ms=draft_ms, repeats=5,
+                       measured_at="2026-01-01T00:00:00")
+
+
+GPU = profile([gpu_ms(r) for r in GRID], draft_ms=0.5)
+CPU = profile([cpu_ms(r) for r in GRID], draft_ms=1.0)
+
+
+def best_first_tree(seed: int, offsets: int = 7, k: int = 8, budget: int = 63) -> Tree:
+    """A best-first tree from a random draft (top-k log-probs, best first per offset)."""
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(0, 2.5, size=(offsets, 40))
+    logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+    top = np.sort(logp, axis=1)[:, ::-1][:, :k]
+    ids = np.tile(np.arange(k), (offsets, 1))
+    return build_tree(5, ids, top, budget)
+
+
+def best_first_scores(seed: int, budget: int = 63) -> np.ndarray:
+    return best_first_tree(seed, budget=budget).scores[1:]
+
+
+# --- cost profiles ----------------------------------------------------------------------------------------
+
+def test_verify_cost_interpolates_between_measured_rows():
+    p = profile([1.0, 2.0, 5.0], draft_ms=1.0, rows=(1, 4, 16))
+    np.testing.assert_allclose(p.verify_cost(np.array([1, 2, 4, 10, 16])), [1.0, 4 / 3, 2.0, 3.5, 5.0])
+    assert float(p.verify_cost(2)) == pytest.approx(4 / 3)
+
+
+def test_verify_cost_never_falls_as_rows_grow():
+    """A noisy measurement (4 rows timed faster than 2) must not make the bigger tree look cheaper."""
+    p = profile([1.0, 3.0, 2.0, 4.0], draft_ms=1.0, rows=(1, 2, 4, 8))
+    np.testing.assert_allclose(p.verify_cost(np.array([2, 3, 4, 6])), [3.0, 3.0, 3.0, 3.5])
+    costs = p.verify_cost(np.arange(1, 40))
+    assert np.all(np.diff(costs) >= 0)
+
+
+def test_verify_cost_extends_past_the_last_row_at_its_slope():
+    p = profile([1.0, 3.0, 2.0, 4.0], draft_ms=1.0, rows=(1, 2, 4, 8))
+    np.testing.assert_allclose(p.verify_cost(np.array([8, 12, 16])), [4.0, 5.0, 6.0])  # (4 - 3) / (8 - 4) a row
+    flat_end = profile([1.0, 2.0, 2.0], draft_ms=1.0, rows=(1, 2, 4))
+    assert float(flat_end.verify_cost(100)) == pytest.approx(2.0)
+    single = profile([1.5], draft_ms=1.0, rows=(1,))
+    np.testing.assert_allclose(single.verify_cost(np.array([1, 10])), [1.5, 1.5])
+
+
+def test_verify_cost_of_linear_profiles_is_exact():
+    """What the brute-force checks below rely on: these profiles read back the function they were made from."""
+    rows = np.arange(1, 100)
+    np.testing.assert_allclose(GPU.verify_cost(rows), [gpu_ms(r) for r in rows])
+    np.testing.assert_allclose(CPU.verify_cost(rows), [cpu_ms(r) for r in rows])
+
+
+def test_profile_round_trips_through_its_file(tmp_path):
+    path = tmp_path / "sub" / "cost-profile-x.json"
+    save(CPU, path)
+    assert load(path) == CPU
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # nothing temporary left beside it
+    assert "draft pass + tree: 1.00 ms" in CPU.table() and len(CPU.table().splitlines()) == 3 + len(GRID)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda d: d.update(format="glance-other"), "not a glance-cost"),
+    (lambda d: d.update(format_version=2), "not a glance-cost"),
+    (lambda d: d.update(rows=[2, 4], verify_ms=[1.0, 2.0]), "ascend from 1"),
+    (lambda d: d.update(rows=[1, 4, 2], verify_ms=[1.0, 2.0, 3.0]), "ascend from 1"),
+    (lambda d: d.update(rows=[1, 2, 2], verify_ms=[1.0, 2.0, 3.0]), "ascend from 1"),
+    (lambda d: d.update(rows=[1, 2], verify_ms=[1.0]), "one verify time each"),
+    (lambda d: d.update(rows=[], verify_ms=[]), "ascend from 1"),
+    (lambda d: d.update(verify_ms=[0.0, *d["verify_ms"][1:]]), "positive"),
+    (lambda d: d.update(draft_ms=-1.0), "positive"),
+])
+def test_profile_from_dict_refuses_what_cannot_be_costs(change, message):
+    raw = CPU.as_dict()
+    assert CostProfile.from_dict(raw) == CPU
+    change(raw)
+    with pytest.raises(ValueError, match=message):
+        CostProfile.from_dict(raw)
+
+
+def test_a_damaged_or_missing_profile_reads_as_none(tmp_path):
+    """None means 'measure again'; a refusal here would leave a damaged file blocking auto for good."""
+    assert load(tmp_path / "absent.json") is None
+    for i, text in enumerate(["{", "", json.dumps({**CPU.as_dict(), "rows": [2]}),
+                              json.dumps({k: v for k, v in CPU.as_dict().items() if k != "draft_ms"})]):
+        (tmp_path / f"{i}.json").write_text(text)
+        assert load(tmp_path / f"{i}.json") is None, text
+
+
+@pytest.mark.parametrize("largest,grid", [(1, [1]), (2, [1, 2]), (40, [1, 2, 4, 8, 16, 32, 40]),
+                                          (64, list(GRID))])
+def test_row_grid_doubles_up_to_the_largest(largest, grid):
+    assert row_grid(largest) == grid
+
+
+def test_measurable_rows_is_what_one_draft_can_fill():
+    assert measurable_rows(block_size=4, branch_k=2, max_rows=64) == 1 + 2 + 4 + 8
+    assert measurable_rows(block_size=8, branch_k=8, max_rows=64) == 64
+    assert measurable_rows(block_size=2, branch_k=1, max_rows=64) == 2
+
+
+def test_profile_path_is_per_device_beside_the_artifacts_else_in_the_cache(tmp_path):
+    here = profile_path(tmp_path, "served", "device A")
+    assert here.parent == tmp_path and here.name.startswith("cost-profile-") and here.suffix == ".json"
+    assert profile_path(tmp_path, "served", "device B") != here
+    cached = profile_path(None, "served", "device A")
+    assert cached.parent.name == "cost" and cached.name.endswith(here.name.split("-")[-1])
+    assert profile_path(None, "other", "device A") != cached
+
+
+# --- calibration ------------------------------------------------------------------------------------------
+
+def test_prior_is_the_drafts_own_path_probability():
+    scores = np.array([-1e-6, -0.1, -0.7, -2.0, -9.0])
+    for surprisal in (None, 0.0, 3.0):
+        np.testing.assert_allclose(PRIOR.node_probability(scores, surprisal), np.exp(scores), rtol=1e-6)
+    assert not PRIOR.fitted and PRIOR.offset_acceptance(1.0) is None
+
+
+def test_path_logit_is_the_logit_of_the_path_probability():
+    s = np.array([-0.01, -0.5, -3.0])
+    p = np.exp(s)
+    np.testing.assert_allclose(path_logit(s), np.log(p / (1 - p)))
+    assert np.isfinite(path_logit(np.array([0.0]))).all()  # a certain path still has a finite logit
+
+
+@pytest.mark.parametrize("calibration", [PRIOR, Calibration(a=0.8, b=0.6, c=-0.4), Calibration(a=-2.0, b=2.5, c=0.3),
+                                         Calibration(a=1.0, b=0.0, c=0.0)])
+@pytest.mark.parametrize("seed", range(4))
+def test_node_probabilities_never_rise_along_a_best_first_tree(calibration, seed):
+    """Without a depth term, the packed (best-first) order is also the order of q: a cut keeps the likeliest."""
+    scores = best_first_scores(seed)
+    assert len(scores) == 63
+    for surprisal in (None, 0.2, 2.5):
+        q = calibration.node_probability(scores, surprisal)
+        assert np.all((q >= 0) & (q <= 1)) and np.all(np.diff(q) <= 1e-15)
+
+
+@pytest.mark.parametrize("calibration", [Calibration(a=0.5, b=0.8, d=-0.4), Calibration(b=1.3, c=0.2, d=-1.5),
+                                         Calibration(a=1.0, b=0.0, d=-0.1)])
+@pytest.mark.parametrize("seed", range(4))
+def test_node_probabilities_never_rise_down_a_path(calibration, seed):
+    """With a depth term, a child is never likelier than its parent (the packed order may then interleave)."""
+    tree = best_first_tree(seed)
+    for surprisal in (None, 1.0):
+        q = calibration.node_probability(tree.scores[1:], surprisal, tree.depths[1:])
+        child_parent = [(q[i - 1], q[tree.parents[i] - 1]) for i in range(1, tree.size) if tree.parents[i] > 0]
+        assert child_parent and all(child <= parent for child, parent in child_parent)
+        shallow = calibration.node_probability(tree.scores[1:], surprisal)
+        assert np.all(q <= shallow) and np.any(q < shallow)
+
+
+def test_first_round_uses_the_mean_surprisal():
+    cal = Calibration(c=-0.5, surprisal_mean=2.0)
+    scores = np.array([-0.2, -1.0])
+    np.testing.assert_allclose(cal.node_probability(scores, None), cal.node_probability(scores, 2.0))
+    per_node = cal.node_probability(scores, np.array([np.nan, 0.0]))
+    assert per_node[0] == pytest.approx(cal.node_probability(scores[:1], 2.0)[0])
+    assert per_node[1] == pytest.approx(cal.node_probability(scores[1:], 0.0)[0])
+
+
+def test_law_gives_offset_acceptance_only_once_the_anchor_is_known():
+    law = Calibration(law=(2.0, 1.5))
+    assert law.offset_acceptance(None) is None
+    assert law.offset_acceptance(0.0) == pytest.approx(1 / (1 + math.exp(-2.0)))
+    assert law.offset_acceptance(3.0) == pytest.approx(1 / (1 + math.exp(2.5)))
+
+
+def test_calibration_round_trips_and_refuses_bad_coefficients():
+    good = Calibration(a=0.3, b=1.2, c=-0.1, d=-0.2, law=(1.0, 0.5), surprisal_mean=0.7, fitted_on={"rounds": 10})
+    assert Calibration.from_dict(good.as_dict()) == good
+    assert Calibration.from_dict(PRIOR.as_dict()) == PRIOR
+    for change, error in [(lambda d: d.update(format="glance-cost"), ValueError),
+                          (lambda d: d.update(format_version=0), ValueError),
+                          (lambda d: d["node"].update(b=-0.5), ValueError),
+                          (lambda d: d["node"].update(d=0.5), ValueError),
+                          (lambda d: d["node"].update(a=float("nan")), ValueError),
+                          (lambda d: d["law"].update(b1=float("inf")), ValueError),
+                          (lambda d: d["node"].pop("c"), KeyError)]:
+        raw = good.as_dict()
+        change(raw)
+        with pytest.raises(error):
+            Calibration.from_dict(raw)
+
+
+def test_load_calibration_refuses_in_one_line(tmp_path):
+    with pytest.raises(GlanceError, match="cannot read .*absent.json"):
+        load_calibration(tmp_path / "absent.json")
+    bad = tmp_path / FILE
+    bad.write_text(json.dumps({**PRIOR.as_dict(), "node": {"a": 0, "b": -1, "c": 0}}))
+    with pytest.raises(GlanceError, match="not a usable calibration.*glance-bench calibrate") as err:
+        load_calibration(bad)
+    assert "\n" not in str(err.value)
+
+
+def test_find_calibration_takes_the_first_place_that_has_one(tmp_path):
+    empty, first, second = (tmp_path / n for n in ("empty", "first", "second"))
+    for place in (empty, first, second):
+        place.mkdir()
+    Calibration(a=1.0).save(first / FILE)
+    Calibration(a=2.0).save(second / FILE)
+    found, path = find_calibration([None, empty, first, second])
+    assert (found.a, path) == (1.0, first / FILE)
+    found, path = find_calibration([second, first])
+    assert (found.a, path) == (2.0, second / FILE)
+    assert find_calibration([None, empty]) == (PRIOR, None)
+    assert find_calibration([]) == (PRIOR, None)
+
+
+# --- the per-round rule -----------------------------------------------------------------------------------
+
+def sigmoid(z: float) -> float:
+    return 1 / (1 + math.exp(-z))
+
+
+def brute_should_draft(verify_ms, draft_ms: float, p: float, depth: int) -> bool:
+    """Step 1 from the docstring: some chain of m nodes beats a plain greedy step's one token per V(1)."""
+    rates = [sum(p ** i for i in range(m + 1)) / (draft_ms + verify_ms(m + 1)) for m in range(1, depth + 1)]
+    return max(rates) > 1 / verify_ms(1)
+
+
+def brute_cut(verify_ms, draft_ms: float, tree: Tree, calibration: Calibration, surprisal: float | None,
+              max_nodes: int) -> int:
+    """Step 2 from the docstring, with no numpy: the earliest n maximising E(n) / (D + V(n + 1))."""
+    cal = calibration
+    u = cal.surprisal_mean if surprisal is None else surprisal
+    q = [sigmoid(cal.a + cal.b * math.log(math.exp(s) / (1 - math.exp(s))) + cal.d * depth + cal.c * u)
+         for s, depth in zip(tree.scores[1:max_nodes + 1].tolist(), tree.depths[1:max_nodes + 1].tolist())]
+    best, best_rate = 0, -1.0
+    for n in range(len(q) + 1):
+        rate = (1 + sum(q[:n])) / (draft_ms + verify_ms(n + 1))
+        if rate > best_rate * (1 + 1e-12):
+            best, best_rate = n, rate
+    return best
+
+
+def test_no_law_or_first_round_always_drafts():
+    costly = profile([cpu_ms(r) for r in GRID], draft_ms=50.0)
+    assert AutoBudget(costly, PRIOR, 63, 8).should_draft(5.0)
+    assert AutoBudget(costly, Calibration(law=(-5.0, 3.0)), 63, 8).should_draft(None)
+
+
+def test_a_law_without_surprisal_decides_the_same_every_round():
+    flat = profile([1.0] * len(GRID), draft_ms=2.0)
+    never = AutoBudget(flat, Calibration(law=(-3.0, 0.0)), 63, 8)  # p = 0.05 whatever the anchor
+    assert not any(never.should_draft(u) for u in (0.0, 1.0, 9.0)) and never.should_draft(None)
+    always = AutoBudget(flat, Calibration(law=(3.0, 0.0)), 63, 8)  # p = 0.95
+    assert all(always.should_draft(u) for u in (0.0, 1.0, 9.0))
+
+
+def test_skips_the_draft_when_acceptance_is_unlikely_and_drafting_costly():
+    law = Calibration(law=(3.0, 2.0))  # p = 0.95 at u = 0, 0.05 at u = 3
+    costly = AutoBudget(profile([1.0] * len(GRID), draft_ms=2.0), law, 63, 8)
+    assert not costly.should_draft(3.0) and costly.should_draft(0.0)
+    cheap = AutoBudget(profile([1.0] * len(GRID), draft_ms=0.01), law, 63, 8)
+    assert cheap.should_draft(3.0), "a nearly free draft repays even a 5% chance"
+
+
+@pytest.mark.parametrize("cost,name", [(GPU, "gpu"), (CPU, "cpu"), (profile([cpu_ms(r) for r in GRID], 1.5), "slow")])
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+def test_should_draft_matches_the_rule_computed_here(cost, name, block_size):
+    verify = gpu_ms if name == "gpu" else cpu_ms
+    law = Calibration(law=(3.0, 1.0))
+    decisions = set()
+    for u in np.linspace(0, 6, 25):
+        p = sigmoid(3.0 - u)
+        expected = brute_should_draft(verify, cost.draft_ms, p, min(block_size - 1, 63))
+        assert AutoBudget(cost, law, 63, block_size).should_draft(float(u)) == expected, (u, p)
+        decisions.add(expected)
+    if name == "slow" and block_size >= 4:
+        assert decisions == {True, False}, "the sweep must cross the point where drafting stops paying"
+
+
+def test_cut_keeps_more_nodes_where_rows_are_cheap():
+    scores = best_first_scores(0)
+    on_gpu = AutoBudget(GPU, PRIOR, 63, 8).cut(scores, 0.5)
+    on_cpu = AutoBudget(CPU, PRIOR, 63, 8).cut(scores, 0.5)
+    assert on_gpu > 2 * on_cpu > 0
+
+
+def test_cut_can_keep_no_node():
+    """Hopeless nodes on a steep device: the draft has run, but verifying any node costs more than it yields."""
+    scores = np.array([-4.0, -5.0, -6.0, -7.0])
+    assert AutoBudget(CPU, PRIOR, 63, 8).cut(scores, None) == 0
+    assert AutoBudget(CPU, PRIOR, 63, 8).cut(np.array([]), 1.0) == 0
+
+
+def test_cut_never_exceeds_max_nodes():
+    sure = np.full(200, -1e-4)
+    for max_nodes in (0, 1, 7, 63):
+        assert AutoBudget(GPU, PRIOR, max_nodes, 8).cut(sure, 0.0) == max_nodes
+        assert AutoBudget(CPU, PRIOR, max_nodes, 8).cut(sure, 0.0) == max_nodes
+
+
+CALIBRATIONS = [PRIOR, Calibration(a=0.5, b=0.7, c=-0.3), Calibration(a=-1.0, b=1.5, c=0.2, law=(1.0, 1.0)),
+                Calibration(a=2.0, b=0.0, c=-1.0), Calibration(a=1.0, b=0.9, d=-0.3, surprisal_mean=1.0)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cut_matches_the_rule_computed_here(seed):
+    tree = best_first_tree(seed, budget=90)
+    sizes = set()
+    for calibration in CALIBRATIONS:
+        for verify, draft_ms in ((gpu_ms, 0.5), (cpu_ms, 1.0), (cpu_ms, 0.1), (lambda r: 0.2 + 0.4 * r, 3.0)):
+            cost = profile([verify(r) for r in GRID], draft_ms)
+            for surprisal in (None, 0.3, 2.0):
+                for max_nodes in (63, 20):
+                    n = AutoBudget(cost, calibration, max_nodes, 8).cut(tree.scores[1:], surprisal, tree.depths[1:])
+                    assert n == brute_cut(verify, draft_ms, tree, calibration, surprisal, max_nodes)
+                    sizes.add(n)
+    assert len(sizes) >= 5, f"the settings must lead to different cuts, not only {sorted(sizes)}"
+
+
+@pytest.mark.parametrize("calibration", CALIBRATIONS[:2] + CALIBRATIONS[4:])
+@pytest.mark.parametrize("surprisal", [None, 0.5, 3.0])
+def test_floor_is_where_a_depth_one_node_falls_to_q_floor(calibration, surprisal):
+    """Nodes are grown only down to this score: below it not even a depth-1 node is worth a row."""
+    policy = AutoBudget(CPU, calibration, 63, 8)
+    floor = policy.floor(surprisal)
+    at, below = calibration.node_probability(np.array([floor, floor - 0.5]), surprisal, np.array([1, 1]))
+    assert at == pytest.approx(Q_FLOOR, rel=1e-6) and below < Q_FLOOR
+
+
+def test_no_floor_where_scores_do_not_matter():
+    assert AutoBudget(CPU, Calibration(a=2.0, b=0.0), 63, 8).floor(1.0) == -np.inf
