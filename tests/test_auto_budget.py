@@ -116,7 +116,7 @@ def test_profile_from_dict_refuses_what_cannot_be_costs(change, message):
 def test_a_damaged_or_missing_profile_reads_as_none(tmp_path):
     """None means 'measure again'; a refusal here would leave a damaged file blocking auto for good."""
     assert load(tmp_path / "absent.json") is None
-    for i, text in enumerate(["{", "", json.dumps({**CPU.as_dict(), "rows": [2]}),
+    for i, text in enumerate(["{", "", "[]", json.dumps({**CPU.as_dict(), "rows": [2]}),
                               json.dumps({k: v for k, v in CPU.as_dict().items() if k != "draft_ms"})]):
         (tmp_path / f"{i}.json").write_text(text)
         assert load(tmp_path / f"{i}.json") is None, text
@@ -226,6 +226,26 @@ def test_load_calibration_refuses_in_one_line(tmp_path):
     with pytest.raises(GlanceError, match="not a usable calibration.*glance-bench calibrate") as err:
         load_calibration(bad)
     assert "\n" not in str(err.value)
+    bad.write_text("[]")  # valid JSON, not a calibration
+    with pytest.raises(GlanceError, match="not a usable calibration"):
+        load_calibration(bad)
+
+
+def test_node_probability_saturates_without_overflow():
+    """Extreme logits give 0 or 1 quietly (a warning on stderr would break glance-run's one-line output)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        q = Calibration(c=-5.0).node_probability(np.array([-0.1, -3.0]), 200.0)
+        q_high = Calibration(a=800.0).node_probability(np.array([-0.1]), None)
+    assert np.all(q >= 0) and np.all(q < 1e-300) and q_high[0] == 1.0
+
+
+def test_a_tree_of_one_row_never_drafts_even_with_a_law():
+    """--max-tree 1 leaves no room for a drafted node: the law's chain is empty, so no round drafts."""
+    policy = AutoBudget(CPU, Calibration(law=(5.0, 0.0)), max_nodes=0, block_size=8)
+    assert not policy.should_draft(0.1)
 
 
 def test_find_calibration_takes_the_first_place_that_has_one(tmp_path):

@@ -56,6 +56,8 @@ class AutoBudget:
         if p is None:
             return True
         depth = min(self.block_size - 1, self.max_nodes)
+        if depth < 1:  # no room for a drafted node: a draft can never pay
+            return False
         expected = 1 + np.cumsum(p ** np.arange(1, depth + 1))
         return bool(np.max(expected / self._round_ms[1:depth + 1]) > 1 / self._plain_ms)
 
@@ -90,7 +92,7 @@ def has_profile(runner) -> bool:
 def default_budget(runner) -> int | str:
     """auto where a cost profile exists or is measured on first use (the exported graphs and engines),
     else the fixed default (the torch reference, a development path)."""
-    graphs = runner.home is not None
+    graphs = runner.backend.name != "torch"
     return AUTO if runner.backend.block_size > 1 and (graphs or has_profile(runner)) else FIXED_DEFAULT
 
 

@@ -36,7 +36,8 @@ def path_logit(scores: np.ndarray) -> np.ndarray:
 
 
 def _sigmoid(z: np.ndarray | float) -> np.ndarray:
-    return 1 / (1 + np.exp(-np.asarray(z, dtype=float)))
+    """1 / (1 + e^-z) without overflow at large |z|."""
+    return np.exp(-np.logaddexp(0.0, -np.asarray(z, dtype=float)))
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class Calibration:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "Calibration":
-        if raw.get("format") != FORMAT or raw.get("format_version") != FORMAT_VERSION:
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT or raw.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"not a {FORMAT} v{FORMAT_VERSION} file")
         node, law = raw["node"], raw.get("law")
         values = [float(node[k]) for k in ("a", "b", "c")] + [float(node.get(k, 0.0)) for k in ("d", "surprisal_mean")]

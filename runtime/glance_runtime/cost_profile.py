@@ -68,7 +68,7 @@ class CostProfile:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "CostProfile":
-        if raw.get("format") != FORMAT or raw.get("format_version") != FORMAT_VERSION:
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT or raw.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"not a {FORMAT} v{FORMAT_VERSION} file")
         rows, verify = tuple(int(r) for r in raw["rows"]), tuple(float(v) for v in raw["verify_ms"])
         if not rows or rows[0] != 1 or len(rows) != len(verify) or list(rows) != sorted(set(rows)):

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 from . import __version__, exporter
 from .backend import Backend
 from .cache import cache_root, file_lock
+from .defaults import DEFAULT_ARTIFACTS
 from .errors import GlanceError
 from .limits import Limits
 from .manifest import FORMAT_VERSION, load_manifest
@@ -49,9 +50,11 @@ def _graph_runner(backend, model: Path | None) -> Runner:
 
     limits = Limits(backend.block_size, backend.manifest.branch_k, backend.max_tree, exported=True)
     places = tuple(dict.fromkeys([backend.path, backend.manifest.path]))  # engines first, then their artifacts
+    shipped = Path(backend.path).resolve() == DEFAULT_ARTIFACTS.resolve()  # part of the install: kept unwritten
     return Runner(backend=backend, build_prompt=backend.build_prompt, stop_ids=tuple(backend.stop_token_ids),
                   detokenize=backend.detokenize, limits=limits, oracle=oracle if model is not None else None,
-                  home=backend.path, identity=str(backend.path), calibration_dirs=places)
+                  home=None if shipped else backend.path, identity=str(Path(backend.path).resolve()),
+                  calibration_dirs=places)
 
 
 def open_onnxruntime(artifacts: Path, model: Path | None = None, **options) -> Runner:
