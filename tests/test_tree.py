@@ -44,16 +44,20 @@ def drafts(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, int, int]:
     return ids, logprobs, budget, branch_k
 
 
-def all_node_scores(logprobs: np.ndarray, branch_k: int) -> list[float]:
-    """Brute force: the score of every possible node (every column choice sequence)."""
-    scores = []
+def all_nodes(logprobs: np.ndarray, branch_k: int) -> list[tuple[float, int]]:
+    """Brute force: (score, depth) of every possible node (every column choice sequence)."""
+    nodes = []
     for depth in range(1, logprobs.shape[0] + 1):
         for cols in itertools.product(range(branch_k), repeat=depth):
             score = 0.0
             for offset, col in enumerate(cols):
                 score += float(logprobs[offset, col])
-            scores.append(score)
-    return scores
+            nodes.append((score, depth))
+    return nodes
+
+
+def all_node_scores(logprobs: np.ndarray, branch_k: int) -> list[float]:
+    return [score for score, _ in all_nodes(logprobs, branch_k)]
 
 
 def ancestors(parents: np.ndarray, i: int) -> set[int]:
@@ -112,20 +116,36 @@ def test_prefix_of_a_best_first_tree_is_the_smaller_budgets_tree(case: tuple, da
 
 
 @FAST
-@given(drafts(), st.floats(-12.0, 0.0))
-def test_min_score_keeps_the_budget_tree_nodes_at_or_above_it(case: tuple, floor: float) -> None:
+@given(drafts(), st.floats(0.0, 2.0))
+def test_priority_picks_the_best_prefix_closed_set_by_that_priority(case: tuple, slope: float) -> None:
+    """A priority falling with depth (as auto's calibrated acceptance does) keeps exactly the `budget` nodes
+    it ranks highest, parents first."""
     ids, logprobs, budget, branch_k = case
+    priority = lambda score, depth: score - slope * depth  # noqa: E731
+    tree = build_tree(ANCHOR, ids, logprobs, budget, branch_k, priority=priority)
+    keys = [priority(s, d) for s, d in zip(tree.scores[1:], tree.depths[1:])]
+    assert keys == sorted(keys, reverse=True)  # popped in priority order
+    assert np.all(tree.parents[1:] < np.arange(1, tree.size))
+    every = sorted((s - slope * d for s, d in all_nodes(logprobs, branch_k)), reverse=True)
+    np.testing.assert_allclose(sorted(keys, reverse=True), every[: tree.size - 1], rtol=0, atol=1e-9)
+
+
+@FAST
+@given(drafts(), st.integers(0, 12))
+def test_stop_ends_growth_and_sees_each_next_priority(case: tuple, after: int) -> None:
+    ids, logprobs, budget, branch_k = case
+    seen: list[tuple[int, float]] = []
+
+    def stop(nodes: int, next_key: float) -> bool:
+        seen.append((nodes, next_key))
+        return nodes >= after
+
+    tree = build_tree(ANCHOR, ids, logprobs, budget, branch_k, stop=stop)
     full = build_tree(ANCHOR, ids, logprobs, budget, branch_k)
-    kept = int(np.sum(full.scores >= floor))
-    assert np.all(full.scores[:kept] >= floor)  # best-first: the kept nodes are a prefix
-    floored = build_tree(ANCHOR, ids, logprobs, budget, branch_k, min_score=floor)
-    np.testing.assert_array_equal(floored.tokens, full.prefix(kept).tokens)
-    np.testing.assert_array_equal(floored.parents, full.prefix(kept).parents)
-
-
-def test_min_score_must_be_a_number() -> None:
-    with pytest.raises(ValueError, match="min_score must be a number"):
-        build_tree(ANCHOR, np.array([[1, 2]]), np.array([[-0.1, -2.0]]), 2, min_score=float("nan"))
+    assert tree.size == min(after, full.size - 1) + 1
+    np.testing.assert_array_equal(tree.tokens, full.prefix(tree.size).tokens)
+    assert [n for n, _ in seen] == list(range(len(seen)))
+    np.testing.assert_allclose([k for _, k in seen[: tree.size - 1]], full.scores[1:tree.size])
 
 
 @FAST

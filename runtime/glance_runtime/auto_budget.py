@@ -7,11 +7,15 @@ anchor's surprisal, unknown in the first round; p, q: `Calibration`'s law and no
    m nodes is expected to yield 1 + p + ... + p^m tokens in D + V(m + 1). The round drafts when that
    rate beats 1 / V(1) for some m in 1..B-1; otherwise it is a plain greedy step (the anchor alone).
    Without a fitted law, or in the first round, it drafts.
-2. Cut. The draft's candidates grow the tree best-first up to the largest budget, so the first n nodes
-   are the best tree of n nodes by score; growth stops at scores where even a depth-1 node would have
-   q < Q_FLOOR (worth less than any row costs; it only saves building nodes no cut keeps). Node i is accepted with probability q_i (from its score and depth);
-   n nodes are expected to yield E(n) = 1 + q_1 + ... + q_n tokens in D + V(n + 1). The round verifies the
-   first n* = argmax_n E(n) / (D + V(n + 1)) nodes (the earliest n on ties), n* = 0 included.
+2. Grow and cut. Node i is accepted with probability q_i, from its path score and depth; q never rises
+   from a node to its children or later siblings (b >= 0, d <= 0), so growing the tree best-first on q
+   (`build_tree`'s priority) pops nodes in falling q, parents first, and its first n nodes are the n
+   likeliest. n nodes are expected to yield E(n) = 1 + q_1 + ... + q_n tokens in D + V(n + 1); the round
+   verifies the first n* = argmax_n E(n) / (D + V(n + 1)) nodes (the earliest n on ties; n* = 0 included).
+   Growth stops early, exactly: with R* the best rate so far at n nodes and S(n) the least cost per row
+   of any larger tree (min over m > n of (C(m) - C(n)) / (m - n), C(n) = D + V(n + 1)), every later node
+   has q <= q_next, so if q_next <= R* S(n) no larger tree reaches R*:
+   E(n) + k q_next <= R* C(n) + k R* S(n) <= R* C(n + k).
 
 The rate counts D even once the draft has run, so every round is judged as a whole, as the long-run
 rate counts it. Any cut verifies a prefix-closed tree and the walk keeps the target's own choices, so
@@ -19,6 +23,7 @@ the tokens are those of greedy decoding whatever the rule picks; only the time c
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -30,11 +35,11 @@ from .cost_profile import CostProfile, load, profile_path, describe, stored_or_m
 from .errors import GlanceError
 from .limits import reachable_nodes
 from .loop import DecodeConfig
+from .tree import Tree, build_tree
 
 AUTO = "auto"
 FIXED_DEFAULT = 63  # the budget where no cost profile exists (the torch reference, until one is measured)
 AUTO_MAX_NODES = 63  # auto's largest tree where the graphs set no smaller bound
-Q_FLOOR = 0.005  # nodes less likely than this to be accepted are not grown
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,12 @@ class AutoBudget:
 
     def __post_init__(self) -> None:
         rows = np.arange(1, self.max_nodes + 2)
-        object.__setattr__(self, "_round_ms", self.cost.draft_ms + self.cost.verify_cost(rows))  # D + V(n+1)
+        round_ms = self.cost.draft_ms + self.cost.verify_cost(rows)  # C(n) = D + V(n+1), n = 0..max_nodes
+        object.__setattr__(self, "_round_ms", round_ms)
+        object.__setattr__(self, "_round_list", round_ms.tolist())  # Python floats for the per-node loop
+        slope = [min((round_ms[m] - round_ms[n]) / (m - n) for m in range(n + 1, len(round_ms)))
+                 for n in range(len(round_ms) - 1)]
+        object.__setattr__(self, "_slope_list", [max(float(v), 0.0) for v in slope])  # S(n)
         object.__setattr__(self, "_plain_ms", float(self.cost.verify_cost(1)))
         law = self.calibration.law
         constant = law is None or law[1] == 0  # the same answer every round: decided once
@@ -67,22 +77,32 @@ class AutoBudget:
             return True
         return self._always if self._always is not None else self._repays(self.calibration.offset_acceptance(surprisal))
 
-    def floor(self, surprisal: float | None) -> float:
-        """The path score below which a node, even at depth 1, has q < Q_FLOOR (-inf where scores do not matter)."""
+    def grow(self, anchor: int, topk_ids: np.ndarray, topk_logprobs: np.ndarray, branch_k: int,
+             surprisal: float | None) -> Tree:
+        """Step 2: the round's tree from the draft's top-k, grown by q and cut at n*."""
         cal = self.calibration
-        if cal.b <= 0:
-            return -np.inf
-        u = cal.surprisal_mean if surprisal is None else surprisal
-        x = (np.log(Q_FLOOR / (1 - Q_FLOOR)) - cal.a - cal.d - cal.c * u) / cal.b  # x = logit(exp(s))
-        return float(-np.logaddexp(0.0, -x))  # s = log(sigmoid(x))
+        base = cal.a + cal.c * (cal.surprisal_mean if surprisal is None else surprisal)
+        b, d = cal.b, cal.d
+        round_ms, slope = self._round_list, self._slope_list
+        best = [1.0 / round_ms[0], 0]  # best rate, at how many nodes
+        expected = [1.0]
 
-    def cut(self, scores: np.ndarray, surprisal: float | None, depths: np.ndarray | None = None) -> int:
-        """Step 2: how many of the best-first nodes (path scores `scores`, depths `depths`) to verify."""
-        scores = np.asarray(scores, dtype=float)[: self.max_nodes]
-        depths = None if depths is None else np.asarray(depths)[: self.max_nodes]
-        q = self.calibration.node_probability(scores, surprisal, depths)
-        expected = 1 + np.concatenate([[0.0], np.cumsum(q)])
-        return int(np.argmax(expected / self._round_ms[: len(expected)]))
+        def q(score: float, depth: int) -> float:
+            s = min(score, -1e-12)
+            z = base + b * (s - math.log(-math.expm1(s))) + d * depth
+            return 1.0 / (1.0 + math.exp(-z)) if z > -700 else 0.0
+
+        def stop(nodes: int, q_next: float) -> bool:
+            if q_next <= best[0] * slope[nodes]:
+                return True
+            expected[0] += q_next
+            rate = expected[0] / round_ms[nodes + 1]
+            if rate > best[0]:
+                best[0], best[1] = rate, nodes + 1
+            return False
+
+        tree = build_tree(anchor, topk_ids, topk_logprobs, self.max_nodes, branch_k, priority=q, stop=stop)
+        return tree.prefix(best[1] + 1)
 
 
 def has_profile(runner) -> bool:

@@ -21,9 +21,8 @@ class BudgetPolicy(Protocol):
 
     def should_draft(self, surprisal: float | None) -> bool: ...
 
-    def floor(self, surprisal: float | None) -> float: ...
-
-    def cut(self, scores: np.ndarray, surprisal: float | None, depths: np.ndarray | None = None) -> int: ...
+    def grow(self, anchor: int, topk_ids: np.ndarray, topk_logprobs: np.ndarray, branch_k: int,
+             surprisal: float | None) -> Tree: ...
 
 
 @dataclass(frozen=True)
@@ -93,11 +92,9 @@ def _tree(backend: Backend, anchor: int, cfg: DecodeConfig, surprisal: float | N
     if not cfg.speculative or cfg.budget == 0 or (cfg.auto and not cfg.auto.should_draft(surprisal)):
         return Tree.root(anchor), False
     ids, logp = backend.draft(anchor, cfg.branch_k)
-    if not cfg.auto:
-        return build_tree(anchor, ids, logp, cfg.budget), True
-    tree = build_tree(anchor, ids, logp, cfg.budget, min_score=cfg.auto.floor(surprisal))
-    tree = tree.prefix(1 + cfg.auto.cut(tree.scores[1:], surprisal, tree.depths[1:]))
-    return tree, True
+    if cfg.auto:
+        return cfg.auto.grow(anchor, ids, logp, cfg.branch_k, surprisal), True
+    return build_tree(anchor, ids, logp, cfg.budget), True
 
 
 def decode(backend: Backend, prompt, cfg: DecodeConfig, stop_ids: Sequence[int] = (),

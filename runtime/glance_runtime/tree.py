@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -127,14 +128,19 @@ def build_tree(
     topk_logprobs: np.ndarray,
     budget: int,
     branch_k: int | None = None,
-    min_score: float = -np.inf,
+    priority: Callable[[float, int], float] | None = None,
+    stop: Callable[[int, float], bool] | None = None,
 ) -> Tree:
-    """Keep the `budget` highest-scoring draft nodes (best-first on cumulative log-prob), none below `min_score`.
+    """Keep the `budget` best draft nodes, best-first on cumulative log-prob (or on `priority`).
 
     Row d-1 of topk_ids/topk_logprobs holds offset d's candidates, best first. Because
     log-probs are <= 0 a child never outscores its parent, so popping a max-heap yields the
     exact top-`budget` node set, prefix-closed and already in parents-first order. The heap
     key (-score, insertion counter) makes ties resolve by insertion order.
+
+    `priority(score, depth)` ranks nodes instead of their score; it must not rise from a node to its
+    children or its later siblings (as a score does not), or the pops stop being the best set.
+    `stop(nodes, next_priority)`, asked before each pop, ends the growth early when it returns True.
     """
     if not _is_int(anchor) or anchor < 0:
         raise ValueError(f"anchor must be a non-negative integer token id, got {anchor!r}")
@@ -153,8 +159,6 @@ def build_tree(
         raise ValueError("topk_ids needs at least one column (K >= 1)")
     if not _is_int(budget) or budget < 0:
         raise ValueError(f"budget must be a non-negative integer, got {budget!r}")
-    if not isinstance(min_score, (int, float, np.integer, np.floating)) or np.isnan(min_score):
-        raise ValueError(f"min_score must be a number (-inf for none), got {min_score!r}")
     if branch_k is None:
         branch_k = k
     if not _is_int(branch_k) or not 1 <= branch_k <= k:
@@ -175,24 +179,29 @@ def build_tree(
     parents = [-1]
     depths = [0]
     scores = [0.0]
+    rank = priority or (lambda score, _depth: score)
     # Lazy best-first: a popped node pushes only its best child and its next sibling, since every
-    # other candidate scores no higher than one of those two. Keying ties on (parent's packed index,
+    # other candidate ranks no higher than one of those two. Keying ties on (parent's packed index,
     # column) pops nodes in exactly the order of pushing all children at once: insertion order.
-    heap: list[tuple[float, int, int, int]] = []  # (-score, parent index, column, depth)
+    heap: list[tuple[float, int, int, int, float]] = []  # (-rank, parent index, column, depth, score)
     lp, id_rows = logprobs.tolist(), ids.tolist()  # Python scalars: the loop below is hot
     if offsets:
-        heap.append((-lp[0][0], 0, 0, 1))
-    while heap and len(tokens) <= budget and -heap[0][0] >= min_score:
-        neg_score, parent, col, depth = heapq.heappop(heap)
+        heap.append((-rank(lp[0][0], 1), 0, 0, 1, lp[0][0]))
+    while heap and len(tokens) <= budget:
+        if stop is not None and stop(len(tokens) - 1, -heap[0][0]):
+            break
+        _, parent, col, depth, score = heapq.heappop(heap)
         index = len(tokens)
         tokens.append(id_rows[depth - 1][col])
         parents.append(parent)
         depths.append(depth)
-        scores.append(-neg_score)
+        scores.append(score)
         if col + 1 < branch_k:
-            heapq.heappush(heap, (-(scores[parent] + lp[depth - 1][col + 1]), parent, col + 1, depth))
+            sibling = scores[parent] + lp[depth - 1][col + 1]
+            heapq.heappush(heap, (-rank(sibling, depth), parent, col + 1, depth, sibling))
         if depth < offsets:
-            heapq.heappush(heap, (neg_score - lp[depth][0], index, 0, depth + 1))
+            child = score + lp[depth][0]
+            heapq.heappush(heap, (-rank(child, depth + 1), index, 0, depth + 1, child))
     return Tree._trusted(tokens, parents, depths, scores)
 
 

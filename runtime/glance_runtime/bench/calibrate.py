@@ -2,10 +2,12 @@
 
 Every verified node of a drafted round is one labelled sample: its path score s, its depth, the round's
 anchor surprisal u, and whether the walk accepted it. The node model is a logistic regression on
-x = logit(exp(s)) and depth and, only where a likelihood-ratio test says u adds to them (p < 0.05), on u.
-Coefficients that would make a node likelier than its parent (b < 0 or a positive depth slope) are dropped. The law is the draftability
-law's truncated-geometric fit (`law.fit`) with u in place of the entropy; its slope is kept only where it
-is significant and points the law's way (acceptance falls as surprisal rises), else p is the pooled rate.
+x = logit(exp(s)) and depth and, only where it helps, on u: a likelihood-ratio test must find it (p < 0.05)
+and it must predict answers it was not fitted on better (two-fold cross-validation over answers), since a
+term that only fits its own rounds would size trees worse. Coefficients that would make a node likelier
+than its parent (b < 0 or a positive depth slope) are dropped. The law is the draftability law's
+truncated-geometric fit (`law.fit`) with u in place of the entropy; its slope is kept only where it is
+significant and points the law's way (acceptance falls as surprisal rises), else p is the pooled rate.
 First rounds (no u yet) inform the node model without u only.
 """
 from __future__ import annotations
@@ -34,10 +36,11 @@ def _logistic(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
     return w, _loglik(x @ w, y, 1 - y)
 
 
-def node_samples(rows: Sequence[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(path scores, depths, surprisal (NaN in first rounds), accepted 0/1) of every verified node of drafted
-    rounds. Logs from before depths were recorded cannot be used."""
-    scores, depths, surprisal, accepted = [], [], [], []
+def node_samples(rows: Sequence[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(path scores, depths, surprisal (NaN in first rounds), accepted 0/1, answer number) of every verified
+    node of drafted rounds. Logs from before depths were recorded cannot be used."""
+    scores, depths, surprisal, accepted, answers = [], [], [], [], []
+    numbers: dict[tuple, int] = {}
     for row in rows:
         nodes = row.get("node_scores") or []
         if not row.get("drafted", True) or not nodes:
@@ -50,7 +53,9 @@ def node_samples(rows: Sequence[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarr
         depths += row["node_depths"]
         surprisal += [float("nan") if u is None else float(u)] * len(nodes)
         accepted += [1.0 if i + 1 in on_path else 0.0 for i in range(len(nodes))]
-    return tuple(np.asarray(v, float) for v in (scores, depths, surprisal, accepted))
+        answer = (row.get("kind"), row.get("prompt"), row.get("mode"), row.get("sample"))
+        answers += [numbers.setdefault(answer, len(numbers))] * len(nodes)
+    return tuple(np.asarray(v, float) for v in (scores, depths, surprisal, accepted, answers))
 
 
 def _monotone(columns: list[np.ndarray], y: np.ndarray) -> np.ndarray:
@@ -67,21 +72,36 @@ def _monotone(columns: list[np.ndarray], y: np.ndarray) -> np.ndarray:
     return w
 
 
-def _node_model(scores: np.ndarray, depths: np.ndarray, u: np.ndarray, y: np.ndarray
+def _held_out_gain(x: np.ndarray, extra: np.ndarray, y: np.ndarray, answers: np.ndarray) -> float:
+    """Log-likelihood on answers left out, with `extra` as a column minus without it, over two folds."""
+    fold = answers % 2 == 0
+    gain = 0.0
+    for train in (fold, ~fold):
+        test = ~train
+        if train.sum() < MIN_NODES or not test.any():
+            return float("-inf")
+        for sign, cols in ((-1.0, x), (1.0, np.column_stack([x, extra]))):
+            w, _ = _logistic(cols[train], y[train])
+            gain += sign * _loglik(cols[test] @ w, y[test], 1 - y[test])
+    return gain
+
+
+def _node_model(scores: np.ndarray, depths: np.ndarray, u: np.ndarray, y: np.ndarray, answers: np.ndarray
                 ) -> tuple[tuple[float, float, float, float], dict]:
     """(a, b, c, d) and whether u earned its place."""
     x, ones = path_logit(scores), np.ones_like(scores)
     a, b, d = _monotone([ones, x, depths], y)
-    coef, lr_p = (float(a), float(b), 0.0, float(d)), float("nan")
+    coef, lr_p, gain = (float(a), float(b), 0.0, float(d)), float("nan"), float("nan")
     known = ~np.isnan(u)
     if known.sum() >= MIN_NODES and np.ptp(u[known]) > 1e-9:
-        cols = [ones[known], x[known], depths[known]]
-        _, ll_without = _logistic(np.column_stack(cols), y[known])
-        with_u, ll_with = _logistic(np.column_stack(cols + [u[known]]), y[known])
+        base = np.column_stack([ones[known], x[known], depths[known]])
+        _, ll_without = _logistic(base, y[known])
+        with_u, ll_with = _logistic(np.column_stack([base, u[known]]), y[known])
         lr_p = _chi2_p(2 * (ll_with - ll_without))
-        if lr_p < ALPHA and with_u[1] >= 0 and with_u[2] <= 0:
+        gain = _held_out_gain(base, u[known], y[known], answers[known])
+        if lr_p < ALPHA and gain > 0 and with_u[1] >= 0 and with_u[2] <= 0:
             coef = (float(with_u[0]), float(with_u[1]), float(with_u[3]), float(with_u[2]))
-    return coef, {"surprisal_lr_p": lr_p, "uses_surprisal": coef[2] != 0.0}
+    return coef, {"surprisal_lr_p": lr_p, "surprisal_held_out_gain": gain, "uses_surprisal": coef[2] != 0.0}
 
 
 def _law(rows: Sequence[dict]) -> tuple[tuple[float, float] | None, dict]:
@@ -117,7 +137,7 @@ def _bins(predicted: np.ndarray, y: np.ndarray) -> list[dict]:
 
 def judged(calibration: Calibration, rows: Sequence[dict]) -> dict:
     """How well a given calibration (the one auto ran with) predicts the nodes of `rows`: Brier score and bins."""
-    scores, depths, u, y = node_samples(rows)
+    scores, depths, u, y, _ = node_samples(rows)
     if not len(y):
         return {"nodes": 0}
     predicted = calibration.node_probability(scores, u, depths)
@@ -126,11 +146,11 @@ def judged(calibration: Calibration, rows: Sequence[dict]) -> dict:
 
 def fit_calibration(rows: Sequence[dict], source: str = "") -> tuple[Calibration, dict]:
     """The calibration and a report (coefficients, tests, Brier scores against the prior, the curve's bins)."""
-    scores, depths, u, y = node_samples(rows)
+    scores, depths, u, y, answers = node_samples(rows)
     if len(y) < MIN_NODES:
         raise GlanceError(f"the round log holds {len(y)} drafted nodes with their scores, too few to calibrate "
                           f"(at least {MIN_NODES}); rerun glance-bench with fixed tree budgets on more prompts")
-    (a, b, c, d), node_info = _node_model(scores, depths, u, y)
+    (a, b, c, d), node_info = _node_model(scores, depths, u, y, answers)
     law, law_info = _law(rows)
     modes = sorted({str(r.get("mode")) for r in rows if r.get("node_scores")})
     known = u[~np.isnan(u)]
@@ -152,7 +172,8 @@ def summary_lines(calibration: Calibration, report: dict) -> list[str]:
     lines = [f"{report['nodes']} verified nodes, {report['accepted_share']:.1%} accepted",
              f"node model: logit q = {node['a']:.3f} + {node['b']:.3f} * logit(exp(score)) {node['d']:+.3f} * depth"
              + (f" + {node['c']:.3f} * surprisal" if node["uses_surprisal"] else
-                f" (surprisal left out: LR p {node['surprisal_lr_p']:.3g})"),
+                f" (surprisal left out: LR p {node['surprisal_lr_p']:.3g}, held-out log-likelihood gain "
+                f"{node['surprisal_held_out_gain']:.3g})"),
              f"Brier score {report['brier']:.4f} (the draft's own probabilities: {report['prior_brier']:.4f})"]
     if calibration.law is None:
         lines.append(f"law: {law['note']}")
