@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from glance_runtime.auto_budget import Q_FLOOR, AutoBudget
+from glance_runtime.auto_budget import AutoBudget
 from glance_runtime.calibration import FILE, PRIOR, Calibration, find_calibration, load_calibration, path_logit
 from glance_runtime.cost_profile import CostProfile, load, measurable_rows, profile_path, row_grid, save
 from glance_runtime.errors import GlanceError
@@ -40,14 +40,17 @@ GPU = profile([gpu_ms(r) for r in GRID], draft_ms=0.5)
 CPU = profile([cpu_ms(r) for r in GRID], draft_ms=1.0)
 
 
-def best_first_tree(seed: int, offsets: int = 7, k: int = 8, budget: int = 63) -> Tree:
-    """A best-first tree from a random draft (top-k log-probs, best first per offset)."""
+def random_draft(seed: int, offsets: int = 7, k: int = 8, spread: float = 2.5) -> tuple[np.ndarray, np.ndarray]:
+    """A random draft's top-k ids and log-probs (best first per offset)."""
     rng = np.random.default_rng(seed)
-    logits = rng.normal(0, 2.5, size=(offsets, 40))
+    logits = rng.normal(0, spread, size=(offsets, 40))
     logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
-    top = np.sort(logp, axis=1)[:, ::-1][:, :k]
-    ids = np.tile(np.arange(k), (offsets, 1))
-    return build_tree(5, ids, top, budget)
+    return np.tile(np.arange(k), (offsets, 1)), np.sort(logp, axis=1)[:, ::-1][:, :k].copy()
+
+
+def best_first_tree(seed: int, offsets: int = 7, k: int = 8, budget: int = 63) -> Tree:
+    """A best-first tree from a random draft."""
+    return build_tree(5, *random_draft(seed, offsets, k), budget)
 
 
 def best_first_scores(seed: int, budget: int = 63) -> np.ndarray:
@@ -163,7 +166,7 @@ def test_path_logit_is_the_logit_of_the_path_probability():
                                          Calibration(a=1.0, b=0.0, c=0.0)])
 @pytest.mark.parametrize("seed", range(4))
 def test_node_probabilities_never_rise_along_a_best_first_tree(calibration, seed):
-    """Without a depth term, the packed (best-first) order is also the order of q: a cut keeps the likeliest."""
+    """Without a depth term, the packed (best-first) order is also the order of q."""
     scores = best_first_scores(seed)
     assert len(scores) == 63
     for surprisal in (None, 0.2, 2.5):
@@ -274,19 +277,25 @@ def brute_should_draft(verify_ms, draft_ms: float, p: float, depth: int) -> bool
     return max(rates) > 1 / verify_ms(1)
 
 
-def brute_cut(verify_ms, draft_ms: float, tree: Tree, calibration: Calibration, surprisal: float | None,
-              max_nodes: int) -> int:
-    """Step 2 from the docstring, with no numpy: the earliest n maximising E(n) / (D + V(n + 1))."""
+def brute_grow(verify_ms, draft_ms: float, ids: np.ndarray, logp: np.ndarray, calibration: Calibration,
+               surprisal: float | None, max_nodes: int) -> Tree:
+    """Step 2 from the docstring, without its early stop: every node up to max_nodes grown in falling q
+    (q computed here, with no numpy), then the earliest n maximising E(n) / (D + V(n + 1))."""
     cal = calibration
     u = cal.surprisal_mean if surprisal is None else surprisal
-    q = [sigmoid(cal.a + cal.b * math.log(math.exp(s) / (1 - math.exp(s))) + cal.d * depth + cal.c * u)
-         for s, depth in zip(tree.scores[1:max_nodes + 1].tolist(), tree.depths[1:max_nodes + 1].tolist())]
+
+    def q(score: float, depth: int) -> float:
+        p = math.exp(min(score, -1e-12))
+        return sigmoid(cal.a + cal.b * math.log(p / (1 - p)) + cal.d * depth + cal.c * u)
+
+    full = build_tree(5, ids, logp, max_nodes, priority=q)
+    probabilities = [q(s, d) for s, d in zip(full.scores[1:].tolist(), full.depths[1:].tolist())]
     best, best_rate = 0, -1.0
-    for n in range(len(q) + 1):
-        rate = (1 + sum(q[:n])) / (draft_ms + verify_ms(n + 1))
+    for n in range(len(probabilities) + 1):
+        rate = (1 + sum(probabilities[:n])) / (draft_ms + verify_ms(n + 1))
         if rate > best_rate * (1 + 1e-12):
             best, best_rate = n, rate
-    return best
+    return full.prefix(best + 1)
 
 
 def test_no_law_or_first_round_always_drafts():
@@ -326,55 +335,46 @@ def test_should_draft_matches_the_rule_computed_here(cost, name, block_size):
         assert decisions == {True, False}, "the sweep must cross the point where drafting stops paying"
 
 
-def test_cut_keeps_more_nodes_where_rows_are_cheap():
-    scores = best_first_scores(0)
-    on_gpu = AutoBudget(GPU, PRIOR, 63, 8).cut(scores, 0.5)
-    on_cpu = AutoBudget(CPU, PRIOR, 63, 8).cut(scores, 0.5)
-    assert on_gpu > 2 * on_cpu > 0
+def test_grow_keeps_more_nodes_where_rows_are_cheap():
+    ids, logp = random_draft(0)
+    on_gpu = AutoBudget(GPU, PRIOR, 63, 8).grow(5, ids, logp, 8, 0.5).size
+    on_cpu = AutoBudget(CPU, PRIOR, 63, 8).grow(5, ids, logp, 8, 0.5).size
+    assert on_gpu - 1 > 2 * (on_cpu - 1) > 0
 
 
-def test_cut_can_keep_no_node():
+def test_grow_can_keep_no_node():
     """Hopeless nodes on a steep device: the draft has run, but verifying any node costs more than it yields."""
-    scores = np.array([-4.0, -5.0, -6.0, -7.0])
-    assert AutoBudget(CPU, PRIOR, 63, 8).cut(scores, None) == 0
-    assert AutoBudget(CPU, PRIOR, 63, 8).cut(np.array([]), 1.0) == 0
+    hopeless = np.array([[-4.0], [-5.0], [-6.0], [-7.0]])
+    tree = AutoBudget(CPU, PRIOR, 63, 8).grow(5, np.zeros((4, 1), np.int64), hopeless, 1, None)
+    assert tree.size == 1 and tree.tokens[0] == 5
 
 
-def test_cut_never_exceeds_max_nodes():
-    sure = np.full(200, -1e-4)
+def test_grow_never_exceeds_max_nodes():
+    ids = np.tile(np.arange(8), (15, 1))
+    sure = np.full((15, 8), -1e-4)
     for max_nodes in (0, 1, 7, 63):
-        assert AutoBudget(GPU, PRIOR, max_nodes, 8).cut(sure, 0.0) == max_nodes
-        assert AutoBudget(CPU, PRIOR, max_nodes, 8).cut(sure, 0.0) == max_nodes
+        assert AutoBudget(GPU, PRIOR, max_nodes, 16).grow(5, ids, sure, 8, 0.0).size == max_nodes + 1
+        assert AutoBudget(CPU, PRIOR, max_nodes, 16).grow(5, ids, sure, 8, 0.0).size == max_nodes + 1
 
 
 CALIBRATIONS = [PRIOR, Calibration(a=0.5, b=0.7, c=-0.3), Calibration(a=-1.0, b=1.5, c=0.2, law=(1.0, 1.0)),
-                Calibration(a=2.0, b=0.0, c=-1.0), Calibration(a=1.0, b=0.9, d=-0.3, surprisal_mean=1.0)]
+                Calibration(a=2.0, b=0.0, c=-1.0), Calibration(a=1.0, b=0.9, d=-0.3, surprisal_mean=1.0),
+                Calibration(a=0.2, b=0.55, d=-0.3)]
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_cut_matches_the_rule_computed_here(seed):
-    tree = best_first_tree(seed, budget=90)
+def test_grow_matches_the_rule_computed_here(seed):
+    """The early stop never changes the answer: the same tree as growing every node and taking the argmax."""
+    ids, logp = random_draft(seed, offsets=9, spread=1.5 + seed)
     sizes = set()
     for calibration in CALIBRATIONS:
         for verify, draft_ms in ((gpu_ms, 0.5), (cpu_ms, 1.0), (cpu_ms, 0.1), (lambda r: 0.2 + 0.4 * r, 3.0)):
             cost = profile([verify(r) for r in GRID], draft_ms)
             for surprisal in (None, 0.3, 2.0):
                 for max_nodes in (63, 20):
-                    n = AutoBudget(cost, calibration, max_nodes, 8).cut(tree.scores[1:], surprisal, tree.depths[1:])
-                    assert n == brute_cut(verify, draft_ms, tree, calibration, surprisal, max_nodes)
-                    sizes.add(n)
-    assert len(sizes) >= 5, f"the settings must lead to different cuts, not only {sorted(sizes)}"
-
-
-@pytest.mark.parametrize("calibration", CALIBRATIONS[:2] + CALIBRATIONS[4:])
-@pytest.mark.parametrize("surprisal", [None, 0.5, 3.0])
-def test_floor_is_where_a_depth_one_node_falls_to_q_floor(calibration, surprisal):
-    """Nodes are grown only down to this score: below it not even a depth-1 node is worth a row."""
-    policy = AutoBudget(CPU, calibration, 63, 8)
-    floor = policy.floor(surprisal)
-    at, below = calibration.node_probability(np.array([floor, floor - 0.5]), surprisal, np.array([1, 1]))
-    assert at == pytest.approx(Q_FLOOR, rel=1e-6) and below < Q_FLOOR
-
-
-def test_no_floor_where_scores_do_not_matter():
-    assert AutoBudget(CPU, Calibration(a=2.0, b=0.0), 63, 8).floor(1.0) == -np.inf
+                    tree = AutoBudget(cost, calibration, max_nodes, 10).grow(5, ids, logp, 8, surprisal)
+                    want = brute_grow(verify, draft_ms, ids, logp, calibration, surprisal, max_nodes)
+                    for name in ("tokens", "parents", "depths", "scores"):
+                        np.testing.assert_array_equal(getattr(tree, name), getattr(want, name))
+                    sizes.add(tree.size)
+    assert len(sizes) >= 5, f"the settings must lead to different trees, not only {sorted(sizes)}"
