@@ -112,15 +112,15 @@ def render(report: dict) -> str:
            "ms/token over the mode's, both from the same prompts, with paired bootstrap 95% intervals over prompts "
            f"({s['bootstrap']} replicates); kinds combine by geometric mean. 'Excl. prefill' counts the rounds "
            "and the tokens they commit; 'incl.' counts the whole answer.", "",
-           "## Speed", "", *_speed_table(report), "",
-           "## Tree against chain at equal rows verified", "",
-           "| budget | " + " | ".join(report["tree_vs_chain"]) + " |",
-           "|---|" + "---|" * len(report["tree_vs_chain"])]
+           "## Speed", "", *_speed_table(report), ""]
     budgets = sorted({b for v in report["tree_vs_chain"].values() for b in v}, key=int)
-    for b in budgets:
-        out.append(f"| {b} | " + " | ".join(_f(v.get(b)) + "x" for v in report["tree_vs_chain"].values()) + " |")
-    out += ["", "tau of the tree over tau of the chain (branch 1) with the same head and the same node budget.", "",
-            "## Loop efficiency (all kinds pooled; ms per round)", "", *_efficiency_table(report), "",
+    if budgets:  # only with --chain
+        out += ["## Tree against chain at equal rows verified", "",
+                "| budget | " + " | ".join(report["tree_vs_chain"]) + " |", "|---|" + "---|" * len(report["tree_vs_chain"])]
+        for b in budgets:
+            out.append(f"| {b} | " + " | ".join(_f(v.get(b)) + "x" for v in report["tree_vs_chain"].values()) + " |")
+        out += ["", "tau of the tree over tau of the chain (branch 1) with the same head and the same node budget.", ""]
+    out += ["## Loop efficiency (all kinds pooled; ms per round)", "", *_efficiency_table(report), "",
             "Ideal speedup: AR's model cost per token over the mode's model cost per committed token (model cost: "
             f"{report['pooled']['modes']['ar'].get('cost_source', 'n/a')}), i.e. what the measured acceptance would "
             "give if nothing ran outside the graphs; 'achieved / ideal' is the share the runtime keeps. Tokens "
