@@ -307,7 +307,7 @@ def test_no_law_or_first_round_always_drafts():
 def test_a_law_without_surprisal_decides_the_same_every_round():
     flat = profile([1.0] * len(GRID), draft_ms=2.0)
     never = AutoBudget(flat, Calibration(law=(-3.0, 0.0)), 63, 8)  # p = 0.05 whatever the anchor
-    assert not any(never.should_draft(u) for u in (0.0, 1.0, 9.0)) and never.should_draft(None)
+    assert not any(never.should_draft(u) for u in (0.0, 1.0, 9.0, None))  # the first round too
     always = AutoBudget(flat, Calibration(law=(3.0, 0.0)), 63, 8)  # p = 0.95
     assert all(always.should_draft(u) for u in (0.0, 1.0, 9.0))
 

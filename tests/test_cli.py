@@ -82,8 +82,8 @@ def test_audit_budget_auto_is_recorded_and_63_stays_the_default(snapshot_dir, im
 def test_run_budget_auto_logs_skipped_drafts_and_becomes_the_default(snapshot_dir, head_dir, tmp_path, monkeypatch,
                                                                       capsys):
     """On torch the default is 63 until a profile exists. With --budget auto and a calibration beside the head
-    whose law says drafts are never accepted, every round after the first is a plain greedy step: lossless,
-    and the JSON round log says so."""
+    whose law says drafts are never accepted (whatever the anchor), every round, the first included, is a plain
+    greedy step: lossless, and the JSON round log says so."""
     monkeypatch.setenv("GLANCE_CACHE", str(tmp_path / "cache"))
     head = Path(shutil.copytree(head_dir, tmp_path / "head"))
     Calibration(law=(-20.0, 0.0)).save(head / CALIBRATION)
@@ -96,8 +96,7 @@ def test_run_budget_auto_logs_skipped_drafts_and_becomes_the_default(snapshot_di
     auto = json.loads(capsys.readouterr().out)
     log = auto["round_log"]
     assert auto["budget"] == "auto" and auto["token_ids"] == fixed["token_ids"] and len(log) == auto["rounds"] > 2
-    assert log[0]["drafted"] and log[0]["tree_size"] > 1  # the first round knows no surprisal: it drafts
-    assert all(not r["drafted"] and r["tree_size"] == 1 and r["accepted"] == 1 for r in log[1:])
+    assert all(not r["drafted"] and r["tree_size"] == 1 and r["accepted"] == 1 for r in log)
     assert run_main(base) == 0
     assert json.loads(capsys.readouterr().out)["budget"] == "auto", "a stored profile makes auto the default"
     assert run_main(base + ["--budget", "15"]) == 0

@@ -6,7 +6,7 @@ anchor's surprisal, unknown in the first round; p, q: `Calibration`'s law and no
 1. Draft or not. A plain greedy step yields one token in V(1). With the law's p = p(u), a drafted chain of
    m nodes is expected to yield 1 + p + ... + p^m tokens in D + V(m + 1). The round drafts when that
    rate beats 1 / V(1) for some m in 1..B-1; otherwise it is a plain greedy step (the anchor alone).
-   Without a fitted law, or in the first round, it drafts.
+   Without a fitted law it drafts; in the first round (no u yet) too, unless the law does not depend on u.
 2. Grow and cut. Node i is accepted with probability q_i, from its path score and depth; q never rises
    from a node to its children or later siblings (b >= 0, d <= 0), so growing the tree best-first on q
    (`build_tree`'s priority) pops nodes in falling q, parents first, and its first n nodes are the n
@@ -73,9 +73,9 @@ class AutoBudget:
 
     def should_draft(self, surprisal: float | None) -> bool:
         """Step 1: whether the law's best chain repays the draft pass."""
-        if surprisal is None:
-            return True
-        return self._always if self._always is not None else self._repays(self.calibration.offset_acceptance(surprisal))
+        if self._always is not None:
+            return self._always
+        return surprisal is None or self._repays(self.calibration.offset_acceptance(surprisal))
 
     def grow(self, anchor: int, topk_ids: np.ndarray, topk_logprobs: np.ndarray, branch_k: int,
              surprisal: float | None) -> Tree:
