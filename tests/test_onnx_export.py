@@ -219,8 +219,8 @@ class GraphReplay:
         positions = np.broadcast_to(stream, (3, 1, len(tokens))).copy() if self.m["is_vl"] else stream
         hidden = self._target({"input_ids": tokens[None].astype(np.int64), "position_ids": positions,
                                "tree_mask": visible, **self.no_image})[0]
-        _, top, _, entropy, _ = self._vocab(hidden=hidden)
-        return top[:, 0], float(entropy[0])
+        _, top, logp, entropy, _ = self._vocab(hidden=hidden)
+        return top[:, 0], float(entropy[0]), logp[:, 0].astype(np.float64)
 
     def commit(self, rows):
         self.kv = [np.concatenate([k, p[rows]]) for k, p in zip(self.kv, self.present)]
