@@ -51,8 +51,8 @@ def read_rounds(path: Path) -> list[dict]:
 
 
 def calibration_rows(rows: list[dict], modes: list[str] | None, source: str) -> list[dict]:
-    """The rounds auto's calibration is fitted to: those of `modes` (default: every fixed tree, whose nodes
-    verify best-first trees, as auto does), each prompt's first kept sample only (later ones repeat it)."""
+    """The rounds auto's calibration is fitted to: those of `modes` (default: every fixed tree mode,
+    tree-N), each prompt's first kept sample only (later ones repeat it)."""
     if not any("node_scores" in row for row in rows):
         raise GlanceError(f"{source} has no node scores (an older glance-bench wrote it); rerun glance-bench "
                           "with this version")
