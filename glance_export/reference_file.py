@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
+from glance_runtime.atomic import write_file
 from glance_runtime.errors import GlanceError
 from glance_runtime.manifest import sha256
 from glance_runtime.tasks import Task
@@ -97,20 +96,9 @@ def write_reference(path: str | Path, ref: Reference) -> Path:
     text = json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION, "payload_sha256": _digest(payload),
                        "payload": payload}, indent=1)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        write_file(path, text)
     except OSError as exc:
         raise GlanceError(f"cannot write {path} ({exc.strerror}); pick a writable --save-reference path") from None
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return path
 
 

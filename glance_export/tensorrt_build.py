@@ -7,12 +7,12 @@ optimization profiles come from `profiles_for`, from the manifest's (possibly lo
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from glance_runtime.atomic import write_file
 from glance_runtime.errors import GlanceError
 from glance_runtime.manifest import sha256
 
@@ -104,10 +104,7 @@ class TimingCache:
         self.data = bytes(config.get_timing_cache().serialize())
 
     def save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_bytes(self.data)
-        os.replace(tmp, self.path)
+        write_file(self.path, self.data)
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,24 @@ def atomic_directory(out: str | Path) -> Iterator[Path]:
         raise
 
 
+def write_file(path: str | Path, data: str | bytes) -> None:
+    """One file, whole or not at all: written to a unique hidden sibling, flushed, renamed into place.
+    OSError propagates (with the sibling removed), so each caller words its own refusal."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data.encode() if isinstance(data, str) else data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private; the result is an ordinary file
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 @contextmanager
 def atomic_files(directory: str | Path) -> Iterator[Path]:
     """Yield a temporary directory inside `directory`; on success each file written there replaces its

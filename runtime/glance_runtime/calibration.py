@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .atomic import write_file
 from .errors import GlanceError
 
 FILE = "calibration.json"
@@ -89,14 +90,9 @@ class Calibration:
                    fitted_on=dict(raw.get("fitted_on") or {}))
 
     def save(self, path: Path) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
         try:
-            tmp.write_text(json.dumps(self.as_dict(), indent=1) + "\n")
-            tmp.replace(path)
+            write_file(path, json.dumps(self.as_dict(), indent=1) + "\n")
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
             raise GlanceError(f"cannot write {path} ({exc.strerror}); pick a writable --out") from None
 
 

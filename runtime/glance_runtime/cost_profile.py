@@ -26,6 +26,7 @@ from typing import Callable
 
 import numpy as np
 
+from .atomic import write_file
 from .backend import Backend
 from .cache import cache_root, file_lock
 from .errors import GlanceError
@@ -189,14 +190,9 @@ def load(path: Path) -> CostProfile | None:
 
 
 def save(profile: CostProfile, path: Path) -> None:
-    """Whole or not at all: written beside, then renamed into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(profile.as_dict(), indent=1) + "\n")
-        os.replace(tmp, path)
+        write_file(path, json.dumps(profile.as_dict(), indent=1) + "\n")
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise GlanceError(f"cannot write the cost profile {path} ({exc.strerror}); set GLANCE_CACHE to a "
                           "writable directory") from None
 

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Mapping
 
+from .atomic import write_file
 from .cache import cache_root
 from .errors import GlanceError
 
@@ -64,10 +65,7 @@ class Stamps:
         if not self.changed:
             return
         try:
-            self.file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.file.with_name(f".{self.file.name}.{os.getpid()}")
-            tmp.write_text(json.dumps(self.entries))
-            os.replace(tmp, self.file)
+            write_file(self.file, json.dumps(self.entries))
         except OSError:
             pass
 
