@@ -155,6 +155,16 @@ def test_prior_is_the_drafts_own_path_probability():
     assert not PRIOR.fitted and PRIOR.offset_acceptance(1.0) is None
 
 
+@pytest.mark.parametrize("calibration", [PRIOR, Calibration(a=0.5, b=0.7, c=-0.3, d=-0.4, surprisal_mean=0.8)])
+def test_node_scorer_is_node_probability_one_node_at_a_time(calibration):
+    tree = best_first_tree(1)
+    for surprisal in (None, 0.0, 1.7):
+        q = calibration.node_scorer(surprisal)
+        one_by_one = [q(s, d) for s, d in zip(tree.scores[1:].tolist(), tree.depths[1:].tolist())]
+        np.testing.assert_allclose(one_by_one, calibration.node_probability(tree.scores[1:], surprisal,
+                                                                            tree.depths[1:]), rtol=1e-12)
+
+
 def test_path_logit_is_the_logit_of_the_path_probability():
     s = np.array([-0.01, -0.5, -3.0])
     p = np.exp(s)

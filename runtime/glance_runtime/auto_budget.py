@@ -23,7 +23,6 @@ the tokens are those of greedy decoding whatever the rule picks; only the time c
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -80,17 +79,9 @@ class AutoBudget:
     def grow(self, anchor: int, topk_ids: np.ndarray, topk_logprobs: np.ndarray, branch_k: int,
              surprisal: float | None) -> Tree:
         """Step 2: the round's tree from the draft's top-k, grown by q and cut at n*."""
-        cal = self.calibration
-        base = cal.a + cal.c * (cal.surprisal_mean if surprisal is None else surprisal)
-        b, d = cal.b, cal.d
         round_ms, slope = self._round_list, self._slope_list
         best = [1.0 / round_ms[0], 0]  # best rate, at how many nodes
         expected = [1.0]
-
-        def q(score: float, depth: int) -> float:
-            s = min(score, -1e-12)
-            z = base + b * (s - math.log(-math.expm1(s))) + d * depth
-            return 1.0 / (1.0 + math.exp(-z)) if z > -700 else 0.0
 
         def stop(nodes: int, q_next: float) -> bool:
             if q_next <= best[0] * slope[nodes]:
@@ -101,7 +92,8 @@ class AutoBudget:
                 best[0], best[1] = rate, nodes + 1
             return False
 
-        tree = build_tree(anchor, topk_ids, topk_logprobs, self.max_nodes, branch_k, priority=q, stop=stop)
+        tree = build_tree(anchor, topk_ids, topk_logprobs, self.max_nodes, branch_k,
+                          priority=self.calibration.node_scorer(surprisal), stop=stop)
         return tree.prefix(best[1] + 1)
 
 

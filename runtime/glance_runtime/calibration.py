@@ -19,6 +19,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -63,6 +64,18 @@ class Calibration:
         u = np.where(np.isnan(u), self.surprisal_mean, u)
         depth = 0.0 if depths is None else np.asarray(depths, dtype=float)
         return _sigmoid(self.a + self.b * path_logit(scores) + self.d * depth + self.c * u)
+
+    def node_scorer(self, surprisal: float | None) -> Callable[[float, int], float]:
+        """node_probability for one node at a time, in plain floats: what a tree grown node by node calls."""
+        base = self.a + self.c * (self.surprisal_mean if surprisal is None else surprisal)
+        b, d = self.b, self.d
+
+        def q(score: float, depth: int) -> float:
+            s = min(score, -1e-9)
+            z = base + b * (s - math.log(-math.expm1(s))) + d * depth
+            return 1.0 / (1.0 + math.exp(-z)) if z > -700 else 0.0
+
+        return q
 
     def offset_acceptance(self, surprisal: float | None) -> float | None:
         """The law's per-offset acceptance p before drafting; None where no law is fitted or nothing is known."""
