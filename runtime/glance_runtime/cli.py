@@ -83,8 +83,6 @@ def run(args: argparse.Namespace) -> int:
     progress = lambda line: print(line, file=sys.stderr)  # noqa: E731
     runner = open_runner(args.backend, model=args.model, head=args.head, artifacts=args.artifacts,
                          engines=args.engines, progress=progress, **ort)
-    check_decode(runner.limits, DecodeConfig(max_new_tokens=args.max_new_tokens, budget=fixed,
-                                             branch_k=args.branch_k, speculative=not args.no_spec))
     prompt = runner.build_prompt(args.prompt, args.image)  # a bad image or prompt is refused before any measuring
     cfg = decode_config(runner, args.budget, max_new_tokens=args.max_new_tokens, branch_k=args.branch_k,
                         speculative=not args.no_spec, progress=progress)
