@@ -1,8 +1,8 @@
 """Bytes on disk of every exported graph against the weights they come from, and the loop's time per round.
 
 Random Qwen2.5-VL targets with the real Qwen vocabulary (151,936 rows), tied and untied, so the
-embedding and LM head dominate as they do in a 2-3B model. Criterion (issue 9): summed graph bytes
-at most 1.05x the target's safetensors plus the head's own weights.
+embedding and LM head dominate as they do in a 2-3B model. The goal: summed graph bytes at most
+1.05x the target's safetensors plus the head's own weights (no weight stored twice).
 
     python benchmarks/graph_bytes.py OUT [--hidden 512 --layers 4 --vocab 151936 --rounds 40]
 """

@@ -115,7 +115,8 @@ def bench_out(tmp_path_factory, artifacts):
     out = tmp_path_factory.mktemp("bench") / "out"
     data = [str(REPO / "examples" / k / "tasks.jsonl") for k in KINDS]
     argv = ["--data", *data, "--n", "2", "--budgets", "7,15,auto", "--chain", "--samples", "2", "--threads", "1",
-            "--bootstrap", "50", "--artifacts", str(artifacts), "--out", str(out)]
+            "--bootstrap", "50", "--artifacts", str(artifacts), "--out", str(out),
+            "--expect", "identical>=1", "--expect", "tau@receipt>=1", "--expect", "auto_vs_best>0"]
     assert bench_main(argv) == 0
     return out
 
@@ -143,10 +144,14 @@ def test_bench_writes_every_output_with_its_fields(bench_out):
     assert report["lossless"]["identical"] == report["lossless"]["runs"] > 0
     assert set(report["law"]) == {*KINDS, "pooled"} and LAW_FIELDS <= set(report["law"]["pooled"])
     assert set(report["tree_vs_chain"]["pooled"]) == {"7", "15"}
-    assert {c["criterion"] for c in report["criteria"]} and all("met" in c for c in report["criteria"])
+    assert [(e["expect"], e["met"]) for e in report["expectations"]] == [
+        ("identical>=1", True), ("tau@receipt>=1", True), ("auto_vs_best>0", True)]
+    assert set(report["expectations"][0]["values"]) == {"pooled"}
+    assert set(report["expectations"][1]["values"]) == {"receipt"}
+    assert set(report["expectations"][2]["values"]) == {*KINDS, "pooled"}
     md = (bench_out / "report.md").read_text()
     for heading in ("## Speed", "## Tree against chain", "## Loop efficiency", "## The draftability law", "## auto",
-                    "## Node calibration"):
+                    "## Node calibration", "## Expectations"):
         assert heading in md
 
 
@@ -196,7 +201,6 @@ def test_auto_is_lossless_and_reported(bench_out, artifacts):
     assert auto["cost_profile"]["path"].startswith(str(artifacts / "cost-profile-"))
     assert auto["cost_profile"]["rows"][0] == 1 and "verify rows" in auto["cost_table"]
     assert auto["calibration"]["path"] in ("prior", str(artifacts / "calibration.json"))
-    assert any(c["criterion"].startswith("auto within 5%") for c in report["criteria"])
     curve = report["calibration_curve"]
     assert curve["modes"] == ["tree-7", "tree-15"] and curve["nodes"] == sum(b["nodes"] for b in curve["bins"])
     assert all(0 <= b["predicted"] <= 1 and 0 <= b["observed"] <= 1 for b in curve["bins"])
@@ -268,6 +272,14 @@ def test_law_runs_alone_on_a_round_log(bench_out, tmp_path, capsys):
     (["calibrate", "missing.jsonl"], "round log missing.jsonl does not exist"),
     (["calibrate", "OLDLOG"], "rerun glance-bench with this version"),
     (["cost", "--artifacts", "missing"], "--artifacts missing does not exist"),
+    (["--data", str(REPO / "examples/receipt/tasks.jsonl"), "--expect", "speedup=>2", "--out", "OUT"],
+     "is not METRIC[@KIND] OP NUMBER"),
+    (["--data", str(REPO / "examples/receipt/tasks.jsonl"), "--expect", "fast>=2", "--out", "OUT"],
+     "unknown metric 'fast'"),
+    (["--data", str(REPO / "examples/receipt/tasks.jsonl"), "--expect", "tree_vs_chain>=1.3", "--out", "OUT"],
+     "measured only with --chain"),
+    (["--data", str(REPO / "examples/receipt/tasks.jsonl"), "--budgets", "7", "--expect", "auto_vs_best<=1.05",
+      "--out", "OUT"], "measured only with auto in --budgets"),
 ])
 def test_bad_input_is_one_line(argv, message, tmp_path, capsys):
     (tmp_path / "empty.jsonl").write_text("\n")
@@ -284,6 +296,29 @@ def test_bad_input_is_one_line(argv, message, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("glance-bench: error:") and message in err and "\n" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_an_unmet_expectation_is_reported_and_exits_1(artifacts, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["--data", str(REPO / "examples/receipt/tasks.jsonl"), "--n", "1", "--budgets", "7", "--samples", "2",
+            "--threads", "1", "--bootstrap", "10", "--no-plots", "--artifacts", str(artifacts), "--out", str(out),
+            "--expect", "speedup>=1000", "--expect", "identical>=1"]
+    assert bench_main(argv) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2].startswith("NOT met: speedup>=1000 (receipt ") and lines[-1].startswith("met: identical>=1")
+    report = json.loads((out / "report.json").read_text())
+    assert [e["met"] for e in report["expectations"]] == [False, True]
+    assert "- NOT met: speedup>=1000" in (out / "report.md").read_text()
+
+
+def test_an_expectation_on_a_kind_the_run_lacks_is_refused(bench_out):
+    from glance_runtime.bench.expect import judge_all, parse
+
+    report = json.loads((bench_out / "report.json").read_text())
+    with pytest.raises(GlanceError, match="no kind 'chart'"):
+        judge_all([parse("speedup@chart>=1", set())], report)
+    assert judge_all([parse("identical >= 1", set())], report)[0]["met"]
+    assert set(judge_all([parse("law_slope<0", set())], report)[0]["values"]) == {*KINDS, "pooled"}
 
 
 def test_law_refuses_an_unknown_mode_and_a_missing_cap(bench_out, tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""The five bugs issue 13 reported, each reproduced as a user hit it and now answered properly."""
+"""Five bugs users hit, each reproduced as a user hit it and now answered properly."""
 from __future__ import annotations
 
 import json

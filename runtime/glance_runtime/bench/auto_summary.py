@@ -1,5 +1,5 @@
 """auto's part of the report: the tree sizes it chose, how often it skipped the draft, its speed against the
-fixed trees (issue 12's criteria), and the calibration curve refitted on the same run's fixed trees."""
+fixed trees, and the calibration curve refitted on the same run's fixed trees."""
 from __future__ import annotations
 
 from collections import Counter
@@ -15,10 +15,6 @@ from .modes import Mode
 from .rounds import calibration_rows
 from .stats import geomean
 from .summary import paired_ratio
-
-WITHIN_BEST = 1.05  # auto's ms/token at most 5% above the best fixed budget's, per kind
-OVER_63 = 1.3  # and at least 1.3x faster than budget 63
-
 
 def chosen_sizes(rounds: list[dict]) -> dict:
     """auto's rounds by what they verified: no draft (a plain greedy step), else the nodes kept besides the
@@ -38,7 +34,7 @@ def _rounds(results: list[PromptResult]) -> list[dict]:
 def auto_section(by_kind: dict[str, list[PromptResult]], kinds: dict[str, dict], modes: list[Mode], setup: dict,
                  replicates: int, rng: np.random.Generator) -> dict:
     """`setup` (cost profile, calibration) with, per kind and pooled (geomean), the chosen sizes, auto's
-    ms/token over the kind's best fixed tree's (<= 1.05: within 5%) and its speedup over the largest tree,
+    ms/token over the kind's best fixed tree's and its speedup over the largest tree,
     both excluding prefill with paired bootstrap intervals over prompts."""
     trees = [m for m in modes if m.kind == "tree"]
     largest = max(trees, key=lambda m: m.budget).name
@@ -54,21 +50,6 @@ def auto_section(by_kind: dict[str, list[PromptResult]], kinds: dict[str, dict],
     best[POOLED] = {"ratio": geomean([v["ratio"] for v in best.values()])}
     over[POOLED] = {"speedup": geomean([v["speedup"] for v in over.values()])}
     return {**setup, "sizes": sizes, "vs_best_fixed": best, "largest_tree": largest, "vs_largest_tree": over}
-
-
-def auto_criteria(section: dict) -> list[dict]:
-    """Issue 12's expectations, each met or not with its numbers (the second only where tree-63 ran)."""
-    best = {k: v for k, v in section["vs_best_fixed"].items() if k != POOLED}
-    out = [{"criterion": "auto within 5% of the best fixed tree budget of each kind excluding prefill "
-                         "(auto ms/token over the best's <= 1.05)",
-            "met": all(v["ratio"] <= WITHIN_BEST for v in best.values()),
-            "detail": ", ".join(f"{k} {v['ratio']:.2f} of {v['best']}" for k, v in best.items())}]
-    if section["largest_tree"] == "tree-63":
-        over = {k: v["speedup"] for k, v in section["vs_largest_tree"].items() if k != POOLED}
-        out.append({"criterion": "auto >= 1.3x faster than tree-63 on each kind excluding prefill",
-                    "met": all(v >= OVER_63 for v in over.values()),
-                    "detail": ", ".join(f"{k} {v:.2f}x" for k, v in over.items())})
-    return out
 
 
 PRIOR_NAME = "no data: the draft's own probabilities (the prior)"

@@ -29,6 +29,7 @@ from ..loop import DecodeConfig
 from ..cli_parser import OneLineParser, guarded
 from ..runner import BACKENDS, Runner, open_runner
 from .calibrate import fit_calibration, summary_lines
+from .expect import METRICS, line as expect_line, parse as parse_expect
 from .law_log import fit_log, select
 from .markdown import law_table
 from .measure import measure_prompt
@@ -78,6 +79,9 @@ def bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap replicates for intervals")
     p.add_argument("--seed", type=int, default=0, help="seed of the bootstrap and permutation draws")
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs (no matplotlib needed)")
+    p.add_argument("--expect", action="append", default=[], metavar="METRIC[@KIND]OP NUMBER",
+                   help="a threshold of your own, e.g. speedup>=1.5 or auto_vs_best<=1.05 (repeatable): each is "
+                   "reported met or not, and glance-bench exits 1 when one is not; metrics: " + ", ".join(METRICS))
     return p
 
 
@@ -181,6 +185,8 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     budgets, with_auto = parse_budgets(args.budgets)
     if not with_auto and (args.calibration is not None or args.remeasure):
         raise GlanceError("--calibration and --remeasure are for the auto mode; add auto to --budgets")
+    measured = {name for name, ran in (("auto", with_auto), ("chain", args.chain)) if ran}
+    expectations = [parse_expect(e, measured) for e in args.expect]
     calibration = load_calibration(args.calibration) if args.calibration is not None else None
     tasks = read_tasks(args.data, args.n)
     if not args.no_plots:
@@ -215,7 +221,8 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
                 "drafts": "the head's own" if args.seed_drafts == "none" else f"seeded ({args.seed_drafts}; an upper bound)",
                 "block_size": runner.backend.block_size, "bootstrap": args.bootstrap, "seed": args.seed,
                 "modes": [m.name for m in modes], "data": [str(p) for p in args.data]}
-    report, rows, fits = build(results, modes, conditions, settings, args.bootstrap, args.seed, args.law_mode, auto)
+    report, rows, fits = build(results, modes, conditions, settings, args.bootstrap, args.seed, args.law_mode, auto,
+                               expectations)
     files = write(args.out, report, rows, fits, not args.no_plots)
     lossless = report["lossless"]
     if lossless["identical"] < lossless["runs"]:
@@ -231,7 +238,9 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
               f"{a['vs_largest_tree']['pooled']['speedup']:.2f}x over {a['largest_tree']} (geomeans of kinds, excl. "
               f"prefill); no draft in {a['sizes']['pooled']['no_draft_share']:.0%} of rounds")
     print(f"wrote {', '.join(files)} to {args.out}")
-    return 0
+    for result in report.get("expectations", []):
+        print(expect_line(result))
+    return 0 if all(r["met"] for r in report.get("expectations", [])) else 1
 
 
 def run_law(args: argparse.Namespace) -> int:

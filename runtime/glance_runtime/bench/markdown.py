@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+from .expect import line as expect_line
+
 
 def _f(x: float, digits: int = 2) -> str:
     return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{digits}f}"
@@ -135,8 +137,8 @@ def render(report: dict) -> str:
             "Pooled, final rounds included:", "",
             *law_table({f"{report['law_mode']} + final": report["law_with_final_rounds"]}), "",
             *(_auto_lines(report) if "auto" in report else []),
-            *_calibration_lines(report["calibration_curve"]),
-            "## Criteria (issues 11 and 12)", ""]
-    out += [f"- {'met' if c_['met'] else 'NOT met'}: {c_['criterion']}: {c_['detail']}" for c_ in report["criteria"]]
+            *_calibration_lines(report["calibration_curve"])]
+    if "expectations" in report:
+        out += ["## Expectations (--expect)", "", *[f"- {expect_line(e)}" for e in report["expectations"]], ""]
     out += ["", "## Files", "", *[f"- `{name}`" for name in report["files"]], ""]
     return "\n".join(out)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .auto_summary import auto_criteria, auto_section, calibration_curve
+from .auto_summary import auto_section, calibration_curve
+from .expect import Expectation, judge_all
 from .law import LawFit
 from .law_log import POOLED, fit_log, select
 from .markdown import render
@@ -16,40 +17,16 @@ from .modes import Mode
 from .rounds import round_rows, write_rounds
 from .summary import summarize_kind, summarize_pooled, tree_vs_chain
 
-OPEN_ENDED = {"caption"}  # task kinds not grounded in the image's content; the rest must reach 1.5x
-
 
 def _law_mode(modes: list[Mode]) -> str:
     return max((m for m in modes if m.kind == "tree"), key=lambda m: m.budget).name
 
 
-def _criteria(report: dict) -> list[dict]:
-    """Issue 11's expectations for the embedded default, each met or not with its numbers."""
-    out = []
-    grounded = {k: s for k, s in report["kinds"].items() if k not in OPEN_ENDED}
-    if grounded:
-        best = {k: s["modes"][s["best"]]["speedup_decode"] for k, s in grounded.items()}
-        out.append({"criterion": "at the best budget, >= 1.5x over AR on grounded kinds excluding prefill",
-                    "met": all(v >= 1.5 for v in best.values()),
-                    "detail": ", ".join(f"{k} {v:.2f}x ({grounded[k]['best']})" for k, v in best.items())})
-    pooled = report["tree_vs_chain"].get(POOLED, {})
-    if pooled:
-        out.append({"criterion": "tree tau >= 1.3x the chain's at equal rows verified (pooled)",
-                    "met": all(v >= 1.3 for v in pooled.values()),
-                    "detail": ", ".join(f"budget {b}: {v:.2f}x" for b, v in pooled.items())})
-    law = report["law"][POOLED]
-    lo, hi = law["b1_interval"]
-    out.append({"criterion": "law slope (-b1) negative on pooled rounds, its 95% interval below 0",
-                "met": bool(math.isfinite(law["b1"]) and law["b1"] > 0 and lo is not None and lo > 0),
-                "detail": f"slope {-law['b1']:.3f} (b1 95% interval {lo:.3f} to {hi:.3f}); {law['verdict']}"})
-    return out
-
-
 def build(results: list[PromptResult], modes: list[Mode], conditions: dict, settings: dict, replicates: int,
-          seed: int, law_mode: str | None = None,
-          auto: dict | None = None) -> tuple[dict, list[dict], dict[str, LawFit]]:
+          seed: int, law_mode: str | None = None, auto: dict | None = None,
+          expectations: list[Expectation] = ()) -> tuple[dict, list[dict], dict[str, LawFit]]:
     """The report's dict, the round log's rows and the law's fits (per kind and pooled). `auto`: what the
-    auto mode ran with (cost profile, calibration), where it ran.
+    auto mode ran with (cost profile, calibration), where it ran; `expectations`: the user's thresholds.
 
     The law is fitted per fixed mode only: auto's rounds that skip the draft accept nothing by choice."""
     rng = np.random.default_rng(seed)
@@ -73,10 +50,10 @@ def build(results: list[PromptResult], modes: list[Mode], conditions: dict, sett
               "law_with_final_rounds": fit_log(rows, law_mode, replicates=replicates, seed=seed,
                                                include_final=True)[POOLED].as_dict(),
               "calibration_curve": calibration_curve(rows, modes)}
-    report["criteria"] = _criteria(report)
     if auto is not None:
         report["auto"] = auto_section(by_kind, kinds, modes, auto, replicates, rng)
-        report["criteria"] += auto_criteria(report["auto"])
+    if expectations:
+        report["expectations"] = judge_all(list(expectations), report)
     return report, rows, fits
 
 

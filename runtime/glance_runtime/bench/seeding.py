@@ -3,7 +3,7 @@ with log-probs that say so.
 
 `SeededDrafter` (backends/seeded.py) puts the true token first but keeps the head's own log-probs;
 a random head's are nearly flat, so best-first expansion spreads the tree wide instead of deep and
-the "upper bound" stops at tau 2-3 (issue 11). Here every seeded offset also gets a confident
+the "upper bound" stops at tau 2-3. Here every seeded offset also gets a confident
 distribution (0.9 on the seeded column, the rest shared out), as a good head's would be, so the
 tree follows the seeded path and the loop's speed at a high tau shows.
 """

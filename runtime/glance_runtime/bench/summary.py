@@ -1,6 +1,6 @@
 """From kept runs to the numbers the report states: per kind and pooled, per mode.
 
-Conventions (DESIGN "Reporting conventions"): ms/token is a ratio of sums over prompts (each prompt's
+Reporting conventions: ms/token is a ratio of sums over prompts (each prompt's
 median kept run), tau pools rounds, speedup = AR ms/token over the mode's, both from the same prompts
 (so the bootstrap resamples prompts and keeps the pairing), kinds combine by geometric mean. Every
 figure comes with and without prefill.
