@@ -1,0 +1,103 @@
+"""The code's shape in numbers: files and lines per package, and which package imports which.
+
+    python tools/code_map.py            # tables for a reader
+    python tools/code_map.py --json     # the same as JSON, to diff two revisions
+
+Imports are read with `ast` (every `import` and `from ... import`, at any indentation), so a lazy import
+inside a function counts as much as one at the top. An edge from `glance_runtime` to `glance_export`
+runs against the layering (the runtime is the ground floor) and is printed as such.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ROOTS = {"glance_runtime": REPO / "runtime" / "glance_runtime", "glance_export": REPO / "glance_export"}
+ELSEWHERE = {"tests": REPO / "tests", "benchmarks": REPO / "benchmarks", "tools": REPO / "tools"}
+
+
+def package_of(module: str) -> str:
+    """`glance_runtime.bench.report` -> `glance_runtime.bench`; top-level modules stay with their root."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 else parts[0]
+
+
+def module_name(root: str, path: Path) -> str:
+    rel = path.relative_to(ROOTS[root]).with_suffix("")
+    parts = [root, *rel.parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path, module: str) -> set[str]:
+    """Absolute names of the project modules that `path` imports."""
+    tree = ast.parse(path.read_text(), str(path))
+    found: set[str] = set()
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            found.add(name)
+    return {name for name in found if name.split(".")[0] in ROOTS}
+
+
+def survey() -> dict:
+    files: Counter = Counter()
+    lines: Counter = Counter()
+    edges: dict[str, set[str]] = defaultdict(set)
+    upward: list[str] = []
+    for root, folder in ROOTS.items():
+        for path in sorted(folder.rglob("*.py")):
+            module = module_name(root, path)
+            package = package_of(module)
+            files[package] += 1
+            lines[package] += len(path.read_text().splitlines())
+            for target in imports(path, module):
+                other = package_of(target)
+                if other != package:
+                    edges[package].add(other)
+                if root == "glance_runtime" and target.split(".")[0] == "glance_export":
+                    upward.append(f"{path.relative_to(REPO)} imports {target}")
+    for name, folder in ELSEWHERE.items():
+        for path in sorted(folder.rglob("*.py")):
+            files[name] += 1
+            lines[name] += len(path.read_text().splitlines())
+    return {"packages": {p: {"files": files[p], "lines": lines[p]} for p in sorted(files)},
+            "imports": {p: sorted(edges[p]) for p in sorted(edges)}, "upward": upward}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    data = survey()
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    width = max(map(len, data["packages"]))
+    print(f"{'package':<{width}}  files  lines")
+    for name, row in data["packages"].items():
+        print(f"{name:<{width}}  {row['files']:>5}  {row['lines']:>5}")
+    print("\nimports (package -> packages it uses)")
+    for name, targets in data["imports"].items():
+        print(f"{name:<{width}}  -> {', '.join(targets)}")
+    print("\nimports against the layering (glance_runtime -> glance_export):",
+          "none" if not data["upward"] else "")
+    for line in data["upward"]:
+        print(f"  {line}")
+    return 1 if data["upward"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
