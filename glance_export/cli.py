@@ -127,7 +127,7 @@ def _audit_reference(args: argparse.Namespace) -> int:
     options = {} if backend == "torch" else dict(providers=args.provider)
     runner = open_runner(backend, model=model if backend == "torch" else None, head=head, artifacts=artifacts,
                          engines=args.engines, **options)
-    manifest = getattr(runner.backend, "manifest", None)
+    manifest = runner.backend.info.manifest
     source, where = (manifest.source, str(manifest.path)) if manifest is not None else (model_source(model), str(model))
     max_new = ref.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
     check_reference(ref, args.reference, source=source, where=where, tasks=tasks, tasks_path=args.data,

@@ -23,21 +23,6 @@ from glance_runtime.tasks import Task
 from .audit import budget_of, first_divergence
 from .reference_file import RECORD, RecordedTask, Reference, array_sha256, ids_sha256
 
-_PRECISION_OF_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-
-
-def backend_precision(backend: Any) -> str:
-    """fp32, fp16 or bf16, which picks the gate: the backend's own `precision` where it states one (an
-    engine built at fp16 from fp32 graphs), else its graphs' float dtype, else the torch default, fp32."""
-    stated = getattr(backend, "precision", None)
-    if stated:
-        return str(stated)
-    manifest = getattr(backend, "manifest", None)
-    if manifest is None:
-        return "fp32"
-    return _PRECISION_OF_DTYPE.get(manifest.float_dtype, manifest.float_dtype)
-
-
 def _difference(tokens: list[int], rec: RecordedTask) -> dict[str, Any]:
     """First token where `tokens` leaves the reference, the two tokens there and the fp32 margin there."""
     at = first_divergence(tokens, rec.tokens)
@@ -79,7 +64,7 @@ def _check_prompts(prompts: Sequence[Any], ref: Reference, path: Path) -> None:
 def audit_against_reference(runner: Runner, ref: Reference, path: Path, tasks: Sequence[Task], cfg: DecodeConfig,
                             progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Decode every task with GLANCE and with the backend's own greedy; compare both with the reference."""
-    precision = backend_precision(runner.backend)
+    precision = runner.backend.info.precision
     prompts = [runner.build_prompt(t.prompt, t.image) for t in tasks]
     _check_prompts(prompts, ref, path)
     ar_cfg = DecodeConfig(max_new_tokens=cfg.max_new_tokens, speculative=False)

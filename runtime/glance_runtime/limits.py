@@ -5,18 +5,9 @@ draft graph does not return), after some of the answer had already streamed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from .backend import ServeLimits
 from .errors import GlanceError
 from .loop import DecodeConfig
-
-
-@dataclass(frozen=True)
-class Limits:
-    block_size: int  # B of the head (1 without one)
-    max_branch_k: int  # the largest top-k a draft pass returns
-    max_tree: int | None = None  # largest verify pass, anchor included; None where unbounded
-    exported: bool = False  # graphs sized at export time: a re-export lifts the limits
 
 
 def reachable_nodes(block_size: int, branch_k: int) -> int:
@@ -24,7 +15,7 @@ def reachable_nodes(block_size: int, branch_k: int) -> int:
     return sum(branch_k ** depth for depth in range(1, block_size))
 
 
-def check_decode(limits: Limits | None, cfg: DecodeConfig) -> None:
+def check_decode(limits: ServeLimits | None, cfg: DecodeConfig) -> None:
     """One-line refusal of flags out of range, or (given the backend's limits) that it cannot serve."""
     if cfg.max_new_tokens < 1 or cfg.budget < 0 or cfg.branch_k < 1:
         raise GlanceError(f"--max-new-tokens and --branch-k must be >= 1 and --budget >= 0 (got {cfg.max_new_tokens}, "

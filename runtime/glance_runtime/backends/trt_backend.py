@@ -130,8 +130,7 @@ class TrtBackend(GraphBackend):
         graphs = {graph: TrtGraph(trt, self.runtime, engines / entry["file"], device)
                   for graph, entry in record["engines"].items()}
         built = ("engines were built for", "rebuild them with `glance-export build`")
-        super().__init__(manifest, device, graphs, name="tensorrt",
+        super().__init__(manifest, device, graphs, name="tensorrt", home=engines,
+                         precision=(record.get("precision") or {}).get("name"),  # fp16 engines from fp32 graphs
                          max_context=runtime_limit("--max-context", max_context, int(record["limits"]["max_context"]), *built),
                          max_tree=runtime_limit("--max-tree", max_tree, int(record["limits"]["max_tree"]), *built))
-        self.path = engines
-        self.precision = (record.get("precision") or {}).get("name", manifest.float_dtype)  # what audits gate on

@@ -37,7 +37,6 @@ from .progress import Progress
 from .report import clean_json, build, write
 from .rounds import calibration_rows, read_rounds
 from .tasks import read_tasks
-from .timing import GraphClock
 
 
 def _runner_args(p: argparse.ArgumentParser) -> None:
@@ -162,7 +161,7 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _conditions(runner, args: argparse.Namespace, argv: list[str]) -> dict:
-    providers = getattr(runner.backend, "providers", None)
+    providers = runner.backend.info.providers
     versions = {}
     for module in ("numpy", "onnxruntime"):
         try:
@@ -199,7 +198,7 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
         policy, auto = _auto(runner, args, calibration)
         modes.append(auto_mode(policy, args.branch_k))
     conditions = _conditions(runner, args, argv)
-    clock = GraphClock.attach(runner.backend)
+    clock = runner.backend.time_graphs()
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     with Progress(len(tasks)) as progress:
