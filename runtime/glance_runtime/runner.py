@@ -106,8 +106,11 @@ def exported_artifacts(model: Path, head: Path, progress: Callable[[str], None])
 
 def open_runner(backend: str, *, model: Path | None = None, head: Path | None = None,
                 artifacts: Path | None = None, engines: Path | None = None, dtype: str = "float32",
-                progress: Callable[[str], None] = lambda _: None, **ort_options) -> Runner:
-    """`ort_options`: providers, max_context, max_tree, threads (onnxruntime; max_* for tensorrt too)."""
+                providers: Sequence[str] | str | None = None, threads: int | None = None,
+                max_context: int | None = None, max_tree: int | None = None,
+                progress: Callable[[str], None] = lambda _: None) -> Runner:
+    """`providers` and `threads` apply to onnxruntime, `max_context` and `max_tree` to both graph backends;
+    the torch reference has none of these bounds."""
     if backend == "torch":
         if model is None:
             raise GlanceError("the torch backend needs --model (a HF snapshot directory)")
@@ -118,10 +121,10 @@ def open_runner(backend: str, *, model: Path | None = None, head: Path | None = 
                 raise GlanceError("the onnxruntime backend needs --artifacts DIR (from `glance-export onnx`), "
                                   "or --model and --head to export them once into the cache")
             artifacts = exported_artifacts(model, head, progress)
-        return open_onnxruntime(artifacts, model, **ort_options)
+        return open_onnxruntime(artifacts, model, providers=providers, threads=threads, max_context=max_context,
+                                max_tree=max_tree)
     if backend == "tensorrt":
         if engines is None:
             raise GlanceError("the tensorrt backend needs --engines DIR (from `glance-export build`)")
-        limits = {k: v for k, v in ort_options.items() if k in ("max_context", "max_tree")}
-        return open_tensorrt(engines, artifacts, model, **limits)
+        return open_tensorrt(engines, artifacts, model, max_context=max_context, max_tree=max_tree)
     raise GlanceError(f"unknown backend {backend!r}; choose one of: {', '.join(BACKENDS)}")

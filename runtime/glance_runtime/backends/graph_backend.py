@@ -21,28 +21,17 @@ import numpy as np
 
 from ..backend import BackendInfo, ServeLimits, Verified
 from ..device import Buffer, CudaDevice, Device, Tensor
-from ..errors import GlanceError
 from ..graph_clock import Graph, GraphClock
 from ..graphs import draft_kv_names, target_kv_names
 from ..hardware import cuda_gpu, host_cpu
 from ..kv_cache import KVCache
+from ..limits import check_branch_k, check_tree
 from ..manifest import Manifest
 from ..preprocess import Prompt, PromptBuilder
 from ..rope_index import rope_index
 from ..vision_indices import vision_index_inputs
 
 PRECISION_OF_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-
-
-def runtime_limit(flag: str, asked: int | None, built: int, source: str, command: str) -> int:
-    """A runtime limit: the export's or build's bound by default, never above it (graphs, profiles and
-    buffers are sized to it)."""
-    if asked is None:
-        return built
-    if not 1 <= asked <= built:
-        raise GlanceError(f"{flag} {asked} is outside 1..{built}, the range these {source}; "
-                          f"{command} with a larger `{flag}`")
-    return asked
 
 
 class GraphBackend:
@@ -236,9 +225,7 @@ class GraphBackend:
         return int(top[0, 0]), entropy
 
     def draft(self, anchor: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-        if k > self.manifest.branch_k:
-            raise GlanceError(f"--branch-k {k} exceeds the draft graph's top-{self.manifest.branch_k}; "
-                              f"lower it or re-export with `glance-export onnx --branch-k {k}`")
+        check_branch_k(self.info.limits, k)
         rows = self.pending_rows
         self.head_kv.check_room(rows)
         self.embed_rows(np.array([anchor], np.int64), self.block, 0)
@@ -257,10 +244,7 @@ class GraphBackend:
         return ids[:, :k].astype(np.int64), logp[:, :k].astype(np.float64)
 
     def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray) -> Verified:
-        size = len(tokens)
-        if size > self.max_tree:
-            raise GlanceError(f"tree of {size} rows exceeds --max-tree {self.max_tree}; "
-                              f"lower --budget to {self.max_tree - 1} or raise --max-tree (up to the build's limit)")
+        check_tree(self.info.limits, len(tokens))
         positions = self._positions(self.start + np.asarray(depths, dtype=np.int64))
         hidden = self._run_target(np.asarray(tokens, dtype=np.int64), positions, visible, self.taps,
                                   self.no_image, self.no_deep)

@@ -14,8 +14,9 @@ from typing import Sequence
 from ..device import CudaDevice, Device, HostDevice, Tensor
 from ..errors import GlanceError
 from ..graphs import DRAFT_GRAPH, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH
+from ..limits import runtime_limit
 from ..manifest import load_manifest
-from .graph_backend import GraphBackend, runtime_limit
+from .graph_backend import GraphBackend
 
 PROVIDER_ALIASES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
                     "tensorrt": "TensorrtExecutionProvider", "trt": "TensorrtExecutionProvider",

@@ -19,8 +19,9 @@ from typing import Any, Sequence
 from ..device import CudaDevice, Tensor
 from ..errors import GlanceError
 from ..integrity import verify_engines
+from ..limits import runtime_limit
 from ..manifest import load_manifest, sha256
-from .graph_backend import GraphBackend, runtime_limit
+from .graph_backend import GraphBackend
 
 ENGINE_MANIFEST = "engines.json"
 REBUILD = "rebuild them on this device with `glance-export build --artifacts ART --target T --out DIR`"
