@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from glance_runtime.backends.seeded import SeededDrafter
-from glance_runtime.bench.timing import GRAPH_NAMES, GraphClock
+from glance_runtime.graph_clock import GRAPH_NAMES, GraphClock
 from glance_runtime.loop import DecodeConfig, DecodeResult, decode
 
 
@@ -33,7 +33,7 @@ def open_backend(args):
         from glance_runtime.backends.ort_backend import OrtBackend
 
         backend = OrtBackend(args.artifacts, providers=args.provider, threads=args.threads)
-        return backend, backend.build_prompt, backend.stop_token_ids, GraphClock.attach(backend)
+        return backend, backend.build_prompt, backend.stop_token_ids, backend.time_graphs()
     from glance_export.adapters import Snapshot
     from glance_export.head import load_head
     from glance_export.reference import TorchBackend

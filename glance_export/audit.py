@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from glance_runtime.auto_budget import AUTO
-from glance_runtime.loop import DecodeConfig, decode
-from glance_runtime.runner import Runner
+from glance_runtime.defaults import AUTO
+from glance_runtime.loop import DecodeConfig
+from glance_runtime.session import Session
 from glance_runtime.tasks import Task
 
 
@@ -25,20 +25,15 @@ def budget_of(cfg: DecodeConfig) -> int | str:
     return AUTO if cfg.auto else cfg.budget
 
 
-def audit(runner: Runner, tasks: list[Task], cfg: DecodeConfig,
-          progress: Callable[[str], None] = lambda _: None) -> dict:
+def audit(session: Session, tasks: list[Task], progress: Callable[[str], None] = lambda _: None) -> dict:
     """Decode every task three times and report parity, self-consistency and pooled tau."""
-    if runner.oracle is None:
-        ar_cfg = DecodeConfig(max_new_tokens=cfg.max_new_tokens, speculative=False)
-        oracle = lambda prompt, n: decode(runner.backend, prompt, ar_cfg, runner.stop_ids).tokens  # noqa: E731
-    else:
-        oracle = runner.oracle
+    cfg = session.config  # resolved (and refused where the backend cannot serve it) before any decoding
     rows, accepted, rounds = [], 0, 0
     for i, task in enumerate(tasks, 1):
-        prompt = runner.build_prompt(task.prompt, task.image)
-        ref = oracle(prompt, cfg.max_new_tokens)
-        again = oracle(prompt, cfg.max_new_tokens)
-        spec = decode(runner.backend, prompt, cfg, runner.stop_ids)
+        prompt = session.prompt(task.prompt, task.image)
+        ref = session.reference(prompt)
+        again = session.reference(prompt)
+        spec = session.decode(prompt)
         accepted += sum(r.accepted for r in spec.rounds)
         rounds += len(spec.rounds)
         div = first_divergence(spec.tokens, ref)
@@ -48,7 +43,7 @@ def audit(runner: Runner, tasks: list[Task], cfg: DecodeConfig,
         progress(f"[{i}/{len(tasks)}] identical={div is None} tau={spec.tau:.2f} tokens={len(spec.tokens)}")
     identical = sum(r["identical"] for r in rows)
     consistent = sum(r["self_consistent"] for r in rows)
-    return {"backend": runner.backend.name, "n": len(rows), "identical": identical, "self_consistent": consistent,
+    return {"backend": session.runner.backend.name, "n": len(rows), "identical": identical, "self_consistent": consistent,
             "first_divergence": [r["first_divergence"] for r in rows],
             "tau": round(accepted / rounds, 4) if rounds else 0.0, "rounds": rounds,
             "budget": budget_of(cfg), "branch_k": cfg.branch_k, "max_new_tokens": cfg.max_new_tokens,

@@ -6,19 +6,14 @@ import json
 import sys
 from pathlib import Path
 
-from glance_runtime.auto_budget import AUTO, decode_config
-from glance_runtime.cli_parser import OneLineParser, guarded, parse_budget
-from glance_runtime.defaults import default_model, resolve
+from glance_runtime import limits
+from glance_runtime.cli_parser import OneLineParser, decode_flags, guarded, runner_flags, source
+from glance_runtime.defaults import BRANCH_K, BUDGET, MEASURE_MAX_NEW_TOKENS, default_model, resolve
 from glance_runtime.errors import GlanceError
-from glance_runtime.limits import check_decode
-from glance_runtime.loop import DecodeConfig
-from glance_runtime.runner import BACKENDS, Runner
+from glance_runtime.session import Settings, open_session
 
 from .device_profiles import PROFILE_NAMES
 from .precision import PRECISIONS
-
-AUDIT_MAX_NEW_TOKENS = 64
-AUDIT_BUDGET = 63  # fixed, so an audit checks the same trees on every device; auto on request
 
 
 def _progress(line: str) -> None:
@@ -43,30 +38,25 @@ def _init_head(args: argparse.Namespace) -> int:
     return 0
 
 
-def _audit(args: argparse.Namespace) -> int:
-    from glance_runtime.runner import open_runner
+def _audit_settings(args: argparse.Namespace, max_new_tokens: int) -> Settings:
+    return Settings(budget=args.budget, max_new_tokens=max_new_tokens, branch_k=args.branch_k)
 
-    from .audit import audit
+
+def _audit_oracle(args: argparse.Namespace) -> int:
+    """The default mode: GLANCE against the torch greedy oracle (or, without a model, the backend's own greedy)."""
     from glance_runtime.tasks import read_tasks
 
-    if args.save_reference is not None:
-        return _save_reference(args)
-    if args.reference is not None:
-        return _audit_reference(args)
-    if args.drift_from is not None:
-        return _drift(args)
-    args.backend = args.backend or "torch"
-    args.max_new_tokens = AUDIT_MAX_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
-    args.model, args.head, args.artifacts, args.backend = resolve(args.model, args.head, args.artifacts, args.backend)
-    if args.backend == "torch" and args.head is None:
+    from .audit import audit
+
+    model, head, artifacts, backend = resolve(args.model, args.head, args.artifacts, args.backend or "torch")
+    if backend == "torch" and head is None:
         raise GlanceError("the torch audit needs --head")
     _threads(args.threads)
     tasks = read_tasks(args.data)
-    ort = {} if args.backend == "torch" else dict(providers=args.provider)
-    runner = open_runner(args.backend, model=args.model, head=args.head, artifacts=args.artifacts,
-                         engines=args.engines, **ort)
-    cfg = _decode_config(runner, args, args.max_new_tokens)
-    report = audit(runner, tasks, cfg, progress=_progress)
+    max_new = MEASURE_MAX_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
+    session = open_session(source(args, backend, model=model, head=head, artifacts=artifacts),
+                           _audit_settings(args, max_new), _progress)
+    report = audit(session, tasks, progress=_progress)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -82,7 +72,7 @@ def _drift(args: argparse.Namespace) -> int:
 
     if args.backend not in (None, "onnxruntime") or args.artifacts is None:
         raise GlanceError("--drift-from compares two exports on onnxruntime: pass --artifacts QUANTIZED")
-    max_new = AUDIT_MAX_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
+    max_new = MEASURE_MAX_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
     report = drift(args.artifacts, args.drift_from, args.data, max_new, providers=args.provider)
     print(json.dumps(report, indent=2) if args.json else "\n".join(drift_lines(report)))
     return 0
@@ -102,7 +92,7 @@ def _save_reference(args: argparse.Namespace) -> int:
     check_destination(args.save_reference)
     model = args.model or default_model()[0]
     _threads(args.threads)
-    max_new = AUDIT_MAX_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
+    max_new = MEASURE_MAX_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
     ref = record_reference(model, args.data, max_new, progress=_progress)
     path = write_reference(args.save_reference, ref)
     margins = [m for task in ref.tasks for m in task.margins]
@@ -113,9 +103,8 @@ def _save_reference(args: argparse.Namespace) -> int:
 
 def _audit_reference(args: argparse.Namespace) -> int:
     """Device side, no torch: the backend's GLANCE and own greedy output against a recorded reference."""
-    from glance_runtime.runner import open_runner
-
     from glance_runtime.tasks import read_tasks
+
     from .reference_audit import audit_against_reference, summary
     from .reference_file import check_reference, load_reference, model_source
 
@@ -124,28 +113,26 @@ def _audit_reference(args: argparse.Namespace) -> int:
     if backend == "torch" and (model is None or head is None):
         raise GlanceError("the torch audit needs --model and --head")
     tasks = read_tasks(args.data)
-    options = {} if backend == "torch" else dict(providers=args.provider)
-    runner = open_runner(backend, model=model if backend == "torch" else None, head=head, artifacts=artifacts,
-                         engines=args.engines, **options)
-    manifest = getattr(runner.backend, "manifest", None)
-    source, where = (manifest.source, str(manifest.path)) if manifest is not None else (model_source(model), str(model))
     max_new = ref.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
-    check_reference(ref, args.reference, source=source, where=where, tasks=tasks, tasks_path=args.data,
-                    stop_ids=runner.stop_ids, max_new_tokens=max_new)
-    cfg = _decode_config(runner, args, max_new)
-    report = audit_against_reference(runner, ref, args.reference, tasks, cfg, progress=_progress)
+    session = open_session(source(args, backend, model=model if backend == "torch" else None, head=head,
+                                  artifacts=artifacts), _audit_settings(args, max_new), _progress)
+    manifest = session.runner.backend.info.manifest
+    source_record, where = (manifest.source, str(manifest.path)) if manifest is not None \
+        else (model_source(model), str(model))
+    check_reference(ref, args.reference, source=source_record, where=where, tasks=tasks, tasks_path=args.data,
+                    stop_ids=session.runner.stop_ids, max_new_tokens=max_new)
+    report = audit_against_reference(session, ref, args.reference, tasks, progress=_progress)
     print(json.dumps(report, indent=2) if args.json else "\n".join(summary(report)))
     return 0 if report["passed"] else 1
 
 
-def _decode_config(runner: Runner, args: argparse.Namespace, max_new_tokens: int) -> DecodeConfig:
-    """The audit's DecodeConfig, a fixed --budget or auto; flags are checked before auto measures anything."""
-    fixed = 0 if args.budget == AUTO else args.budget
-    check_decode(runner.limits, DecodeConfig(max_new_tokens=max_new_tokens, budget=fixed, branch_k=args.branch_k))
-    cfg = decode_config(runner, args.budget, max_new_tokens=max_new_tokens, branch_k=args.branch_k,
-                        progress=_progress)
-    check_decode(runner.limits, cfg)
-    return cfg
+AUDIT_MODES = {"save_reference": _save_reference, "reference": _audit_reference, "drift_from": _drift}
+
+
+def _audit(args: argparse.Namespace) -> int:
+    """One of audit's four modes, picked by its flag (at most one: the parser refuses two)."""
+    chosen = [flag for flag in AUDIT_MODES if vars(args)[flag] is not None]
+    return AUDIT_MODES[chosen[0]](args) if chosen else _audit_oracle(args)
 
 
 def _threads(n: int | None) -> None:
@@ -287,7 +274,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--time-budget", type=float, default=3000.0, help="seconds; stops early and saves")
     g.add_argument("--batch-size", type=int, default=16)
     g.add_argument("--lr", type=float, default=5e-4)
-    g.add_argument("--threads", type=int, help="torch CPU threads")
+    g.add_argument("--threads", type=limits.threads, help="torch CPU threads (1 up to this machine's CPUs)")
     g.add_argument("--mix", nargs="+", metavar="KIND=WEIGHT",
                    help="training mix by task kind (default receipt=0.1 chart=0.35 scene=0.45 caption=0.1)")
     g.add_argument("--eval", type=Path, nargs="*", default=[], help="task files to score at the end")
@@ -296,7 +283,7 @@ def parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="greedy exact match per task kind, with the same prompts on a blank image")
     e.add_argument("--model", type=Path, help="target snapshot (default: the embedded glance-vl-tiny)")
     e.add_argument("--data", type=Path, nargs="+", required=True, help="task files (corpus format)")
-    e.add_argument("--threads", type=int, help="torch CPU threads")
+    e.add_argument("--threads", type=limits.threads, help="torch CPU threads (1 up to this machine's CPUs)")
     e.set_defaults(func=_eval)
 
     t = sub.add_parser("train-head", help="train a GLANCE head on the target's own answers to a task file")
@@ -316,7 +303,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--time-budget", type=float, help="stop after this many seconds of training")
     t.add_argument("--checkpoint-every", type=int, default=500,
                    help="save head and trainer state every N steps; the same command continues from there")
-    t.add_argument("--threads", type=int, help="torch CPU threads")
+    t.add_argument("--threads", type=limits.threads, help="torch CPU threads (1 up to this machine's CPUs)")
     t.set_defaults(func=_train_head)
 
     o = sub.add_parser("onnx", help="export vision, target and draft graphs with a manifest, validated in ONNX Runtime")
@@ -327,7 +314,8 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--opset", type=int, default=17, help="14..20 (plain ops, TensorRT 10.3) or 23 (ONNX Attention)")
     o.add_argument("--max-tree", type=int, default=64, help="largest verify pass (anchor + tree nodes)")
     o.add_argument("--max-context", type=int, default=2048, help="KV cache rows: prompt + answer")
-    o.add_argument("--branch-k", type=int, default=8, help="top-k the draft graph returns per offset")
+    o.add_argument("--branch-k", type=limits.at_least("--branch-k", 1), default=BRANCH_K,
+                   help=f"top-k the draft graph returns per offset (default {BRANCH_K})")
     o.add_argument("--quantize", choices=("int8", "int4"),
                    help="weight-only: linear layers, LM head and embedding of target and head (vision stays fp32)")
     o.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128),
@@ -353,30 +341,29 @@ def parser() -> argparse.ArgumentParser:
                    help="write the export, target profile, README and build.sh for the device; needs no TensorRT")
     b.set_defaults(func=_build)
 
-    a = sub.add_parser("audit", help="check GLANCE output against greedy decoding, prompt by prompt")
-    a.add_argument("--model", type=Path, help="target snapshot (default: the embedded glance-vl-tiny)")
-    a.add_argument("--head", type=Path, help="draft head (torch backend; the onnxruntime one reads --artifacts)")
+    a = sub.add_parser("audit", help="check GLANCE output against greedy decoding, prompt by prompt",
+                       description="Four modes, picked by at most one of their flags: with none, GLANCE against "
+                       "the torch greedy oracle (or, for exported graphs without --model, the backend's own "
+                       "greedy); --save-reference FILE records the fp32 torch greedy tokens of --data on a "
+                       "workstation; --reference FILE checks a backend against such a recording without torch; "
+                       "--drift-from FP32_ART compares quantized --artifacts' greedy tokens with an fp32 export's.")
     a.add_argument("--data", type=Path, required=True, help="TASKS.jsonl")
-    a.add_argument("--backend", choices=BACKENDS,
-                   help="default: torch; with --reference, onnxruntime where installed")
-    a.add_argument("--artifacts", type=Path, help="exported graphs (onnxruntime backend)")
-    a.add_argument("--engines", type=Path, help="TensorRT engines (tensorrt backend; from `glance-export build`)")
-    a.add_argument("--provider", action="append", help="ONNX Runtime execution provider(s)")
-    a.add_argument("--budget", type=parse_budget, default=AUDIT_BUDGET,
-                   help=f"tree nodes verified per round besides the anchor (default {AUDIT_BUDGET}), or auto: sized "
-                   "each round as glance-run --budget auto does (measures this device's costs on first use)")
-    a.add_argument("--branch-k", type=int, default=8)
-    a.add_argument("--max-new-tokens", type=int,
-                   help=f"default {AUDIT_MAX_NEW_TOKENS}; with --reference, the value it was recorded with")
-    a.add_argument("--threads", type=int, help="torch CPU threads (the oracle and the torch backend)")
+    runner_flags(a, backend_help="default: torch; with --reference, onnxruntime where installed",
+                 threads_help="CPU threads: torch's (the oracle and the torch backend) and ONNX Runtime's")
+    decode_flags(a, max_new_tokens=None, budget_default=BUDGET,
+                 budget_help=f"tree nodes verified per round besides the anchor (default {BUDGET}: fixed, so an "
+                 "audit checks the same trees on every device), or auto: sized each round as glance-run --budget "
+                 "auto does (measures this device's costs on first use)",
+                 max_new_tokens_help=f"default {MEASURE_MAX_NEW_TOKENS}; with --reference, the value it was "
+                 "recorded with")
     a.add_argument("--json", action="store_true")
-    a.add_argument("--drift-from", type=Path, metavar="FP32_ARTIFACTS",
-                   help="instead: greedy token agreement of --artifacts (quantized) with this fp32 export")
-    recorded = a.add_mutually_exclusive_group()
-    recorded.add_argument("--save-reference", type=Path, metavar="FILE",
-                          help="record the fp32 PyTorch greedy tokens and top-2 margins of --data (needs torch)")
-    recorded.add_argument("--reference", type=Path, metavar="FILE",
-                          help="compare the backend with a recorded reference instead of the torch oracle (no torch)")
+    mode = a.add_mutually_exclusive_group()
+    mode.add_argument("--save-reference", type=Path, metavar="FILE",
+                      help="mode: record the fp32 PyTorch greedy tokens and top-2 margins of --data (needs torch)")
+    mode.add_argument("--reference", type=Path, metavar="FILE",
+                      help="mode: compare the backend with a recorded reference instead of the torch oracle (no torch)")
+    mode.add_argument("--drift-from", type=Path, metavar="FP32_ARTIFACTS",
+                      help="mode: greedy token agreement of --artifacts (quantized) with this fp32 export")
     a.set_defaults(func=_audit)
     return p
 

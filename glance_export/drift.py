@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from glance_runtime.errors import GlanceError
 from glance_runtime.graphs import MANIFEST
-from glance_runtime.loop import DecodeConfig, decode
+from glance_runtime.session import Settings, Source, open_session
 from glance_runtime.tasks import read_tasks
 
 from .audit import first_divergence
@@ -39,8 +39,6 @@ def compare(tokens: list[int], reference: list[int]) -> dict[str, Any]:
 def drift(quantized: Path, reference: Path, task_file: Path, max_new_tokens: int,
           providers: Sequence[str] | None = None) -> dict[str, Any]:
     """Greedy tokens of `quantized` against `reference` (an fp32 export of the same target) on every task."""
-    from glance_runtime.runner import open_runner
-
     q_manifest, r_manifest = _manifest(quantized), _manifest(reference)
     if q_manifest.get("source") != r_manifest.get("source"):
         raise GlanceError(f"{quantized} and {reference} were exported from different targets; drift compares "
@@ -48,11 +46,12 @@ def drift(quantized: Path, reference: Path, task_file: Path, max_new_tokens: int
     if r_manifest.get("quantization"):
         raise GlanceError(f"{reference} is itself quantized; pass the fp32 export with --drift-from")
     tasks = read_tasks(task_file)
-    runners = [open_runner("onnxruntime", artifacts=Path(a), providers=providers) for a in (quantized, reference)]
-    cfg = DecodeConfig(max_new_tokens=max_new_tokens, speculative=False)
+    plain = Settings(max_new_tokens=max_new_tokens, speculative=False)
+    sessions = [open_session(Source("onnxruntime", artifacts=Path(a), providers=providers), plain)
+                for a in (quantized, reference)]
     rows = []
     for task in tasks:
-        outs = [decode(r.backend, r.build_prompt(task.prompt, task.image), cfg, r.stop_ids).tokens for r in runners]
+        outs = [s.greedy(s.prompt(task.prompt, task.image)) for s in sessions]
         rows.append({"prompt": task.prompt, **compare(*outs)})
     ref_tokens = sum(r["reference_tokens"] for r in rows)
     scheme = q_manifest.get("quantization") or {}

@@ -3,7 +3,8 @@
 The backend drives the unmodified transformers target with explicit positions and a 4D additive
 tree mask over a DynamicCache; the oracle drives the same model the ordinary way (the model's own
 positions, causal mask and cache growth), so the two share no position or mask code. Both need
-torch, so they live on the exporter side; the runtime reaches them through `glance_runtime.exporter`.
+torch, so they live on the exporter side, which registers `open_reference` for the runtime (the
+`glance_runtime.extensions` entry points in pyproject.toml).
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from glance_runtime.limits import Limits
+from glance_runtime.backend import BackendInfo, ServeLimits, Verified
+from glance_runtime.hardware import host_cpu
 from glance_runtime.runner import Runner
 
 from .adapters import Prompt, Snapshot
@@ -23,6 +25,9 @@ from .head import DraftHead, check_head_matches, load_head
 def _entropy(logits: torch.Tensor) -> float:
     logp = torch.log_softmax(logits.float(), dim=-1)
     return float(-(logp.exp() * logp).sum())
+
+
+_PRECISION = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 class TorchBackend:
@@ -38,6 +43,10 @@ class TorchBackend:
             check_head_matches(head, snapshot)
             self.head = head.to(self.device, self.model.dtype)
         self.block_size = head.config.block_size if head is not None else 1
+        # any top-k of the vocabulary, any tree size: the reference has no export-time bounds
+        limits = ServeLimits(self.block_size, snapshot.text_config["vocab_size"])
+        self.info = BackendInfo(limits=limits, precision=_PRECISION.get(self.model.dtype, str(self.model.dtype)),
+                                hardware=f"torch {self.device}" if self.device.type == "cuda" else host_cpu())
         self.embed = self.model.get_input_embeddings()
         self.lm_head = self.model.get_output_embeddings()
         self._reset()
@@ -117,8 +126,7 @@ class TorchBackend:
         return top.indices.cpu().numpy().astype(np.int64), top.values.double().cpu().numpy()
 
     @torch.no_grad()
-    def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray
-               ) -> tuple[np.ndarray, float, np.ndarray]:
+    def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray) -> Verified:
         past, size = self.cache.get_seq_length(), len(tokens)
         mask = torch.zeros(1, 1, size, past + size, dtype=self.model.dtype, device=self.device)
         mask[0, 0, :, past:].masked_fill_(~self._t(visible), torch.finfo(self.model.dtype).min)
@@ -129,8 +137,8 @@ class TorchBackend:
             self.verify_taps = self._taps(out.hidden_states)[0]
         logits = out.logits[0].float()
         confidence = torch.log_softmax(logits, dim=-1).max(-1).values
-        return (logits.argmax(-1).cpu().numpy().astype(np.int64), _entropy(logits[0]),
-                confidence.double().cpu().numpy())
+        return Verified(logits.argmax(-1).cpu().numpy().astype(np.int64), _entropy(logits[0]),
+                        confidence.double().cpu().numpy())
 
     def commit(self, rows: np.ndarray) -> None:
         """Compact the pack's KV in place: kept rows move down to follow the prefix, the rest is cut."""
@@ -143,6 +151,14 @@ class TorchBackend:
         if self.head is not None:
             self.pending_taps.append(self.verify_taps[self._t(rows)])
         self.start += len(rows)
+
+    def time_graphs(self) -> None:
+        """None: one eager model, no separate graphs to time."""
+        return None
+
+    def close(self) -> None:
+        """Drops the cache; the model's memory goes with the last reference to the backend."""
+        self._reset()
 
 
 def greedy_reference(model: torch.nn.Module, snapshot: Snapshot, prompt: Prompt, max_new_tokens: int,
@@ -193,7 +209,6 @@ def open_reference(model: Path, head: Path | None, dtype: str = "float32", devic
     stops = snapshot.stop_token_ids
     return Runner(backend=backend, build_prompt=snapshot.build_prompt, stop_ids=stops,
                   detokenize=lambda ids: snapshot.tokenizer.decode(list(ids), skip_special_tokens=True),
-                  limits=Limits(backend.block_size, snapshot.text_config["vocab_size"]),
                   oracle=lambda prompt, n: greedy_reference(backend.model, snapshot, prompt, n, stops),
                   identity=f"torch {Path(model).resolve()} {Path(head).resolve() if head else ''} {dtype}",
                   calibration_dirs=(Path(head),) if head is not None else ())

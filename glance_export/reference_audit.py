@@ -16,27 +16,11 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from glance_runtime.errors import GlanceError
-from glance_runtime.loop import DecodeConfig, decode
-from glance_runtime.runner import Runner
+from glance_runtime.session import Session
 from glance_runtime.tasks import Task
 
 from .audit import budget_of, first_divergence
 from .reference_file import RECORD, RecordedTask, Reference, array_sha256, ids_sha256
-
-_PRECISION_OF_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-
-
-def backend_precision(backend: Any) -> str:
-    """fp32, fp16 or bf16, which picks the gate: the backend's own `precision` where it states one (an
-    engine built at fp16 from fp32 graphs), else its graphs' float dtype, else the torch default, fp32."""
-    stated = getattr(backend, "precision", None)
-    if stated:
-        return str(stated)
-    manifest = getattr(backend, "manifest", None)
-    if manifest is None:
-        return "fp32"
-    return _PRECISION_OF_DTYPE.get(manifest.float_dtype, manifest.float_dtype)
-
 
 def _difference(tokens: list[int], rec: RecordedTask) -> dict[str, Any]:
     """First token where `tokens` leaves the reference, the two tokens there and the fp32 margin there."""
@@ -76,17 +60,16 @@ def _check_prompts(prompts: Sequence[Any], ref: Reference, path: Path) -> None:
                               f"recorded model, or {RECORD}")
 
 
-def audit_against_reference(runner: Runner, ref: Reference, path: Path, tasks: Sequence[Task], cfg: DecodeConfig,
+def audit_against_reference(session: Session, ref: Reference, path: Path, tasks: Sequence[Task],
                             progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Decode every task with GLANCE and with the backend's own greedy; compare both with the reference."""
-    precision = backend_precision(runner.backend)
-    prompts = [runner.build_prompt(t.prompt, t.image) for t in tasks]
+    precision, cfg = session.runner.backend.info.precision, session.config
+    prompts = [session.prompt(t.prompt, t.image) for t in tasks]
     _check_prompts(prompts, ref, path)
-    ar_cfg = DecodeConfig(max_new_tokens=cfg.max_new_tokens, speculative=False)
     rows, accepted, rounds = [], 0, 0
     for i, (task, prompt, rec) in enumerate(zip(tasks, prompts, ref.tasks), 1):
-        spec = decode(runner.backend, prompt, cfg, runner.stop_ids)
-        own = decode(runner.backend, prompt, ar_cfg, runner.stop_ids).tokens
+        spec = session.decode(prompt)
+        own = session.greedy(prompt)
         accepted += sum(r.accepted for r in spec.rounds)
         rounds += len(spec.rounds)
         g, a = _difference(spec.tokens, rec), _difference(own, rec)
@@ -101,7 +84,7 @@ def audit_against_reference(runner: Runner, ref: Reference, path: Path, tasks: S
     gate, passed = _gate(precision, identical, own_identical, len(rows))
     margins = [m for rec in ref.tasks for m in rec.margins]
     return {"mode": "reference", "reference": str(path), "recorded_with": ref.recorded_with,
-            "backend": runner.backend.name, "precision": precision, "n": len(rows), "identical": identical,
+            "backend": session.runner.backend.name, "precision": precision, "n": len(rows), "identical": identical,
             "own_greedy_identical": own_identical,
             "identical_to_own_greedy": sum(r["glance_vs_own_greedy"]["identical"] for r in rows),
             "first_divergence": [r["first_divergence"] for r in rows],

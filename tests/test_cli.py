@@ -2,14 +2,18 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 
 from glance_export.cli import main as export_main
+from glance_runtime.bench.cli import main as bench_main
 from glance_runtime.calibration import FILE as CALIBRATION, Calibration
 from glance_runtime.cli import main as run_main
+from glance_runtime.defaults import DEFAULT_ARTIFACTS
+from glance_runtime.session import Settings, Source, open_session
 
 
 @pytest.fixture(scope="module")
@@ -260,3 +264,55 @@ def test_bad_training_mix_is_a_clear_error(tmp_path, capsys):
         line = _one_line_error(capsys, export_main(["train-target", "--out", str(tmp_path / "t"), "--mix", *mix]))
         assert "--mix" in line
     assert not (tmp_path / "t").exists()
+
+
+COMMAND_LINES = {"glance-run": (run_main, ["--prompt", "x"]),
+                 "glance-bench": (bench_main, ["--data", "tasks.jsonl", "--out", "out"]),
+                 "glance-export audit": (export_main, ["audit", "--data", "tasks.jsonl"])}
+
+
+@pytest.mark.parametrize("flag, value, phrase", [
+    ("--branch-k", "0", "--branch-k must be >= 1 (got 0)"),
+    ("--branch-k", "2.5", "--branch-k '2.5' is not a whole number"),
+    ("--threads", "0", "--threads 0 is outside 1.."),
+    ("--threads", str((os.cpu_count() or 1) + 1), f"the CPUs of this machine; pass --threads 1..{os.cpu_count()}"),
+    ("--threads", "nan", "--threads 'nan' is not a whole number"),
+    ("--max-tree", "inf", "--max-tree 'inf' is not a whole number"),
+    ("--max-context", "-inf", "--max-context '-inf' is not a whole number"),
+])
+def test_a_flag_is_refused_in_the_same_words_by_every_command(flag, value, phrase, capsys):
+    """Each flag's rule is stated once: the three commands that take it refuse a bad value identically,
+    before opening anything."""
+    lines = []
+    for prog, (main, argv) in COMMAND_LINES.items():
+        with pytest.raises(SystemExit) as stop:
+            main(argv + [f"{flag}={value}"])  # the = form: argparse reads a bare "-inf" as an option
+        err = capsys.readouterr().err.strip().splitlines()
+        assert stop.value.code == 2 and len(err) == 1 and err[0].startswith(f"{prog}: error: "), err
+        lines.append(err[0].removeprefix(f"{prog}: error: ").split("; see ")[0])
+    assert phrase in lines[0] and len(set(lines)) == 1, lines
+
+
+def test_budget_and_max_new_tokens_rules_hold_where_declared(capsys):
+    for main, argv in (COMMAND_LINES["glance-run"], COMMAND_LINES["glance-export audit"]):
+        for flag, value, phrase in (("--budget", "-1", "--budget >= 0"), ("--budget", "nan", "not a budget"),
+                                    ("--max-new-tokens", "0", "--max-new-tokens must be >= 1")):
+            with pytest.raises(SystemExit):
+                main(argv + [flag, value])
+            assert phrase in capsys.readouterr().err
+
+
+def test_a_session_streams_exactly_the_answer_it_returns():
+    """open_session + generate on the shipped graphs: the streamed pieces join to the returned text, and the
+    tokens are the backend's own greedy ones."""
+    settings = Settings(budget=15, max_new_tokens=12)
+    session = open_session(Source(backend="onnxruntime", artifacts=DEFAULT_ARTIFACTS, threads=1), settings)
+    try:
+        pieces: list[str] = []
+        answer = session.generate("What is shown?", on_text=pieces.append)
+        assert "".join(pieces) == answer.text and answer.text
+        assert answer.result.tokens == session.greedy(session.prompt("What is shown?"))
+        assert session.config.budget == 15 and session.config.auto is None
+    finally:
+        session.close()
+        session.close()  # idempotent

@@ -12,6 +12,7 @@ from glance_export.cli import main as export_main
 from glance_export.head import load_head
 from glance_runtime.loop import DecodeConfig
 from glance_runtime.runner import open_runner
+from glance_runtime.session import Session
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def test_trained_head_accepts_long_blocks_and_stays_lossless(snapshot_dir, task_
     assert load_head(out).config.block_size == 8
 
     runner = open_runner("torch", model=model, head=out)
-    report = audit(runner, read_tasks(task_file), DecodeConfig(max_new_tokens=24, budget=31))
+    report = audit(Session(runner, DecodeConfig(max_new_tokens=24, budget=31)), read_tasks(task_file))
     assert report["identical"] == report["n"] == 3
     assert report["tau"] > 3.0, report
 
@@ -43,6 +44,6 @@ def test_untrained_head_accepts_little(snapshot_dir, task_file, tmp_path):
     """The control for the test above: the same prompts with an untrained head."""
     model = snapshot_dir("qwen2_5_vl")
     assert export_main(["init-head", "--model", str(model), "--out", str(tmp_path / "h"), "--block-size", "8"]) == 0
-    report = audit(open_runner("torch", model=model, head=tmp_path / "h"), read_tasks(task_file),
-                   DecodeConfig(max_new_tokens=24, budget=31))
+    report = audit(Session(open_runner("torch", model=model, head=tmp_path / "h"),
+                           DecodeConfig(max_new_tokens=24, budget=31)), read_tasks(task_file))
     assert report["identical"] == 3 and report["tau"] < 1.5

@@ -23,7 +23,6 @@ the tokens are those of greedy decoding whatever the rule picks; only the time c
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -31,35 +30,50 @@ import numpy as np
 
 from .calibration import Calibration, find_calibration
 from .cost_profile import CostProfile, load, profile_path, describe, stored_or_measured, PROBE_PROMPT
+from .defaults import AUTO, AUTO_MAX_NODES, BUDGET
 from .errors import GlanceError
-from .limits import reachable_nodes
+from .limits import check_branch_k, check_decode, reachable_nodes
 from .loop import DecodeConfig
 from .tree import Tree, build_tree
 
-AUTO = "auto"
-FIXED_DEFAULT = 63  # the budget where no cost profile exists (the torch reference, until one is measured)
-AUTO_MAX_NODES = 63  # auto's largest tree where the graphs set no smaller bound
+
+class _Cut:
+    """Step 2's running state while the tree grows: E(n), and the best rate so far with its node count."""
+
+    def __init__(self, round_ms: list[float], slope: list[float]):
+        self.round_ms, self.slope = round_ms, slope
+        self.expected, self.best_rate, self.best_nodes = 1.0, 1.0 / round_ms[0], 0
+
+    def stop(self, nodes: int, q_next: float) -> bool:
+        if q_next <= self.best_rate * self.slope[nodes]:
+            return True
+        self.expected += q_next
+        rate = self.expected / self.round_ms[nodes + 1]
+        if rate > self.best_rate:
+            self.best_rate, self.best_nodes = rate, nodes + 1
+        return False
 
 
-@dataclass(frozen=True)
 class AutoBudget:
-    cost: CostProfile
-    calibration: Calibration
-    max_nodes: int  # the largest tree auto may verify, anchor excluded
-    block_size: int  # B: a drafted chain is at most B-1 deep
+    """The policy for one cost profile and calibration; everything a round reads is computed here once."""
 
-    def __post_init__(self) -> None:
-        rows = np.arange(1, self.max_nodes + 2)
-        round_ms = self.cost.draft_ms + self.cost.verify_cost(rows)  # C(n) = D + V(n+1), n = 0..max_nodes
-        object.__setattr__(self, "_round_ms", round_ms)
-        object.__setattr__(self, "_round_list", round_ms.tolist())  # Python floats for the per-node loop
-        slope = [min((round_ms[m] - round_ms[n]) / (m - n) for m in range(n + 1, len(round_ms)))
-                 for n in range(len(round_ms) - 1)]
-        object.__setattr__(self, "_slope_list", [max(float(v), 0.0) for v in slope])  # S(n)
-        object.__setattr__(self, "_plain_ms", float(self.cost.verify_cost(1)))
-        law = self.calibration.law
+    def __init__(self, cost: CostProfile, calibration: Calibration, max_nodes: int, block_size: int):
+        self.cost, self.calibration = cost, calibration
+        self.max_nodes = max_nodes  # the largest tree auto may verify, anchor excluded
+        self.block_size = block_size  # B: a drafted chain is at most B-1 deep
+        rows = np.arange(1, max_nodes + 2)
+        self._round_ms = cost.draft_ms + cost.verify_cost(rows)  # C(n) = D + V(n+1), n = 0..max_nodes
+        self._round_list = self._round_ms.tolist()  # Python floats for the per-node loop
+        slope = [min((self._round_ms[m] - self._round_ms[n]) / (m - n) for m in range(n + 1, len(self._round_ms)))
+                 for n in range(len(self._round_ms) - 1)]
+        self._slope_list = [max(float(v), 0.0) for v in slope]  # S(n)
+        self._plain_ms = float(cost.verify_cost(1))
+        law = calibration.law
         constant = law is None or law[1] == 0  # the same answer every round: decided once
-        object.__setattr__(self, "_always", self._repays(self.calibration.offset_acceptance(1.0)) if constant else None)
+        self._always = self._repays(calibration.offset_acceptance(1.0)) if constant else None
+
+    def with_calibration(self, calibration: Calibration) -> "AutoBudget":
+        return AutoBudget(self.cost, calibration, self.max_nodes, self.block_size)
 
     def _repays(self, p: float | None) -> bool:
         if p is None:
@@ -79,22 +93,10 @@ class AutoBudget:
     def grow(self, anchor: int, topk_ids: np.ndarray, topk_logprobs: np.ndarray, branch_k: int,
              surprisal: float | None) -> Tree:
         """Step 2: the round's tree from the draft's top-k, grown by q and cut at n*."""
-        round_ms, slope = self._round_list, self._slope_list
-        best = [1.0 / round_ms[0], 0]  # best rate, at how many nodes
-        expected = [1.0]
-
-        def stop(nodes: int, q_next: float) -> bool:
-            if q_next <= best[0] * slope[nodes]:
-                return True
-            expected[0] += q_next
-            rate = expected[0] / round_ms[nodes + 1]
-            if rate > best[0]:
-                best[0], best[1] = rate, nodes + 1
-            return False
-
+        cut = _Cut(self._round_list, self._slope_list)
         tree = build_tree(anchor, topk_ids, topk_logprobs, self.max_nodes, branch_k,
-                          priority=self.calibration.node_scorer(surprisal), stop=stop)
-        return tree.prefix(best[1] + 1)
+                          priority=self.calibration.node_scorer(surprisal), stop=cut.stop)
+        return tree.prefix(cut.best_nodes + 1)
 
 
 def has_profile(runner) -> bool:
@@ -105,7 +107,7 @@ def default_budget(runner) -> int | str:
     """auto where a cost profile exists or is measured on first use (the exported graphs and engines),
     else the fixed default (the torch reference, a development path)."""
     graphs = runner.backend.name != "torch"
-    return AUTO if runner.backend.block_size > 1 and (graphs or has_profile(runner)) else FIXED_DEFAULT
+    return AUTO if runner.backend.block_size > 1 and (graphs or has_profile(runner)) else BUDGET
 
 
 def auto_budget(runner, branch_k: int, remeasure: bool = False,
@@ -115,9 +117,7 @@ def auto_budget(runner, branch_k: int, remeasure: bool = False,
     backend, limits = runner.backend, runner.limits
     if backend.block_size < 2:
         raise GlanceError("--budget auto needs a draft head; pass --head (or a fixed --budget with --no-spec)")
-    if not 1 <= branch_k <= limits.max_branch_k:
-        raise GlanceError(f"--branch-k {branch_k} is outside 1..{limits.max_branch_k}, the candidates a draft pass "
-                          "returns here; pass a --branch-k in that range")
+    check_branch_k(limits, branch_k)
     largest = min(AUTO_MAX_NODES, reachable_nodes(backend.block_size, branch_k))
     if limits.max_tree is not None:
         largest = min(largest, limits.max_tree - 1)
@@ -131,11 +131,14 @@ def auto_budget(runner, branch_k: int, remeasure: bool = False,
 
 def decode_config(runner, budget: int | str | None, *, max_new_tokens: int, branch_k: int,
                   speculative: bool = True, progress: Callable[[str], None] = lambda _: None) -> DecodeConfig:
-    """The commands' DecodeConfig: a fixed budget as given, or auto (asked for, or the default where it applies)."""
+    """The commands' DecodeConfig: a fixed budget as given, or auto (asked for, or the default where it applies),
+    refused here where the backend cannot serve it (auto's trees fit by construction)."""
     if budget is None:
-        budget = default_budget(runner) if speculative else FIXED_DEFAULT
+        budget = default_budget(runner) if speculative else BUDGET
     if budget != AUTO or not speculative:
-        return DecodeConfig(max_new_tokens=max_new_tokens, budget=budget if budget != AUTO else FIXED_DEFAULT,
-                            branch_k=branch_k, speculative=speculative)
+        cfg = DecodeConfig(max_new_tokens=max_new_tokens, budget=budget if budget != AUTO else BUDGET,
+                           branch_k=branch_k, speculative=speculative)
+        check_decode(runner.limits, cfg)
+        return cfg
     policy = auto_budget(runner, branch_k, progress=progress)[0]
     return DecodeConfig(max_new_tokens=max_new_tokens, budget=policy.max_nodes, branch_k=branch_k, auto=policy)

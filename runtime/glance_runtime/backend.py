@@ -1,19 +1,57 @@
-"""What the decode loop asks of a backend: four calls, all in numpy, with the state kept inside.
+"""What callers may ask of a backend: four passes in numpy with the state kept inside, and what it serves.
 
 The loop owns the algorithm (tree, walk, stop rules, stats); a backend owns the graphs and caches.
 That split is what lets the torch reference, ONNX Runtime and TensorRT share one loop, so parity
-between them is a property of the backends alone.
+between them is a property of the backends alone. Everything else a caller reads (limits checks,
+cost-profile keys, audit gates, benchmark reports, graph timing) is declared here too, so no caller
+probes a backend for attributes or replaces one of its parts.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from .graph_clock import GraphClock
+    from .manifest import Manifest
+
+
+class Verified(NamedTuple):
+    """One verify pass over a packed tree of T rows."""
+    argmax: np.ndarray  # [T] the target's greedy token after each row
+    entropy: float  # nats of the target's distribution at the anchor row
+    confidence: np.ndarray  # [T] log-prob of each row's argmax (at the last accepted row: of the next anchor)
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """What a backend can serve; decode flags are checked against it before the first token (`limits`)."""
+    block_size: int  # B of the head (1 without one)
+    max_branch_k: int  # the largest top-k a draft pass returns
+    max_tree: int | None = None  # largest verify pass, anchor included; None where unbounded
+    exported: bool = False  # graphs sized at export time: a re-export lifts the limits
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """What a backend serves and where it computes."""
+    limits: ServeLimits
+    precision: str  # fp32, fp16 or bf16: the parity gate a reference audit applies
+    hardware: str  # the processor or GPU it computes on, as cost profiles are keyed
+    providers: tuple[str, ...] = ()  # ONNX Runtime execution providers, in priority order
+    threads: int | None = None  # intra-op threads asked for; None: the runtime's default
+    home: Path | None = None  # the artifacts or engines directory served; None for the torch reference
+    manifest: "Manifest | None" = None  # the exported graphs' manifest; None for the torch reference
+
 
 class Backend(Protocol):
-    name: str
+    name: str  # torch, onnxruntime or tensorrt
     block_size: int  # B: anchor plus B-1 drafted offsets; 1 when no head is loaded
+    info: BackendInfo
+    start: int  # stream position of the current anchor (== committed target rows)
 
     def prefill(self, prompt) -> tuple[int, float]:
         """Run the prompt; return the first generated token (the first anchor) and the entropy
@@ -22,13 +60,17 @@ class Backend(Protocol):
     def draft(self, anchor: int, k: int) -> tuple[np.ndarray, np.ndarray]:
         """One head pass for block [anchor, MASK x (B-1)]: top-k ids and log-probs, [B-1, k] each."""
 
-    def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray
-               ) -> tuple[np.ndarray, float, np.ndarray]:
+    def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray) -> Verified:
         """One target pass over the packed tree [anchor] + nodes at positions start + depth, each row
-        seeing the committed prefix and its visible pack rows. Returns the per-row argmax [T], the
-        entropy at the anchor row, and the per-row log-prob of the argmax [T] (the target's confidence
-        in the token it chose: at the last accepted row, in the next anchor)."""
+        seeing the committed prefix and its visible pack rows."""
 
     def commit(self, rows: np.ndarray) -> None:
         """Keep the KV (and head context) of packed rows `rows` ([0] + accepted path, in order);
         drop the rest. The next anchor then sits at position start + len(rows)."""
+
+    def time_graphs(self) -> "GraphClock | None":
+        """From now on, time each graph run (waiting for the device after each, so a run is charged its
+        own time); None where the backend has no separate graphs to time (the torch reference)."""
+
+    def close(self) -> None:
+        """Release graphs and device memory now rather than at garbage collection; idempotent."""

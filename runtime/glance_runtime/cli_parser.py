@@ -1,12 +1,20 @@
-"""Argument errors in the same one-line form as every other refusal of the commands, and the one wrapper
-that turns a command's refusals and Ctrl-C into that line and an exit code."""
+"""What the commands share on their command lines: the flags that name a model and backend (declared once,
+for glance-run, glance-bench and glance-export), argument errors in the same one-line form as every other
+refusal, and the one wrapper that turns a command's refusals and Ctrl-C into that line and an exit code."""
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Callable, NoReturn
 
+from . import limits
+from .defaults import BRANCH_K
 from .errors import GlanceError
+from .runner import BACKENDS
+from .session import Source
+
+BACKEND_DEFAULT = "default: onnxruntime where installed, else torch"
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -17,17 +25,49 @@ class OneLineParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def parse_budget(text: str) -> int | str:
-    """`--budget` values: "auto" or an integer >= 0."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a budget: pass auto or an integer --budget >= 0")
-    return value
+def runner_flags(p: argparse.ArgumentParser, *, backend_help: str = BACKEND_DEFAULT,
+                 threads_help: str = "ONNX Runtime intra-op threads (1 up to this machine's CPUs)") -> None:
+    """--backend, --model, --head, --artifacts, --engines, --provider, --threads, --max-context, --max-tree."""
+    p.add_argument("--backend", choices=BACKENDS, help=backend_help)
+    p.add_argument("--model", type=Path, help="target model: a HF snapshot directory (default: the embedded "
+                   "glance-vl-tiny with its head)")
+    p.add_argument("--head", type=Path, help="GLANCE/DFlash draft head directory")
+    p.add_argument("--artifacts", type=Path, help="exported graphs for --backend onnxruntime (glance-export onnx)")
+    p.add_argument("--engines", type=Path, help="TensorRT engines for --backend tensorrt (glance-export build)")
+    p.add_argument("--provider", action="append", help="ONNX Runtime execution provider (cpu, cuda, tensorrt or a "
+                   "full name); repeat for a priority list; CPU is the fallback")
+    p.add_argument("--threads", type=limits.threads, help=threads_help)
+    p.add_argument("--max-context", type=limits.integer("--max-context"),
+                   help="KV rows to allocate (default: the export's or build's bound)")
+    p.add_argument("--max-tree", type=limits.integer("--max-tree"),
+                   help="largest verify pass (default: the export's or build's bound)")
+
+
+def decode_flags(p: argparse.ArgumentParser, *, max_new_tokens: int | None, budget_help: str,
+                 budget_default: int | None = None, max_new_tokens_help: str | None = None) -> None:
+    """--budget, --branch-k and --max-new-tokens, each with its one range rule (`limits`)."""
+    p.add_argument("--budget", type=limits.budget, default=budget_default, help=budget_help)
+    p.add_argument("--branch-k", type=limits.at_least("--branch-k", 1), default=BRANCH_K,
+                   help=f"top-k per draft offset (default {BRANCH_K})")
+    p.add_argument("--max-new-tokens", type=limits.at_least("--max-new-tokens", 1), default=max_new_tokens,
+                   help=max_new_tokens_help or f"longest answer in tokens (default {max_new_tokens})")
+
+
+def check_dirs(args: argparse.Namespace) -> None:
+    """Missing or unreadable inputs are named before anything else is concluded from their absence."""
+    for flag, path in (("--model", args.model), ("--head", args.head), ("--artifacts", args.artifacts),
+                       ("--engines", args.engines)):
+        if path is not None and not path.is_dir():
+            state = "is not a directory" if path.exists() else "does not exist"
+            raise GlanceError(f"{flag} {path} {state}; pass an existing directory")
+
+
+def source(args: argparse.Namespace, backend: str, **resolved) -> Source:
+    """The Source the runner flags name; `resolved` overrides what the command resolved itself (model, ...)."""
+    named = dict(model=args.model, head=args.head, artifacts=args.artifacts, engines=args.engines,
+                 providers=args.provider, threads=args.threads, max_context=args.max_context,
+                 max_tree=args.max_tree)
+    return Source(backend=backend, **{**named, **resolved})
 
 
 def guarded(prog: str, command: Callable[[], int], interrupted: str = "interrupted") -> int:

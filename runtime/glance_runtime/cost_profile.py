@@ -140,35 +140,10 @@ def measure(backend: Backend, prompt, max_rows: int, branch_k: int, seconds: flo
                        measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
 
 
-def _processor() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
-def describe(backend) -> str:
+def describe(backend: Backend) -> str:
     """The backend as far as its costs go: name, provider, threads, and the processor or GPU it runs on."""
-    parts = [backend.name]
-    providers = getattr(backend, "providers", None)
-    if providers:
-        parts.append(providers[0])
-    threads = getattr(backend, "threads", None)
-    parts.append(f"{threads or 'default'} threads")
-    device = getattr(backend, "device", None)
-    capability = getattr(device, "compute_capability", None)
-    if callable(capability):
-        parts.append(f"CUDA GPU {device.device_id} (compute capability {capability()})")
-    elif str(device).startswith("cuda"):
-        parts.append(f"torch {device}")
-    else:
-        parts.append(f"{_processor()} x{os.cpu_count()}")
-    return ", ".join(parts)
+    info = backend.info
+    return ", ".join([backend.name, *info.providers[:1], f"{info.threads or 'default'} threads", info.hardware])
 
 
 def profile_path(home: Path | None, identity: str, device: str) -> Path:

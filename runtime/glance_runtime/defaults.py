@@ -1,4 +1,6 @@
-"""The embedded default model: a small Qwen2.5-VL and its GLANCE head, trained in this project and
+"""Every default the commands share, in one place: the decode settings, and the embedded model.
+
+The embedded default model is a small Qwen2.5-VL and its GLANCE head, trained in this project and
 shipped in the repository's `models/`, so a fresh install can answer without any download. Its ONNX
 graphs ship too, so a torch-free edge install runs it on ONNX Runtime without exporting."""
 from __future__ import annotations
@@ -8,6 +10,13 @@ from pathlib import Path
 
 from .errors import GlanceError
 from .graphs import MANIFEST
+
+AUTO = "auto"  # --budget auto: each round's tree sized from the draft's confidence and this device's costs
+BUDGET = 63  # tree nodes per round besides the anchor where auto does not apply (and an audit's trees)
+AUTO_MAX_NODES = 63  # auto's largest tree where the graphs set no smaller bound
+BRANCH_K = 8  # top-k per draft offset (and the export's: what a draft graph returns)
+RUN_MAX_NEW_TOKENS = 256  # glance-run's answer length
+MEASURE_MAX_NEW_TOKENS = 64  # glance-bench's and glance-export audit's answer length
 
 MODELS_ROOT = Path(__file__).resolve().parents[2] / "models"
 DEFAULT_MODEL = MODELS_ROOT / "glance-vl-tiny"

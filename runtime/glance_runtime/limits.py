@@ -1,22 +1,80 @@
-"""What a backend can serve, checked against the decode flags before the first token is decoded.
+"""Every rule a decode setting must meet, each stated once with its one refusal.
 
-The loop would otherwise find out mid-answer (a tree wider than the verify graph, a top-k the
-draft graph does not return), after some of the answer had already streamed.
+Flag values are checked as they are parsed (argparse types: every command declaring a flag refuses a
+bad value in the same words, before anything is opened). What a backend can serve is checked once its
+limits are known, before the first token: the loop would otherwise find out mid-answer (a tree wider
+than the verify graph, a top-k the draft graph does not return), after some of the answer had streamed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+import math
+import os
+from typing import Callable
 
+from .backend import ServeLimits
+from .defaults import AUTO
 from .errors import GlanceError
 from .loop import DecodeConfig
 
 
-@dataclass(frozen=True)
-class Limits:
-    block_size: int  # B of the head (1 without one)
-    max_branch_k: int  # the largest top-k a draft pass returns
-    max_tree: int | None = None  # largest verify pass, anchor included; None where unbounded
-    exported: bool = False  # graphs sized at export time: a re-export lifts the limits
+def _integer(flag: str, text: str) -> int:
+    try:
+        value = float(text.strip())
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value != int(value):
+        raise argparse.ArgumentTypeError(f"{flag} {text!r} is not a whole number; pass an integer {flag}")
+    return int(value)
+
+
+def at_least(flag: str, minimum: int) -> Callable[[str], int]:
+    """An integer flag with a lower bound (--max-new-tokens, --branch-k, --samples, ...)."""
+    def parse(text: str) -> int:
+        value = _integer(flag, text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= {minimum} (got {value}); pass {flag} {minimum} "
+                                             "or more")
+        return value
+    return parse
+
+
+def integer(flag: str) -> Callable[[str], int]:
+    """An integer flag whose range is a backend's (--max-context, --max-tree: `runtime_limit`)."""
+    return lambda text: _integer(flag, text)
+
+
+def threads(text: str) -> int:
+    """`--threads`: 1 up to this machine's CPUs (more only oversubscribes them)."""
+    value, cpus = _integer("--threads", text), os.cpu_count() or 1
+    if not 1 <= value <= cpus:
+        raise argparse.ArgumentTypeError(f"--threads {value} is outside 1..{cpus}, the CPUs of this machine; pass "
+                                         f"--threads 1..{cpus}")
+    return value
+
+
+def budget(text: str) -> int | str:
+    """`--budget`: auto, or tree nodes besides the anchor (0: plain greedy steps)."""
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        value = _integer("--budget", text)
+    except argparse.ArgumentTypeError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a budget: pass auto or an integer --budget >= 0")
+    return value
+
+
+def runtime_limit(flag: str, asked: int | None, built: int, source: str, command: str) -> int:
+    """A runtime limit (--max-context, --max-tree): the export's or build's bound by default, never above
+    it (graphs, profiles and buffers are sized to it)."""
+    if asked is None:
+        return built
+    if not 1 <= asked <= built:
+        raise GlanceError(f"{flag} {asked} is outside 1..{built}, the range these {source}; "
+                          f"{command} with a larger `{flag}`")
+    return asked
 
 
 def reachable_nodes(block_size: int, branch_k: int) -> int:
@@ -24,20 +82,27 @@ def reachable_nodes(block_size: int, branch_k: int) -> int:
     return sum(branch_k ** depth for depth in range(1, block_size))
 
 
-def check_decode(limits: Limits | None, cfg: DecodeConfig) -> None:
-    """One-line refusal of flags out of range, or (given the backend's limits) that it cannot serve."""
-    if cfg.max_new_tokens < 1 or cfg.budget < 0 or cfg.branch_k < 1:
-        raise GlanceError(f"--max-new-tokens and --branch-k must be >= 1 and --budget >= 0 (got {cfg.max_new_tokens}, "
-                          f"{cfg.branch_k} and {cfg.budget}); pass values in those ranges")
-    if limits is None or not cfg.speculative or cfg.budget == 0:
-        return
-    if cfg.branch_k > limits.max_branch_k:
-        raise GlanceError(f"--branch-k {cfg.branch_k} is above the {limits.max_branch_k} candidates a draft pass "
+def check_branch_k(limits: ServeLimits, branch_k: int) -> None:
+    """A draft pass returns at most `max_branch_k` candidates per offset."""
+    if branch_k > limits.max_branch_k:
+        raise GlanceError(f"--branch-k {branch_k} is above the {limits.max_branch_k} candidates a draft pass "
                           f"returns here; use --branch-k 1..{limits.max_branch_k}"
-                          + (f" (or re-export with `glance-export onnx --branch-k {cfg.branch_k}`)"
+                          + (f" (or re-export with `glance-export onnx --branch-k {branch_k}`)"
                              if limits.exported else ""))
-    rows = min(cfg.budget, reachable_nodes(limits.block_size, cfg.branch_k)) + 1
+
+
+def check_tree(limits: ServeLimits, rows: int, budget: int | None = None) -> None:
+    """A verify pass holds at most `max_tree` rows, anchor included (`budget`: the flag that asked for them)."""
     if limits.max_tree is not None and rows > limits.max_tree:
-        raise GlanceError(f"--budget {cfg.budget} needs a verify pass of {rows} rows but the graphs take at most "
-                          f"{limits.max_tree}; use --budget 0..{limits.max_tree - 1} (or re-export with "
-                          f"`glance-export onnx --max-tree {rows}`)")
+        asked = f"--budget {budget} needs" if budget is not None else "this tree needs"
+        raise GlanceError(f"{asked} a verify pass of {rows} rows, above --max-tree {limits.max_tree}; use --budget "
+                          f"0..{limits.max_tree - 1}" + (f" (or re-export with `glance-export onnx --max-tree {rows}`)"
+                                                          if limits.exported else ""))
+
+
+def check_decode(limits: ServeLimits, cfg: DecodeConfig) -> None:
+    """Refuse a fixed-budget config the backend cannot serve (auto sizes its trees within the limits)."""
+    if not cfg.speculative or cfg.budget == 0:
+        return
+    check_branch_k(limits, cfg.branch_k)
+    check_tree(limits, min(cfg.budget, reachable_nodes(limits.block_size, cfg.branch_k)) + 1, cfg.budget)

@@ -13,6 +13,7 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from .backend import Backend
+from .defaults import BRANCH_K, BUDGET
 from .tree import Tree, build_tree, visibility, walk
 
 
@@ -28,8 +29,8 @@ class BudgetPolicy(Protocol):
 @dataclass(frozen=True)
 class DecodeConfig:
     max_new_tokens: int = 128
-    budget: int = 63  # tree nodes besides the anchor (with `auto`: the most it may keep)
-    branch_k: int = 8  # top-k per offset; 1 with budget <= B-1 is the chain ablation
+    budget: int = BUDGET  # tree nodes besides the anchor (with `auto`: the most it may keep)
+    branch_k: int = BRANCH_K  # top-k per offset; 1 with budget <= B-1 is the chain ablation
     speculative: bool = True
     auto: BudgetPolicy | None = None  # chooses each round's tree size (and whether to draft at all)
 

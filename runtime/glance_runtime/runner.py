@@ -1,7 +1,7 @@
 """Opens a backend with everything a caller needs around it: prompt building, stop ids, detokenizing.
 
-Backends are imported only when chosen, and the torch reference comes through the one lazy door
-to the exporter side (`exporter`), so the ONNX Runtime path never imports torch.
+Backends are imported only when chosen, and the torch reference is the one the export package
+registers (`extensions`), so the ONNX Runtime path never imports torch.
 """
 from __future__ import annotations
 
@@ -11,13 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from . import __version__, exporter
-from .backend import Backend
+from . import __version__, extensions
+from .backend import Backend, ServeLimits
 from .cache import cache_root, file_lock
 from .defaults import DEFAULT_ARTIFACTS
 from .errors import GlanceError
-from .limits import Limits
-from .manifest import FORMAT_VERSION, load_manifest
+from .manifest import FORMAT_VERSION, Manifest, check_source, load_manifest
 
 BACKENDS = ("torch", "onnxruntime", "tensorrt")
 
@@ -28,32 +27,40 @@ class Runner:
     build_prompt: Callable[[str, str | Path | None], Any]
     stop_ids: tuple[int, ...]
     detokenize: Callable[[Sequence[int]], str]
-    limits: Limits
     oracle: Callable[[Any, int], list[int]] | None = None  # independent greedy decode, when the backend has one
     home: Path | None = None  # the artifacts or engines served: a cost profile is stored beside them
     identity: str = ""  # what is served, for cache keys where there is no `home` (the torch reference)
     calibration_dirs: tuple[Path, ...] = ()  # where `calibration.json` for `--budget auto` may be, first first
 
+    @property
+    def limits(self) -> ServeLimits:
+        return self.backend.info.limits
+
+
+class _TorchOracle:
+    """The torch reference's greedy decode of `model`, the snapshot exported graphs came from: loaded on
+    first use only (so plain runs never import torch), after checking the graphs were exported from it."""
+
+    def __init__(self, manifest: Manifest, model: Path):
+        self.manifest, self.model = manifest, model
+        self._reference: Runner | None = None
+
+    def __call__(self, prompt, max_new_tokens: int) -> list[int]:
+        if self._reference is None:
+            check_source(self.manifest, self.model)
+            self._reference = extensions.torch_runner(self.model, None)
+        return self._reference.oracle(prompt, max_new_tokens)
+
 
 def _graph_runner(backend, model: Path | None) -> Runner:
-    """A graph backend with, when `model` (the snapshot its graphs came from) is given, the torch oracle,
-    loaded on first use only, so plain runs never import torch."""
-    reference: list[Runner] = []
-
-    def oracle(prompt, max_new_tokens: int) -> list[int]:
-        if not reference:
-            from .manifest import check_source
-
-            check_source(backend.manifest, model)
-            reference.append(exporter.torch_runner(model, None))
-        return reference[0].oracle(prompt, max_new_tokens)
-
-    limits = Limits(backend.block_size, backend.manifest.branch_k, backend.max_tree, exported=True)
-    places = tuple(dict.fromkeys([backend.path, backend.manifest.path]))  # engines first, then their artifacts
-    shipped = Path(backend.path).resolve() == DEFAULT_ARTIFACTS.resolve()  # part of the install: kept unwritten
+    """A graph backend with, when `model` (the snapshot its graphs came from) is given, the torch oracle."""
+    info = backend.info
+    places = tuple(dict.fromkeys([info.home, info.manifest.path]))  # engines first, then their artifacts
+    shipped = Path(info.home).resolve() == DEFAULT_ARTIFACTS.resolve()  # part of the install: kept unwritten
     return Runner(backend=backend, build_prompt=backend.build_prompt, stop_ids=tuple(backend.stop_token_ids),
-                  detokenize=backend.detokenize, limits=limits, oracle=oracle if model is not None else None,
-                  home=None if shipped else backend.path, identity=str(Path(backend.path).resolve()),
+                  detokenize=backend.detokenize,
+                  oracle=_TorchOracle(info.manifest, model) if model is not None else None,
+                  home=None if shipped else info.home, identity=str(Path(info.home).resolve()),
                   calibration_dirs=places)
 
 
@@ -94,27 +101,30 @@ def exported_artifacts(model: Path, head: Path, progress: Callable[[str], None])
             except GlanceError as exc:
                 progress(f"cached export {out} is unusable ({exc}); exporting it again")
                 shutil.rmtree(out)
-        return exporter.export(model, head, out, progress)
+        return extensions.export(model, head, out, progress)
 
 
 def open_runner(backend: str, *, model: Path | None = None, head: Path | None = None,
                 artifacts: Path | None = None, engines: Path | None = None, dtype: str = "float32",
-                progress: Callable[[str], None] = lambda _: None, **ort_options) -> Runner:
-    """`ort_options`: providers, max_context, max_tree, threads (onnxruntime; max_* for tensorrt too)."""
+                providers: Sequence[str] | str | None = None, threads: int | None = None,
+                max_context: int | None = None, max_tree: int | None = None,
+                progress: Callable[[str], None] = lambda _: None) -> Runner:
+    """`providers` and `threads` apply to onnxruntime, `max_context` and `max_tree` to both graph backends;
+    the torch reference has none of these bounds."""
     if backend == "torch":
         if model is None:
             raise GlanceError("the torch backend needs --model (a HF snapshot directory)")
-        return exporter.torch_runner(model, head, dtype)
+        return extensions.torch_runner(model, head, dtype)
     if backend == "onnxruntime":
         if artifacts is None:
             if model is None or head is None:
                 raise GlanceError("the onnxruntime backend needs --artifacts DIR (from `glance-export onnx`), "
                                   "or --model and --head to export them once into the cache")
             artifacts = exported_artifacts(model, head, progress)
-        return open_onnxruntime(artifacts, model, **ort_options)
+        return open_onnxruntime(artifacts, model, providers=providers, threads=threads, max_context=max_context,
+                                max_tree=max_tree)
     if backend == "tensorrt":
         if engines is None:
             raise GlanceError("the tensorrt backend needs --engines DIR (from `glance-export build`)")
-        limits = {k: v for k, v in ort_options.items() if k in ("max_context", "max_tree")}
-        return open_tensorrt(engines, artifacts, model, **limits)
+        return open_tensorrt(engines, artifacts, model, max_context=max_context, max_tree=max_tree)
     raise GlanceError(f"unknown backend {backend!r}; choose one of: {', '.join(BACKENDS)}")

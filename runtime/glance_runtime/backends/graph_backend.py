@@ -15,48 +15,41 @@ Everything a pass reads or writes is a preallocated `Buffer`, bound by address:
 """
 from __future__ import annotations
 
-from typing import Protocol
+from pathlib import Path
 
 import numpy as np
 
-from ..device import Buffer, Device, Tensor
-from ..errors import GlanceError
+from ..backend import BackendInfo, ServeLimits, Verified
+from ..device import Buffer, CudaDevice, Device, Tensor
+from ..graph_clock import Graph, GraphClock
 from ..graphs import draft_kv_names, target_kv_names
+from ..hardware import cuda_gpu, host_cpu
 from ..kv_cache import KVCache
+from ..limits import check_branch_k, check_tree
 from ..manifest import Manifest
 from ..preprocess import Prompt, PromptBuilder
 from ..rope_index import rope_index
 from ..vision_indices import vision_index_inputs
 
-
-class Graph(Protocol):
-    """One graph that runs on bound device views (ONNX Runtime IOBinding, a TensorRT context)."""
-
-    input_names: frozenset[str]
-
-    def run(self, inputs: dict[str, Tensor], outputs: dict[str, Tensor]) -> None:
-        """Run with every input and output bound at the given views; returns once outputs are written
-        (on the device's stream)."""
-
-
-def runtime_limit(flag: str, asked: int | None, built: int, source: str, command: str) -> int:
-    """A runtime limit: the export's or build's bound by default, never above it (graphs, profiles and
-    buffers are sized to it)."""
-    if asked is None:
-        return built
-    if not 1 <= asked <= built:
-        raise GlanceError(f"{flag} {asked} is outside 1..{built}, the range these {source}; "
-                          f"{command} with a larger `{flag}`")
-    return asked
+PRECISION_OF_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
 class GraphBackend:
     """prefill / draft / verify / commit on the vision, target, draft and vocab graphs."""
 
     def __init__(self, manifest: Manifest, device: Device, graphs: dict[str, Graph], *, max_context: int,
-                 max_tree: int, name: str):
+                 max_tree: int, name: str, home: Path, precision: str | None = None,
+                 providers: tuple[str, ...] = (), threads: int | None = None):
         self.name, self.manifest, self.device, self.graphs = name, manifest, device, graphs
         m = manifest
+        hardware = cuda_gpu(device.device_id, device.compute_capability()) if isinstance(device, CudaDevice) \
+            else host_cpu()
+        self.info = BackendInfo(limits=ServeLimits(m.block_size, m.branch_k, max_tree, exported=True),
+                                precision=precision or PRECISION_OF_DTYPE.get(m.float_dtype, m.float_dtype),
+                                hardware=hardware, providers=providers, threads=threads, home=home, manifest=m)
+        self._clock: GraphClock | None = None
+        self._owned: list[Buffer] = []  # what close() frees
+        self._closed = False
         self.prompts = PromptBuilder(m.path, m.image_token_id if m.is_vl else None)
         self.stop_token_ids = m.stop_token_ids
         self.block_size, self.max_context, self.max_tree = m.block_size, max_context, max_tree
@@ -67,7 +60,7 @@ class GraphBackend:
         self.head_kv = KVCache(device, m.head.num_layers, m.head.kv_heads, m.head.head_dim, max_context, self.float)
         self.kv_in, self.kv_out = target_kv_names(m.target.num_layers)
         self.head_in, self.head_out = draft_kv_names(m.head.num_layers)
-        new = device.empty
+        new = self._new
         self.ids = new((max_context,), np.int64)  # target input_ids and vocab ids
         self.embeds = new((max_context, hidden), self.float)  # target inputs_embeds
         self.positions = new((3 * max_context,), np.int64)
@@ -95,6 +88,11 @@ class GraphBackend:
         self.embed_rows(np.array([m.mask_token_id], np.int64), self.block, 1)
         for row in range(2, m.block_size):
             device.copy(self.block.rows(1, row), self.block.rows(1, 1))
+
+    def _new(self, shape: tuple[int, ...], dtype) -> Buffer:
+        buffer = self.device.empty(shape, dtype)
+        self._owned.append(buffer)
+        return buffer
 
     def _reset(self) -> None:
         self.kv.clear()
@@ -227,9 +225,7 @@ class GraphBackend:
         return int(top[0, 0]), entropy
 
     def draft(self, anchor: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-        if k > self.manifest.branch_k:
-            raise GlanceError(f"--branch-k {k} exceeds the draft graph's top-{self.manifest.branch_k}; "
-                              f"lower it or re-export with `glance-export onnx --branch-k {k}`")
+        check_branch_k(self.info.limits, k)
         rows = self.pending_rows
         self.head_kv.check_room(rows)
         self.embed_rows(np.array([anchor], np.int64), self.block, 0)
@@ -247,17 +243,13 @@ class GraphBackend:
                                     extra={anchor: (self.block, 0)})
         return ids[:, :k].astype(np.int64), logp[:, :k].astype(np.float64)
 
-    def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray
-               ) -> tuple[np.ndarray, float, np.ndarray]:
-        size = len(tokens)
-        if size > self.max_tree:
-            raise GlanceError(f"tree of {size} rows exceeds --max-tree {self.max_tree}; "
-                              f"lower --budget to {self.max_tree - 1} or raise --max-tree (up to the build's limit)")
+    def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray) -> Verified:
+        check_tree(self.info.limits, len(tokens))
         positions = self._positions(self.start + np.asarray(depths, dtype=np.int64))
         hidden = self._run_target(np.asarray(tokens, dtype=np.int64), positions, visible, self.taps,
                                   self.no_image, self.no_deep)
         top, logp, entropy = self.project(hidden, "verify")
-        return top[:, 0].astype(np.int64), entropy, logp[:, 0].astype(np.float64)
+        return Verified(top[:, 0].astype(np.int64), entropy, logp[:, 0].astype(np.float64))
 
     def commit(self, rows: np.ndarray) -> None:
         """Compact the pack's KV on the device (kept rows move down after the prefix); queue their taps."""
@@ -267,3 +259,18 @@ class GraphBackend:
             self.device.copy(self.pending.rows(1, self.pending_rows + i), self.taps.rows(1, int(row)))
         self.pending_rows += len(rows)
         self.start += len(rows)
+
+    def time_graphs(self) -> GraphClock:
+        """The backend's own graphs swapped for timed ones, once; later calls return the same clock."""
+        if self._clock is None:
+            self._clock = GraphClock(self.graphs, self.device.synchronize)
+            self.graphs.update(self._clock.graphs)
+        return self._clock
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for buffer in [*self._owned, *self._images.values(), self.kv.buffer, self.head_kv.buffer]:
+            self.device.free(buffer)
+        self._owned, self._images, self.graphs = [], {}, {}

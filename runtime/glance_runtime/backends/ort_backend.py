@@ -14,8 +14,9 @@ from typing import Sequence
 from ..device import CudaDevice, Device, HostDevice, Tensor
 from ..errors import GlanceError
 from ..graphs import DRAFT_GRAPH, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH
+from ..limits import runtime_limit
 from ..manifest import load_manifest
-from .graph_backend import GraphBackend, runtime_limit
+from .graph_backend import GraphBackend
 
 PROVIDER_ALIASES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
                     "tensorrt": "TensorrtExecutionProvider", "trt": "TensorrtExecutionProvider",
@@ -89,8 +90,7 @@ class OrtBackend(GraphBackend):
         ort = _onnxruntime()
         path = Path(artifacts_dir)
         manifest = load_manifest(path)
-        self.providers = resolve_providers(providers)
-        self.threads = threads
+        chosen = resolve_providers(providers)
         options = ort.SessionOptions()
         if threads:
             options.intra_op_num_threads = threads
@@ -98,12 +98,12 @@ class OrtBackend(GraphBackend):
         # A round alternates four sessions; a session's idle workers spinning for work would steal the
         # cores the next session's run needs (on 2 cores that doubled a step), so they sleep instead.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        device = device_for(self.providers)
+        device = device_for(chosen)
 
         def session(graph: str) -> OrtGraph:
             try:
                 return OrtGraph(ort.InferenceSession(str(path / graph), sess_options=options,
-                                                     providers=self.providers), device)
+                                                     providers=chosen), device)
             except Exception as exc:  # onnxruntime's load errors share no base class short of Exception
                 reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 raise GlanceError(f"onnxruntime cannot load {path / graph} ({reason}); "
@@ -112,7 +112,7 @@ class OrtBackend(GraphBackend):
         graphs = {"target": session(TARGET_GRAPH), "draft": session(DRAFT_GRAPH), "vocab": session(VOCAB_GRAPH)}
         if manifest.is_vl:
             graphs["vision"] = session(VISION_GRAPH)
-        super().__init__(manifest, device, graphs, name="onnxruntime",
+        super().__init__(manifest, device, graphs, name="onnxruntime", home=path, providers=tuple(chosen),
+                         threads=threads,
                          max_context=runtime_limit("--max-context", max_context, manifest.max_context, *_EXPORTED),
                          max_tree=runtime_limit("--max-tree", max_tree, manifest.max_tree, *_EXPORTED))
-        self.path = path

@@ -10,14 +10,21 @@ from __future__ import annotations
 
 from typing import Callable
 
+from ..backend import Backend, Verified
+from ..graph_clock import GraphClock
 
 
 class SeededDrafter:
-    """`column(offset) -> int | None`: where the true token goes at that offset (None: make it absent)."""
+    """`column(offset) -> int | None`: where the true token goes at that offset (None: make it absent).
+    Everything but the draft is the wrapped backend's."""
 
-    def __init__(self, backend, truth: list[int], prompt_len: int, column: Callable[[int], int | None]):
+    def __init__(self, backend: Backend, truth: list[int], prompt_len: int, column: Callable[[int], int | None]):
         self.inner, self.truth, self.prompt_len, self.column = backend, truth, prompt_len, column
-        self.name, self.block_size = backend.name, backend.block_size
+        self.name, self.block_size, self.info = backend.name, backend.block_size, backend.info
+
+    @property
+    def start(self) -> int:
+        return self.inner.start
 
     def prefill(self, prompt):
         return self.inner.prefill(prompt)
@@ -37,8 +44,14 @@ class SeededDrafter:
             ids[d - 1] = row[:k]
         return ids, logp
 
-    def verify(self, tokens, depths, visible):
+    def verify(self, tokens, depths, visible) -> Verified:
         return self.inner.verify(tokens, depths, visible)
 
-    def commit(self, rows):
-        return self.inner.commit(rows)
+    def commit(self, rows) -> None:
+        self.inner.commit(rows)
+
+    def time_graphs(self) -> GraphClock | None:
+        return self.inner.time_graphs()
+
+    def close(self) -> None:
+        self.inner.close()

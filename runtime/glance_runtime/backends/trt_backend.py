@@ -19,8 +19,9 @@ from typing import Any, Sequence
 from ..device import CudaDevice, Tensor
 from ..errors import GlanceError
 from ..integrity import verify_engines
+from ..limits import runtime_limit
 from ..manifest import load_manifest, sha256
-from .graph_backend import GraphBackend, runtime_limit
+from .graph_backend import GraphBackend
 
 ENGINE_MANIFEST = "engines.json"
 REBUILD = "rebuild them on this device with `glance-export build --artifacts ART --target T --out DIR`"
@@ -130,8 +131,7 @@ class TrtBackend(GraphBackend):
         graphs = {graph: TrtGraph(trt, self.runtime, engines / entry["file"], device)
                   for graph, entry in record["engines"].items()}
         built = ("engines were built for", "rebuild them with `glance-export build`")
-        super().__init__(manifest, device, graphs, name="tensorrt",
+        super().__init__(manifest, device, graphs, name="tensorrt", home=engines,
+                         precision=(record.get("precision") or {}).get("name"),  # fp16 engines from fp32 graphs
                          max_context=runtime_limit("--max-context", max_context, int(record["limits"]["max_context"]), *built),
                          max_tree=runtime_limit("--max-tree", max_tree, int(record["limits"]["max_tree"]), *built))
-        self.path = engines
-        self.precision = (record.get("precision") or {}).get("name", manifest.float_dtype)  # what audits gate on

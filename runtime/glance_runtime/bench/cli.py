@@ -16,18 +16,17 @@ import platform
 import shlex
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
-from .. import __version__
+from .. import __version__, limits
 from ..auto_budget import AutoBudget, auto_budget
 from ..calibration import FILE as CALIBRATION_FILE, Calibration, load_calibration
-from ..defaults import resolve
+from ..cli_parser import OneLineParser, check_dirs, guarded, runner_flags, source
+from ..defaults import BRANCH_K, MEASURE_MAX_NEW_TOKENS, resolve
 from ..errors import GlanceError
 from ..limits import check_decode
-from ..loop import DecodeConfig
-from ..cli_parser import OneLineParser, guarded
-from ..runner import BACKENDS, Runner, open_runner
+from ..runner import Runner
+from ..session import open_session
 from .calibrate import fit_calibration, summary_lines
 from .expect import METRICS, line as expect_line, parse as parse_expect
 from .law_log import fit_log, select
@@ -38,19 +37,13 @@ from .progress import Progress
 from .report import clean_json, build, write
 from .rounds import calibration_rows, read_rounds
 from .tasks import read_tasks
-from .timing import GraphClock
 
 
 def _runner_args(p: argparse.ArgumentParser) -> None:
-    """What the bench and `cost` are run on: the same flags as glance-run's."""
-    p.add_argument("--backend", choices=BACKENDS, help="default: onnxruntime where installed, else torch")
-    p.add_argument("--model", type=Path, help="target snapshot (default: the embedded glance-vl-tiny)")
-    p.add_argument("--head", type=Path, help="draft head directory")
-    p.add_argument("--artifacts", type=Path, help="exported graphs for onnxruntime (glance-export onnx)")
-    p.add_argument("--engines", type=Path, help="TensorRT engines for --backend tensorrt (glance-export build)")
-    p.add_argument("--provider", action="append", help="ONNX Runtime execution provider (repeatable)")
-    p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads")
-    p.add_argument("--branch-k", type=int, default=8, help="top-k per draft offset for the trees")
+    """What the bench and `cost` are run on: glance-run's flags, and the trees' top-k."""
+    runner_flags(p)
+    p.add_argument("--branch-k", type=limits.at_least("--branch-k", 1), default=BRANCH_K,
+                   help=f"top-k per draft offset for the trees (default {BRANCH_K})")
     p.add_argument("--remeasure", action="store_true", help="measure this device's cost profile for auto again, "
                    "even where one is stored")
 
@@ -71,7 +64,8 @@ def bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--chain", action="store_true", help="also the same head as a chain (branch 1, min(budget, B-1) nodes)")
     p.add_argument("--n", type=int, help="first N prompts of each task file (default: all)")
     p.add_argument("--samples", type=int, default=3, help="runs per prompt and mode, the first dropped as a warm-up")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=limits.integer("--max-new-tokens"), default=MEASURE_MAX_NEW_TOKENS,
+                   help=f"answer length per run (default {MEASURE_MAX_NEW_TOKENS}; at least 2: prefill gives the first)")
     p.add_argument("--seed-drafts", choices=("none", "partial", "full"), default="none",
                    help="seed the target's own greedy continuation into the draft top-k with confident log-probs "
                    "(an upper bound, for random heads): at every offset (full) or the first half (partial)")
@@ -120,18 +114,9 @@ def calibrate_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check_dirs(args: argparse.Namespace) -> None:
-    for flag, path in (("--model", args.model), ("--head", args.head), ("--artifacts", args.artifacts),
-                       ("--engines", args.engines)):
-        if path is not None and not path.is_dir():
-            raise GlanceError(f"{flag} {path} {'is not a directory' if path.exists() else 'does not exist'}")
-
-
 def _open(args: argparse.Namespace) -> Runner:
     model, head, artifacts, backend = resolve(args.model, args.head, args.artifacts, args.backend)
-    ort = {} if backend == "torch" else dict(providers=args.provider, threads=args.threads)
-    return open_runner(backend, model=model, head=head, artifacts=artifacts, engines=args.engines,
-                       progress=_progress, **ort)
+    return open_session(source(args, backend, model=model, head=head, artifacts=artifacts), progress=_progress).runner
 
 
 def _progress(line: str) -> None:
@@ -143,7 +128,7 @@ def _auto(runner: Runner, args: argparse.Namespace, calibration: Calibration | N
     the report records of it: the cost profile with its path, and the calibration's path ("prior" where none)."""
     policy, cost_path, found = auto_budget(runner, args.branch_k, remeasure=args.remeasure, progress=_progress)
     if calibration is not None:
-        policy, found = replace(policy, calibration=calibration), args.calibration
+        policy, found = policy.with_calibration(calibration), args.calibration
     return policy, {"max_nodes": policy.max_nodes, "cost_table": policy.cost.table(),
                     "cost_profile": {"path": str(cost_path), **policy.cost.as_dict()},
                     "calibration": {"path": str(found) if found else "prior",
@@ -160,13 +145,13 @@ def _check(args: argparse.Namespace) -> None:
         raise GlanceError("--n must be at least 1")
     if args.bootstrap < 1:
         raise GlanceError("--bootstrap must be at least 1")
-    _check_dirs(args)
+    check_dirs(args)
     if args.out.exists() and not args.out.is_dir():
         raise GlanceError(f"--out {args.out} is a file; pass a directory")
 
 
 def _conditions(runner, args: argparse.Namespace, argv: list[str]) -> dict:
-    providers = getattr(runner.backend, "providers", None)
+    providers = runner.backend.info.providers
     versions = {}
     for module in ("numpy", "onnxruntime"):
         try:
@@ -205,7 +190,7 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
         policy, auto = _auto(runner, args, calibration)
         modes.append(auto_mode(policy, args.branch_k))
     conditions = _conditions(runner, args, argv)
-    clock = GraphClock.attach(runner.backend)
+    clock = runner.backend.time_graphs()
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     with Progress(len(tasks)) as progress:
@@ -272,10 +257,8 @@ def run_law(args: argparse.Namespace) -> int:
 
 
 def run_cost(args: argparse.Namespace) -> int:
-    _check_dirs(args)
+    check_dirs(args)
     runner = _open(args)
-    # auto drafts with --branch-k: refused here in one line if the draft graph returns fewer candidates.
-    check_decode(runner.limits, DecodeConfig(max_new_tokens=1, budget=1, branch_k=args.branch_k))
     policy, path, calibration = auto_budget(runner, args.branch_k, remeasure=args.remeasure, progress=_progress)
     print(policy.cost.table())
     print(f"stored in {path}")

@@ -14,7 +14,7 @@ from ..loop import decode
 from .modes import Mode
 from .seeding import ConfidentSeeds
 from .tasks import Task
-from .timing import GRAPH_NAMES, GraphClock
+from ..graph_clock import GRAPH_NAMES, GraphClock
 
 
 @dataclass

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..auto_budget import AUTO, AutoBudget
+from ..auto_budget import AutoBudget
+from ..defaults import AUTO
 from ..errors import GlanceError
 from ..loop import DecodeConfig
 

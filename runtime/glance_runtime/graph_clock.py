@@ -1,0 +1,57 @@
+"""Wall time of every graph run of a graph backend (ONNX Runtime, TensorRT), read between rounds.
+
+The loop's RoundLog gives draft and verify time; the graphs' own time tells the runtime's overhead
+(everything outside the graphs) apart from the model's cost. The backend installs the clock on its own
+graphs (`Backend.time_graphs`), so no caller replaces a backend's parts.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Protocol
+
+from .device import Tensor
+
+GRAPH_NAMES = ("target", "draft", "vocab")  # the graphs a round runs (vision, where present, only at prefill)
+
+
+class Graph(Protocol):
+    """One graph that runs on bound device views (ONNX Runtime IOBinding, a TensorRT context)."""
+
+    input_names: frozenset[str]
+
+    def run(self, inputs: dict[str, Tensor], outputs: dict[str, Tensor]) -> None:
+        """Run with every input and output bound at the given views; returns once outputs are written
+        (on the device's stream)."""
+
+
+class TimedGraph:
+    """One graph with a running total of its runs' seconds; `sync` waits for the device's stream, so an
+    asynchronous engine's time is charged to the run that queued it."""
+
+    def __init__(self, graph: Graph, sync: Callable[[], None]):
+        self.graph, self.sync, self.seconds, self.runs = graph, sync, 0.0, 0
+        self.input_names = graph.input_names
+
+    def run(self, inputs: dict[str, Tensor], outputs: dict[str, Tensor]) -> None:
+        self.runs += 1
+        t0 = time.perf_counter()
+        try:
+            self.graph.run(inputs, outputs)
+            self.sync()
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
+class GraphClock:
+    """Timed stand-ins for every graph of one backend."""
+
+    def __init__(self, graphs: dict[str, Graph], sync: Callable[[], None]):
+        self.graphs = {name: TimedGraph(graph, sync) for name, graph in graphs.items()}
+
+    def reading(self) -> dict[str, float]:
+        """Cumulative ms per graph so far."""
+        return {name: g.seconds * 1e3 for name, g in self.graphs.items()}
+
+    def runs(self) -> dict[str, int]:
+        """Runs per graph so far."""
+        return {name: g.runs for name, g in self.graphs.items()}
