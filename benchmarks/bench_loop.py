@@ -139,7 +139,7 @@ def main() -> None:
         ap.error("--samples must be at least 2 (the first is a dropped warm-up)")
 
     backend, build_prompt, stops, clock = open_backend(args)
-    print(f"{backend.name} {getattr(backend, 'providers', '') or ''}: budget {args.budget}, branch {args.branch_k}, "
+    print(f"{backend.name} {', '.join(backend.info.providers)}: budget {args.budget}, branch {args.branch_k}, "
           f"block {backend.block_size}, drafts {args.seed_drafts}, {args.samples - 1} samples kept per task "
           "(first dropped as warm-up)")
     tasks = []

@@ -82,7 +82,7 @@ def auto_config(backend, prompt, cfg: DecodeConfig, places: list[Path]) -> Decod
     """`--budget auto` as glance-run builds it: this backend's round costs, measured here (not stored), and
     the calibration shipped beside the model's artifacts or head (else the prior)."""
     largest = min(AUTO_MAX_NODES, reachable_nodes(backend.block_size, cfg.branch_k),
-                  getattr(backend, "max_tree", AUTO_MAX_NODES + 1) - 1)
+                  (backend.info.limits.max_tree or AUTO_MAX_NODES + 1) - 1)
     cost = measure_costs(backend, prompt, largest + 1, cfg.branch_k)
     policy = AutoBudget(cost, find_calibration(places)[0], min(largest, cost.max_rows - 1), backend.block_size)
     return DecodeConfig(max_new_tokens=cfg.max_new_tokens, budget=policy.max_nodes, branch_k=cfg.branch_k, auto=policy)

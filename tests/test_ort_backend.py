@@ -26,6 +26,7 @@ from glance_export.reference import TorchBackend, greedy_reference
 from glance_runtime.auto_budget import AutoBudget
 from glance_runtime.calibration import PRIOR
 from glance_runtime.cost_profile import measure
+from glance_runtime.defaults import DEFAULT_ARTIFACTS
 from glance_runtime.errors import GlanceError
 from glance_runtime.loop import DecodeConfig, decode
 from auto_policies import check_mixed, config, cutting, median_surprisal, skipping
@@ -126,6 +127,26 @@ def test_fp16_artifacts(exported, images):
         assert decode(ex.backend, prompt, _cfg(budget)).tokens == ar
     seeded = decode(SeededDrafter(ex.backend, ar, prompt.length, lambda d: 0), prompt, _cfg("b31"))
     assert seeded.tokens == ar and seeded.tau > 2
+
+
+def test_the_backend_declares_what_it_serves_and_times_its_own_graphs(images):
+    """info names the served directory, limits and precision; time_graphs installs one clock that counts
+    every run of a decode; close releases the graphs and may be called again."""
+    backend = OrtBackend(DEFAULT_ARTIFACTS, max_tree=16, threads=1)
+    info = backend.info
+    assert info.home == DEFAULT_ARTIFACTS and info.manifest.path == DEFAULT_ARTIFACTS
+    assert info.limits.max_tree == 16 and info.limits.max_branch_k == info.manifest.branch_k and info.limits.exported
+    assert info.precision == "fp32" and info.providers == ("CPUExecutionProvider",) and info.threads == 1
+    clock = backend.time_graphs()
+    assert backend.time_graphs() is clock
+    prompt = backend.build_prompt("What is shown?", images["wide"])
+    result = decode(backend, prompt, DecodeConfig(max_new_tokens=6, budget=15), backend.stop_token_ids)
+    runs = clock.runs()
+    assert runs["vision"] == 1 and runs["target"] == 1 + len(result.rounds) and sum(clock.reading().values()) > 0
+    verified = backend.verify(np.array([result.tokens[-1]]), np.zeros(1, np.int64), np.ones((1, 1), bool))
+    assert verified.argmax.shape == verified.confidence.shape == (1,) and isinstance(verified.entropy, float)
+    backend.close()
+    backend.close()
 
 
 @pytest.mark.parametrize("speculative", [True, False])

@@ -112,10 +112,14 @@ class Session:
         self.runner.backend.close()
 
 
+def open_source(source: Source, progress: Callable[[str], None] = lambda _: None) -> Runner:
+    """The runner for `source` (glance-bench measures its own configurations on it)."""
+    return open_runner(source.backend, model=source.model, head=source.head, artifacts=source.artifacts,
+                       engines=source.engines, providers=source.providers, threads=source.threads,
+                       max_context=source.max_context, max_tree=source.max_tree, progress=progress)
+
+
 def open_session(source: Source, settings: Settings = Settings(),
                  progress: Callable[[str], None] = lambda _: None) -> Session:
     """Open `source` and decode with `settings`: the one way in for commands and the Python API."""
-    runner = open_runner(source.backend, model=source.model, head=source.head, artifacts=source.artifacts,
-                         engines=source.engines, providers=source.providers, threads=source.threads,
-                         max_context=source.max_context, max_tree=source.max_tree, progress=progress)
-    return Session(runner, settings, progress)
+    return Session(open_source(source, progress), settings, progress)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..backend import Backend, Verified
+from ..backend import Backend, BackendInfo, Verified
 from ..graph_clock import GraphClock
 
 
@@ -20,7 +20,11 @@ class SeededDrafter:
 
     def __init__(self, backend: Backend, truth: list[int], prompt_len: int, column: Callable[[int], int | None]):
         self.inner, self.truth, self.prompt_len, self.column = backend, truth, prompt_len, column
-        self.name, self.block_size, self.info = backend.name, backend.block_size, backend.info
+        self.name, self.block_size = backend.name, backend.block_size
+
+    @property
+    def info(self) -> BackendInfo:
+        return self.inner.info
 
     @property
     def start(self) -> int:

@@ -26,7 +26,7 @@ from ..defaults import BRANCH_K, MEASURE_MAX_NEW_TOKENS, resolve
 from ..errors import GlanceError
 from ..limits import check_decode
 from ..runner import Runner
-from ..session import open_session
+from ..session import open_source
 from .calibrate import fit_calibration, summary_lines
 from .expect import METRICS, line as expect_line, parse as parse_expect
 from .law_log import fit_log, select
@@ -116,7 +116,7 @@ def calibrate_parser() -> argparse.ArgumentParser:
 
 def _open(args: argparse.Namespace) -> Runner:
     model, head, artifacts, backend = resolve(args.model, args.head, args.artifacts, args.backend)
-    return open_session(source(args, backend, model=model, head=head, artifacts=artifacts), progress=_progress).runner
+    return open_source(source(args, backend, model=model, head=head, artifacts=artifacts), _progress)
 
 
 def _progress(line: str) -> None:

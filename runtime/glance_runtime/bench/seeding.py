@@ -17,27 +17,18 @@ CONFIDENCE = 0.9
 DEPTH = {"full": lambda block: block - 1, "partial": lambda block: max(1, (block - 1) // 2)}
 
 
-class ConfidentSeeds:
+class ConfidentSeeds(SeededDrafter):
     """Seeds offsets 1..depth (first column) and gives them confident log-probs; deeper offsets stay the head's."""
 
     def __init__(self, backend, truth: list[int], prompt_len: int, how: str):
         depth = DEPTH[how](backend.block_size)
-        self.seeded = SeededDrafter(backend, truth, prompt_len, lambda d: 0 if d <= depth else None)
-        self.depth, self.name, self.block_size = depth, backend.name, backend.block_size
-
-    def prefill(self, prompt):
-        return self.seeded.prefill(prompt)
+        super().__init__(backend, truth, prompt_len, lambda d: 0 if d <= depth else None)
+        self.depth = depth
 
     def draft(self, anchor: int, k: int):
-        ids, logp = self.seeded.draft(anchor, k)
+        ids, logp = super().draft(anchor, k)
         logp = logp.copy()
         logp[: self.depth, 0] = math.log(CONFIDENCE)
         if k > 1:
             logp[: self.depth, 1:] = math.log((1 - CONFIDENCE) / (k - 1))
         return ids, logp
-
-    def verify(self, tokens, depths, visible):
-        return self.seeded.verify(tokens, depths, visible)
-
-    def commit(self, rows):
-        return self.seeded.commit(rows)
