@@ -10,7 +10,7 @@ from typing import Callable
 from glance_runtime.auto_budget import AUTO
 from glance_runtime.loop import DecodeConfig, decode
 from glance_runtime.runner import Runner
-from glance_runtime.tasks import Task
+from glance_runtime.formats.tasks import Task
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:

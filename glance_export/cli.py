@@ -47,7 +47,7 @@ def _audit(args: argparse.Namespace) -> int:
     from glance_runtime.runner import open_runner
 
     from .audit import audit
-    from glance_runtime.tasks import read_tasks
+    from glance_runtime.formats.tasks import read as read_tasks
 
     if args.save_reference is not None:
         return _save_reference(args)
@@ -115,9 +115,11 @@ def _audit_reference(args: argparse.Namespace) -> int:
     """Device side, no torch: the backend's GLANCE and own greedy output against a recorded reference."""
     from glance_runtime.runner import open_runner
 
-    from glance_runtime.tasks import read_tasks
+    from glance_runtime.formats.tasks import read as read_tasks
     from .reference_audit import audit_against_reference, summary
-    from .reference_file import check_reference, load_reference, model_source
+    from glance_runtime.formats.reference import read as load_reference
+
+    from .reference_file import check_reference, model_source
 
     ref = load_reference(args.reference)
     model, head, artifacts, backend = resolve(args.model, args.head, args.artifacts, args.backend)

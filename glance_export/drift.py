@@ -6,23 +6,15 @@ greedy decoding on both exports, so users see the quality cost apart from the sp
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Sequence
 
 from glance_runtime.errors import GlanceError
-from glance_runtime.graphs import MANIFEST
+from glance_runtime.formats import artifacts as artifacts_format
 from glance_runtime.loop import DecodeConfig, decode
-from glance_runtime.tasks import read_tasks
+from glance_runtime.formats.tasks import read as read_tasks
 
 from .audit import first_divergence
-
-
-def _manifest(artifacts: Path) -> dict[str, Any]:
-    path = Path(artifacts) / MANIFEST
-    if not path.is_file():
-        raise GlanceError(f"{artifacts} has no {MANIFEST}; export it with `glance-export onnx` first")
-    return json.loads(path.read_text())
 
 
 def compare(tokens: list[int], reference: list[int]) -> dict[str, Any]:
@@ -41,11 +33,11 @@ def drift(quantized: Path, reference: Path, task_file: Path, max_new_tokens: int
     """Greedy tokens of `quantized` against `reference` (an fp32 export of the same target) on every task."""
     from glance_runtime.runner import open_runner
 
-    q_manifest, r_manifest = _manifest(quantized), _manifest(reference)
-    if q_manifest.get("source") != r_manifest.get("source"):
+    q_manifest, r_manifest = (artifacts_format.read(a) for a in (quantized, reference))
+    if q_manifest.source != r_manifest.source:
         raise GlanceError(f"{quantized} and {reference} were exported from different targets; drift compares "
                           f"two exports of one model")
-    if r_manifest.get("quantization"):
+    if r_manifest.quantization:
         raise GlanceError(f"{reference} is itself quantized; pass the fp32 export with --drift-from")
     tasks = read_tasks(task_file)
     runners = [open_runner("onnxruntime", artifacts=Path(a), providers=providers) for a in (quantized, reference)]
@@ -55,7 +47,7 @@ def drift(quantized: Path, reference: Path, task_file: Path, max_new_tokens: int
         outs = [decode(r.backend, r.build_prompt(task.prompt, task.image), cfg, r.stop_ids).tokens for r in runners]
         rows.append({"prompt": task.prompt, **compare(*outs)})
     ref_tokens = sum(r["reference_tokens"] for r in rows)
-    scheme = q_manifest.get("quantization") or {}
+    scheme = q_manifest.quantization or {}
     return {"quantized": str(quantized), "reference": str(reference), "scheme": scheme.get("scheme", "none"),
             "group_size": scheme.get("group_size"), "n": len(rows), "identical": sum(r["identical"] for r in rows),
             "prefix_agreement": round(sum(r["prefix_tokens"] for r in rows) / ref_tokens, 4) if ref_tokens else 1.0,

@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from glance_runtime.errors import GlanceError
+from glance_runtime.formats.reference import RECORD, RecordedTask, Reference
+from glance_runtime.formats.tasks import Task
 from glance_runtime.loop import DecodeConfig, decode
 from glance_runtime.runner import Runner
-from glance_runtime.tasks import Task
 
 from .audit import budget_of, first_divergence
-from .reference_file import RECORD, RecordedTask, Reference, array_sha256, ids_sha256
+from .reference_file import array_sha256, ids_sha256
 
 _PRECISION_OF_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 

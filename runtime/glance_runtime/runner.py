@@ -17,7 +17,7 @@ from .cache import cache_root, file_lock
 from .defaults import DEFAULT_ARTIFACTS
 from .errors import GlanceError
 from .limits import Limits
-from .manifest import FORMAT_VERSION, load_manifest
+from .formats.artifacts import VERSION as FORMAT_VERSION, read as load_manifest
 
 BACKENDS = ("torch", "onnxruntime", "tensorrt")
 
@@ -42,7 +42,7 @@ def _graph_runner(backend, model: Path | None) -> Runner:
 
     def oracle(prompt, max_new_tokens: int) -> list[int]:
         if not reference:
-            from .manifest import check_source
+            from .formats.artifacts import check_source
 
             check_source(backend.manifest, model)
             reference.append(exporter.torch_runner(model, None))

@@ -23,7 +23,7 @@ from ..device import Buffer, Device, Tensor
 from ..errors import GlanceError
 from ..graphs import draft_kv_names, target_kv_names
 from ..kv_cache import KVCache
-from ..manifest import Manifest
+from ..formats.artifacts import Manifest
 from ..preprocess import Prompt, PromptBuilder
 from ..rope_index import rope_index
 from ..vision_indices import vision_index_inputs

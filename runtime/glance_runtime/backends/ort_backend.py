@@ -14,7 +14,7 @@ from typing import Sequence
 from ..device import CudaDevice, Device, HostDevice, Tensor
 from ..errors import GlanceError
 from ..graphs import DRAFT_GRAPH, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH
-from ..manifest import load_manifest
+from ..formats.artifacts import read as load_manifest
 from .graph_backend import GraphBackend, runtime_limit
 
 PROVIDER_ALIASES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
