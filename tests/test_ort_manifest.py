@@ -170,3 +170,23 @@ def test_toolkit_versions(artifacts):
 def test_source_hash_mismatch(exported, snapshot_dir):
     with pytest.raises(GlanceError, match="config.json differs"):
         check_source(load_manifest(exported[0]), snapshot_dir("qwen2_5_vl"))
+
+
+def test_a_graph_swapped_in_with_its_hashes_rewritten_is_refused_when_opened(artifacts):
+    """Every hash matching is not enough: the graph itself must be the one the manifest describes."""
+    from glance_runtime.backends.ort_backend import OrtBackend
+    from glance_runtime.integrity import record
+
+    shutil.copy(artifacts / "draft.onnx", artifacts / "target.onnx")
+    _rewrite(artifacts, lambda raw: raw["file_hashes"].update(record(artifacts, ["target.onnx"])))
+    load_manifest(artifacts)  # every recorded hash holds
+    with pytest.raises(GlanceError, match="target.onnx has inputs .* but its manifest records") as err:
+        OrtBackend(artifacts, providers="cpu")
+    assert "\n" not in str(err.value)
+
+
+def test_real_graphs_match_their_manifest_entries(exported):
+    from glance_runtime.backends.ort_backend import OrtBackend
+
+    backend = OrtBackend(exported[0])
+    assert set(backend.graphs) == {"target", "draft", "vocab", "vision"}

@@ -124,7 +124,8 @@ def load_calibration(path: Path) -> Calibration:
         raise GlanceError(f"cannot read {path} ({exc.strerror}); pass an existing calibration file") from None
     except (ValueError, KeyError, TypeError) as exc:  # UnicodeDecodeError is a ValueError
         reason = "not UTF-8" if isinstance(exc, UnicodeDecodeError) else f"{type(exc).__name__}: {exc}"
-        raise GlanceError(f"{path} is not a usable calibration ({reason}); refit it with `glance-bench calibrate`") from None
+        raise GlanceError(f"{path} is not a usable calibration ({reason}); refit it with "
+                          "`glance-bench calibrate`") from None
 
 
 def find_calibration(places: list[Path | None]) -> tuple[Calibration, Path | None]:

@@ -168,7 +168,7 @@ def _parse(path: Path, raw: dict[str, Any]) -> tuple[Manifest, dict[str, str], l
     needed = {"target": TARGET_GRAPH, "draft": DRAFT_GRAPH, "vocab": VOCAB_GRAPH,
               **({"vision": VISION_GRAPH} if is_vl else {})}
     names = _graph_files(raw, graphs, needed)
-    target, draft, vocab = obj(graphs, "target", "graphs."), obj(graphs, "draft", "graphs."), obj(graphs, "vocab", "graphs.")
+    target, draft, vocab = (obj(graphs, key, "graphs.") for key in ("target", "draft", "vocab"))
     target_stack = _stack(target, "graphs.target.")
     hidden = integer(target, "hidden_size", 1, BIG, "graphs.target.")
     vocab_size = integer(target, "vocab_size", 2, BIG, "graphs.target.")
@@ -205,7 +205,8 @@ def _parse(path: Path, raw: dict[str, Any]) -> tuple[Manifest, dict[str, str], l
         image_token_id=(integer(raw, "image_token_id", 0, token) if is_vl
                         else optional_int(raw, "image_token_id", 0, token)),
         stop_token_ids=int_list(raw, "stop_token_ids", 0, token), max_tree=max_tree, max_context=max_context,
-        spatial_merge_size=merge, vision_index_params=_vision_params(vision.get("index_params"), merge) if is_vl else None,
+        spatial_merge_size=merge,
+        vision_index_params=_vision_params(vision.get("index_params"), merge) if is_vl else None,
         source=source, raw=raw)
     return manifest, needed, names
 
@@ -246,6 +247,30 @@ def write(artifacts_dir: str | Path, document: dict[str, Any]) -> Path:
     file = Path(artifacts_dir) / FILE
     write_file(file, dumps(stamped(document, FORMAT, VERSION, HASH_FIELD), indent=2))
     return file
+
+
+def check_graph_io(manifest: Manifest, graph: str, inputs: list[tuple[str, str, list]],
+                   outputs: list[tuple[str, str, list]]) -> None:
+    """A graph file as a runtime opened it ((name, numpy dtype, shape) per input and output, symbolic axes as
+    strings) against what the manifest records for it: a graph swapped in from another export, its hashes
+    rewritten, is refused here rather than failing (or answering) inside the runtime."""
+    entry = manifest.raw["graphs"][graph]
+    for side, found in (("inputs", inputs), ("outputs", outputs)):
+        recorded = entry.get(side)
+        if not isinstance(recorded, dict):
+            continue  # nothing recorded to compare with
+        names = {name for name, _, _ in found}
+        if names != set(recorded):
+            raise GlanceError(f"{manifest.path / entry['file']} has {side} {sorted(names)} but its manifest records "
+                              f"{sorted(recorded)}; copy the directory again or {REEXPORT}")
+        for name, dtype, shape in found:
+            want = recorded[name] if isinstance(recorded[name], dict) else {}
+            dims = want.get("shape") or []
+            fixed = [(a, b) for a, b in zip(shape, dims) if isinstance(a, int) and isinstance(b, int)]
+            if want.get("dtype") != dtype or len(shape) != len(dims) or any(a != b for a, b in fixed):
+                raise GlanceError(f"{manifest.path / entry['file']} {side[:-1]} {name} is {dtype} {shape} but its "
+                                  f"manifest records {want.get('dtype')} {want.get('shape')}; copy the directory "
+                                  f"again or {REEXPORT}")
 
 
 def check_source(manifest: Manifest, model_dir: str | Path) -> None:

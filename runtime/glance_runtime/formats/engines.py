@@ -21,7 +21,8 @@ from typing import Any
 
 from ..atomic import write_file
 from ..errors import GlanceError
-from .common import Invalid, check_header, check_int, check_text, digest, dumps, guarded, integer, obj, read_json, stamped
+from .common import (Invalid, check_header, check_int, check_text, digest, dumps, guarded, integer, obj, read_json,
+                     stamped)
 
 FORMAT = "glance-engines"
 VERSION = 2
@@ -61,7 +62,8 @@ def _engine(graph: str, entry: Any) -> EngineFile:
     name = check_text(entry.get("file"), f"{where}file")
     if not name or "/" in name or "\\" in name or name in (".", "..") or "\x00" in name:
         raise Invalid(f"{where}file is {name!r}; it must name a file in the engines directory")
-    return EngineFile(name, integer(entry, "bytes", 0, 1 << 50, where), check_text(entry.get("sha256"), f"{where}sha256"))
+    return EngineFile(name, integer(entry, "bytes", 0, 1 << 50, where),
+                      check_text(entry.get("sha256"), f"{where}sha256"))
 
 
 def _optional_text(raw: dict[str, Any], key: str, where: str) -> str | None:
