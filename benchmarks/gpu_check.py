@@ -117,7 +117,7 @@ def measure(backend, stop_ids, case: Case, cfg: DecodeConfig, auto: DecodeConfig
 
 def default_case(n: int, max_new: int, device: str) -> tuple[Case, Path, Path, Path]:
     """The embedded default on its held-out prompts (n spread over the four kinds), oracle on `device`."""
-    from glance_runtime.tasks import read_tasks
+    from glance_runtime.formats.tasks import read as read_tasks
     from glance_export.reference import TorchBackend, greedy_reference
     from glance_export.adapters import Snapshot
     from glance_runtime.defaults import DEFAULT_ARTIFACTS, DEFAULT_HEAD, DEFAULT_MODEL

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
-from glance_runtime.manifest import load_manifest
+from glance_runtime.formats.artifacts import read as load_manifest
 
 
 def timed(artifacts: Path) -> float:

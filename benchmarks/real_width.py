@@ -109,13 +109,13 @@ def stage_generate(out: Path, n: int, max_new_tokens: int, threads: int) -> dict
     from transformers import AutoModelForImageTextToText
 
     from glance_export.adapters import Snapshot
-    from glance_runtime.bench.tasks import read_tasks
+    from glance_runtime.bench.tasks import read_bench_tasks
 
     torch.set_num_threads(threads)
     snapshot = Snapshot(out / "snapshot")
     model = AutoModelForImageTextToText.from_pretrained(out / "snapshot", dtype=torch.float32).eval()
     rows = []
-    for task in read_tasks([TASKS], n):
+    for task in read_bench_tasks([TASKS], n):
         prompt = snapshot.build_prompt(task.prompt, task.image)
         ids = torch.from_numpy(prompt.input_ids)[None]
         inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids),
@@ -139,13 +139,13 @@ def stage_generate(out: Path, n: int, max_new_tokens: int, threads: int) -> dict
 def stage_ort_tokens(out: Path, n: int, max_new_tokens: int, threads: int) -> dict:
     """ONNX Runtime's own AR greedy tokens, to set beside transformers' (parity at real width)."""
     from glance_runtime.backends.ort_backend import OrtBackend
-    from glance_runtime.bench.tasks import read_tasks
+    from glance_runtime.bench.tasks import read_bench_tasks
     from glance_runtime.loop import DecodeConfig, decode
 
     backend = OrtBackend(out / "artifacts", threads=threads)
     cfg = DecodeConfig(max_new_tokens=max_new_tokens, speculative=False)
     return {"tokens": [decode(backend, backend.build_prompt(t.prompt, t.image), cfg).tokens
-                       for t in read_tasks([TASKS], n)]}
+                       for t in read_bench_tasks([TASKS], n)]}
 
 
 def run_stage(args, name: str, stage: str, extra: list[str]) -> dict:

@@ -18,7 +18,7 @@ import os
 import time
 from pathlib import Path
 
-from glance_runtime.bench.tasks import Task, read_tasks
+from glance_runtime.bench.tasks import BenchTask, read_bench_tasks
 from glance_runtime.defaults import resolve
 from glance_runtime.loop import DecodeConfig, decode
 from glance_runtime.runner import BACKENDS, Runner, open_runner
@@ -33,9 +33,9 @@ def rss_mb() -> float:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
 
 
-def held_out(distinct: int) -> list[Task]:
+def held_out(distinct: int) -> list[BenchTask]:
     """The first `distinct` tasks, taking the kinds in turn so every kind is in even a short run."""
-    per_kind = [read_tasks([EXAMPLES / kind / "tasks.jsonl"]) for kind in KINDS]
+    per_kind = [read_bench_tasks([EXAMPLES / kind / "tasks.jsonl"]) for kind in KINDS]
     mixed = [t for row in zip(*per_kind) for t in row]
     return mixed[:distinct]
 
@@ -46,7 +46,7 @@ def open_default(backend: str, threads: int | None = None) -> Runner:
     return open_runner(backend, model=model, head=head, artifacts=artifacts, **options)
 
 
-def answer(runner: Runner, task: Task, cfg: DecodeConfig) -> list[int]:
+def answer(runner: Runner, task: BenchTask, cfg: DecodeConfig) -> list[int]:
     return decode(runner.backend, runner.build_prompt(task.prompt, task.image), cfg, runner.stop_ids).tokens
 
 

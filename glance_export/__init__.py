@@ -1,3 +1,4 @@
-"""GLANCE export toolkit: adapters, draft head, exporters and audits (needs torch)."""
+"""GLANCE export toolkit: adapters, draft head, exporters and audits (needs torch).
 
-__version__ = "0.1.0"
+Shares the runtime's `__version__` (one per package, from pyproject.toml)."""
+from glance_runtime import __version__  # noqa: F401 (the toolkit's one version)

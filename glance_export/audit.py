@@ -8,9 +8,9 @@ from __future__ import annotations
 from typing import Callable
 
 from glance_runtime.defaults import AUTO
+from glance_runtime.formats.tasks import Task
 from glance_runtime.loop import DecodeConfig
 from glance_runtime.session import Session
-from glance_runtime.tasks import Task
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:

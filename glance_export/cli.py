@@ -44,7 +44,7 @@ def _audit_settings(args: argparse.Namespace, max_new_tokens: int) -> Settings:
 
 def _audit_oracle(args: argparse.Namespace) -> int:
     """The default mode: GLANCE against the torch greedy oracle (or, without a model, the backend's own greedy)."""
-    from glance_runtime.tasks import read_tasks
+    from glance_runtime.formats.tasks import read as read_tasks
 
     from .audit import audit
 
@@ -103,10 +103,12 @@ def _save_reference(args: argparse.Namespace) -> int:
 
 def _audit_reference(args: argparse.Namespace) -> int:
     """Device side, no torch: the backend's GLANCE and own greedy output against a recorded reference."""
-    from glance_runtime.tasks import read_tasks
+    from glance_runtime.formats.tasks import read as read_tasks
 
     from .reference_audit import audit_against_reference, summary
-    from .reference_file import check_reference, load_reference, model_source
+    from glance_runtime.formats.reference import read as load_reference
+
+    from .reference_file import check_reference, model_source
 
     ref = load_reference(args.reference)
     model, head, artifacts, backend = resolve(args.model, args.head, args.artifacts, args.backend)

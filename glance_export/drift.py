@@ -6,23 +6,15 @@ greedy decoding on both exports, so users see the quality cost apart from the sp
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Sequence
 
 from glance_runtime.errors import GlanceError
-from glance_runtime.graphs import MANIFEST
+from glance_runtime.formats import artifacts as artifacts_format
+from glance_runtime.formats.tasks import read as read_tasks
 from glance_runtime.session import Settings, Source, open_session
-from glance_runtime.tasks import read_tasks
 
 from .audit import first_divergence
-
-
-def _manifest(artifacts: Path) -> dict[str, Any]:
-    path = Path(artifacts) / MANIFEST
-    if not path.is_file():
-        raise GlanceError(f"{artifacts} has no {MANIFEST}; export it with `glance-export onnx` first")
-    return json.loads(path.read_text())
 
 
 def compare(tokens: list[int], reference: list[int]) -> dict[str, Any]:
@@ -39,11 +31,11 @@ def compare(tokens: list[int], reference: list[int]) -> dict[str, Any]:
 def drift(quantized: Path, reference: Path, task_file: Path, max_new_tokens: int,
           providers: Sequence[str] | None = None) -> dict[str, Any]:
     """Greedy tokens of `quantized` against `reference` (an fp32 export of the same target) on every task."""
-    q_manifest, r_manifest = _manifest(quantized), _manifest(reference)
-    if q_manifest.get("source") != r_manifest.get("source"):
+    q_manifest, r_manifest = (artifacts_format.read(a) for a in (quantized, reference))
+    if q_manifest.source != r_manifest.source:
         raise GlanceError(f"{quantized} and {reference} were exported from different targets; drift compares "
                           f"two exports of one model")
-    if r_manifest.get("quantization"):
+    if r_manifest.quantization:
         raise GlanceError(f"{reference} is itself quantized; pass the fp32 export with --drift-from")
     tasks = read_tasks(task_file)
     plain = Settings(max_new_tokens=max_new_tokens, speculative=False)
@@ -54,7 +46,7 @@ def drift(quantized: Path, reference: Path, task_file: Path, max_new_tokens: int
         outs = [s.greedy(s.prompt(task.prompt, task.image)) for s in sessions]
         rows.append({"prompt": task.prompt, **compare(*outs)})
     ref_tokens = sum(r["reference_tokens"] for r in rows)
-    scheme = q_manifest.get("quantization") or {}
+    scheme = q_manifest.quantization or {}
     return {"quantized": str(quantized), "reference": str(reference), "scheme": scheme.get("scheme", "none"),
             "group_size": scheme.get("group_size"), "n": len(rows), "identical": sum(r["identical"] for r in rows),
             "prefix_agreement": round(sum(r["prefix_tokens"] for r in rows) / ref_tokens, 4) if ref_tokens else 1.0,

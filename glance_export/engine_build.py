@@ -6,7 +6,6 @@ path imports neither torch nor onnx: a Jetson builds from an export made on a wo
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +14,9 @@ from typing import Any, Callable
 from glance_runtime.atomic import atomic_directory
 from glance_runtime.errors import GlanceError
 from glance_runtime.graphs import MANIFEST
-from glance_runtime.manifest import check_source, load_manifest, sha256
+from glance_runtime.formats import engines as engines_format
+from glance_runtime.formats.artifacts import check_source, read as load_manifest
+from glance_runtime.integrity import sha256
 
 from . import __version__
 from .device_profiles import DeviceProfile, load_profile
@@ -27,7 +28,6 @@ from .quant_engines import engine_manifest
 from .tensorrt_build import BuildOptions, TimingCache, build_engines
 from .toolchain import Toolchain, check_opset, check_version, load_toolchain
 
-ENGINE_MANIFEST = "engines.json"
 HEAD_WEIGHTS = "model.safetensors"  # glance_export.head.WEIGHTS_FILE, not imported here: that module needs torch
 CACHE_DTYPE = "fp32"  # what `exported_artifacts` exports (the --model/--head path)
 
@@ -73,8 +73,7 @@ class Stopwatch:
 
 
 def _read_manifest(artifacts: Path) -> dict[str, Any]:
-    load_manifest(artifacts)  # format, version and completeness, with the runtime's one-line errors
-    return json.loads((artifacts / MANIFEST).read_text())
+    return load_manifest(artifacts).raw  # format, version, content and files checked, with one-line errors
 
 
 def check_head(manifest: dict[str, Any], head: Path, artifacts: Path) -> None:
@@ -175,14 +174,14 @@ def build(request: BuildRequest, device: Device, toolchain: Toolchain | None = N
     say(f"target {profile.name}: {device.describe() if device.name else 'ahead-of-time build, no GPU'}; "
         f"{toolchain.name} {toolchain.version}")
     artifacts, manifest, plan = _planned(request, profile, precision, device, toolchain.version, say)
-    check_out(request.out, ENGINE_MANIFEST, artifacts)
+    check_out(request.out, engines_format.FILE, artifacts)
     timing_cache, cache_record = _timing_cache(request, profile, toolchain, say)
     say(f"building {', '.join(manifest['graphs'])} at {precision.name} ({precision.how})")
     with atomic_directory(request.out) as tmp:
         engines = build_engines(toolchain, artifacts, plan.limits.apply(manifest), tmp,
                                 BuildOptions(precision, plan.workspace_gib, timing_cache), say)
         record = {
-            "format": "glance-engines", "format_version": 1, "toolkit_version": __version__, "target": profile.name,
+            "toolkit_version": __version__, "target": profile.name,
             "tensorrt": {"module": toolchain.name, "version": toolchain.version},
             "device": _device_record(profile, device),
             "precision": {"name": precision.name, "artifacts_dtype": manifest["dtype"], "how": precision.how},
@@ -190,10 +189,10 @@ def build(request: BuildRequest, device: Device, toolchain: Toolchain | None = N
                        "max_image_tokens": plan.limits.max_image_tokens},
             "memory_plan": plan.record(), "timing_cache": cache_record, "artifacts": _identity(artifacts, manifest),
             "engines": engines, "build_s": round(say.elapsed, 2), "target_profile": profile.raw}
-        (tmp / ENGINE_MANIFEST).write_text(json.dumps(record, indent=2) + "\n")
+        engines_format.write(tmp, record)
     if timing_cache is not None:
         timing_cache.save()
-    say(f"wrote {len(engines)} engines and {ENGINE_MANIFEST} to {request.out}")
+    say(f"wrote {len(engines)} engines and {engines_format.FILE} to {request.out}")
     _measure_costs(request.out, device, int(manifest["branch_k"]), say)
     return request.out
 

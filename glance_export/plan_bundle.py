@@ -6,14 +6,13 @@ No TensorRT is needed to write it.
 """
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import shutil
 from pathlib import Path
 
 from glance_runtime.atomic import atomic_directory
-from glance_runtime.graphs import MANIFEST
+from glance_runtime.formats import artifacts as artifacts_format
 
 from .device_profiles import DeviceProfile, profile_text
 from .memory_plan import MemoryPlan
@@ -75,7 +74,7 @@ Files: {', '.join(files)}.
 
 def write_bundle(out: Path, artifacts: Path, profile: DeviceProfile, flags: list[str], plan: MemoryPlan,
                  precision: Precision) -> Path:
-    manifest = json.loads((artifacts / MANIFEST).read_text())
+    manifest = artifacts_format.read(artifacts).raw
     command = build_command(profile, flags)
     written = [f"{profile.name}.json", SCRIPT, README]  # never linked: writing them would write through a link
     with atomic_directory(out) as tmp:

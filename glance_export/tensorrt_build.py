@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from glance_runtime.atomic import write_file
 from glance_runtime.errors import GlanceError
-from glance_runtime.manifest import sha256
+from glance_runtime.integrity import sha256
 
 from .precision import Precision
 from .toolchain import Toolchain

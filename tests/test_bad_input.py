@@ -160,7 +160,7 @@ ROWS = [
     Row("run-manifest-truncated", "glance-run", lambda i: ort(i, i.edited("art", "manifest.json", i.truncate)),
         "not valid JSON"),
     Row("run-manifest-other-format", "glance-run", lambda i: ort(i, i.edited(
-        "art", "manifest.json", lambda p: p.write_text(p.read_text().replace('"format_version": 2', '"format_version": 9')))),
+        "art", "manifest.json", lambda p: p.write_text(p.read_text().replace('"format_version": 3', '"format_version": 9')))),
         "v9"),
     Row("run-graph-flipped-byte", "glance-run", lambda i: ort(i, i.edited("shipped", "target.onnx", i.flip)),
         "target.onnx does not match the sha256"),

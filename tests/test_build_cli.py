@@ -27,7 +27,7 @@ from glance_export.memory_plan import kv_bytes_per_row, weights_bytes
 from glance_export.tensorrt_build import profiles_for
 from glance_export.toolchain import Toolchain
 from glance_runtime.errors import GlanceError
-from glance_runtime.manifest import sha256
+from glance_runtime.integrity import sha256
 from test_onnx_export import export_once
 from tiny_models import ALL_FAMILIES
 

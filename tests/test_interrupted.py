@@ -19,7 +19,7 @@ from glance_export.head import load_head
 from glance_export.onnx import export_artifacts
 from glance_export.train.checkpoint import STATE_FILE
 from glance_runtime.integrity import verify_engines
-from glance_runtime.manifest import load_manifest
+from glance_runtime.formats.artifacts import read as load_manifest
 
 CLI = "import sys; from glance_export.cli import main; sys.exit(main(sys.argv[1:]))"
 TRAIN_TARGET = """import sys

@@ -28,7 +28,7 @@ from glance_runtime.backends.ort_backend import OrtBackend
 from glance_runtime.backends.seeded import SeededDrafter
 from glance_runtime.errors import GlanceError
 from glance_runtime.loop import DecodeConfig, decode
-from glance_runtime.manifest import load_manifest
+from glance_runtime.formats.artifacts import read as load_manifest
 from tiny_models import ALL_FAMILIES, make_snapshot
 
 GROUP = 32  # divides the tiny models' hidden size (64)

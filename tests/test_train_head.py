@@ -7,7 +7,7 @@ import json
 import pytest
 
 from glance_export.audit import audit
-from glance_runtime.tasks import read_tasks
+from glance_runtime.formats.tasks import read as read_tasks
 from glance_export.cli import main as export_main
 from glance_export.head import load_head
 from glance_runtime.loop import DecodeConfig

@@ -12,7 +12,8 @@ import pytest
 from auto_policies import check_mixed, config, cutting, median_surprisal, skipping
 from glance_export.cli import main as export_main
 from glance_runtime.auto_budget import auto_budget
-from glance_runtime.backends.trt_backend import ENGINE_MANIFEST, check_engines, pick_profile, read_engines_record
+from glance_runtime.backends.trt_backend import check_engines, pick_profile
+from glance_runtime.formats.engines import FILE as ENGINE_MANIFEST, read as read_engines_record
 from glance_runtime.cli import main as run_main
 from glance_runtime.errors import GlanceError
 
@@ -81,7 +82,7 @@ def test_engine_manifest_errors(tmp_path):
     with pytest.raises(GlanceError, match=f"no {ENGINE_MANIFEST}"):
         read_engines_record(tmp_path)
     (tmp_path / ENGINE_MANIFEST).write_text(json.dumps({"tensorrt": {}}))
-    with pytest.raises(GlanceError, match="not a complete engine manifest"):
+    with pytest.raises(GlanceError, match="is not a GLANCE engine manifest"):
         read_engines_record(tmp_path)
 
 

@@ -6,7 +6,6 @@ leaves a half-written artifacts directory behind.
 """
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ import numpy as np
 from glance_runtime.atomic import atomic_directory, check_writable
 from glance_runtime.calibration import FILE as CALIBRATION
 from glance_runtime.errors import GlanceError
+from glance_runtime.formats import artifacts as artifacts_format
 from glance_runtime.graphs import MANIFEST
 
 from .export import ATTENTION_OPSET, export_graph
@@ -101,7 +101,7 @@ def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str |
                                   branch_k=branch_k, max_tree=max_tree, max_context=max_context,
                                   axes=axis_bounds(dims, max_tree, max_context), files=files,
                                   quantization=quantization)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        artifacts_format.write(tmp, manifest)
     progress(f"wrote {out} in {time.perf_counter() - started:.1f}s")
     return out
 
@@ -110,9 +110,7 @@ def validate_artifacts(artifacts_dir: str | Path, model_dir: str | Path, head_di
                        progress: Callable[[str], None] = print) -> dict[str, dict[str, float]]:
     """Re-validate an artifacts directory against the torch target and head it was exported from."""
     artifacts = Path(artifacts_dir)
-    if not (artifacts / MANIFEST).is_file():
-        raise GlanceError(f"{artifacts} has no {MANIFEST}; export it with `glance-export onnx` first")
-    manifest = json.loads((artifacts / MANIFEST).read_text())
+    manifest = artifacts_format.read(artifacts).raw
     snapshot, model, head = load_sources(model_dir, head_dir, manifest["dtype"], _attention(manifest["opset"]))
     dims = dims_for(snapshot, head)
     graphs = build_graphs(model, head, dims, manifest["branch_k"])

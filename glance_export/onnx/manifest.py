@@ -1,13 +1,6 @@
-"""manifest.json of an artifacts directory: everything a graph runtime needs besides the graphs.
+"""The artifacts manifest's content, gathered from an export: the snapshot, the head, the graphs written.
 
-Schema (format_version 2): toolkit_version, family, is_vl, dtype, opset, branch_k, block_size,
-mask_token_id, image_token_id, stop_token_ids, limits {max_tree, max_context}, axes {name: [min, max]},
-source {config_sha256, weights_sha256 {file: sha}}, head {config, weights_sha256}, rope {...},
-graphs {target|draft|vocab|vision: {file, data_file, inputs/outputs {name: {dtype, shape}}, ...sizes}}
-(vocab also records vocab_size and whether the LM head is tied to the embedding),
-vision.index_params (the `vision_indices` parameters), files (tokenizer/processor files copied beside),
-file_hashes {file: {sha256, size}} of every file written beside the manifest (checked on every load),
-quantization (null, or the weight-only scheme: bits, group size, library, per-graph ops and TensorRT-form files).
+Its schema, version, content hash and the one writer are `glance_runtime.formats.artifacts`.
 """
 from __future__ import annotations
 
@@ -17,15 +10,14 @@ from typing import Any
 
 import onnx
 
-import glance_export
 from glance_export.adapters import Snapshot
 from glance_export.head import WEIGHTS_FILE, DraftHead
+from glance_runtime import __version__
 from glance_runtime.integrity import record, sha256
 
 from .spec import Dims
 from .vision import INDEX_INPUTS
 
-FORMAT_VERSION = 2  # 2: embedding and LM head moved into the vocab graph
 RUNTIME_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json",
                  "generation_config.json", "special_tokens_map.json", "config.json")
 
@@ -66,6 +58,7 @@ def io_spec(path: Path) -> dict[str, dict[str, dict[str, Any]]]:
 def build_manifest(snapshot: Snapshot, head: DraftHead, head_dir: Path, dims: Dims, out: Path, *, dtype: str,
                    opset: int, branch_k: int, max_tree: int, max_context: int, axes: dict[str, list[int]],
                    files: list[str], quantization: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The manifest's fields (all but the header and content hash `formats.artifacts.write` adds)."""
     tc = snapshot.text_config
     graphs: dict[str, Any] = {
         "target": {"num_layers": dims.layers, "num_kv_heads": dims.kv_heads, "head_dim": dims.head_dim,
@@ -88,7 +81,7 @@ def build_manifest(snapshot: Snapshot, head: DraftHead, head_dir: Path, dims: Di
                 for n in (entry["tensorrt_file"], entry["tensorrt_data_file"]) if n]
     rope = tc.get("rope_parameters") or tc.get("rope_scaling") or {}
     return {
-        "format": "glance-onnx", "format_version": FORMAT_VERSION, "toolkit_version": glance_export.__version__,
+        "toolkit_version": __version__,
         "family": dims.family, "is_vl": dims.is_vl, "dtype": dtype, "opset": opset,
         "float_io_dtype": "float16" if dtype == "fp16" else "float32",
         "fp32_outputs": ["topk_logprobs", "entropy"],

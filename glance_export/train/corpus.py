@@ -16,6 +16,9 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
+from glance_runtime.errors import GlanceError
+from glance_runtime.formats import tasks as task_file
+
 KINDS = ("receipt", "chart", "scene", "caption")
 IMAGE_SIZE = 168  # 6x6 merged image tokens with 14 px patches and 2x2 merge
 CELL = 28  # pixels per merged image token
@@ -236,11 +239,15 @@ def write_task_file(out_dir: Path, kind: str, n: int, seed: int = 0) -> Path:
 
 
 def read_task_file(path: Path) -> list[dict]:
-    """Task lines with `image` resolved to an absolute path."""
+    """Scored task lines (each with an answer and an image), `image` resolved to an absolute path."""
     path = Path(path)
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    for r in rows:
-        r["image"] = str((path.parent / r["image"]).resolve())
+    rows = []
+    for i, task in enumerate(task_file.read(path, need_answers=True), 1):
+        if task.image is None:
+            raise GlanceError(f"task {i} of {path} has no \"image\"; scoring compares each answer with and "
+                              "without its image: add one (`glance-export corpus` writes them)")
+        rows.append({"prompt": task.prompt, "image": str(task.image.resolve()), "answer": task.answer or task.answers[0],
+                     "answers": list(task.answers), **({"kind": task.kind} if task.kind else {})})
     return rows
 
 

@@ -25,7 +25,7 @@ from ..adapters import Prompt, Snapshot
 from ..audit import Task
 from ..head import DraftHead, check_head_out, head_config_for, init_head, load_head, pick_mask_token, save_head
 from ..reference import TorchBackend, greedy_reference
-from glance_runtime.tasks import read_tasks
+from glance_runtime.formats.tasks import read as read_tasks
 from .checkpoint import capture, load_state, restore, run_signature, writer
 
 

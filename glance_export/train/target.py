@@ -119,10 +119,10 @@ def score(model, tokenizer, image_processor, rows: list[dict]) -> dict:
 
 def evaluate(snapshot_dir: Path, task_file: Path) -> dict:
     """Per-kind greedy exact match of a snapshot on a task JSONL, plus the blank-image control."""
+    rows = corpus.read_task_file(task_file)  # refused before the model loads
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(snapshot_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(snapshot_dir)
     image_processor = AutoImageProcessor.from_pretrained(snapshot_dir)
-    rows = corpus.read_task_file(task_file)
     for r in rows:
         r.setdefault("kind", Path(task_file).parent.name)
     return score(model, tokenizer, image_processor, rows)

@@ -1,3 +1,7 @@
-"""GLANCE runtime: the draft/verify loop and its backends; the ONNX Runtime path needs no torch."""
+"""GLANCE runtime: the draft/verify loop and its backends; the ONNX Runtime path needs no torch.
 
-__version__ = "0.1.0"
+`__version__` is the installed distribution's (pyproject.toml is its one source): the version every
+writer stamps into a file and every reader checks."""
+from importlib.metadata import version
+
+__version__ = version("glance-toolkit")

@@ -16,7 +16,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from .graph_clock import GraphClock
-    from .manifest import Manifest
+    from .formats.artifacts import Manifest
 
 
 class Verified(NamedTuple):

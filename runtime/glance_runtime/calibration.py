@@ -25,6 +25,7 @@ import numpy as np
 
 from .atomic import write_file
 from .errors import GlanceError
+from .formats.common import parse
 
 FILE = "calibration.json"
 FORMAT = "glance-calibration"
@@ -93,8 +94,11 @@ class Calibration:
     @classmethod
     def from_dict(cls, raw: dict) -> "Calibration":
         if not isinstance(raw, dict) or raw.get("format") != FORMAT or raw.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"not a {FORMAT} v{FORMAT_VERSION} file")
+            found = (raw.get("format"), raw.get("format_version")) if isinstance(raw, dict) else "not an object"
+            raise ValueError(f"not a {FORMAT} v{FORMAT_VERSION} file: format and version are {found}")
         node, law = raw["node"], raw.get("law")
+        if not isinstance(node, dict) or not (law is None or isinstance(law, dict)):
+            raise ValueError("node and law must be objects")
         values = [float(node[k]) for k in ("a", "b", "c")] + [float(node.get(k, 0.0)) for k in ("d", "surprisal_mean")]
         values += [float(law["b0"]), float(law["b1"])] if law else []
         if not all(math.isfinite(v) for v in values) or values[1] < 0 or values[3] > 0:
@@ -113,12 +117,15 @@ PRIOR = Calibration()
 
 
 def load_calibration(path: Path) -> Calibration:
+    """The calibration in `path`; anything else (unreadable, not strict JSON, foreign, out of range) is one line."""
     try:
-        return Calibration.from_dict(json.loads(Path(path).read_text()))
+        return Calibration.from_dict(parse(Path(path).read_text(encoding="utf-8")))
     except OSError as exc:
         raise GlanceError(f"cannot read {path} ({exc.strerror}); pass an existing calibration file") from None
-    except (ValueError, KeyError, TypeError) as exc:
-        raise GlanceError(f"{path} is not a usable calibration ({exc}); refit it with `glance-bench calibrate`") from None
+    except (ValueError, KeyError, TypeError) as exc:  # UnicodeDecodeError is a ValueError
+        reason = "not UTF-8" if isinstance(exc, UnicodeDecodeError) else f"{type(exc).__name__}: {exc}"
+        raise GlanceError(f"{path} is not a usable calibration ({reason}); refit it with "
+                          "`glance-bench calibrate`") from None
 
 
 def find_calibration(places: list[Path | None]) -> tuple[Calibration, Path | None]:

@@ -16,77 +16,24 @@ when that directory is read-only, and measured again only when missing or unread
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from .atomic import write_file
 from .backend import Backend
 from .cache import cache_root, file_lock
 from .errors import GlanceError
+from .formats import cost as cost_format
+from .formats.cost import CostProfile
 from .limits import reachable_nodes
 from .tree import build_tree, visibility, walk
 
-FORMAT = "glance-cost"
-FORMAT_VERSION = 1
 PROBE_PROMPT = "Describe what you see in one sentence."
 MIN_REPEATS, MAX_REPEATS = 3, 9  # timed rounds per row count: at least, and at most within `seconds`
-
-
-@dataclass(frozen=True)
-class CostProfile:
-    device: str  # what it was measured on: backend, provider, threads, processor or GPU
-    rows: tuple[int, ...]  # verify rows measured, ascending, starting at 1
-    verify_ms: tuple[float, ...]  # median verify-side ms of a round with that many rows
-    draft_ms: float  # median ms of a draft pass and the tree built from it
-    repeats: int
-    measured_at: str
-
-    def verify_cost(self, rows: np.ndarray | int) -> np.ndarray:
-        """ms of a round's verify side for `rows` rows: linear between measured counts (made non-decreasing,
-        so timing noise never makes a bigger tree look cheaper), extended past the last at its last slope."""
-        grid = np.asarray(self.rows, dtype=float)
-        cost = np.maximum.accumulate(np.asarray(self.verify_ms, dtype=float))
-        rows_f = np.asarray(rows, dtype=float)
-        inside = np.interp(rows_f, grid, cost)
-        if len(grid) < 2:
-            return inside
-        slope = max((cost[-1] - cost[-2]) / (grid[-1] - grid[-2]), 0.0)
-        return np.where(rows_f > grid[-1], cost[-1] + slope * (rows_f - grid[-1]), inside)
-
-    @property
-    def max_rows(self) -> int:
-        return self.rows[-1]
-
-    def as_dict(self) -> dict:
-        return {"format": FORMAT, "format_version": FORMAT_VERSION, **asdict(self)}
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> "CostProfile":
-        if not isinstance(raw, dict) or raw.get("format") != FORMAT or raw.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"not a {FORMAT} v{FORMAT_VERSION} file")
-        rows, verify = tuple(int(r) for r in raw["rows"]), tuple(float(v) for v in raw["verify_ms"])
-        if not rows or rows[0] != 1 or len(rows) != len(verify) or list(rows) != sorted(set(rows)):
-            raise ValueError("rows must ascend from 1, one verify time each")
-        if min(verify) <= 0 or float(raw["draft_ms"]) <= 0:
-            raise ValueError("costs must be positive")
-        return cls(device=str(raw["device"]), rows=rows, verify_ms=verify, draft_ms=float(raw["draft_ms"]),
-                   repeats=int(raw["repeats"]), measured_at=str(raw["measured_at"]))
-
-    def table(self) -> str:
-        """The profile as a few readable lines (what `glance-bench cost` prints)."""
-        lines = [f"measured on: {self.device} ({self.measured_at}, median of {self.repeats} rounds each)",
-                 f"draft pass + tree: {self.draft_ms:.2f} ms",
-                 "verify rows    ms   ms/row  x one row"]
-        one = self.verify_ms[0]
-        lines += [f"{r:>11} {ms:>6.2f} {ms / r:>7.3f} {ms / one:>9.2f}" for r, ms in zip(self.rows, self.verify_ms)]
-        return "\n".join(lines)
 
 
 def row_grid(max_rows: int) -> list[int]:
@@ -159,17 +106,13 @@ def profile_path(home: Path | None, identity: str, device: str) -> Path:
 def load(path: Path) -> CostProfile | None:
     """The stored profile, or None where there is none (or it is damaged: it is then measured again)."""
     try:
-        return CostProfile.from_dict(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
+        return cost_format.read(path)
+    except GlanceError:
         return None
 
 
 def save(profile: CostProfile, path: Path) -> None:
-    try:
-        write_file(path, json.dumps(profile.as_dict(), indent=1) + "\n")
-    except OSError as exc:
-        raise GlanceError(f"cannot write the cost profile {path} ({exc.strerror}); set GLANCE_CACHE to a "
-                          "writable directory") from None
+    cost_format.write(path, profile)
 
 
 def stored_or_measured(backend: Backend, home: Path | None, identity: str, prompt_for: Callable[[], object],

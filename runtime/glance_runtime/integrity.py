@@ -42,9 +42,10 @@ class Stamps:
         tag = hashlib.sha256(str(self.directory).encode()).hexdigest()[:20]
         self.file = cache_root() / "stamps" / f"{tag}.json"
         try:
-            self.entries: dict[str, list] = json.loads(self.file.read_text())
-        except (OSError, ValueError):
-            self.entries = {}
+            entries = json.loads(self.file.read_text())
+        except (OSError, ValueError, RecursionError):
+            entries = {}
+        self.entries: dict[str, list] = entries if isinstance(entries, dict) else {}
         self.changed = False
 
     def digest(self, name: str) -> str:
@@ -52,7 +53,7 @@ class Stamps:
         st = path.stat()
         key = _stat_key(st)
         entry = self.entries.get(name)
-        if entry and entry[:-1] == key:
+        if isinstance(entry, list) and entry[:-1] == key and isinstance(entry[-1], str):
             return entry[-1]
         digest = sha256(path)
         if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > RACY_NS:

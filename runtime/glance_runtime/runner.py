@@ -16,7 +16,7 @@ from .backend import Backend, ServeLimits
 from .cache import cache_root, file_lock
 from .defaults import DEFAULT_ARTIFACTS
 from .errors import GlanceError
-from .manifest import FORMAT_VERSION, Manifest, check_source, load_manifest
+from .formats.artifacts import VERSION as FORMAT_VERSION, Manifest, check_source, read as load_manifest
 
 BACKENDS = ("torch", "onnxruntime", "tensorrt")
 

@@ -25,8 +25,8 @@ from ..graph_clock import Graph, GraphClock
 from ..graphs import draft_kv_names, target_kv_names
 from ..hardware import cuda_gpu, host_cpu
 from ..kv_cache import KVCache
+from ..formats.artifacts import Manifest
 from ..limits import check_branch_k, check_tree
-from ..manifest import Manifest
 from ..preprocess import Prompt, PromptBuilder
 from ..rope_index import rope_index
 from ..vision_indices import vision_index_inputs

@@ -14,8 +14,8 @@ from typing import Sequence
 from ..device import CudaDevice, Device, HostDevice, Tensor
 from ..errors import GlanceError
 from ..graphs import DRAFT_GRAPH, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH
+from ..formats.artifacts import check_graph_io, read as load_manifest
 from ..limits import runtime_limit
-from ..manifest import load_manifest
 from .graph_backend import GraphBackend
 
 PROVIDER_ALIASES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
@@ -51,6 +51,15 @@ def resolve_providers(requested: Sequence[str] | str | None) -> list[str]:
 
 
 _EXPORTED = ("artifacts were exported for", "re-export with `glance-export onnx`")
+
+
+_NUMPY_NAMES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64",
+                "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(bool)": "bool", "tensor(uint8)": "uint8"}
+
+
+def _io(values) -> list[tuple[str, str, list]]:
+    """A session's inputs or outputs as the manifest records them: numpy dtype names, symbolic axes as names."""
+    return [(v.name, _NUMPY_NAMES.get(v.type, v.type), list(v.shape)) for v in values]
 
 
 class OrtGraph:
@@ -102,12 +111,14 @@ class OrtBackend(GraphBackend):
 
         def session(graph: str) -> OrtGraph:
             try:
-                return OrtGraph(ort.InferenceSession(str(path / graph), sess_options=options,
-                                                     providers=chosen), device)
+                opened = ort.InferenceSession(str(path / graph), sess_options=options, providers=chosen)
             except Exception as exc:  # onnxruntime's load errors share no base class short of Exception
                 reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 raise GlanceError(f"onnxruntime cannot load {path / graph} ({reason}); "
                                   "re-export with `glance-export onnx`") from None
+            check_graph_io(manifest, Path(graph).stem, *(_io(values) for values in (opened.get_inputs(),
+                                                                                    opened.get_outputs())))
+            return OrtGraph(opened, device)
 
         graphs = {"target": session(TARGET_GRAPH), "draft": session(DRAFT_GRAPH), "vocab": session(VOCAB_GRAPH)}
         if manifest.is_vl:

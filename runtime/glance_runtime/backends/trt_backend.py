@@ -11,7 +11,6 @@ alike: the runtime API below is common to both.
 from __future__ import annotations
 
 import importlib
-import json
 from math import prod
 from pathlib import Path
 from typing import Any, Sequence
@@ -19,29 +18,15 @@ from typing import Any, Sequence
 from ..device import CudaDevice, Tensor
 from ..errors import GlanceError
 from ..integrity import verify_engines
+from ..formats import engines as engines_format
+from ..formats.artifacts import read as load_manifest
+from ..integrity import sha256
 from ..limits import runtime_limit
-from ..manifest import load_manifest, sha256
 from .graph_backend import GraphBackend
 
-ENGINE_MANIFEST = "engines.json"
 REBUILD = "rebuild them on this device with `glance-export build --artifacts ART --target T --out DIR`"
 
 Ranges = dict[str, tuple[Sequence[int], Sequence[int]]]  # input -> (min shape, max shape)
-
-
-def read_engines_record(engines_dir: Path) -> dict[str, Any]:
-    file = engines_dir / ENGINE_MANIFEST
-    if not engines_dir.is_dir():
-        raise GlanceError(f"engines directory {engines_dir} does not exist; build it with `glance-export build`")
-    if not file.is_file():
-        raise GlanceError(f"{engines_dir} has no {ENGINE_MANIFEST}; build it with `glance-export build`")
-    try:
-        record = json.loads(file.read_text())
-        record["tensorrt"]["module"], record["tensorrt"]["version"], record["engines"], record["limits"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise GlanceError(f"{file} is not a complete engine manifest ({type(exc).__name__}); rebuild with "
-                          "`glance-export build`") from None
-    return record
 
 
 def check_engines(record: dict[str, Any], module: str, version: str, compute_capability: str) -> None:
@@ -111,27 +96,27 @@ class TrtBackend(GraphBackend):
     def __init__(self, engines_dir: str | Path, artifacts_dir: str | Path | None = None,
                  max_context: int | None = None, max_tree: int | None = None):
         engines = Path(engines_dir)
-        record = read_engines_record(engines)
-        verify_engines(engines, record)  # first: a damaged copy is named as such on any machine
-        module_name = record["tensorrt"]["module"]
+        record = engines_format.read(engines)
+        verify_engines(engines, record.raw)  # first: a damaged copy is named as such on any machine
+        module_name = record.module
         try:
             trt = importlib.import_module(module_name)
         except ImportError:
             raise GlanceError(f"these engines need the {module_name} Python module (on Jetson it comes with "
                               "JetPack: apt install python3-libnvinfer)") from None
         device = CudaDevice()
-        check_engines(record, module_name, trt.__version__, device.compute_capability())
-        artifacts = Path(artifacts_dir or (record.get("artifacts") or {}).get("path") or engines)
+        check_engines(record.raw, module_name, trt.__version__, device.compute_capability())
+        artifacts = Path(artifacts_dir or record.artifacts_path or engines)
         manifest = load_manifest(artifacts)
-        expected = (record.get("artifacts") or {}).get("manifest_sha256")
+        expected = record.artifacts_manifest_sha256
         if expected and sha256(artifacts / "manifest.json") != expected:
             raise GlanceError(f"{artifacts} is not the export these engines were built from; pass the original "
                               f"with --artifacts or {REBUILD}")
         self.runtime = trt.Runtime(trt.Logger(trt.Logger.ERROR))
-        graphs = {graph: TrtGraph(trt, self.runtime, engines / entry["file"], device)
-                  for graph, entry in record["engines"].items()}
+        graphs = {graph: TrtGraph(trt, self.runtime, engines / entry.file, device)
+                  for graph, entry in record.engines.items()}
         built = ("engines were built for", "rebuild them with `glance-export build`")
         super().__init__(manifest, device, graphs, name="tensorrt", home=engines,
-                         precision=(record.get("precision") or {}).get("name"),  # fp16 engines from fp32 graphs
-                         max_context=runtime_limit("--max-context", max_context, int(record["limits"]["max_context"]), *built),
-                         max_tree=runtime_limit("--max-tree", max_tree, int(record["limits"]["max_tree"]), *built))
+                         precision=record.precision,  # fp16 engines from fp32 graphs
+                         max_context=runtime_limit("--max-context", max_context, record.max_context, *built),
+                         max_tree=runtime_limit("--max-tree", max_tree, record.max_tree, *built))

@@ -35,8 +35,9 @@ from .measure import measure_prompt
 from .modes import auto_mode, modes_for, parse_budgets
 from .progress import Progress
 from .report import clean_json, build, write
-from .rounds import calibration_rows, read_rounds
-from .tasks import read_tasks
+from ..formats.rounds import read as read_rounds
+from .rounds import calibration_rows
+from .tasks import read_bench_tasks
 
 
 def _runner_args(p: argparse.ArgumentParser) -> None:
@@ -173,7 +174,7 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     measured = {name for name, ran in (("auto", with_auto), ("chain", args.chain)) if ran}
     expectations = [parse_expect(e, measured) for e in args.expect]
     calibration = load_calibration(args.calibration) if args.calibration is not None else None
-    tasks = read_tasks(args.data, args.n)
+    tasks = read_bench_tasks(args.data, args.n)
     if not args.no_plots:
         from .plots import pyplot
 

@@ -13,7 +13,7 @@ from typing import Sequence
 from ..loop import decode
 from .modes import Mode
 from .seeding import ConfidentSeeds
-from .tasks import Task
+from .tasks import BenchTask
 from ..graph_clock import GRAPH_NAMES, GraphClock
 
 
@@ -40,7 +40,7 @@ class Run:
 
 @dataclass
 class PromptResult:
-    task: Task
+    task: BenchTask
     prompt_tokens: int
     new_tokens: int
     runs: list[Run] = field(default_factory=list)
@@ -73,7 +73,7 @@ def _decode(backend, prompt, mode: Mode, max_new_tokens: int, stops: Sequence[in
     return result, rounds
 
 
-def measure_prompt(backend, task: Task, build_prompt, stops: Sequence[int], modes: list[Mode], samples: int,
+def measure_prompt(backend, task: BenchTask, build_prompt, stops: Sequence[int], modes: list[Mode], samples: int,
                    max_new_tokens: int, clock: GraphClock | None, seed_drafts: str = "none") -> PromptResult:
     """`samples` runs of every mode (the first dropped); a run that differs from AR is recorded, not raised."""
     prompt = build_prompt(task.prompt, task.image)

@@ -14,7 +14,8 @@ from .law_log import POOLED, fit_log, select
 from .markdown import render
 from .measure import PromptResult
 from .modes import Mode
-from .rounds import round_rows, write_rounds
+from ..formats.rounds import write as write_rounds
+from .rounds import round_rows
 from .summary import summarize_kind, summarize_pooled, tree_vs_chain
 
 

@@ -1,17 +1,9 @@
-"""rounds.jsonl: one line per round of every kept run (kind, prompt, mode, sample, anchor entropy,
-accepted length, tree size, cap, draft/verify/outside ms and each graph's ms where timed; whether the
-round drafted, the anchor's surprisal, the verified nodes' path scores and depths and the accepted
-path, which `glance-bench calibrate` fits auto's calibration to)."""
+"""The round log's rows from measured runs, and the rounds `glance-bench calibrate` fits auto's calibration to;
+the file itself is `glance_runtime.formats.rounds`."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from ..errors import GlanceError
-from ..jsonl import read_jsonl
 from .measure import PromptResult
-
-REQUIRED = ("entropy", "accepted")
 
 
 def round_rows(results: list[PromptResult]) -> list[dict]:
@@ -31,23 +23,6 @@ def _compact(value):
     if isinstance(value, list):
         return [_compact(v) for v in value]
     return value
-
-
-def write_rounds(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-
-
-def read_rounds(path: Path) -> list[dict]:
-    """A round log from `glance-bench` (or any JSON lines with entropy and accepted per round)."""
-    fix = "pass rounds.jsonl from glance-bench"
-    rows = []
-    for lineno, row in read_jsonl(path, "round log", fix):
-        if any(not isinstance(row.get(k), (int, float)) for k in REQUIRED):
-            raise GlanceError(f"{path}:{lineno} needs numeric \"entropy\" and \"accepted\" fields; {fix}")
-        rows.append(row)
-    if not rows:
-        raise GlanceError(f"round log {path} holds no rounds; {fix}")
-    return rows
 
 
 def calibration_rows(rows: list[dict], modes: list[str] | None, source: str) -> list[dict]:

@@ -1,0 +1,123 @@
+"""engines.json of an engines directory (`glance-export build`): what the engines were built with and from.
+
+A TensorRT plan runs only on the TensorRT version and GPU it was built for, so the record names both;
+its limits bound every pass, its precision is what audits gate on, and it points at the artifacts the
+engines were built from. `content_sha256` covers every field (an edited record is refused as edited);
+the fields the runtime reads are type- and range-checked; each engine file is listed with its size and
+sha256 (checked by `integrity.verify_engines` before any is deserialized).
+
+Document (format_version 2): format, format_version, toolkit_version, target, tensorrt {module, version},
+device {name, compute_capability | runs_on_compute_capabilities, memory_gib}, precision {name,
+artifacts_dtype, how}, limits {max_context, max_tree, max_image_tokens}, memory_plan, timing_cache,
+artifacts {path, manifest_sha256, toolkit_version, family, dtype, opset, limits, source,
+head_weights_sha256}, engines {graph: {file, bytes, sha256, onnx, build_s, profiles}}, build_s,
+target_profile, content_sha256. Version 2 added content_sha256.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..atomic import write_file
+from ..errors import GlanceError
+from .common import (Invalid, check_header, check_int, check_text, digest, dumps, guarded, integer, obj, read_json,
+                     stamped)
+
+FORMAT = "glance-engines"
+VERSION = 2
+FILE = "engines.json"
+WHAT = "GLANCE engine manifest"
+HASH_FIELD = "content_sha256"
+REBUILD = "rebuild with `glance-export build`"
+BIG = 1 << 24
+
+
+@dataclass(frozen=True)
+class EngineFile:
+    file: str
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class EnginesRecord:
+    path: Path  # the engines directory
+    module: str  # tensorrt or tensorrt_rtx
+    tensorrt_version: str
+    compute_capabilities: tuple[str, ...]  # the one built on, or every one an ahead-of-time build runs on
+    precision: str | None
+    max_context: int
+    max_tree: int
+    artifacts_path: str | None
+    artifacts_manifest_sha256: str | None
+    engines: dict[str, EngineFile]
+    raw: dict[str, Any]
+
+
+def _engine(graph: str, entry: Any) -> EngineFile:
+    where = f"engines.{graph}."
+    if not isinstance(entry, dict):
+        raise Invalid(f"engines.{graph} must be an object")
+    name = check_text(entry.get("file"), f"{where}file")
+    if not name or "/" in name or "\\" in name or name in (".", "..") or "\x00" in name:
+        raise Invalid(f"{where}file is {name!r}; it must name a file in the engines directory")
+    return EngineFile(name, integer(entry, "bytes", 0, 1 << 50, where),
+                      check_text(entry.get("sha256"), f"{where}sha256"))
+
+
+def _optional_text(raw: dict[str, Any], key: str, where: str) -> str | None:
+    value = raw.get(key)
+    return None if value is None else check_text(value, f"{where}{key}")
+
+
+def _parse(path: Path, raw: dict[str, Any]) -> EnginesRecord:
+    tensorrt, limits = obj(raw, "tensorrt"), obj(raw, "limits")
+    device = raw.get("device") or {}
+    if not isinstance(device, dict):
+        raise Invalid("device must be an object")
+    built = _optional_text(device, "compute_capability", "device.")
+    runs_on = device.get("runs_on_compute_capabilities") or []
+    if not isinstance(runs_on, list):
+        raise Invalid("device.runs_on_compute_capabilities must be a list")
+    capabilities = (built,) if built else tuple(check_text(c, "device.runs_on_compute_capabilities[]") for c in runs_on)
+    precision = raw.get("precision") or {}
+    artifacts = raw.get("artifacts") or {}
+    if not isinstance(precision, dict) or not isinstance(artifacts, dict):
+        raise Invalid("precision and artifacts must be objects")
+    engines = obj(raw, "engines")
+    if not engines:
+        raise Invalid("engines lists no engine")
+    max_context = integer(limits, "max_context", 2, BIG, "limits.")
+    return EnginesRecord(
+        path=path.parent, module=check_text(tensorrt.get("module"), "tensorrt.module", ("tensorrt", "tensorrt_rtx")),
+        tensorrt_version=check_text(tensorrt.get("version"), "tensorrt.version"), compute_capabilities=capabilities,
+        precision=_optional_text(precision, "name", "precision."), max_context=max_context,
+        max_tree=check_int(limits.get("max_tree"), "limits.max_tree", 1, max_context - 1),
+        artifacts_path=_optional_text(artifacts, "path", "artifacts."),
+        artifacts_manifest_sha256=_optional_text(artifacts, "manifest_sha256", "artifacts."),
+        engines={graph: _engine(graph, entry) for graph, entry in engines.items()}, raw=raw)
+
+
+def read(engines_dir: str | Path) -> EnginesRecord:
+    """Parse and check `engines_dir/engines.json` (not the engine files: `integrity.verify_engines`)."""
+    engines_dir = Path(engines_dir)
+    file = engines_dir / FILE
+    if not engines_dir.is_dir():
+        what = "is not a directory" if engines_dir.exists() else "does not exist"
+        raise GlanceError(f"engines directory {engines_dir} {what}; build it with `glance-export build`")
+    if not file.is_file():
+        raise GlanceError(f"{engines_dir} has no {FILE}; build it with `glance-export build`")
+    raw = read_json(file, WHAT, REBUILD)
+    check_header(raw, file, WHAT, FORMAT, VERSION, REBUILD)
+    if raw.get(HASH_FIELD) != digest(raw, leave_out=HASH_FIELD):
+        raise GlanceError(f"{file} was edited after the build (its fields no longer match the content_sha256 it "
+                          f"records); copy the engines directory again or {REBUILD}")
+    return guarded(file, REBUILD, lambda: _parse(file, raw))
+
+
+def write(engines_dir: str | Path, document: dict[str, Any]) -> Path:
+    """Write engines.json (whole or not at all) with its header and content hash."""
+    file = Path(engines_dir) / FILE
+    write_file(file, dumps(stamped(document, FORMAT, VERSION, HASH_FIELD), indent=2))
+    return file
