@@ -105,7 +105,10 @@ class GraphBackend:
         self.known: dict[int, tuple[Buffer, int]] = {}  # token -> where its embedding row is on the device
 
     def build_prompt(self, text: str, image=None) -> Prompt:
-        return self.prompts.build(text, image)
+        """The prompt, refused by its token count before anything sized by its length is allocated."""
+        prompt = self.prompts.build(text, image)
+        self.kv.check_prompt(prompt.length)
+        return prompt
 
     def detokenize(self, ids) -> str:
         return self.prompts.decode(ids)
@@ -220,6 +223,7 @@ class GraphBackend:
                 image, deep = self._encode_image(prompt)
         else:
             pos = np.arange(length, dtype=np.int64)[None]
+        self.kv.check_prompt(length)  # before the [length, length] mask below is allocated
         hidden = self._run_target(ids, pos, np.tri(length, dtype=bool), self.pending, image, deep)
         self.start = length
         self.pending_rows, self.pending_from = length, 0

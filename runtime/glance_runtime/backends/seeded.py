@@ -19,6 +19,10 @@ class SeededDrafter:
         self.inner, self.truth, self.prompt_len, self.column = backend, truth, prompt_len, column
         self.name, self.block_size = backend.name, backend.block_size
 
+    def __getattr__(self, name: str):
+        """Everything else (limits, committed rows, prompt building) is the wrapped backend's."""
+        return getattr(self.inner, name)
+
     def prefill(self, prompt):
         return self.inner.prefill(prompt)
 

@@ -25,6 +25,10 @@ class ConfidentSeeds:
         self.seeded = SeededDrafter(backend, truth, prompt_len, lambda d: 0 if d <= depth else None)
         self.depth, self.name, self.block_size = depth, backend.name, backend.block_size
 
+    def __getattr__(self, name: str):
+        """Everything else (limits, committed rows) is the wrapped backend's."""
+        return getattr(self.seeded, name)
+
     def prefill(self, prompt):
         return self.seeded.prefill(prompt)
 
