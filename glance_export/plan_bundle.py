@@ -20,6 +20,7 @@ from .memory_plan import MemoryPlan
 from .precision import Precision
 
 SCRIPT = "build.sh"
+BUNDLE_FORMAT = "glance-build-bundle"
 README = "README.md"
 
 
@@ -78,7 +79,7 @@ def write_bundle(out: Path, artifacts: Path, profile: DeviceProfile, flags: list
     manifest = json.loads((artifacts / MANIFEST).read_text())
     command = build_command(profile, flags)
     written = [f"{profile.name}.json", SCRIPT, README]  # never linked: writing them would write through a link
-    with atomic_directory(out) as tmp:
+    with atomic_directory(out, BUNDLE_FORMAT, "glance-export build --plan-only") as tmp:
         files = sorted(p.name for p in artifacts.iterdir()
                        if p.is_file() and not p.name.startswith(".") and p.name not in written)
         for name in files:

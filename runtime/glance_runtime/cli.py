@@ -6,12 +6,14 @@ import json
 import sys
 from pathlib import Path
 
+from .cache import cache_root
 from .cli_parser import OneLineParser, guarded, parse_budget
 from .errors import GlanceError
 from .limits import check_decode
 from .auto_budget import AUTO, decode_config
 from .loop import DecodeConfig, decode
 from .defaults import resolve
+from .preprocess import check_image_path
 from .runner import BACKENDS, open_runner
 
 
@@ -62,8 +64,8 @@ def _check_inputs(args: argparse.Namespace) -> None:
         if path is not None and not path.is_dir():
             state = "is not a directory" if path.exists() else "does not exist"
             raise GlanceError(f"{flag} {path} {state}; pass an existing directory")
-    if args.image is not None and not args.image.is_file():
-        raise GlanceError(f"image {args.image} does not exist; pass an existing image file")
+    if args.image is not None:
+        check_image_path(args.image)
     try:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError:
@@ -73,6 +75,7 @@ def _check_inputs(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_inputs(args)
+    cache_root()  # exports, hash stamps and cost profiles live there: a broken location is refused before loading
     args.model, args.head, args.artifacts, args.backend = resolve(args.model, args.head, args.artifacts, args.backend)
     if not args.no_spec and args.head is None and args.backend == "torch":
         raise GlanceError("speculative decoding needs --head (or pass --no-spec for plain greedy decoding)")

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Callable, NoReturn
 
-from .errors import GlanceError
+from .errors import GlanceError, check_stdout, machine_failure, silence_stdout
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -33,9 +33,21 @@ def parse_budget(text: str) -> int | str:
 def guarded(prog: str, command: Callable[[], int], interrupted: str = "interrupted") -> int:
     """Run a command: a GlanceError is one `prog: error:` line and exit 2, Ctrl-C one line and exit 130."""
     try:
-        return command()
+        closed = check_stdout()
+        if closed is not None:
+            raise closed
+        code = command()
+        sys.stdout.flush()  # a full device fails here, inside the guard, not at the interpreter's exit
+        return code
     except GlanceError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        failure = machine_failure(exc)
+        if failure is None:
+            raise
+        silence_stdout()
+        print(f"{prog}: error: {failure}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{prog}: {interrupted}", file=sys.stderr)

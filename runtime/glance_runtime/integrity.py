@@ -40,9 +40,11 @@ class Stamps:
     def __init__(self, directory: Path):
         self.directory = Path(directory).resolve()
         tag = hashlib.sha256(str(self.directory).encode()).hexdigest()[:20]
-        self.file = cache_root() / "stamps" / f"{tag}.json"
         try:
+            self.file: Path | None = cache_root() / "stamps" / f"{tag}.json"
             self.entries: dict[str, list] = json.loads(self.file.read_text())
+        except GlanceError:  # no usable cache: every load hashes again
+            self.file, self.entries = None, {}
         except (OSError, ValueError):
             self.entries = {}
         self.changed = False
@@ -62,7 +64,7 @@ class Stamps:
 
     def save(self) -> None:
         """Best effort: without a writable cache the next load just hashes again."""
-        if not self.changed:
+        if not self.changed or self.file is None:
             return
         try:
             write_file(self.file, json.dumps(self.entries))
