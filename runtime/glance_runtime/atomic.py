@@ -80,7 +80,8 @@ def output_format(directory: Path) -> str | None:
 
 
 def check_not_input(out: str | Path, inputs: Iterable[str | Path | None]) -> None:
-    """Refuse an output that is an input, holds one, or lies inside one. Compared by real path, so a symlink or `..` does not hide that the output is an input."""
+    """Refuse an output that is an input, holds one, or lies inside one. Compared by real path, so a
+    symlink or `..` does not hide that the output is an input."""
     real = Path(os.path.realpath(out))
     for given in inputs:
         if given is None:
@@ -111,7 +112,8 @@ def check_output(out: str | Path, fmt: str, inputs: Iterable[str | Path | None] 
         try:
             empty = not any(out.iterdir())
         except OSError as exc:
-            raise GlanceError(f"cannot list output {out} ({exc.strerror}); pick a readable, writable directory") from None
+            raise GlanceError(f"cannot list output {out} ({exc.strerror}); pick a readable, writable "
+                              "directory") from None
         found = output_format(out)
         if not empty and found != fmt:
             what = f"a {found} output" if found else "a directory no glance command made"
