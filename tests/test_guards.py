@@ -203,3 +203,37 @@ def test_a_huge_prompt_is_refused_fast_and_small(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and "longer than --max-context" in lines[0] and len(lines) == 2, proc.stderr
     assert elapsed < 30 and int(lines[1]) < 1_500_000, (elapsed, lines[1])  # ru_maxrss in KiB: under 1.5 GiB
+
+
+@pytest.fixture
+def mounts(tmp_path):
+    """A 128 KiB tmpfs (smaller than any export) and a read-only one, for a full disk and a read-only cache; mounting needs root."""
+    made = []
+    for name, options in (("small", "size=128k"), ("ro", "ro,size=128k")):
+        point = tmp_path / name
+        point.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)], capture_output=True).returncode:
+            for done in made:
+                subprocess.run(["umount", str(done)], check=False)
+            pytest.skip("mounting a tmpfs needs root (a full disk and a read-only cache are checked where it can)")
+        made.append(point)
+    yield tmp_path
+    for point in made:
+        subprocess.run(["umount", str(point)], check=False)
+
+
+def test_a_full_disk_and_a_read_only_cache_are_one_line(mounts, snapshot_dir):
+    base = [sys.executable, "-c", "import sys; from glance_export.cli import main; sys.exit(main(sys.argv[1:]))"]
+    model = snapshot_dir("qwen3")
+    head = mounts / "head"
+    assert subprocess.run(base + ["init-head", "--model", str(model), "--out", str(head)]).returncode == 0
+    full = subprocess.run(base + ["onnx", "--model", str(model), "--head", str(head), "--out", str(mounts / "small" / "art"),
+                                  "--quiet"], capture_output=True, text=True, timeout=300)
+    assert full.returncode == 2 and full.stderr.strip().splitlines() == [
+        "glance-export: error: no space left on the device; free space (or pick another place to write) and run again"]
+    assert list((mounts / "small").iterdir()) == []  # nothing half-written
+    run = [sys.executable, "-c", "import sys; from glance_runtime.cli import main; sys.exit(main(sys.argv[1:]))",
+           "--prompt", "hi"]
+    ro = subprocess.run(run, capture_output=True, text=True, timeout=120,
+                        env={**os.environ, "GLANCE_CACHE": str(mounts / "ro" / "cache")})
+    assert ro.returncode == 2 and len(ro.stderr.strip().splitlines()) == 1 and "read-only file system" in ro.stderr
