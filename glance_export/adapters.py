@@ -21,7 +21,7 @@ from jinja2 import TemplateError
 from PIL import Image
 
 from glance_runtime.errors import GlanceError
-from glance_runtime.preprocess import IMAGE_PLACEHOLDER, Prompt, load_image
+from glance_runtime.preprocess import IMAGE_PLACEHOLDER, Prompt, load_image, to_rgb
 
 VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 TEXT_FAMILIES = ("qwen2", "qwen3", "llama")
@@ -121,7 +121,7 @@ class Snapshot:
             return Prompt(np.asarray(ids, dtype=np.int64))
         if rendered.count(IMAGE_PLACEHOLDER) != 1:
             raise GlanceError(f"the chat template of {self.path} must emit exactly one {IMAGE_PLACEHOLDER} per image")
-        pil = load_image(image) if not isinstance(image, Image.Image) else image.convert("RGB")
+        pil = load_image(image) if not isinstance(image, Image.Image) else to_rgb(image)
         processed = self.image_processor(images=[pil], return_tensors="np")
         grid = np.asarray(processed["image_grid_thw"], dtype=np.int64)
         n_tokens = int(grid[0].prod()) // int(self.image_processor.merge_size) ** 2
@@ -138,11 +138,18 @@ class Snapshot:
         from safetensors import SafetensorError
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+        from transformers.utils import logging as hf_logging
+
         auto = AutoModelForImageTextToText if self.is_vl else AutoModelForCausalLM
+        shown = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # a bar on stderr would come before a refusal of the weights
         try:
             model = auto.from_pretrained(self.path, dtype=getattr(torch, dtype), use_safetensors=True,
                                          trust_remote_code=False, attn_implementation="sdpa")
         except (OSError, ValueError, SafetensorError) as exc:
             raise GlanceError(f"cannot load weights from {self.path} ({str(exc).splitlines()[0]}); check that its "
                               "*.safetensors files are complete, or restore them from the model's source") from None
+        finally:
+            if shown:
+                hf_logging.enable_progress_bar()
         return model.eval()

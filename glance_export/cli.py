@@ -22,8 +22,9 @@ def _progress(line: str) -> None:
 
 def _init_head(args: argparse.Namespace) -> int:
     from .adapters import Snapshot
-    from .head import head_config_for, init_head, pick_mask_token, save_head
+    from .head import check_head_out, head_config_for, init_head, pick_mask_token, save_head
 
+    check_head_out(args.out, [args.model])
     snapshot = Snapshot(args.model)
     if args.layers < 1 or args.block_size < 2:
         raise GlanceError("--layers must be >= 1 and --block-size >= 2")

@@ -6,12 +6,13 @@ path imports neither torch nor onnx: a Jetson builds from an export made on a wo
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from glance_runtime.atomic import atomic_directory
+from glance_runtime.atomic import atomic_directory, check_output, output_format
 from glance_runtime.errors import GlanceError
 from glance_runtime.graphs import MANIFEST
 from glance_runtime.formats import engines as engines_format
@@ -22,12 +23,13 @@ from . import __version__
 from .device_profiles import DeviceProfile, load_profile
 from .devices import Device, check_device, resolve_target
 from .memory_plan import MemoryPlan, plan_memory
-from .plan_bundle import SCRIPT, write_bundle
+from .plan_bundle import BUNDLE_FORMAT, write_bundle
 from .precision import Precision, choose_precision
 from .quant_engines import engine_manifest
 from .tensorrt_build import BuildOptions, TimingCache, build_engines
 from .toolchain import Toolchain, check_opset, check_version, load_toolchain
 
+ENGINES_FORMAT = "glance-engines"
 HEAD_WEIGHTS = "model.safetensors"  # glance_export.head.WEIGHTS_FILE, not imported here: that module needs torch
 CACHE_DTYPE = "fp32"  # what `exported_artifacts` exports (the --model/--head path)
 
@@ -104,14 +106,17 @@ def _artifacts(request: BuildRequest, say: Callable[[str], None]) -> Path:
     return artifacts
 
 
-def check_out(out: Path, marker: str, artifacts: Path) -> None:
-    """--out is replaced whole: never let that be the export itself, or a directory this command did not write."""
-    source = artifacts.resolve()
-    if out.resolve() == source or out.resolve() in source.parents:
-        raise GlanceError(f"--out {out} would replace the artifacts it is built from; pass another directory")
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / marker).is_file())):
-        raise GlanceError(f"--out {out} exists and has no {marker}, so `glance-export build` did not write it; "
-                          f"pass a new or empty directory")
+def check_out(request: BuildRequest) -> None:
+    """--out is replaced whole: refused, before any work, where it is an input, holds one or lies inside one
+    (a bundle nested in its export), or is a directory this command did not write. The one nesting allowed
+    is engines built inside the bundle they come from, which is what a bundle's build.sh does."""
+    fmt = BUNDLE_FORMAT if request.plan_only else ENGINES_FORMAT
+    out, artifacts = Path(request.out), request.artifacts
+    inputs = [request.model, request.head, request.timing_cache]
+    own_bundle = (artifacts is not None and not request.plan_only and output_format(Path(artifacts)) == BUNDLE_FORMAT
+                  and Path(os.path.realpath(out)).is_relative_to(os.path.realpath(artifacts))
+                  and os.path.realpath(out) != os.path.realpath(artifacts))
+    check_output(out, fmt, inputs if own_bundle else [*inputs, artifacts])
 
 
 def _identity(artifacts: Path, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -165,6 +170,7 @@ def build(request: BuildRequest, device: Device, toolchain: Toolchain | None = N
     `profile` overrides the target's file (tests)."""
     say = Stopwatch(progress)
     profile = profile or load_profile(resolve_target(request.target, device))
+    check_out(request)
     if request.plan_only:
         return _plan_only(request, profile, say)
     check_device(profile, device)
@@ -174,10 +180,9 @@ def build(request: BuildRequest, device: Device, toolchain: Toolchain | None = N
     say(f"target {profile.name}: {device.describe() if device.name else 'ahead-of-time build, no GPU'}; "
         f"{toolchain.name} {toolchain.version}")
     artifacts, manifest, plan = _planned(request, profile, precision, device, toolchain.version, say)
-    check_out(request.out, engines_format.FILE, artifacts)
     timing_cache, cache_record = _timing_cache(request, profile, toolchain, say)
     say(f"building {', '.join(manifest['graphs'])} at {precision.name} ({precision.how})")
-    with atomic_directory(request.out) as tmp:
+    with atomic_directory(request.out, ENGINES_FORMAT, "glance-export build") as tmp:
         engines = build_engines(toolchain, artifacts, plan.limits.apply(manifest), tmp,
                                 BuildOptions(precision, plan.workspace_gib, timing_cache), say)
         record = {
@@ -219,7 +224,6 @@ def _plan_only(request: BuildRequest, profile: DeviceProfile, say: Callable[[str
     no_gpu = Device(None)
     precision = _precision(request, profile, no_gpu)
     artifacts, _, plan = _planned(request, profile, precision, no_gpu, None, say)
-    check_out(request.out, SCRIPT, artifacts)
     out = write_bundle(request.out, artifacts, profile, request.device_flags(), plan, precision)
     say(f"wrote a build bundle for {profile.name} to {out}: copy it to the device and run ./build.sh there")
     return out

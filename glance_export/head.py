@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +23,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
-from glance_runtime.atomic import atomic_directory, check_writable
+from glance_runtime.atomic import atomic_directory, check_output
 from glance_runtime.errors import GlanceError
 
 WEIGHTS_FILE = "model.safetensors"
@@ -189,23 +189,22 @@ def init_head(cfg: HeadConfig, seed: int) -> DraftHead:
     return head.eval()
 
 
-def check_head_out(out_dir: str | Path) -> None:
-    """A head directory is replaced whole when saved: refuse one that holds anything but a head."""
-    out = Path(out_dir)
-    is_head = (out / "config.json").is_file() and (out / WEIGHTS_FILE).is_file()
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not is_head)):
-        raise GlanceError(f"{out} exists and is not a head directory, and saving would replace it; pick a new "
-                          "or empty output directory")
-    check_writable(out)
+HEAD_FORMAT = "glance-head"
 
 
-def save_head(head: DraftHead, out_dir: str | Path, also: Callable[[Path], None] | None = None) -> Path:
+def check_head_out(out_dir: str | Path, inputs: Iterable[str | Path | None] = ()) -> None:
+    """A head directory is replaced whole when saved: refuse, before any work, one that a head writer did
+    not make (a model snapshot holds a config and weights too) or that is one of `inputs`."""
+    check_output(out_dir, HEAD_FORMAT, inputs)
+
+
+def save_head(head: DraftHead, out_dir: str | Path, also: Callable[[Path], None] | None = None,
+              made_by: str = "glance-export init-head") -> Path:
     """Write config.json + model.safetensors (and whatever `also` writes into the same directory, such
     as a trainer's state) to a temporary sibling, then rename into place."""
     from safetensors.torch import save_file
 
-    check_head_out(out_dir)
-    with atomic_directory(out_dir) as tmp:
+    with atomic_directory(out_dir, HEAD_FORMAT, made_by) as tmp:
         (tmp / "config.json").write_text(json.dumps(head.config.to_json(), indent=2))
         state = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})

@@ -19,6 +19,7 @@ from .memory_plan import MemoryPlan
 from .precision import Precision
 
 SCRIPT = "build.sh"
+BUNDLE_FORMAT = "glance-build-bundle"
 README = "README.md"
 
 
@@ -77,7 +78,7 @@ def write_bundle(out: Path, artifacts: Path, profile: DeviceProfile, flags: list
     manifest = artifacts_format.read(artifacts).raw
     command = build_command(profile, flags)
     written = [f"{profile.name}.json", SCRIPT, README]  # never linked: writing them would write through a link
-    with atomic_directory(out) as tmp:
+    with atomic_directory(out, BUNDLE_FORMAT, "glance-export build --plan-only") as tmp:
         files = sorted(p.name for p in artifacts.iterdir()
                        if p.is_file() and not p.name.startswith(".") and p.name not in written)
         for name in files:

@@ -9,12 +9,13 @@ torch, so they live on the exporter side, which registers `open_reference` for t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
 from glance_runtime.backend import BackendInfo, ServeLimits, Verified
+from glance_runtime.errors import GlanceError
 from glance_runtime.hardware import host_cpu
 from glance_runtime.runner import Runner
 
@@ -202,12 +203,27 @@ def greedy_with_margins(model: torch.nn.Module, snapshot: Snapshot, prompt: Prom
                        use_cache=True).logits[0, -1]
 
 
+def checked_prompts(snapshot: Snapshot) -> Callable[..., Prompt]:
+    """`snapshot.build_prompt`, refusing by token count a prompt past the positions the model has, before
+    a prefill whose attention grows with the square of its length is tried (a 5 MB task prompt)."""
+    positions = snapshot.text_config.get("max_position_embeddings")
+
+    def build(text: str, image=None) -> Prompt:
+        prompt = snapshot.build_prompt(text, image)
+        if isinstance(positions, int) and prompt.length > positions:
+            raise GlanceError(f"prompt of {prompt.length} tokens is longer than the {positions} positions of "
+                              f"{snapshot.path}; shorten the prompt")
+        return prompt
+
+    return build
+
+
 def open_reference(model: Path, head: Path | None, dtype: str = "float32", device: str = "cpu") -> Runner:
     """The torch backend on a snapshot (on `device`: "cpu", "cuda"), with the greedy oracle beside it."""
     snapshot = Snapshot(model)
     backend = TorchBackend(snapshot, load_head(head) if head is not None else None, dtype=dtype, device=device)
     stops = snapshot.stop_token_ids
-    return Runner(backend=backend, build_prompt=snapshot.build_prompt, stop_ids=stops,
+    return Runner(backend=backend, build_prompt=checked_prompts(snapshot), stop_ids=stops,
                   detokenize=lambda ids: snapshot.tokenizer.decode(list(ids), skip_special_tokens=True),
                   oracle=lambda prompt, n: greedy_reference(backend.model, snapshot, prompt, n, stops),
                   identity=f"torch {Path(model).resolve()} {Path(head).resolve() if head else ''} {dtype}",

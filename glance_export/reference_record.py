@@ -16,9 +16,10 @@ from glance_runtime.integrity import sha256
 
 from . import __version__
 from .adapters import Snapshot
-from glance_runtime.formats.tasks import read as read_tasks
-from .reference import greedy_with_margins
 from glance_runtime.formats.reference import RecordedTask, Reference
+from glance_runtime.formats.tasks import read as read_tasks
+
+from .reference import checked_prompts, greedy_with_margins
 from .reference_file import array_sha256, ids_sha256, image_sha256, model_source
 
 
@@ -32,11 +33,12 @@ def record_reference(model_dir: Path, tasks_path: Path, max_new_tokens: int,
         raise GlanceError(f"{tasks_path} holds no prompts; a reference needs at least one")
     snapshot = Snapshot(model_dir)
     source = model_source(snapshot.path)
+    build = checked_prompts(snapshot)
+    prompts = [build(task.prompt, task.image) for task in tasks]  # refused by token count before the model loads
     model = snapshot.load_model("float32")
     stops = snapshot.stop_token_ids
     recorded = []
-    for i, task in enumerate(tasks, 1):
-        prompt = snapshot.build_prompt(task.prompt, task.image)
+    for i, (task, prompt) in enumerate(zip(tasks, prompts), 1):
         tokens, margins = greedy_with_margins(model, snapshot, prompt, max_new_tokens, stops)
         recorded.append(RecordedTask(prompt=task.prompt, image_sha256=image_sha256(task),
                                      input_ids_sha256=ids_sha256(prompt.input_ids),

@@ -31,12 +31,13 @@ from glance_runtime.defaults import DEFAULT_ARTIFACTS
 from test_onnx_export import export_once
 from tiny_models import make_snapshot
 
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 COMMANDS: dict[str, Callable[[list[str]], int]] = {"glance-run": run_main, "glance-export": export_main,
                                                    "glance-bench": bench_main}
 PROCESS = {"glance-run": "from glance_runtime.cli import main", "glance-export": "from glance_export.cli import main",
            "glance-bench": "from glance_runtime.bench.cli import main"}
 ANSWERS = {"glance-run"}  # commands whose stdout is the answer: nothing at all may appear there on a refusal
-FIX = re.compile(r"\b(pass|use|re-?export|pick|lower|raise|copy|create|add|install|drop|rebuild|shorten|crop|"
+FIX = re.compile(r"\b(pass|use|point|set|make|free|keep|run|redirect|re-?export|pick|lower|raise|copy|create|add|install|drop|rebuild|shorten|crop|"
                  r"downscale|convert|write|remove|check|choose|see|retrain|export|build|give|restore|save)\b", re.I)
 
 
@@ -62,6 +63,14 @@ class Inputs:
         path = self.tmp / name
         Image.new("RGB", (width, height), (0, 90, 200)).save(path)
         return path
+
+    def fifo(self, name: str) -> Path:
+        os.mkfifo(self.tmp / name)
+        return self.tmp / name
+
+    def link(self, name: str, target: str) -> Path:
+        (self.tmp / name).symlink_to(self.tmp / target)
+        return self.tmp / name
 
     def tasks(self, *rows: str) -> Path:
         return self.write("tasks.jsonl", "".join(r + "\n" for r in rows))
@@ -91,6 +100,8 @@ class Row:
     expect: str  # a phrase of the refusal (regex)
     out: str | None = None  # name under tmp given as --out: must be left absent or unchanged
     process: bool = False
+    env: Callable[[Inputs], dict[str, str]] | None = None  # environment of the run
+    stdout: str | None = None  # with process: a device for stdout ("/dev/full") or "closed"
 
 
 def run(i: Inputs, *extra) -> list:
@@ -109,7 +120,7 @@ def audit(i: Inputs, data: Path, *extra) -> list:
     return ["audit", "--model", i.model, "--head", i.head, "--data", data, "--max-new-tokens", "4", *extra]
 
 
-def onnx(i: Inputs, *extra, model: Path | None = None, head: Path | None = None, out: str = "art_out") -> list:
+def onnx(i: Inputs, *extra, model: Path | None = None, head: Path | None = None, out: str | Path = "art_out") -> list:
     return ["onnx", "--model", model or i.model, "--head", head or i.head, "--out", i.tmp / out, *extra]
 
 
@@ -117,7 +128,7 @@ def build(i: Inputs, art: Path, *extra, out: str = "eng_out") -> list:
     return ["build", "--target", "rtx", "--artifacts", art, "--out", i.tmp / out, *extra]
 
 
-def train_head(i: Inputs, data: Path, *extra, out: str = "head_out") -> list:
+def train_head(i: Inputs, data: Path, *extra, out: str | Path = "head_out") -> list:
     return ["train-head", "--model", i.model, "--data", data, "--out", i.tmp / out, "--steps", "1", *extra]
 
 
@@ -132,6 +143,16 @@ ROWS = [
         "cannot be decoded"),
     Row("run-image-far-too-large", "glance-run",
         lambda i: ["--image", i.image_file("big.png", 12000, 12000), "--prompt", "x"], "larger than"),
+    Row("run-image-directory", "glance-run", lambda i: ["--image", i.tmp, "--prompt", "x"], "is a directory"),
+    Row("run-image-fifo", "glance-run", lambda i: ["--image", i.fifo("f.png"), "--prompt", "x"], "named pipe"),
+    Row("run-image-symlink-loop", "glance-run", lambda i: ["--image", i.link("loop.png", "loop.png"), "--prompt", "x"],
+        "symbolic link loop"),
+    Row("run-image-dangling-link", "glance-run", lambda i: ["--image", i.link("d.png", "gone.png"), "--prompt", "x"],
+        "dangling symbolic link"),
+    Row("run-image-under-a-file", "glance-run", lambda i: ["--image", i.tmp / "a_file" / "x.png", "--prompt", "x"],
+        "a part of the path is a file"),
+    Row("audit-task-image-directory", "glance-export",
+        lambda i: audit(i, i.tasks(json.dumps({"prompt": "x", "image": str(i.tmp)}))), "is a directory"),
     Row("run-image-sliver", "glance-run", lambda i: ["--image", i.image_file("s.png", 4000, 2), "--prompt", "x"],
         "aspect ratio"),
     # glance-run: prompt
@@ -204,8 +225,11 @@ ROWS = [
         "audit", "--backend", "onnxruntime", "--artifacts", i.art, "--model", i.model, "--data",
         i.tasks('{"prompt": "x"}'), "--budget", "auto", "--branch-k", "20"], "--branch-k 20"),
     # glance-export onnx
-    Row("onnx-out-exists", "glance-export", lambda i: onnx(i, out="taken"), "exists and is not an artifacts",
-        out="taken"),
+    Row("onnx-out-exists", "glance-export", lambda i: onnx(i, out="taken"), "no glance command made", out="taken"),
+    Row("onnx-out-is-a-head", "glance-export", lambda i: onnx(i, out=i.copy("head")),
+        "is a glance-head output, not a glance-artifacts", out="head_copy"),
+    Row("onnx-out-is-the-model", "glance-export", lambda i: onnx(i, model=i.copy("model"), out="model_copy"),
+        "is the input", out="model_copy"),
     Row("onnx-out-under-a-file", "glance-export", lambda i: onnx(i, out="a_file/art"), "cannot create"),
     Row("onnx-opset", "glance-export", lambda i: onnx(i, "--opset", "99"), "opset 99", out="art_out"),
     Row("onnx-max-tree-above-context", "glance-export", lambda i: onnx(i, "--max-tree", "64", "--max-context", "32"),
@@ -224,7 +248,10 @@ ROWS = [
     Row("build-model-without-head", "glance-export", lambda i: ["build", "--target", "rtx", "--model", i.model,
                                                                 "--out", i.tmp / "eng_out"], "--model and --head",
         out="eng_out"),
-    Row("build-out-is-the-export", "glance-export", lambda i: build(i, i.art)[:-1] + [i.art], "would replace"),
+    Row("build-out-is-the-export", "glance-export", lambda i: build(i, i.art)[:-1] + [i.art], "is the input"),
+    Row("build-plan-only-inside-the-export", "glance-export",
+        lambda i: build(i, i.copy("art"), "--plan-only", out="art_copy/bundle"), "lies inside the input",
+        out="art_copy"),
     Row("build-precision-unsupported", "glance-export", lambda i: build(i, i.art, "--precision", "fp8"), "fp8",
         out="eng_out"),
     Row("build-does-not-fit", "glance-export", lambda i: build(i, i.art, "--memory-gib", "1"), "does not fit|GiB",
@@ -236,16 +263,30 @@ ROWS = [
     Row("train-head-task-file-empty", "glance-export", lambda i: train_head(i, i.write("tasks.jsonl", "")),
         "has no tasks", out="head_out"),
     Row("train-head-out-not-a-head", "glance-export", lambda i: train_head(i, i.tasks('{"prompt": "x"}'), out="taken"),
-        "exists and is not a head directory", out="taken"),
+        "no glance command made, not a glance-head", out="taken"),
+    Row("train-head-out-is-a-snapshot", "glance-export",
+        lambda i: train_head(i, i.tasks('{"prompt": "x"}'), out=i.copy("model")),
+        "no glance command made, not a glance-head", out="model_copy"),
     Row("train-head-checkpoint-every-zero", "glance-export",
         lambda i: train_head(i, i.tasks('{"prompt": "x"}'), "--checkpoint-every", "0"), "--checkpoint-every",
         out="head_out"),
-    Row("init-head-not-a-model", "glance-export", lambda i: ["init-head", "--model", i.tmp, "--out", i.tmp / "h"],
+    Row("init-head-not-a-model", "glance-export", lambda i: ["init-head", "--model", i.tmp / "taken", "--out", i.tmp / "h"],
         "config.json is missing", out="h"),
     Row("init-head-mask-outside-vocab", "glance-export", lambda i: [
         "init-head", "--model", i.model, "--out", i.tmp / "h", "--mask-token-id", "999999"], "outside", out="h"),
     Row("init-head-out-not-a-head", "glance-export", lambda i: ["init-head", "--model", i.model, "--out", i.tmp / "taken"],
-        "exists and is not a head directory", out="taken"),
+        "no glance command made", out="taken"),
+    Row("init-head-out-is-the-model", "glance-export",
+        lambda i: ["init-head", "--model", i.copy("model"), "--out", i.tmp / "model_copy"], "is the input",
+        out="model_copy"),
+    Row("init-head-out-holds-the-model", "glance-export",
+        lambda i: ["init-head", "--model", i.copy("model"), "--out", i.tmp], "holds the input"),
+    Row("train-target-out-is-a-snapshot", "glance-export",
+        lambda i: ["train-target", "--out", i.copy("model"), "--steps", "1"], "not a glance-target-run",
+        out="model_copy"),
+    Row("corpus-out-is-a-task-folder", "glance-export", lambda i: [
+        "corpus", "--kind", "scene", "--n", "2", "--out", Path(shutil.copytree(EXAMPLES / "scene", i.tmp / "scene"))],
+        "no glance command made, not a glance-tasks", out="scene"),
     Row("train-target-bad-mix", "glance-export", lambda i: ["train-target", "--out", i.tmp / "t", "--mix", "poems=1"],
         "--mix", out="t"),
     Row("corpus-negative-n", "glance-export", lambda i: ["corpus", "--kind", "scene", "--n", "-3", "--out", i.tmp / "c"],
@@ -258,7 +299,27 @@ ROWS = [
         "--data", i.tasks('{"prompt": "x"}'), "--out", i.tmp / "bench_out", "--backend", "onnxruntime",
         "--artifacts", i.art, "--budgets", "7,500", "--no-plots"], "--budget 500", out="bench_out"),
     Row("bench-out-is-a-file", "glance-bench", lambda i: [
-        "--data", i.tasks('{"prompt": "x"}'), "--out", i.tmp / "a_file", "--no-plots"], "is a file; pass"),
+        "--data", i.tasks('{"prompt": "x"}'), "--out", i.tmp / "a_file", "--no-plots"], "is not a directory"),
+    Row("bench-out-is-an-export", "glance-bench", lambda i: [
+        "--data", i.tasks('{"prompt": "x"}'), "--out", i.copy("art"), "--no-plots"], "is a glance-artifacts output",
+        out="art_copy"),
+    Row("bench-out-is-the-root", "glance-bench", lambda i: [
+        "--data", i.tasks('{"prompt": "x"}'), "--out", "/", "--no-plots"], "holds the input"),
+    Row("bench-out-holds-its-tasks", "glance-bench", lambda i: [
+        "--data", i.tasks('{"prompt": "x"}'), "--out", i.tmp, "--no-plots"], "holds the input"),
+    # every command: the cache location, stdout
+    Row("run-cache-is-a-file", "glance-run", lambda i: run(i), r"cache directory .*a_file \(\$GLANCE_CACHE\) is a file",
+        env=lambda i: {"GLANCE_CACHE": str(i.tmp / "a_file")}),
+    Row("run-cache-under-a-file", "glance-run", lambda i: run(i), "lies under .*a_file, which is not a directory",
+        env=lambda i: {"GLANCE_CACHE": str(i.tmp / "a_file" / "cache")}),
+    Row("run-cache-empty-and-home-a-file", "glance-run", lambda i: run(i), r"\(under \$HOME\) lies under",
+        env=lambda i: {"GLANCE_CACHE": "", "HOME": str(i.tmp / "a_file")}),
+    Row("run-stdout-full", "glance-run", lambda i: ort(i, i.art, "--budget", "8"), "no space left",
+        process=True, stdout="/dev/full"),
+    Row("run-json-stdout-full", "glance-run", lambda i: ort(i, i.art, "--budget", "8", "--json"), "no space left",
+        process=True, stdout="/dev/full"),
+    Row("run-stdout-closed", "glance-run", lambda i: ort(i, i.art, "--budget", "8"), "stdout is closed",
+        process=True, stdout="closed"),
 ]
 
 
@@ -287,12 +348,19 @@ def _in_process(row: Row, argv: list, capsys) -> tuple[int, str, str]:
     return code, stdout, stderr
 
 
-def _as_process(row: Row, argv: list) -> tuple[int, str, str]:
+def _as_process(row: Row, argv: list, env: dict[str, str]) -> tuple[int, str, str]:
     code = f"import sys; {PROCESS[row.prog]}; sys.exit(main(sys.argv[1:]))"
     args = [a if isinstance(a, bytes) else str(a).encode() for a in argv]
-    proc = subprocess.run([sys.executable.encode(), b"-c", code.encode(), *args], capture_output=True,
-                          env={**os.environ, "LC_ALL": "C.UTF-8"}, timeout=300)
-    return proc.returncode, proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace")
+    if row.stdout is None:
+        out = subprocess.PIPE
+    else:
+        out = subprocess.DEVNULL if row.stdout == "closed" else open(row.stdout, "wb")
+    proc = subprocess.run([sys.executable.encode(), b"-c", code.encode(), *args], stdout=out, stderr=subprocess.PIPE,
+                          env={**os.environ, "LC_ALL": "C.UTF-8", **env}, timeout=300,
+                          **({"preexec_fn": lambda: os.close(1)} if row.stdout == "closed" else {}))
+    if row.stdout not in (None, "closed"):
+        out.close()
+    return proc.returncode, (proc.stdout or b"").decode(errors="replace"), proc.stderr.decode(errors="replace")
 
 
 def test_the_table_covers_every_command_and_thirty_kinds():
@@ -303,16 +371,19 @@ def test_the_table_covers_every_command_and_thirty_kinds():
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
-def test_bad_input_is_one_line_with_a_fix_and_leaves_nothing(row, shared, tmp_path, capsys):
+def test_bad_input_is_one_line_with_a_fix_and_leaves_nothing(row, shared, tmp_path, capsys, monkeypatch):
     i = Inputs(*shared, tmp_path)
     (tmp_path / "a_file").write_text("not a directory")
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "notes.txt").write_text("someone's files")
     argv = row.argv(i)
+    env = row.env(i) if row.env else {}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     out = tmp_path / row.out if row.out else None
     before = _state(out) if out else None
     capsys.readouterr()
-    code, stdout, stderr = _as_process(row, argv) if row.process else _in_process(row, argv, capsys)
+    code, stdout, stderr = _as_process(row, argv, env) if row.process else _in_process(row, argv, capsys)
     lines = stderr.strip().splitlines()
     assert code not in (0, None) and "Traceback" not in stderr, (code, stderr)
     assert len(lines) == 1 and lines[0].startswith(f"{row.prog}"), stderr

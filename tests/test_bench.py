@@ -14,6 +14,7 @@ import pytest
 
 from edge_install import blocking
 
+from glance_runtime.atomic import MARKER
 from glance_runtime.bench.cli import main as bench_main
 from glance_runtime.bench.law import analyse, expected_accepted
 from glance_runtime.bench.modes import Mode, modes_for, parse_budgets
@@ -238,7 +239,7 @@ def test_law_runs_alone_on_a_round_log(bench_out, tmp_path, capsys):
                        "--json", "--out", str(tmp_path / "law")]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["mode"] == "tree-7" and LAW_FIELDS <= set(printed["law"]["pooled"])
-    assert {p.name for p in (tmp_path / "law").iterdir()} == {"law.json", "law.md", "law.png"}
+    assert {p.name for p in (tmp_path / "law").iterdir()} == {MARKER, "law.json", "law.md", "law.png"}
     rows = [json.loads(line) for line in (bench_out / "rounds.jsonl").read_text().splitlines()]
     assert bench_main(["law", str(bench_out / "rounds.jsonl"), "--mode", "tree-7", "--include-final", "--json",
                        "--bootstrap", "20"]) == 0
@@ -346,7 +347,7 @@ def test_edge_install_benches_without_torch_and_refuses_plots_in_one_line(tmp_pa
     run = subprocess.run(base + ["--out", str(tmp_path / "a"), "--no-plots"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "[1/1] scene 0" in run.stderr and "torch imported: False" in run.stderr
-    assert {p.name for p in (tmp_path / "a").iterdir()} == {"report.json", "report.md", "rounds.jsonl"}
+    assert {p.name for p in (tmp_path / "a").iterdir()} == {MARKER, "report.json", "report.md", "rounds.jsonl"}
     run = subprocess.run(base + ["--out", str(tmp_path / "b")], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "pip install 'glance-toolkit[bench]'" in run.stderr
     assert not (tmp_path / "b").exists()

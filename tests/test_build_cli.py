@@ -14,6 +14,7 @@ import warnings
 from importlib import resources
 from pathlib import Path
 
+from glance_runtime.atomic import MARKER
 import pytest
 
 from edge_install import BLOCK_EXPORT_STACK
@@ -21,7 +22,7 @@ from glance_export import cli, devices
 from glance_export.adapters import Snapshot
 from glance_export.device_profiles import PROFILE_NAMES, load_profile, profile_text
 from glance_export.devices import Device, probe_device, resolve_target
-from glance_export.engine_build import BuildRequest, build
+from glance_export.engine_build import BuildRequest, build, check_out
 from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
 from glance_export.memory_plan import kv_bytes_per_row, weights_bytes
 from glance_export.tensorrt_build import profiles_for
@@ -67,7 +68,7 @@ def test_build_rtx_engines_for_every_family(exported, monkeypatch, capsys, tmp_p
     art = _manifest(artifacts / "manifest.json")
     record = _manifest(out / "engines.json")
     assert set(record["engines"]) == set(art["graphs"])
-    assert sorted(p.name for p in out.iterdir()) == sorted(["engines.json", *(f"{g}.engine" for g in art["graphs"])])
+    assert sorted(p.name for p in out.iterdir()) == sorted([MARKER, "engines.json", *(f"{g}.engine" for g in art["graphs"])])
     for graph, entry in record["engines"].items():
         engine = out / entry["file"]
         assert entry["bytes"] == engine.stat().st_size > 0 and entry["sha256"] == sha256(engine)
@@ -198,10 +199,11 @@ def test_artifacts_from_another_model_or_head_are_refused(exported, monkeypatch,
 
 
 def test_missing_manifest_and_missing_head_are_one_line_errors(monkeypatch, capsys, tmp_path):
-    rc, _, stderr = run_cli(monkeypatch, capsys, NO_GPU, "--target", "rtx", "--artifacts", tmp_path, "--out",
+    (tmp_path / "art").mkdir()
+    rc, _, stderr = run_cli(monkeypatch, capsys, NO_GPU, "--target", "rtx", "--artifacts", tmp_path / "art", "--out",
                             tmp_path / "e")
     assert rc == 2 and "has no manifest.json" in stderr
-    rc, _, stderr = run_cli(monkeypatch, capsys, NO_GPU, "--target", "rtx", "--model", tmp_path,
+    rc, _, stderr = run_cli(monkeypatch, capsys, NO_GPU, "--target", "rtx", "--model", tmp_path / "art",
                             "--out", tmp_path / "e")
     assert rc == 2 and "--model and --head" in stderr
 
@@ -211,13 +213,32 @@ def test_out_never_replaces_the_export_or_a_foreign_directory(exported, monkeypa
     before = sorted(p.name for p in artifacts.iterdir())
     rc, _, stderr = run_cli(monkeypatch, capsys, NO_GPU, "--target", "rtx", "--artifacts", artifacts,
                             "--out", artifacts)
-    assert rc == 2 and "would replace the artifacts" in stderr and sorted(p.name for p in artifacts.iterdir()) == before
+    assert rc == 2 and "is the input" in stderr and sorted(p.name for p in artifacts.iterdir()) == before
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
     for extra in ([], ["--plan-only"]):
         rc, _, stderr = run_cli(monkeypatch, capsys, NO_GPU, "--target", "rtx", "--artifacts", artifacts,
                                 "--out", tmp_path / "mine", *extra)
-        assert rc == 2 and "did not write it" in stderr and (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+        assert rc == 2 and "no glance command made" in stderr and (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+    for extra in ([], ["--plan-only"]):  # nested in the export, replaced whole by the next export into it
+        rc, _, stderr = run_cli(monkeypatch, capsys, NO_GPU, "--target", "rtx", "--artifacts", artifacts,
+                                "--out", artifacts / "engines", *extra)
+        assert rc == 2 and "lies inside the input" in stderr and sorted(p.name for p in artifacts.iterdir()) == before
+
+
+def test_engines_may_be_built_inside_their_bundle_and_nowhere_else_in_it(exported, monkeypatch, capsys, tmp_path):
+    """A bundle's build.sh builds into the bundle's own engines/; a bundle is never replaced by engines."""
+    _, _, artifacts = exported("qwen3")
+    bundle = tmp_path / "bundle"
+    rc, _, _ = run_cli(monkeypatch, capsys, NO_GPU, "--target", "rtx", "--artifacts", artifacts, "--out", bundle,
+                       "--plan-only")
+    assert rc == 0
+    check_out(BuildRequest(target="rtx", out=bundle / "engines", artifacts=bundle))
+    for out, why in ((bundle, "is the input"), (tmp_path, "holds the input")):
+        with pytest.raises(GlanceError, match=why):
+            check_out(BuildRequest(target="rtx", out=out, artifacts=bundle))
+    with pytest.raises(GlanceError, match="lies inside the input"):
+        check_out(BuildRequest(target="rtx", out=bundle / "again", artifacts=bundle, plan_only=True))
 
 
 def test_device_profiles_state_the_platform_facts():
@@ -263,8 +284,8 @@ def test_plan_only_writes_a_bundle_the_device_builds_from(exported, monkeypatch,
     rc, stdout, _ = run_cli(monkeypatch, capsys, NO_GPU, "--target", "jetson-orin", "--artifacts", artifacts,
                             "--out", bundle, "--plan-only", "--precision", "fp16", "--max-context", 128)
     assert rc == 0 and "memory plan:" in stdout and "./build.sh" in stdout
-    exported_files = sorted(p.name for p in artifacts.iterdir())
-    written = ["README.md", "build.sh", "jetson-orin.json"]
+    exported_files = sorted(p.name for p in artifacts.iterdir() if p.name != MARKER)
+    written = [MARKER, "README.md", "build.sh", "jetson-orin.json"]
     assert sorted(p.name for p in bundle.iterdir()) == sorted(exported_files + written)
     assert all((bundle / n).read_bytes() == (artifacts / n).read_bytes() for n in exported_files)
     assert (bundle / "target.onnx").stat().st_ino == (artifacts / "target.onnx").stat().st_ino  # hard-linked

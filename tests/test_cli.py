@@ -128,7 +128,9 @@ def test_errors_are_one_line(snapshot_dir, head_dir, tmp_path, capsys):
     line = _one_line_error(capsys, export_main(["audit", "--model", model, "--head", str(head_dir),
                                                 "--data", str(bad)]))
     assert "bad.jsonl:2" in line
-    line = _one_line_error(capsys, export_main(["init-head", "--model", str(tmp_path), "--out", str(tmp_path / "h")]))
+    (tmp_path / "empty").mkdir()
+    line = _one_line_error(capsys, export_main(["init-head", "--model", str(tmp_path / "empty"), "--out",
+                                                str(tmp_path / "h")]))
     assert "config.json is missing" in line
     assert not (tmp_path / "h").exists()
 

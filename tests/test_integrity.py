@@ -8,6 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
+from glance_runtime.atomic import MARKER
 import pytest
 
 from glance_export.adapters import Snapshot
@@ -45,7 +46,7 @@ def _flip(path: Path, at: int | None = None) -> None:
 
 def test_manifest_hashes_every_file_beside_it(export):
     raw = json.loads((export / "manifest.json").read_text())
-    on_disk = {p.name for p in export.iterdir() if p.is_file()} - {"manifest.json"}
+    on_disk = {p.name for p in export.iterdir() if p.is_file()} - {"manifest.json", MARKER}
     assert set(raw["file_hashes"]) == on_disk
     for name, entry in raw["file_hashes"].items():
         assert entry == {"sha256": sha256(export / name), "size": (export / name).stat().st_size}

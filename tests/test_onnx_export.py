@@ -296,7 +296,7 @@ def test_reexport_replaces_previous_artifacts(exported, tmp_path):
     (dict(max_tree=64, max_context=64), "max_tree"),
     (dict(branch_k=0), "branch_k"),
     (dict(head_dir="other"), "head was made for"),
-    (dict(out_dir="occupied"), "not an artifacts directory"),
+    (dict(out_dir="occupied"), "no glance command made, not a glance-artifacts"),
 ])
 def test_bad_input_is_one_line_error(exported, tmp_path, change, message):
     model_dir, head_dir, _ = exported("qwen3")

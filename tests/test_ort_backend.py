@@ -378,3 +378,32 @@ def test_full_loop_runs_without_torch(exported, images, family):
     assert out["ids"] == prompt.input_ids.tolist()
     truth = ex.oracle(prompt, stops=ex.backend.stop_token_ids)
     assert out["ar"] == out["tree"] == out["chain"] == truth
+
+
+def _outcome(drafter, prompt, cfg: DecodeConfig) -> tuple[list[int], str | None]:
+    """The tokens streamed and the refusal, if any: what a user of `glance-run` sees."""
+    streamed: list[int] = []
+    try:
+        decode(drafter, prompt, cfg, on_commit=streamed.extend)
+    except GlanceError as exc:
+        return streamed, str(exc)
+    return streamed, None
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_context_end_matches_greedy(exported, images, family):
+    """At every --max-context from the prompt length to past the answer, GLANCE streams exactly what greedy
+    streams and stops (or is refused) where greedy is: each round's tree is cut to the rows left."""
+    ex = exported(family)
+    prompt = ex.prompt(images["wide"] if family in VL_FAMILIES else None)
+    truth = ex.oracle(prompt)
+    split = median_surprisal(ex.backend, prompt, MAX_NEW)
+    for limit in range(prompt.length, prompt.length + len(truth) + 1):
+        backend = OrtBackend(ex.artifacts, max_context=limit)
+        seeded = SeededDrafter(backend, truth, prompt.length, SEEDS["full"])
+        greedy = _outcome(backend, prompt, DecodeConfig(max_new_tokens=MAX_NEW, speculative=False))
+        fits = min(len(truth), 1 + limit - prompt.length)  # greedy commits one row a token
+        assert greedy[0] == truth[:fits] and (greedy[1] is None) == (fits == len(truth)), (limit, greedy)
+        for drafter, cfg in ((backend, _cfg("b31")), (seeded, _cfg("b31")), (seeded, _cfg("chain")),
+                             (seeded, config(cutting(split, 8), MAX_NEW))):
+            assert _outcome(drafter, prompt, cfg) == greedy, (limit, cfg)

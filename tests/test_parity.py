@@ -187,3 +187,37 @@ def test_committed_kv_and_head_context_match_fresh_prefill(backend_for, images, 
     for (k, v), (k_ref, v_ref) in zip(backend.head_kv, expected):
         torch.testing.assert_close(k, k_ref, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(v, v_ref, atol=1e-4, rtol=1e-4)
+
+
+def _context_end_runs(backend, truth, prompt, split: float):
+    """Greedy, a fixed tree, seeded full acceptance (the deepest trees) and auto, each cut by the room left."""
+    seeded = SeededDrafter(backend, truth, prompt.length, SEEDS["full"])
+    yield "b31", backend, DecodeConfig(max_new_tokens=MAX_NEW, budget=31, branch_k=8)
+    yield "seeded", seeded, DecodeConfig(max_new_tokens=MAX_NEW, budget=31, branch_k=8)
+    yield "auto", seeded, config(cutting(split, backend.block_size), MAX_NEW)
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_context_end_trees_fit_the_room_left(backend_for, oracle_for, images, family):
+    """With a context limit anywhere from the prompt length to past the answer, every round's tree fits the
+    rows left (down to the anchor alone, a plain greedy step) and the tokens stay the oracle's."""
+    backend = backend_for(family, 8)
+    image = "wide" if family in VL_FAMILIES else None
+    prompt = _prompt(backend, images, image)
+    truth = oracle_for(family, image)
+    split = median_surprisal(backend, prompt, MAX_NEW)
+    try:
+        for limit in range(prompt.length, prompt.length + MAX_NEW + 1):
+            backend.max_context = limit  # what graph backends expose; the loop reads it with the committed rows
+            for name, drafter, cfg in _context_end_runs(backend, truth, prompt, split):
+                result = decode(drafter, prompt, cfg)
+                assert result.tokens == truth, (limit, name)
+                start = prompt.length
+                for r in result.rounds:
+                    assert r.tree_size <= max(1, limit - start), (limit, name, start, r.tree_size)
+                    assert r.drafted or r.tree_size == 1
+                    start += r.accepted
+                if name == "seeded" and limit >= prompt.length + 3:
+                    assert max(r.accepted for r in result.rounds) > 1, "no round accepted a drafted token"
+    finally:
+        del backend.max_context

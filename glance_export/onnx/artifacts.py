@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from glance_runtime.atomic import atomic_directory, check_writable
+from glance_runtime.atomic import atomic_directory, check_output
 from glance_runtime.calibration import FILE as CALIBRATION
 from glance_runtime.errors import GlanceError
 from glance_runtime.formats import artifacts as artifacts_format
@@ -29,8 +29,11 @@ from .validate import validate_graphs
 
 OPSETS = (*range(14, 21), ATTENTION_OPSET)  # TensorRT 10.3 (Jetson Orin) parses up to 20; 23 needs 10.14+
 
+ARTIFACTS_FORMAT = "glance-artifacts"
 
-def _check_args(out: Path, dtype: str, opset: int, max_tree: int, max_context: int, branch_k: int) -> None:
+
+def _check_args(out: Path, inputs: tuple[Path, ...], dtype: str, opset: int, max_tree: int, max_context: int,
+                branch_k: int) -> None:
     if dtype not in DTYPES:
         raise GlanceError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     if opset not in OPSETS:
@@ -41,9 +44,7 @@ def _check_args(out: Path, dtype: str, opset: int, max_tree: int, max_context: i
                           "lower --max-tree or raise --max-context")
     if branch_k < 1:
         raise GlanceError(f"branch_k must be at least 1, got {branch_k}; pass --branch-k 1 or more")
-    if out.exists() and not (out / MANIFEST).is_file():
-        raise GlanceError(f"{out} exists and is not an artifacts directory; pick a new output directory")
-    check_writable(out)
+    check_output(out, ARTIFACTS_FORMAT, inputs)
 
 
 def _attention(opset: int) -> str:
@@ -71,7 +72,7 @@ def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str |
     `quantize` ("int8"/"int4"): the validated fp32 graphs are then rewritten weight-only (see `quantize.py`)
     before the manifest hashes them."""
     out = Path(out_dir)
-    _check_args(out, dtype, opset, max_tree, max_context, branch_k)
+    _check_args(out, (Path(model_dir), Path(head_dir)), dtype, opset, max_tree, max_context, branch_k)
     started = time.perf_counter()
     snapshot, model, head = load_sources(model_dir, head_dir, dtype, _attention(opset))
     dims = dims_for(snapshot, head)
@@ -79,7 +80,7 @@ def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str |
     graphs = build_graphs(model, head, dims, branch_k)
     progress(f"loaded {dims.family} target ({dims.layers} layers) and head ({dims.head_layers} layers, "
              f"block {dims.block_size}) as {dtype}")
-    with atomic_directory(out) as tmp:
+    with atomic_directory(out, ARTIFACTS_FORMAT, "glance-export onnx") as tmp:
         for name, feed in _trace_feeds(snapshot, dims, dtype).items():
             t0 = time.perf_counter()
             module = graphs[name]

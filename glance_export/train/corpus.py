@@ -16,10 +16,12 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
+from glance_runtime.atomic import output_directory
 from glance_runtime.errors import GlanceError
 from glance_runtime.formats import tasks as task_file
 
 KINDS = ("receipt", "chart", "scene", "caption")
+TASKS_FORMAT = "glance-tasks"  # a task folder: tasks.jsonl and its images
 IMAGE_SIZE = 168  # 6x6 merged image tokens with 14 px patches and 2x2 merge
 CELL = 28  # pixels per merged image token
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (235, 195, 20)}
@@ -225,7 +227,7 @@ def write_task_file(out_dir: Path, kind: str, n: int, seed: int = 0) -> Path:
     Each line holds `image`, `prompt`, `answer`, and also `kind` and `answers` (all accepted
     replies) so evaluation can score captions, whose phrasing is free.
     """
-    out_dir = Path(out_dir)
+    out_dir = output_directory(out_dir, TASKS_FORMAT, "glance-export corpus")
     (out_dir / "images").mkdir(parents=True, exist_ok=True)
     lines = []
     for i, s in enumerate(heldout(kind, n, seed)):

@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .corpus import training_sample
+from glance_runtime.atomic import output_directory
+
+from .corpus import TASKS_FORMAT, training_sample
 
 
 def write_training_tasks(out_dir: str | Path, n: int, seed: int = 1) -> Path:
     """`out_dir/tasks.jsonl` + images for `n` training samples of corpus run `seed`."""
-    out_dir = Path(out_dir)
+    out_dir = output_directory(out_dir, TASKS_FORMAT, "glance-export corpus --kind train")
     (out_dir / "images").mkdir(parents=True, exist_ok=True)
     lines = []
     for i in range(n):

@@ -103,6 +103,9 @@ def sequence_loss(head: DraftHead, embed, lm_head, seq: Sequence, anchors: torch
     return (ce * w).sum() / w.sum().clamp(min=1e-6), hits
 
 
+MADE_BY = "glance-export train-head"
+
+
 def train_head(model_dir: str | Path, task_file: str | Path, out_dir: str | Path, *, layers: int = 1,
                block_size: int = 16, steps: int = 2000, lr: float = 3e-3, batch: int = 8, anchors: int = 16,
                gamma: float = 7.0, max_new_tokens: int = 64, seed: int = 0, time_budget_s: float | None = None,
@@ -113,7 +116,7 @@ def train_head(model_dir: str | Path, task_file: str | Path, out_dir: str | Path
     Every `checkpoint_every` steps the head and the trainer state are written to `out_dir` together;
     the same command run again after an interruption continues from there. The finished head holds
     no trainer state (a run stopped by its time budget keeps it, so it can be continued)."""
-    check_head_out(out_dir)
+    check_head_out(out_dir, (model_dir, task_file, resume))
     tasks = read_tasks(task_file)
     if checkpoint_every < 1:
         raise GlanceError(f"--checkpoint-every must be at least 1, got {checkpoint_every}; pass a positive step count")
@@ -169,13 +172,13 @@ def train_head(model_dir: str | Path, task_file: str | Path, out_dir: str | Path
             progress(f"step {step}/{steps} loss {total / batch:.4f} offset-1 acc {hits / count:.3f} "
                      f"({time.time() - t0:.0f}s)")
         if step % checkpoint_every == 0 and step < steps:
-            save_head(head.eval(), out_dir, also=writer(capture(signature, step, opt, sched, rng)))
+            save_head(head.eval(), out_dir, also=writer(capture(signature, step, opt, sched, rng)), made_by=MADE_BY)
             head.train()
             progress(f"checkpoint at step {step}")
         if time_budget_s is not None and time.time() - t0 > time_budget_s:
             progress(f"time budget reached after {step} steps")
             break
     unfinished = writer(capture(signature, done, opt, sched, rng)) if done < steps else None
-    out = save_head(head.eval(), out_dir, also=unfinished)
+    out = save_head(head.eval(), out_dir, also=unfinished, made_by=MADE_BY)
     progress(f"saved head to {out} after {done} steps")
     return out

@@ -27,7 +27,7 @@ from glance_export.train import corpus
 from glance_export.train.prompts import encode, image_processor_config
 from glance_export.train.tokenizer import train_tokenizer
 from glance_export.train.warmup import warmup_vision
-from glance_runtime.atomic import atomic_files
+from glance_runtime.atomic import atomic_files, output_directory
 
 # Receipts are a fixed-place read, learnt first; charts and scenes need question-dependent lookups.
 MIX = {"receipt": 0.1, "chart": 0.35, "scene": 0.45, "caption": 0.1}
@@ -133,6 +133,9 @@ def _heldout_rows(n: int) -> list[dict]:
             for kind in corpus.KINDS for s in corpus.heldout(kind, n, seed=1)]
 
 
+TARGET_RUN_FORMAT = "glance-target-run"  # checkpoints and the snapshot they become
+
+
 def train_target(out_dir: Path, *, steps: int = 3600, seed: int = 0, time_budget_s: float = 2700.0,
                  batch_size: int = 16, lr: float = 5e-4, warmup: int = 200, log_every: int = 50,
                  ckpt_every: int = 500, eval_every: int = 1000, mix: dict[str, float] | None = None,
@@ -143,7 +146,7 @@ def train_target(out_dir: Path, *, steps: int = 3600, seed: int = 0, time_budget
     Stops at `steps` or when `time_budget_s` runs out, whichever comes first; a checkpoint in
     `out_dir/checkpoint.pt` lets a later call with the same arguments continue the same run.
     """
-    out_dir = Path(out_dir)
+    out_dir = output_directory(out_dir, TARGET_RUN_FORMAT, "glance-export train-target")
     torch.manual_seed(seed)
     tokenizer, image_processor = write_processing_files(out_dir, seed)
     config = model_config(tokenizer, **size)

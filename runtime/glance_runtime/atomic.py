@@ -3,17 +3,24 @@
 Killed at any point (even SIGKILL, where no cleanup runs), a command leaves the previous output in
 place or, for the instant between two renames, parked in a hidden sibling; the next run into the
 same place restores a parked output and removes the half-built leftovers of processes that are gone.
+
+Every output directory carries a marker naming the format and the command that made it, so a command
+replaces only an output of its own format (or an empty directory) and never a model snapshot, a task
+folder or a home directory that happens to be passed as `--out`; and no input is ever an output.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from .errors import GlanceError
+
+MARKER = ".glance-output.json"  # {"format": ..., "made_by": ...}; hidden, so bundles and listings skip it
 
 NEW, OLD = "new", "old"  # hidden siblings: .NAME.new.PID.* (being built), .NAME.old.PID.* (being replaced)
 
@@ -63,16 +70,87 @@ def check_writable(out: str | Path) -> None:
                           "pick a writable output path") from None
 
 
+def output_format(directory: Path) -> str | None:
+    """The format in `directory`'s marker (None: no command made it, or the marker is unreadable)."""
+    try:
+        found = json.loads((directory / MARKER).read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return found.get("format") if isinstance(found, dict) and isinstance(found.get("format"), str) else None
+
+
+def check_not_input(out: str | Path, inputs: Iterable[str | Path | None]) -> None:
+    """Refuse an output that is an input, holds one, or lies inside one. Compared by real path, so a
+    symlink or `..` does not hide that the output is an input."""
+    real = Path(os.path.realpath(out))
+    for given in inputs:
+        if given is None:
+            continue
+        source = Path(os.path.realpath(given))
+        if real == source:
+            why = "is the input"
+        elif source.is_relative_to(real):
+            why = "holds the input"
+        elif real.is_relative_to(source) and source.is_dir():
+            why = "lies inside the input"
+        else:
+            continue
+        raise GlanceError(f"output {out} {why} {given}, which writing it would change; pick an output path "
+                          "outside every input")
+
+
+def check_output(out: str | Path, fmt: str, inputs: Iterable[str | Path | None] = ()) -> None:
+    """Refuse, before any work, an output this command may not replace: an input (or what holds one), a
+    file, or a non-empty directory whose marker is not `fmt` (one no command made, or another kind)."""
+    out = Path(out)
+    check_not_input(out, inputs)
+    if out.is_symlink() and not out.exists():
+        raise GlanceError(f"output {out} is a dangling symbolic link; remove it or pick another output path")
+    if out.exists():
+        if not out.is_dir():
+            raise GlanceError(f"output {out} exists and is not a directory; pick a new or empty directory")
+        try:
+            empty = not any(out.iterdir())
+        except OSError as exc:
+            raise GlanceError(f"cannot list output {out} ({exc.strerror}); pick a readable, writable "
+                              "directory") from None
+        found = output_format(out)
+        if not empty and found != fmt:
+            what = f"a {found} output" if found else "a directory no glance command made"
+            raise GlanceError(f"output {out} is {what}, not a {fmt} output, and writing there would replace it; "
+                              "pick a new or empty directory")
+    check_writable(out)
+
+
+def mark(directory: Path, fmt: str, made_by: str) -> None:
+    """Write the marker that lets the next run of `made_by` (and only a writer of `fmt`) replace `directory`."""
+    write_file(directory / MARKER, json.dumps({"format": fmt, "made_by": made_by}) + "\n")
+
+
+def output_directory(out: str | Path, fmt: str, made_by: str, inputs: Iterable[str | Path | None] = ()) -> Path:
+    """For writers that fill their directory file by file (task folders, reports, training runs): checked
+    as `check_output`, created and marked before the first file, so a rerun may replace what a stopped one left."""
+    out = Path(out)
+    check_output(out, fmt, inputs)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        mark(out, fmt, made_by)
+    except OSError as exc:
+        raise GlanceError(f"cannot create {out} ({exc.strerror}); pick a writable output path") from None
+    return out
+
+
 def _fresh(out: Path, kind: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{out.name}.{kind}.{os.getpid()}.", dir=out.parent))
 
 
 @contextmanager
-def atomic_directory(out: str | Path) -> Iterator[Path]:
-    """Yield a fresh temporary directory next to `out`; on success it replaces `out`, on any failure
-    (including Ctrl-C) it is removed and `out` is left as it was."""
+def atomic_directory(out: str | Path, fmt: str, made_by: str) -> Iterator[Path]:
+    """Yield a fresh temporary directory next to `out`, marked as `fmt` made by `made_by`; on success it
+    replaces `out`, on any failure (including Ctrl-C) it is removed and `out` is left as it was.
+    Writers call `check_output` (with their inputs) before their work; this checks the format again."""
     out = Path(out)
-    check_writable(out)
+    check_output(out, fmt)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         recover(out)
@@ -82,6 +160,7 @@ def atomic_directory(out: str | Path) -> Iterator[Path]:
     try:
         tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; the result is an ordinary directory
         yield tmp
+        mark(tmp, fmt, made_by)
         if out.exists():
             parked = _fresh(out, OLD)
             os.replace(out, parked)  # onto the empty directory mkdtemp made: still one rename

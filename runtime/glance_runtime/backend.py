@@ -32,6 +32,7 @@ class ServeLimits:
     block_size: int  # B of the head (1 without one)
     max_branch_k: int  # the largest top-k a draft pass returns
     max_tree: int | None = None  # largest verify pass, anchor included; None where unbounded
+    max_context: int | None = None  # KV rows allocated (committed prefix plus a pass); None where unbounded
     exported: bool = False  # graphs sized at export time: a re-export lifts the limits
 
 

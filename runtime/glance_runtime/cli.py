@@ -6,9 +6,11 @@ import json
 import sys
 from pathlib import Path
 
+from .cache import cache_root
 from .cli_parser import OneLineParser, check_dirs, decode_flags, guarded, runner_flags, source
 from .defaults import AUTO, BUDGET, RUN_MAX_NEW_TOKENS, resolve
 from .errors import GlanceError
+from .preprocess import check_image_path
 from .session import Settings, open_session
 
 
@@ -27,9 +29,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _check_inputs(args: argparse.Namespace) -> None:
+    """Missing or unreadable inputs are named before anything else is concluded from their absence."""
     check_dirs(args)
-    if args.image is not None and not args.image.is_file():
-        raise GlanceError(f"image {args.image} does not exist; pass an existing image file")
+    if args.image is not None:
+        check_image_path(args.image)
     try:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError:
@@ -44,6 +47,7 @@ def _write(text: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_inputs(args)
+    cache_root()  # exports, hash stamps and cost profiles live there: a broken location is refused before loading
     model, head, artifacts, backend = resolve(args.model, args.head, args.artifacts, args.backend)
     if not args.no_spec and head is None and backend == "torch":
         raise GlanceError("speculative decoding needs --head (or pass --no-spec for plain greedy decoding)")

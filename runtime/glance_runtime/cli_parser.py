@@ -10,7 +10,7 @@ from typing import Callable, NoReturn
 
 from . import limits
 from .defaults import BRANCH_K
-from .errors import GlanceError
+from .errors import GlanceError, check_stdout, machine_failure, silence_stdout
 from .runner import BACKENDS
 from .session import Source
 
@@ -73,9 +73,21 @@ def source(args: argparse.Namespace, backend: str, **resolved) -> Source:
 def guarded(prog: str, command: Callable[[], int], interrupted: str = "interrupted") -> int:
     """Run a command: a GlanceError is one `prog: error:` line and exit 2, Ctrl-C one line and exit 130."""
     try:
-        return command()
+        closed = check_stdout()
+        if closed is not None:
+            raise closed
+        code = command()
+        sys.stdout.flush()  # a full device fails here, inside the guard, not at the interpreter's exit
+        return code
     except GlanceError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        failure = machine_failure(exc)
+        if failure is None:
+            raise
+        silence_stdout()
+        print(f"{prog}: error: {failure}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{prog}: {interrupted}", file=sys.stderr)

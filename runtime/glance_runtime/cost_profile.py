@@ -30,6 +30,7 @@ from .errors import GlanceError
 from .formats import cost as cost_format
 from .formats.cost import CostProfile
 from .limits import reachable_nodes
+from .loop import room_left
 from .tree import build_tree, visibility, walk
 
 PROBE_PROMPT = "Describe what you see in one sentence."
@@ -59,8 +60,9 @@ def measure(backend: Backend, prompt, max_rows: int, branch_k: int, seconds: flo
     if backend.block_size < 2:
         raise GlanceError("a cost profile needs a draft head (block size 1 here); pass --head or artifacts "
                           "exported with one")
-    grid = row_grid(measurable_rows(backend.block_size, branch_k, max_rows))
     anchor, _ = backend.prefill(prompt)
+    room = room_left(backend)  # a small --max-context bounds the passes that can be timed
+    grid = row_grid(measurable_rows(backend.block_size, branch_k, max_rows if room is None else min(max_rows, room)))
     verify: dict[int, list[float]] = {rows: [] for rows in grid}
     draft: list[float] = []
     start, repeat = time.perf_counter(), 0
@@ -68,6 +70,8 @@ def measure(backend: Backend, prompt, max_rows: int, branch_k: int, seconds: flo
     while repeat <= MIN_REPEATS or (repeat <= MAX_REPEATS and time.perf_counter() - start < seconds):
         order = grid if repeat % 2 else grid[::-1]
         for rows in order:
+            if room is not None and room_left(backend) < rows:  # each round commits a row: start over
+                anchor, _ = backend.prefill(prompt)
             t0 = time.perf_counter()
             ids, logp = backend.draft(anchor, branch_k)
             tree = build_tree(anchor, ids, logp, rows - 1)
@@ -130,6 +134,8 @@ def stored_or_measured(backend: Backend, home: Path | None, identity: str, promp
         found = None if remeasure else load(path)
         if found is None or found.max_rows < max_rows:
             found = measure(backend, prompt_for(), max_rows, branch_k, progress=progress)
+            if found.max_rows < max_rows:  # cut short by a small --max-context: good for this run only
+                return found, path
             save(found, path)
             progress(f"cost profile stored in {path}")
     return found, path

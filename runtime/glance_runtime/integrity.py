@@ -40,9 +40,11 @@ class Stamps:
     def __init__(self, directory: Path):
         self.directory = Path(directory).resolve()
         tag = hashlib.sha256(str(self.directory).encode()).hexdigest()[:20]
-        self.file = cache_root() / "stamps" / f"{tag}.json"
         try:
+            self.file: Path | None = cache_root() / "stamps" / f"{tag}.json"
             entries = json.loads(self.file.read_text())
+        except GlanceError:  # no usable cache: every load hashes again
+            self.file, entries = None, {}
         except (OSError, ValueError, RecursionError):
             entries = {}
         self.entries: dict[str, list] = entries if isinstance(entries, dict) else {}
@@ -63,7 +65,7 @@ class Stamps:
 
     def save(self) -> None:
         """Best effort: without a writable cache the next load just hashes again."""
-        if not self.changed:
+        if not self.changed or self.file is None:
             return
         try:
             write_file(self.file, json.dumps(self.entries))

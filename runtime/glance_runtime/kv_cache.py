@@ -47,10 +47,15 @@ class KVCache:
         if self.length + rows <= self.max_context:
             return
         if self.length == 0:
-            raise GlanceError(f"prompt longer than --max-context {self.max_context} ({rows} rows); "
-                              "raise --max-context or shorten the prompt")
+            self.check_prompt(rows)
         raise GlanceError(f"context full: {self.length} committed rows + {rows} new exceed --max-context "
                           f"{self.max_context}; raise --max-context or lower --max-new-tokens")
+
+    def check_prompt(self, rows: int) -> None:
+        """Refuse a prompt of `rows` tokens that could never fit, whatever is committed now."""
+        if rows > self.max_context:
+            raise GlanceError(f"prompt longer than --max-context {self.max_context} ({rows} rows); "
+                              "raise --max-context or shorten the prompt")
 
     def appended(self, rows: int) -> None:
         """The pass bound to `new_rows(rows)` has written them: they become the last block."""

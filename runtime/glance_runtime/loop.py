@@ -14,7 +14,7 @@ import numpy as np
 
 from .backend import Backend
 from .defaults import BRANCH_K, BUDGET
-from .tree import Tree, build_tree, visibility, walk
+from .tree import Tree, build_tree, fit, visibility, walk
 
 
 class BudgetPolicy(Protocol):
@@ -88,14 +88,25 @@ def _clip(new: list[int], produced: int, cfg: DecodeConfig, stops: Sequence[int]
     return new, None
 
 
+def room_left(backend: Backend) -> int | None:
+    """Rows a verify pass can still add: the backend's context limit less its committed rows (None: no limit)."""
+    limit = backend.info.limits.max_context
+    return None if limit is None else limit - backend.start
+
+
 def _tree(backend: Backend, anchor: int, cfg: DecodeConfig, surprisal: float | None) -> tuple[Tree, bool]:
-    """This round's tree and whether a draft pass made it."""
-    if not cfg.speculative or cfg.budget == 0 or (cfg.auto and not cfg.auto.should_draft(surprisal)):
+    """This round's tree and whether a draft pass made it; cut to the room left in the context, so a
+    round near its end is a smaller tree, then a plain greedy step, and the tokens stay greedy's."""
+    room = room_left(backend)
+    if (not cfg.speculative or cfg.budget == 0 or (room is not None and room <= 1)
+            or (cfg.auto and not cfg.auto.should_draft(surprisal))):
         return Tree.root(anchor), False
     ids, logp = backend.draft(anchor, cfg.branch_k)
     if cfg.auto:
-        return cfg.auto.grow(anchor, ids, logp, cfg.branch_k, surprisal), True
-    return build_tree(anchor, ids, logp, cfg.budget), True
+        tree = cfg.auto.grow(anchor, ids, logp, cfg.branch_k, surprisal)
+    else:
+        tree = build_tree(anchor, ids, logp, cfg.budget)
+    return (tree if room is None else fit(tree, room)), True
 
 
 def decode(backend: Backend, prompt, cfg: DecodeConfig, stop_ids: Sequence[int] = (),

@@ -9,8 +9,11 @@ bicubic resize of the uint8 image, rescale/normalise and the patch layout the vi
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
+import stat
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
@@ -18,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
 
 from .errors import GlanceError
 
@@ -41,18 +44,68 @@ class Prompt:
         return int(self.input_ids.shape[0])
 
 
+def check_image_path(path: str | Path) -> Path:
+    """The file an image path names, or a refusal that says what the path really is."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise GlanceError(f"image {path} is a symbolic link loop; point it at an image file") from None
+        if exc.errno == errno.ENOENT and path.is_symlink():
+            raise GlanceError(f"image {path} is a dangling symbolic link (to {os.readlink(path)}); point it at an "
+                              "existing image file") from None
+        if exc.errno == errno.ENOENT:
+            raise GlanceError(f"image {path} does not exist; pass an existing image file") from None
+        if exc.errno == errno.ENOTDIR:
+            raise GlanceError(f"image {path}: a part of the path is a file, not a directory; pass an existing "
+                              "image file") from None
+        raise GlanceError(f"image {path} cannot be reached ({exc.strerror}); pass a readable image file") from None
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    for test, what in kinds:
+        if test(mode):
+            raise GlanceError(f"image {path} is {what}, not an image file; pass an image file")
+    if not os.access(path, os.R_OK):
+        raise GlanceError(f"image {path} cannot be read (permission denied); make it readable or pass another file")
+    return path
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """8-bit RGB as image viewers show it, so one picture gives one prompt whatever its encoding: rotated
+    by its EXIF orientation; 16- and 32-bit integer greys scaled from their full range (not clipped at
+    255, which turns a 16-bit PNG almost white); floats read as 0..1 intensities when they lie in that
+    range, else clipped to 0..255; transparency (RGBA, LA, palettes with a transparent index) composited
+    over white. Every backend and the torch oracle build their pixels through here."""
+    image = ImageOps.exif_transpose(image)
+    if image.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
+        values = np.asarray(image.convert("F") if image.mode.startswith("I;16") else image, dtype=np.float64)
+        finite = values[np.isfinite(values)]
+        if image.mode == "F":
+            top = 1.0 if finite.size and finite.min() >= 0 and finite.max() <= 1 else 255.0
+        else:
+            top = 65535.0 if image.mode != "I" or not finite.size or finite.max() <= 65535 else float(2**32 - 1)
+        grey = np.clip(np.nan_to_num(values, nan=0.0, posinf=top, neginf=0.0) / top, 0, 1) * 255
+        image = Image.fromarray(np.round(grey).astype(np.uint8), "L")
+    if image.mode == "P" and "transparency" in image.info or image.mode == "PA":
+        image = image.convert("RGBA")
+    if image.mode in ("RGBA", "LA", "RGBa", "La"):
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
 def load_image(path: str | Path) -> Image.Image:
     """Open and decode an image fully now, so a bad file fails here with its name, not inside a graph."""
-    path = Path(path)
-    if not path.is_file():
-        raise GlanceError(f"image {path} does not exist; pass an existing image file")
+    path = check_image_path(path)
     try:
         with Image.open(path) as img:
             width, height = img.size
             if width * height > MAX_IMAGE_PIXELS:
                 raise GlanceError(f"image {path} is {width}x{height}, larger than {MAX_IMAGE_PIXELS} pixels; "
                                   "downscale it first")
-            return img.convert("RGB")
+            return to_rgb(img)
     except GlanceError:
         raise
     except Image.DecompressionBombError:
@@ -242,7 +295,7 @@ class PromptBuilder:
             return Prompt(self.encode(rendered))
         if rendered.count(IMAGE_PLACEHOLDER) != 1:
             raise GlanceError(f"the chat template in {self.path} must emit exactly one {IMAGE_PLACEHOLDER} per image")
-        pil = image.convert("RGB") if isinstance(image, Image.Image) else load_image(image)
+        pil = to_rgb(image) if isinstance(image, Image.Image) else load_image(image)
         pixel_values, grid = process_image(pil, self.image_config)
         n_tokens = int(grid[0].prod()) // self.image_config.merge_size ** 2
         ids = self.encode(rendered.replace(IMAGE_PLACEHOLDER, IMAGE_PLACEHOLDER * n_tokens))

@@ -20,6 +20,7 @@ __all__ = [
     "Tree",
     "build_tree",
     "chain_tree",
+    "fit",
     "visibility",
     "additive_mask",
     "pack_bitmask",
@@ -211,6 +212,16 @@ def chain_tree(anchor: int, topk_ids: np.ndarray, topk_logprobs: np.ndarray, len
     if not _is_int(length) or not 1 <= length <= offsets:
         raise ValueError(f"length must be an integer in 1..{offsets} (B-1), got {length!r}")
     return build_tree(anchor, topk_ids, topk_logprobs, budget=length, branch_k=1)
+
+
+def fit(tree: Tree, room: int) -> Tree:
+    """`tree` cut to the `room` rows a verify pass can still add (never below the anchor alone).
+
+    A best-first tree's prefix is the best tree of that size, so near the end of the context a round
+    still verifies the most promising nodes, down to a plain greedy step: the output stays greedy's."""
+    if not _is_int(room):
+        raise ValueError(f"room must be an integer, got {room!r}")
+    return tree.prefix(max(1, min(tree.size, int(room))))
 
 
 def visibility(parents: np.ndarray) -> np.ndarray:

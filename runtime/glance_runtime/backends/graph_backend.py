@@ -44,7 +44,7 @@ class GraphBackend:
         m = manifest
         hardware = cuda_gpu(device.device_id, device.compute_capability()) if isinstance(device, CudaDevice) \
             else host_cpu()
-        self.info = BackendInfo(limits=ServeLimits(m.block_size, m.branch_k, max_tree, exported=True),
+        self.info = BackendInfo(limits=ServeLimits(m.block_size, m.branch_k, max_tree, max_context, exported=True),
                                 precision=precision or PRECISION_OF_DTYPE.get(m.float_dtype, m.float_dtype),
                                 hardware=hardware, providers=providers, threads=threads, home=home, manifest=m)
         self._clock: GraphClock | None = None
@@ -103,7 +103,10 @@ class GraphBackend:
         self.known: dict[int, tuple[Buffer, int]] = {}  # token -> where its embedding row is on the device
 
     def build_prompt(self, text: str, image=None) -> Prompt:
-        return self.prompts.build(text, image)
+        """The prompt, refused by its token count before anything sized by its length is allocated."""
+        prompt = self.prompts.build(text, image)
+        self.kv.check_prompt(prompt.length)
+        return prompt
 
     def detokenize(self, ids) -> str:
         return self.prompts.decode(ids)
@@ -218,6 +221,7 @@ class GraphBackend:
                 image, deep = self._encode_image(prompt)
         else:
             pos = np.arange(length, dtype=np.int64)[None]
+        self.kv.check_prompt(length)  # before the [length, length] mask below is allocated
         hidden = self._run_target(ids, pos, np.tri(length, dtype=bool), self.pending, image, deep)
         self.start = length
         self.pending_rows, self.pending_from = length, 0

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from .. import __version__, limits
+from ..atomic import check_not_input, check_output, output_directory
 from ..auto_budget import AutoBudget, auto_budget
 from ..calibration import FILE as CALIBRATION_FILE, Calibration, load_calibration
 from ..cli_parser import OneLineParser, check_dirs, guarded, runner_flags, source
@@ -38,6 +39,9 @@ from .report import clean_json, build, write
 from ..formats.rounds import read as read_rounds
 from .rounds import calibration_rows
 from .tasks import read_bench_tasks
+
+REPORT_FORMAT = "glance-bench-report"
+LAW_FORMAT = "glance-bench-law"
 
 
 def _runner_args(p: argparse.ArgumentParser) -> None:
@@ -147,8 +151,12 @@ def _check(args: argparse.Namespace) -> None:
     if args.bootstrap < 1:
         raise GlanceError("--bootstrap must be at least 1")
     check_dirs(args)
-    if args.out.exists() and not args.out.is_dir():
-        raise GlanceError(f"--out {args.out} is a file; pass a directory")
+    check_output(args.out, REPORT_FORMAT, _inputs(args))
+
+
+def _inputs(args: argparse.Namespace) -> list[Path | None]:
+    """What the bench reads: its --out may be none of these, nor hold one."""
+    return [*args.data, args.model, args.head, args.artifacts, args.engines, args.calibration]
 
 
 def _conditions(runner, args: argparse.Namespace, argv: list[str]) -> dict:
@@ -192,7 +200,7 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
         modes.append(auto_mode(policy, args.branch_k))
     conditions = _conditions(runner, args, argv)
     clock = runner.backend.time_graphs()
-    args.out.mkdir(parents=True, exist_ok=True)
+    output_directory(args.out, REPORT_FORMAT, "glance-bench", _inputs(args))
     results = []
     with Progress(len(tasks)) as progress:
         for task in tasks:
@@ -241,11 +249,9 @@ def run_law(args: argparse.Namespace) -> int:
     chosen = select(rows, args.mode, args.cap, args.include_final)
     mode = chosen[0].get("mode", "all rounds")
     if args.out:
-        if args.out.exists() and not args.out.is_dir():
-            raise GlanceError(f"--out {args.out} is a file; pass a directory")
         from .plots import plot_law
 
-        args.out.mkdir(parents=True, exist_ok=True)
+        output_directory(args.out, LAW_FORMAT, "glance-bench law", [args.rounds])
         (args.out / "law.json").write_text(json.dumps({"mode": mode, "law": dicts}, indent=2) + "\n")
         (args.out / "law.md").write_text("\n".join([f"# Draftability law ({mode})", "", *law_table(dicts), ""]))
         plot_law(args.out / "law.png", fits, chosen, str(mode))
@@ -271,6 +277,7 @@ def run_cost(args: argparse.Namespace) -> int:
 def run_calibrate(args: argparse.Namespace) -> int:
     out = args.out or args.rounds.with_name(CALIBRATION_FILE)
     out = out / CALIBRATION_FILE if out.is_dir() else out
+    check_not_input(out, [args.rounds])
     modes = [m.strip() for m in args.mode.split(",") if m.strip()] if args.mode else None
     rows = calibration_rows(read_rounds(args.rounds), modes, str(args.rounds))
     calibration, fit = fit_calibration(rows, source=f"{args.rounds} ({', '.join(sorted({r['mode'] for r in rows}))})")
