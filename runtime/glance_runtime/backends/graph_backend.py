@@ -206,6 +206,33 @@ class GraphBackend:
         graph.run(inputs, outputs)
         return outputs["image_embeds"], deep
 
+    def _encode_images(self, prompt: Prompt) -> tuple[Tensor, Tensor]:
+        """Every image's rows, concatenated in prompt order (deepstack rows too, per layer): the vision graph
+        takes one image per run, the target graph takes all of a pass's image rows at once."""
+        grids = np.asarray(prompt.image_grid_thw, dtype=np.int64).reshape(-1, 3)
+        if len(grids) == 1:
+            return self._encode_image(prompt)
+        merge2 = self.manifest.spatial_merge_size ** 2
+        patches = grids.prod(axis=1)
+        total = int(patches.sum()) // merge2
+        hidden, layers = self.manifest.hidden_size, self.manifest.deepstack_layers
+        item = self.float.itemsize
+        rows = self._image_buffer("all_image_embeds", (total, hidden), self.float)
+        deep = self.no_deep
+        if layers:
+            deep = self._image_buffer("all_deepstack_embeds", (layers, total, hidden), self.float)
+        first_patch, first_row = 0, 0
+        for grid, count in zip(grids, patches.tolist()):
+            one = Prompt(prompt.input_ids, prompt.pixel_values[first_patch:first_patch + count], grid[None])
+            image, image_deep = self._encode_image(one)
+            merged = count // merge2
+            self.device.copy(rows.buffer.tensor((merged, hidden), first_row * hidden * item), image)
+            for layer in range(layers):
+                self.device.copy(deep.buffer.tensor((merged, hidden), (layer * total + first_row) * hidden * item),
+                                 image_deep.buffer.tensor((merged, hidden), layer * merged * hidden * item))
+            first_patch, first_row = first_patch + count, first_row + merged
+        return rows, deep
+
     # -- the Backend protocol -------------------------------------------------------------------------
 
     def prefill(self, prompt: Prompt) -> tuple[int, float]:
@@ -217,7 +244,7 @@ class GraphBackend:
             pos, self.delta = rope_index(ids, self.manifest.image_token_id, prompt.image_grid_thw,
                                          self.manifest.spatial_merge_size)
             if prompt.pixel_values is not None:
-                image, deep = self._encode_image(prompt)
+                image, deep = self._encode_images(prompt)
         else:
             pos = np.arange(length, dtype=np.int64)[None]
         hidden = self._run_target(ids, pos, np.tri(length, dtype=bool), self.pending, image, deep)
