@@ -4,7 +4,9 @@ Re-decoding the whole answer on every commit is quadratic in its length; `tokeni
 keeps only the few tokens an unfinished character spans, so each token costs the same and the
 pieces join to exactly the tokenizer's decode of all of them (special tokens skipped). Stop strings
 may span pieces, so the last (longest stop - 1) characters are held back until they cannot begin
-one; the answer ends before the first stop string, which is not included.
+one; the answer ends before the first stop string, which is not included. Bytes that never complete a
+character (a truncated answer, a random model) are what the tokenizer's decode makes of them, once,
+at the end.
 """
 from __future__ import annotations
 
@@ -27,13 +29,20 @@ class TextStream:
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.held = ""  # decoded, not yet returned: it may begin a stop string
         self.stopped = False  # a stop string was reached; later tokens add nothing
+        self.tokens: list[int] = []
+        self.decoded = 0  # characters the decoder has produced so far
+        self.waiting = False  # the last token's bytes are not a whole character yet
 
     def push(self, token: int) -> str:
         if self.stopped:
             return ""
+        self.tokens.append(int(token))
         piece = self.decoder.step(self.tokenizer, int(token))
-        if not piece:
-            return ""
+        self.waiting = piece is None
+        return self._take(piece) if piece else ""
+
+    def _take(self, piece: str) -> str:
+        self.decoded += len(piece)
         text = self.held + piece
         ends = [i for i in (text.find(s) for s in self.stops) if i >= 0]
         if ends:
@@ -45,5 +54,13 @@ class TextStream:
 
     def finish(self) -> str:
         """What was held back, once no more tokens will come."""
-        rest, self.held = ("" if self.stopped else self.held), ""
-        return rest
+        if self.stopped:
+            return ""
+        out = ""
+        if self.waiting:
+            full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+            out = self._take(full[self.decoded:])
+            if self.stopped:
+                return out
+        out, self.held = out + self.held, ""
+        return out
