@@ -20,7 +20,7 @@ from glance_runtime.atomic import MARKER, atomic_directory, check_output, output
 from glance_runtime.cache import cache_root
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
 from glance_runtime.errors import GlanceError
-from glance_runtime.manifest import load_manifest
+from glance_runtime.formats.artifacts import read as load_manifest
 from glance_runtime.preprocess import PromptBuilder, load_image, to_rgb
 from glance_runtime.tree import build_tree, fit
 

@@ -407,3 +407,18 @@ def test_context_end_matches_greedy(exported, images, family):
         for drafter, cfg in ((backend, _cfg("b31")), (seeded, _cfg("b31")), (seeded, _cfg("chain")),
                              (seeded, config(cutting(split, 8), MAX_NEW))):
             assert _outcome(drafter, prompt, cfg) == greedy, (limit, cfg)
+
+
+@pytest.mark.parametrize("family", VL_FAMILIES)
+@pytest.mark.parametrize("names", [("wide", "tall"), ("square", "wide", "tall")])
+def test_several_images_match_oracle(exported, images, family, names):
+    """The vision graph runs once per image; the rows (and Qwen3-VL's deepstack rows) are concatenated."""
+    from glance_runtime.messages import user_turn
+
+    ex = exported(family)
+    prompt = ex.backend.prompts.build_messages([user_turn(TEXT, [images[n] for n in names])])
+    assert len(prompt.image_grid_thw) == len(names)
+    truth = ex.oracle(prompt)
+    assert truth != ex.oracle(ex.prompt(images[names[0]]))
+    for budget in ("b31", "chain"):
+        assert decode(ex.backend, prompt, _cfg(budget)).tokens == truth

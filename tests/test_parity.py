@@ -7,6 +7,8 @@ that force rounds skipping the draft and cuts of every size down to none (tests/
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -206,9 +208,11 @@ def test_context_end_trees_fit_the_room_left(backend_for, oracle_for, images, fa
     prompt = _prompt(backend, images, image)
     truth = oracle_for(family, image)
     split = median_surprisal(backend, prompt, MAX_NEW)
+    unbounded = backend.info
     try:
         for limit in range(prompt.length, prompt.length + MAX_NEW + 1):
-            backend.max_context = limit  # what graph backends expose; the loop reads it with the committed rows
+            # the bound a graph backend declares; the loop reads it with the committed rows
+            backend.info = replace(unbounded, limits=replace(unbounded.limits, max_context=limit))
             for name, drafter, cfg in _context_end_runs(backend, truth, prompt, split):
                 result = decode(drafter, prompt, cfg)
                 assert result.tokens == truth, (limit, name)
@@ -220,4 +224,4 @@ def test_context_end_trees_fit_the_room_left(backend_for, oracle_for, images, fa
                 if name == "seeded" and limit >= prompt.length + 3:
                     assert max(r.accepted for r in result.rounds) > 1, "no round accepted a drafted token"
     finally:
-        del backend.max_context
+        backend.info = unbounded

@@ -1,4 +1,5 @@
-"""`glance-run`: answer one prompt about one image, streaming the answer as rounds commit."""
+"""`glance-run`: answer a prompt about any number of images, or hold a conversation (`--chat`), streaming
+the answer as rounds commit. A thin caller of the Python API (`glance_runtime.api`)."""
 from __future__ import annotations
 
 import argparse
@@ -6,18 +7,22 @@ import json
 import sys
 from pathlib import Path
 
+from . import api
 from .cache import cache_root
-from .cli_parser import OneLineParser, check_dirs, decode_flags, guarded, runner_flags, source
-from .defaults import AUTO, BUDGET, RUN_MAX_NEW_TOKENS, resolve
+from .cli_parser import OneLineParser, check_dirs, decode_flags, guarded, runner_flags
+from .defaults import BUDGET, RUN_MAX_NEW_TOKENS, resolve
 from .errors import GlanceError
 from .preprocess import check_image_path
-from .session import Settings, open_session
 
 
 def parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="glance-run", description="Lossless speculative decoding of one prompt.")
-    p.add_argument("--prompt", required=True, help="the question or instruction")
-    p.add_argument("--image", type=Path, help="image file (omit for text-only prompts)")
+    p.add_argument("--prompt", help="the question or instruction (required unless --chat)")
+    p.add_argument("--image", type=Path, action="append", default=[], help="image file, in prompt order; repeat for "
+                   "several (omit for text-only prompts)")
+    p.add_argument("--system", help="a system message before the prompt")
+    p.add_argument("--chat", action="store_true", help="an interactive conversation on the terminal that keeps its "
+                   "KV between turns (--prompt and --image give the first turn); /reset starts over, /exit ends")
     runner_flags(p)
     p.add_argument("--no-spec", action="store_true", help="plain greedy decoding, no draft head")
     decode_flags(p, max_new_tokens=RUN_MAX_NEW_TOKENS, budget_help="tree nodes verified per round besides the "
@@ -31,44 +36,87 @@ def parser() -> argparse.ArgumentParser:
 def _check_inputs(args: argparse.Namespace) -> None:
     """Missing or unreadable inputs are named before anything else is concluded from their absence."""
     check_dirs(args)
-    if args.image is not None:
-        check_image_path(args.image)
-    try:
-        args.prompt.encode("utf-8")
-    except UnicodeEncodeError:
-        raise GlanceError("--prompt is not valid UTF-8 text (the shell passed undecodable bytes); pass the prompt "
-                          "in UTF-8, e.g. with a UTF-8 locale") from None
+    for image in args.image:
+        check_image_path(image)
+    if args.prompt is None and not args.chat:
+        raise GlanceError("--prompt is required (or pass --chat for a conversation)")
+    for flag, text in (("--prompt", args.prompt), ("--system", args.system)):
+        try:
+            (text or "").encode("utf-8")
+        except UnicodeEncodeError:
+            raise GlanceError(f"{flag} is not valid UTF-8 text (the shell passed undecodable bytes); pass it "
+                              "in UTF-8, e.g. with a UTF-8 locale") from None
 
 
-def _write(text: str) -> None:
-    sys.stdout.write(text)
+def _write(piece: str) -> None:
+    sys.stdout.write(piece)
     sys.stdout.flush()
+
+
+def _stats_line(out: api.Output) -> str:
+    s = out.stats
+    return (f"[{s['backend']}] tau {s['tau']:.2f} | {s['tokens']} tokens in {s['rounds']} rounds | "
+            f"{s['tokens_per_s']} tok/s | {s['ms_per_token']:.1f} ms/token ({s['ms_per_token_decode']:.1f} without "
+            f"prefill) | prefilled {s['prefill_tokens']} of {s['prompt_tokens']} prompt tokens")
+
+
+def _load(args: argparse.Namespace) -> api.Model:
+    cache_root()  # exports, hash stamps and cost profiles live there: a broken location is refused before loading
+    _, head, _, backend = resolve(args.model, args.head, args.artifacts, args.backend)  # as api.load resolves them
+    if not args.no_spec and head is None and backend == "torch":
+        raise GlanceError("speculative decoding needs --head (or pass --no-spec for plain greedy decoding)")
+    return api.load(args.artifacts, engines=args.engines, model=args.model, head=args.head, backend=args.backend,
+                    provider=args.provider, budget=args.budget, branch_k=args.branch_k, speculative=not args.no_spec,
+                    max_context=args.max_context, max_tree=args.max_tree, threads=args.threads,
+                    progress=lambda line: print(line, file=sys.stderr))
+
+
+def _chat(model: api.Model, args: argparse.Namespace) -> int:
+    """Read turns from stdin until /exit or end of input; a refused turn is reported and the chat goes on."""
+    chat = model.chat(system=args.system)
+    first = (args.prompt, args.image) if args.prompt is not None else None
+    if first is None and args.image:
+        raise GlanceError("--image in --chat goes with the first turn; pass --prompt too")
+    print("glance-run chat: /reset starts over, /exit ends", file=sys.stderr)
+    while True:
+        if first is not None:
+            (text, images), first = first, None
+            print(f"> {text}", file=sys.stderr)
+        else:
+            print("> ", end="", file=sys.stderr, flush=True)
+            line = sys.stdin.readline()
+            if not line or line.strip() == "/exit":
+                return 0
+            text, images = line.rstrip("\n"), []
+            if text.strip() == "/reset":
+                chat.reset()
+                print("(conversation reset)", file=sys.stderr)
+                continue
+            if not text.strip():
+                continue
+        try:
+            out = chat.send(text, images, max_new_tokens=args.max_new_tokens, on_text=_write)
+        except GlanceError as exc:
+            print(f"glance-run: error: {exc}", file=sys.stderr)
+            continue
+        sys.stdout.write("\n")
+        print(_stats_line(out), file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
     _check_inputs(args)
-    cache_root()  # exports, hash stamps and cost profiles live there: a broken location is refused before loading
-    model, head, artifacts, backend = resolve(args.model, args.head, args.artifacts, args.backend)
-    if not args.no_spec and head is None and backend == "torch":
-        raise GlanceError("speculative decoding needs --head (or pass --no-spec for plain greedy decoding)")
-    progress = lambda line: print(line, file=sys.stderr)  # noqa: E731
-    settings = Settings(budget=args.budget, max_new_tokens=args.max_new_tokens, branch_k=args.branch_k,
-                        speculative=not args.no_spec)
-    session = open_session(source(args, backend, model=model, head=head, artifacts=artifacts), settings, progress)
-    answer = session.generate(args.prompt, args.image, on_text=None if args.json else _write)
-    result, cfg = answer.result, session.config
-    stats = {"backend": session.runner.backend.name, "speculative": cfg.speculative,
-             "budget": AUTO if cfg.auto else cfg.budget if cfg.speculative else 0, **result.stats(),
-             "tokens_per_s": round(1e3 / result.ms_per_token, 2) if result.ms_per_token else None}
-    if args.json:
-        log = [{"entropy": round(r.entropy, 4), "accepted": r.accepted, "tree_size": r.tree_size,
-                "drafted": r.drafted, "ms": round(r.total_ms, 3)} for r in result.rounds]
-        print(json.dumps({"text": answer.text, "token_ids": result.tokens, **stats, "round_log": log}))
-        return 0
-    sys.stdout.write("\n")
-    print(f"[{stats['backend']}] tau {stats['tau']:.2f} | {stats['tokens']} tokens in {stats['rounds']} rounds | "
-          f"{stats['tokens_per_s']} tok/s | {stats['ms_per_token']:.1f} ms/token "
-          f"({stats['ms_per_token_decode']:.1f} without prefill)", file=sys.stderr)
+    with _load(args) as model:
+        if args.chat:
+            return _chat(model, args)
+        out = model.generate(args.prompt, images=args.image, system=args.system, max_new_tokens=args.max_new_tokens,
+                             on_text=None if args.json else _write)
+        if args.json:
+            log = [{"entropy": round(r.entropy, 4), "accepted": r.accepted, "tree_size": r.tree_size,
+                    "drafted": r.drafted, "ms": round(r.total_ms, 3)} for r in out.rounds]
+            print(json.dumps({"text": out.text, "token_ids": out.token_ids, **out.stats, "round_log": log}))
+            return 0
+        sys.stdout.write("\n")
+        print(_stats_line(out), file=sys.stderr)
     return 0
 
 

@@ -42,3 +42,13 @@ def silence_stdout() -> None:
         os.close(devnull)
     except (OSError, AttributeError, ValueError):
         pass
+class InputError(GlanceError):
+    """The caller's prompt, messages, images or flags cannot be served as given."""
+
+
+class LimitError(GlanceError):
+    """The request exceeds what the loaded graphs or buffers hold (context, tree size, top-k)."""
+
+
+class IntegrityError(GlanceError):
+    """Artifacts or engines on disk fail their checks (hashes, manifest, format version)."""

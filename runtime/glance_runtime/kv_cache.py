@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .device import Device, Tensor
-from .errors import GlanceError
+from .errors import GlanceError, LimitError
 
 
 class KVCache:
@@ -48,13 +48,13 @@ class KVCache:
             return
         if self.length == 0:
             self.check_prompt(rows)
-        raise GlanceError(f"context full: {self.length} committed rows + {rows} new exceed --max-context "
+        raise LimitError(f"context full: {self.length} committed rows + {rows} new exceed --max-context "
                           f"{self.max_context}; raise --max-context or lower --max-new-tokens")
 
     def check_prompt(self, rows: int) -> None:
         """Refuse a prompt of `rows` tokens that could never fit, whatever is committed now."""
         if rows > self.max_context:
-            raise GlanceError(f"prompt longer than --max-context {self.max_context} ({rows} rows); "
+            raise LimitError(f"prompt longer than --max-context {self.max_context} ({rows} rows); "
                               "raise --max-context or shorten the prompt")
 
     def appended(self, rows: int) -> None:
@@ -79,6 +79,12 @@ class KVCache:
                 self.device.copy_2d(self.buffer, base + i * self.row_bytes, base + r * self.row_bytes,
                                     self.row_bytes, self.slots, pitch)
         self.length = self._block_start + len(keep)
+
+    def truncate(self, rows: int) -> None:
+        """Keep only the first `rows` committed rows (a prompt that shares them); nothing moves."""
+        if not 0 <= rows <= self.length:
+            raise ValueError(f"cannot keep {rows} of {self.length} committed rows")
+        self.length = self._block_start = rows
 
     def clear(self) -> None:
         """Forget every row (a new prompt); the buffer is reused, not reallocated."""

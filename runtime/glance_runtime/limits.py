@@ -14,7 +14,7 @@ from typing import Callable
 
 from .backend import ServeLimits
 from .defaults import AUTO
-from .errors import GlanceError
+from .errors import LimitError
 from .loop import DecodeConfig
 
 
@@ -72,7 +72,7 @@ def runtime_limit(flag: str, asked: int | None, built: int, source: str, command
     if asked is None:
         return built
     if not 1 <= asked <= built:
-        raise GlanceError(f"{flag} {asked} is outside 1..{built}, the range these {source}; "
+        raise LimitError(f"{flag} {asked} is outside 1..{built}, the range these {source}; "
                           f"{command} with a larger `{flag}`")
     return asked
 
@@ -85,7 +85,7 @@ def reachable_nodes(block_size: int, branch_k: int) -> int:
 def check_branch_k(limits: ServeLimits, branch_k: int) -> None:
     """A draft pass returns at most `max_branch_k` candidates per offset."""
     if branch_k > limits.max_branch_k:
-        raise GlanceError(f"--branch-k {branch_k} is above the {limits.max_branch_k} candidates a draft pass "
+        raise LimitError(f"--branch-k {branch_k} is above the {limits.max_branch_k} candidates a draft pass "
                           f"returns here; use --branch-k 1..{limits.max_branch_k}"
                           + (f" (or re-export with `glance-export onnx --branch-k {branch_k}`)"
                              if limits.exported else ""))
@@ -95,7 +95,7 @@ def check_tree(limits: ServeLimits, rows: int, budget: int | None = None) -> Non
     """A verify pass holds at most `max_tree` rows, anchor included (`budget`: the flag that asked for them)."""
     if limits.max_tree is not None and rows > limits.max_tree:
         asked = f"--budget {budget} needs" if budget is not None else "this tree needs"
-        raise GlanceError(f"{asked} a verify pass of {rows} rows, above --max-tree {limits.max_tree}; use --budget "
+        raise LimitError(f"{asked} a verify pass of {rows} rows, above --max-tree {limits.max_tree}; use --budget "
                           f"0..{limits.max_tree - 1}" + (f" (or re-export with `glance-export onnx --max-tree {rows}`)"
                                                           if limits.exported else ""))
 
