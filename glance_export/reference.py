@@ -18,7 +18,7 @@ from glance_runtime.backend import BackendInfo, ServeLimits, Verified
 from glance_runtime.errors import GlanceError
 from glance_runtime.hardware import host_cpu
 from glance_runtime.prefix import images_after
-from glance_runtime.runner import Runner
+from glance_runtime.runner import Conversations, Runner
 
 from .adapters import Prompt, Snapshot
 from .head import DraftHead, check_head_matches, load_head
@@ -262,8 +262,13 @@ def open_reference(model: Path, head: Path | None, dtype: str = "float32", devic
     snapshot = Snapshot(model)
     backend = TorchBackend(snapshot, load_head(head) if head is not None else None, dtype=dtype, device=device)
     stops = snapshot.stop_token_ids
+    conversations = Conversations(snapshot.build_messages, snapshot.tokenizer.backend_tokenizer,
+                                  snapshot.image_token_id if snapshot.is_vl else None,
+                                  int(snapshot.config.get("vision_config", {}).get("spatial_merge_size", 1)),
+                                  int(snapshot.text_config.get("max_position_embeddings", 1 << 31)))
     return Runner(backend=backend, build_prompt=checked_prompts(snapshot), stop_ids=stops,
                   detokenize=lambda ids: snapshot.tokenizer.decode(list(ids), skip_special_tokens=True),
+                  conversations=conversations,
                   oracle=lambda prompt, n: greedy_reference(backend.model, snapshot, prompt, n, stops),
                   identity=f"torch {Path(model).resolve()} {Path(head).resolve() if head else ''} {dtype}",
                   calibration_dirs=(Path(head),) if head is not None else ())

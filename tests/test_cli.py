@@ -304,16 +304,16 @@ def test_budget_and_max_new_tokens_rules_hold_where_declared(capsys):
             assert phrase in capsys.readouterr().err
 
 
-def test_a_session_streams_exactly_the_answer_it_returns():
-    """open_session + generate on the shipped graphs: the streamed pieces join to the returned text, and the
-    tokens are the backend's own greedy ones."""
+def test_a_session_decodes_the_backends_own_greedy_tokens():
+    """open_session + decode on the shipped graphs: GLANCE's tokens are the backend's own greedy ones, each
+    round is seen by on_commit, and the settings are the ones asked for."""
     settings = Settings(budget=15, max_new_tokens=12)
     session = open_session(Source(backend="onnxruntime", artifacts=DEFAULT_ARTIFACTS, threads=1), settings)
     try:
-        pieces: list[str] = []
-        answer = session.generate("What is shown?", on_text=pieces.append)
-        assert "".join(pieces) == answer.text and answer.text
-        assert answer.result.tokens == session.greedy(session.prompt("What is shown?"))
+        committed: list[int] = []
+        prompt = session.prompt("What is shown?")
+        result = session.decode(prompt, committed.extend)
+        assert committed == result.tokens == session.greedy(prompt) and session.detokenize(result.tokens)
         assert session.config.budget == 15 and session.config.auto is None
     finally:
         session.close()

@@ -5,8 +5,9 @@
         print(model.generate("What is the total?", images=["receipt.png"]).text)
 
 Defaults are `glance-run`'s (the same backend choice, budget policy, stop ids and answer length), so
-`generate` returns exactly its tokens. Every call goes through one internal function (`Model._run`:
-open runner in, prompt in, decode, text out), the seam a session layer can later take over.
+`generate` returns exactly its tokens: a Model is a `session.Session` (the commands' one way to open a
+backend and decode) with conversations, streamed text and stop strings around it, and every call goes
+through one internal function (`Model._run`: prompt in, decode, text out).
 A conversation (`Model.chat`) keeps what the backend has committed: each turn prefills only the
 rows after the prefix it shares with the last one (`prefix.shared_rows`), and its answer is
 token-identical to decoding the whole conversation from scratch, because the kept rows are the
@@ -23,19 +24,15 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from .auto_budget import AUTO, decode_config
-from .defaults import resolve
+from .defaults import AUTO, BRANCH_K, RUN_MAX_NEW_TOKENS as MAX_NEW_TOKENS, resolve
 from .errors import GlanceError, InputError, LimitError
-from .limits import check_decode
-from .loop import DecodeConfig, DecodeResult, RoundLog, decode
+from .loop import DecodeConfig, DecodeResult, RoundLog
 from .messages import ImageLike, conversation, user_turn
 from .preprocess import Prompt
 from .prefix import Committed, image_runs, shared_rows
-from .runner import Runner, open_runner
+from .runner import Runner
+from .session import Session, Settings, Source, open_session
 from .text_stream import TextStream
-
-MAX_NEW_TOKENS = 256  # glance-run's --max-new-tokens default
-BRANCH_K = 8  # and its --branch-k
 
 
 @dataclass(frozen=True)
@@ -50,75 +47,35 @@ class Output:
     rounds: list[RoundLog] = field(default_factory=list, repr=False)
 
 
-class _Reusing:
-    """The runner's backend with its prefill told to keep the first `keep` committed rows."""
-
-    def __init__(self, backend, keep: int):
-        self.inner, self.keep = backend, keep
-
-    def prefill(self, prompt):
-        return self.inner.prefill(prompt, keep=self.keep)
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
-
-
-@dataclass(frozen=True)
-class _PromptSide:
-    """What the API needs of a runner beyond decoding: the conversation builder, the raw tokenizer for
-    streaming, the image-token rules for reuse and the context the backend can hold."""
-
-    build: Callable[[list[dict[str, Any]]], Prompt]
-    tokenizer: Any  # tokenizers.Tokenizer
-    image_token_id: int | None
-    merge: int
-    max_context: int
-
-
-def _prompt_side(runner: Runner) -> _PromptSide:
-    backend = runner.backend
-    prompts = getattr(backend, "prompts", None)
-    if prompts is not None:  # the graph backends (ONNX Runtime, TensorRT)
-        m = backend.manifest
-        return _PromptSide(prompts.build_messages, prompts.tokenizer, m.image_token_id if m.is_vl else None,
-                           m.spatial_merge_size if m.is_vl else 1, backend.max_context)
-    snap = backend.snapshot  # the torch reference
-    return _PromptSide(snap.build_messages, snap.tokenizer.backend_tokenizer,
-                       snap.image_token_id if snap.is_vl else None,
-                       int(snap.config.get("vision_config", {}).get("spatial_merge_size", 1)),
-                       int(snap.text_config.get("max_position_embeddings", 1 << 31)))
-
-
 class Model:
     """A loaded model. Not thread-safe: its backend holds one KV cache and one set of device buffers, so
     a call made while another thread's call runs is refused (GlanceError). Use one Model per thread,
     or hold a lock around every call; conversations of one Model take turns on its cache."""
 
-    def __init__(self, runner: Runner, budget: int | str | None = None, branch_k: int = BRANCH_K,
-                 speculative: bool = True, progress: Callable[[str], None] = lambda _: None):
-        self._runner: Runner | None = runner
-        self._side = _prompt_side(runner)
-        self._budget, self._branch_k, self._speculative, self._progress = budget, branch_k, speculative, progress
-        self._base: DecodeConfig | None = None
+    def __init__(self, session: Session):
+        self._session: Session | None = session
+        self._side = session.runner.conversations
         self._lock = threading.Lock()
         self._owner: Chat | None = None  # the conversation whose rows the backend holds now
 
     @property
-    def runner(self) -> Runner:
-        if self._runner is None:
+    def session(self) -> Session:
+        if self._session is None:
             raise GlanceError("this model is closed; load another with glance_runtime.load()")
-        return self._runner
+        return self._session
+
+    @property
+    def runner(self) -> Runner:
+        return self.session.runner
 
     # -- lifetime --------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Free the backend's device buffers and graphs now rather than at garbage collection."""
         with self._busy():
-            if self._runner is not None:
-                close = getattr(self._runner.backend, "close", None)
-                if close is not None:
-                    close()
-            self._runner = self._owner = None
+            if self._session is not None:
+                self._session.close()
+            self._session = self._owner = None
 
     def __enter__(self) -> "Model":
         return self
@@ -170,17 +127,10 @@ class Model:
     # -- the one internal path -------------------------------------------------------------------
 
     def _config(self, max_new_tokens: int) -> DecodeConfig:
-        """glance-run's DecodeConfig (auto's policy is measured or loaded once, then reused)."""
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        """glance-run's DecodeConfig (the session resolves auto's policy once, then it is reused)."""
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if self._base is None:
-            runner = self.runner
-            fixed = self._budget if self._budget not in (None, AUTO) else 0
-            check_decode(None, DecodeConfig(budget=fixed, branch_k=self._branch_k))
-            self._base = decode_config(runner, self._budget, max_new_tokens=MAX_NEW_TOKENS, branch_k=self._branch_k,
-                                       speculative=self._speculative, progress=self._progress)
-            check_decode(runner.limits, self._base)
-        return replace(self._base, max_new_tokens=max_new_tokens)
+        return replace(self.session.config, max_new_tokens=max_new_tokens)
 
     def _check_room(self, prompt: Prompt, cfg: DecodeConfig, fix: str) -> None:
         """Refuse before decoding what would overflow the context mid-answer."""
@@ -199,7 +149,6 @@ class Model:
     def _run(self, prompt: Prompt, max_new_tokens: int, stop: Sequence[str], keep: int = 0,
              on_piece: Callable[[str], None] | None = None, cancel: threading.Event | None = None,
              fix: str = "shorten the prompt, lower max_new_tokens, or load with a larger max_context") -> Output:
-        runner = self.runner
         cfg = self._config(max_new_tokens)
         self._check_room(prompt, cfg, fix)
         text = TextStream(self._side.tokenizer, list(stop))
@@ -221,8 +170,7 @@ class Model:
             return cancel is not None and cancel.is_set()
 
         self._owner = None  # the backend's rows are about to change
-        backend = _Reusing(runner.backend, keep) if keep else runner.backend
-        result = decode(backend, prompt, cfg, runner.stop_ids, on_commit=on_commit)
+        result = self.session.decode(prompt, on_commit, config=cfg, keep=keep)
         emit(text.finish())
         return Output("".join(pieces), kept, result.tau, self._stats(result, cfg, prompt, keep, kept, text.stopped),
                       result.rounds)
@@ -294,12 +242,12 @@ class Chat:
             prompt = model.build(messages=[*self._messages, turn])
             side = model._side
             keep = shared_rows(self._committed if model._owner is self else None, prompt, side.image_token_id,
-                               side.merge)
+                               side.merge_size)
             out = model._run(prompt, max_new_tokens, stop, keep=keep, on_piece=on_text,
                              fix="start over with chat.reset(), lower max_new_tokens, or load with a larger max_context")
             rows = model.runner.backend.start
             self._committed = Committed(np.concatenate([prompt.input_ids, np.asarray(out.token_ids, np.int64)])[:rows],
-                                        tuple(image_runs(prompt, side.image_token_id, side.merge)))
+                                        tuple(image_runs(prompt, side.image_token_id, side.merge_size)))
             model._owner = self
             self._messages += [turn, {"role": "assistant", "content": out.text}]
             return out
@@ -309,7 +257,7 @@ def load(artifacts: str | Path | None = None, *, engines: str | Path | None = No
          head: str | Path | None = None, backend: str | None = None, provider: str | Sequence[str] | None = None,
          budget: int | str | None = None, branch_k: int = BRANCH_K, speculative: bool = True,
          max_context: int | None = None, max_tree: int | None = None, threads: int | None = None,
-         dtype: str = "float32", progress: Callable[[str], None] | None = None) -> Model:
+         progress: Callable[[str], None] | None = None) -> Model:
     """Open a model as `glance-run` would with the same flags: with nothing given, the embedded default on
     ONNX Runtime where installed. `budget`: "auto", a node count, or None for the command's default."""
     paths = {"model": model, "head": head, "artifacts": artifacts, "engines": engines}
@@ -321,9 +269,8 @@ def load(artifacts: str | Path | None = None, *, engines: str | Path | None = No
     model_dir, head_dir, artifacts_dir, backend = resolve(paths["model"], paths["head"], paths["artifacts"], backend)
     if speculative and head_dir is None and backend == "torch":
         raise InputError("speculative decoding needs head=DIR (or pass speculative=False for plain greedy decoding)")
-    progress = progress or (lambda _: None)
-    options = {} if backend == "torch" else dict(providers=[provider] if isinstance(provider, str) else provider,
-                                                 max_context=max_context, max_tree=max_tree, threads=threads)
-    runner = open_runner(backend, model=model_dir, head=head_dir, artifacts=artifacts_dir, engines=paths["engines"],
-                         dtype=dtype, progress=progress, **options)
-    return Model(runner, budget=budget, branch_k=branch_k, speculative=speculative, progress=progress)
+    source = Source(backend, model=model_dir, head=head_dir, artifacts=artifacts_dir, engines=paths["engines"],
+                    providers=[provider] if isinstance(provider, str) else provider, threads=threads,
+                    max_context=max_context, max_tree=max_tree)
+    settings = Settings(budget=budget, branch_k=branch_k, speculative=speculative)
+    return Model(open_session(source, settings, progress or (lambda _: None)))

@@ -54,9 +54,11 @@ class Backend(Protocol):
     info: BackendInfo
     start: int  # stream position of the current anchor (== committed target rows)
 
-    def prefill(self, prompt) -> tuple[int, float]:
+    def prefill(self, prompt, keep: int = 0) -> tuple[int, float]:
         """Run the prompt; return the first generated token (the first anchor) and the entropy
-        (nats) of the distribution it was taken from. The anchor's stream position is the prompt length."""
+        (nats) of the distribution it was taken from. The anchor's stream position is the prompt length.
+        `keep` > 0: the prompt starts with the first `keep` committed rows (a conversation's earlier turns),
+        which are kept (target and head caches) and only the rest is run, at the full prompt's positions."""
 
     def draft(self, anchor: int, k: int) -> tuple[np.ndarray, np.ndarray]:
         """One head pass for block [anchor, MASK x (B-1)]: top-k ids and log-probs, [B-1, k] each."""

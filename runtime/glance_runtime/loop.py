@@ -110,12 +110,13 @@ def _tree(backend: Backend, anchor: int, cfg: DecodeConfig, surprisal: float | N
 
 
 def decode(backend: Backend, prompt, cfg: DecodeConfig, stop_ids: Sequence[int] = (),
-           on_commit: Callable[[list[int]], bool | None] | None = None) -> DecodeResult:
+           on_commit: Callable[[list[int]], bool | None] | None = None, keep: int = 0) -> DecodeResult:
     """Greedy decode with GLANCE (or plain AR); `on_commit` sees each round's new tokens (streaming) and
-    returns True to end decoding there (a stop string was seen; the committed KV stays consistent)."""
+    returns True to end decoding there (a stop string was seen; the committed KV stays consistent).
+    `keep`: committed rows the prompt starts with, kept by the prefill (a conversation's earlier turns)."""
     stops = frozenset(int(s) for s in stop_ids)
     t0 = time.perf_counter()
-    first, _ = backend.prefill(prompt)
+    first, _ = backend.prefill(prompt, keep) if keep else backend.prefill(prompt)
     out = DecodeResult(tokens=[], prefill_ms=(time.perf_counter() - t0) * 1e3)
     new, out.stopped_on = _clip([first], 0, cfg, stops)
     out.tokens += new

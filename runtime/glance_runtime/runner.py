@@ -21,12 +21,25 @@ from .formats.artifacts import VERSION as FORMAT_VERSION, Manifest, check_source
 BACKENDS = ("torch", "onnxruntime", "tensorrt")
 
 
+@dataclass(frozen=True)
+class Conversations:
+    """What whole conversations need of a runner beyond one prompt: building a message list (several turns and
+    images), the raw `tokenizers.Tokenizer` (streamed text), the image-token rules (which rows a later turn can
+    reuse) and the context rows the backend holds."""
+    build: Callable[[list[dict[str, Any]]], Any]
+    tokenizer: Any
+    image_token_id: int | None  # None for text-only targets
+    merge_size: int
+    max_context: int
+
+
 @dataclass
 class Runner:
     backend: Backend
     build_prompt: Callable[[str, str | Path | None], Any]
     stop_ids: tuple[int, ...]
     detokenize: Callable[[Sequence[int]], str]
+    conversations: Conversations
     oracle: Callable[[Any, int], list[int]] | None = None  # independent greedy decode, when the backend has one
     home: Path | None = None  # the artifacts or engines served: a cost profile is stored beside them
     identity: str = ""  # what is served, for cache keys where there is no `home` (the torch reference)
@@ -57,8 +70,12 @@ def _graph_runner(backend, model: Path | None) -> Runner:
     info = backend.info
     places = tuple(dict.fromkeys([info.home, info.manifest.path]))  # engines first, then their artifacts
     shipped = Path(info.home).resolve() == DEFAULT_ARTIFACTS.resolve()  # part of the install: kept unwritten
+    m = info.manifest
+    conversations = Conversations(backend.prompts.build_messages, backend.prompts.tokenizer,
+                                  m.image_token_id if m.is_vl else None, m.spatial_merge_size if m.is_vl else 1,
+                                  backend.max_context)
     return Runner(backend=backend, build_prompt=backend.build_prompt, stop_ids=tuple(backend.stop_token_ids),
-                  detokenize=backend.detokenize,
+                  detokenize=backend.detokenize, conversations=conversations,
                   oracle=_TorchOracle(info.manifest, model) if model is not None else None,
                   home=None if shipped else info.home, identity=str(Path(info.home).resolve()),
                   calibration_dirs=places)

@@ -1,4 +1,5 @@
-"""One call that opens a backend and decodes prompts with it: the commands' path and the public API's.
+"""One call that opens a backend and decodes prompts with it: the commands' path and the public API's
+(`api.Model` wraps a Session with conversations, streamed text and stop strings).
 
 A `Session` owns an opened runner (backend, prompt building, stop ids, detokenizing) and the decode
 settings resolved against it, so glance-run, glance-bench and the audits do not each re-assemble
@@ -9,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
 from .auto_budget import decode_config
 from .defaults import BRANCH_K, RUN_MAX_NEW_TOKENS
@@ -40,27 +41,6 @@ class Settings:
     speculative: bool = True
 
 
-class Answer(NamedTuple):
-    text: str
-    result: DecodeResult
-
-
-class TextStream:
-    """Turns committed tokens into newly decodable text, so multi-token characters come out whole."""
-
-    def __init__(self, detokenize: Callable[[Sequence[int]], str], write: Callable[[str], None]):
-        self.detokenize, self.write = detokenize, write
-        self.tokens: list[int] = []
-        self.shown = ""
-
-    def __call__(self, new: list[int]) -> None:
-        self.tokens.extend(new)
-        text = self.detokenize(self.tokens)
-        if text.startswith(self.shown) and not text.endswith("\ufffd"):
-            self.write(text[len(self.shown):])
-            self.shown = text
-
-
 class Session:
     """An opened runner and its decode settings (`settings`, or a config already resolved)."""
 
@@ -83,8 +63,12 @@ class Session:
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.runner.detokenize(ids)
 
-    def decode(self, prompt, on_commit: Callable[[list[int]], None] | None = None) -> DecodeResult:
-        return decode(self.runner.backend, prompt, self.config, self.runner.stop_ids, on_commit=on_commit)
+    def decode(self, prompt, on_commit: Callable[[list[int]], bool | None] | None = None, *,
+               config: DecodeConfig | None = None, keep: int = 0) -> DecodeResult:
+        """`config`: this call's (e.g. another answer length), else the session's; `keep`: committed rows the
+        prompt starts with (a conversation's earlier turns)."""
+        return decode(self.runner.backend, prompt, config or self.config, self.runner.stop_ids,
+                      on_commit=on_commit, keep=keep)
 
     def greedy(self, prompt) -> list[int]:
         """The backend's own greedy (AR) tokens, as long as the session's answers may be."""
@@ -96,17 +80,6 @@ class Session:
         if self.runner.oracle is None:
             return self.greedy(prompt)
         return self.runner.oracle(prompt, self.config.max_new_tokens)
-
-    def generate(self, text: str, image: str | Path | None = None,
-                 on_text: Callable[[str], None] | None = None) -> Answer:
-        """Answer one prompt; `on_text` receives the answer as it becomes decodable, all of it by the end."""
-        prompt = self.prompt(text, image)
-        stream = TextStream(self.detokenize, on_text) if on_text is not None else None
-        result = self.decode(prompt, on_commit=stream)
-        answer = self.detokenize(result.tokens)
-        if stream is not None:
-            on_text(answer[len(stream.shown):])
-        return Answer(answer, result)
 
     def close(self) -> None:
         self.runner.backend.close()

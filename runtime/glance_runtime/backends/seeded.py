@@ -30,8 +30,8 @@ class SeededDrafter:
     def start(self) -> int:
         return self.inner.start
 
-    def prefill(self, prompt):
-        return self.inner.prefill(prompt)
+    def prefill(self, prompt, keep: int = 0):
+        return self.inner.prefill(prompt, keep)
 
     def draft(self, anchor: int, k: int):
         ids, logp = self.inner.draft(anchor, k)
