@@ -73,7 +73,8 @@ PUBLISHED = {
                        deepstack_visual_indexes=[8, 16, 24], hidden_act="gelu_pytorch_tanh"),
     },
 }
-CHUNK = 1 << 26  # elements drawn at a time: a tensor is generated and written in pieces of at most 256 MB fp32
+CHUNK = 1 << 26  # elements written at a time (128 MB of bf16)
+POOL = 1 << 25
 
 
 def cut(name: str, layers: int | None, vision_depth: int | None) -> tuple[dict, dict]:
@@ -97,6 +98,7 @@ def _config_json(snap: Path, text: dict, vision: dict) -> dict:
     for section, overrides in (("text_config", text), ("vision_config", vision)):
         for key, value in overrides.items():
             raw[section][key] = dict(value) if isinstance(value, dict) else value
+    raw["text_config"].pop("layer_types", None)  # one per layer: transformers derives it again for this depth
     raw["tie_word_embeddings"] = raw["text_config"]["tie_word_embeddings"]
     raw["dtype"] = raw["text_config"]["dtype"] = "bfloat16"
     return raw
@@ -115,22 +117,30 @@ def checkpoint_tensors(snap: Path) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in revert_weight_conversion(model, state).items()}
 
 
-def _values(name: str, shape: tuple[int, ...], std: float, seed: int):
-    """The tensor's bf16 bytes in row chunks: wide normal for matrices, ones for norms, zeros for biases."""
+def _pool(std: float):
+    """bf16 bits of 2^25 normal draws at `std`: every matrix is cut from it at a random offset, which is
+    random enough for timing and memory and costs a copy instead of a draw per weight."""
     import torch
 
-    rows, per_row = (shape[0], math.prod(shape[1:])) if shape else (1, 1)
-    step = max(1, CHUNK // max(per_row, 1))
-    gen = torch.Generator().manual_seed(seed)
-    for start in range(0, rows, step):
-        n = min(step, rows - start) * per_row
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(POOL, generator=gen).mul_(std).to(torch.bfloat16).view(torch.int16).numpy()
+
+
+def _values(name: str, shape: tuple[int, ...], pool, seed: int):
+    """The tensor's bf16 bytes in chunks: the normal pool for matrices, ones for norms, zeros for biases."""
+    import numpy as np
+
+    total = math.prod(shape)
+    rng = np.random.default_rng(seed)
+    one = np.array(0x3F80, np.uint16).view(np.int16)  # bf16 1.0
+    for start in range(0, total, CHUNK):
+        n = min(CHUNK, total - start)
         if len(shape) >= 2:
-            chunk = torch.randn(n, generator=gen).mul_(std)
-        elif "norm" in name or ".ln_" in name:
-            chunk = torch.ones(n)
+            offset = int(rng.integers(POOL))
+            chunk = np.resize(np.concatenate([pool[offset:], pool[:offset]]), n)
         else:
-            chunk = torch.zeros(n)
-        yield chunk.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+            chunk = np.full(n, one if ("norm" in name or ".ln_" in name) else 0, np.int16)
+        yield chunk.tobytes()
 
 
 def _shards(tensors: dict[str, tuple[int, ...]], shard_bytes: int) -> list[list[str]]:
@@ -145,7 +155,7 @@ def _shards(tensors: dict[str, tuple[int, ...]], shard_bytes: int) -> list[list[
     return shards
 
 
-def _write_shard(path: Path, names: list[str], tensors: dict[str, tuple[int, ...]], std: float,
+def _write_shard(path: Path, names: list[str], tensors: dict[str, tuple[int, ...]], pool,
                  seeds: dict[str, int]) -> None:
     """One safetensors file, header first, then each tensor streamed in chunks."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
@@ -159,30 +169,36 @@ def _write_shard(path: Path, names: list[str], tensors: dict[str, tuple[int, ...
     with open(tmp, "wb") as fh:
         fh.write(struct.pack("<Q", len(blob)) + blob)
         for name in names:
-            for piece in _values(name, tensors[name], std, seeds[name]):
+            for piece in _values(name, tensors[name], pool, seeds[name]):
                 fh.write(piece)
     tmp.rename(path)
+
+
+def skeleton(out: Path, name: str, layers: int | None = None, vision_depth: int | None = None) -> Path:
+    """The snapshot's files other than its weights: config, tokenizer, chat template, preprocessor."""
+    from tiny_models import make_snapshot
+
+    text, vision = cut(name, layers, vision_depth)
+    snap = make_snapshot(out, PUBLISHED[name]["family"], layers=1, tied=text["tie_word_embeddings"])
+    for old in snap.glob("*.safetensors"):
+        old.unlink()
+    (snap / "config.json").write_text(json.dumps(_config_json(snap, text, vision), indent=2) + "\n")
+    return snap
 
 
 def write_snapshot(out: Path, name: str, layers: int | None = None, vision_depth: int | None = None,
                    shard_gib: float = 2.0, progress=print) -> Path:
     """Write the random snapshot of `name` (depth cut where asked) to `out`; returns `out`."""
-    from tiny_models import make_snapshot
-
-    published = PUBLISHED[name]
-    text, vision = cut(name, layers, vision_depth)
-    snap = make_snapshot(out, published["family"], layers=1, tied=text["tie_word_embeddings"])
-    for old in snap.glob("*.safetensors"):
-        old.unlink()
-    (snap / "config.json").write_text(json.dumps(_config_json(snap, text, vision), indent=2) + "\n")
+    text, _ = cut(name, layers, vision_depth)
+    snap = skeleton(out, name, layers, vision_depth)
     tensors = checkpoint_tensors(snap)
     seeds = {k: i for i, k in enumerate(sorted(tensors))}
     shards = _shards(tensors, int(shard_gib * (1 << 30)))
     files = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
-    std = 2.0 / text["hidden_size"] ** 0.5
+    pool = _pool(2.0 / text["hidden_size"] ** 0.5)
     t0 = time.perf_counter()
     for k, (file, names) in enumerate(zip(files, shards)):
-        _write_shard(snap / file, names, tensors, std, seeds)
+        _write_shard(snap / file, names, tensors, pool, seeds)
         progress(f"[{name}] wrote {file} ({len(names)} tensors) in {time.perf_counter() - t0:.0f}s")
     total = sum(2 * math.prod(s) for s in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": {n: f for f, names in zip(files, shards) for n in names}}

@@ -245,10 +245,12 @@ def _write_engine(trt, job: GraphJob, network_loader, config_loader) -> None:
     `engine_bytes_from_network`, which returns it as one host buffer: one engine-sized copy fewer at the peak."""
     builder, network, parser = network_loader()  # the parser owns the weights the network points at
     config = config_loader(builder, network)
-    with open(job.engine, "wb") as fh:
-        if not builder.build_serialized_network_to_stream(network, config, _stream_writer(trt, fh)):
-            raise GlanceError(f"TensorRT could not build an engine for {Path(job.onnx).name}; see the builder log "
-                              f"above")
+    engine = Path(job.engine)
+    with open(engine, "wb") as fh:
+        built = builder.build_serialized_network_to_stream(network, config, _stream_writer(trt, fh))
+    if not built:
+        engine.unlink()
+        raise GlanceError("the builder found no engine for it (the builder's errors are above)")
     if job.timing_cache is not None:
         write_file(Path(job.timing_cache), bytes(config.get_timing_cache().serialize()))
 
