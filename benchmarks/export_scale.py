@@ -6,8 +6,9 @@ model builder on the same snapshot and precision where it is installed.
         [--dtypes fp16] [--vision-depth N] [--no-build] [--genai-path DIR] [--keep]
 
 Every stage runs in its own child process and its peak RSS is the largest of that process tree's
-(`os.wait4`, what `/usr/bin/time -v` reports): the export, the build (its parent and one worker per
-graph), the ONNX checker over every graph, and GenAI's builder
+(`os.wait4`, what `/usr/bin/time -v` reports): the export, the ONNX checker over every graph, a short
+ONNX Runtime decode of one receipt prompt (8 tokens, AR and GLANCE, which must be identical), the
+build (its parent and one worker per graph), and GenAI's builder
 (`python -m onnxruntime_genai.models.builder -i SNAPSHOT -o OUT -p fp16 -e cpu`). GenAI's builder writes
 the text decoder only for Qwen2.5-VL and Qwen3-VL and does not take Qwen2-VL, so its column is a
 text-only comparison. Results accumulate in OUT/export_scale.json and OUT/export_scale.md; snapshots
@@ -78,6 +79,23 @@ def _env() -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "runtime")])}
 
 
+DECODE = """import json, sys, time
+from glance_runtime.backends.ort_backend import OrtBackend
+from glance_runtime.bench.tasks import read_tasks
+from glance_runtime.loop import DecodeConfig, decode
+
+backend = OrtBackend(sys.argv[1], threads=2)
+task = read_tasks([sys.argv[2]], 1)[0]
+prompt = backend.build_prompt(task.prompt, task.image)
+runs = {}
+for mode, speculative in (("ar", False), ("glance", True)):
+    t0 = time.perf_counter()
+    runs[mode] = decode(backend, prompt, DecodeConfig(max_new_tokens=8, budget=15, speculative=speculative)).tokens
+    runs[mode + "_s"] = round(time.perf_counter() - t0, 1)
+runs["identical"] = runs["ar"] == runs["glance"]
+print(json.dumps(runs))
+"""
+TASKS = ROOT / "examples" / "receipt" / "tasks.jsonl"
 CHECK = """import sys, json, onnx
 from pathlib import Path
 art = Path(sys.argv[1])
@@ -108,6 +126,11 @@ def one_row(args, model: str, depth: int | None, dtype: str) -> dict:
         row["export"]["bound_gib"] = round(0.5 * sum(graphs.values()) / GIB + 3, 2)
         print(f"[{snap.name} {dtype}] onnx checker ...", flush=True)
         row["checker"] = run([sys.executable, "-c", CHECK, str(work / "art")], log=work / "check.log")
+        print(f"[{snap.name} {dtype}] ONNX Runtime decode, AR and GLANCE ...", flush=True)
+        row["decode"] = run([sys.executable, "-c", DECODE, str(work / "art"), str(TASKS)], env=_env(),
+                            log=work / "decode.log")
+        if row["decode"]["rc"] == 0:
+            row["decode"].update(json.loads((work / "decode.log").read_text().strip().splitlines()[-1]))
         if args.build:
             print(f"[{snap.name} {dtype}] build --target rtx ...", flush=True)
             row["build"] = run([*cli, "build", "--artifacts", str(work / "art"), "--target", "rtx", "--out",
@@ -126,7 +149,7 @@ def one_row(args, model: str, depth: int | None, dtype: str) -> dict:
                            env=genai, log=work / "genai.log")
         if row["genai"]["rc"] == 0:
             row["genai"]["model_gib"] = round(_bytes(p for p in (work / "genai").iterdir() if p.is_file()) / GIB, 3)
-    for stage in ("export", "checker", "build", "genai"):
+    for stage in ("export", "checker", "decode", "build", "genai"):
         if row.get(stage, {}).get("rc"):
             log = work / f"{'check' if stage == 'checker' else stage}.log"
             row[stage]["error"] = log.read_text().strip().splitlines()[-1][-300:] if log.is_file() else ""
@@ -143,13 +166,23 @@ def _cell(stage: dict | None, key: str = "peak_rss_gib") -> str:
     return f"{stage['wall_s']:.0f} s / {stage[key]:.2f} GiB"
 
 
+def _passed(stage: dict | None) -> str:
+    return "-" if not stage else "passed" if stage["rc"] == 0 else f"failed ({stage.get('error', '')[:60]})"
+
+
+def _decoded(stage: dict | None) -> str:
+    if not stage or stage["rc"]:
+        return _passed(stage)
+    return f"{'yes' if stage['identical'] else 'NO'} ({stage['ar_s']:.0f} s / {stage['glance_s']:.0f} s)"
+
+
 def render(rows: list[dict]) -> str:
     lines = ["# Export and build at real size (random weights, published configs)", "",
              f"`glance-export onnx --dtype D --max-context {MAX_CONTEXT} --max-tree {MAX_TREE}`, `glance-export build "
              "--target rtx` (TensorRT-RTX, no GPU), ONNX Runtime GenAI's builder (`-p D -e cpu`, text decoder only) "
              f"on the same bf16 sharded snapshot; time / peak RSS of each process tree, {os.cpu_count()} CPUs.", "",
-             "| model | text layers | dtype | snapshot | graphs (largest) | export | export bound | build | "
-             "build bound | GenAI builder |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | text layers | dtype | snapshot | graphs (largest) | export | export bound | checker | "
+             "ORT decode (AR = GLANCE) | build | build bound | GenAI builder |", "|" + "---|" * 12]
     for r in rows:
         graphs = r.get("graphs_gib") or {}
         size = f"{sum(graphs.values()):.2f} GiB ({max(graphs.values()):.2f})" if graphs else "-"
@@ -157,8 +190,8 @@ def render(rows: list[dict]) -> str:
         build_bound = f"{r['build']['bound_gib']:.2f} GiB" if "bound_gib" in r.get("build", {}) else "-"
         depth = f"{r['depth']}{' (full)' if r['full_depth'] else ''}"
         lines.append(f"| {r['model']} | {depth} | {r['dtype']} | {r['snapshot_gib']:.2f} GiB, {r['shards']} shards | "
-                     f"{size} | {_cell(r['export'])} | {export_bound} | {_cell(r.get('build'))} | {build_bound} | "
-                     f"{_cell(r.get('genai'))} |")
+                     f"{size} | {_cell(r['export'])} | {export_bound} | {_passed(r.get('checker'))} | "
+                     f"{_decoded(r.get('decode'))} | {_cell(r.get('build'))} | {build_bound} | {_cell(r.get('genai'))} |")
     return "\n".join(lines) + "\n"
 
 

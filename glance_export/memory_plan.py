@@ -7,7 +7,8 @@ whose axis bounds the ONNX graphs were traced for), and the build says which lim
 
 The builder's host memory is bounded by one graph, not the model: each graph is built in its own
 worker process (`tensorrt_build`), whose peak is about `BUILD_WEIGHT_FACTOR` times that graph's ONNX
-weights, plus the workspace and the process itself (`BUILD_PROCESS_GIB`).
+weights (the parser's copy, which the network points at, and the builder's own), plus the process
+itself (`BUILD_PROCESS_GIB`), plus the workspace where the GPU shares the host's memory (a Jetson).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ GIB = float(1 << 30)
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 IO_BYTES = {"float32": 4, "float16": 2}
 CONTEXT_STEP = 256  # a budget-derived max context is rounded down to a multiple of this
-BUILD_WEIGHT_FACTOR = 1.5  # a worker's host bytes per byte of its graph's ONNX weights (benchmarks/export_scale.py)
+BUILD_WEIGHT_FACTOR = 2.5  # a worker's host bytes per byte of its graph's weights: 2.2-2.5 measured (export_scale)
 BUILD_PROCESS_GIB = 1.0  # Python, TensorRT's libraries and the parent `glance-export build` process
 
 
@@ -96,16 +97,16 @@ class BuildPeak:
 
     graph: str
     graph_gib: float  # that graph's ONNX file and external data
-    workspace_gib: float
+    workspace_gib: float  # counted where the GPU shares the host's memory, else 0 (it is GPU memory)
 
     @property
     def gib(self) -> float:
         return BUILD_WEIGHT_FACTOR * self.graph_gib + self.workspace_gib + BUILD_PROCESS_GIB
 
     def explain(self) -> str:
+        workspace = f" + workspace {self.workspace_gib:g} GiB" if self.workspace_gib else ""
         return (f"builder peak about {self.gib:.2f} GiB of host memory ({BUILD_WEIGHT_FACTOR:g} x the largest graph, "
-                f"{self.graph} {_size(self.graph_gib)}, + workspace {self.workspace_gib:g} GiB + "
-                f"{BUILD_PROCESS_GIB:g} GiB for the process)")
+                f"{self.graph} {_size(self.graph_gib)}{workspace} + {BUILD_PROCESS_GIB:g} GiB for the process)")
 
 
 @dataclass(frozen=True)
@@ -232,13 +233,13 @@ def plan_memory(profile: DeviceProfile, manifest: dict[str, Any], artifacts: Pat
         exported_image = manifest["axes"]["N_img"][1]
         image = min(exported_image, ctx // 2)
         reasons["max_image_tokens"] = "the export's limit" if image == exported_image else "half the context"
-    return MemoryPlan(Limits(ctx, tree, image), budget, reasons, build_peak(artifacts, manifest, budget.workspace_gib))
+    return MemoryPlan(Limits(ctx, tree, image), budget, reasons, build_peak(artifacts, manifest, profile, budget.workspace_gib))
 
 
-def build_peak(artifacts: Path, manifest: dict[str, Any], workspace_gib: float) -> BuildPeak:
+def build_peak(artifacts: Path, manifest: dict[str, Any], profile: DeviceProfile, workspace_gib: float) -> BuildPeak:
     sizes = graph_bytes(artifacts, manifest)
     graph = max(sizes, key=sizes.__getitem__)
-    return BuildPeak(graph, sizes[graph] / GIB, workspace_gib)
+    return BuildPeak(graph, sizes[graph] / GIB, workspace_gib if profile.jetson else 0.0)
 
 
 def available_host_gib(root: Path = Path("/")) -> float | None:
@@ -256,9 +257,10 @@ def check_build_host(peak: BuildPeak, available_gib: float | None) -> None:
     """Refuse a build this machine cannot hold, before the first worker starts (not be killed mid-build)."""
     if available_gib is None or peak.gib <= available_gib:
         return
+    workspace = ", lower --workspace-gib" if peak.workspace_gib else ""
     raise GlanceError(f"this machine has {available_gib:.2f} GiB of memory available and the build needs about "
-                      f"{peak.gib:.2f} GiB ({peak.gib - available_gib:.2f} GiB short; {peak.explain()}); free memory, "
-                      f"lower --workspace-gib, or build elsewhere: --plan-only writes a bundle for a larger machine")
+                      f"{peak.gib:.2f} GiB ({peak.gib - available_gib:.2f} GiB short; {peak.explain()}); free memory"
+                      f"{workspace}, or build elsewhere: --plan-only writes a bundle for a larger machine")
 
 
 def check_device_builds(profile: DeviceProfile, plan: MemoryPlan) -> None:

@@ -104,6 +104,7 @@ class GraphJob:
     tf32: bool
     workspace_bytes: int
     timing_cache: str | None  # scratch file read before and rewritten after the build
+    timing_cache_source: str | None  # the user's --timing-cache, for messages
 
 
 def _shapes(shape: list[int | str], axes: dict[str, Range], name: str) -> list[list[int]]:
@@ -126,7 +127,8 @@ def graph_job(module: str, onnx_path: Path, engine_path: Path, inputs: dict[str,
     return GraphJob(module, str(onnx_path), str(engine_path), shapes, len(profiles), strongly_typed=flag is None,
                     builder_flag=flag, tf32=options.precision.name != "fp32",
                     workspace_bytes=int(options.workspace_gib * (1 << 30)),
-                    timing_cache=str(timing_cache) if timing_cache else None)
+                    timing_cache=str(timing_cache) if timing_cache else None,
+                    timing_cache_source=str(options.timing_cache.path) if options.timing_cache else None)
 
 
 def _worker_env(module: str) -> dict[str, str]:
@@ -149,6 +151,9 @@ def run_job(job: GraphJob) -> float:
         logged = [line.removeprefix("[E] ").strip() for line in lines if line.startswith("[E] ")]
         if error and logged:  # what the parser or builder said, before Polygraphy's summary
             error = f"{error} ({logged[0]})"
+        if error is None and child.returncode == -9:
+            error = (f"the TensorRT builder for {Path(job.onnx).name} was killed (SIGKILL: out of memory?); build on "
+                     f"a machine with more memory, or write a bundle for one with --plan-only")
         raise GlanceError(error or f"the TensorRT builder for {Path(job.onnx).name} exited with code "
                                    f"{child.returncode}: {lines[-1] if lines else 'no output'}")
     return float(stdout.strip().splitlines()[-1]) if stdout.strip() else 0.0
@@ -188,7 +193,6 @@ def build_engines(toolchain: Toolchain, artifacts: Path, manifest: dict[str, Any
     return records
 
 
-
 def _build_in_this_process(job: GraphJob) -> None:
     """The worker's build, through Polygraphy's loaders for the TensorRT module the job names."""
     from polygraphy.backend.trt import (CreateConfig, PostprocessConfig, Profile as TrtProfile,
@@ -225,8 +229,8 @@ def _finish_config(trt, job: GraphJob, config) -> None:
     if job.timing_cache is not None:
         data = Path(job.timing_cache).read_bytes()
         if not config.set_timing_cache(config.create_timing_cache(data), False):
-            raise GlanceError("the timing cache was written by another TensorRT version or GPU; delete it or pass "
-                              "another --timing-cache")
+            raise GlanceError(f"{job.timing_cache_source} was written by another TensorRT version or GPU; delete "
+                              f"it or pass another --timing-cache")
 
 
 def _stream_writer(trt, fh):
@@ -250,7 +254,7 @@ def _write_engine(trt, job: GraphJob, network_loader, config_loader) -> None:
         built = builder.build_serialized_network_to_stream(network, config, _stream_writer(trt, fh))
     if not built:
         engine.unlink()
-        raise GlanceError("the builder found no engine for it (the builder's errors are above)")
+        raise GlanceError("TensorRT's builder returned no engine")
     if job.timing_cache is not None:
         write_file(Path(job.timing_cache), bytes(config.get_timing_cache().serialize()))
 
