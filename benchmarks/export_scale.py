@@ -191,7 +191,8 @@ def render(rows: list[dict]) -> str:
         depth = f"{r['depth']}{' (full)' if r['full_depth'] else ''}"
         lines.append(f"| {r['model']} | {depth} | {r['dtype']} | {r['snapshot_gib']:.2f} GiB, {r['shards']} shards | "
                      f"{size} | {_cell(r['export'])} | {export_bound} | {_passed(r.get('checker'))} | "
-                     f"{_decoded(r.get('decode'))} | {_cell(r.get('build'))} | {build_bound} | {_cell(r.get('genai'))} |")
+                     f"{_decoded(r.get('decode'))} | {_cell(r.get('build'))} | {build_bound} | "
+                     f"{_cell(r.get('genai'))} |")
     return "\n".join(lines) + "\n"
 
 

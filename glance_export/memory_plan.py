@@ -233,7 +233,8 @@ def plan_memory(profile: DeviceProfile, manifest: dict[str, Any], artifacts: Pat
         exported_image = manifest["axes"]["N_img"][1]
         image = min(exported_image, ctx // 2)
         reasons["max_image_tokens"] = "the export's limit" if image == exported_image else "half the context"
-    return MemoryPlan(Limits(ctx, tree, image), budget, reasons, build_peak(artifacts, manifest, profile, budget.workspace_gib))
+    peak = build_peak(artifacts, manifest, profile, budget.workspace_gib)
+    return MemoryPlan(Limits(ctx, tree, image), budget, reasons, peak)
 
 
 def build_peak(artifacts: Path, manifest: dict[str, Any], profile: DeviceProfile, workspace_gib: float) -> BuildPeak:
@@ -270,5 +271,6 @@ def check_device_builds(profile: DeviceProfile, plan: MemoryPlan) -> None:
     if profile.jetson is None or plan.build.gib <= b.usable_gib:
         return
     raise GlanceError(f"a {profile.name} with {b.describe()} cannot build these engines on the device: "
-                      f"{plan.build.explain()} is {plan.build.gib - b.usable_gib:.2f} GiB over its {b.usable_gib:g} GiB; "
+                      f"{plan.build.explain()} is {plan.build.gib - b.usable_gib:.2f} GiB over its "
+                      f"{b.usable_gib:g} GiB; "
                       f"pass --memory-gib if the module has more, or export a smaller or quantized model")

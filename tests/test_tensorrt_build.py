@@ -132,7 +132,8 @@ def test_a_jetson_bundle_is_refused_where_the_device_cannot_build_it(tmp_path):
     plan = plan_memory(orin, manifest, tmp_path, "fp16", Device(None))
     assert plan.build.gib == pytest.approx(3.2 * 3 + orin.workspace_gib + 1) and plan.build.graph == "target"
     with pytest.raises(GlanceError, match=r"jetson-orin with 8 GiB .* cannot build these engines on the device: "
-                                          r"builder peak about 12\.60 GiB .* 6\.60 GiB over its 6 GiB; pass --memory-gib"):
+                                          r"builder peak about 12\.60 GiB .* 6\.60 GiB over its 6 GiB; "
+                                          r"pass --memory-gib"):
         check_device_builds(orin, plan)
     check_device_builds(orin, plan_memory(orin, manifest, tmp_path, "fp16", Device(None), memory_gib=16))
     check_device_builds(load_profile("rtx"), plan_memory(load_profile("rtx"), manifest, tmp_path, "fp16", Device(None)))
