@@ -22,7 +22,7 @@ from glance_runtime.integrity import sha256
 from . import __version__
 from .device_profiles import DeviceProfile, load_profile
 from .devices import Device, check_device, resolve_target
-from .memory_plan import MemoryPlan, plan_memory
+from .memory_plan import MemoryPlan, available_host_gib, check_build_host, check_device_builds, plan_memory
 from .plan_bundle import BUNDLE_FORMAT, write_bundle
 from .precision import Precision, choose_precision
 from .quant_engines import engine_manifest
@@ -163,11 +163,13 @@ def _timing_cache(request: BuildRequest, profile: DeviceProfile, toolchain: Tool
 
 
 def build(request: BuildRequest, device: Device, toolchain: Toolchain | None = None, *,
-          profile: DeviceProfile | None = None, progress: Callable[[str], None] = print) -> Path:
+          profile: DeviceProfile | None = None, host_memory_gib: float | None = None,
+          progress: Callable[[str], None] = print) -> Path:
     """Build (or with plan_only, bundle) for `request.target`; returns the output directory.
 
     `device` and `toolchain` are this machine's (`probe_device()`, `load_toolchain(profile)` when None);
-    `profile` overrides the target's file (tests)."""
+    `profile` overrides the target's file (tests); `host_memory_gib` is the memory this machine can give
+    the builder (`available_host_gib()` when None)."""
     say = Stopwatch(progress)
     profile = profile or load_profile(resolve_target(request.target, device))
     check_out(request)
@@ -180,6 +182,7 @@ def build(request: BuildRequest, device: Device, toolchain: Toolchain | None = N
     say(f"target {profile.name}: {device.describe() if device.name else 'ahead-of-time build, no GPU'}; "
         f"{toolchain.name} {toolchain.version}")
     artifacts, manifest, plan = _planned(request, profile, precision, device, toolchain.version, say)
+    check_build_host(plan.build, available_host_gib() if host_memory_gib is None else host_memory_gib)
     timing_cache, cache_record = _timing_cache(request, profile, toolchain, say)
     say(f"building {', '.join(manifest['graphs'])} at {precision.name} ({precision.how})")
     with atomic_directory(request.out, ENGINES_FORMAT, "glance-export build") as tmp:
@@ -224,6 +227,7 @@ def _plan_only(request: BuildRequest, profile: DeviceProfile, say: Callable[[str
     no_gpu = Device(None)
     precision = _precision(request, profile, no_gpu)
     artifacts, _, plan = _planned(request, profile, precision, no_gpu, None, say)
+    check_device_builds(profile, plan)
     out = write_bundle(request.out, artifacts, profile, request.device_flags(), plan, precision)
     say(f"wrote a build bundle for {profile.name} to {out}: copy it to the device and run ./build.sh there")
     return out

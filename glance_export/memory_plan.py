@@ -1,8 +1,14 @@
-"""Size a build to the target's memory: weights + KV cache at max context + builder workspace must fit.
+"""Size a build to the target's memory: weights + KV cache at max context + builder workspace must fit;
+and check, before any work, that the machine running the build can hold the builder itself.
 
 On a Jetson the GPU shares the module's memory with the OS and the runtime process, so the context,
 tree and image limits an engine is built for are derived from that budget (never above the export's,
 whose axis bounds the ONNX graphs were traced for), and the build says which limit bound each one.
+
+The builder's host memory is bounded by one graph, not the model: each graph is built in its own
+worker process (`tensorrt_build`), whose peak is about `BUILD_WEIGHT_FACTOR` times that graph's ONNX
+weights (the parser's copy, which the network points at, and the builder's own), plus the process
+itself (`BUILD_PROCESS_GIB`), plus the workspace where the GPU shares the host's memory (a Jetson).
 """
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ GIB = float(1 << 30)
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 IO_BYTES = {"float32": 4, "float16": 2}
 CONTEXT_STEP = 256  # a budget-derived max context is rounded down to a multiple of this
+BUILD_WEIGHT_FACTOR = 3.2  # a worker's host bytes per byte of its graph's weights: 2.2-3.1 measured (export_scale)
+BUILD_PROCESS_GIB = 1.0  # Python, TensorRT's libraries and the parent `glance-export build` process
 
 
 @dataclass(frozen=True)
@@ -84,10 +92,29 @@ class Budget:
 
 
 @dataclass(frozen=True)
+class BuildPeak:
+    """The host memory a build needs at its peak: the worker building the largest graph."""
+
+    graph: str
+    graph_gib: float  # that graph's ONNX file and external data
+    workspace_gib: float  # counted where the GPU shares the host's memory, else 0 (it is GPU memory)
+
+    @property
+    def gib(self) -> float:
+        return BUILD_WEIGHT_FACTOR * self.graph_gib + self.workspace_gib + BUILD_PROCESS_GIB
+
+    def explain(self) -> str:
+        workspace = f" + workspace {self.workspace_gib:g} GiB" if self.workspace_gib else ""
+        return (f"builder peak about {self.gib:.2f} GiB of host memory ({BUILD_WEIGHT_FACTOR:g} x the largest graph, "
+                f"{self.graph} {_size(self.graph_gib)}{workspace} + {BUILD_PROCESS_GIB:g} GiB for the process)")
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     limits: Limits
     budget: Budget
     reasons: dict[str, str]  # limit -> what bound it
+    build: BuildPeak  # the host memory the builder needs, wherever it runs
 
     @property
     def workspace_gib(self) -> float:
@@ -108,24 +135,27 @@ class MemoryPlan:
         return (f"memory plan: weights {_size(b.weights_gib)} + KV {_size(self.kv_gib)} ({lim.max_context} rows x "
                 f"{b.kv_bytes_per_row / 1024:.1f} KiB) + workspace {b.workspace_gib:g} GiB = {_size(self.total_gib)} "
                 f"of {b.usable_gib:g} GiB ({b.describe()}); max context {lim.max_context} "
-                f"({self.reasons['max_context']}), max tree {lim.max_tree} ({self.reasons['max_tree']}){image}")
+                f"({self.reasons['max_context']}), max tree {lim.max_tree} ({self.reasons['max_tree']}){image}; "
+                f"{self.build.explain()}")
 
     def record(self) -> dict[str, Any]:
         b = self.budget
         return {"memory_gib": b.memory_gib, "memory_source": b.source, "reserve_gib": b.reserve_gib,
                 "workspace_gib": b.workspace_gib, "weights_gib": round(b.weights_gib, 4),
                 "kv_gib": round(self.kv_gib, 4), "kv_bytes_per_row": b.kv_bytes_per_row,
-                "total_gib": round(self.total_gib, 4), "reasons": self.reasons}
+                "total_gib": round(self.total_gib, 4), "reasons": self.reasons,
+                "build_peak_gib": round(self.build.gib, 4), "build_peak_graph": self.build.graph}
+
+
+def graph_bytes(artifacts: Path, manifest: dict[str, Any]) -> dict[str, int]:
+    """Per graph: its ONNX file and external data, the weights its worker parses."""
+    return {graph: sum((artifacts / name).stat().st_size for name in (entry["file"], entry.get("data_file")) if name)
+            for graph, entry in manifest["graphs"].items()}
 
 
 def weights_bytes(artifacts: Path, manifest: dict[str, Any]) -> int:
     """Bytes of every graph file and its external data: the weights each engine will hold."""
-    total = 0
-    for entry in manifest["graphs"].values():
-        for name in (entry["file"], entry.get("data_file")):
-            if name:
-                total += (artifacts / name).stat().st_size
-    return total
+    return sum(graph_bytes(artifacts, manifest).values())
 
 
 def kv_bytes_per_row(manifest: dict[str, Any]) -> int:
@@ -203,4 +233,44 @@ def plan_memory(profile: DeviceProfile, manifest: dict[str, Any], artifacts: Pat
         exported_image = manifest["axes"]["N_img"][1]
         image = min(exported_image, ctx // 2)
         reasons["max_image_tokens"] = "the export's limit" if image == exported_image else "half the context"
-    return MemoryPlan(Limits(ctx, tree, image), budget, reasons)
+    peak = build_peak(artifacts, manifest, profile, budget.workspace_gib)
+    return MemoryPlan(Limits(ctx, tree, image), budget, reasons, peak)
+
+
+def build_peak(artifacts: Path, manifest: dict[str, Any], profile: DeviceProfile, workspace_gib: float) -> BuildPeak:
+    sizes = graph_bytes(artifacts, manifest)
+    graph = max(sizes, key=sizes.__getitem__)
+    return BuildPeak(graph, sizes[graph] / GIB, workspace_gib if profile.jetson else 0.0)
+
+
+def available_host_gib(root: Path = Path("/")) -> float | None:
+    """Memory this machine can give a new process now (MemAvailable), None where the kernel does not say."""
+    try:
+        for line in (root / "proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / (1 << 20)
+    except OSError:
+        return None
+    return None
+
+
+def check_build_host(peak: BuildPeak, available_gib: float | None) -> None:
+    """Refuse a build this machine cannot hold, before the first worker starts (not be killed mid-build)."""
+    if available_gib is None or peak.gib <= available_gib:
+        return
+    workspace = ", lower --workspace-gib" if peak.workspace_gib else ""
+    raise GlanceError(f"this machine has {available_gib:.2f} GiB of memory available and the build needs about "
+                      f"{peak.gib:.2f} GiB ({peak.gib - available_gib:.2f} GiB short; {peak.explain()}); free memory"
+                      f"{workspace}, or build elsewhere: --plan-only writes a bundle for a larger machine")
+
+
+def check_device_builds(profile: DeviceProfile, plan: MemoryPlan) -> None:
+    """A Jetson builds its own engines in the memory it runs them in (CPU and GPU share it): refuse a bundle
+    whose build cannot fit there, before it is written."""
+    b = plan.budget
+    if profile.jetson is None or plan.build.gib <= b.usable_gib:
+        return
+    raise GlanceError(f"a {profile.name} with {b.describe()} cannot build these engines on the device: "
+                      f"{plan.build.explain()} is {plan.build.gib - b.usable_gib:.2f} GiB over its "
+                      f"{b.usable_gib:g} GiB; "
+                      f"pass --memory-gib if the module has more, or export a smaller or quantized model")

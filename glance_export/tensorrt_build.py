@@ -1,17 +1,25 @@
 """Build TensorRT engines from an ONNX artifacts directory, with profiles sized from its manifest.
 
-One code path over the API that `tensorrt` and `tensorrt_rtx` share. In CI the TensorRT-RTX builder
-proves on a CPU-only machine that every exported graph parses and compiles under a real TensorRT
-compiler; `glance-export build` uses the same functions to build deployable engines. Each graph's
-optimization profiles come from `profiles_for`, from the manifest's (possibly lowered) axis bounds.
+One code path for `tensorrt` and `tensorrt_rtx`, through Polygraphy's loaders (`network_from_onnx_path`,
+`CreateConfig` / `CreateConfigRTX` with profiles, TF32 and the workspace pool, `SetDecomposableAttentions`).
+Each graph is built in its own worker process (`python -m glance_export.tensorrt_build`), so a build's
+peak host memory is that of its largest graph, never the sum, and the memory the builder keeps after a
+graph is returned to the system before the next one starts. In CI the TensorRT-RTX builder proves on a
+CPU-only machine that every exported graph parses and compiles under a real TensorRT compiler.
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import glance_runtime
 from glance_runtime.atomic import write_file
 from glance_runtime.errors import GlanceError
 from glance_runtime.integrity import sha256
@@ -20,6 +28,7 @@ from .precision import Precision
 from .toolchain import Toolchain
 
 Range = tuple[int, int, int]  # min, opt, max
+ERROR_PREFIX = "glance-build-error: "  # marks the worker's one-line error on its stderr
 
 
 @dataclass(frozen=True)
@@ -60,48 +69,15 @@ def profiles_for(manifest: dict[str, Any], graph: str) -> list[Profile]:
     return [Profile("vision", {"N_patch": patches, "N_merged": tuple(p // unit for p in patches)})]
 
 
-def _shapes(shape: list[int | str], axes: dict[str, Range], name: str) -> tuple[list[int], list[int], list[int]]:
-    out: tuple[list[int], list[int], list[int]] = ([], [], [])
-    for dim in shape:
-        if isinstance(dim, str) and dim not in axes:
-            raise GlanceError(f"input {name} has axis {dim!r} that no profile bounds; re-export the artifacts")
-        rng = axes[dim] if isinstance(dim, str) else (dim, dim, dim)
-        for i in range(3):
-            out[i].append(rng[i])
-    return out
-
-
-def _allow_attention_fallback(trt, network) -> None:
-    """Let ONNX Attention ops (opset 23) fall back to plain layers where no fused kernel fits (fp32, masks).
-
-    TensorRT before 10.14 has no attention layers (and its parser refuses opset 23 before this runs)."""
-    if not hasattr(trt.LayerType, "ATTENTION_INPUT"):
-        return
-    for i in range(network.num_layers):
-        layer = network.get_layer(i)
-        if layer.type == trt.LayerType.ATTENTION_INPUT:
-            layer.__class__ = trt.IAttentionBoundaryLayer
-            layer.attention.decomposable = True
-
-
 class TimingCache:
     """One timing cache carried through every graph of a build: read from `path` when it exists, written
     back atomically after a successful build (trtexec's --timingCacheFile).
 
-    It travels as serialized bytes, because a cache object does not outlive the builder config it came from."""
+    Between graphs it lives in a scratch file that each worker reads and rewrites."""
 
     def __init__(self, path: Path):
         self.path = path
         self.data = path.read_bytes() if path.is_file() else b""
-
-    def attach(self, config) -> None:
-        if not config.set_timing_cache(config.create_timing_cache(self.data), False):
-            raise GlanceError(f"{self.path} was written by another TensorRT version or GPU; delete it or pass "
-                              f"another --timing-cache")
-
-    def collect(self, config) -> None:
-        """Keep what this graph's build added (call while `config` is alive)."""
-        self.data = bytes(config.get_timing_cache().serialize())
 
     def save(self) -> None:
         write_file(self.path, self.data)
@@ -114,42 +90,73 @@ class BuildOptions:
     timing_cache: TimingCache | None = None
 
 
-def build_engine(toolchain: Toolchain, onnx_path: Path, inputs: dict[str, dict[str, Any]], profiles: list[Profile],
-                 options: BuildOptions) -> memoryview:
-    """Parse and build one graph (the serialized engine, not copied: it can be GBs); GlanceError names the
-    graph and the parser/builder failure.
+@dataclass(frozen=True)
+class GraphJob:
+    """What one worker process builds: plain data, sent as JSON on its stdin."""
 
-    A precision reached through a builder flag needs a weakly typed network; otherwise the network is
+    module: str  # "tensorrt" or "tensorrt_rtx"
+    onnx: str
+    engine: str  # where the worker writes the serialized engine
+    inputs: dict[str, list[list[int]]]  # input name -> [min, opt, max] shapes, one entry per profile
+    profiles: int
+    strongly_typed: bool
+    builder_flag: str | None  # "FP16" / "BF16" on a weakly typed network
+    tf32: bool
+    workspace_bytes: int
+    timing_cache: str | None  # scratch file read before and rewritten after the build
+    timing_cache_source: str | None  # the user's --timing-cache, for messages
+
+
+def _shapes(shape: list[int | str], axes: dict[str, Range], name: str) -> list[list[int]]:
+    out: list[list[int]] = [[], [], []]
+    for dim in shape:
+        if isinstance(dim, str) and dim not in axes:
+            raise GlanceError(f"input {name} has axis {dim!r} that no profile bounds; re-export the artifacts")
+        rng = axes[dim] if isinstance(dim, str) else (dim, dim, dim)
+        for i in range(3):
+            out[i].append(rng[i])
+    return out
+
+
+def graph_job(module: str, onnx_path: Path, engine_path: Path, inputs: dict[str, dict[str, Any]],
+              profiles: list[Profile], options: BuildOptions, timing_cache: Path | None) -> GraphJob:
+    """A precision reached through a builder flag needs a weakly typed network; otherwise the network is
     strongly typed, so the engine computes in exactly the graph's dtypes."""
-    trt = toolchain.module
-    logger = trt.Logger(trt.Logger.ERROR)
-    builder = trt.Builder(logger)
     flag = options.precision.builder_flag
-    network = builder.create_network(0 if flag else 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
-    parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(onnx_path)):
-        errors = "; ".join(parser.get_error(i).desc() for i in range(parser.num_errors))
-        raise GlanceError(f"TensorRT cannot parse {onnx_path.name}: {errors}")
-    _allow_attention_fallback(trt, network)
-    config = builder.create_builder_config()
-    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(options.workspace_gib * (1 << 30)))
-    if flag:
-        config.set_flag(getattr(trt.BuilderFlag, flag))
-    if options.precision.name == "fp32":
-        config.clear_flag(trt.BuilderFlag.TF32)
-    if options.timing_cache is not None:
-        options.timing_cache.attach(config)
-    for profile in profiles:
-        opt = builder.create_optimization_profile()
-        for name, spec in inputs.items():
-            opt.set_shape(name, *_shapes(spec["shape"], profile.axes, name))
-        config.add_optimization_profile(opt)
-    engine = builder.build_serialized_network(network, config)
-    if engine is None:
-        raise GlanceError(f"TensorRT could not build an engine for {onnx_path.name}; see the builder log above")
-    if options.timing_cache is not None:
-        options.timing_cache.collect(config)
-    return memoryview(engine)
+    shapes = {name: [_shapes(spec["shape"], p.axes, name) for p in profiles] for name, spec in inputs.items()}
+    return GraphJob(module, str(onnx_path), str(engine_path), shapes, len(profiles), strongly_typed=flag is None,
+                    builder_flag=flag, tf32=options.precision.name != "fp32",
+                    workspace_bytes=int(options.workspace_gib * (1 << 30)),
+                    timing_cache=str(timing_cache) if timing_cache else None,
+                    timing_cache_source=str(options.timing_cache.path) if options.timing_cache else None)
+
+
+def _worker_env(module: str) -> dict[str, str]:
+    """The worker imports this tree's packages, wherever the parent found them, and Polygraphy picks its
+    TensorRT module from the environment when it is first imported."""
+    roots = [str(Path(__file__).resolve().parents[1]), str(Path(glance_runtime.__file__).resolve().parents[1])]
+    inherited = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(roots + ([inherited] if inherited else [])),
+            "POLYGRAPHY_USE_TENSORRT_RTX": "1" if module == "tensorrt_rtx" else "0"}
+
+
+def run_job(job: GraphJob) -> float:
+    """Build one graph in a worker process; its peak RSS in GiB. The worker's one-line error is re-raised."""
+    child = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=_worker_env(job.module))
+    stdout, stderr = child.communicate(json.dumps(asdict(job)))
+    if child.returncode != 0:
+        lines = [line for line in (stdout + stderr).splitlines() if line.strip()]
+        error = next((line.removeprefix(ERROR_PREFIX) for line in lines if line.startswith(ERROR_PREFIX)), None)
+        logged = [line.removeprefix("[E] ").strip() for line in lines if line.startswith("[E] ")]
+        if error and logged:  # what the parser or builder said, before Polygraphy's summary
+            error = f"{error} ({logged[0]})"
+        if error is None and child.returncode == -9:
+            error = (f"the TensorRT builder for {Path(job.onnx).name} was killed (SIGKILL: out of memory?); build on "
+                     f"a machine with more memory, or write a bundle for one with --plan-only")
+        raise GlanceError(error or f"the TensorRT builder for {Path(job.onnx).name} exited with code "
+                                   f"{child.returncode}: {lines[-1] if lines else 'no output'}")
+    return float(stdout.strip().splitlines()[-1]) if stdout.strip() else 0.0
 
 
 def _file_record(path: Path) -> dict[str, Any]:
@@ -158,21 +165,120 @@ def _file_record(path: Path) -> dict[str, Any]:
 
 def build_engines(toolchain: Toolchain, artifacts: Path, manifest: dict[str, Any], engine_dir: Path,
                   options: BuildOptions, progress: Callable[[str], None] = print) -> dict[str, dict[str, Any]]:
-    """Build every graph the manifest lists into `engine_dir/<graph>.engine`.
+    """Build every graph the manifest lists into `engine_dir/<graph>.engine`, one worker process each.
 
     `manifest` is the artifacts manifest, its axes possibly lowered (`memory_plan.Limits.apply`).
     Returns, per graph, what engines.json records: the engine and ONNX files (sizes, sha256), the build
-    time and every profile's min/opt/max per axis."""
+    time, the worker's peak RSS and every profile's min/opt/max per axis."""
     records = {}
-    for graph, entry in manifest["graphs"].items():
-        t0 = time.perf_counter()
-        profiles = profiles_for(manifest, graph)
-        engine = build_engine(toolchain, artifacts / entry["file"], entry["inputs"], profiles, options)
-        path = engine_dir / f"{graph}.engine"
-        path.write_bytes(engine)
-        onnx = [_file_record(artifacts / name) for name in (entry["file"], entry.get("data_file")) if name]
-        records[graph] = {**_file_record(path), "onnx": onnx, "build_s": round(time.perf_counter() - t0, 2),
-                          "profiles": {p.name: {axis: list(rng) for axis, rng in p.axes.items()} for p in profiles}}
-        progress(f"built {graph} engine ({', '.join(p.name for p in profiles)} profiles, "
-                 f"{engine.nbytes / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f}s")
+    with tempfile.TemporaryDirectory(prefix=".glance-timing-") as scratch:
+        cache = Path(scratch) / "timing.cache" if options.timing_cache is not None else None
+        if cache is not None:
+            cache.write_bytes(options.timing_cache.data)
+        for graph, entry in manifest["graphs"].items():
+            t0 = time.perf_counter()
+            profiles = profiles_for(manifest, graph)
+            path = engine_dir / f"{graph}.engine"
+            progress(f"building {graph} ({', '.join(p.name for p in profiles)} profiles) in a worker process")
+            peak = run_job(graph_job(toolchain.name, artifacts / entry["file"], path, entry["inputs"], profiles,
+                                     options, cache))
+            onnx = [_file_record(artifacts / name) for name in (entry["file"], entry.get("data_file")) if name]
+            records[graph] = {**_file_record(path), "onnx": onnx, "build_s": round(time.perf_counter() - t0, 2),
+                              "peak_rss_gib": round(peak, 3),
+                              "profiles": {p.name: {axis: list(rng) for axis, rng in p.axes.items()} for p in profiles}}
+            progress(f"built {graph} engine ({path.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f}s, "
+                     f"worker peak RSS {peak:.2f} GiB")
+        if cache is not None:
+            options.timing_cache.data = cache.read_bytes()
     return records
+
+
+def _build_in_this_process(job: GraphJob) -> None:
+    """The worker's build, through Polygraphy's loaders for the TensorRT module the job names."""
+    from polygraphy.backend.trt import (CreateConfig, PostprocessConfig, Profile as TrtProfile,
+                                        SetDecomposableAttentions, network_from_onnx_path)
+    from polygraphy.logger import G_LOGGER
+
+    G_LOGGER.module_severity = G_LOGGER.ERROR
+    trt = __import__(job.module)
+    profiles = []
+    for i in range(job.profiles):
+        profile = TrtProfile()
+        for name, per_profile in job.inputs.items():
+            profile.add(name, *per_profile[i])
+        profiles.append(profile)
+    common = dict(profiles=profiles, memory_pool_limits={trt.MemoryPoolType.WORKSPACE: job.workspace_bytes})
+    if job.module == "tensorrt_rtx":
+        from polygraphy.backend.tensorrt_rtx import CreateConfigRTX
+
+        config = CreateConfigRTX(**common)
+    else:
+        flags = {job.builder_flag.lower(): True} if job.builder_flag else {}
+        config = CreateConfig(tf32=job.tf32, **flags, **common)
+    # Polygraphy's CreateConfigRTX leaves TF32 alone and ignores set_timing_cache's result: both done here.
+    config = PostprocessConfig(config, lambda builder, network, cfg: _finish_config(trt, job, cfg))
+    network = network_from_onnx_path(job.onnx, strongly_typed=job.strongly_typed)
+    if hasattr(trt.LayerType, "ATTENTION_INPUT"):  # TensorRT before 10.14 has no attention layers
+        network = SetDecomposableAttentions(network)
+    _write_engine(trt, job, network, config)
+
+
+def _finish_config(trt, job: GraphJob, config) -> None:
+    if not job.tf32:
+        config.clear_flag(trt.BuilderFlag.TF32)
+    if job.timing_cache is not None:
+        data = Path(job.timing_cache).read_bytes()
+        if not config.set_timing_cache(config.create_timing_cache(data), False):
+            raise GlanceError(f"{job.timing_cache_source} was written by another TensorRT version or GPU; delete "
+                              f"it or pass another --timing-cache")
+
+
+def _stream_writer(trt, fh):
+    class FileWriter(trt.IStreamWriter):
+        def __init__(self):
+            trt.IStreamWriter.__init__(self)
+
+        def write(self, data) -> int:
+            return fh.write(data)
+
+    return FileWriter()
+
+
+def _write_engine(trt, job: GraphJob, network_loader, config_loader) -> None:
+    """Streams the serialized engine to its file (TensorRT's IStreamWriter) instead of Polygraphy's
+    `engine_bytes_from_network`, which returns it as one host buffer: one engine-sized copy fewer at the peak."""
+    builder, network, parser = network_loader()  # the parser owns the weights the network points at
+    config = config_loader(builder, network)
+    engine = Path(job.engine)
+    with open(engine, "wb") as fh:
+        built = builder.build_serialized_network_to_stream(network, config, _stream_writer(trt, fh))
+    if not built:
+        engine.unlink()
+        raise GlanceError("TensorRT's builder returned no engine")
+    if job.timing_cache is not None:
+        write_file(Path(job.timing_cache), bytes(config.get_timing_cache().serialize()))
+
+
+def _peak_rss_gib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / (1 << 20)
+    return 0.0
+
+
+def _worker() -> int:
+    from polygraphy.exception import PolygraphyException
+
+    job = GraphJob(**json.loads(sys.stdin.read()))
+    try:
+        _build_in_this_process(job)
+    except (GlanceError, PolygraphyException) as exc:
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"{ERROR_PREFIX}TensorRT cannot build {Path(job.onnx).name}: {detail}", file=sys.stderr)
+        return 2
+    print(f"{_peak_rss_gib():.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker())

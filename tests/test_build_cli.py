@@ -17,7 +17,7 @@ from pathlib import Path
 from glance_runtime.atomic import MARKER
 import pytest
 
-from edge_install import BLOCK_EXPORT_STACK
+from edge_install import blocking
 from glance_export import cli, devices
 from glance_export.adapters import Snapshot
 from glance_export.device_profiles import PROFILE_NAMES, load_profile, profile_text
@@ -312,7 +312,10 @@ def test_plan_only_for_jetson_needs_a_named_module(exported, monkeypatch, capsys
     assert rc == 2 and "name one" in stderr and not (tmp_path / "b").exists()
 
 
-EDGE_BUILD = BLOCK_EXPORT_STACK + """
+# The edge install's build: TensorRT and Polygraphy (its `gpu` extra), no export stack. The blocker is a
+# sitecustomize, so the per-graph worker processes the build starts are held to it too.
+EDGE_BUILD_BLOCKER = blocking("torch", "transformers", "safetensors", "onnx", "onnxscript")
+EDGE_BUILD = """
 import sys
 from glance_export import cli, devices
 from glance_export.adapters import Snapshot
@@ -327,9 +330,31 @@ assert cli.main(plan) == 0
 
 def test_artifacts_build_runs_without_torch_or_onnx(exported, tmp_path):
     _, _, artifacts = exported("qwen2_vl")
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(EDGE_BUILD_BLOCKER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), *sys.path])}
     run = subprocess.run([sys.executable, "-c", EDGE_BUILD, str(artifacts), str(tmp_path / "e"), str(tmp_path / "b")],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     graphs = _manifest(artifacts / "manifest.json")["graphs"]
     assert set(_manifest(tmp_path / "e" / "engines.json")["engines"]) == set(graphs)
     assert (tmp_path / "b" / "build.sh").read_text().count("--target jetson-thor") == 1
+    blocked = subprocess.run([sys.executable, "-c", "import onnx"], capture_output=True, text=True, env=env)
+    assert blocked.returncode == 1 and "blocked" in blocked.stderr  # the blocker reaches every child process
+
+
+def test_build_refuses_a_machine_that_cannot_hold_the_builder(exported, tmp_path):
+    """From the artifacts alone, before any worker starts: the shortfall and what to change, in one line."""
+    _, _, artifacts = exported("qwen3")
+    request = BuildRequest("rtx", tmp_path / "e", artifacts=artifacts, workspace_gib=1)
+    with pytest.raises(GlanceError, match=r"has 0\.50 GiB of memory available and the build needs about 1\.0\d GiB "
+                                          r"\(0\.5\d GiB short; builder peak .*3\.2 x the largest graph, target "
+                                          r"[\d.]+ MiB \+ 1 GiB for the process\)\); .*--plan-only"):
+        build(request, NO_GPU, host_memory_gib=0.5, progress=lambda _: None)
+    assert not (tmp_path / "e").exists()
+    build(request, NO_GPU, host_memory_gib=1.5, progress=lambda _: None)
+    record = _manifest(tmp_path / "e" / "engines.json")
+    assert record["memory_plan"]["build_peak_graph"] == "target" and 1 < record["memory_plan"]["build_peak_gib"] < 1.1
+    # Each graph was built in its own worker, whose measured peak stays under the estimate.
+    peaks = [e["peak_rss_gib"] for e in record["engines"].values()]
+    assert len(set(peaks)) > 1 and all(0.05 < p < record["memory_plan"]["build_peak_gib"] for p in peaks)

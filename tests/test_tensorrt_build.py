@@ -15,7 +15,7 @@ from glance_export.adapters import Snapshot
 from glance_export.device_profiles import load_profile
 from glance_export.devices import Device
 from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
-from glance_export.memory_plan import Limits, kv_bytes_per_row, plan_memory
+from glance_export.memory_plan import Limits, check_device_builds, kv_bytes_per_row, plan_memory
 from glance_export.onnx import export_artifacts
 from glance_export.precision import choose_precision
 from glance_export.tensorrt_build import BuildOptions, build_engines, profiles_for
@@ -122,3 +122,30 @@ def test_opset23_attention_graphs_validate_and_build(snapshot_dir, tmp_path):
         build(BuildRequest("jetson-orin", tmp_path / "orin", artifacts=out), orin, Toolchain(trt, "10.3.0"))
     check_opset(load_profile("jetson-orin"), 23, "10.14.1")
     assert not (tmp_path / "orin").exists()
+
+
+def test_a_jetson_bundle_is_refused_where_the_device_cannot_build_it(tmp_path):
+    """A 3 GiB graph runs on an 8 GB Orin at a reduced context, but its builder (3.2 x 3 + 2 + 1 GiB) would not
+    fit beside the OS; a 16 GB module builds it."""
+    manifest = _synthetic_export(tmp_path, 3.0, "fp16")
+    orin = load_profile("jetson-orin")
+    plan = plan_memory(orin, manifest, tmp_path, "fp16", Device(None))
+    assert plan.build.gib == pytest.approx(3.2 * 3 + orin.workspace_gib + 1) and plan.build.graph == "target"
+    with pytest.raises(GlanceError, match=r"jetson-orin with 8 GiB .* cannot build these engines on the device: "
+                                          r"builder peak about 12\.60 GiB .* 6\.60 GiB over its 6 GiB; "
+                                          r"pass --memory-gib"):
+        check_device_builds(orin, plan)
+    check_device_builds(orin, plan_memory(orin, manifest, tmp_path, "fp16", Device(None), memory_gib=16))
+    check_device_builds(load_profile("rtx"), plan_memory(load_profile("rtx"), manifest, tmp_path, "fp16", Device(None)))
+
+
+def test_a_graph_the_builder_rejects_is_one_line_naming_it(exported, tmp_path):
+    """The worker's failure comes back as the parent's one-line error, and no engine is left behind."""
+    artifacts = tmp_path / "art"
+    artifacts.mkdir()
+    for src in exported("qwen3").iterdir():
+        (artifacts / src.name).write_bytes(src.read_bytes())
+    (artifacts / "draft.onnx").write_bytes((artifacts / "draft.onnx").read_bytes()[:200])
+    with pytest.raises(GlanceError, match=r"^TensorRT cannot build draft\.onnx: [^\n]+$"):
+        _build_all(artifacts, tmp_path / "e")
+    assert not (tmp_path / "e" / "draft.engine").exists()
