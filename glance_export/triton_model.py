@@ -1,7 +1,9 @@
 """GLANCE in Triton's Python backend; `glance-export triton` copies this file to REPO/glance/1/model.py.
 
-One instance is one stub process with one runner: it decodes one request at a time, greedily, and sends
-each request's text as pieces while rounds commit (decoupled), ending with an empty final response.
+One instance is one stub process with one runner: it decodes one request at a time, greedily. The model
+is decoupled: a request with the parameter `"stream": true` gets its text as pieces while rounds commit
+(for `generate_stream`), any other request one response with the whole text (what `generate` requires:
+Triton's generate endpoint refuses a model that answers with more than one response).
 Parameters in config.pbtxt name what to serve (artifacts, engines or model and head; none: the embedded
 default) and where the runtime imports from when the stub's environment does not install it.
 """
@@ -19,6 +21,11 @@ import triton_python_backend_utils as pb_utils
 def _input(request, name):
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     return None if tensor is None else tensor.as_numpy().reshape(-1)[0]
+
+
+def _response(text):
+    return pb_utils.InferenceResponse(output_tensors=[
+        pb_utils.Tensor("text", np.array([text.encode("utf-8")], dtype=np.object_))])
 
 
 def _text(value):
@@ -78,13 +85,16 @@ class TritonPythonModel:
             if not 1 <= limit <= self.max_tokens:
                 raise ValueError(f"max_tokens must be 1..{self.max_tokens} (got {limit})")
             prompt = self.engine.prepare(self._messages(request), limit)
+            stream = json.loads(request.parameters() or "{}").get("stream") is True
 
             def emit(piece):
-                out = pb_utils.Tensor("text", np.array([piece.encode("utf-8")], dtype=np.object_))
-                sender.send(pb_utils.InferenceResponse(output_tensors=[out]))
+                sender.send(_response(piece))
 
-            self.engine.complete(prompt, limit, emit=emit, cancelled=sender.is_cancelled)
-            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            done = self.engine.complete(prompt, limit, emit=emit if stream else None, cancelled=sender.is_cancelled)
+            if stream:
+                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            else:
+                sender.send(_response(done.text), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except (ValueError, *self.errors) as exc:
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
                         flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
