@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from edge_install import BLOCK_TRAINING_STACK
 from glance_runtime.cli import main as run_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,10 +41,14 @@ class Server:
                 self.proc.wait(timeout=30)
 
 
+SERVE = BLOCK_TRAINING_STACK + "from glance_runtime.serve.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
 def start_server(*args: str, timeout_s: float = START_TIMEOUT_S) -> Server:
-    """`python -m glance_runtime.serve --port 0 ARGS`, returned once it prints that it is ready."""
+    """`glance-serve --port 0 ARGS` as an edge install runs it (no torch, transformers or glance_export),
+    returned once it prints that it is ready."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "glance_runtime.serve", "--port", "0", "--threads", "1", *args],
+    proc = subprocess.Popen([sys.executable, "-c", SERVE, "--port", "0", "--threads", "1", *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     log: list[str] = []
     sel = selectors.DefaultSelector()

@@ -90,6 +90,15 @@ def test_max_tokens_and_stop_strings(server, expected):
         assert text == full[:cut]
 
 
+def test_a_system_prompt_and_earlier_turns_are_part_of_the_prompt(server, expected):
+    turns = [{"role": "system", "content": "You are brief."}, *user("What is the total?", data_url(RECEIPT)),
+             {"role": "assistant", "content": expected["What is the total?"]["text"]}, *user("Describe this.")]
+    out = client(server).chat.completions.create(model=MODEL_NAME, messages=turns)
+    alone = ask(server, "Describe this.")
+    assert out.choices[0].finish_reason in ("stop", "length") and out.choices[0].message.content
+    assert out.usage.prompt_tokens > alone.usage.prompt_tokens + 16  # the image and the earlier turns were prefilled
+
+
 def test_sixteen_concurrent_clients_all_get_the_text_while_metrics_answer(server, expected):
     ref = expected["What is the total?"]["text"]
     depths: list[float] = []
