@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..errors import GlanceError
+from ..preprocess import Prompt
 from .engine import Cancelled, Completion, Engine, ModelSpec
 from .errors import RequestError
 from .media import load_image_url
@@ -34,6 +35,7 @@ from .schema import ChatRequest, parse_request
 
 log = logging.getLogger("glance.serve")
 CLIENT_CLOSED = 499  # the status logged for a request whose client left before the answer (no reply is sent)
+PREPARED = object()  # a stream's first event: its prompt was accepted
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,8 @@ class Runner:
 
         return asyncio.get_running_loop().run_in_executor(self.pool, load)
 
-    def submit(self, job: Callable[[Engine], Completion], arrived: float) -> "asyncio.Future[Completion]":
+    def submit(self, job: Callable[[Engine], Completion]) -> "asyncio.Future[Completion]":
+        submitted = time.monotonic()
         with self.lock:
             if self.waiting >= self.config.max_queue:
                 retry = max(1, math.ceil(self.waiting * self.decode_s))
@@ -86,7 +89,7 @@ class Runner:
             with self.lock:
                 self.waiting -= 1
                 self.metrics.queue_depth.set(self.waiting)
-            self.metrics.queue_wait.observe(started - arrived)
+            self.metrics.queue_wait.observe(started - submitted)
             self.metrics.busy.set(1)
             try:
                 return job(self.engine)
@@ -157,9 +160,6 @@ class Service:
 
     def messages(self, req: ChatRequest) -> list[dict[str, Any]]:
         """OpenAI messages as the engine takes them: decoded images in place of their URLs."""
-        if len(req.messages) > self.config.max_messages:
-            raise RequestError(f"{len(req.messages)} messages is over this server's {self.config.max_messages}",
-                               param="messages", code="too_many_messages")
         out = []
         for m in req.messages:
             content = m.content if isinstance(m.content, list) else [] if m.content is None else None
@@ -173,9 +173,11 @@ class Service:
             out.append({"role": "system" if m.role == "developer" else m.role, "content": parts})
         return out
 
-    def prompt(self, req: ChatRequest, limit: int):
+    def prompt(self, req: ChatRequest, limit: int) -> tuple[Prompt, float]:
+        """The prompt and the milliseconds its images and tokens took (an in-process caller's share)."""
+        t0 = time.perf_counter()
         try:
-            return self.runner.engine.prepare(self.messages(req), limit)
+            return self.runner.engine.prepare(self.messages(req), limit), (time.perf_counter() - t0) * 1e3
         except GlanceError as exc:
             raise RequestError(str(exc), param="messages", code="invalid_prompt") from None
 
@@ -199,45 +201,67 @@ class Service:
         if not self.ready:
             raise RequestError("the model is still loading; retry when GET /health answers 200", 503,
                                code="loading", type="server_error", headers={"Retry-After": "1"})
+        if len(req.messages) > self.config.max_messages:
+            raise RequestError(f"{len(req.messages)} messages is over this server's {self.config.max_messages}",
+                               param="messages", code="too_many_messages")
         limit = self.max_tokens(req)
-        prompt = await asyncio.to_thread(self.prompt, req, limit)  # image decoding stays off the event loop
         cancel = threading.Event()
         deadline = arrived + self.config.timeout_s
         cancelled = lambda: cancel.is_set() or time.monotonic() > deadline  # noqa: E731
-        stops = req.stops
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[object] = asyncio.Queue()  # stream: PREPARED, then text pieces, then None
+        put = lambda item: loop.call_soon_threadsafe(events.put_nowait, item)  # noqa: E731
+
+        def job(engine: Engine) -> Completion:
+            """On the decode thread, at the head of the queue: images are decoded only now (a deep queue holds
+            no pixels), and the request costs two thread hand-offs in all."""
+            prompt, prepare_ms = self.prompt(req, limit)
+            if req.stream:
+                put(PREPARED)
+            completion = engine.complete(prompt, limit, req.stops, emit=put if req.stream else None,
+                                         cancelled=cancelled)
+            completion.prepare_ms = prepare_ms
+            return completion
+
+        future = self.runner.submit(job)
         if not req.stream:
-            job = lambda engine: engine.complete(prompt, limit, stops, cancelled=cancelled)  # noqa: E731
-            future = self.runner.submit(job, arrived)
-            completion = await self._wait(request, future, cancel, deadline)
-            if completion is None:
-                return Response(status_code=CLIENT_CLOSED)
+            try:
+                if not await self._until(request, future, deadline):
+                    return Response(status_code=CLIENT_CLOSED)
+                completion = self._result(future)
+            finally:
+                cancel.set()
             self._count(completion, arrived)
             return JSONResponse(self._response(completion))
-        loop = asyncio.get_running_loop()
-        pieces: asyncio.Queue[str | None] = asyncio.Queue()
-        emit = lambda text: loop.call_soon_threadsafe(pieces.put_nowait, text)  # noqa: E731
-        job = lambda engine: engine.complete(prompt, limit, stops, emit=emit, cancelled=cancelled)  # noqa: E731
-        future = self.runner.submit(job, arrived)
-        future.add_done_callback(lambda _: pieces.put_nowait(None))
+        future.add_done_callback(lambda _: events.put_nowait(None))
+        first = asyncio.ensure_future(events.get())
+        try:  # the status waits for the prompt: a refused one is still a 4xx, not an error inside a 200 stream
+            if not await self._until(request, first, deadline):
+                cancel.set()
+                return Response(status_code=CLIENT_CLOSED)
+            if first.result() is None:
+                self._result(future)  # the job ended before its prompt was accepted: raises its refusal
+        except BaseException:
+            cancel.set()
+            first.cancel()
+            raise
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(self._stream(future, pieces, cancel, deadline, arrived, include_usage),
+        return StreamingResponse(self._stream(future, events, cancel, deadline, arrived, include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def _wait(self, request: Request, future, cancel: threading.Event, deadline: float) -> Completion | None:
-        """The completion; None when the client left first (its decode is cancelled at the next round)."""
-        try:
-            while True:
-                done, _ = await asyncio.wait({future}, timeout=0.2)
-                if done:
-                    return self._result(future)
-                if time.monotonic() > deadline:
-                    raise self._timeout()
-                if await request.is_disconnected():
-                    self.metrics.cancelled.labels("client").inc()
-                    self.metrics.requests.labels(str(CLIENT_CLOSED)).inc()
-                    return None
-        finally:
-            cancel.set()
+    async def _until(self, request: Request, waitable: asyncio.Future, deadline: float) -> bool:
+        """True once `waitable` is done; False when the client left first (the decode is then cancelled at
+        its next round); the timeout's 504 past the deadline."""
+        while True:
+            done, _ = await asyncio.wait({waitable}, timeout=min(0.2, max(deadline - time.monotonic(), 0)))
+            if done:
+                return True
+            if time.monotonic() > deadline:
+                raise self._timeout()
+            if await request.is_disconnected():
+                self.metrics.cancelled.labels("client").inc()
+                self.metrics.requests.labels(str(CLIENT_CLOSED)).inc()
+                return False
 
     def _result(self, future) -> Completion:
         try:
@@ -301,9 +325,12 @@ class Service:
                 "total_tokens": c.prompt_tokens + len(c.token_ids)}
 
     def _glance(self, c: Completion) -> dict[str, Any]:
+        """GLANCE's own figures: acceptance, and the time an in-process caller would have spent (prepare: images
+        and tokens; decode: the answer), so a client can tell what HTTP and the queue added."""
         engine = self.runner.engine
         return {"tau": round(c.tau, 4), "rounds": c.rounds, "prefill_tokens": c.prompt_tokens,
-                "backend": engine.backend if engine else None, "budget": engine.budget if engine else None}
+                "backend": engine.backend if engine else None, "budget": engine.budget if engine else None,
+                "prepare_ms": round(c.prepare_ms, 3), "decode_ms": round(c.ms, 3)}
 
     def _response(self, c: Completion) -> dict[str, Any]:
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),

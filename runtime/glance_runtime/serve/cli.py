@@ -77,7 +77,7 @@ def check(args: argparse.Namespace) -> None:
 def bind(host: str, port: int) -> socket.socket:
     """The listening socket, bound before the model loads so the port is known (and printed) at once."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP by name: asyncio then sets TCP_NODELAY
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

@@ -8,6 +8,7 @@ the text equals `glance-run`'s because it is made the same way: the same runner,
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -52,6 +53,8 @@ class Completion:
     tau: float
     rounds: int
     finish_reason: str  # "stop" (a stop token or string) or "length"
+    ms: float = 0.0  # the decode's wall time, as an in-process caller would see it
+    prepare_ms: float = 0.0  # building its prompt (images, tokens), where the caller timed that
     stats: dict[str, Any] = field(default_factory=dict)
 
 
@@ -162,6 +165,7 @@ class Engine:
                  cancelled: Callable[[], bool] = lambda: False) -> Completion:
         """Decode one prompt greedily; `emit` gets text pieces as rounds commit, `cancelled` is polled each round.
         Call it from one thread at a time."""
+        t0 = time.perf_counter()
         cfg = dataclasses.replace(self.cfg, max_new_tokens=max_tokens)
         pieces = _Pieces(self.runner.detokenize, tuple(s for s in stop if s), emit)
 
@@ -175,11 +179,12 @@ class Engine:
         except _StopString:
             rounds = max(pieces.commits - 1, 1)  # the first commit is the prefill's token
             return Completion(pieces.cut or "", prompt.length, pieces.tokens, (len(pieces.tokens) - 1) / rounds,
-                              rounds, "stop")
+                              rounds, "stop", (time.perf_counter() - t0) * 1e3)
         text = self.runner.detokenize(result.tokens)
         pieces._show(text)
         finish = "length" if result.stopped_on is None and len(result.tokens) >= max_tokens else "stop"
-        return Completion(text, prompt.length, result.tokens, result.tau, len(result.rounds), finish, result.stats())
+        return Completion(text, prompt.length, result.tokens, result.tau, len(result.rounds), finish,
+                          (time.perf_counter() - t0) * 1e3, result.stats())
 
     def close(self) -> None:
         self.runner = None  # type: ignore[assignment]  # the sessions and buffers go with the last reference

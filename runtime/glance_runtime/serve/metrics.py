@@ -22,7 +22,7 @@ class Metrics:
                              buckets=(1, 1.5, 2, 3, 4, 5, 6, 8, 10, 12, 16), registry=r)
         self.latency = Histogram("glance_request_latency_seconds", "Arrival to last byte",
                                  buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_wait = Histogram("glance_queue_wait_seconds", "Arrival to the start of decoding",
+        self.queue_wait = Histogram("glance_queue_wait_seconds", "Queued (request parsed) to the start of decoding",
                                     buckets=LATENCY_BUCKETS, registry=r)
         self.cancelled = Counter("glance_cancelled", "Decodes stopped early", ["reason"], registry=r)
 
