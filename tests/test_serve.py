@@ -28,7 +28,9 @@ def media(tmp_path_factory):
     root = tmp_path_factory.mktemp("media")
     shutil.copy(RECEIPT, root / "receipt.png")
     (root / "notes.txt").write_text("not an image")
-    (tmp_path_factory.getbasetemp() / "secret.png").write_bytes(RECEIPT.read_bytes())
+    secret = tmp_path_factory.getbasetemp() / "secret.png"
+    secret.write_bytes(RECEIPT.read_bytes())
+    (root / "link.png").symlink_to(secret)
     return root
 
 
@@ -173,6 +175,8 @@ REFUSALS = {
     "path outside the media dir": (_image("file:///etc/passwd"), 400, "path_outside_media_dir"),
     "relative escape": (_image("file:../secret.png"), 400, "path_outside_media_dir"),
     "dot-dot escape": (lambda media: _image(f"file://{media}/../secret.png"), 400, "path_outside_media_dir"),
+    "a link out of the media dir": (lambda media: _image((media / "link.png").as_uri()), 400,
+                                    "path_outside_media_dir"),
     "missing media file": (lambda media: _image((media / "nothing.png").as_uri()), 400, "image_not_found"),
     "a text file as image": (lambda media: _image((media / "notes.txt").as_uri()), 400, "invalid_image"),
     "two images": (lambda media: _body([{"role": "user", "content": [

@@ -215,14 +215,16 @@ class Service:
         def job(engine: Engine) -> Completion:
             """On the decode thread, at the head of the queue: images are decoded only now (a deep queue holds
             no pixels), and the request costs two thread hand-offs in all."""
+            queue_ms = (time.monotonic() - submitted) * 1e3
             prompt, prepare_ms = self.prompt(req, limit)
             if req.stream:
                 put(PREPARED)
             completion = engine.complete(prompt, limit, req.stops, emit=put if req.stream else None,
                                          cancelled=cancelled)
-            completion.prepare_ms = prepare_ms
+            completion.prepare_ms, completion.queue_ms = prepare_ms, queue_ms
             return completion
 
+        submitted = time.monotonic()
         future = self.runner.submit(job)
         if not req.stream:
             try:
@@ -325,12 +327,12 @@ class Service:
                 "total_tokens": c.prompt_tokens + len(c.token_ids)}
 
     def _glance(self, c: Completion) -> dict[str, Any]:
-        """GLANCE's own figures: acceptance, and the time an in-process caller would have spent (prepare: images
-        and tokens; decode: the answer), so a client can tell what HTTP and the queue added."""
+        """GLANCE's own figures: acceptance, the wait for the runner, and the time an in-process caller would have
+        spent (prepare: images and tokens; decode: the answer), so a client can tell what HTTP added."""
         engine = self.runner.engine
         return {"tau": round(c.tau, 4), "rounds": c.rounds, "prefill_tokens": c.prompt_tokens,
                 "backend": engine.backend if engine else None, "budget": engine.budget if engine else None,
-                "prepare_ms": round(c.prepare_ms, 3), "decode_ms": round(c.ms, 3)}
+                "queue_ms": round(c.queue_ms, 3), "prepare_ms": round(c.prepare_ms, 3), "decode_ms": round(c.ms, 3)}
 
     def _response(self, c: Completion) -> dict[str, Any]:
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),

@@ -55,6 +55,7 @@ class Completion:
     finish_reason: str  # "stop" (a stop token or string) or "length"
     ms: float = 0.0  # the decode's wall time, as an in-process caller would see it
     prepare_ms: float = 0.0  # building its prompt (images, tokens), where the caller timed that
+    queue_ms: float = 0.0  # waiting for the runner, where the caller queued it
     stats: dict[str, Any] = field(default_factory=dict)
 
 
@@ -136,7 +137,7 @@ class Engine:
         self.complete(self.prepare(messages, 4), 4)
 
     def prepare(self, messages: list[dict[str, Any]], max_tokens: int) -> Prompt:
-        """The prompt, refused here (on any thread, before the request queues) if it cannot be decoded.
+        """The prompt, refused here, before anything is decoded, if it cannot be (safe on any thread).
 
         A single user turn is built exactly as `glance-run` builds it; longer conversations are rendered
         with the snapshot's chat template (graph backends), one image at most per conversation."""
