@@ -20,7 +20,8 @@ import numpy as np
 from jinja2 import TemplateError
 from PIL import Image
 
-from glance_runtime.errors import GlanceError
+from glance_runtime.errors import GlanceError, InputError
+from glance_runtime.messages import split
 from glance_runtime.preprocess import IMAGE_PLACEHOLDER, Prompt, load_image
 
 VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
@@ -128,6 +129,33 @@ class Snapshot:
         rendered = rendered.replace(IMAGE_PLACEHOLDER, IMAGE_PLACEHOLDER * n_tokens)
         ids = np.asarray(self.tokenizer(rendered, add_special_tokens=False)["input_ids"], dtype=np.int64)
         if int((ids == self.image_token_id).sum()) != n_tokens:
+            raise GlanceError(f"the tokenizer of {self.path} does not map {IMAGE_PLACEHOLDER} to image_token_id "
+                              f"{self.image_token_id}")
+        return Prompt(ids, np.asarray(processed["pixel_values"], dtype=np.float32), grid)
+
+    def build_messages(self, messages) -> Prompt:
+        """A conversation (OpenAI-style messages, any number of images) through the snapshot's own template and
+        image processor, which gives every image its own grid and rows, in prompt order."""
+        rendered_msgs, images = split(messages)
+        if images and not self.is_vl:
+            raise InputError(f"{self.path} is a text-only {self.family} model; drop the images")
+        try:
+            rendered = self.tokenizer.apply_chat_template(rendered_msgs, add_generation_prompt=True, tokenize=False)
+        except TemplateError as exc:
+            raise GlanceError(f"the chat template of {self.path} does not render ({exc}); restore chat_template.jinja "
+                              "from the model's source") from None
+        if rendered.count(IMAGE_PLACEHOLDER) != len(images):
+            raise GlanceError(f"the chat template of {self.path} must emit exactly one {IMAGE_PLACEHOLDER} per image")
+        if not images:
+            ids = self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+            return Prompt(np.asarray(ids, dtype=np.int64))
+        processed = self.image_processor(images=images, return_tensors="np")
+        grid = np.asarray(processed["image_grid_thw"], dtype=np.int64)
+        counts = [int(g.prod()) // int(self.image_processor.merge_size) ** 2 for g in grid]
+        pieces = rendered.split(IMAGE_PLACEHOLDER)
+        rendered = pieces[0] + "".join(IMAGE_PLACEHOLDER * n + text for n, text in zip(counts, pieces[1:]))
+        ids = np.asarray(self.tokenizer(rendered, add_special_tokens=False)["input_ids"], dtype=np.int64)
+        if int((ids == self.image_token_id).sum()) != sum(counts):
             raise GlanceError(f"the tokenizer of {self.path} does not map {IMAGE_PLACEHOLDER} to image_token_id "
                               f"{self.image_token_id}")
         return Prompt(ids, np.asarray(processed["pixel_values"], dtype=np.float32), grid)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from glance_runtime.limits import Limits
+from glance_runtime.prefix import images_after
 from glance_runtime.runner import Runner
 
 from .adapters import Prompt, Snapshot
@@ -79,7 +80,10 @@ class TorchBackend:
         return pos, int(delta.reshape(-1)[0])
 
     @torch.no_grad()
-    def prefill(self, prompt: Prompt) -> tuple[int, float]:
+    def prefill(self, prompt: Prompt, keep: int = 0) -> tuple[int, float]:
+        """`keep`: committed rows (target and head) the prompt starts with, kept instead of recomputed."""
+        if keep:
+            return self._prefill_after(prompt, keep)
         self._reset()
         ids = self._t(prompt.input_ids)[None]
         positions, self.delta = self.prompt_positions(prompt)
@@ -93,6 +97,41 @@ class TorchBackend:
         self.start = ids.shape[1]
         if self.head is not None:
             self.pending_taps = [self._taps(out.hidden_states)[0]]
+        logits = out.logits[0, -1]
+        return int(logits.argmax()), _entropy(logits)
+
+    def _truncate(self, keep: int) -> None:
+        """Cut the target and head caches back to their first `keep` committed rows."""
+        if not 0 < keep <= self.start:
+            raise ValueError(f"cannot keep {keep} rows of {self.start} committed")
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
+        if self.head is None:
+            return
+        if keep <= self.pending_from:
+            self.head_kv = [(k[:, :, :keep], v[:, :, :keep]) for k, v in self.head_kv] if self.head_kv else None
+            self.pending_taps, self.pending_from = [], keep
+        else:
+            self.pending_taps = [torch.cat(self.pending_taps)[:keep - self.pending_from]]
+
+    def _prefill_after(self, prompt: Prompt, keep: int) -> tuple[int, float]:
+        """Run only rows keep.. of the prompt, at the full prompt's positions, with the images they hold."""
+        self._truncate(keep)
+        ids = self._t(prompt.input_ids)[None]
+        positions, self.delta = self.prompt_positions(prompt)
+        new = ids[:, keep:]
+        extra = {}
+        merge = self.snapshot.config.get("vision_config", {}).get("spatial_merge_size", 1)
+        tail = images_after(prompt, keep, self.snapshot.image_token_id if self.snapshot.is_vl else None, merge)
+        if tail is not None:
+            extra = dict(pixel_values=self._t(tail.pixel_values).to(self.model.dtype),
+                         image_grid_thw=self._t(tail.image_grid_thw),
+                         mm_token_type_ids=(new == self.snapshot.image_token_id).int())
+        out = self.model(input_ids=new, position_ids=positions[..., keep:], cache=self.cache, use_cache=True,
+                         output_hidden_states=self.head is not None, **extra)
+        self.start = ids.shape[1]
+        if self.head is not None:
+            self.pending_taps.append(self._taps(out.hidden_states)[0])
         logits = out.logits[0, -1]
         return int(logits.argmax()), _entropy(logits)
 

@@ -370,3 +370,18 @@ def test_full_loop_runs_without_torch(exported, images, family):
     assert out["ids"] == prompt.input_ids.tolist()
     truth = ex.oracle(prompt, stops=ex.backend.stop_token_ids)
     assert out["ar"] == out["tree"] == out["chain"] == truth
+
+
+@pytest.mark.parametrize("family", VL_FAMILIES)
+@pytest.mark.parametrize("names", [("wide", "tall"), ("square", "wide", "tall")])
+def test_several_images_match_oracle(exported, images, family, names):
+    """The vision graph runs once per image; the rows (and Qwen3-VL's deepstack rows) are concatenated."""
+    from glance_runtime.messages import user_turn
+
+    ex = exported(family)
+    prompt = ex.backend.prompts.build_messages([user_turn(TEXT, [images[n] for n in names])])
+    assert len(prompt.image_grid_thw) == len(names)
+    truth = ex.oracle(prompt)
+    assert truth != ex.oracle(ex.prompt(images[names[0]]))
+    for budget in ("b31", "chain"):
+        assert decode(ex.backend, prompt, _cfg(budget)).tokens == truth

@@ -66,6 +66,15 @@ class Buffer:
         """Rows first..first+count of the leading axis."""
         return self.tensor((count, *self.shape[1:]), first * self.row_bytes)
 
+    def after(self, first: int) -> "Buffer":
+        """Rows first.. as a buffer of their own (the same memory), for a pass that writes its rows after
+        rows already there."""
+        if not 0 <= first <= self.shape[0]:
+            raise ValueError(f"row {first} is outside a buffer of {self.shape[0]} rows")
+        host = self.host[first:] if self.host is not None else None
+        return Buffer(self.device, self.ptr + first * self.row_bytes, (self.shape[0] - first, *self.shape[1:]),
+                      self.dtype, host)
+
 
 class Tensor(NamedTuple):
     """A typed, shaped view into a Buffer: what a graph binding needs (address, shape, dtype). A plain

@@ -75,6 +75,12 @@ class KVCache:
                                     self.row_bytes, self.slots, pitch)
         self.length = self._block_start + len(keep)
 
+    def truncate(self, rows: int) -> None:
+        """Keep only the first `rows` committed rows (a prompt that shares them); nothing moves."""
+        if not 0 <= rows <= self.length:
+            raise ValueError(f"cannot keep {rows} of {self.length} committed rows")
+        self.length = self._block_start = rows
+
     def clear(self) -> None:
         """Forget every row (a new prompt); the buffer is reused, not reallocated."""
         self.length = 0

@@ -98,18 +98,18 @@ def _tree(backend: Backend, anchor: int, cfg: DecodeConfig, surprisal: float | N
 
 
 def decode(backend: Backend, prompt, cfg: DecodeConfig, stop_ids: Sequence[int] = (),
-           on_commit: Callable[[list[int]], None] | None = None) -> DecodeResult:
-    """Greedy decode with GLANCE (or plain AR); `on_commit` sees each round's new tokens (streaming)."""
+           on_commit: Callable[[list[int]], bool | None] | None = None) -> DecodeResult:
+    """Greedy decode with GLANCE (or plain AR); `on_commit` sees each round's new tokens (streaming) and
+    returns True to end decoding there (a stop string was seen; the committed KV stays consistent)."""
     stops = frozenset(int(s) for s in stop_ids)
     t0 = time.perf_counter()
     first, _ = backend.prefill(prompt)
     out = DecodeResult(tokens=[], prefill_ms=(time.perf_counter() - t0) * 1e3)
     new, out.stopped_on = _clip([first], 0, cfg, stops)
     out.tokens += new
-    if on_commit:
-        on_commit(new)
+    ended = bool(on_commit and on_commit(new))
     anchor, surprisal = first, None
-    while out.stopped_on is None and len(out.tokens) < cfg.max_new_tokens:
+    while not ended and out.stopped_on is None and len(out.tokens) < cfg.max_new_tokens:
         r0 = time.perf_counter()
         tree, drafted = _tree(backend, anchor, cfg, surprisal)
         r1 = time.perf_counter()
@@ -125,7 +125,6 @@ def decode(backend: Backend, prompt, cfg: DecodeConfig, stop_ids: Sequence[int] 
                                    drafted=drafted, surprisal=surprisal, node_scores=tree.scores[1:].tolist(),
                                    node_depths=tree.depths[1:].tolist(), path=path.tolist()))
         anchor, surprisal = int(bonus), -float(confidence[path[-1] if len(path) else 0])
-        if on_commit:
-            on_commit(new)
+        ended = bool(on_commit and on_commit(new))
     out.total_ms = (time.perf_counter() - t0) * 1e3
     return out

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from .errors import GlanceError
+from .errors import GlanceError, InputError
+from .messages import split
 
 MAX_IMAGE_PIXELS = 8192 * 8192
 IMAGE_PLACEHOLDER = "<|image_pad|>"
@@ -34,7 +35,7 @@ class Prompt:
 
     input_ids: np.ndarray  # int64 [P]
     pixel_values: np.ndarray | None = None  # float32 [patches, C*t*p*p]
-    image_grid_thw: np.ndarray | None = None  # int64 [1, 3]
+    image_grid_thw: np.ndarray | None = None  # int64 [images, 3], one (t, h, w) per image in prompt order
 
     @property
     def length(self) -> int:
@@ -250,3 +251,24 @@ class PromptBuilder:
             raise GlanceError(f"the tokenizer in {self.path} does not map {IMAGE_PLACEHOLDER} to image_token_id "
                               f"{self.image_token_id}")
         return Prompt(ids, pixel_values, grid)
+
+    def build_messages(self, messages) -> Prompt:
+        """Render a conversation (OpenAI-style messages, any number of images) with the snapshot's template;
+        each image gets its own grid and its own run of placeholder tokens, in prompt order."""
+        rendered_msgs, images = split(messages)
+        if images and self.image_token_id is None:
+            raise InputError(f"the model in {self.path} is text-only; drop the images")
+        rendered = self.template.render(rendered_msgs)
+        if rendered.count(IMAGE_PLACEHOLDER) != len(images):
+            raise GlanceError(f"the chat template in {self.path} must emit exactly one {IMAGE_PLACEHOLDER} per image")
+        if not images:
+            return Prompt(self.encode(rendered))
+        processed = [process_image(image, self.image_config) for image in images]
+        counts = [int(grid[0].prod()) // self.image_config.merge_size ** 2 for _, grid in processed]
+        pieces = rendered.split(IMAGE_PLACEHOLDER)
+        ids = self.encode(pieces[0] + "".join(IMAGE_PLACEHOLDER * n + text for n, text in zip(counts, pieces[1:])))
+        if int((ids == self.image_token_id).sum()) != sum(counts):
+            raise GlanceError(f"the tokenizer in {self.path} does not map {IMAGE_PLACEHOLDER} to image_token_id "
+                              f"{self.image_token_id}")
+        return Prompt(ids, np.concatenate([pixels for pixels, _ in processed]),
+                      np.concatenate([grid for _, grid in processed]))

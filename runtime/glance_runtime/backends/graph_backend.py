@@ -24,6 +24,7 @@ from ..errors import GlanceError
 from ..graphs import draft_kv_names, target_kv_names
 from ..kv_cache import KVCache
 from ..manifest import Manifest
+from ..prefix import images_after
 from ..preprocess import Prompt, PromptBuilder
 from ..rope_index import rope_index
 from ..vision_indices import vision_index_inputs
@@ -109,6 +110,20 @@ class GraphBackend:
 
     def detokenize(self, ids) -> str:
         return self.prompts.decode(ids)
+
+    def close(self) -> None:
+        """Free every device buffer (caches, staging, image rows) and drop the graphs: nothing of this backend
+        stays allocated, so an application can load and close models for as long as it runs."""
+        found: dict[int, Buffer] = {}
+        for value in vars(self).values():
+            for item in (value.values() if isinstance(value, dict) else [value]):
+                buf = item.buffer if isinstance(item, (Tensor, KVCache)) else item
+                if isinstance(buf, Buffer):
+                    found[id(buf)] = buf
+        for buf in found.values():
+            self.device.free(buf)
+        self._images.clear()
+        self.graphs = {}
 
     # -- the vocab graph ------------------------------------------------------------------------------
 
@@ -206,9 +221,39 @@ class GraphBackend:
         graph.run(inputs, outputs)
         return outputs["image_embeds"], deep
 
+    def _encode_images(self, prompt: Prompt) -> tuple[Tensor, Tensor]:
+        """Every image's rows, concatenated in prompt order (deepstack rows too, per layer): the vision graph
+        takes one image per run, the target graph takes all of a pass's image rows at once."""
+        grids = np.asarray(prompt.image_grid_thw, dtype=np.int64).reshape(-1, 3)
+        if len(grids) == 1:
+            return self._encode_image(prompt)
+        merge2 = self.manifest.spatial_merge_size ** 2
+        patches = grids.prod(axis=1)
+        total = int(patches.sum()) // merge2
+        hidden, layers = self.manifest.hidden_size, self.manifest.deepstack_layers
+        item = self.float.itemsize
+        rows = self._image_buffer("all_image_embeds", (total, hidden), self.float)
+        deep = self.no_deep
+        if layers:
+            deep = self._image_buffer("all_deepstack_embeds", (layers, total, hidden), self.float)
+        first_patch, first_row = 0, 0
+        for grid, count in zip(grids, patches.tolist()):
+            one = Prompt(prompt.input_ids, prompt.pixel_values[first_patch:first_patch + count], grid[None])
+            image, image_deep = self._encode_image(one)
+            merged = count // merge2
+            self.device.copy(rows.buffer.tensor((merged, hidden), first_row * hidden * item), image)
+            for layer in range(layers):
+                self.device.copy(deep.buffer.tensor((merged, hidden), (layer * total + first_row) * hidden * item),
+                                 image_deep.buffer.tensor((merged, hidden), layer * merged * hidden * item))
+            first_patch, first_row = first_patch + count, first_row + merged
+        return rows, deep
+
     # -- the Backend protocol -------------------------------------------------------------------------
 
-    def prefill(self, prompt: Prompt) -> tuple[int, float]:
+    def prefill(self, prompt: Prompt, keep: int = 0) -> tuple[int, float]:
+        """`keep`: committed rows (target and head) the prompt starts with, kept instead of recomputed."""
+        if keep:
+            return self._prefill_after(prompt, keep)
         self._reset()
         ids = np.asarray(prompt.input_ids, dtype=np.int64)
         length = ids.shape[0]
@@ -217,13 +262,42 @@ class GraphBackend:
             pos, self.delta = rope_index(ids, self.manifest.image_token_id, prompt.image_grid_thw,
                                          self.manifest.spatial_merge_size)
             if prompt.pixel_values is not None:
-                image, deep = self._encode_image(prompt)
+                image, deep = self._encode_images(prompt)
         else:
             pos = np.arange(length, dtype=np.int64)[None]
         hidden = self._run_target(ids, pos, np.tri(length, dtype=bool), self.pending, image, deep)
         self.start = length
         self.pending_rows, self.pending_from = length, 0
         top, _, entropy = self.project(hidden.buffer.rows(1, length - 1), "verify")
+        return int(top[0, 0]), entropy
+
+    def _prefill_after(self, prompt: Prompt, keep: int) -> tuple[int, float]:
+        """Run only rows keep.. of the prompt, at the full prompt's positions, with the images they hold; the
+        head keeps its context rows below `keep` and queues the taps of the rest after them."""
+        if not 0 < keep <= self.start:
+            raise ValueError(f"cannot keep {keep} rows of {self.start} committed")
+        ids = np.asarray(prompt.input_ids, dtype=np.int64)
+        length = ids.shape[0]
+        self.kv.truncate(keep)
+        if keep <= self.pending_from:
+            self.head_kv.truncate(keep)
+            self.pending_from = keep
+        kept_taps = keep - self.pending_from
+        image, deep = self.no_image, self.no_deep
+        if self.manifest.is_vl:
+            pos, self.delta = rope_index(ids, self.manifest.image_token_id, prompt.image_grid_thw,
+                                         self.manifest.spatial_merge_size)
+            tail = images_after(prompt, keep, self.manifest.image_token_id, self.manifest.spatial_merge_size)
+            if tail is not None:
+                image, deep = self._encode_images(tail)
+            pos = np.ascontiguousarray(pos[..., keep:])
+        else:
+            pos = np.arange(keep, length, dtype=np.int64)[None]
+        rows = length - keep
+        hidden = self._run_target(ids[keep:], pos, np.tri(rows, dtype=bool), self.pending.after(kept_taps), image, deep)
+        self.start = length
+        self.pending_rows = kept_taps + rows
+        top, _, entropy = self.project(hidden.buffer.rows(1, rows - 1), "verify")
         return int(top[0, 0]), entropy
 
     def draft(self, anchor: int, k: int) -> tuple[np.ndarray, np.ndarray]:

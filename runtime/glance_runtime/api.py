@@ -1,0 +1,321 @@
+"""The Python API an application embeds: load a model once, then generate, stream and chat.
+
+    import glance_runtime as gr
+    with gr.load() as model:
+        print(model.generate("What is the total?", images=["receipt.png"]).text)
+
+Defaults are `glance-run`'s (the same backend choice, budget policy, stop ids and answer length), so
+`generate` returns exactly its tokens. Every call goes through one internal function (`Model._run`:
+open runner in, prompt in, decode, text out), the seam a session layer can later take over.
+A conversation (`Model.chat`) keeps what the backend has committed: each turn prefills only the
+rows after the prefix it shares with the last one (`prefix.shared_rows`), and its answer is
+token-identical to decoding the whole conversation from scratch, because the kept rows are the
+rows a fresh prefill would compute and the loop is lossless.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from .auto_budget import AUTO, decode_config
+from .defaults import resolve
+from .errors import GlanceError, InputError, LimitError
+from .limits import check_decode
+from .loop import DecodeConfig, DecodeResult, decode
+from .messages import ImageLike, conversation, user_turn
+from .preprocess import Prompt
+from .prefix import Committed, image_runs, shared_rows
+from .runner import Runner, open_runner
+from .text_stream import TextStream
+
+MAX_NEW_TOKENS = 256  # glance-run's --max-new-tokens default
+BRANCH_K = 8  # and its --branch-k
+
+
+@dataclass(frozen=True)
+class Output:
+    """One answer: its text (stop string excluded), the generated ids, tokens per round, and measurements."""
+
+    text: str
+    token_ids: list[int]
+    tau: float
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+class _Reusing:
+    """The runner's backend with its prefill told to keep the first `keep` committed rows."""
+
+    def __init__(self, backend, keep: int):
+        self.inner, self.keep = backend, keep
+
+    def prefill(self, prompt):
+        return self.inner.prefill(prompt, keep=self.keep)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+@dataclass(frozen=True)
+class _PromptSide:
+    """What the API needs of a runner beyond decoding: the conversation builder, the raw tokenizer for
+    streaming, the image-token rules for reuse and the context the backend can hold."""
+
+    build: Callable[[list[dict[str, Any]]], Prompt]
+    tokenizer: Any  # tokenizers.Tokenizer
+    image_token_id: int | None
+    merge: int
+    max_context: int
+
+
+def _prompt_side(runner: Runner) -> _PromptSide:
+    backend = runner.backend
+    prompts = getattr(backend, "prompts", None)
+    if prompts is not None:  # the graph backends (ONNX Runtime, TensorRT)
+        m = backend.manifest
+        return _PromptSide(prompts.build_messages, prompts.tokenizer, m.image_token_id if m.is_vl else None,
+                           m.spatial_merge_size if m.is_vl else 1, backend.max_context)
+    snap = backend.snapshot  # the torch reference
+    return _PromptSide(snap.build_messages, snap.tokenizer.backend_tokenizer,
+                       snap.image_token_id if snap.is_vl else None,
+                       int(snap.config.get("vision_config", {}).get("spatial_merge_size", 1)),
+                       int(snap.text_config.get("max_position_embeddings", 1 << 31)))
+
+
+class Model:
+    """A loaded model. Not thread-safe: its backend holds one KV cache and one set of device buffers, so
+    a call made while another thread's call runs is refused (GlanceError). Use one Model per thread,
+    or hold a lock around every call; conversations of one Model take turns on its cache."""
+
+    def __init__(self, runner: Runner, budget: int | str | None = None, branch_k: int = BRANCH_K,
+                 speculative: bool = True, progress: Callable[[str], None] = lambda _: None):
+        self._runner: Runner | None = runner
+        self._side = _prompt_side(runner)
+        self._budget, self._branch_k, self._speculative, self._progress = budget, branch_k, speculative, progress
+        self._base: DecodeConfig | None = None
+        self._lock = threading.Lock()
+        self._owner: Chat | None = None  # the conversation whose rows the backend holds now
+
+    @property
+    def runner(self) -> Runner:
+        if self._runner is None:
+            raise GlanceError("this model is closed; load another with glance_runtime.load()")
+        return self._runner
+
+    # -- lifetime --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free the backend's device buffers and graphs now rather than at garbage collection."""
+        with self._busy():
+            if self._runner is not None:
+                close = getattr(self._runner.backend, "close", None)
+                if close is not None:
+                    close()
+            self._runner = self._owner = None
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @contextmanager
+    def _busy(self) -> Iterator[None]:
+        if not self._lock.acquire(blocking=False):
+            raise GlanceError("this model is already decoding in another call (a Model is not thread-safe); use "
+                              "one Model per thread, or hold a lock around its calls")
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    # -- the public calls ------------------------------------------------------------------------
+
+    def generate(self, prompt: str | None = None, *, images: Sequence[ImageLike] | None = None,
+                 messages: Sequence[dict[str, Any]] | None = None, system: str | None = None,
+                 max_new_tokens: int = MAX_NEW_TOKENS, stop: Sequence[str] = ()) -> Output:
+        """Answer one prompt (with any number of images) or one OpenAI-style conversation."""
+        with self._busy():
+            built = self.build(prompt, images=images, messages=messages, system=system)
+            return self._run(built, max_new_tokens, stop)
+
+    def stream(self, prompt: str | None = None, *, images: Sequence[ImageLike] | None = None,
+               messages: Sequence[dict[str, Any]] | None = None, system: str | None = None,
+               max_new_tokens: int = MAX_NEW_TOKENS, stop: Sequence[str] = ()) -> Iterator[str]:
+        """`generate`'s text in pieces as rounds commit; the pieces join to exactly its text. Leaving the loop
+        early ends decoding after the current round."""
+        with self._busy():
+            built = self.build(prompt, images=images, messages=messages, system=system)
+            yield from self._pieces(lambda on_piece, cancel: self._run(built, max_new_tokens, stop,
+                                                                        on_piece=on_piece, cancel=cancel))
+
+    def chat(self, system: str | None = None) -> "Chat":
+        """A conversation that keeps its KV between turns."""
+        return Chat(self, system)
+
+    def build(self, prompt: str | None = None, *, images: Sequence[ImageLike] | None = None,
+              messages: Sequence[dict[str, Any]] | None = None, system: str | None = None) -> Prompt:
+        """The prompt (ids, pixels, grids) a call would decode."""
+        return self._side.build(conversation(prompt, images, messages, system))
+
+    # -- the one internal path -------------------------------------------------------------------
+
+    def _config(self, max_new_tokens: int) -> DecodeConfig:
+        """glance-run's DecodeConfig (auto's policy is measured or loaded once, then reused)."""
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if self._base is None:
+            runner = self.runner
+            fixed = self._budget if self._budget not in (None, AUTO) else 0
+            check_decode(None, DecodeConfig(budget=fixed, branch_k=self._branch_k))
+            self._base = decode_config(runner, self._budget, max_new_tokens=MAX_NEW_TOKENS, branch_k=self._branch_k,
+                                       speculative=self._speculative, progress=self._progress)
+            check_decode(runner.limits, self._base)
+        return replace(self._base, max_new_tokens=max_new_tokens)
+
+    def _check_room(self, prompt: Prompt, cfg: DecodeConfig, fix: str) -> None:
+        """Refuse before decoding what would overflow the context mid-answer."""
+        tree = cfg.budget + 1 if cfg.speculative and cfg.budget else 1
+        if self.runner.limits.max_tree is not None:
+            tree = min(tree, self.runner.limits.max_tree)
+        needed = prompt.length + cfg.max_new_tokens + tree - 1
+        if needed > self._side.max_context:
+            raise LimitError(f"this needs up to {needed} context rows ({prompt.length} prompt + {cfg.max_new_tokens} "
+                             f"answer + {tree - 1} for a verify tree) but the model holds {self._side.max_context}; "
+                             f"{fix}")
+
+    def _run(self, prompt: Prompt, max_new_tokens: int, stop: Sequence[str], keep: int = 0,
+             on_piece: Callable[[str], None] | None = None, cancel: threading.Event | None = None,
+             fix: str = "shorten the prompt, lower max_new_tokens, or load with a larger max_context") -> Output:
+        runner = self.runner
+        cfg = self._config(max_new_tokens)
+        self._check_room(prompt, cfg, fix)
+        text = TextStream(self._side.tokenizer, list(stop))
+        pieces: list[str] = []
+        kept: list[int] = []
+
+        def emit(piece: str) -> None:
+            if piece:
+                pieces.append(piece)
+                if on_piece is not None:
+                    on_piece(piece)
+
+        def on_commit(new: list[int]) -> bool:
+            for token in new:
+                kept.append(token)
+                emit(text.push(token))
+                if text.stopped:
+                    return True
+            return cancel is not None and cancel.is_set()
+
+        self._owner = None  # the backend's rows are about to change
+        backend = _Reusing(runner.backend, keep) if keep else runner.backend
+        result = decode(backend, prompt, cfg, runner.stop_ids, on_commit=on_commit)
+        emit(text.finish())
+        return Output("".join(pieces), kept, result.tau, self._stats(result, cfg, prompt, keep, kept, text.stopped))
+
+    def _stats(self, result: DecodeResult, cfg: DecodeConfig, prompt: Prompt, keep: int, kept: list[int],
+               stopped_on_string: bool) -> dict[str, Any]:
+        reason = "stop" if stopped_on_string else "eos" if result.stopped_on is not None else "length"
+        return {**result.stats(), "tokens": len(kept), "prompt_tokens": prompt.length,
+                "prefill_tokens": prompt.length - keep, "ms": round(result.total_ms, 3),
+                "tokens_per_s": round(1e3 / result.ms_per_token, 2) if result.ms_per_token else None,
+                "backend": self.runner.backend.name, "speculative": cfg.speculative,
+                "budget": AUTO if cfg.auto else cfg.budget if cfg.speculative else 0, "finish": reason}
+
+    @staticmethod
+    def _pieces(work: Callable[[Callable[[str], None], threading.Event], Output]) -> Iterator[str]:
+        """Run `work` on a worker thread and yield the pieces it emits, as it emits them."""
+        pieces: queue.Queue = queue.Queue()
+        cancel = threading.Event()
+        done = object()
+        failure: list[BaseException] = []
+
+        def target() -> None:
+            try:
+                work(pieces.put, cancel)
+            except BaseException as exc:  # handed to the consumer's thread, raised there
+                failure.append(exc)
+            finally:
+                pieces.put(done)
+
+        worker = threading.Thread(target=target, name="glance-stream", daemon=True)
+        worker.start()
+        try:
+            while (item := pieces.get()) is not done:
+                yield item
+        finally:
+            cancel.set()
+            worker.join()
+        if failure:
+            raise failure[0]
+
+
+class Chat:
+    """A conversation on one Model: the history, and the rows of it the backend has committed."""
+
+    def __init__(self, model: Model, system: str | None = None):
+        self._model, self._system = model, system
+        self.reset()
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        """The history, OpenAI-style (system first when given, then user and assistant turns)."""
+        return [dict(m) for m in self._messages]
+
+    def reset(self) -> None:
+        """Start over: no history, nothing kept."""
+        self._messages: list[dict[str, Any]] = [] if self._system is None else [
+            {"role": "system", "content": self._system}]
+        self._committed: Committed | None = None
+
+    def send(self, text: str, images: Sequence[ImageLike] | None = None, *,
+             max_new_tokens: int = MAX_NEW_TOKENS, stop: Sequence[str] = ()) -> Output:
+        """One user turn (with any number of images) and its answer; prefills only what the conversation has
+        not committed yet. A turn that would overflow the context is refused and leaves the history as it was."""
+        model = self._model
+        with model._busy():
+            if not isinstance(text, str):
+                raise InputError(f"the message must be a string, got {type(text).__name__}")
+            turn = user_turn(text, list(images or ()))
+            prompt = model.build(messages=[*self._messages, turn])
+            side = model._side
+            keep = shared_rows(self._committed if model._owner is self else None, prompt, side.image_token_id,
+                               side.merge)
+            out = model._run(prompt, max_new_tokens, stop, keep=keep,
+                             fix="start over with chat.reset(), lower max_new_tokens, or load with a larger max_context")
+            rows = model.runner.backend.start
+            self._committed = Committed(np.concatenate([prompt.input_ids, np.asarray(out.token_ids, np.int64)])[:rows],
+                                        tuple(image_runs(prompt, side.image_token_id, side.merge)))
+            model._owner = self
+            self._messages += [turn, {"role": "assistant", "content": out.text}]
+            return out
+
+
+def load(artifacts: str | Path | None = None, *, engines: str | Path | None = None, model: str | Path | None = None,
+         head: str | Path | None = None, backend: str | None = None, provider: str | Sequence[str] | None = None,
+         budget: int | str | None = None, branch_k: int = BRANCH_K, speculative: bool = True,
+         max_context: int | None = None, max_tree: int | None = None, threads: int | None = None,
+         dtype: str = "float32", progress: Callable[[str], None] | None = None) -> Model:
+    """Open a model as `glance-run` would with the same flags: with nothing given, the embedded default on
+    ONNX Runtime where installed. `budget`: "auto", a node count, or None for the command's default."""
+    paths = {"model": model, "head": head, "artifacts": artifacts, "engines": engines}
+    paths = {k: Path(v) if v is not None else None for k, v in paths.items()}
+    for name, path in paths.items():
+        if path is not None and not path.is_dir():
+            state = "is not a directory" if path.exists() else "does not exist"
+            raise InputError(f"{name}={str(path)!r} {state}; pass an existing directory")
+    model_dir, head_dir, artifacts_dir, backend = resolve(paths["model"], paths["head"], paths["artifacts"], backend)
+    if speculative and head_dir is None and backend == "torch":
+        raise InputError("speculative decoding needs head=DIR (or pass speculative=False for plain greedy decoding)")
+    progress = progress or (lambda _: None)
+    options = {} if backend == "torch" else dict(providers=[provider] if isinstance(provider, str) else provider,
+                                                 max_context=max_context, max_tree=max_tree, threads=threads)
+    runner = open_runner(backend, model=model_dir, head=head_dir, artifacts=artifacts_dir, engines=paths["engines"],
+                         dtype=dtype, progress=progress, **options)
+    return Model(runner, budget=budget, branch_k=branch_k, speculative=speculative, progress=progress)

@@ -1,0 +1,102 @@
+"""Chat input as an application passes it, normalised once for both prompt builders.
+
+Applications speak OpenAI-style `messages` (system/user/assistant; content a string or a list of
+`{"type": "text"|"image", ...}` parts) and hold images as paths, `PIL.Image`s, numpy arrays or
+encoded bytes. The chat templates want parts without payloads (`{"type": "image"}`) and the image
+processor wants RGB images in prompt order, so this module splits the one into the other and
+refuses what no template here can render (unknown roles or parts, video) with the fix.
+"""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+from PIL import Image
+
+from .errors import InputError
+
+ROLES = ("system", "user", "assistant")
+ImageLike = str | Path | Image.Image | np.ndarray | bytes
+
+
+def user_turn(text: str, images: Sequence[ImageLike] = ()) -> dict[str, Any]:
+    """One user message: its images first, then the text (the order the processors' examples use)."""
+    return {"role": "user", "content": [*({"type": "image", "image": im} for im in images),
+                                        {"type": "text", "text": text}]}
+
+
+def conversation(prompt: str | None = None, images: Sequence[ImageLike] | None = None,
+                 messages: Sequence[dict[str, Any]] | None = None, system: str | None = None) -> list[dict[str, Any]]:
+    """The messages of a call given either as a prompt (with images) or as `messages`, system first."""
+    if (prompt is None) == (messages is None):
+        raise InputError("pass either a prompt (with optional images) or messages=[...], not both or neither")
+    if messages is None:
+        if not isinstance(prompt, str):
+            raise InputError(f"the prompt must be a string, got {type(prompt).__name__}")
+        msgs = [user_turn(prompt, list(images or ()))]
+    else:
+        if images:
+            raise InputError("with messages=[...], put the images inside them as {'type': 'image', 'image': ...} parts")
+        msgs = list(messages)
+    if system is not None:
+        if msgs and msgs[0].get("role") == "system":
+            raise InputError("the messages already start with a system message; drop system=...")
+        msgs.insert(0, {"role": "system", "content": system})
+    return msgs
+
+
+def _image(value: Any) -> Image.Image:
+    """An RGB image from a path, PIL image, HxW(x3|4) uint8 array or encoded bytes."""
+    from .preprocess import load_image
+
+    if isinstance(value, (str, Path)):
+        return load_image(value)
+    if isinstance(value, Image.Image):
+        return value.convert("RGB")
+    if isinstance(value, np.ndarray):
+        if value.dtype != np.uint8 or value.ndim not in (2, 3) or (value.ndim == 3 and value.shape[2] not in (3, 4)):
+            raise InputError(f"an image array must be uint8 HxW, HxWx3 or HxWx4; got {value.dtype} {value.shape}")
+        return Image.fromarray(value).convert("RGB")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        try:
+            with Image.open(io.BytesIO(bytes(value))) as img:
+                img.load()
+                return img.convert("RGB")
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+            raise InputError(f"image bytes cannot be decoded ({exc}); pass PNG, JPEG or other Pillow-format bytes") from None
+    raise InputError(f"an image must be a path, PIL.Image, numpy array or bytes; got {type(value).__name__}")
+
+
+def split(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Image.Image]]:
+    """Template messages (image parts without payloads) and the decoded images in prompt order."""
+    rendered: list[dict[str, Any]] = []
+    images: list[Image.Image] = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or msg.get("role") not in ROLES:
+            raise InputError(f"message {i} must be a dict with role one of {', '.join(ROLES)}; got {msg!r:.80}")
+        content = msg.get("content")
+        if isinstance(content, str):
+            rendered.append({"role": msg["role"], "content": content})
+            continue
+        if not isinstance(content, (list, tuple)):
+            raise InputError(f"message {i}'s content must be a string or a list of parts; got {type(content).__name__}")
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "image" and "image" in part:
+                images.append(_image(part["image"]))
+                parts.append({"type": "image"})
+            elif kind == "video":
+                raise InputError("video input is not supported: the exported vision graph takes still images; "
+                                 "pass the frames you need as separate image parts")
+            else:
+                raise InputError(f"message {i} has a part {part!r:.80}; parts are {{'type': 'text', 'text': str}} "
+                                 "or {'type': 'image', 'image': path | PIL.Image | array | bytes}")
+        rendered.append({"role": msg["role"], "content": parts})
+    if not any(m["role"] == "user" for m in rendered):
+        raise InputError("the messages have no user message; add one with the question")
+    return rendered, images

@@ -1,0 +1,163 @@
+"""The public API on the embedded default model: the same tokens as glance-run, streaming, stop strings,
+conversations that keep their KV, refusals, and close()."""
+from __future__ import annotations
+
+import gc
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import glance_runtime as gr
+from glance_runtime import cli
+from glance_runtime.text_stream import TextStream
+
+ROOT = Path(__file__).resolve().parents[1]
+RECEIPT = ROOT / "examples" / "demo" / "receipt.png"
+CHART = ROOT / "examples" / "demo" / "chart.png"
+
+
+@pytest.fixture(scope="module")
+def model():
+    with gr.load() as m:
+        yield m
+
+
+def _glance_run(capsys, *args: str) -> dict:
+    assert cli.main(["--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
+def test_generate_equals_glance_run(capsys, backend):
+    with gr.load(backend=backend) as m:
+        for prompt, image in (("What is the total?", RECEIPT), ("Which bar is highest?", CHART), ("Say hello.", None)):
+            ran = _glance_run(capsys, "--backend", backend, "--prompt", prompt, *(["--image", str(image)] if image else []))
+            out = m.generate(prompt, images=[image] if image else None)
+            assert out.token_ids == ran["token_ids"] and out.text == ran["text"]
+            assert out.stats["tokens"] == ran["tokens"] and out.stats["budget"] == ran["budget"]
+            assert out.stats["prefill_tokens"] == out.stats["prompt_tokens"] > 0
+
+
+def test_stream_joins_to_generate(model):
+    out = model.generate("What is the total?", images=[RECEIPT])
+    pieces = list(model.stream("What is the total?", images=[RECEIPT]))
+    assert len(pieces) > 1 and "".join(pieces) == out.text
+
+
+def test_stream_never_splits_a_character():
+    """Pieces of an answer with multi-byte characters (CJK, an emoji, a euro sign) are whole characters and
+    join to the tokenizer's decode; a stop string spanning pieces ends the text before it."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(ROOT / "models" / "glance-vl-tiny" / "tokenizer.json"))
+    text = "Total: 42.17€ — 東京 🍣 ünïcødé ✓ done"
+    ids = tok.encode(text).ids
+    stream = TextStream(tok)
+    pieces = [stream.push(i) for i in ids] + [stream.finish()]
+    assert "".join(pieces) == tok.decode(ids) == text
+    assert all("\ufffd" not in p for p in pieces) and sum(1 for p in pieces if not p) >= 4  # bytes were held
+    for stop in ("東京", "€ —", "done", "✓ d"):
+        stream = TextStream(tok, [stop, "never"])
+        assert "".join([stream.push(i) for i in ids] + [stream.finish()]) == text[:text.index(stop)]
+
+
+def test_stop_strings(model):
+    full = model.generate("What is the total?", images=[RECEIPT])
+    stop = full.text[len(full.text) // 2:len(full.text) // 2 + 2]
+    assert len(stop) == 2
+    out = model.generate("What is the total?", images=[RECEIPT], stop=[stop])
+    assert out.text == full.text[:full.text.index(stop)] and out.stats["finish"] == "stop"
+    assert out.token_ids == full.token_ids[:len(out.token_ids)] and len(out.token_ids) < len(full.token_ids)
+    assert "".join(model.stream("What is the total?", images=[RECEIPT], stop=[stop])) == out.text
+
+
+def test_chat_keeps_its_kv(model):
+    chat = model.chat(system="You are brief.")
+    first = chat.send("What is the total?", images=[RECEIPT])
+    assert first.stats["prefill_tokens"] == first.stats["prompt_tokens"]
+    second = chat.send("Is it more than 30?")
+    assert second.stats["prefill_tokens"] < second.stats["prompt_tokens"] // 2  # the image is not prefilled again
+    fresh = model.generate(messages=chat.messages[:-1])
+    assert second.token_ids == fresh.token_ids and second.text == fresh.text
+    assert [m["role"] for m in chat.messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert chat.messages[-1]["content"] == second.text
+    third = chat.send("And the tax?", stop=["\n"])  # the last call (generate) replaced the rows: no reuse
+    assert third.stats["prefill_tokens"] == third.stats["prompt_tokens"]
+    fourth = chat.send("Thanks.", images=[CHART])
+    assert fourth.stats["prefill_tokens"] < fourth.stats["prompt_tokens"]
+    assert fourth.token_ids == model.generate(messages=chat.messages[:-1]).token_ids
+    chat.reset()
+    assert chat.messages == [{"role": "system", "content": "You are brief."}]
+
+
+def test_several_images_and_kinds(model):
+    arrays = [np.asarray(Image.open(p).convert("RGB")) for p in (RECEIPT, CHART)]
+    by_path = model.generate(messages=[{"role": "user", "content": [
+        {"type": "image", "image": RECEIPT}, {"type": "image", "image": CHART}, {"type": "text", "text": "What changed?"}]}])
+    by_array = model.generate("What changed?", images=arrays)
+    by_bytes = model.generate("What changed?", images=[RECEIPT.read_bytes(), Image.open(CHART)])
+    assert by_path.token_ids == by_array.token_ids == by_bytes.token_ids
+
+
+def test_context_overflow_is_refused():
+    with gr.load(max_context=256) as m:
+        chat = m.chat()
+        first = chat.send("What is the total?", images=[RECEIPT], max_new_tokens=8)
+        before = chat.messages
+        with pytest.raises(gr.LimitError, match=r"context rows .* chat.reset\(\)"):
+            chat.send("And this one?", images=[CHART], max_new_tokens=256 - first.stats["prompt_tokens"])
+        assert chat.messages == before
+        with pytest.raises(gr.LimitError, match="max_context"):
+            m.generate("Hi", max_new_tokens=1000)
+
+
+def test_errors_are_glance_errors(model, tmp_path):
+    for call, kind in ((lambda: model.generate(), gr.InputError),
+                       (lambda: model.generate("Hi", messages=[{"role": "user", "content": "Hi"}]), gr.InputError),
+                       (lambda: model.generate("Hi", images=[tmp_path / "missing.png"]), gr.GlanceError),
+                       (lambda: model.generate("Hi", max_new_tokens=0), gr.InputError),
+                       (lambda: model.generate("Hi", stop=[""]), gr.InputError),
+                       (lambda: gr.load(model=tmp_path / "nowhere"), gr.InputError)):
+        with pytest.raises(kind) as info:
+            call()
+        assert isinstance(info.value, gr.GlanceError) and "\n" not in str(info.value)
+
+
+def test_concurrent_calls_are_refused(model):
+    stream = model.stream("What is the total?", images=[RECEIPT])
+    next(stream)  # the stream now holds the model
+    failures = []
+    worker = threading.Thread(target=lambda: failures.append(pytest.raises(gr.GlanceError, model.generate, "Hi")))
+    worker.start()
+    worker.join()
+    assert failures and "not thread-safe" in str(failures[0].value)
+    stream.close()
+    assert model.generate("Hi").text  # usable again once the stream is closed
+
+
+def _rss_mb() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**20
+
+
+def test_close_frees_buffers():
+    """Load/close cycles keep memory flat; a closed model refuses calls."""
+    def cycle() -> None:
+        with gr.load(max_context=256) as m:
+            m.generate("Hi", max_new_tokens=2)
+
+    for _ in range(3):
+        cycle()
+    gc.collect()
+    base = _rss_mb()
+    for _ in range(12):
+        cycle()
+    gc.collect()
+    assert _rss_mb() - base < 20
+    m = gr.load()
+    m.close()
+    with pytest.raises(gr.GlanceError, match="closed"):
+        m.generate("Hi")
