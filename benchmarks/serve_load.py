@@ -123,7 +123,7 @@ def load(url: str, bodies: list[dict], clients: int, requests: int) -> dict:
 
 def overhead(url: str, model: str, work: list[tuple[str, Path]], repeats: int, threads: int) -> dict:
     """Paired: the same prompt in process, then over HTTP (one client), alternating."""
-    engine = Engine(ModelSpec(threads=threads), max_new_tokens=256)
+    engine = Engine(ModelSpec(threads=threads))
     engine.warm()
     diffs, local, remote = [], [], []
     with httpx.Client(timeout=600) as http:

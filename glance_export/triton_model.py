@@ -55,7 +55,7 @@ class TritonPythonModel:
                          backend=params.get("backend") or None, providers=providers.split(",") if providers else None)
         self.max_tokens = int(params.get("max_tokens", "1024"))
         self.errors = (GlanceError, Cancelled)
-        self.engine = Engine(spec, self.max_tokens)
+        self.engine = Engine(spec)
         self.engine.warm()
 
     def _messages(self, request):

@@ -67,7 +67,7 @@ class Runner:
 
     def load(self) -> "asyncio.Future[None]":
         def load() -> None:
-            engine = Engine(self.config.spec, self.config.max_tokens, self.progress)
+            engine = Engine(self.config.spec, self.progress)
             engine.warm()
             self.engine = engine
 
@@ -330,7 +330,7 @@ class Service:
         """GLANCE's own figures: acceptance, the wait for the runner, and the time an in-process caller would have
         spent (prepare: images and tokens; decode: the answer), so a client can tell what HTTP added."""
         engine = self.runner.engine
-        return {"tau": round(c.tau, 4), "rounds": c.rounds, "prefill_tokens": c.prompt_tokens,
+        return {"tau": round(c.tau, 4), "rounds": c.rounds, "prefill_tokens": c.prefill_tokens,
                 "backend": engine.backend if engine else None, "budget": engine.budget if engine else None,
                 "queue_ms": round(c.queue_ms, 3), "prepare_ms": round(c.prepare_ms, 3), "decode_ms": round(c.ms, 3)}
 
