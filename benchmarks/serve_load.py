@@ -87,7 +87,7 @@ def load(url: str, bodies: list[dict], clients: int, requests: int) -> dict:
         with httpx.Client(timeout=600) as http:
             barrier.wait()
             for i in range(requests):
-                payload = bodies[(index * requests + i) % len(bodies)]
+                payload = bodies[(i * clients + index) % len(bodies)]  # clients ask different tasks at once
                 t0 = time.perf_counter()
                 r = http.post(f"{url}/v1/chat/completions", json=payload)
                 dt = time.perf_counter() - t0

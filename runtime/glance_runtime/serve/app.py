@@ -53,14 +53,13 @@ class ServeConfig:
     max_messages: int = 64
 
 
-class Runner:
+class DecodeQueue:
     """The one decode thread and its FIFO queue; the engine is created and used on that thread only."""
 
     def __init__(self, config: ServeConfig, metrics: Metrics, progress: Callable[[str], None]):
         self.config, self.metrics, self.progress = config, metrics, progress
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glance-decode")
         self.engine: Engine | None = None
-        self.load_error: Exception | None = None
         self.waiting = 0
         self.lock = threading.Lock()
         self.decode_s = 0.1  # running mean of a decode, for Retry-After
@@ -114,7 +113,7 @@ class Service:
                  on_ready: Callable[[str, str], None]):
         self.config, self.on_fatal, self.on_ready = config, on_fatal, on_ready
         self.metrics = Metrics()
-        self.runner = Runner(config, self.metrics, progress)
+        self.runner = DecodeQueue(config, self.metrics, progress)
         self.ready = False
 
     @property
@@ -216,6 +215,8 @@ class Service:
             """On the decode thread, at the head of the queue: images are decoded only now (a deep queue holds
             no pixels), and the request costs two thread hand-offs in all."""
             queue_ms = (time.monotonic() - submitted) * 1e3
+            if cancelled():  # the client left, or the time ran out, while the request waited
+                raise Cancelled
             prompt, prepare_ms = self.prompt(req, limit)
             if req.stream:
                 put(PREPARED)
