@@ -7,6 +7,8 @@ import io
 import json
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,6 +17,7 @@ import openai
 import pytest
 from PIL import Image
 
+import glance_runtime as gr
 from glance_runtime.serve.cli import main as serve_main
 from serve_helpers import MODEL_NAME, RECEIPT, data_url, glance_run, start_server, user
 
@@ -102,8 +105,6 @@ def test_a_system_prompt_and_earlier_turns_are_part_of_the_prompt(server, expect
 
 
 def test_a_follow_up_turn_reuses_the_conversations_rows_and_equals_a_fresh_decode(server, expected):
-    import glance_runtime as gr
-
     first = user("What is the total?", data_url(RECEIPT))
     ask(server, "Describe this.")  # the server now holds another conversation's rows
     a1 = client(server).chat.completions.create(model=MODEL_NAME, messages=first)
@@ -316,3 +317,10 @@ def test_unsafe_or_bad_flags_are_one_line_refusals(argv, message, capsys):
     assert serve_main([*argv, "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_model_that_fails_to_load_ends_the_server_with_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "glance_runtime.serve", "--port", "0", "--artifacts", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "error: " in done.stderr and "manifest" in done.stderr and "Traceback" not in done.stderr
