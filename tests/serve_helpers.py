@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from edge_install import BLOCK_TRAINING_STACK
 from glance_runtime.cli import main as run_main
@@ -23,6 +24,7 @@ RECEIPT = REPO / "examples" / "receipt" / "images" / "receipt_000.png"
 MODEL_NAME = "glance-vl-tiny"
 START_TIMEOUT_S = 120
 READY = re.compile(r"ready: .* on (http://\S+)")
+LISTENING = re.compile(r"listening on (http://[^;\s]+)")
 
 
 @dataclass
@@ -44,7 +46,8 @@ class Server:
 SERVE = BLOCK_TRAINING_STACK + "from glance_runtime.serve.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
-def start_server(*args: str, timeout_s: float = START_TIMEOUT_S) -> Server:
+def start_server(*args: str, timeout_s: float = START_TIMEOUT_S,
+                 on_listening: Callable[[str], None] | None = None) -> Server:
     """`glance-serve --port 0 ARGS` as an edge install runs it (no torch, transformers or glance_export),
     returned once it prints that it is ready."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -61,6 +64,8 @@ def start_server(*args: str, timeout_s: float = START_TIMEOUT_S) -> Server:
         if not line:
             break
         log.append(line.rstrip())
+        if on_listening and (match := LISTENING.search(line)):
+            on_listening(match.group(1))
         if match := READY.search(line):
             sel.close()
             return Server(proc, match.group(1), log)

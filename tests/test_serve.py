@@ -297,8 +297,17 @@ def test_a_full_queue_answers_429_and_a_killed_server_restarts_cleanly(expected)
 
 
 def test_a_request_over_its_timeout_is_504_and_the_server_carries_on(expected):
-    srv = start_server("--timeout", "0.001")
+    while_loading: list[httpx.Response] = []
+
+    def probe(url: str) -> None:  # the model takes seconds to load and warm: it is still loading now
+        while_loading.append(httpx.get(f"{url}/health", timeout=CLIENT_TIMEOUT_S))
+        while_loading.append(httpx.post(f"{url}/v1/chat/completions", json=_body(), timeout=CLIENT_TIMEOUT_S))
+
+    srv = start_server("--timeout", "0.001", on_listening=probe)
     try:
+        health, early = while_loading
+        assert health.status_code == 503 and health.json()["status"] == "loading"
+        assert early.status_code == 503 and early.json()["error"]["code"] == "loading"
         r = httpx.post(f"{srv.url}/v1/chat/completions", json=_body(user("What is the total?", data_url(RECEIPT))),
                        timeout=CLIENT_TIMEOUT_S)
         assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"

@@ -194,12 +194,12 @@ class Service:
         self.authorize(request)
         req = parse_request(await self.body(request))
         req.refuse_sampling()
-        if req.model != self.name:
-            raise RequestError(f"the model {req.model!r} does not exist here; this server serves {self.name!r}", 404,
-                               param="model", code="model_not_found")
         if not self.ready:
             raise RequestError("the model is still loading; retry when GET /health answers 200", 503,
                                code="loading", type="server_error", headers={"Retry-After": "1"})
+        if req.model != self.name:
+            raise RequestError(f"the model {req.model!r} does not exist here; this server serves {self.name!r}", 404,
+                               param="model", code="model_not_found")
         if len(req.messages) > self.config.max_messages:
             raise RequestError(f"{len(req.messages)} messages is over this server's {self.config.max_messages}",
                                param="messages", code="too_many_messages")

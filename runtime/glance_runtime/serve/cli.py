@@ -75,12 +75,14 @@ def check(args: argparse.Namespace) -> None:
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before the model loads so the port is known (and printed) at once."""
+    """The listening socket, bound before the model loads so the port is known (and printed) at once, and
+    clients can already ask /health."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP by name: asyncio then sets TCP_NODELAY
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(2048)  # connections made from now on wait in the backlog until uvicorn accepts them
     except OSError as exc:
         sock.close()
         raise GlanceError(f"cannot bind {host}:{port} ({exc.strerror}); pick another --port or stop what holds it") \
