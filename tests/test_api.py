@@ -161,3 +161,53 @@ def test_close_frees_buffers():
     m.close()
     with pytest.raises(gr.GlanceError, match="closed"):
         m.generate("Hi")
+
+
+def test_a_turn_ended_by_a_stop_string_keeps_the_kv_consistent(model):
+    chat = model.chat()
+    full = model.generate("What is the total?", images=[RECEIPT])
+    stop = full.text[len(full.text) // 2:len(full.text) // 2 + 2]
+    first = chat.send("What is the total?", images=[RECEIPT], stop=[stop])
+    assert first.stats["finish"] == "stop" and chat.messages[-1]["content"] == first.text
+    second = chat.send("Is it more than 30?")
+    assert 0 < second.stats["prefill_tokens"] < second.stats["prompt_tokens"]
+    assert second.token_ids == model.generate(messages=chat.messages[:-1]).token_ids
+
+
+def test_damaged_artifacts_are_an_integrity_error(tmp_path):
+    import shutil
+
+    from glance_runtime.defaults import DEFAULT_ARTIFACTS
+
+    copy = shutil.copytree(DEFAULT_ARTIFACTS, tmp_path / "art")
+    graph = next(p for p in sorted(copy.glob("*.onnx")))
+    data = bytearray(graph.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    graph.write_bytes(bytes(data))
+    with pytest.raises(gr.IntegrityError, match="sha256"):
+        gr.load(artifacts=copy)
+
+
+def test_glance_run_several_images_and_system(model, capsys):
+    ran = _glance_run(capsys, "--prompt", "What changed?", "--image", str(RECEIPT), "--image", str(CHART),
+                      "--system", "You are brief.")
+    out = model.generate("What changed?", images=[RECEIPT, CHART], system="You are brief.")
+    assert ran["token_ids"] == out.token_ids and ran["prefill_tokens"] == out.stats["prompt_tokens"]
+    assert ran["token_ids"] != _glance_run(capsys, "--prompt", "What changed?", "--image", str(RECEIPT))["token_ids"]
+
+
+def test_glance_run_chat_keeps_the_kv(model, capsys, monkeypatch):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("Is it more than 30?\n/reset\nIs it more than 30?\n/exit\nignored\n"))
+    assert cli.main(["--chat", "--prompt", "What is the total?", "--image", str(RECEIPT)]) == 0
+    captured = capsys.readouterr()
+    prefilled = [line.split("prefilled ")[1] for line in captured.err.splitlines() if "prefilled" in line]
+    assert len(prefilled) == 3
+    first, follow, after_reset = ([int(x) for x in p.split(" prompt")[0].split(" of ")] for p in prefilled)
+    assert first[0] == first[1] and follow[0] < follow[1] and after_reset[0] == after_reset[1] < follow[1]
+    chat = model.chat()
+    answers = [chat.send("What is the total?", images=[RECEIPT]).text, chat.send("Is it more than 30?").text]
+    chat.reset()
+    answers.append(chat.send("Is it more than 30?").text)
+    assert captured.out.splitlines() == answers

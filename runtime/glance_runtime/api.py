@@ -27,7 +27,7 @@ from .auto_budget import AUTO, decode_config
 from .defaults import resolve
 from .errors import GlanceError, InputError, LimitError
 from .limits import check_decode
-from .loop import DecodeConfig, DecodeResult, decode
+from .loop import DecodeConfig, DecodeResult, RoundLog, decode
 from .messages import ImageLike, conversation, user_turn
 from .preprocess import Prompt
 from .prefix import Committed, image_runs, shared_rows
@@ -40,12 +40,14 @@ BRANCH_K = 8  # and its --branch-k
 
 @dataclass(frozen=True)
 class Output:
-    """One answer: its text (stop string excluded), the generated ids, tokens per round, and measurements."""
+    """One answer: its text (stop string excluded), the generated ids, tokens per round, and measurements
+    (and the per-round log, for tools that report it)."""
 
     text: str
     token_ids: list[int]
     tau: float
     stats: dict[str, Any] = field(default_factory=dict)
+    rounds: list[RoundLog] = field(default_factory=list, repr=False)
 
 
 class _Reusing:
@@ -138,11 +140,13 @@ class Model:
 
     def generate(self, prompt: str | None = None, *, images: Sequence[ImageLike] | None = None,
                  messages: Sequence[dict[str, Any]] | None = None, system: str | None = None,
-                 max_new_tokens: int = MAX_NEW_TOKENS, stop: Sequence[str] = ()) -> Output:
-        """Answer one prompt (with any number of images) or one OpenAI-style conversation."""
+                 max_new_tokens: int = MAX_NEW_TOKENS, stop: Sequence[str] = (),
+                 on_text: Callable[[str], None] | None = None) -> Output:
+        """Answer one prompt (with any number of images) or one OpenAI-style conversation; `on_text` sees
+        the text in pieces as rounds commit, on this thread (what `stream` yields)."""
         with self._busy():
             built = self.build(prompt, images=images, messages=messages, system=system)
-            return self._run(built, max_new_tokens, stop)
+            return self._run(built, max_new_tokens, stop, on_piece=on_text)
 
     def stream(self, prompt: str | None = None, *, images: Sequence[ImageLike] | None = None,
                messages: Sequence[dict[str, Any]] | None = None, system: str | None = None,
@@ -184,6 +188,9 @@ class Model:
         if self.runner.limits.max_tree is not None:
             tree = min(tree, self.runner.limits.max_tree)
         needed = prompt.length + cfg.max_new_tokens + tree - 1
+        if prompt.length > self._side.max_context:
+            raise LimitError(f"prompt longer than --max-context {self._side.max_context} ({prompt.length} rows); "
+                             "raise --max-context (max_context=) or shorten the prompt")
         if needed > self._side.max_context:
             raise LimitError(f"this needs up to {needed} context rows ({prompt.length} prompt + {cfg.max_new_tokens} "
                              f"answer + {tree - 1} for a verify tree) but the model holds {self._side.max_context}; "
@@ -217,7 +224,8 @@ class Model:
         backend = _Reusing(runner.backend, keep) if keep else runner.backend
         result = decode(backend, prompt, cfg, runner.stop_ids, on_commit=on_commit)
         emit(text.finish())
-        return Output("".join(pieces), kept, result.tau, self._stats(result, cfg, prompt, keep, kept, text.stopped))
+        return Output("".join(pieces), kept, result.tau, self._stats(result, cfg, prompt, keep, kept, text.stopped),
+                      result.rounds)
 
     def _stats(self, result: DecodeResult, cfg: DecodeConfig, prompt: Prompt, keep: int, kept: list[int],
                stopped_on_string: bool) -> dict[str, Any]:
@@ -274,8 +282,8 @@ class Chat:
             {"role": "system", "content": self._system}]
         self._committed: Committed | None = None
 
-    def send(self, text: str, images: Sequence[ImageLike] | None = None, *,
-             max_new_tokens: int = MAX_NEW_TOKENS, stop: Sequence[str] = ()) -> Output:
+    def send(self, text: str, images: Sequence[ImageLike] | None = None, *, max_new_tokens: int = MAX_NEW_TOKENS,
+             stop: Sequence[str] = (), on_text: Callable[[str], None] | None = None) -> Output:
         """One user turn (with any number of images) and its answer; prefills only what the conversation has
         not committed yet. A turn that would overflow the context is refused and leaves the history as it was."""
         model = self._model
@@ -287,7 +295,7 @@ class Chat:
             side = model._side
             keep = shared_rows(self._committed if model._owner is self else None, prompt, side.image_token_id,
                                side.merge)
-            out = model._run(prompt, max_new_tokens, stop, keep=keep,
+            out = model._run(prompt, max_new_tokens, stop, keep=keep, on_piece=on_text,
                              fix="start over with chat.reset(), lower max_new_tokens, or load with a larger max_context")
             rows = model.runner.backend.start
             self._committed = Committed(np.concatenate([prompt.input_ids, np.asarray(out.token_ids, np.int64)])[:rows],

@@ -1,4 +1,5 @@
-"""`glance-run`: answer one prompt about one image, streaming the answer as rounds commit."""
+"""`glance-run`: answer a prompt about any number of images, or hold a conversation (`--chat`), streaming
+the answer as rounds commit. A thin caller of the Python API (`glance_runtime.api`)."""
 from __future__ import annotations
 
 import argparse
@@ -6,19 +7,24 @@ import json
 import sys
 from pathlib import Path
 
+from . import api
 from .cli_parser import OneLineParser, guarded, parse_budget
 from .errors import GlanceError
 from .limits import check_decode
-from .auto_budget import AUTO, decode_config
-from .loop import DecodeConfig, decode
+from .auto_budget import AUTO
 from .defaults import resolve
-from .runner import BACKENDS, open_runner
+from .loop import DecodeConfig
+from .runner import BACKENDS
 
 
 def parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="glance-run", description="Lossless speculative decoding of one prompt.")
-    p.add_argument("--prompt", required=True, help="the question or instruction")
-    p.add_argument("--image", type=Path, help="image file (omit for text-only prompts)")
+    p.add_argument("--prompt", help="the question or instruction (required unless --chat)")
+    p.add_argument("--image", type=Path, action="append", default=[], help="image file, in prompt order; repeat for "
+                   "several (omit for text-only prompts)")
+    p.add_argument("--system", help="a system message before the prompt")
+    p.add_argument("--chat", action="store_true", help="an interactive conversation on the terminal that keeps its "
+                   "KV between turns (--prompt and --image give the first turn); /reset starts over, /exit ends")
     p.add_argument("--model", type=Path, help="target model: a HF snapshot directory (default: the embedded "
                    "glance-vl-tiny with its head)")
     p.add_argument("--head", type=Path, help="GLANCE/DFlash draft head directory")
@@ -40,21 +46,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _stream(detokenize, tokens: list[int]):
-    """Print only the newly decodable suffix, so multi-token characters come out whole."""
-    shown = [""]
-
-    def on_commit(new: list[int]) -> None:
-        tokens.extend(new)
-        text = detokenize(tokens)
-        if text.startswith(shown[0]) and not text.endswith("\ufffd"):
-            sys.stdout.write(text[len(shown[0]):])
-            sys.stdout.flush()
-            shown[0] = text
-
-    return on_commit, shown
-
-
 def _check_inputs(args: argparse.Namespace) -> None:
     """Missing or unreadable inputs are named before anything else is concluded from their absence."""
     for flag, path in (("--model", args.model), ("--head", args.head), ("--artifacts", args.artifacts),
@@ -62,47 +53,89 @@ def _check_inputs(args: argparse.Namespace) -> None:
         if path is not None and not path.is_dir():
             state = "is not a directory" if path.exists() else "does not exist"
             raise GlanceError(f"{flag} {path} {state}; pass an existing directory")
-    if args.image is not None and not args.image.is_file():
-        raise GlanceError(f"image {args.image} does not exist; pass an existing image file")
-    try:
-        args.prompt.encode("utf-8")
-    except UnicodeEncodeError:
-        raise GlanceError("--prompt is not valid UTF-8 text (the shell passed undecodable bytes); pass the prompt "
-                          "in UTF-8, e.g. with a UTF-8 locale") from None
+    for image in args.image:
+        if not image.is_file():
+            raise GlanceError(f"image {image} does not exist; pass an existing image file")
+    if args.prompt is None and not args.chat:
+        raise GlanceError("--prompt is required (or pass --chat for a conversation)")
+    for flag, text in (("--prompt", args.prompt), ("--system", args.system)):
+        try:
+            (text or "").encode("utf-8")
+        except UnicodeEncodeError:
+            raise GlanceError(f"{flag} is not valid UTF-8 text (the shell passed undecodable bytes); pass it "
+                              "in UTF-8, e.g. with a UTF-8 locale") from None
+
+
+def _write(piece: str) -> None:
+    sys.stdout.write(piece)
+    sys.stdout.flush()
+
+
+def _stats_line(out: api.Output) -> str:
+    s = out.stats
+    return (f"[{s['backend']}] tau {s['tau']:.2f} | {s['tokens']} tokens in {s['rounds']} rounds | "
+            f"{s['tokens_per_s']} tok/s | {s['ms_per_token']:.1f} ms/token ({s['ms_per_token_decode']:.1f} without "
+            f"prefill) | prefilled {s['prefill_tokens']} of {s['prompt_tokens']} prompt tokens")
+
+
+def _load(args: argparse.Namespace) -> api.Model:
+    fixed = args.budget if args.budget not in (None, AUTO) else 0
+    check_decode(None, DecodeConfig(max_new_tokens=args.max_new_tokens, budget=fixed, branch_k=args.branch_k))
+    _, head, _, backend = resolve(args.model, args.head, args.artifacts, args.backend)  # as api.load resolves them
+    if not args.no_spec and head is None and backend == "torch":
+        raise GlanceError("speculative decoding needs --head (or pass --no-spec for plain greedy decoding)")
+    return api.load(args.artifacts, engines=args.engines, model=args.model, head=args.head, backend=args.backend,
+                    provider=args.provider, budget=args.budget, branch_k=args.branch_k, speculative=not args.no_spec,
+                    max_context=args.max_context, max_tree=args.max_tree, threads=args.threads,
+                    progress=lambda line: print(line, file=sys.stderr))
+
+
+def _chat(model: api.Model, args: argparse.Namespace) -> int:
+    """Read turns from stdin until /exit or end of input; a refused turn is reported and the chat goes on."""
+    chat = model.chat(system=args.system)
+    first = (args.prompt, args.image) if args.prompt is not None else None
+    if first is None and args.image:
+        raise GlanceError("--image in --chat goes with the first turn; pass --prompt too")
+    print("glance-run chat: /reset starts over, /exit ends", file=sys.stderr)
+    while True:
+        if first is not None:
+            (text, images), first = first, None
+            print(f"> {text}", file=sys.stderr)
+        else:
+            print("> ", end="", file=sys.stderr, flush=True)
+            line = sys.stdin.readline()
+            if not line or line.strip() == "/exit":
+                return 0
+            text, images = line.rstrip("\n"), []
+            if text.strip() == "/reset":
+                chat.reset()
+                print("(conversation reset)", file=sys.stderr)
+                continue
+            if not text.strip():
+                continue
+        try:
+            out = chat.send(text, images, max_new_tokens=args.max_new_tokens, on_text=_write)
+        except GlanceError as exc:
+            print(f"glance-run: error: {exc}", file=sys.stderr)
+            continue
+        sys.stdout.write("\n")
+        print(_stats_line(out), file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
     _check_inputs(args)
-    args.model, args.head, args.artifacts, args.backend = resolve(args.model, args.head, args.artifacts, args.backend)
-    if not args.no_spec and args.head is None and args.backend == "torch":
-        raise GlanceError("speculative decoding needs --head (or pass --no-spec for plain greedy decoding)")
-    fixed = args.budget if args.budget not in (None, AUTO) else 0
-    check_decode(None, DecodeConfig(max_new_tokens=args.max_new_tokens, budget=fixed, branch_k=args.branch_k))
-    ort = {} if args.backend == "torch" else dict(providers=args.provider, max_context=args.max_context,
-                                                  max_tree=args.max_tree, threads=args.threads)
-    progress = lambda line: print(line, file=sys.stderr)  # noqa: E731
-    runner = open_runner(args.backend, model=args.model, head=args.head, artifacts=args.artifacts,
-                         engines=args.engines, progress=progress, **ort)
-    prompt = runner.build_prompt(args.prompt, args.image)  # a bad image or prompt is refused before any measuring
-    cfg = decode_config(runner, args.budget, max_new_tokens=args.max_new_tokens, branch_k=args.branch_k,
-                        speculative=not args.no_spec, progress=progress)
-    check_decode(runner.limits, cfg)
-    streamed: list[int] = []
-    on_commit, shown = _stream(runner.detokenize, streamed) if not args.json else (None, [""])
-    result = decode(runner.backend, prompt, cfg, runner.stop_ids, on_commit=on_commit)
-    text = runner.detokenize(result.tokens)
-    stats = {"backend": runner.backend.name, "speculative": cfg.speculative,
-             "budget": AUTO if cfg.auto else cfg.budget if cfg.speculative else 0, **result.stats(),
-             "tokens_per_s": round(1e3 / result.ms_per_token, 2) if result.ms_per_token else None}
-    if args.json:
-        log = [{"entropy": round(r.entropy, 4), "accepted": r.accepted, "tree_size": r.tree_size,
-                "drafted": r.drafted, "ms": round(r.total_ms, 3)} for r in result.rounds]
-        print(json.dumps({"text": text, "token_ids": result.tokens, **stats, "round_log": log}))
-        return 0
-    sys.stdout.write(text[len(shown[0]):] + "\n")
-    print(f"[{stats['backend']}] tau {stats['tau']:.2f} | {stats['tokens']} tokens in {stats['rounds']} rounds | "
-          f"{stats['tokens_per_s']} tok/s | {stats['ms_per_token']:.1f} ms/token "
-          f"({stats['ms_per_token_decode']:.1f} without prefill)", file=sys.stderr)
+    with _load(args) as model:
+        if args.chat:
+            return _chat(model, args)
+        out = model.generate(args.prompt, images=args.image, system=args.system, max_new_tokens=args.max_new_tokens,
+                             on_text=None if args.json else _write)
+        if args.json:
+            log = [{"entropy": round(r.entropy, 4), "accepted": r.accepted, "tree_size": r.tree_size,
+                    "drafted": r.drafted, "ms": round(r.total_ms, 3)} for r in out.rounds]
+            print(json.dumps({"text": out.text, "token_ids": out.token_ids, **out.stats, "round_log": log}))
+            return 0
+        sys.stdout.write("\n")
+        print(_stats_line(out), file=sys.stderr)
     return 0
 
 

@@ -16,7 +16,7 @@ from typing import Mapping
 
 from .atomic import write_file
 from .cache import cache_root
-from .errors import GlanceError
+from .errors import IntegrityError
 
 RACY_NS = 2_000_000_000  # a file changed this recently may change again without its times moving
 
@@ -87,20 +87,20 @@ def record(directory: str | Path, names: list[str]) -> dict[str, dict[str, int |
 
 def verify_files(directory: str | Path, expected: Mapping[str, Mapping[str, object]], fix: str) -> None:
     """Check every file named in `expected` ({name: {sha256, size or bytes}}) against its recorded size
-    and digest; the first mismatch is one GlanceError naming the file and `fix`."""
+    and digest; the first mismatch is one IntegrityError naming the file and `fix`."""
     directory = Path(directory)
     stamps = Stamps(directory)
     try:
         for name, want in expected.items():
             path = directory / name
             if not path.is_file():
-                raise GlanceError(f"{path} is missing; {fix}")
+                raise IntegrityError(f"{path} is missing; {fix}")
             size, recorded = path.stat().st_size, want.get("size", want.get("bytes"))
             if recorded is not None and size != recorded:
-                raise GlanceError(f"{path} is {size} bytes but its manifest records {recorded} (truncated or "
+                raise IntegrityError(f"{path} is {size} bytes but its manifest records {recorded} (truncated or "
                                   f"replaced); {fix}")
             if stamps.digest(name) != want["sha256"]:
-                raise GlanceError(f"{path} does not match the sha256 its manifest records (corrupted or "
+                raise IntegrityError(f"{path} does not match the sha256 its manifest records (corrupted or "
                                   f"modified); {fix}")
     finally:
         stamps.save()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .device import Device, Tensor
-from .errors import GlanceError
+from .errors import GlanceError, LimitError
 
 
 class KVCache:
@@ -47,9 +47,9 @@ class KVCache:
         if self.length + rows <= self.max_context:
             return
         if self.length == 0:
-            raise GlanceError(f"prompt longer than --max-context {self.max_context} ({rows} rows); "
+            raise LimitError(f"prompt longer than --max-context {self.max_context} ({rows} rows); "
                               "raise --max-context or shorten the prompt")
-        raise GlanceError(f"context full: {self.length} committed rows + {rows} new exceed --max-context "
+        raise LimitError(f"context full: {self.length} committed rows + {rows} new exceed --max-context "
                           f"{self.max_context}; raise --max-context or lower --max-new-tokens")
 
     def appended(self, rows: int) -> None:

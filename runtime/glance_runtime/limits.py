@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import GlanceError
+from .errors import InputError, LimitError
 from .loop import DecodeConfig
 
 
@@ -27,17 +27,17 @@ def reachable_nodes(block_size: int, branch_k: int) -> int:
 def check_decode(limits: Limits | None, cfg: DecodeConfig) -> None:
     """One-line refusal of flags out of range, or (given the backend's limits) that it cannot serve."""
     if cfg.max_new_tokens < 1 or cfg.budget < 0 or cfg.branch_k < 1:
-        raise GlanceError(f"--max-new-tokens and --branch-k must be >= 1 and --budget >= 0 (got {cfg.max_new_tokens}, "
+        raise InputError(f"--max-new-tokens and --branch-k must be >= 1 and --budget >= 0 (got {cfg.max_new_tokens}, "
                           f"{cfg.branch_k} and {cfg.budget}); pass values in those ranges")
     if limits is None or not cfg.speculative or cfg.budget == 0:
         return
     if cfg.branch_k > limits.max_branch_k:
-        raise GlanceError(f"--branch-k {cfg.branch_k} is above the {limits.max_branch_k} candidates a draft pass "
+        raise LimitError(f"--branch-k {cfg.branch_k} is above the {limits.max_branch_k} candidates a draft pass "
                           f"returns here; use --branch-k 1..{limits.max_branch_k}"
                           + (f" (or re-export with `glance-export onnx --branch-k {cfg.branch_k}`)"
                              if limits.exported else ""))
     rows = min(cfg.budget, reachable_nodes(limits.block_size, cfg.branch_k)) + 1
     if limits.max_tree is not None and rows > limits.max_tree:
-        raise GlanceError(f"--budget {cfg.budget} needs a verify pass of {rows} rows but the graphs take at most "
+        raise LimitError(f"--budget {cfg.budget} needs a verify pass of {rows} rows but the graphs take at most "
                           f"{limits.max_tree}; use --budget 0..{limits.max_tree - 1} (or re-export with "
                           f"`glance-export onnx --max-tree {rows}`)")
