@@ -249,6 +249,32 @@ def _build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _triton(args: argparse.Namespace) -> int:
+    from .triton import TritonRepo, write_repository
+
+    write_repository(TritonRepo(out=args.out, artifacts=args.artifacts, engines=args.engines, model=args.model,
+                                head=args.head, backend=args.backend, providers=tuple(args.provider or ()),
+                                instances_per_gpu=args.instances_per_gpu, gpus=args.gpu, python_env=args.python_env,
+                                max_tokens=args.max_tokens), progress=_progress)
+    return 0
+
+
+def _add_triton(sub) -> None:
+    x = sub.add_parser("triton", help="write a Triton Inference Server model repository serving GLANCE (Python backend)")
+    x.add_argument("--out", type=Path, required=True, help="the model repository to write")
+    x.add_argument("--artifacts", type=Path, help="exported graphs (default, with no model flags: the embedded model)")
+    x.add_argument("--engines", type=Path, help="TensorRT engines (glance-export build)")
+    x.add_argument("--model", type=Path, help="target snapshot (with --head; exported into the cache on first use)")
+    x.add_argument("--head", type=Path)
+    x.add_argument("--backend", choices=BACKENDS)
+    x.add_argument("--provider", action="append", help="ONNX Runtime execution provider; repeat for a priority list")
+    x.add_argument("--instances-per-gpu", type=int, default=1, help="model instances (stub processes) per GPU")
+    x.add_argument("--gpu", action="store_true", help="KIND_GPU instance groups (default KIND_CPU)")
+    x.add_argument("--python-env", type=Path, help="virtual environment the stubs run in (EXECUTION_ENV_PATH)")
+    x.add_argument("--max-tokens", type=int, default=1024, help="the largest max_tokens a request may ask for")
+    x.set_defaults(func=_triton)
+
+
 def parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="glance-export", description="GLANCE export toolkit.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -368,6 +394,7 @@ def parser() -> argparse.ArgumentParser:
     mode.add_argument("--drift-from", type=Path, metavar="FP32_ARTIFACTS",
                       help="mode: greedy token agreement of --artifacts (quantized) with this fp32 export")
     a.set_defaults(func=_audit)
+    _add_triton(sub)
     return p
 
 

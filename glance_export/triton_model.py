@@ -1,0 +1,108 @@
+"""GLANCE in Triton's Python backend; `glance-export triton` copies this file to REPO/glance/1/model.py.
+
+One instance is one stub process with one runner: it decodes one request at a time, greedily. The model
+is decoupled: a request with the parameter `"stream": true` gets its text as pieces while rounds commit
+(for `generate_stream`), any other request one response with the whole text (what `generate` requires:
+Triton's generate endpoint refuses a model that answers with more than one response).
+Parameters in config.pbtxt name what to serve (artifacts, engines or model and head; none: the embedded
+default) and where the runtime imports from when the stub's environment does not install it.
+"""
+import base64
+import binascii
+import io
+import json
+import os
+import sys
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def _input(request, name):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy().reshape(-1)[0]
+
+
+def _response(text):
+    return pb_utils.InferenceResponse(output_tensors=[
+        pb_utils.Tensor("text", np.array([text.encode("utf-8")], dtype=np.object_))])
+
+
+def _text(value):
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        if args.get("model_instance_kind") == "GPU":
+            os.environ.setdefault("CUDA_VISIBLE_DEVICES", str(args["model_instance_device_id"]))
+        try:
+            import glance_runtime  # noqa: F401
+        except ImportError:
+            sys.path.insert(0, params["runtime_root"])
+        from pathlib import Path
+
+        from glance_runtime.errors import GlanceError
+        from glance_runtime.serve.engine import Cancelled, Engine, ModelSpec
+
+        def path(key):
+            return Path(params[key]) if params.get(key) else None
+
+        providers = params.get("providers")
+        spec = ModelSpec(model=path("model"), head=path("head"), artifacts=path("artifacts"), engines=path("engines"),
+                         backend=params.get("backend") or None, providers=providers.split(",") if providers else None)
+        self.max_tokens = int(params.get("max_tokens", "1024"))
+        self.errors = (GlanceError, Cancelled)
+        self.engine = Engine(spec)
+        self.engine.warm()
+
+    def _messages(self, request):
+        from PIL import Image
+
+        prompt = _text(_input(request, "prompt"))
+        content = []
+        image = _input(request, "image")
+        if image is not None and len(image):
+            try:
+                data = base64.b64decode(image, validate=True)
+            except (binascii.Error, ValueError):
+                raise ValueError("image is not valid base64; send the image file's bytes base64-encoded")
+            try:
+                with Image.open(io.BytesIO(data)) as img:
+                    content.append({"type": "image", "image": img.convert("RGB")})
+            except (OSError, Image.DecompressionBombError):
+                raise ValueError("image is not an image Pillow can decode; send a PNG, JPEG or WebP")
+        content.append({"type": "text", "text": prompt})
+        return [{"role": "user", "content": content}]
+
+    def _respond(self, request):
+        sender = request.get_response_sender()
+        try:
+            limit = _input(request, "max_tokens")
+            limit = 256 if limit is None else int(limit)
+            if not 1 <= limit <= self.max_tokens:
+                raise ValueError(f"max_tokens must be 1..{self.max_tokens} (got {limit})")
+            prompt = self.engine.prepare(self._messages(request), limit)
+            stream = json.loads(request.parameters() or "{}").get("stream") is True
+
+            def emit(piece):
+                sender.send(_response(piece))
+
+            done = self.engine.complete(prompt, limit, emit=emit if stream else None, cancelled=sender.is_cancelled)
+            if stream:
+                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            else:
+                sender.send(_response(done.text), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except (ValueError, *self.errors) as exc:
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
+                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def execute(self, requests):
+        for request in requests:
+            self._respond(request)
+        return None
+
+    def finalize(self):
+        self.engine.close()

@@ -1,0 +1,400 @@
+"""The HTTP surface: OpenAI's chat completions, models, health and metrics, over one decode thread.
+
+FastAPI (on Starlette) with uvicorn: a maintained ASGI stack whose server handles keep-alive, slow
+clients and disconnects, and whose streaming response notices a client leaving, which is what lets a
+dropped stream cancel its decode. Requests are validated by pydantic (FastAPI's own), from a body read
+under a size cap, so every refusal is OpenAI's error shape. The model runs on one thread: one device,
+batch 1, requests served in arrival order while the event loop keeps answering health and metrics.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ..errors import GlanceError
+from ..preprocess import Prompt
+from .engine import Cancelled, Completion, Engine, ModelSpec
+from .errors import RequestError
+from .media import load_image_url
+from .metrics import Metrics
+from .schema import ChatRequest, parse_request
+
+log = logging.getLogger("glance.serve")
+CLIENT_CLOSED = 499  # the status logged for a request whose client left before the answer (no reply is sent)
+PREPARED = object()  # a stream's first event: its prompt was accepted
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    spec: ModelSpec = ModelSpec()
+    served_model_name: str | None = None
+    api_key: str | None = None
+    media_dir: Path | None = None
+    max_queue: int = 64  # requests waiting for the runner (the one decoding not counted)
+    timeout_s: float = 120.0  # arrival to last token, queue wait included
+    max_body_bytes: int = 16 << 20
+    max_image_pixels: int = 4096 * 4096
+    max_tokens: int = 1024  # the most a request may ask for
+    default_max_tokens: int = 256  # glance-run's default
+    max_messages: int = 64
+
+
+class DecodeQueue:
+    """The one decode thread and its FIFO queue; the engine is created and used on that thread only."""
+
+    def __init__(self, config: ServeConfig, metrics: Metrics, progress: Callable[[str], None]):
+        self.config, self.metrics, self.progress = config, metrics, progress
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glance-decode")
+        self.engine: Engine | None = None
+        self.waiting = 0
+        self.lock = threading.Lock()
+        self.decode_s = 0.1  # running mean of a decode, for Retry-After
+
+    def load(self) -> "asyncio.Future[None]":
+        def load() -> None:
+            engine = Engine(self.config.spec, self.progress)
+            engine.warm()
+            self.engine = engine
+
+        return asyncio.get_running_loop().run_in_executor(self.pool, load)
+
+    def submit(self, job: Callable[[Engine], Completion]) -> "asyncio.Future[Completion]":
+        submitted = time.monotonic()
+        with self.lock:
+            if self.waiting >= self.config.max_queue:
+                retry = max(1, math.ceil(self.waiting * self.decode_s))
+                raise RequestError(f"the queue is full ({self.waiting} requests waiting); retry in {retry} s",
+                                   429, code="queue_full", type="rate_limit_error",
+                                   headers={"Retry-After": str(retry)})
+            self.waiting += 1
+            self.metrics.queue_depth.set(self.waiting)
+
+        def run() -> Completion:
+            started = time.monotonic()
+            with self.lock:
+                self.waiting -= 1
+                self.metrics.queue_depth.set(self.waiting)
+            self.metrics.queue_wait.observe(started - submitted)
+            self.metrics.busy.set(1)
+            try:
+                return job(self.engine)
+            finally:
+                self.metrics.busy.set(0)
+                self.decode_s = 0.8 * self.decode_s + 0.2 * (time.monotonic() - started)
+
+        future = asyncio.get_running_loop().run_in_executor(self.pool, run)
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # an abandoned request's end is not an error
+        return future
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _sse(payload: dict[str, Any] | str) -> bytes:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
+
+
+class Service:
+    def __init__(self, config: ServeConfig, progress: Callable[[str], None], on_fatal: Callable[[Exception], None],
+                 on_ready: Callable[[str, str], None]):
+        self.config, self.on_fatal, self.on_ready = config, on_fatal, on_ready
+        self.metrics = Metrics()
+        self.runner = DecodeQueue(config, self.metrics, progress)
+        self.ready = False
+
+    @property
+    def name(self) -> str:
+        return self.config.served_model_name or (self.runner.engine.name if self.runner.engine else "glance")
+
+    async def start(self) -> None:
+        try:
+            await self.runner.load()
+        except Exception as exc:  # any failure to load ends the server with its one-line reason
+            self.on_fatal(exc)
+            return
+        self.ready = True
+        self.on_ready(self.name, self.runner.engine.backend)
+
+    # -- checks -----------------------------------------------------------------------------------------
+
+    def authorize(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise RequestError("missing or wrong API key; send it as the header Authorization: Bearer KEY", 401,
+                               code="invalid_api_key", type="authentication_error")
+
+    async def body(self, request: Request) -> Any:
+        cap = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > cap:
+            raise RequestError(f"the request body is {declared} bytes, over this server's {cap}", 413,
+                               code="body_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cap:
+                raise RequestError(f"the request body is over this server's {cap} bytes", 413, code="body_too_large")
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise RequestError(f"the request body is not valid JSON ({exc})", code="invalid_json") from None
+
+    def messages(self, req: ChatRequest) -> list[dict[str, Any]]:
+        """OpenAI messages as the engine takes them: decoded images in place of their URLs."""
+        out = []
+        for m in req.messages:
+            content = m.content if isinstance(m.content, list) else [] if m.content is None else None
+            if content is None:
+                parts = [{"type": "text", "text": m.content}]
+            else:
+                parts = [{"type": "text", "text": p.text} if p.type == "text" else
+                         {"type": "image", "image": load_image_url(p.image_url.url, self.config.media_dir,
+                                                                   self.config.max_image_pixels)}
+                         for p in content]
+            out.append({"role": "system" if m.role == "developer" else m.role, "content": parts})
+        return out
+
+    def prompt(self, req: ChatRequest, limit: int) -> tuple[Prompt, float]:
+        """The prompt and the milliseconds its images and tokens took (an in-process caller's share)."""
+        t0 = time.perf_counter()
+        try:
+            return self.runner.engine.prepare(self.messages(req), limit), (time.perf_counter() - t0) * 1e3
+        except GlanceError as exc:
+            raise RequestError(str(exc), param="messages", code="invalid_prompt") from None
+
+    def max_tokens(self, req: ChatRequest) -> int:
+        asked = req.limit or self.config.default_max_tokens
+        if asked > self.config.max_tokens:
+            raise RequestError(f"max_tokens {asked} is over this server's {self.config.max_tokens}; ask for fewer",
+                               param="max_tokens", code="max_tokens_too_large")
+        return asked
+
+    # -- the endpoint -----------------------------------------------------------------------------------
+
+    async def chat(self, request: Request) -> Response:
+        arrived = time.monotonic()
+        self.authorize(request)
+        req = parse_request(await self.body(request))
+        req.refuse_sampling()
+        if not self.ready:
+            raise RequestError("the model is still loading; retry when GET /health answers 200", 503,
+                               code="loading", type="server_error", headers={"Retry-After": "1"})
+        if req.model != self.name:
+            raise RequestError(f"the model {req.model!r} does not exist here; this server serves {self.name!r}", 404,
+                               param="model", code="model_not_found")
+        if len(req.messages) > self.config.max_messages:
+            raise RequestError(f"{len(req.messages)} messages is over this server's {self.config.max_messages}",
+                               param="messages", code="too_many_messages")
+        limit = self.max_tokens(req)
+        cancel = threading.Event()
+        deadline = arrived + self.config.timeout_s
+        cancelled = lambda: cancel.is_set() or time.monotonic() > deadline  # noqa: E731
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[object] = asyncio.Queue()  # stream: PREPARED, then text pieces, then None
+        put = lambda item: loop.call_soon_threadsafe(events.put_nowait, item)  # noqa: E731
+
+        def job(engine: Engine) -> Completion:
+            """On the decode thread, at the head of the queue: images are decoded only now (a deep queue holds
+            no pixels), and the request costs two thread hand-offs in all."""
+            queue_ms = (time.monotonic() - submitted) * 1e3
+            if cancelled():  # the client left, or the time ran out, while the request waited
+                raise Cancelled
+            prompt, prepare_ms = self.prompt(req, limit)
+            if req.stream:
+                put(PREPARED)
+            completion = engine.complete(prompt, limit, req.stops, emit=put if req.stream else None,
+                                         cancelled=cancelled)
+            completion.prepare_ms, completion.queue_ms = prepare_ms, queue_ms
+            return completion
+
+        submitted = time.monotonic()
+        future = self.runner.submit(job)
+        if not req.stream:
+            try:
+                if not await self._until(request, future, deadline):
+                    return Response(status_code=CLIENT_CLOSED)
+                completion = self._result(future)
+            finally:
+                cancel.set()
+            self._count(completion, arrived)
+            return JSONResponse(self._response(completion))
+        future.add_done_callback(lambda _: events.put_nowait(None))
+        first = asyncio.ensure_future(events.get())
+        try:  # the status waits for the prompt: a refused one is still a 4xx, not an error inside a 200 stream
+            if not await self._until(request, first, deadline):
+                cancel.set()
+                return Response(status_code=CLIENT_CLOSED)
+            if first.result() is None:
+                self._result(future)  # the job ended before its prompt was accepted: raises its refusal
+        except BaseException:
+            cancel.set()
+            first.cancel()
+            raise
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(self._stream(future, events, cancel, deadline, arrived, include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def _until(self, request: Request, waitable: asyncio.Future, deadline: float) -> bool:
+        """True once `waitable` is done; False when the client left first (the decode is then cancelled at
+        its next round); the timeout's 504 past the deadline."""
+        while True:
+            done, _ = await asyncio.wait({waitable}, timeout=min(0.2, max(deadline - time.monotonic(), 0)))
+            if done:
+                return True
+            if time.monotonic() > deadline:
+                raise self._timeout()
+            if await request.is_disconnected():
+                self.metrics.cancelled.labels("client").inc()
+                self.metrics.requests.labels(str(CLIENT_CLOSED)).inc()
+                return False
+
+    def _result(self, future) -> Completion:
+        try:
+            return future.result()
+        except Cancelled:
+            raise self._timeout() from None
+        except GlanceError as exc:
+            raise RequestError(str(exc), code="invalid_prompt") from None
+
+    def _timeout(self) -> RequestError:
+        self.metrics.cancelled.labels("timeout").inc()
+        return RequestError(f"the request took over this server's {self.config.timeout_s:g} s timeout", 504,
+                            code="timeout", type="server_error")
+
+    async def _stream(self, future, pieces: asyncio.Queue, cancel: threading.Event, deadline: float,
+                      arrived: float, include_usage: bool) -> AsyncIterator[bytes]:
+        ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
+            return _sse({"id": ident, "object": "chat.completion.chunk", "created": created, "model": self.name,
+                         "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra})
+
+        finished = False
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            while (piece := await asyncio.wait_for(pieces.get(), max(deadline - time.monotonic(), 0))) is not None:
+                yield chunk({"content": piece})
+            completion = self._result(future)
+            self._count(completion, arrived)
+            yield chunk({}, completion.finish_reason, glance=self._glance(completion))
+            if include_usage:
+                yield _sse({"id": ident, "object": "chat.completion.chunk", "created": created, "model": self.name,
+                            "choices": [], "usage": self._usage(completion)})
+            yield _sse("[DONE]")
+            finished = True
+        except (asyncio.TimeoutError, RequestError) as exc:
+            error = exc if isinstance(exc, RequestError) else self._timeout()
+            self.metrics.requests.labels(str(error.status)).inc()
+            yield _sse(error.body())
+            finished = True
+        finally:
+            cancel.set()
+            if not finished:
+                self.metrics.cancelled.labels("client").inc()
+                self.metrics.requests.labels(str(CLIENT_CLOSED)).inc()
+
+    # -- answers ----------------------------------------------------------------------------------------
+
+    def _count(self, c: Completion, arrived: float) -> None:
+        m = self.metrics
+        m.requests.labels("200").inc()
+        m.prompt_tokens.inc(c.prompt_tokens)
+        m.completion_tokens.inc(len(c.token_ids))
+        if c.rounds:
+            m.tau.observe(c.tau)
+        m.latency.observe(time.monotonic() - arrived)
+
+    @staticmethod
+    def _usage(c: Completion) -> dict[str, int]:
+        return {"prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.token_ids),
+                "total_tokens": c.prompt_tokens + len(c.token_ids)}
+
+    def _glance(self, c: Completion) -> dict[str, Any]:
+        """GLANCE's own figures: acceptance, the wait for the runner, and the time an in-process caller would have
+        spent (prepare: images and tokens; decode: the answer), so a client can tell what HTTP added."""
+        engine = self.runner.engine
+        return {"tau": round(c.tau, 4), "rounds": c.rounds, "prefill_tokens": c.prefill_tokens,
+                "backend": engine.backend if engine else None, "budget": engine.budget if engine else None,
+                "queue_ms": round(c.queue_ms, 3), "prepare_ms": round(c.prepare_ms, 3), "decode_ms": round(c.ms, 3)}
+
+    def _response(self, c: Completion) -> dict[str, Any]:
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": self.name, "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text},
+                                                 "finish_reason": c.finish_reason, "logprobs": None}],
+                "usage": self._usage(c), "glance": self._glance(c)}
+
+
+def create_app(config: ServeConfig, progress: Callable[[str], None] = lambda _: None,
+               on_fatal: Callable[[Exception], None] = lambda exc: None,
+               on_ready: Callable[[str, str], None] = lambda name, backend: None) -> FastAPI:
+    """The ASGI app; the model loads (and warms) in the background once the server starts."""
+    service = Service(config, progress, on_fatal, on_ready)
+    tasks: set[asyncio.Task] = set()
+
+    async def lifespan(_app: FastAPI):
+        tasks.add(asyncio.create_task(service.start()))
+        yield
+        service.runner.close()
+
+    app = FastAPI(title="glance-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = service
+
+    @app.exception_handler(RequestError)
+    async def refused(request: Request, exc: RequestError) -> JSONResponse:
+        if request.url.path == "/v1/chat/completions":
+            service.metrics.requests.labels(str(exc.status)).inc()
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request: Request, exc: HTTPException) -> JSONResponse:
+        return JSONResponse(RequestError(str(exc.detail), exc.status_code, code=str(exc.status_code)).body(),
+                            status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error on %s", request.url.path)
+        if request.url.path == "/v1/chat/completions":
+            service.metrics.requests.labels("500").inc()
+        return JSONResponse(RequestError("internal server error; the server's log has the details", 500,
+                                         code="internal_error", type="server_error").body(), status_code=500)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await service.chat(request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        service.authorize(request)
+        return JSONResponse({"object": "list", "data": [{"id": service.name, "object": "model", "created": 0,
+                                                         "owned_by": "glance"}]})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if service.ready:
+            return JSONResponse({"status": "ok", "model": service.name})
+        return JSONResponse({"status": "loading"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        service.authorize(request)
+        return Response(service.metrics.text(), media_type="text/plain; version=0.0.4")
+
+    return app

@@ -1,0 +1,133 @@
+"""`glance-serve`: one model on one device behind OpenAI's HTTP API.
+
+One process holds one runner and decodes one request at a time (batch 1, arrival order); more throughput
+means more processes, one per device, each on its own port, behind a load balancer (or Triton's model
+repository from `glance-export triton` for many GPUs and machines).
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import socket
+import sys
+from pathlib import Path
+
+from ..cli_parser import OneLineParser, guarded, parse_budget
+from ..errors import GlanceError
+from ..runner import BACKENDS
+from .app import ServeConfig, create_app
+from .engine import ModelSpec
+
+LOOPBACK_NAMES = ("localhost",)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="glance-serve", description="OpenAI-compatible server for one GLANCE model "
+                      "(greedy, lossless; one request decodes at a time)")
+    p.add_argument("--model", type=Path, help="target snapshot directory (default: the embedded glance-vl-tiny)")
+    p.add_argument("--head", type=Path, help="GLANCE/DFlash draft head directory")
+    p.add_argument("--artifacts", type=Path, help="exported graphs (glance-export onnx)")
+    p.add_argument("--engines", type=Path, help="TensorRT engines (glance-export build)")
+    p.add_argument("--backend", choices=BACKENDS, help="default: as glance-run chooses")
+    p.add_argument("--provider", action="append", help="ONNX Runtime execution provider; repeat for a priority list")
+    p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads")
+    p.add_argument("--budget", type=parse_budget, help="tree nodes per round, or auto (default: as glance-run)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs --api-key)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port, printed at start)")
+    p.add_argument("--api-key", help="required as `Authorization: Bearer KEY` on every endpoint but /health")
+    p.add_argument("--media-dir", type=Path, help="directory whose files requests may name as file:// image URLs")
+    p.add_argument("--served-model-name", help="the model id clients send (default: the model directory's name)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for the runner; more get 429")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per request, queue wait included")
+    p.add_argument("--max-tokens", type=int, default=1024, help="the largest max_tokens a request may ask for")
+    p.add_argument("--max-body-mb", type=float, default=16.0, help="largest request body, in MiB")
+    p.add_argument("--max-image-pixels", type=int, default=4096 * 4096, help="largest image, in pixels")
+    p.add_argument("--max-messages", type=int, default=64, help="most messages in one request")
+    return p
+
+
+def _is_loopback(host: str) -> bool:
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check(args: argparse.Namespace) -> None:
+    """Refusals that need no model: an exposed port without a key, missing directories, bad limits."""
+    if not _is_loopback(args.host) and not args.api_key:
+        raise GlanceError(f"binding {args.host} exposes the server beyond this machine; pass --api-key KEY too "
+                          "(clients then send Authorization: Bearer KEY), or bind 127.0.0.1")
+    for flag, path in (("--model", args.model), ("--head", args.head), ("--artifacts", args.artifacts),
+                       ("--engines", args.engines), ("--media-dir", args.media_dir)):
+        if path is not None and not path.is_dir():
+            raise GlanceError(f"{flag} {path} {'is not a directory' if path.exists() else 'does not exist'}; "
+                              "pass an existing directory")
+    for flag, value in (("--max-queue", args.max_queue), ("--max-tokens", args.max_tokens),
+                        ("--max-image-pixels", args.max_image_pixels), ("--max-messages", args.max_messages)):
+        if value < 1:
+            raise GlanceError(f"{flag} must be at least 1 (got {value})")
+    if args.timeout <= 0 or args.max_body_mb <= 0:
+        raise GlanceError("--timeout and --max-body-mb must be positive")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads so the port is known (and printed) at once, and
+    clients can already ask /health."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP by name: asyncio then sets TCP_NODELAY
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)  # connections made from now on wait in the backlog until uvicorn accepts them
+    except OSError as exc:
+        sock.close()
+        raise GlanceError(f"cannot bind {host}:{port} ({exc.strerror}); pick another --port or stop what holds it") \
+            from None
+    return sock
+
+
+def run(args: argparse.Namespace) -> int:
+    check(args)
+    try:
+        import uvicorn
+    except ImportError:
+        raise GlanceError("glance-serve needs its extra: pip install 'glance-toolkit[serve]'") from None
+    spec = ModelSpec(model=args.model, head=args.head, artifacts=args.artifacts, engines=args.engines,
+                     backend=args.backend, providers=args.provider, threads=args.threads, budget=args.budget)
+    config = ServeConfig(spec=spec, served_model_name=args.served_model_name, api_key=args.api_key,
+                         media_dir=args.media_dir, max_queue=args.max_queue, timeout_s=args.timeout,
+                         max_body_bytes=int(args.max_body_mb * (1 << 20)), max_image_pixels=args.max_image_pixels,
+                         max_tokens=args.max_tokens, max_messages=args.max_messages)
+    sock = bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    fatal: list[Exception] = []
+    server: uvicorn.Server | None = None
+
+    def progress(line: str) -> None:
+        print(f"glance-serve: {line}", file=sys.stderr, flush=True)
+
+    def on_fatal(exc: Exception) -> None:
+        fatal.append(exc)
+        server.should_exit = True
+
+    def on_ready(name: str, backend: str) -> None:
+        progress(f"ready: {name} ({backend}) on {url}")
+
+    app = create_app(config, progress, on_fatal, on_ready)
+    progress(f"listening on {url}; loading the model")
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
+    server.run(sockets=[sock])
+    if fatal:
+        exc = fatal[0]
+        raise exc if isinstance(exc, GlanceError) else GlanceError(f"the model failed to load: {exc}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="glance-serve: %(message)s")
+    return guarded("glance-serve", lambda: run(parser().parse_args(argv)), interrupted="stopped")

@@ -1,0 +1,126 @@
+"""The one place the server touches the runtime: the Python API, plus the rows of the last answered
+conversation, kept on the device between requests.
+
+OpenAI clients resend the whole conversation each turn. Each request here decodes through the API's one
+internal path (`Model._run`: prompt in, decode, text out), told to keep the rows its prompt shares with
+what the previous request committed (`prefix.shared_rows`: a conversation that extends the last one
+prefills only its new turn). The answer is token-identical to a fresh decode (the API's guarantee), and
+for a single user turn it is `glance-run`'s text.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..api import Model, load
+from ..auto_budget import AUTO
+from ..defaults import resolve
+from ..preprocess import Prompt
+from ..prefix import Committed, image_runs, shared_rows
+
+WARMUP_PROMPT = "Hello"
+CONTEXT_FIX = "shorten the conversation or ask for fewer max_tokens"
+
+
+class Cancelled(Exception):
+    """The decode stopped at a round boundary: the client left or the request ran out of time."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What to serve, as `glance-run` takes it (all None: the embedded default)."""
+
+    model: Path | None = None
+    head: Path | None = None
+    artifacts: Path | None = None
+    engines: Path | None = None
+    backend: str | None = None
+    providers: Sequence[str] | None = None
+    threads: int | None = None
+    budget: int | str | None = None
+
+
+@dataclass
+class Completion:
+    text: str
+    prompt_tokens: int
+    prefill_tokens: int  # the prompt's rows actually prefilled (the rest were kept from the last request)
+    token_ids: list[int]
+    tau: float
+    rounds: int
+    finish_reason: str  # "stop" (a stop token or string) or "length"
+    ms: float = 0.0  # the decode's wall time, as an in-process caller would see it
+    prepare_ms: float = 0.0  # building its prompt (images, tokens), where the caller timed that
+    queue_ms: float = 0.0  # waiting for the runner, where the caller queued it
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+class _Until:
+    """The API's cancel flag, read at each round: set once `cancelled()` says so."""
+
+    def __init__(self, cancelled: Callable[[], bool]):
+        self.cancelled, self.fired = cancelled, False
+
+    def is_set(self) -> bool:
+        self.fired = self.fired or self.cancelled()
+        return self.fired
+
+
+class Engine:
+    """A loaded model; not thread-safe (as the API's Model): the server calls it from one thread only."""
+
+    def __init__(self, spec: ModelSpec, progress: Callable[[str], None] = lambda _: None):
+        backend = "tensorrt" if spec.engines is not None else spec.backend
+        self.model: Model = load(spec.artifacts, engines=spec.engines, model=spec.model, head=spec.head,
+                                 backend=backend, provider=spec.providers, threads=spec.threads, budget=spec.budget,
+                                 progress=progress)
+        named = spec.engines or resolve(spec.model, spec.head, spec.artifacts, spec.backend)[0] or spec.artifacts
+        self.name = Path(named).name
+        self.committed: Committed | None = None  # what the backend holds, when the last decode finished
+
+    @property
+    def backend(self) -> str:
+        return self.model.runner.backend.name
+
+    @property
+    def budget(self) -> int | str:
+        cfg = self.model._config(1)
+        return AUTO if cfg.auto else cfg.budget
+
+    def warm(self) -> None:
+        """One short decode, so the first client does not pay for lazy initialisation (or auto's measuring)."""
+        messages = [{"role": "user", "content": [{"type": "text", "text": WARMUP_PROMPT}]}]
+        self.complete(self.prepare(messages, 4), 4)
+
+    def prepare(self, messages: list[dict[str, Any]], max_tokens: int) -> Prompt:
+        """The prompt, refused here, before anything is decoded, if it is bad or would overflow the context."""
+        prompt = self.model.build(messages=messages)
+        self.model._check_room(prompt, self.model._config(max_tokens), CONTEXT_FIX)
+        return prompt
+
+    def complete(self, prompt: Prompt, max_tokens: int, stop: Sequence[str] = (),
+                 emit: Callable[[str], None] | None = None,
+                 cancelled: Callable[[], bool] = lambda: False) -> Completion:
+        """Decode greedily, keeping the rows shared with the last request; `emit` gets the text as rounds
+        commit, `cancelled` is polled each round (Cancelled is raised once the rows are consistent)."""
+        t0 = time.perf_counter()
+        side = self.model._side
+        keep = shared_rows(self.committed, prompt, side.image_token_id, side.merge)
+        self.committed, flag = None, _Until(cancelled)  # unknown if the decode fails midway
+        out = self.model._run(prompt, max_tokens, stop, keep=keep, on_piece=emit, cancel=flag, fix=CONTEXT_FIX)
+        rows = self.model.runner.backend.start
+        self.committed = Committed(np.concatenate([prompt.input_ids, np.asarray(out.token_ids, np.int64)])[:rows],
+                                   tuple(image_runs(prompt, side.image_token_id, side.merge)))
+        if flag.fired:
+            raise Cancelled
+        s = out.stats
+        return Completion(out.text, s["prompt_tokens"], s["prefill_tokens"], out.token_ids, out.tau, s["rounds"],
+                          "length" if s["finish"] == "length" else "stop", (time.perf_counter() - t0) * 1e3,
+                          stats=s)
+
+    def close(self) -> None:
+        self.model.close()

@@ -1,0 +1,335 @@
+"""`glance-serve` live on loopback ports, driven by the official `openai` client and raw HTTP: it answers
+with `glance-run`'s exact text (plain and streamed, 16 clients at once), refuses bad requests with OpenAI's
+error shape and stays healthy, survives dropped streams, a full queue and a killed process."""
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from PIL import Image
+
+import glance_runtime as gr
+from glance_runtime.serve.cli import main as serve_main
+from serve_helpers import MODEL_NAME, RECEIPT, data_url, glance_run, start_server, user
+
+KEY = "test-key"
+CLIENT_TIMEOUT_S = 60
+QUESTIONS = [("What is the total?", RECEIPT), ("Describe this.", None)]
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    root = tmp_path_factory.mktemp("media")
+    shutil.copy(RECEIPT, root / "receipt.png")
+    (root / "notes.txt").write_text("not an image")
+    secret = tmp_path_factory.getbasetemp() / "secret.png"
+    secret.write_bytes(RECEIPT.read_bytes())
+    (root / "link.png").symlink_to(secret)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(media):
+    srv = start_server("--api-key", KEY, "--media-dir", str(media), "--max-body-mb", "2", "--max-messages", "8",
+                       "--max-tokens", "512")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def expected():
+    """glance-run's answers to QUESTIONS, by prompt."""
+    return {prompt: glance_run(prompt, image) for prompt, image in QUESTIONS}
+
+
+def client(server, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=CLIENT_TIMEOUT_S)
+
+
+def ask(server, prompt: str, image=None, **kw):
+    return client(server).chat.completions.create(model=MODEL_NAME, messages=user(prompt, image and data_url(image)),
+                                                  **kw)
+
+
+def test_openai_client_gets_glance_runs_text_plain_and_streamed(server, expected):
+    for prompt, image in QUESTIONS:
+        ref = expected[prompt]
+        out = ask(server, prompt, image)
+        assert out.choices[0].message.content == ref["text"]
+        assert out.choices[0].finish_reason == "stop"
+        assert out.usage.completion_tokens == len(ref["token_ids"])
+        assert out.model_extra["glance"]["rounds"] >= 1 and out.model_extra["glance"]["tau"] >= 1
+        pieces = [c.choices[0].delta.content or "" for c in ask(server, prompt, image, stream=True) if c.choices]
+        assert "".join(pieces) == ref["text"] and len([p for p in pieces if p]) > 1
+
+
+def test_usage_in_the_stream_and_a_file_under_the_media_dir(server, expected, media):
+    ref = expected["What is the total?"]
+    chunks = list(client(server).chat.completions.create(
+        model=MODEL_NAME, messages=user("What is the total?", (media / "receipt.png").as_uri()), stream=True,
+        stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref["text"]
+    assert chunks[-1].usage.completion_tokens == len(ref["token_ids"]) and chunks[-1].usage.prompt_tokens > 0
+
+
+def test_max_tokens_and_stop_strings(server, expected):
+    ref = glance_run("What is the total?", RECEIPT, max_new_tokens=3)
+    out = ask(server, "What is the total?", RECEIPT, max_tokens=3)
+    assert out.choices[0].message.content == ref["text"] and out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 3
+    full = expected["What is the total?"]["text"]
+    cut = full.index(" is ")
+    for stream in (False, True):
+        got = ask(server, "What is the total?", RECEIPT, stop=[" is "], stream=stream)
+        text = "".join(c.choices[0].delta.content or "" for c in got if c.choices) if stream \
+            else got.choices[0].message.content
+        assert text == full[:cut]
+
+
+def test_a_system_prompt_and_earlier_turns_are_part_of_the_prompt(server, expected):
+    turns = [{"role": "system", "content": "You are brief."}, *user("What is the total?", data_url(RECEIPT)),
+             {"role": "assistant", "content": expected["What is the total?"]["text"]}, *user("Describe this.")]
+    out = client(server).chat.completions.create(model=MODEL_NAME, messages=turns)
+    alone = ask(server, "Describe this.")
+    assert out.choices[0].finish_reason in ("stop", "length") and out.choices[0].message.content
+    assert out.usage.prompt_tokens > alone.usage.prompt_tokens + 16  # the image and the earlier turns were prefilled
+
+
+def test_a_follow_up_turn_reuses_the_conversations_rows_and_equals_a_fresh_decode(server, expected):
+    first = user("What is the total?", data_url(RECEIPT))
+    ask(server, "Describe this.")  # the server now holds another conversation's rows
+    a1 = client(server).chat.completions.create(model=MODEL_NAME, messages=first)
+    assert a1.choices[0].message.content == expected["What is the total?"]["text"]
+    turns = [*first, {"role": "assistant", "content": a1.choices[0].message.content},
+             *user("Is it more than 30?")]
+    a2 = client(server).chat.completions.create(model=MODEL_NAME, messages=turns)
+    glance = a2.model_extra["glance"]
+    assert glance["prefill_tokens"] < a2.usage.prompt_tokens - 16  # the image and the first turn were kept
+    with Image.open(RECEIPT) as img, gr.load(threads=1) as model:
+        fresh = model.generate(messages=[{"role": "user", "content": [{"type": "image", "image": img.copy()},
+                                                                      {"type": "text", "text": "What is the total?"}]},
+                                         turns[1], {"role": "user", "content": "Is it more than 30?"}])
+    assert a2.choices[0].message.content == fresh.text
+    assert a2.usage.completion_tokens == len(fresh.token_ids)
+
+
+def test_several_images_in_one_request(server, media):
+    two = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(RECEIPT)}},
+                                        {"type": "image_url", "image_url": {"url": (media / "receipt.png").as_uri()}},
+                                        {"type": "text", "text": "What changed?"}]}]
+    one = client(server).chat.completions.create(model=MODEL_NAME, messages=[
+        {"role": "user", "content": [two[0]["content"][0], two[0]["content"][2]]}])
+    out = client(server).chat.completions.create(model=MODEL_NAME, messages=two)
+    assert out.choices[0].message.content and out.usage.prompt_tokens > one.usage.prompt_tokens + 16
+
+
+def test_sixteen_concurrent_clients_all_get_the_text_while_metrics_answer(server, expected):
+    ref = expected["What is the total?"]["text"]
+    depths: list[float] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        with httpx.Client(headers={"Authorization": f"Bearer {KEY}"}, timeout=CLIENT_TIMEOUT_S) as http:
+            while not done.is_set():
+                assert http.get(f"{server.url}/health").status_code == 200
+                text = http.get(f"{server.url}/metrics").text
+                depths.append(float(next(line.split()[1] for line in text.splitlines()
+                                         if line.startswith("glance_queue_depth "))))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(lambda i: ask(server, "What is the total?", RECEIPT,
+                                                  stream=bool(i % 2)), range(16)))
+    finally:
+        done.set()
+        watcher.join(timeout=CLIENT_TIMEOUT_S)
+    texts = ["".join(c.choices[0].delta.content or "" for c in a if c.choices) if i % 2 else a.choices[0].message.content
+             for i, a in enumerate(answers)]
+    assert texts == [ref] * 16
+    assert max(depths) >= 1  # health and metrics answered while requests queued behind a decode
+    metrics = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    assert 'glance_requests_total{status="200"}' in metrics
+    assert "glance_queue_wait_seconds_count" in metrics and "glance_tau_bucket" in metrics
+
+
+def _bomb() -> bytes:
+    buf = io.BytesIO()
+    Image.new("1", (10_000, 10_000)).save(buf, format="PNG")  # ~100 MP in a file of a few KB
+    return buf.getvalue()
+
+
+def _png(size=(5000, 5000)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("L", size).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _body(messages=None, **kw) -> dict:
+    return {"model": MODEL_NAME, "messages": user("What is the total?") if messages is None else messages, **kw}
+
+
+def _image(url: str) -> dict:
+    return _body(user("What is the total?", url))
+
+
+REFUSALS = {
+    "malformed JSON": (b'{"model": ', 400, "invalid_json"),
+    "not an object": (b'[1, 2]', 400, "invalid_request"),
+    "messages not a list": (_body(messages="hi"), 400, "invalid_request"),
+    "max_tokens a string": (_body(max_tokens="5"), 400, "invalid_request"),
+    "unknown role": (_body(messages=[{"role": "robot", "content": "hi"}]), 400, "invalid_request"),
+    "missing messages": ({"model": MODEL_NAME}, 400, "invalid_request"),
+    "missing model": ({"messages": user("hi")}, 400, "invalid_request"),
+    "empty messages": (_body(messages=[]), 400, "invalid_request"),
+    "temperature": (_body(temperature=0.7), 400, "sampling_unsupported"),
+    "top_p": (_body(top_p=0.5), 400, "sampling_unsupported"),
+    "n": (_body(n=2), 400, "sampling_unsupported"),
+    "unknown model": ({**_body(), "model": "gpt-4o"}, 404, "model_not_found"),
+    "bad base64": (_image("data:image/png;base64,@@@not-base64@@@"), 400, "invalid_base64"),
+    "not an image": (_image("data:image/png;base64,aGVsbG8gd29ybGQ="), 400, "invalid_image"),
+    "decompression bomb": (_image("data:image/png;base64," + __import__("base64").b64encode(_bomb()).decode()), 400,
+                           "image_too_large"),
+    "image over the pixel cap": (_image("data:image/png;base64," + __import__("base64").b64encode(_png()).decode()),
+                                 400, "image_too_large"),
+    "remote URL": (_image("https://example.com/receipt.png"), 400, "remote_image_refused"),
+    "path outside the media dir": (_image("file:///etc/passwd"), 400, "path_outside_media_dir"),
+    "relative escape": (_image("file:../secret.png"), 400, "path_outside_media_dir"),
+    "dot-dot escape": (lambda media: _image(f"file://{media}/../secret.png"), 400, "path_outside_media_dir"),
+    "a link out of the media dir": (lambda media: _image((media / "link.png").as_uri()), 400,
+                                    "path_outside_media_dir"),
+    "missing media file": (lambda media: _image((media / "nothing.png").as_uri()), 400, "image_not_found"),
+    "a text file as image": (lambda media: _image((media / "notes.txt").as_uri()), 400, "invalid_image"),
+    "overflowing the context": (_body(messages=user("x " * 4000)), 400, "invalid_prompt"),
+    "max_tokens over the cap": (_body(max_tokens=100_000), 400, "max_tokens_too_large"),
+    "too many messages": (_body(messages=user("hi") * 9), 400, "too_many_messages"),
+    "body too large": (_body(messages=user("x" * (3 << 20))), 413, "body_too_large"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_bad_requests_get_their_4xx_in_openais_shape_and_the_server_stays_healthy(server, expected, media, case):
+    body, status, code = REFUSALS[case]
+    body = body(media) if callable(body) else body
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=raw, timeout=CLIENT_TIMEOUT_S,
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["code"] == code and error["message"] and "Traceback" not in r.text
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert ask(server, "Describe this.").choices[0].message.content == expected["Describe this."]["text"]
+
+
+def test_the_openai_client_raises_on_refusals(server):
+    with pytest.raises(openai.BadRequestError, match="greedily"):
+        ask(server, "hi", temperature=1.0)
+    with pytest.raises(openai.NotFoundError):
+        client(server).chat.completions.create(model="nope", messages=user("hi"))
+
+
+@pytest.mark.parametrize("key", [None, "wrong-key"])
+def test_a_missing_or_wrong_api_key_is_401(server, key):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    for method, path in (("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/metrics")):
+        r = httpx.request(method, f"{server.url}{path}", json=_body(), headers=headers, timeout=CLIENT_TIMEOUT_S)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    if key:  # the client itself refuses to send no key at all
+        with pytest.raises(openai.AuthenticationError):
+            client(server, key).chat.completions.create(model=MODEL_NAME, messages=user("hi"))
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_models_lists_the_served_model(server):
+    assert [m.id for m in client(server).models.list()] == [MODEL_NAME]
+
+
+def test_a_dropped_stream_leaves_the_next_request_correct(server, expected):
+    ref = expected["What is the total?"]["text"]
+    for _ in range(3):
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=CLIENT_TIMEOUT_S,
+                          json=_body(user("What is the total?", data_url(RECEIPT)), stream=True),
+                          headers={"Authorization": f"Bearer {KEY}"}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")  # the role chunk: the answer has begun; then hang up
+    assert ask(server, "What is the total?", RECEIPT).choices[0].message.content == ref
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_a_full_queue_answers_429_and_a_killed_server_restarts_cleanly(expected):
+    srv = start_server("--max-queue", "1")
+    port = srv.url.rsplit(":", 1)[1]
+    try:
+        barrier = threading.Barrier(12)
+
+        def post(_):
+            with httpx.Client(timeout=CLIENT_TIMEOUT_S) as http:
+                barrier.wait()
+                return http.post(f"{srv.url}/v1/chat/completions", json=_body(user("What is the total?",
+                                                                                   data_url(RECEIPT))))
+
+        with ThreadPoolExecutor(12) as pool:
+            replies = list(pool.map(post, range(12)))
+        busy = [r for r in replies if r.status_code == 429]
+        assert busy and all(int(r.headers["Retry-After"]) >= 1 and r.json()["error"]["code"] == "queue_full"
+                            for r in busy)
+        ok = [r for r in replies if r.status_code == 200]
+        assert len(ok) + len(busy) == 12 and len(ok) >= 2
+        assert {r.json()["choices"][0]["message"]["content"] for r in ok} == {expected["What is the total?"]["text"]}
+        srv.stop(signal.SIGKILL)
+        srv = start_server("--port", port)  # the same port, at once
+        assert srv.url.endswith(f":{port}")
+        out = httpx.post(f"{srv.url}/v1/chat/completions", json=_body(user("Describe this.")),
+                         timeout=CLIENT_TIMEOUT_S)
+        assert out.json()["choices"][0]["message"]["content"] == expected["Describe this."]["text"]
+    finally:
+        srv.stop()
+
+
+def test_a_request_over_its_timeout_is_504_and_the_server_carries_on(expected):
+    while_loading: list[httpx.Response] = []
+
+    def probe(url: str) -> None:  # the model takes seconds to load and warm: it is still loading now
+        while_loading.append(httpx.get(f"{url}/health", timeout=CLIENT_TIMEOUT_S))
+        while_loading.append(httpx.post(f"{url}/v1/chat/completions", json=_body(), timeout=CLIENT_TIMEOUT_S))
+
+    srv = start_server("--timeout", "0.001", on_listening=probe)
+    try:
+        health, early = while_loading
+        assert health.status_code == 503 and health.json()["status"] == "loading"
+        assert early.status_code == 503 and early.json()["error"]["code"] == "loading"
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json=_body(user("What is the total?", data_url(RECEIPT))),
+                       timeout=CLIENT_TIMEOUT_S)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+        assert httpx.get(f"{srv.url}/health").status_code == 200
+        assert "glance_cancelled_total" in httpx.get(f"{srv.url}/metrics").text
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--host", "0.0.0.0"], "--api-key"),
+    (["--media-dir", "/nonexistent/dir"], "--media-dir"),
+    (["--max-queue", "0"], "--max-queue"),
+])
+def test_unsafe_or_bad_flags_are_one_line_refusals(argv, message, capsys):
+    assert serve_main([*argv, "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_model_that_fails_to_load_ends_the_server_with_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "glance_runtime.serve", "--port", "0", "--artifacts", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "error: " in done.stderr and "manifest" in done.stderr and "Traceback" not in done.stderr

@@ -1,0 +1,146 @@
+"""`glance-export triton` writes a model repository that the real `tritonserver` (from the nvidia-pytriton
+wheel) serves on a loopback port: `generate` and `generate_stream` answer with `glance-run`'s text.
+
+The Python-backend stubs run in a virtual environment with numpy 1.26 (Triton 2.51's stub crashes on
+string tensors under numpy 2) and the runtime's dependencies; the test builds it once with pip into
+pytest's cache directory (about a minute from pip's cache) and reuses it while its package list holds."""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from glance_export.cli import main as export_main
+from serve_helpers import RECEIPT, glance_run
+
+ENV_PACKAGES = ["numpy==1.26.4", "onnxruntime", "pillow", "tokenizers", "jinja2>=3.1.6"]
+TRITON_WHEEL = "nvidia-pytriton"  # installed without its Python client's dependencies: only the binary is used
+PYVER = f"{sys.version_info.major}.{sys.version_info.minor}"
+START_TIMEOUT_S = 180
+REQUEST_TIMEOUT_S = 120
+
+pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.machine() != "x86_64",
+                                reason="the nvidia-pytriton wheel ships tritonserver for Linux x86-64 only")
+
+
+def _pip(python: Path, *args: str) -> None:
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *args], check=True,
+                   timeout=600)
+
+
+@pytest.fixture(scope="session")
+def stub_env(request) -> Path:
+    """The stubs' virtual environment, built once per package list and Python version (complete or absent)."""
+    key = hashlib.sha256(json.dumps([PYVER, ENV_PACKAGES, TRITON_WHEEL]).encode()).hexdigest()[:12]
+    env = Path(request.config.cache.mkdir("triton-env")) / f"py{PYVER}-{key}"
+    if (env / "complete").is_file():
+        return env
+    shutil.rmtree(env, ignore_errors=True)  # an interrupted build left no marker: start it over
+    print(f"building the Triton stub environment in {env} (once)", file=sys.stderr)
+    subprocess.run([sys.executable, "-m", "venv", str(env)], check=True, timeout=300)  # in place: it names its path
+    _pip(env / "bin" / "python", *ENV_PACKAGES)
+    _pip(env / "bin" / "python", "--no-deps", TRITON_WHEEL)
+    (env / "complete").write_text("")
+    return env
+
+
+def _site(env: Path) -> Path:
+    return env / "lib" / f"python{PYVER}" / "site-packages"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def triton(stub_env, tmp_path_factory):
+    """tritonserver on a loopback port serving the repository `glance-export triton` wrote."""
+    root = tmp_path_factory.mktemp("triton")
+    repo = root / "repo"
+    assert export_main(["triton", "--out", str(repo), "--python-env", str(stub_env)]) == 0
+    server_dir = _site(stub_env) / "pytriton" / "tritonserver"
+    backends = root / "backends"
+    shutil.copytree(server_dir / "backends", backends)
+    shutil.copy(server_dir / "python_backend_stubs" / PYVER / "triton_python_backend_stub", backends / "python")
+    port = _free_port()
+    env = {**os.environ, "LD_LIBRARY_PATH": str(_site(stub_env) / "nvidia_pytriton.libs"), "OMP_NUM_THREADS": "1"}
+    log = (root / "tritonserver.log").open("w")
+    proc = subprocess.Popen([str(server_dir / "bin" / "tritonserver"), "--model-repository", str(repo),
+                             "--backend-directory", str(backends), "--http-address", "127.0.0.1",
+                             "--http-port", str(port), "--allow-grpc", "false", "--allow-metrics", "false"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"{url}/v2/health/ready", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        else:
+            pytest.fail("tritonserver did not become ready:\n" + (root / "tritonserver.log").read_text()[-4000:])
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+        log.close()
+
+
+def _events(response: httpx.Response) -> list[dict]:
+    return [json.loads(line[len("data: "):]) for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_generate_and_generate_stream_answer_with_glance_runs_text(triton):
+    ref = glance_run("What is the total?", RECEIPT)["text"]
+    body = {"prompt": "What is the total?", "image": base64.b64encode(RECEIPT.read_bytes()).decode(), "max_tokens": 256}
+    r = httpx.post(f"{triton}/v2/models/glance/generate", json=body, timeout=REQUEST_TIMEOUT_S)
+    assert r.status_code == 200, r.text
+    assert r.json()["text"] == ref
+    with httpx.stream("POST", f"{triton}/v2/models/glance/generate_stream", json={**body, "stream": True},
+                      timeout=REQUEST_TIMEOUT_S) as s:
+        pieces = [e["text"] for e in _events(s)]
+    assert "".join(pieces) == ref and len(pieces) > 1
+    text_only = httpx.post(f"{triton}/v2/models/glance/generate", json={"prompt": "Describe this."},
+                           timeout=REQUEST_TIMEOUT_S)
+    assert text_only.json()["text"] == glance_run("Describe this.")["text"]
+
+
+def test_bad_input_is_an_error_and_the_model_keeps_serving(triton):
+    bad = httpx.post(f"{triton}/v2/models/glance/generate", json={"prompt": "What?", "image": "@@not base64@@"},
+                     timeout=REQUEST_TIMEOUT_S)
+    assert bad.status_code == 400 and "base64" in bad.json()["error"]
+    short = glance_run("What is the total?", RECEIPT, max_new_tokens=3)["text"]
+    body = {"prompt": "What is the total?", "image": base64.b64encode(RECEIPT.read_bytes()).decode(), "max_tokens": 3}
+    assert httpx.post(f"{triton}/v2/models/glance/generate", json=body,
+                      timeout=REQUEST_TIMEOUT_S).json()["text"] == short
+
+
+def test_repository_layout_and_instance_groups(tmp_path, capsys):
+    repo = tmp_path / "repo"
+    assert export_main(["triton", "--out", str(repo), "--instances-per-gpu", "3", "--gpu", "--provider", "cuda"]) == 0
+    config = (repo / "glance" / "config.pbtxt").read_text()
+    assert "count: 3 kind: KIND_GPU" in config and "decoupled: true" in config
+    assert '"providers"' in config and (repo / "glance" / "1" / "model.py").is_file()
+    assert export_main(["triton", "--out", str(tmp_path / "bad"), "--instances-per-gpu", "0"]) == 2
+    assert export_main(["triton", "--out", str(tmp_path / "bad"), "--python-env", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--instances-per-gpu" in err and "--python-env" in err and not (tmp_path / "bad").exists()
