@@ -11,7 +11,6 @@ from PIL import Image
 from glance_export.adapters import Snapshot
 from glance_export.head import head_config_for, init_head, pick_mask_token
 from glance_export.reference import TorchBackend, greedy_reference
-from glance_runtime.api import _Reusing
 from glance_runtime.backends.seeded import SeededDrafter
 from glance_runtime.loop import DecodeConfig, decode
 from glance_runtime.messages import user_turn
@@ -39,9 +38,8 @@ def converse(backend, build, detokenize, oracle, turns, seed: str, image_token_i
         prompt = build(messages)
         keep = shared_rows(committed, prompt, image_token_id, merge)
         truth = oracle(prompt)
-        inner = _Reusing(backend, keep) if keep else backend
-        result = decode(SeededDrafter(inner, truth, prompt.length, SEEDS[seed]),
-                        prompt, DecodeConfig(max_new_tokens=MAX_NEW, budget=31, branch_k=8))
+        result = decode(SeededDrafter(backend, truth, prompt.length, SEEDS[seed]),
+                        prompt, DecodeConfig(max_new_tokens=MAX_NEW, budget=31, branch_k=8), keep=keep)
         assert result.tokens == truth[:MAX_NEW], (len(messages), keep)
         if seed != "zero":
             assert any(r.accepted > 1 for r in result.rounds)

@@ -109,12 +109,12 @@ class Engine:
         commit, `cancelled` is polled each round (Cancelled is raised once the rows are consistent)."""
         t0 = time.perf_counter()
         side = self.model._side
-        keep = shared_rows(self.committed, prompt, side.image_token_id, side.merge)
+        keep = shared_rows(self.committed, prompt, side.image_token_id, side.merge_size)
         self.committed, flag = None, _Until(cancelled)  # unknown if the decode fails midway
         out = self.model._run(prompt, max_tokens, stop, keep=keep, on_piece=emit, cancel=flag, fix=CONTEXT_FIX)
         rows = self.model.runner.backend.start
         self.committed = Committed(np.concatenate([prompt.input_ids, np.asarray(out.token_ids, np.int64)])[:rows],
-                                   tuple(image_runs(prompt, side.image_token_id, side.merge)))
+                                   tuple(image_runs(prompt, side.image_token_id, side.merge_size)))
         if flag.fired:
             raise Cancelled
         s = out.stats
