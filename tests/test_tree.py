@@ -1,4 +1,4 @@
-"""Property and hand-checked tests for glance_runtime.tree (draft tree build, masks, walk)."""
+"""Property and hand-checked tests for glance_runtime.tree (draft tree build, visibility, walk)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from glance_runtime.tree import (
-    Tree,
-    additive_mask,
-    build_tree,
-    chain_tree,
-    pack_bitmask,
-    unpack_bitmask,
-    visibility,
-    walk,
-)
+from glance_runtime.tree import Tree, build_tree, visibility, walk
 
 FAST = settings(max_examples=100, deadline=None)
 ANCHOR = 1000
@@ -275,19 +266,6 @@ def test_visibility_rows_are_ancestor_sets(parents: np.ndarray) -> None:
         assert set(np.flatnonzero(vis[i]).tolist()) == ancestors(parents, i)
 
 
-@FAST
-@given(parent_arrays(), st.integers(0, 7), st.sampled_from([np.float32, np.float16, np.float64]))
-def test_additive_mask_matches_visibility(parents: np.ndarray, past_len: int, dtype: type) -> None:
-    mask = additive_mask(parents, past_len, dtype)
-    size = len(parents)
-    assert mask.dtype == np.dtype(dtype) and mask.shape == (size, past_len + size)
-    assert np.all(mask[:, :past_len] == 0)
-    pack = mask[:, past_len:]
-    vis = visibility(parents)
-    assert np.all(pack[vis] == 0)
-    assert np.all(pack[~vis] == np.finfo(dtype).min)
-
-
 def test_visibility_hand_example_and_validation() -> None:
     vis = visibility(np.array([-1, 0, 0, 1]))
     expected = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=bool)
@@ -296,82 +274,24 @@ def test_visibility_hand_example_and_validation() -> None:
         visibility(np.array([0, 0]))
     with pytest.raises(ValueError):
         visibility(np.array([-1, 1]))
-    with pytest.raises(ValueError):
-        additive_mask(np.array([-1, 0]), -1)
-    with pytest.raises(ValueError):
-        additive_mask(np.array([-1, 0]), 0, np.int32)
 
 
-# (5) bitmask
-
-
-@pytest.mark.parametrize("size", list(range(1, 131)))
-def test_bitmask_round_trip(size: int) -> None:
-    rng = np.random.default_rng(size)
-    visible = rng.random((size, size)) < 0.5
-    bits = pack_bitmask(visible)
-    assert bits.dtype == np.int32 and bits.shape == (size, -(-size // 32))
-    np.testing.assert_array_equal(unpack_bitmask(bits, size), visible)
-    parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, size)])
-    vis = visibility(parents)
-    np.testing.assert_array_equal(unpack_bitmask(pack_bitmask(vis), size), vis)
-
-
-def test_bitmask_hand_checked_words() -> None:
-    small = visibility(np.array([-1, 0, 0]))  # rows see {0}, {0,1}, {0,2}
-    np.testing.assert_array_equal(pack_bitmask(small), np.array([[1], [3], [5]], dtype=np.int32))
-    chain = visibility(np.arange(-1, 32))  # 33-node chain: row i sees 0..i
-    bits = pack_bitmask(chain)
-    assert bits.shape == (33, 2)
-    assert bits[0].tolist() == [1, 0]
-    assert bits[30].tolist() == [2**31 - 1, 0]
-    assert bits[31].tolist() == [-1, 0]  # all 32 bits, bit 31 included
-    assert bits[32].tolist() == [-1, 1]
-    only_31 = np.zeros((32, 32), dtype=bool)
-    only_31[5, 31] = True
-    words = pack_bitmask(only_31)
-    assert words[5, 0] == -(2**31) and np.count_nonzero(words) == 1
-    # uint32 words are accepted too.
-    np.testing.assert_array_equal(unpack_bitmask(words.view(np.uint32), 32), only_31)
-
-
-def test_unpack_bitmask_validation() -> None:
-    with pytest.raises(ValueError, match="shape"):
-        unpack_bitmask(np.zeros((3, 2), dtype=np.int32), 3)
-    with pytest.raises(ValueError, match="beyond"):
-        unpack_bitmask(np.array([[8], [0], [0]], dtype=np.int32), 3)
-    with pytest.raises(ValueError, match="boolean"):
-        pack_bitmask(np.eye(3))
-    with pytest.raises(ValueError, match="square"):
-        pack_bitmask(np.ones((2, 3), dtype=bool))
-
-
-# (6) chain
+# (5) chain (branch 1: the ablation)
 
 
 @FAST
 @given(drafts(), st.data())
-def test_chain_tree_is_top1_path(case: tuple, data: st.DataObject) -> None:
+def test_branch_one_is_the_top1_path(case: tuple, data: st.DataObject) -> None:
     ids, logprobs, _, _ = case
     length = data.draw(st.integers(1, ids.shape[0]))
-    chain = chain_tree(ANCHOR, ids, logprobs, length)
-    ref = build_tree(ANCHOR, ids, logprobs, length, branch_k=1)
-    for name in ("tokens", "parents", "depths", "scores"):
-        np.testing.assert_array_equal(getattr(chain, name), getattr(ref, name))
+    chain = build_tree(ANCHOR, ids, logprobs, length, branch_k=1)
     assert chain.size == length + 1
     assert chain.parents.tolist() == list(range(-1, length))
     assert chain.depths.tolist() == list(range(length + 1))
     assert chain.tokens[1:].tolist() == ids[:length, 0].tolist()
 
 
-def test_chain_tree_rejects_bad_length() -> None:
-    ids, lp = np.array([[3, 4], [5, 6]]), np.array([[-0.1, -1.0], [-0.2, -2.0]])
-    for length in (0, 3):
-        with pytest.raises(ValueError, match="length"):
-            chain_tree(1, ids, lp, length)
-
-
-# (7) walk
+# (6) walk
 
 # root(100) -> 1:5 -> 3:9
 #           -> 2:7 -> 4:11 -> 6:13

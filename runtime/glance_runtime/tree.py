@@ -3,30 +3,20 @@
 The draft head gives top-k candidates per offset in one pass; offsets are conditionally
 independent, so a path's score is the sum of its offsets' log-probs and the best tree of a
 given size can be grown best-first without further draft passes. The verify pass needs the
-tree packed parents-first with an ancestor-only attention mask (as an additive float mask for
-ONNX-style graphs, or a packed int32 bitmask for TensorRT-class runtimes), and the walk turns
-the target's argmaxes back into the accepted path plus the bonus token.
+tree packed parents-first with an ancestor-only attention mask (`visibility`: the boolean
+`tree_mask [T, T]` every exported target graph takes, on ONNX Runtime and TensorRT alike; the graph
+turns it into its additive mask), and the walk turns the target's argmaxes back into the accepted
+path plus the bonus token.
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-__all__ = [
-    "Tree",
-    "build_tree",
-    "chain_tree",
-    "fit",
-    "visibility",
-    "additive_mask",
-    "pack_bitmask",
-    "unpack_bitmask",
-    "walk",
-]
+__all__ = ["Tree", "build_tree", "fit", "visibility", "walk"]
 
 
 def _is_int(value: object) -> bool:
@@ -50,24 +40,19 @@ def _check_parents(parents: np.ndarray) -> np.ndarray:
     return arr
 
 
-@dataclass(frozen=True, eq=False)
 class Tree:
-    """A packed draft tree; arrays are validated, converted and made read-only on construction.
+    """A packed draft tree: `tokens`, `parents`, `depths` and `scores` [T] each, root first, validated and
+    converted on construction and read-only after it (the loop, the round log and the budget policies
+    share one tree, so none of them may change it). Compare trees by their arrays."""
 
-    eq=False because element-wise array equality has no single truth value; compare the arrays.
-    """
+    __slots__ = ("tokens", "parents", "depths", "scores")
 
-    tokens: np.ndarray
-    parents: np.ndarray
-    depths: np.ndarray
-    scores: np.ndarray
-
-    def __post_init__(self) -> None:
-        parents = _check_parents(self.parents)
+    def __init__(self, tokens, parents, depths, scores) -> None:
+        parents = _check_parents(parents)
         size = parents.shape[0]
-        tokens = np.asarray(self.tokens)
-        depths = np.asarray(self.depths)
-        scores = np.asarray(self.scores)
+        tokens = np.asarray(tokens)
+        depths = np.asarray(depths)
+        scores = np.asarray(scores)
         for name, arr, kinds in (("tokens", tokens, "iu"), ("depths", depths, "iu"), ("scores", scores, "iuf")):
             if arr.shape != (size,):
                 raise ValueError(f"{name} must have shape ({size},) like parents, got {arr.shape}")
@@ -85,19 +70,19 @@ class Tree:
             edges = np.stack([parents[1:], tokens[1:]], axis=1)
             if np.unique(edges, axis=0).shape[0] != size - 1:
                 raise ValueError("sibling nodes must carry distinct tokens")
-        for name, arr in (("tokens", tokens), ("parents", parents.copy()), ("depths", depths), ("scores", scores)):
-            arr.setflags(write=False)
-            object.__setattr__(self, name, arr)
+        self._freeze(tokens, parents.copy(), depths, scores)
+
+    def _freeze(self, *arrays: np.ndarray) -> None:
+        for name, arr in zip(self.__slots__, arrays):
+            arr.setflags(write=False)  # on a view of read-only arrays (a prefix) this is already so
+            setattr(self, name, arr)
 
     @classmethod
     def _trusted(cls, tokens: list[int], parents: list[int], depths: list[int], scores: list[float]) -> "Tree":
         """Skip validation for trees this module built itself (the per-round hot path)."""
-        tree = object.__new__(cls)
-        for name, values, dtype in (("tokens", tokens, np.int64), ("parents", parents, np.int64),
-                                    ("depths", depths, np.int64), ("scores", scores, np.float64)):
-            arr = np.array(values, dtype=dtype)
-            arr.setflags(write=False)
-            object.__setattr__(tree, name, arr)
+        tree = cls.__new__(cls)
+        tree._freeze(np.array(tokens, dtype=np.int64), np.array(parents, dtype=np.int64),
+                     np.array(depths, dtype=np.int64), np.array(scores, dtype=np.float64))
         return tree
 
     @classmethod
@@ -112,9 +97,8 @@ class Tree:
             raise ValueError(f"size must be an integer in 1..{self.size}, got {size!r}")
         if size == self.size:
             return self
-        tree = object.__new__(Tree)
-        for name in ("tokens", "parents", "depths", "scores"):
-            object.__setattr__(tree, name, getattr(self, name)[:size])  # views of read-only arrays stay read-only
+        tree = Tree.__new__(Tree)
+        tree._freeze(*(getattr(self, name)[:size] for name in self.__slots__))
         return tree
 
     @property
@@ -206,14 +190,6 @@ def build_tree(
     return Tree._trusted(tokens, parents, depths, scores)
 
 
-def chain_tree(anchor: int, topk_ids: np.ndarray, topk_logprobs: np.ndarray, length: int) -> Tree:
-    """The "chain" ablation: the top-1 path of `length` nodes (branch 1 leaves nothing to rank)."""
-    offsets = np.asarray(topk_ids).shape[0] if np.ndim(topk_ids) == 2 else 0
-    if not _is_int(length) or not 1 <= length <= offsets:
-        raise ValueError(f"length must be an integer in 1..{offsets} (B-1), got {length!r}")
-    return build_tree(anchor, topk_ids, topk_logprobs, budget=length, branch_k=1)
-
-
 def fit(tree: Tree, room: int) -> Tree:
     """`tree` cut to the `room` rows a verify pass can still add (never below the anchor alone).
 
@@ -240,64 +216,6 @@ def visibility(parents: np.ndarray) -> np.ndarray:
             return visible
         visible[rows[alive], current[alive]] = True
         current = np.where(alive, parents[np.maximum(current, 0)], -1)
-
-
-def additive_mask(parents: np.ndarray, past_len: int, dtype: np.dtype | type = np.float32) -> np.ndarray:
-    """[T, past_len + T] additive attention mask: 0 where visible, dtype's min elsewhere.
-
-    Every packed token sees the whole committed prefix, so the past columns are all 0.
-    """
-    if not _is_int(past_len) or past_len < 0:
-        raise ValueError(f"past_len must be a non-negative integer, got {past_len!r}")
-    dtype = np.dtype(dtype)
-    if dtype.kind != "f":
-        raise ValueError(f"dtype must be a floating-point type, got {dtype}")
-    visible = visibility(parents)
-    size = visible.shape[0]
-    mask = np.zeros((size, past_len + size), dtype=dtype)
-    mask[:, past_len:] = np.where(visible, dtype.type(0), np.finfo(dtype).min)
-    return mask
-
-
-def _bit_weights() -> np.ndarray:
-    """uint32 [32] with bit b at index b."""
-    return np.left_shift(np.uint32(1), np.arange(32, dtype=np.uint32))
-
-
-def pack_bitmask(visible: np.ndarray) -> np.ndarray:
-    """int32 [T, ceil(T/32)]: bit j % 32 of word j // 32 in row i is set when i sees j."""
-    visible = np.asarray(visible)
-    if visible.ndim != 2 or visible.shape[0] != visible.shape[1]:
-        raise ValueError(f"visible must be a square 2-D array, got shape {visible.shape}")
-    if visible.dtype != np.bool_:
-        raise ValueError(f"visible must be boolean, got dtype {visible.dtype}")
-    size = visible.shape[0]
-    words = -(-size // 32)
-    padded = np.zeros((size, words * 32), dtype=np.uint32)
-    padded[:, :size] = visible
-    # Distinct powers of two sum without carries, so a uint32 sum is an exact bitwise OR.
-    packed = (padded.reshape(size, words, 32) * _bit_weights()).sum(axis=-1, dtype=np.uint32)
-    return packed.view(np.int32)
-
-
-def unpack_bitmask(bits: np.ndarray, size: int) -> np.ndarray:
-    """Inverse of pack_bitmask: bool [size, size] from int32 (or uint32) words."""
-    if not _is_int(size) or size < 0:
-        raise ValueError(f"size must be a non-negative integer, got {size!r}")
-    arr = np.asarray(bits)
-    words = -(-size // 32)
-    if arr.shape != (size, words):
-        raise ValueError(f"bits must have shape ({size}, {words}) for size {size}, got {arr.shape}")
-    if arr.dtype.kind not in "iu":
-        raise ValueError(f"bits must be integers, got dtype {arr.dtype}")
-    wide = arr.astype(np.int64)
-    if np.any(wide < -(2**31)) or np.any(wide >= 2**32):
-        raise ValueError("bits must hold 32-bit words")
-    unsigned = (wide & 0xFFFFFFFF).astype(np.uint32)
-    flat = ((unsigned[..., None] & _bit_weights()) != 0).reshape(size, words * 32)
-    if np.any(flat[:, size:]):
-        raise ValueError(f"bits has set bits beyond column {size - 1}; wrong size?")
-    return flat[:, :size].copy()
 
 
 def walk(tree: Tree, target_argmax: np.ndarray) -> tuple[np.ndarray, int]:
