@@ -10,6 +10,7 @@ from glance_runtime import limits
 from glance_runtime.cli_parser import OneLineParser, decode_flags, guarded, runner_flags, source
 from glance_runtime.defaults import BRANCH_K, BUDGET, MEASURE_MAX_NEW_TOKENS, default_model, resolve
 from glance_runtime.errors import GlanceError
+from glance_runtime.runner import BACKENDS
 from glance_runtime.session import Settings, open_session
 
 from .device_profiles import PROFILE_NAMES

@@ -1,7 +1,7 @@
 """The GPU this machine has, and whether a target profile may build for it.
 
 Probing uses only files and `nvidia-smi` (no CUDA library, no torch), so it works on a bare Jetson.
-The build takes a `Device` value, so tests can stand in any GPU without one being present.
+The build takes a `BuildGpu` value, so tests can stand in any GPU without one being present.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ JETSON_RELEASES = {"R36": "orin", "R38": "thor"}  # L4T release line: JetPack 6 
 
 
 @dataclass(frozen=True)
-class Device:
+class BuildGpu:
     name: str | None  # None: this machine has no NVIDIA GPU
     compute_capability: str | None = None  # "8.7"
     memory_gib: float | None = None
@@ -50,7 +50,7 @@ def jetson_profiles() -> dict[str, DeviceProfile]:
     return {p.jetson: p for p in profiles if p.jetson}
 
 
-def _jetson(root: Path) -> Device | None:
+def _jetson(root: Path) -> BuildGpu | None:
     model = _read(root / "proc/device-tree/model")
     families = jetson_profiles()
     family = next((f for f in families if f in model.lower()), None)
@@ -60,27 +60,27 @@ def _jetson(root: Path) -> Device | None:
     if family is None:
         return None
     cc = families[family].compute_capabilities[0]
-    return Device(model or f"Jetson {family.title()}", cc, _meminfo_gib(root), family)
+    return BuildGpu(model or f"Jetson {family.title()}", cc, _meminfo_gib(root), family)
 
 
-def _nvidia_smi() -> Device:
+def _nvidia_smi() -> BuildGpu:
     if shutil.which("nvidia-smi") is None:
-        return Device(None)
+        return BuildGpu(None)
     try:
         query = ["nvidia-smi", "--query-gpu=name,compute_cap,memory.total", "--format=csv,noheader,nounits"]
         out = subprocess.run(query, capture_output=True, text=True, timeout=20, check=True).stdout
         name, cc, mib = (field.strip() for field in out.splitlines()[0].split(","))
-        return Device(name, cc, float(mib) / 1024)
+        return BuildGpu(name, cc, float(mib) / 1024)
     except (OSError, subprocess.SubprocessError, IndexError, ValueError):
-        return Device(None)
+        return BuildGpu(None)
 
 
-def probe_device(root: Path = Path("/")) -> Device:
+def probe_device(root: Path = Path("/")) -> BuildGpu:
     """This machine's GPU: a Jetson from its device tree or L4T release file, else the first `nvidia-smi` GPU."""
     return _jetson(root) or _nvidia_smi()
 
 
-def resolve_target(target: str, device: Device) -> str:
+def resolve_target(target: str, device: BuildGpu) -> str:
     """`jetson` means the Jetson this runs on; every other name is a profile."""
     if target != "jetson":
         load_profile(target)
@@ -94,7 +94,7 @@ def resolve_target(target: str, device: Device) -> str:
     return families[family].name
 
 
-def check_device(profile: DeviceProfile, device: Device) -> None:
+def check_device(profile: DeviceProfile, device: BuildGpu) -> None:
     """Refuse a GPU the target's engines would not run on (or a missing GPU where the builder needs one)."""
     if device.name is None:
         if not profile.ahead_of_time:

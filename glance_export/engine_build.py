@@ -21,7 +21,7 @@ from glance_runtime.integrity import sha256
 
 from . import __version__
 from .device_profiles import DeviceProfile, load_profile
-from .devices import Device, check_device, resolve_target
+from .devices import BuildGpu, check_device, resolve_target
 from .memory_plan import MemoryPlan, available_host_gib, check_build_host, check_device_builds, plan_memory
 from .plan_bundle import BUNDLE_FORMAT, write_bundle
 from .precision import Precision, choose_precision
@@ -126,20 +126,20 @@ def _identity(artifacts: Path, manifest: dict[str, Any]) -> dict[str, Any]:
             "head_weights_sha256": (manifest.get("head") or {}).get("weights_sha256")}
 
 
-def _device_record(profile: DeviceProfile, device: Device) -> dict[str, Any]:
+def _device_record(profile: DeviceProfile, device: BuildGpu) -> dict[str, Any]:
     if device.name is None:
         return {"name": "ahead-of-time, no GPU", "compute_capability": None,
                 "runs_on_compute_capabilities": list(profile.compute_capabilities)}
     return {"name": device.name, "compute_capability": device.compute_capability, "memory_gib": device.memory_gib}
 
 
-def _precision(request: BuildRequest, profile: DeviceProfile, device: Device) -> Precision:
+def _precision(request: BuildRequest, profile: DeviceProfile, device: BuildGpu) -> Precision:
     """Checked before any export or TensorRT import, so a precision the target cannot run fails first."""
     dtype = _read_manifest(request.artifacts)["dtype"] if request.artifacts else CACHE_DTYPE
     return choose_precision(profile, request.precision, dtype, device)
 
 
-def _planned(request: BuildRequest, profile: DeviceProfile, precision: Precision, device: Device,
+def _planned(request: BuildRequest, profile: DeviceProfile, precision: Precision, device: BuildGpu,
              version: str | None, say: Callable[[str], None]) -> tuple[Path, dict[str, Any], MemoryPlan]:
     """The checked artifacts, their manifest, and the memory plan (printed) that sizes the engines."""
     artifacts = _artifacts(request, say)
@@ -162,7 +162,7 @@ def _timing_cache(request: BuildRequest, profile: DeviceProfile, toolchain: Tool
     return None, {"path": str(path), "used": False, "note": note}
 
 
-def build(request: BuildRequest, device: Device, toolchain: Toolchain | None = None, *,
+def build(request: BuildRequest, device: BuildGpu, toolchain: Toolchain | None = None, *,
           profile: DeviceProfile | None = None, host_memory_gib: float | None = None,
           progress: Callable[[str], None] = print) -> Path:
     """Build (or with plan_only, bundle) for `request.target`; returns the output directory.
@@ -205,7 +205,7 @@ def build(request: BuildRequest, device: Device, toolchain: Toolchain | None = N
     return request.out
 
 
-def _measure_costs(out: Path, device: Device, branch_k: int, say: Callable[[str], None]) -> None:
+def _measure_costs(out: Path, device: BuildGpu, branch_k: int, say: Callable[[str], None]) -> None:
     """Where the engines can run (a device building its own), time their rounds now for `--budget auto`;
     elsewhere the device measures them on first use."""
     if not device.name:
@@ -224,7 +224,7 @@ def _measure_costs(out: Path, device: Device, branch_k: int, say: Callable[[str]
 
 def _plan_only(request: BuildRequest, profile: DeviceProfile, say: Callable[[str], None]) -> Path:
     """Check what can be checked without the device, then write the bundle it builds from."""
-    no_gpu = Device(None)
+    no_gpu = BuildGpu(None)
     precision = _precision(request, profile, no_gpu)
     artifacts, _, plan = _planned(request, profile, precision, no_gpu, None, say)
     check_device_builds(profile, plan)

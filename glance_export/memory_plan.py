@@ -21,7 +21,7 @@ from typing import Any
 from glance_runtime.errors import GlanceError
 
 from .device_profiles import DeviceProfile
-from .devices import Device
+from .devices import BuildGpu
 
 GIB = float(1 << 30)
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
@@ -165,7 +165,7 @@ def kv_bytes_per_row(manifest: dict[str, Any]) -> int:
                for g in manifest["graphs"].values() if {"num_layers", "num_kv_heads", "head_dim"} <= g.keys())
 
 
-def _memory(profile: DeviceProfile, device: Device, memory_gib: float | None) -> tuple[float, str]:
+def _memory(profile: DeviceProfile, device: BuildGpu, memory_gib: float | None) -> tuple[float, str]:
     if memory_gib is not None:
         if memory_gib <= 0:
             raise GlanceError("--memory-gib must be positive")
@@ -212,7 +212,7 @@ def _max_context(profile: DeviceProfile, budget: Budget, exported: int, requeste
     return fit // CONTEXT_STEP * CONTEXT_STEP, "what fits the memory budget"
 
 
-def plan_memory(profile: DeviceProfile, manifest: dict[str, Any], artifacts: Path, precision: str, device: Device, *,
+def plan_memory(profile: DeviceProfile, manifest: dict[str, Any], artifacts: Path, precision: str, device: BuildGpu, *,
                 max_context: int | None = None, max_tree: int | None = None, memory_gib: float | None = None,
                 workspace_gib: float | None = None) -> MemoryPlan:
     """Check a build fits the target's memory and derive the limits its engines are sized for."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from glance_runtime.errors import GlanceError
 
 from .device_profiles import DeviceProfile
-from .devices import Device, meets
+from .devices import BuildGpu, meets
 
 EXPORT_DTYPES = ("fp32", "fp16")  # what `glance-export onnx --dtype` writes
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
@@ -32,7 +32,7 @@ def default_precision(profile: DeviceProfile, artifacts_dtype: str) -> str:
     return profile.default_precision
 
 
-def choose_precision(profile: DeviceProfile, requested: str | None, artifacts_dtype: str, device: Device) -> Precision:
+def choose_precision(profile: DeviceProfile, requested: str | None, artifacts_dtype: str, device: BuildGpu) -> Precision:
     name = requested or default_precision(profile, artifacts_dtype)
     if name not in profile.precisions:
         raise GlanceError(f"{profile.name} cannot run {name} engines ({profile.precision_note}); "

@@ -21,7 +21,7 @@ from edge_install import blocking
 from glance_export import cli, devices
 from glance_export.adapters import Snapshot
 from glance_export.device_profiles import PROFILE_NAMES, load_profile, profile_text
-from glance_export.devices import Device, probe_device, resolve_target
+from glance_export.devices import BuildGpu, probe_device, resolve_target
 from glance_export.engine_build import BuildRequest, build, check_out
 from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
 from glance_export.memory_plan import kv_bytes_per_row, weights_bytes
@@ -34,11 +34,11 @@ from tiny_models import ALL_FAMILIES
 
 trt = pytest.importorskip("tensorrt_rtx")
 
-NO_GPU = Device(None)
-H100 = Device("NVIDIA H100 80GB HBM3", "9.0", 79.6)
-A10 = Device("NVIDIA A10", "8.6", 22.5)
-ORIN = Device("NVIDIA Jetson AGX Orin Developer Kit", "8.7", 30.6, "orin")
-GTX1080 = Device("NVIDIA GeForce GTX 1080", "6.1", 8.0)
+NO_GPU = BuildGpu(None)
+H100 = BuildGpu("NVIDIA H100 80GB HBM3", "9.0", 79.6)
+A10 = BuildGpu("NVIDIA A10", "8.6", 22.5)
+ORIN = BuildGpu("NVIDIA Jetson AGX Orin Developer Kit", "8.7", 30.6, "orin")
+GTX1080 = BuildGpu("NVIDIA GeForce GTX 1080", "6.1", 8.0)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def exported(snapshot_dir, tmp_path_factory):
     return lambda family, variant="fp32": export_once(snapshot_dir, tmp_path_factory, family, variant)
 
 
-def run_cli(monkeypatch, capsys, device: Device, *argv: str) -> tuple[int, str, str]:
+def run_cli(monkeypatch, capsys, device: BuildGpu, *argv: str) -> tuple[int, str, str]:
     """`glance-export build ...` in process, on a machine whose GPU probe finds `device`."""
     monkeypatch.setattr(devices, "probe_device", lambda: device)
     rc = cli.main(["build", *map(str, argv)])
@@ -273,7 +273,7 @@ def test_jetson_is_detected_from_the_device_tree_or_the_l4t_release(tmp_path):
     (thor / "etc").mkdir(parents=True)
     (thor / "etc/nv_tegra_release").write_text("# R38 (release), REVISION: 2.0, GCID: 1, BOARD: generic\n")
     assert resolve_target("jetson", probe_device(thor)) == "jetson-thor"
-    assert resolve_target("jetson", Device("NVIDIA Thor", "11.0")) == "jetson-thor"
+    assert resolve_target("jetson", BuildGpu("NVIDIA Thor", "11.0")) == "jetson-thor"
     with pytest.raises(GlanceError, match="name one"):
         resolve_target("jetson", H100)
 
@@ -320,7 +320,7 @@ import sys
 from glance_export import cli, devices
 from glance_export.adapters import Snapshot
 
-devices.probe_device = lambda: devices.Device(None)  # whatever GPU this machine has: build ahead of time
+devices.probe_device = lambda: devices.BuildGpu(None)  # whatever GPU this machine has: build ahead of time
 assert cli.main(["build", "--artifacts", sys.argv[1], "--out", sys.argv[2], "--target", "rtx"]) == 0
 sys.modules["tensorrt_rtx"] = None  # the plan needs no TensorRT at all
 plan = ["build", "--artifacts", sys.argv[1], "--out", sys.argv[3], "--target", "jetson-thor", "--plan-only"]

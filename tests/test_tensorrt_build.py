@@ -13,7 +13,7 @@ import pytest
 
 from glance_export.adapters import Snapshot
 from glance_export.device_profiles import load_profile
-from glance_export.devices import Device
+from glance_export.devices import BuildGpu
 from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
 from glance_export.memory_plan import Limits, check_device_builds, kv_bytes_per_row, plan_memory
 from glance_export.onnx import export_artifacts
@@ -37,7 +37,7 @@ def _build_all(artifacts: Path, out: Path) -> set[str]:
     """Build every graph with TensorRT-RTX at the export's own precision; the graphs that built."""
     manifest = json.loads((artifacts / "manifest.json").read_text())
     out.mkdir()
-    options = BuildOptions(choose_precision(RTX, None, manifest["dtype"], Device(None)), workspace_gib=1)
+    options = BuildOptions(choose_precision(RTX, None, manifest["dtype"], BuildGpu(None)), workspace_gib=1)
     records = build_engines(load_toolchain(RTX), artifacts, manifest, out, options, progress=lambda _: None)
     assert set(records) == set(manifest["graphs"]) and all(r["bytes"] > 0 for r in records.values())
     return set(records)
@@ -85,25 +85,25 @@ def _synthetic_export(tmp_path: Path, weights_gib: float, dtype: str) -> dict:
 def test_memory_plan_derives_context_from_the_budget(tmp_path):
     manifest = _synthetic_export(tmp_path, 3.0, "fp16")
     orin = load_profile("jetson-orin")
-    plan = plan_memory(orin, manifest, tmp_path, "fp16", Device(None))
+    plan = plan_memory(orin, manifest, tmp_path, "fp16", BuildGpu(None))
     per_row = kv_bytes_per_row(manifest)
     assert per_row == 2 * 28 * 4 * 128 * 2
     fit = int((orin.memory_gib - orin.reserve_gib - 3.0 - orin.workspace_gib) * (1 << 30) // per_row)
     assert plan.limits.max_context == fit // 256 * 256 and plan.reasons["max_context"] == "what fits the memory budget"
     assert plan.limits.max_tree == orin.max_tree and plan.total_gib <= plan.budget.usable_gib
     assert "max context" in plan.explain() and "jetson-orin default" in plan.explain()
-    roomy = plan_memory(orin, manifest, tmp_path, "fp16", Device(None), memory_gib=64)
+    roomy = plan_memory(orin, manifest, tmp_path, "fp16", BuildGpu(None), memory_gib=64)
     assert roomy.limits.max_context == 32768 and roomy.reasons["max_context"] == "the export's limit"
-    on_device = plan_memory(orin, manifest, tmp_path, "fp16", Device("Jetson AGX Orin", "8.7", 30.6, "orin"))
+    on_device = plan_memory(orin, manifest, tmp_path, "fp16", BuildGpu("Jetson AGX Orin", "8.7", 30.6, "orin"))
     assert (on_device.budget.memory_gib, on_device.budget.source) == (30.6, "on this device")
 
 
 def test_memory_plan_counts_weights_at_the_built_precision(tmp_path):
     manifest = _synthetic_export(tmp_path, 6.0, "fp32")
     thor = load_profile("jetson-thor")
-    assert plan_memory(thor, manifest, tmp_path, "fp16", Device(None)).budget.weights_gib == pytest.approx(3.0)
+    assert plan_memory(thor, manifest, tmp_path, "fp16", BuildGpu(None)).budget.weights_gib == pytest.approx(3.0)
     with pytest.raises(GlanceError, match=r"does not fit jetson-orin: .* GiB over the budget.*--workspace-gib"):
-        plan_memory(load_profile("jetson-orin"), manifest, tmp_path, "fp32", Device(None))
+        plan_memory(load_profile("jetson-orin"), manifest, tmp_path, "fp32", BuildGpu(None))
 
 
 def test_opset23_attention_graphs_validate_and_build(snapshot_dir, tmp_path):
@@ -116,7 +116,7 @@ def test_opset23_attention_graphs_validate_and_build(snapshot_dir, tmp_path):
     assert "Attention" in ops and json.loads((out / "manifest.json").read_text())["opset"] == 23
     _build_all(out, tmp_path / "engines")
     # JetPack 6's TensorRT 10.3 parses opset <= 20 only (version simulated; refused before any build).
-    orin = Device("NVIDIA Jetson AGX Orin", "8.7", 30.6, "orin")
+    orin = BuildGpu("NVIDIA Jetson AGX Orin", "8.7", 30.6, "orin")
     refusal = r"opset 23, and tensorrt 10\.3\.0 parses opset <= 20; re-export with `glance-export onnx --opset 17`"
     with pytest.raises(GlanceError, match=refusal):
         build(BuildRequest("jetson-orin", tmp_path / "orin", artifacts=out), orin, Toolchain(trt, "10.3.0"))
@@ -129,14 +129,14 @@ def test_a_jetson_bundle_is_refused_where_the_device_cannot_build_it(tmp_path):
     fit beside the OS; a 16 GB module builds it."""
     manifest = _synthetic_export(tmp_path, 3.0, "fp16")
     orin = load_profile("jetson-orin")
-    plan = plan_memory(orin, manifest, tmp_path, "fp16", Device(None))
+    plan = plan_memory(orin, manifest, tmp_path, "fp16", BuildGpu(None))
     assert plan.build.gib == pytest.approx(3.2 * 3 + orin.workspace_gib + 1) and plan.build.graph == "target"
     with pytest.raises(GlanceError, match=r"jetson-orin with 8 GiB .* cannot build these engines on the device: "
                                           r"builder peak about 12\.60 GiB .* 6\.60 GiB over its 6 GiB; "
                                           r"pass --memory-gib"):
         check_device_builds(orin, plan)
-    check_device_builds(orin, plan_memory(orin, manifest, tmp_path, "fp16", Device(None), memory_gib=16))
-    check_device_builds(load_profile("rtx"), plan_memory(load_profile("rtx"), manifest, tmp_path, "fp16", Device(None)))
+    check_device_builds(orin, plan_memory(orin, manifest, tmp_path, "fp16", BuildGpu(None), memory_gib=16))
+    check_device_builds(load_profile("rtx"), plan_memory(load_profile("rtx"), manifest, tmp_path, "fp16", BuildGpu(None)))
 
 
 def test_a_graph_the_builder_rejects_is_one_line_naming_it(exported, tmp_path):
