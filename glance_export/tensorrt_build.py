@@ -32,7 +32,9 @@ ERROR_PREFIX = "glance-build-error: "  # marks the worker's one-line error on it
 
 
 @dataclass(frozen=True)
-class Profile:
+class ShapeProfile:
+    """One TensorRT optimization profile: the min, opt and max of every symbolic axis of a graph."""
+
     name: str
     axes: dict[str, Range]  # symbolic axis name -> range; every input's shape is resolved from these
 
@@ -46,7 +48,7 @@ def _span(bounds: list[int], want: int) -> Range:
     return lo, _opt(lo, hi, want), hi
 
 
-def profiles_for(manifest: dict[str, Any], graph: str) -> list[Profile]:
+def shape_profiles(manifest: dict[str, Any], graph: str) -> list[ShapeProfile]:
     """Optimization profiles of one graph from the manifest's axis bounds."""
     axes = manifest["axes"]
     max_tree = manifest["limits"]["max_tree"]
@@ -57,16 +59,16 @@ def profiles_for(manifest: dict[str, Any], graph: str) -> list[Profile]:
         if "N_img" in axes:
             prefill["N_img"] = _span(axes["N_img"], axes["N_img"][1] // 4)
             verify["N_img"] = (0, 1, 1)
-        return [Profile("prefill", prefill), Profile("verify", verify)]
+        return [ShapeProfile("prefill", prefill), ShapeProfile("verify", verify)]
     if graph == "draft":
-        return [Profile("draft", {"N": (1, _opt(1, axes["N"][1], max_tree), axes["N"][1]),
+        return [ShapeProfile("draft", {"N": (1, _opt(1, axes["N"][1], max_tree), axes["N"][1]),
                                   "S_h": _span(axes["S_h"], axes["S_h"][1] // 2)})]
     if graph == "vocab":
-        return [Profile("embed", {"E": _span(axes["E"], 256), "R": (1, 1, 1)}),
-                Profile("project", {"E": (1, 1, 1), "R": _span(axes["R"], 32)})]
+        return [ShapeProfile("embed", {"E": _span(axes["E"], 256), "R": (1, 1, 1)}),
+                ShapeProfile("project", {"E": (1, 1, 1), "R": _span(axes["R"], 32)})]
     patches = _span(axes["N_patch"], axes["N_patch"][1] // 4)
     unit = manifest["graphs"]["vision"]["index_params"]["merge_size"] ** 2
-    return [Profile("vision", {"N_patch": patches, "N_merged": tuple(p // unit for p in patches)})]
+    return [ShapeProfile("vision", {"N_patch": patches, "N_merged": tuple(p // unit for p in patches)})]
 
 
 class TimingCache:
@@ -119,7 +121,7 @@ def _shapes(shape: list[int | str], axes: dict[str, Range], name: str) -> list[l
 
 
 def graph_job(module: str, onnx_path: Path, engine_path: Path, inputs: dict[str, dict[str, Any]],
-              profiles: list[Profile], options: BuildOptions, timing_cache: Path | None) -> GraphJob:
+              profiles: list[ShapeProfile], options: BuildOptions, timing_cache: Path | None) -> GraphJob:
     """A precision reached through a builder flag needs a weakly typed network; otherwise the network is
     strongly typed, so the engine computes in exactly the graph's dtypes."""
     flag = options.precision.builder_flag
@@ -177,7 +179,7 @@ def build_engines(toolchain: Toolchain, artifacts: Path, manifest: dict[str, Any
             cache.write_bytes(options.timing_cache.data)
         for graph, entry in manifest["graphs"].items():
             t0 = time.perf_counter()
-            profiles = profiles_for(manifest, graph)
+            profiles = shape_profiles(manifest, graph)
             path = engine_dir / f"{graph}.engine"
             progress(f"building {graph} ({', '.join(p.name for p in profiles)} profiles) in a worker process")
             peak = run_job(graph_job(toolchain.name, artifacts / entry["file"], path, entry["inputs"], profiles,
@@ -195,7 +197,7 @@ def build_engines(toolchain: Toolchain, artifacts: Path, manifest: dict[str, Any
 
 def _build_in_this_process(job: GraphJob) -> None:
     """The worker's build, through Polygraphy's loaders for the TensorRT module the job names."""
-    from polygraphy.backend.trt import (CreateConfig, PostprocessConfig, Profile as TrtProfile,
+    from polygraphy.backend.trt import (CreateConfig, PostprocessConfig, ShapeProfile as TrtProfile,
                                         SetDecomposableAttentions, network_from_onnx_path)
     from polygraphy.logger import G_LOGGER
 

@@ -25,7 +25,7 @@ from glance_export.devices import BuildGpu, probe_device, resolve_target
 from glance_export.engine_build import BuildRequest, build, check_out
 from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
 from glance_export.memory_plan import kv_bytes_per_row, weights_bytes
-from glance_export.tensorrt_build import profiles_for
+from glance_export.tensorrt_build import shape_profiles
 from glance_export.toolchain import Toolchain
 from glance_runtime.errors import GlanceError
 from glance_runtime.integrity import sha256
@@ -74,7 +74,7 @@ def test_build_rtx_engines_for_every_family(exported, monkeypatch, capsys, tmp_p
         assert entry["bytes"] == engine.stat().st_size > 0 and entry["sha256"] == sha256(engine)
         assert [o["sha256"] for o in entry["onnx"]] == [sha256(artifacts / o["file"]) for o in entry["onnx"]]
         assert entry["onnx"][0]["file"] == art["graphs"][graph]["file"]
-        assert entry["profiles"] == {p.name: {a: list(r) for a, r in p.axes.items()} for p in profiles_for(art, graph)}
+        assert entry["profiles"] == {p.name: {a: list(r) for a, r in p.axes.items()} for p in shape_profiles(art, graph)}
     assert record["tensorrt"] == {"module": "tensorrt_rtx", "version": trt.__version__}
     assert record["device"]["name"] == "ahead-of-time, no GPU" and record["target"] == "rtx"
     assert record["precision"] == {"name": "fp32", "artifacts_dtype": "fp32", "how": "the graphs' own fp32 dtypes"}

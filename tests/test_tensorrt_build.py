@@ -18,7 +18,7 @@ from glance_export.head import head_config_for, init_head, pick_mask_token, save
 from glance_export.memory_plan import Limits, check_device_builds, kv_bytes_per_row, plan_memory
 from glance_export.onnx import export_artifacts
 from glance_export.precision import choose_precision
-from glance_export.tensorrt_build import BuildOptions, build_engines, profiles_for
+from glance_export.tensorrt_build import BuildOptions, build_engines, shape_profiles
 from glance_export.engine_build import BuildRequest, build
 from glance_export.toolchain import Toolchain, check_opset, load_toolchain
 from glance_runtime.errors import GlanceError
@@ -50,23 +50,23 @@ def test_fp16_and_external_data_graphs_build(exported, tmp_path, family, variant
 
 def test_profiles_cover_prefill_tree_verify_and_vocab_passes(exported):
     manifest = json.loads((exported("qwen2_5_vl") / "manifest.json").read_text())
-    prefill, verify = profiles_for(manifest, "target")
+    prefill, verify = shape_profiles(manifest, "target")
     assert prefill.axes["T"] == (1, 256, 256) and verify.axes["T"] == (1, 32, 32)
     assert prefill.axes["S"][0] == verify.axes["S"][0] == 0 and verify.axes["S"][2] == 255
     assert verify.axes["N_img"] == (0, 1, 1) and prefill.axes["N_img"][2] == manifest["axes"]["N_img"][1]
-    (draft,) = profiles_for(manifest, "draft")
+    (draft,) = shape_profiles(manifest, "draft")
     assert draft.axes["N"][2] == 256 and draft.axes["S_h"] == (0, 127, 255)
     manifest["axes"].update(E=[1, 2048], R=[1, 63])  # the vocabulary graph's axes, whatever the export has
-    embed, project = profiles_for(manifest, "vocab")
+    embed, project = shape_profiles(manifest, "vocab")
     assert embed.axes == {"E": (1, 256, 2048), "R": (1, 1, 1)} and project.axes == {"E": (1, 1, 1), "R": (1, 32, 63)}
 
 
 def test_lowered_limits_shrink_every_axis_they_bound(exported):
     manifest = json.loads((exported("qwen2_5_vl") / "manifest.json").read_text())
     low = Limits(max_context=96, max_tree=16, max_image_tokens=40).apply(manifest)
-    prefill, verify = profiles_for(low, "target")
+    prefill, verify = shape_profiles(low, "target")
     assert prefill.axes["T"][2] == 96 and prefill.axes["S"][2] == 95 and verify.axes["T"][2] == 16
-    assert prefill.axes["N_img"][2] == 40 and profiles_for(low, "vision")[0].axes["N_merged"][2] == 40
+    assert prefill.axes["N_img"][2] == 40 and shape_profiles(low, "vision")[0].axes["N_merged"][2] == 40
     assert low["limits"] == {"max_context": 96, "max_tree": 16} and manifest["limits"]["max_context"] == 256
     raised = Limits(max_context=4096, max_tree=64, max_image_tokens=None).apply(manifest)
     assert raised["axes"] == manifest["axes"]  # never above the export's bounds
