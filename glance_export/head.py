@@ -2,8 +2,10 @@
 
 Context rows (committed tokens) enter as the concatenated taps of a few target layers, are fused by
 `fc` + `hidden_norm`, and are projected to keys/values by every head layer; block rows (anchor and
-masks) give the queries. Attention is non-causal. The checkpoint layout is the published one
-(DESIGN.md), so heads trained elsewhere load unchanged.
+masks) give the queries. Attention is non-causal. The checkpoint layout is the one DFlash/GLANCE heads
+are published in (a Qwen3-style config.json with `block_size`, `num_target_layers` and
+`dflash_config.{target_layer_ids, mask_token_id}`, plus `fc`, `hidden_norm`, `norm` and per-layer weights
+in safetensors), so heads trained elsewhere load unchanged.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ compared with the fp32 PyTorch greedy tokens recorded on a workstation. Where th
 fp32 top-2 margin at the first differing token shows the divergence to be a near-tie flip (expected in
 fp16/bf16, where tree and single-token passes reduce in different orders) or not.
 
-Gate (DESIGN.md §1): an fp32 backend matches the reference on every prompt; a reduced-precision one
+Gate: an fp32 backend matches the reference on every prompt; a reduced-precision one
 matches it on at least as many prompts as its own greedy decode does (the self-consistency control).
 Torch-free: the device side imports this module.
 """
@@ -46,7 +46,7 @@ def _between(glance: list[int], own: list[int], g: dict[str, Any], a: dict[str, 
 
 
 def _gate(precision: str, identical: int, own_identical: int, n: int) -> tuple[str, bool]:
-    """DESIGN.md §1: fp32 is identical everywhere; reduced precision does at least as well as its own greedy."""
+    """fp32 is identical everywhere; reduced precision does at least as well as its own greedy."""
     if precision == "fp32":
         return f"fp32: identical to the reference on every prompt ({identical}/{n})", n > 0 and identical == n
     return (f"{precision}: identical to the reference on at least as many prompts as the backend's own greedy "

@@ -86,7 +86,7 @@ def test_vocabulary_matrices_live_in_the_vocab_graph_only(exports, family, tied)
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_graph_tensors_add_up_to_the_weights(exports, tied):
-    """Issue 9's budget (at most 1.05x the target's and the head's weights), on tensor bytes: a tiny
+    """No weight stored twice (graph tensors at most 1.05x the target's and the head's weights), on tensor bytes: a tiny
     graph's node structure outweighs its weights, which benchmarks/graph_bytes.py measures at real width."""
     snap_dir, head, artifacts = exports("qwen2_5_vl", tied)
     stored = sum(a.nbytes for tensors in _tensors(artifacts).values() for a in tensors)
