@@ -13,9 +13,9 @@ import socket
 import sys
 from pathlib import Path
 
-from ..cli_parser import OneLineParser, guarded, parse_budget
+from .. import limits
+from ..cli_parser import OneLineParser, check_dirs, guarded, runner_flags
 from ..errors import GlanceError
-from ..runner import BACKENDS
 from .app import ServeConfig, create_app
 from .engine import ModelSpec
 
@@ -25,14 +25,8 @@ LOOPBACK_NAMES = ("localhost",)
 def parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="glance-serve", description="OpenAI-compatible server for one GLANCE model "
                       "(greedy, lossless; one request decodes at a time)")
-    p.add_argument("--model", type=Path, help="target snapshot directory (default: the embedded glance-vl-tiny)")
-    p.add_argument("--head", type=Path, help="GLANCE/DFlash draft head directory")
-    p.add_argument("--artifacts", type=Path, help="exported graphs (glance-export onnx)")
-    p.add_argument("--engines", type=Path, help="TensorRT engines (glance-export build)")
-    p.add_argument("--backend", choices=BACKENDS, help="default: as glance-run chooses")
-    p.add_argument("--provider", action="append", help="ONNX Runtime execution provider; repeat for a priority list")
-    p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads")
-    p.add_argument("--budget", type=parse_budget, help="tree nodes per round, or auto (default: as glance-run)")
+    runner_flags(p)
+    p.add_argument("--budget", type=limits.budget, help="tree nodes per round, or auto (default: as glance-run)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs --api-key)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port, printed at start)")
     p.add_argument("--api-key", help="required as `Authorization: Bearer KEY` on every endpoint but /health")
@@ -61,11 +55,11 @@ def check(args: argparse.Namespace) -> None:
     if not _is_loopback(args.host) and not args.api_key:
         raise GlanceError(f"binding {args.host} exposes the server beyond this machine; pass --api-key KEY too "
                           "(clients then send Authorization: Bearer KEY), or bind 127.0.0.1")
-    for flag, path in (("--model", args.model), ("--head", args.head), ("--artifacts", args.artifacts),
-                       ("--engines", args.engines), ("--media-dir", args.media_dir)):
-        if path is not None and not path.is_dir():
-            raise GlanceError(f"{flag} {path} {'is not a directory' if path.exists() else 'does not exist'}; "
-                              "pass an existing directory")
+    check_dirs(args)
+    if args.media_dir is not None and not args.media_dir.is_dir():
+        raise GlanceError(f"--media-dir {args.media_dir} "
+                          f"{'is not a directory' if args.media_dir.exists() else 'does not exist'}; "
+                          "pass an existing directory")
     for flag, value in (("--max-queue", args.max_queue), ("--max-tokens", args.max_tokens),
                         ("--max-image-pixels", args.max_image_pixels), ("--max-messages", args.max_messages)):
         if value < 1:
@@ -97,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise GlanceError("glance-serve needs its extra: pip install 'glance-toolkit[serve]'") from None
     spec = ModelSpec(model=args.model, head=args.head, artifacts=args.artifacts, engines=args.engines,
-                     backend=args.backend, providers=args.provider, threads=args.threads, budget=args.budget)
+                     backend=args.backend, providers=args.provider, threads=args.threads, budget=args.budget,
+                     max_context=args.max_context, max_tree=args.max_tree)
     config = ServeConfig(spec=spec, served_model_name=args.served_model_name, api_key=args.api_key,
                          media_dir=args.media_dir, max_queue=args.max_queue, timeout_s=args.timeout,
                          max_body_bytes=int(args.max_body_mb * (1 << 20)), max_image_pixels=args.max_image_pixels,

@@ -42,6 +42,8 @@ class ModelSpec:
     providers: Sequence[str] | None = None
     threads: int | None = None
     budget: int | str | None = None
+    max_context: int | None = None
+    max_tree: int | None = None
 
 
 @dataclass
@@ -77,7 +79,7 @@ class Engine:
         backend = "tensorrt" if spec.engines is not None else spec.backend
         self.model: Model = load(spec.artifacts, engines=spec.engines, model=spec.model, head=spec.head,
                                  backend=backend, provider=spec.providers, threads=spec.threads, budget=spec.budget,
-                                 progress=progress)
+                                 max_context=spec.max_context, max_tree=spec.max_tree, progress=progress)
         named = spec.engines or resolve(spec.model, spec.head, spec.artifacts, spec.backend)[0] or spec.artifacts
         self.name = Path(named).name
         self.committed: Committed | None = None  # what the backend holds, when the last decode finished
