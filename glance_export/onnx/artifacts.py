@@ -17,9 +17,10 @@ from glance_runtime.calibration import FILE as CALIBRATION
 from glance_runtime.errors import GlanceError
 from glance_runtime.graphs import MANIFEST
 
-from .depth_cut import validate_target
-from .export import ATTENTION_OPSET, InMemory, export_graph
+from .depth_cut import CUT_LAYERS, FULL_VALIDATION_BYTES, validate_target
+from .export import ATTENTION_OPSET, InMemory, export_graph, weight_bytes
 from .feeds import trace_feeds
+from .memory import GIB, available_bytes, check_fits, estimate_peak
 from .manifest import build_manifest, copy_runtime_files
 from .quantize import check_scheme, quantize_graphs
 from .skeleton import Skeleton
@@ -66,10 +67,16 @@ def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str |
     skeleton = target_skeleton(snapshot, checkpoint, dtype, _attention(opset))
     dims = dims_for(snapshot, head)
     scheme = check_scheme(quantize, group_size, dims.hidden, dtype) if quantize else None
+    itemsize = 4 if dtype == "fp32" else 2
+    estimate = estimate_peak(checkpoint, itemsize, weight_bytes(head), dims.layers, CUT_LAYERS, FULL_VALIDATION_BYTES,
+                             quantize=scheme is not None)
+    check_fits(estimate, dtype, available_bytes())
     graphs = build_graphs(skeleton.model, head, dims, branch_k)
-    progress(f"opened {dims.family} target ({dims.layers} layers, {checkpoint.nbytes() / 1e9:.2f} GB in "
+    progress(f"loaded {dims.family} target's config and tensor index ({dims.layers} layers, "
+             f"{checkpoint.nbytes() / 1e9:.2f} GB in "
              f"{len({e.file for e in checkpoint.entries.values()})} safetensors files) and head "
-             f"({dims.head_layers} layers, block {dims.block_size}); exporting as {dtype}")
+             f"({dims.head_layers} layers, block {dims.block_size}); exporting as {dtype}, "
+             f"{estimate.graphs / 1e9:.2f} GB of graphs, estimated peak {estimate.peak / GIB:.1f} GiB")
     with atomic_directory(out) as tmp:
         for name, feed in trace_feeds(snapshot, dims, DTYPES[dtype]).items():
             t0 = time.perf_counter()

@@ -27,7 +27,7 @@ from .checkpoint import Checkpoint
 
 
 @contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
+def parameters_on_meta() -> Iterator[None]:
     """Modules built inside allocate no parameter storage; buffers (rotary tables) are computed for real."""
     register = nn.Module.register_parameter
 
@@ -122,7 +122,7 @@ def build_skeleton(snapshot: Snapshot, dtype: str, checkpoint: Checkpoint, layer
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     auto = AutoModelForImageTextToText if snapshot.is_vl else AutoModelForCausalLM
-    with _parameters_on_meta():
+    with parameters_on_meta():
         model = auto.from_config(_config(snapshot, layers), dtype=getattr(torch, dtype), trust_remote_code=False)
     names = _checkpoint_names(model, checkpoint)
     skeleton = Skeleton(model.eval(), checkpoint)

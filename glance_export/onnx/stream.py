@@ -128,12 +128,12 @@ def drop_unused(model: onnx.ModelProto, pending: dict[str, Pending]) -> None:
     model.graph.initializer.extend(keep)
 
 
-def _bytes(values: torch.Tensor) -> bytes:
-    """Raw little-endian bytes of a tensor (bf16 included, which numpy has no type for)."""
+def _buffer(values: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a contiguous tensor, without a copy (bf16 too, which numpy cannot name)."""
     values = values.detach().contiguous()
     if values.dtype == torch.bfloat16:
-        return values.view(torch.int16).numpy().tobytes()
-    return values.numpy().tobytes()
+        values = values.view(torch.int16)
+    return memoryview(values.numpy()).cast("B")
 
 
 Progress = Callable[[int, int, str], None]  # (bytes written so far, total bytes, name of the tensor just written)
@@ -157,17 +157,17 @@ def write_initializers(model: onnx.ModelProto, pending: dict[str, Pending], path
             values = real(item.tensor)
             if values.dtype != item.tensor.dtype or tuple(values.shape) != tuple(item.tensor.shape):
                 raise ValueError(f"weight source gave {values.dtype} {list(values.shape)} for {tensor.name}")
-            payload = _bytes(values.t() if item.transposed else values)
+            payload = _buffer(values.t() if item.transposed else values)
             del values
             if out is None:
-                tensor.raw_data = payload
+                tensor.raw_data = payload.tobytes()
             else:
                 pad = (-offset) % ALIGN
                 out.write(b"\0" * pad)
                 offset += pad
                 out.write(payload)
-                point_external(tensor, data_name, offset, len(payload))
-                offset += len(payload)
+                point_external(tensor, data_name, offset, payload.nbytes)
+                offset += payload.nbytes
             done += item.nbytes
             del payload
             if on_tensor is not None:
@@ -179,17 +179,18 @@ def write_initializers(model: onnx.ModelProto, pending: dict[str, Pending], path
 
 
 LAYER = re.compile(r"\.(?:layers|blocks)\.(\d+)\.")
+QUIET_BYTES = 64 << 20  # graphs smaller than this are written too fast to need progress lines
 
 
 def eta_reporter(label: str, layers: int, progress: Callable[[str], None], every_s: float = 10.0) -> Progress:
     """Lines with the layer being written, bytes, elapsed time and an ETA (by bytes), at most one per
-    `every_s` seconds and one at the end."""
+    `every_s` seconds and one at the end; none for a small graph."""
     started = time.perf_counter()
     last = [started]
 
     def report(done: int, total: int, name: str) -> None:
         now = time.perf_counter()
-        if done < total and now - last[0] < every_s:
+        if total < QUIET_BYTES or done < total and now - last[0] < every_s:
             return
         last[0] = now
         elapsed = now - started
