@@ -9,10 +9,16 @@ validated in two parts that together keep that strength without two full models 
 - a full-depth smoke run: ONNX Runtime loads the exported graph itself (its weights memory-mapped from
   the data file, no prepacked copies) and runs a prefill and a tree pass, whose outputs must have the
   contract's shapes and be finite. That proves the full graph's wiring and every streamed tensor load.
+  It runs in a child process: the pages of the data file it maps are resident while it runs (clean
+  page cache the kernel can reclaim, not a copy), and leave with it instead of staying in the
+  exporter's resident set for the rest of the export.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
 import shutil
 import tempfile
 from pathlib import Path
@@ -60,8 +66,17 @@ def validate_target(out_dir: Path, full: nn.Module, skeleton, dims: Dims, snapsh
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     progress(f"validated a {CUT_LAYERS}-layer cut of target.onnx against torch; smoke-running all {dims.layers} layers")
-    smoke_run(out_dir / "target.onnx", dims, dtype, seed)
+    smoke_in_child(out_dir / "target.onnx", dims, dtype, seed)
     return errors
+
+
+def smoke_in_child(path: Path, dims: Dims, dtype: str, seed: int) -> None:
+    """`smoke_run` in a fresh interpreter; its one-line failure becomes this process's GlanceError."""
+    spec = json.dumps({"path": str(path), "dims": dataclasses.asdict(dims), "dtype": dtype, "seed": seed})
+    done = subprocess.run([sys.executable, "-m", __name__, spec], capture_output=True, text=True)
+    if done.returncode:
+        lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
+        raise GlanceError(f"full-depth smoke run of {path.name} failed: {lines[-1]}")
 
 
 def smoke_run(path: Path, dims: Dims, dtype: str, seed: int) -> None:
@@ -83,3 +98,12 @@ def smoke_run(path: Path, dims: Dims, dtype: str, seed: int) -> None:
                 raise GlanceError(f"target graph: output {name} has {value.shape[0]} rows for a {rows}-row pass")
             if not np.isfinite(value).all():
                 raise GlanceError(f"target graph: output {name} is not finite at full depth")
+
+
+if __name__ == "__main__":
+    job = json.loads(sys.argv[1])
+    fields = {**job["dims"], "tap_ids": tuple(job["dims"]["tap_ids"])}
+    try:
+        smoke_run(Path(job["path"]), Dims(**fields), job["dtype"], job["seed"])
+    except GlanceError as exc:
+        sys.exit(str(exc))
