@@ -11,21 +11,22 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-
 from glance_runtime.atomic import atomic_directory, check_output
 from glance_runtime.calibration import FILE as CALIBRATION
 from glance_runtime.errors import GlanceError
 from glance_runtime.formats import artifacts as artifacts_format
-from glance_runtime.graphs import MANIFEST
 
-from .export import ATTENTION_OPSET, export_graph
-from .feeds import draft_feed, target_feed, vision_feed, vocab_feed
+from .depth_cut import CUT_LAYERS, FULL_VALIDATION_BYTES, validate_target
+from .export import ATTENTION_OPSET, InMemory, export_graph, weight_bytes
+from .feeds import trace_feeds
+from .memory import GIB, available_bytes, check_fits, estimate_peak
 from .manifest import build_manifest, copy_runtime_files
 from .quantize import check_scheme, quantize_graphs
-from .sources import build_graphs, load_sources
+from .skeleton import Skeleton
+from .sources import build_graphs, open_sources, target_skeleton
 from .spec import DTYPES, axis_bounds, dims_for, dynamic_axes, output_shapes
-from .validate import validate_graphs
+from .stream import eta_reporter
+from .validate import validate_graphs, validated
 
 OPSETS = (*range(14, 21), ATTENTION_OPSET)  # TensorRT 10.3 (Jetson Orin) parses up to 20; 23 needs 10.14+
 
@@ -51,18 +52,6 @@ def _attention(opset: int) -> str:
     return "sdpa" if opset >= ATTENTION_OPSET else "eager"
 
 
-def _trace_feeds(snapshot, dims, dtype: str) -> dict[str, dict[str, np.ndarray]]:
-    """Inputs to trace with: sizes distinct from each other and from 1, so no axis gets frozen."""
-    rng = np.random.default_rng(0)
-    np_dtype = DTYPES[dtype]
-    feeds = {"target": target_feed(dims, rng, 6, 3, 2, np_dtype, tree=False),
-             "draft": draft_feed(dims, rng, 5, 2, np_dtype),
-             "vocab": vocab_feed(dims, rng, 4, 3, np_dtype)}
-    if dims.is_vl:
-        feeds["vision"] = vision_feed(snapshot, dims, rng, 100, 80, np_dtype)
-    return feeds
-
-
 def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
                      opset: int = 17, max_tree: int = 64, max_context: int = 2048, branch_k: int = 8,
                      quantize: str | None = None, group_size: int = 128,
@@ -74,22 +63,32 @@ def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str |
     out = Path(out_dir)
     _check_args(out, (Path(model_dir), Path(head_dir)), dtype, opset, max_tree, max_context, branch_k)
     started = time.perf_counter()
-    snapshot, model, head = load_sources(model_dir, head_dir, dtype, _attention(opset))
+    snapshot, checkpoint, head = open_sources(model_dir, head_dir, dtype)
+    skeleton = target_skeleton(snapshot, checkpoint, dtype, _attention(opset))
     dims = dims_for(snapshot, head)
     scheme = check_scheme(quantize, group_size, dims.hidden, dtype) if quantize else None
-    graphs = build_graphs(model, head, dims, branch_k)
-    progress(f"loaded {dims.family} target ({dims.layers} layers) and head ({dims.head_layers} layers, "
-             f"block {dims.block_size}) as {dtype}")
+    itemsize = 4 if dtype == "fp32" else 2
+    estimate = estimate_peak(checkpoint, itemsize, weight_bytes(head), dims.layers, CUT_LAYERS, FULL_VALIDATION_BYTES,
+                             quantize=scheme is not None)
+    check_fits(estimate, dtype, available_bytes())
+    graphs = build_graphs(skeleton.model, head, dims, branch_k)
+    progress(f"loaded {dims.family} target's config and tensor index ({dims.layers} layers, "
+             f"{checkpoint.nbytes() / 1e9:.2f} GB in "
+             f"{len({e.file for e in checkpoint.entries.values()})} safetensors files) and head "
+             f"({dims.head_layers} layers, block {dims.block_size}); exporting as {dtype}, "
+             f"{estimate.graphs / 1e9:.2f} GB of graphs, estimated peak {estimate.peak / GIB:.1f} GiB")
     with atomic_directory(out, ARTIFACTS_FORMAT, "glance-export onnx") as tmp:
-        for name, feed in _trace_feeds(snapshot, dims, dtype).items():
+        for name, feed in trace_feeds(snapshot, dims, DTYPES[dtype]).items():
             t0 = time.perf_counter()
             module = graphs[name]
             axes = dynamic_axes(dims, name, module.input_names, module.output_names)
-            path = export_graph(module, feed, tmp / f"{name}.onnx", axes, opset,
-                                output_shapes(dims, name, branch_k), fold_constants=name != "vocab")
-            progress(f"exported {path.name} (opset {opset}, {path.stat().st_size / 1e6:.1f} MB) "
+            layers = dims.layers if name == "target" else 0
+            path = export_graph(module, feed, tmp / f"{name}.onnx", axes, opset, output_shapes(dims, name, branch_k),
+                                InMemory() if name == "draft" else skeleton, lm_head_gemm=name == "vocab",
+                                on_tensor=eta_reporter(f"{name}.onnx", layers, progress))
+            progress(f"exported {path.name} (opset {opset}, {_graph_bytes(path) / 1e6:.1f} MB) "
                      f"in {time.perf_counter() - t0:.1f}s; checker passed")
-        validate_graphs(tmp, graphs, dims, snapshot, dtype, progress=progress)
+        _validate(tmp, graphs, skeleton, dims, snapshot, dtype, opset, branch_k, 1, progress)
         quantization = quantize_graphs(tmp, scheme, progress) if scheme else None
         files = copy_runtime_files(snapshot, tmp)
         if (Path(head_dir) / CALIBRATION).is_file():  # refittable, so not hashed into the manifest
@@ -112,7 +111,25 @@ def validate_artifacts(artifacts_dir: str | Path, model_dir: str | Path, head_di
     """Re-validate an artifacts directory against the torch target and head it was exported from."""
     artifacts = Path(artifacts_dir)
     manifest = artifacts_format.read(artifacts).raw
-    snapshot, model, head = load_sources(model_dir, head_dir, manifest["dtype"], _attention(manifest["opset"]))
+    dtype, opset = manifest["dtype"], manifest["opset"]
+    snapshot, checkpoint, head = open_sources(model_dir, head_dir, dtype)
+    skeleton = target_skeleton(snapshot, checkpoint, dtype, _attention(opset))
     dims = dims_for(snapshot, head)
-    graphs = build_graphs(model, head, dims, manifest["branch_k"])
-    return validate_graphs(artifacts, graphs, dims, snapshot, manifest["dtype"], seed=seed, progress=progress)
+    graphs = build_graphs(skeleton.model, head, dims, manifest["branch_k"])
+    return _validate(artifacts, graphs, skeleton, dims, snapshot, dtype, opset, manifest["branch_k"], seed, progress)
+
+
+def _graph_bytes(path: Path) -> int:
+    data = path.with_name(f"{path.name}.data")
+    return path.stat().st_size + (data.stat().st_size if data.exists() else 0)
+
+
+def _validate(out: Path, graphs: dict, skeleton: Skeleton, dims, snapshot, dtype: str, opset: int, branch_k: int,
+              seed: int, progress: Callable[[str], None]) -> dict[str, dict[str, float]]:
+    """Every graph against torch; the target whole when small, else as a depth cut plus a full-depth smoke run."""
+    others = {k: v for k, v in graphs.items() if k != "target"}
+    report = {"target": validate_target(out, graphs["target"], skeleton, dims, snapshot, dtype, opset,
+                                        _attention(opset), branch_k, seed, progress)}
+    validated("target", graphs["target"], report["target"], 3, progress)
+    report.update(validate_graphs(out, others, dims, snapshot, dtype, skeleton, seed=seed, progress=progress))
+    return report

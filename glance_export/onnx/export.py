@@ -4,6 +4,11 @@ TorchScript (`dynamo=False`) traces these wrappers in about a second and emits p
 (MatMul/Softmax/Add attention) that TensorRT 10.3 parses. Opset 23 is an option for newer runtimes:
 the dynamo exporter (about 20 s a graph) turns the model's sdpa attention into the ONNX Attention op.
 Graphs whose weights approach 2 GB keep them in one external data file (`<graph>.onnx.data`).
+
+The TorchScript trace is weightless (`export_params=False` on a placeholder model, see `skeleton.py`):
+weights are written afterwards, one tensor at a time, from the snapshot (`stream.py`), so an export
+never holds the model. The dynamo exporter has no such mode; at opset 23 the graph's module gets its
+real weights for the trace.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import shutil
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import onnx
@@ -23,6 +29,7 @@ from torch import nn
 
 from .external_data import gather_external_data, graph_tensors
 from .rewrite import gemm_for_transposed_weights
+from .stream import Progress, drop_unused, fold_transposes, inputs_to_initializers, module_tensors, skip_identities, write_initializers
 
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's hard limit is 2 GiB; stay clear of it
 ATTENTION_OPSET = 23  # ONNX Attention (and RMSNormalization, RotaryEmbedding) need opset 23 and TensorRT 10.14+
@@ -59,9 +66,30 @@ def _quiet(logger_name: str):
         logger.setLevel(level)
 
 
+class WeightSource(Protocol):
+    """Where a graph's weights come from when it is written (see `skeleton.Skeleton`)."""
+
+    def real(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def materialized(self, module: nn.Module) -> contextlib.AbstractContextManager: ...
+
+
+class InMemory:
+    """A module whose weights are real already (the draft head)."""
+
+    @staticmethod
+    def real(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    @staticmethod
+    def materialized(module: nn.Module) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext(module)
+
+
 def _torch_export(module: nn.Module, feed: dict[str, np.ndarray], path: Path, axes: dict, opset: int,
-                  fold: bool) -> None:
-    """TorchScript up to opset 20; the dynamo exporter from opset 23, which emits the ONNX Attention op."""
+                  fold: bool = True) -> None:
+    """TorchScript up to opset 20, weightless (parameters and buffers become graph inputs, nothing folded);
+    the dynamo exporter from opset 23, which emits the ONNX Attention op and needs the real weights."""
     names = dict(input_names=module.input_names, output_names=module.output_names, opset_version=opset)
     with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), _quiet("torch.onnx"):
         warnings.simplefilter("ignore")  # tracer warnings about Python ints are expected and checked by validation
@@ -70,7 +98,7 @@ def _torch_export(module: nn.Module, feed: dict[str, np.ndarray], path: Path, ax
                               dynamic_shapes=_dynamo_shapes(module.input_names, axes), optimize=fold, **names)
         else:
             torch.onnx.export(module, torch_args(module, feed), str(path), dynamo=False, dynamic_axes=axes,
-                              do_constant_folding=fold, **names)
+                              export_params=False, do_constant_folding=False, **names)
 
 
 def pin_outputs(model: onnx.ModelProto, shapes: dict[str, list[int | str]]) -> None:
@@ -85,28 +113,48 @@ def pin_outputs(model: onnx.ModelProto, shapes: dict[str, list[int | str]]) -> N
 
 
 def export_graph(module: nn.Module, feed: dict[str, np.ndarray], path: Path, axes: dict, opset: int,
-                 output_shapes: dict[str, list[int | str]], fold_constants: bool = True) -> Path:
-    """Trace `module` on `feed` into `path`; checker (full, with strict shape inference) must pass.
+                 output_shapes: dict[str, list[int | str]], weights: WeightSource, lm_head_gemm: bool = False,
+                 on_tensor: Progress | None = None) -> Path:
+    """Trace `module` on `feed` into `path`, its weights streamed from `weights`; the checker (full, with
+    strict shape inference) must pass.
 
-    `fold_constants=False` keeps weight transposes as nodes, for `gemm_for_transposed_weights` to
-    turn into Gemms on the stored weight (the vocab graph: one copy of a possibly tied matrix)."""
+    Weight transposes are stored pre-transposed, as constant folding would; `lm_head_gemm` instead turns
+    `hidden @ W.T` into a Gemm on W (the vocab graph: one copy of a possibly tied matrix)."""
     scratch = Path(tempfile.mkdtemp(prefix=".scratch.", dir=path.parent))
     try:
-        _torch_export(module, feed, scratch / path.name, axes, opset, fold_constants)
-        model = onnx.load(str(scratch / path.name), load_external_data=False)
-        gemm_for_transposed_weights(model)
-        pin_outputs(model, output_shapes)
-        external = any(uses_external_data(t) for t in graph_tensors(model.graph))
-        if not external and weight_bytes(module) >= EXTERNAL_DATA_BYTES:
-            convert_model_to_external_data(model, all_tensors_to_one_file=False, size_threshold=1024)
-            onnx.save_model(model, str(scratch / path.name))  # writes one file per tensor, like the exporter
-            external = True
-        if external:
-            gather_external_data(model, scratch, path)
+        if opset >= ATTENTION_OPSET:
+            with weights.materialized(module):
+                _torch_export(module, feed, scratch / path.name, axes, opset, fold=not lm_head_gemm)
+            _finish_dynamo(scratch, path, output_shapes, weight_bytes(module))
         else:
-            onnx.save_model(model, str(path))
+            _torch_export(module, feed, scratch / path.name, axes, opset)
+            model = onnx.load(str(scratch / path.name))
+            pending = inputs_to_initializers(model, module.input_names, module_tensors(module))
+            skip_identities(model, pending)
+            if lm_head_gemm:
+                gemm_for_transposed_weights(model)
+            fold_transposes(model, pending)
+            drop_unused(model, pending)
+            pin_outputs(model, output_shapes)
+            external = sum(p.nbytes for p in pending.values()) >= EXTERNAL_DATA_BYTES
+            write_initializers(model, pending, path, weights.real, external, on_tensor)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     onnx.checker.check_model(str(path), full_check=True)
     return path
 
+
+def _finish_dynamo(scratch: Path, path: Path, output_shapes: dict[str, list[int | str]], nbytes: int) -> None:
+    """Pin the dynamo export's outputs and gather its weights into one data file when they are large."""
+    model = onnx.load(str(scratch / path.name), load_external_data=False)
+    gemm_for_transposed_weights(model)
+    pin_outputs(model, output_shapes)
+    external = any(uses_external_data(t) for t in graph_tensors(model.graph))
+    if not external and nbytes >= EXTERNAL_DATA_BYTES:
+        convert_model_to_external_data(model, all_tensors_to_one_file=False, size_threshold=1024)
+        onnx.save_model(model, str(scratch / path.name))  # one file per tensor, gathered below
+        external = True
+    if external:
+        gather_external_data(model, scratch, path)
+    else:
+        onnx.save_model(model, str(path))

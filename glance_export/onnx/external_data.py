@@ -38,12 +38,12 @@ def gather_external_data(model: onnx.ModelProto, src_dir: Path, dst: Path) -> No
             out.write(b"\0" * ((-offset) % ALIGN))
             offset += (-offset) % ALIGN
             length = _copy(src_dir / info.location, info.offset or 0, info.length, out)
-            _point(tensor, data_name, offset, length)
+            point_external(tensor, data_name, offset, length)
             offset += length
     onnx.save_model(model, str(dst))
 
 
-def _point(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+def point_external(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
     """Re-point an external tensor (its bytes are not in memory, so onnx's setter cannot be used)."""
     del tensor.external_data[:]
     for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):

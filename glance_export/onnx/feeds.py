@@ -78,3 +78,14 @@ def vision_feed(snapshot: Snapshot, dims: Dims, rng: np.random.Generator, width:
     out = snapshot.image_processor(images=[Image.fromarray(pixels)], return_tensors="np")
     feed = {"pixel_values": np.asarray(out["pixel_values"], dtype=dtype)}
     return {**feed, **vision_index_inputs(np.asarray(out["image_grid_thw"]), dims.vision)}
+
+
+def trace_feeds(snapshot: Snapshot, dims: Dims, dtype: str) -> dict[str, dict[str, np.ndarray]]:
+    """Inputs to trace with: sizes distinct from each other and from 1, so no axis gets frozen."""
+    rng = np.random.default_rng(0)
+    feeds = {"target": target_feed(dims, rng, 6, 3, 2, dtype, tree=False),
+             "draft": draft_feed(dims, rng, 5, 2, dtype),
+             "vocab": vocab_feed(dims, rng, 4, 3, dtype)}
+    if dims.is_vl:
+        feeds["vision"] = vision_feed(snapshot, dims, rng, 100, 80, dtype)
+    return feeds

@@ -11,17 +11,17 @@ from glance_export.adapters import Snapshot
 from glance_export.head import DraftHead, check_head_matches, load_head
 from glance_runtime.errors import GlanceError
 
+from .checkpoint import Checkpoint
 from .draft import DraftGraph
+from .skeleton import Skeleton, build_skeleton
 from .spec import DTYPES, Dims
 from .target import TargetGraph
 from .vision import VisionGraph
 from .vocab import VocabGraph
 
 
-def load_sources(model_dir: str | Path, head_dir: str | Path, dtype: str,
-                 attention: str = "eager") -> tuple[Snapshot, nn.Module, DraftHead]:
-    """Snapshot, target model and matching head. Eager attention exports as plain MatMul/Softmax;
-    sdpa becomes the ONNX Attention op under the opset-23 (dynamo) exporter."""
+def open_sources(model_dir: str | Path, head_dir: str | Path, dtype: str) -> tuple[Snapshot, Checkpoint, DraftHead]:
+    """Snapshot, its tensor index and the matching head (small: loaded whole)."""
     if dtype not in DTYPES:
         raise GlanceError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     if not Path(head_dir).is_dir():
@@ -32,16 +32,27 @@ def load_sources(model_dir: str | Path, head_dir: str | Path, dtype: str,
     if head.config.vocab_size != snapshot.text_config["vocab_size"]:
         raise GlanceError(f"head vocab size {head.config.vocab_size} differs from the target's "
                           f"{snapshot.text_config['vocab_size']}; use a head trained for this target")
-    model = snapshot.load_model(DTYPES[dtype])
-    model.set_attn_implementation(attention)
-    return snapshot, model, head
+    return snapshot, Checkpoint(snapshot.path), head
+
+
+def target_skeleton(snapshot: Snapshot, checkpoint: Checkpoint, dtype: str, attention: str = "eager",
+                    layers: int | None = None) -> Skeleton:
+    """The weightless target. Eager attention exports as plain MatMul/Softmax; sdpa becomes the ONNX
+    Attention op under the opset-23 (dynamo) exporter."""
+    skeleton = build_skeleton(snapshot, DTYPES[dtype], checkpoint, layers)
+    skeleton.model.set_attn_implementation(attention)
+    return skeleton
+
+
+def target_graph(model: nn.Module, dims: Dims) -> TargetGraph:
+    return TargetGraph(model, list(dims.tap_ids), dims.image_token_id, dims.deepstack).eval()
 
 
 def build_graphs(model: nn.Module, head: DraftHead, dims: Dims, branch_k: int) -> dict[str, nn.Module]:
     """The wrapped graphs by name: target, draft, vocab and (VL only) vision."""
     if not 1 <= branch_k <= dims.vocab:
         raise GlanceError(f"branch_k must be between 1 and the vocabulary size {dims.vocab}, got {branch_k}")
-    graphs = {"target": TargetGraph(model, list(dims.tap_ids), dims.image_token_id, dims.deepstack),
+    graphs = {"target": target_graph(model, dims),
               "draft": DraftGraph(head),
               "vocab": VocabGraph(model.get_input_embeddings(), model.get_output_embeddings(), branch_k)}
     if dims.is_vl:

@@ -1,0 +1,78 @@
+"""The export's peak memory, estimated from the snapshot's tensor index before any work, and the refusal
+when this machine cannot hold it.
+
+With streamed weights nothing scales with the depth of the model except page cache. What is resident at
+once is the process itself (torch, transformers, ONNX Runtime), the one tensor being written (read,
+cast, transposed: three copies of the largest), and the one graph being validated: its torch module and
+ONNX Runtime's session beside it (the vocabulary matrices, the vision tower, the head, or a target
+small enough to validate whole; a larger target as its depth cut).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from glance_runtime.errors import GlanceError
+
+from .checkpoint import Checkpoint
+
+GIB = 1 << 30
+PROCESS_BYTES = int(1.25 * GIB)  # interpreter, torch, transformers, onnx and ONNX Runtime, measured at import
+
+
+@dataclass(frozen=True)
+class Estimate:
+    peak: int
+    graphs: int  # bytes of all exported graphs
+    largest_tensor: int
+    validated: int  # the largest module validated at once (torch and ONNX Runtime copies counted once each)
+
+
+def _rescaled(checkpoint: Checkpoint, keys: list[str], itemsize: int) -> int:
+    entries = [checkpoint.entries[k] for k in keys]
+    return sum(e.numel * itemsize if e.dtype.is_floating_point else e.length for e in entries)
+
+
+def estimate_peak(checkpoint: Checkpoint, itemsize: int, head_bytes: int, layers: int, cut_layers: int,
+                  full_validation_bytes: int, quantize: bool = False) -> Estimate:
+    """Peak RSS of an export at `itemsize` bytes per weight, from the tensor index alone.
+
+    Quantization rewrites each graph in memory (ONNX Runtime's quantizer holds the fp32 graph, its
+    blocks and both quantized forms): about four times the largest graph."""
+    keys = list(checkpoint.entries)
+    vision = [k for k in keys if "visual" in k]
+    vocab = [k for k in keys if "embed_tokens" in k or k.endswith("lm_head.weight")]
+    stack = [k for k in keys if k not in vision and k not in vocab]
+    stack_bytes = _rescaled(checkpoint, stack, itemsize)
+    target_validated = stack_bytes if stack_bytes <= full_validation_bytes or layers <= cut_layers \
+        else stack_bytes * cut_layers // max(layers, 1)
+    validated = max(_rescaled(checkpoint, vocab, itemsize), _rescaled(checkpoint, vision, itemsize), head_bytes,
+                    target_validated)
+    largest = max((e.numel * itemsize for e in checkpoint.entries.values()), default=0)
+    graphs = checkpoint.nbytes(itemsize) + head_bytes
+    working = max(3 * largest, 2 * validated)
+    if quantize:
+        working = max(working, 4 * max(stack_bytes, _rescaled(checkpoint, vocab, itemsize), head_bytes))
+    return Estimate(PROCESS_BYTES + working, graphs, largest, validated)
+
+
+def available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """MemAvailable: what the kernel can hand out without swapping (free plus reclaimable cache)."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_fits(estimate: Estimate, dtype: str, available: int | None) -> None:
+    """One-line refusal, before any work, when the estimated peak exceeds the memory available now."""
+    if available is None or estimate.peak <= available:
+        return
+    short = (estimate.peak - available) / GIB
+    change = "export with --dtype fp16 (half the weight bytes), " if dtype == "fp32" else ""
+    raise GlanceError(f"this export needs about {estimate.peak / GIB:.1f} GiB at its peak and this machine has "
+                      f"{available / GIB:.1f} GiB available ({short:.1f} GiB short); {change}close other programs, "
+                      f"or run it on a machine with {estimate.peak / GIB:.0f} GiB free")

@@ -1,0 +1,203 @@
+"""Turn a weightless traced graph into a complete one, writing its initializers one tensor at a time.
+
+The graph is traced with `export_params=False`, so every parameter and buffer arrives as a graph input
+named after the module attribute that holds it. Each becomes an initializer whose bytes are produced
+only when it is written: the weight source reads the tensor (from the snapshot, cast to the export's
+dtype), a transpose read only through `Transpose` is applied to that one tensor (what constant folding
+did when the weights were in memory), and the bytes go straight to `<graph>.onnx.data` at a page-aligned
+offset (runtimes can map each tensor) or, for a small graph, into the graph file itself. At most one
+tensor's bytes (and its cast or transposed copy) are in memory at any time.
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import onnx
+import torch
+from torch import nn
+
+from .external_data import ALIGN, point_external
+
+TORCH_TO_ONNX = {torch.float32: onnx.TensorProto.FLOAT, torch.float16: onnx.TensorProto.FLOAT16,
+                 torch.bfloat16: onnx.TensorProto.BFLOAT16, torch.int64: onnx.TensorProto.INT64,
+                 torch.int32: onnx.TensorProto.INT32, torch.bool: onnx.TensorProto.BOOL}
+
+
+@dataclass
+class Pending:
+    """One initializer still to be written: the module tensor it comes from, and whether it is stored transposed."""
+
+    tensor: torch.Tensor
+    transposed: bool = False
+
+    @property
+    def shape(self) -> list[int]:
+        shape = list(self.tensor.shape)
+        return shape[::-1] if self.transposed else shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+def module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by the dotted name the TorchScript exporter gives its graph input."""
+    tensors = dict(module.named_parameters(remove_duplicate=False))
+    tensors.update(module.named_buffers(remove_duplicate=False))
+    return tensors
+
+
+def inputs_to_initializers(model: onnx.ModelProto, user_inputs: list[str],
+                           tensors: dict[str, torch.Tensor]) -> dict[str, Pending]:
+    """Graph inputs past the user's become initializer stubs (name, type, shape, no data)."""
+    graph = model.graph
+    pending: dict[str, Pending] = {}
+    keep = []
+    for value in graph.input:
+        if value.name in user_inputs:
+            keep.append(value)
+            continue
+        tensor = tensors[value.name]
+        pending[value.name] = Pending(tensor)
+        graph.initializer.append(onnx.TensorProto(name=value.name, data_type=TORCH_TO_ONNX[tensor.dtype],
+                                                  dims=list(tensor.shape)))
+    del graph.input[:]
+    graph.input.extend(keep)
+    return pending
+
+
+def skip_identities(model: onnx.ModelProto, pending: dict[str, Pending]) -> None:
+    """Readers of `Identity(W)` read W (the tracer aliases a weight read twice this way)."""
+    graph = model.graph
+    outputs = {o.name for o in graph.output}
+    alias = {n.output[0]: n.input[0] for n in graph.node
+             if n.op_type == "Identity" and n.input[0] in pending and n.output[0] not in outputs}
+    nodes = [n for n in graph.node if not (n.op_type == "Identity" and n.output[0] in alias)]
+    for node in nodes:
+        for i, name in enumerate(node.input):
+            node.input[i] = alias.get(name, name)
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
+def fold_transposes(model: onnx.ModelProto, pending: dict[str, Pending]) -> None:
+    """A 2-D weight read only through `Transpose(perm=[1, 0])` is stored transposed and read directly."""
+    graph = model.graph
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    renamed: dict[str, str] = {}
+    for name, item in pending.items():
+        nodes = readers.get(name, [])
+        if item.tensor.dim() != 2 or not nodes or not all(_is_plain_transpose(n) for n in nodes):
+            continue
+        item.transposed = True
+        for node in nodes:
+            renamed[node.output[0]] = name
+    if not renamed:
+        return
+    kept = [n for n in graph.node if not (n.op_type == "Transpose" and n.output[0] in renamed)]
+    for node in kept:
+        for i, name in enumerate(node.input):
+            node.input[i] = renamed.get(name, name)
+    del graph.node[:]
+    graph.node.extend(kept)
+    for tensor in graph.initializer:
+        if tensor.name in pending and pending[tensor.name].transposed:
+            tensor.dims[:] = pending[tensor.name].shape
+
+
+def _is_plain_transpose(node: onnx.NodeProto) -> bool:
+    perm = [list(a.ints) for a in node.attribute if a.name == "perm"]
+    return node.op_type == "Transpose" and perm in ([], [[1, 0]])
+
+
+def drop_unused(model: onnx.ModelProto, pending: dict[str, Pending]) -> None:
+    """Initializers no node reads any more (a weight whose readers were all rewritten) are not written."""
+    used = {name for node in model.graph.node for name in node.input} | {o.name for o in model.graph.output}
+    keep = [t for t in model.graph.initializer if t.name in used or t.name not in pending]
+    for tensor in model.graph.initializer:
+        if tensor.name not in used:
+            pending.pop(tensor.name, None)
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(keep)
+
+
+def _buffer(values: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a contiguous tensor, without a copy (bf16 too, which numpy cannot name)."""
+    values = values.detach().contiguous()
+    if values.dtype == torch.bfloat16:
+        values = values.view(torch.int16)
+    return memoryview(values.numpy()).cast("B")
+
+
+Progress = Callable[[int, int, str], None]  # (bytes written so far, total bytes, name of the tensor just written)
+
+
+def write_initializers(model: onnx.ModelProto, pending: dict[str, Pending], path: Path,
+                       real: Callable[[torch.Tensor], torch.Tensor], external: bool,
+                       on_tensor: Progress | None = None) -> None:
+    """Fill every pending initializer from `real(tensor)` and save the graph at `path` (with `<path>.data`
+    when external). Tensors are produced, written and freed one at a time."""
+    total = sum(p.nbytes for p in pending.values())
+    done = 0
+    data_name = f"{path.name}.data"
+    out = open(path.with_name(data_name), "wb") if external else None
+    try:
+        offset = 0
+        for tensor in model.graph.initializer:
+            item = pending.get(tensor.name)
+            if item is None:
+                continue
+            values = real(item.tensor)
+            if values.dtype != item.tensor.dtype or tuple(values.shape) != tuple(item.tensor.shape):
+                raise ValueError(f"weight source gave {values.dtype} {list(values.shape)} for {tensor.name}")
+            payload = _buffer(values.t() if item.transposed else values)
+            del values
+            if out is None:
+                tensor.raw_data = payload.tobytes()
+            else:
+                pad = (-offset) % ALIGN
+                out.write(b"\0" * pad)
+                offset += pad
+                out.write(payload)
+                point_external(tensor, data_name, offset, payload.nbytes)
+                offset += payload.nbytes
+            done += item.nbytes
+            del payload
+            if on_tensor is not None:
+                on_tensor(done, total, tensor.name)
+    finally:
+        if out is not None:
+            out.close()
+    onnx.save_model(model, str(path))
+
+
+LAYER = re.compile(r"\.(?:layers|blocks)\.(\d+)\.")
+QUIET_BYTES = 64 << 20  # graphs smaller than this are written too fast to need progress lines
+
+
+def eta_reporter(label: str, layers: int, progress: Callable[[str], None], every_s: float = 10.0) -> Progress:
+    """Lines with the layer being written, bytes, elapsed time and an ETA (by bytes), at most one per
+    `every_s` seconds and one at the end; none for a small graph."""
+    started = time.perf_counter()
+    last = [started]
+
+    def report(done: int, total: int, name: str) -> None:
+        now = time.perf_counter()
+        if total < QUIET_BYTES or done < total and now - last[0] < every_s:
+            return
+        last[0] = now
+        elapsed = now - started
+        layer = LAYER.search(name)
+        where = f"layer {int(layer.group(1)) + 1}/{layers}, " if layer and layers else ""
+        eta = f", about {elapsed * (total - done) / done:.0f}s left" if done < total and done else ""
+        progress(f"  {label}: {where}{done / 1e9:.2f} of {total / 1e9:.2f} GB written in {elapsed:.0f}s{eta}")
+
+    return report
+

@@ -1,0 +1,165 @@
+"""The streamed export: real snapshot layouts (bf16 shards with an index), the depth-cut validation, the
+memory refusal, and a resident peak that does not grow with the model's depth."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import numpy_helper
+from safetensors.torch import load_file, save_file
+
+import glance_export.onnx.depth_cut as depth_cut
+from glance_export.adapters import Snapshot
+from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
+from glance_export.onnx import export_artifacts
+from glance_export.onnx.checkpoint import INDEX, Checkpoint
+from glance_export.onnx.external_data import graph_tensors
+from glance_export.onnx.memory import GIB, check_fits, estimate_peak
+from glance_runtime.errors import GlanceError
+from tiny_models import make_snapshot
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bf16_snapshot(src: Path, out: Path, shards: int) -> Path:
+    """The same snapshot with its weights rounded to bf16: `shards` > 1 as bf16 shards with an index, else
+    as one fp32 file of the rounded values (the same numbers, another layout)."""
+    out.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(str(src / "model.safetensors")).items()}
+    if shards == 1:
+        save_file({k: v.float() for k, v in tensors.items()}, str(out / "model.safetensors"))
+        return out
+    keys = sorted(tensors)
+    weight_map = {}
+    for i in range(shards):
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: tensors[k] for k in keys[i::shards]}
+        save_file(part, str(out / name))
+        weight_map.update({k: name for k in part})
+    (out / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out
+
+
+def _head(snap: Path, root: Path) -> Path:
+    s = Snapshot(snap)
+    return save_head(init_head(head_config_for(s, 1, 6, pick_mask_token(s)), seed=0), root / "head")
+
+
+def _weights(artifacts: Path) -> dict[str, list[bytes]]:
+    manifest = json.loads((artifacts / "manifest.json").read_text())
+    return {g: sorted(numpy_helper.to_array(t).tobytes() for t in graph_tensors(onnx.load(str(artifacts / e["file"])).graph))
+            for g, e in manifest["graphs"].items()}
+
+
+@pytest.mark.parametrize("family,tied", [("qwen2_5_vl", True), ("qwen3", False)])
+def test_sharded_bf16_snapshot_exports_like_one_fp32_file(tmp_path, family, tied):
+    """bf16 shards named by an index, upcast per tensor, give the graphs of the same values in one fp32 file."""
+    src = make_snapshot(tmp_path / "src", family, tied=tied)
+    sharded = _bf16_snapshot(src, tmp_path / "sharded", shards=3)
+    single = _bf16_snapshot(src, tmp_path / "single", shards=1)
+    assert len(Checkpoint(sharded).entries) == len(Checkpoint(single).entries)
+    head = _head(single, tmp_path)
+    a = export_artifacts(sharded, head, tmp_path / "a", max_tree=16, max_context=64, progress=lambda _: None)
+    b = export_artifacts(single, head, tmp_path / "b", max_tree=16, max_context=64, progress=lambda _: None)
+    assert _weights(a) == _weights(b)
+    source = json.loads((a / "manifest.json").read_text())["source"]["weights_sha256"]
+    assert sorted(source) == sorted(p.name for p in sharded.glob("*.safetensors"))
+
+
+def test_missing_shard_is_one_line_error(tmp_path):
+    src = make_snapshot(tmp_path / "src", "qwen3")
+    sharded = _bf16_snapshot(src, tmp_path / "sharded", shards=2)
+    head = _head(sharded, tmp_path)
+    next(sharded.glob("model-00002-*.safetensors")).unlink()
+    with pytest.raises(GlanceError, match="lacks model-00002-of-00002.safetensors"):
+        export_artifacts(sharded, head, tmp_path / "out", max_tree=16, max_context=64, progress=lambda _: None)
+    assert not (tmp_path / "out").exists()
+
+
+def test_depth_cut_validation_exports_the_same_graphs(snapshot_dir, tmp_path, monkeypatch):
+    """A target too large to validate whole is checked as a 2-layer cut plus a full-depth smoke run; the
+    graphs written are the ones a whole validation passes."""
+    snap = snapshot_dir("qwen3_vl")
+    head = _head(snap, tmp_path)
+    whole = export_artifacts(snap, head, tmp_path / "whole", max_tree=16, max_context=64, progress=lambda _: None)
+    monkeypatch.setattr(depth_cut, "FULL_VALIDATION_BYTES", 0)
+    lines: list[str] = []
+    cut = export_artifacts(snap, head, tmp_path / "cut", max_tree=16, max_context=64, progress=lines.append)
+    assert any("2-layer cut" in line and "all 4 layers" in line for line in lines)
+    assert _weights(cut) == _weights(whole)
+
+
+def test_smoke_run_fails_on_a_corrupt_graph(snapshot_dir, tmp_path):
+    """The full-depth smoke run is a real check: a graph whose weights turned to NaN fails it in one line."""
+    snap = snapshot_dir("qwen3")
+    head = _head(snap, tmp_path)
+    out = export_artifacts(snap, head, tmp_path / "art", max_tree=16, max_context=64, progress=lambda _: None)
+    model = onnx.load(str(out / "target.onnx"))
+    weight = max(model.graph.initializer, key=lambda t: len(t.raw_data))
+    weight.CopyFrom(numpy_helper.from_array(np.full_like(numpy_helper.to_array(weight), np.nan), weight.name))
+    onnx.save_model(model, str(tmp_path / "target.onnx"))
+    from glance_export.onnx.spec import dims_for
+    from glance_export.head import load_head
+
+    dims = dims_for(Snapshot(snap), load_head(head))
+    with pytest.raises(GlanceError, match="smoke run of target.onnx failed: .*not finite"):
+        depth_cut.smoke_in_child(tmp_path / "target.onnx", dims, "fp32", 1)
+
+
+def test_refusal_names_the_shortfall_and_the_fix(snapshot_dir):
+    estimate = estimate_peak(Checkpoint(snapshot_dir("qwen2")), 4, 0, 4, 2, 1 << 28)
+    with pytest.raises(GlanceError, match=r"GiB short\); export with --dtype fp16") as err:
+        check_fits(estimate, "fp32", available=estimate.peak - 2 * GIB)
+    assert "\n" not in str(err.value)
+    check_fits(estimate, "fp32", available=estimate.peak)
+
+
+PEAK_SCRIPT = """
+import sys
+from glance_export.onnx import export_artifacts
+export_artifacts(sys.argv[1], sys.argv[2], sys.argv[3], max_tree=16, max_context=64, progress=lambda _: None)
+print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')))
+"""
+
+
+def _export_peak_kib(snap: Path, head: Path, out: Path) -> int:
+    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'runtime'}", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(snap), str(head), str(out)], env=env,
+                          capture_output=True, text=True, check=True)
+    return int(done.stdout.split()[-1])
+
+
+@pytest.mark.xfail(strict=True, reason="the exporter's resident peak still grows with depth (measured: 0.92 GB at "
+                   "2 layers, 1.99 GB at 8): about twice the target graph is resident between tracing and the "
+                   "checker; streaming the initializers alone does not yet bound it")
+def test_export_peak_is_flat_from_2_to_8_layers(tmp_path):
+    """Eight layers of a mid-size model (about 64 MB each in fp32) cost the exporter no more resident
+    memory than two: the weights stream through, and validation holds a 2-layer cut."""
+    import transformers as tf
+
+    peaks, weights = {}, {}
+    for layers in (2, 8):
+        snap = make_snapshot(tmp_path / f"s{layers}", "qwen3", layers=layers)
+        raw = json.loads((snap / "config.json").read_text())
+        raw.update(hidden_size=1024, intermediate_size=4096, num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+        raw.pop("layer_types", None)
+        (snap / "config.json").write_text(json.dumps(raw))
+        torch.manual_seed(0)
+        model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(snap))
+        (snap / "model.safetensors").unlink()
+        model.save_pretrained(snap)
+        weights[layers] = sum(p.numel() * 4 for p in model.parameters())
+        del model
+        head = _head(snap, tmp_path / f"h{layers}")
+        peaks[layers] = _export_peak_kib(snap, head, tmp_path / f"a{layers}") * 1024
+    growth = peaks[8] - peaks[2]
+    assert growth < 0.2 * (weights[8] - weights[2]), (peaks, weights)
