@@ -28,8 +28,8 @@ from onnx.external_data_helper import convert_model_to_external_data, uses_exter
 from torch import nn
 
 from .external_data import gather_external_data, graph_tensors
-from .rewrite import gemm_for_transposed_weights
-from .stream import Progress, drop_unused, fold_transposes, inputs_to_initializers, module_tensors, skip_identities, write_initializers
+from .rewrite import gemm_for_transposed_weights, skip_identities
+from .stream import Progress, drop_unused, fold_transposes, inputs_to_initializers, module_tensors, write_initializers
 
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's hard limit is 2 GiB; stay clear of it
 ATTENTION_OPSET = 23  # ONNX Attention (and RMSNormalization, RotaryEmbedding) need opset 23 and TensorRT 10.14+

@@ -31,6 +31,8 @@ from onnx import helper, numpy_helper
 
 from glance_runtime.errors import GlanceError
 
+from .rewrite import skip_identities
+
 SCHEMES = {"int8": 8, "int4": 4}
 GROUP_SIZES = (32, 64, 128)
 GRAPHS = ("target", "draft", "vocab")  # the vision tower runs once per image: it stays in the export's dtype
@@ -89,19 +91,8 @@ def _initializers(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
 
 
 def _skip_weight_identities(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Readers of `Identity(W)` read W itself (the exporter aliases a weight used twice this way), so every
-    MatMul on a weight sees the initializer and the weight is quantized once, not kept fp32 beside it."""
-    graph = model.graph
-    weights = set(_initializers(graph))
-    outputs = {o.name for o in graph.output}
-    alias = {n.output[0]: n.input[0] for n in graph.node
-             if n.op_type == "Identity" and n.input[0] in weights and n.output[0] not in outputs}
-    nodes = [n for n in graph.node if not (n.op_type == "Identity" and n.output[0] in alias)]
-    for node in nodes:
-        for i, name in enumerate(node.input):
-            node.input[i] = alias.get(name, name)
-    del graph.node[:]
-    graph.node.extend(nodes)
+    """Every MatMul on a weight sees the initializer, so the weight is quantized once, not kept fp32 beside it."""
+    skip_identities(model, set(_initializers(model.graph)))
     return model
 
 

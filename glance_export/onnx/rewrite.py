@@ -1,4 +1,5 @@
-"""One graph rewrite: `MatMul(x, Transpose(W))` on a weight W becomes `Gemm(x, W, transB=1)`.
+"""Graph rewrites on weights: `MatMul(x, Transpose(W))` becomes `Gemm(x, W, transB=1)`, and readers of
+`Identity(W)` read W itself.
 
 An LM head exports as a MatMul on the transposed weight. Folded, that transpose is a second copy of
 the vocabulary matrix beside the one the embedding Gather reads (a tied matrix stored twice); left
@@ -42,3 +43,18 @@ def gemm_for_transposed_weights(model: onnx.ModelProto) -> int:
         if out not in used:
             graph.node.remove(node)
     return rewritten
+
+
+def skip_identities(model: onnx.ModelProto, weights: set[str] | dict) -> None:
+    """Readers of `Identity(W)` read W (the tracer aliases a weight read twice this way), so each weight is
+    one tensor that later rewrites (transposes stored folded, quantization) see where it is used."""
+    graph = model.graph
+    outputs = {o.name for o in graph.output}
+    alias = {n.output[0]: n.input[0] for n in graph.node
+             if n.op_type == "Identity" and n.input[0] in weights and n.output[0] not in outputs}
+    nodes = [n for n in graph.node if not (n.op_type == "Identity" and n.output[0] in alias)]
+    for node in nodes:
+        for i, name in enumerate(node.input):
+            node.input[i] = alias.get(name, name)
+    del graph.node[:]
+    graph.node.extend(nodes)

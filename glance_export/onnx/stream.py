@@ -70,20 +70,6 @@ def inputs_to_initializers(model: onnx.ModelProto, user_inputs: list[str],
     return pending
 
 
-def skip_identities(model: onnx.ModelProto, pending: dict[str, Pending]) -> None:
-    """Readers of `Identity(W)` read W (the tracer aliases a weight read twice this way)."""
-    graph = model.graph
-    outputs = {o.name for o in graph.output}
-    alias = {n.output[0]: n.input[0] for n in graph.node
-             if n.op_type == "Identity" and n.input[0] in pending and n.output[0] not in outputs}
-    nodes = [n for n in graph.node if not (n.op_type == "Identity" and n.output[0] in alias)]
-    for node in nodes:
-        for i, name in enumerate(node.input):
-            node.input[i] = alias.get(name, name)
-    del graph.node[:]
-    graph.node.extend(nodes)
-
-
 def fold_transposes(model: onnx.ModelProto, pending: dict[str, Pending]) -> None:
     """A 2-D weight read only through `Transpose(perm=[1, 0])` is stored transposed and read directly."""
     graph = model.graph
