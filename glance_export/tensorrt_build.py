@@ -197,7 +197,7 @@ def build_engines(toolchain: Toolchain, artifacts: Path, manifest: dict[str, Any
 
 def _build_in_this_process(job: GraphJob) -> None:
     """The worker's build, through Polygraphy's loaders for the TensorRT module the job names."""
-    from polygraphy.backend.trt import (CreateConfig, PostprocessConfig, ShapeProfile as TrtProfile,
+    from polygraphy.backend.trt import (CreateConfig, PostprocessConfig, Profile as TrtProfile,
                                         SetDecomposableAttentions, network_from_onnx_path)
     from polygraphy.logger import G_LOGGER
 
