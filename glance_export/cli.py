@@ -14,6 +14,14 @@ from glance_runtime.runner import BACKENDS
 from glance_runtime.session import Settings, open_session
 
 from .device_profiles import PROFILE_NAMES
+
+# Upper bounds of sizes that would otherwise run until stopped or exhaust the machine.
+HEAD_LAYERS = limits.between("--layers", 1, 64, "a draft head has a few layers; 64 is deeper than any target")
+BLOCK_SIZE = limits.between("--block-size", 2, 64, "the anchor plus up to 63 drafted offsets")
+STEPS = limits.between("--steps", 1, 10_000_000, "optimizer steps")
+BATCH = limits.between("--batch", 1, 4096, "sequences held in memory at once")
+MAX_TASKS = 1_000_000
+GROUP_SIZE = 128
 from .precision import PRECISIONS
 
 
@@ -230,9 +238,11 @@ def _train_head(args: argparse.Namespace) -> int:
 def _onnx(args: argparse.Namespace) -> int:
     from .onnx import export_artifacts
 
+    if args.group_size is not None and args.quantize is None:
+        raise GlanceError("--group-size applies to quantized graphs only; add --quantize int8|int4 or drop it")
     out = export_artifacts(args.model, args.head, args.out, dtype=args.dtype, opset=args.opset, max_tree=args.max_tree,
                            max_context=args.max_context, branch_k=args.branch_k, quantize=args.quantize,
-                           group_size=args.group_size,
+                           group_size=args.group_size or GROUP_SIZE,
                            progress=(lambda _: None) if args.quiet else (lambda line: print(line, flush=True)))
     print(f"wrote ONNX artifacts to {out}")
     return 0
@@ -283,8 +293,8 @@ def parser() -> argparse.ArgumentParser:
     h = sub.add_parser("init-head", help="write an untrained draft head for a target")
     h.add_argument("--model", type=Path, required=True)
     h.add_argument("--out", type=Path, required=True)
-    h.add_argument("--layers", type=int, default=1)
-    h.add_argument("--block-size", type=int, default=16)
+    h.add_argument("--layers", type=HEAD_LAYERS, default=1)
+    h.add_argument("--block-size", type=BLOCK_SIZE, default=16)
     h.add_argument("--seed", type=int, default=0)
     h.add_argument("--mask-token-id", type=int)
     h.set_defaults(func=_init_head)
@@ -293,16 +303,17 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--out", type=Path, required=True)
     c.add_argument("--kind", choices=("receipt", "chart", "scene", "caption", "train"), required=True,
                    help="a held-out task kind, or 'train' for mixed training prompts (head training data)")
-    c.add_argument("--n", type=int, default=20)
+    c.add_argument("--n", type=limits.between("--n", 1, MAX_TASKS, "each task is an image file written to disk"),
+                   default=20)
     c.add_argument("--seed", type=int, default=0)
     c.set_defaults(func=_corpus)
 
     g = sub.add_parser("train-target", help="train the embedded default VLM from scratch on the synthetic corpus")
     g.add_argument("--out", type=Path, required=True, help="run directory; holds checkpoints and the snapshot")
-    g.add_argument("--steps", type=int, default=3600, help="3600 from scratch; resume with a larger value to continue")
+    g.add_argument("--steps", type=STEPS, default=3600, help="3600 from scratch; resume with a larger value to continue")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--time-budget", type=float, default=3000.0, help="seconds; stops early and saves")
-    g.add_argument("--batch-size", type=int, default=16)
+    g.add_argument("--batch-size", type=BATCH, default=16)
     g.add_argument("--lr", type=float, default=5e-4)
     g.add_argument("--threads", type=limits.threads, help="torch CPU threads (1 up to this machine's CPUs)")
     g.add_argument("--mix", nargs="+", metavar="KIND=WEIGHT",
@@ -321,11 +332,11 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--data", type=Path, required=True, help="TASKS.jsonl of training prompts (answers not needed)")
     t.add_argument("--out", type=Path, required=True)
     t.add_argument("--resume", type=Path, help="continue from this head directory")
-    t.add_argument("--layers", type=int, default=1)
-    t.add_argument("--block-size", type=int, default=16)
-    t.add_argument("--steps", type=int, default=2000)
+    t.add_argument("--layers", type=HEAD_LAYERS, default=1)
+    t.add_argument("--block-size", type=BLOCK_SIZE, default=16)
+    t.add_argument("--steps", type=STEPS, default=2000)
     t.add_argument("--lr", type=float, default=3e-3)
-    t.add_argument("--batch", type=int, default=8, help="sequences per step")
+    t.add_argument("--batch", type=BATCH, default=8, help="sequences per step")
     t.add_argument("--anchors", type=int, default=16, help="anchors sampled per sequence")
     t.add_argument("--gamma", type=float, default=7.0, help="offset k is weighted exp(-(k-1)/gamma)")
     t.add_argument("--max-new-tokens", type=int, default=64, help="length of the target's answers")
@@ -348,8 +359,9 @@ def parser() -> argparse.ArgumentParser:
                    help=f"top-k the draft graph returns per offset (default {BRANCH_K})")
     o.add_argument("--quantize", choices=("int8", "int4"),
                    help="weight-only: linear layers, LM head and embedding of target and head (vision stays fp32)")
-    o.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128),
-                   help="weights per quantization scale (must divide the hidden size)")
+    o.add_argument("--group-size", type=int, choices=(32, 64, 128),
+                   help=f"weights per quantization scale, with --quantize (must divide the hidden size; default "
+                   f"{GROUP_SIZE})")
     o.add_argument("--quiet", action="store_true")
     o.set_defaults(func=_onnx)
 

@@ -266,6 +266,8 @@ def load(artifacts: str | Path | None = None, *, engines: str | Path | None = No
         if path is not None and not path.is_dir():
             state = "is not a directory" if path.exists() else "does not exist"
             raise InputError(f"{name}={str(path)!r} {state}; pass an existing directory")
+    if paths["engines"] is not None and backend is None:
+        backend = "tensorrt"  # engines are only ever served by TensorRT
     model_dir, head_dir, artifacts_dir, backend = resolve(paths["model"], paths["head"], paths["artifacts"], backend)
     if speculative and head_dir is None and backend == "torch":
         raise InputError("speculative decoding needs head=DIR (or pass speculative=False for plain greedy decoding)")

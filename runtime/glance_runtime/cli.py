@@ -9,7 +9,7 @@ from pathlib import Path
 
 from . import api
 from .cache import cache_root
-from .cli_parser import OneLineParser, check_dirs, decode_flags, guarded, runner_flags
+from .cli_parser import OneLineParser, check_applicable, check_dirs, decode_flags, guarded, runner_flags
 from .defaults import BUDGET, RUN_MAX_NEW_TOKENS, resolve
 from .errors import GlanceError
 from .preprocess import check_image_path
@@ -62,7 +62,11 @@ def _stats_line(out: api.Output) -> str:
 
 def _load(args: argparse.Namespace) -> api.Model:
     cache_root()  # exports, hash stamps and cost profiles live there: a broken location is refused before loading
-    _, head, _, backend = resolve(args.model, args.head, args.artifacts, args.backend)  # as api.load resolves them
+    asked = args.backend or ("tensorrt" if args.engines is not None else None)
+    _, head, _, backend = resolve(args.model, args.head, args.artifacts, asked)  # as api.load resolves them
+    check_applicable(args, backend)
+    if args.no_spec and args.budget is not None:
+        raise GlanceError("--budget sizes GLANCE's trees and --no-spec decodes without them; drop one")
     if not args.no_spec and head is None and backend == "torch":
         raise GlanceError("speculative decoding needs --head (or pass --no-spec for plain greedy decoding)")
     return api.load(args.artifacts, engines=args.engines, model=args.model, head=args.head, backend=args.backend,

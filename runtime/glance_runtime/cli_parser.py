@@ -62,6 +62,19 @@ def check_dirs(args: argparse.Namespace) -> None:
             raise GlanceError(f"{flag} {path} {state}; pass an existing directory")
 
 
+def check_applicable(args: argparse.Namespace, backend: str) -> None:
+    """Flags the chosen backend would ignore are refused, not silently dropped."""
+    if args.engines is not None and backend != "tensorrt":
+        raise GlanceError(f"--engines is for --backend tensorrt, not {backend}; drop --engines or pass "
+                          "--backend tensorrt")
+    if args.artifacts is not None and backend == "torch":
+        raise GlanceError("--artifacts is for the onnxruntime and tensorrt backends; drop it or pick one of them")
+    if backend == "torch" and (args.provider or args.threads is not None or args.max_context is not None
+                               or args.max_tree is not None):
+        raise GlanceError("--provider, --threads, --max-context and --max-tree are for the graph backends "
+                          "(onnxruntime, tensorrt); drop them for --backend torch")
+
+
 def source(args: argparse.Namespace, backend: str, **resolved) -> Source:
     """The Source the runner flags name; `resolved` overrides what the command resolved itself (model, ...)."""
     named = dict(model=args.model, head=args.head, artifacts=args.artifacts, engines=args.engines,

@@ -39,6 +39,18 @@ def at_least(flag: str, minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def between(flag: str, low: int, high: int, why: str) -> Callable[[str], int]:
+    """An integer flag with both bounds, `why` saying where the upper one comes from (sizes that would
+    otherwise run until stopped or exhaust the machine: --layers, --n, --steps, ...)."""
+    def parse(text: str) -> int:
+        value = _integer(flag, text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{flag} {value} is outside {low}..{high} ({why}); pass {flag} "
+                                             f"{low}..{high}")
+        return value
+    return parse
+
+
 def integer(flag: str) -> Callable[[str], int]:
     """An integer flag whose range is a backend's (--max-context, --max-tree: `runtime_limit`)."""
     return lambda text: _integer(flag, text)
