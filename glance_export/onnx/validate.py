@@ -5,6 +5,10 @@ non-empty past, a single-row decode with no image rows, two image sizes, one and
 catch sizes the tracer froze. Floats must agree to `atol + rtol * max|reference|` per output; top-k
 ids (column 0 is the greedy token) must be identical wherever the reference has a clear margin
 (near-ties may legitimately flip), and their embeddings wherever the ids agree.
+
+Not Polygraphy's Comparator: its reference runner would be ONNX Runtime or TensorRT, not our torch
+wrappers, and its per-output tolerances cannot express "top-k ids must match where the reference's
+margin is clear", which is the comparison that matters for greedy parity.
 """
 from __future__ import annotations
 
