@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from glance_runtime.atomic import atomic_directory
+from glance_runtime.atomic import atomic_directory, check_output
 from glance_runtime.errors import GlanceError
 
+REPOSITORY_FORMAT = "glance-triton-repository"
 MODEL_NAME = "glance"
 TEMPLATE = Path(__file__).with_name("triton_model.py")
 RUNTIME_ROOT = Path(__import__("glance_runtime").__file__).resolve().parents[1]  # where glance_runtime imports from
@@ -73,6 +74,7 @@ def check(repo: TritonRepo) -> None:
                        ("--head", repo.head), ("--python-env", repo.python_env)):
         if path is not None and not Path(path).is_dir():
             raise GlanceError(f"{flag} {path} does not exist or is not a directory; pass an existing directory")
+    check_output(repo.out, REPOSITORY_FORMAT, [repo.artifacts, repo.engines, repo.model, repo.head, repo.python_env])
     if repo.python_env is not None and not (Path(repo.python_env) / "bin" / "python").exists():
         raise GlanceError(f"--python-env {repo.python_env} is not a virtual environment (no bin/python); make one "
                           "with python -m venv and install the runtime's dependencies with numpy 1.26 into it")
@@ -81,7 +83,7 @@ def check(repo: TritonRepo) -> None:
 def write_repository(repo: TritonRepo, progress: Callable[[str], None] = lambda _: None) -> Path:
     """Write (atomically) REPO/glance/{config.pbtxt, 1/model.py}; returns the repository directory."""
     check(repo)
-    with atomic_directory(repo.out) as tmp:
+    with atomic_directory(repo.out, REPOSITORY_FORMAT, "glance-export triton") as tmp:
         version = tmp / MODEL_NAME / "1"
         version.mkdir(parents=True)
         shutil.copyfile(TEMPLATE, version / "model.py")

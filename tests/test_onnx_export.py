@@ -158,6 +158,7 @@ class GraphReplay:
 
         self.m = json.loads((out / "manifest.json").read_text())
         self.reference, self.block_size = reference, self.m["block_size"]
+        self.info = reference.info  # what it serves: the reference's limits (no context bound on numpy buffers)
         self.sessions = {g: ort.InferenceSession(str(out / e["file"]), providers=["CPUExecutionProvider"])
                          for g, e in self.m["graphs"].items()}
         t, d = self.m["graphs"]["target"], self.m["graphs"]["draft"]

@@ -40,10 +40,13 @@ def _pip(python: Path, *args: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def stub_env(request) -> Path:
-    """The stubs' virtual environment, built once per package list and Python version (complete or absent)."""
+def stub_env(request, tmp_path_factory) -> Path:
+    """The stubs' virtual environment, built once per package list and Python version (complete or absent),
+    in pytest's cache where it has one, so later runs reuse it."""
     key = hashlib.sha256(json.dumps([PYVER, ENV_PACKAGES, TRITON_WHEEL]).encode()).hexdigest()[:12]
-    env = Path(request.config.cache.mkdir("triton-env")) / f"py{PYVER}-{key}"
+    cache = getattr(request.config, "cache", None)
+    root = Path(cache.mkdir("triton-env")) if cache is not None else tmp_path_factory.mktemp("triton-env")
+    env = root / f"py{PYVER}-{key}"
     if (env / "complete").is_file():
         return env
     shutil.rmtree(env, ignore_errors=True)  # an interrupted build left no marker: start it over

@@ -31,7 +31,7 @@ class SeededDrafter:
         return self.inner.start
 
     def prefill(self, prompt, keep: int = 0):
-        return self.inner.prefill(prompt, keep)
+        return self.inner.prefill(prompt, keep) if keep else self.inner.prefill(prompt)
 
     def draft(self, anchor: int, k: int):
         ids, logp = self.inner.draft(anchor, k)
