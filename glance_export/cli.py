@@ -353,8 +353,10 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--out", type=Path, required=True)
     o.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32")
     o.add_argument("--opset", type=int, default=17, help="14..20 (plain ops, TensorRT 10.3) or 23 (ONNX Attention)")
-    o.add_argument("--max-tree", type=int, default=64, help="largest verify pass (anchor + tree nodes)")
-    o.add_argument("--max-context", type=int, default=2048, help="KV cache rows: prompt + answer")
+    o.add_argument("--max-tree", type=limits.at_least("--max-tree", 1), default=64,
+                   help="largest verify pass (anchor + tree nodes)")
+    o.add_argument("--max-context", type=limits.at_least("--max-context", 2), default=2048,
+                   help="KV cache rows: prompt + answer")
     o.add_argument("--branch-k", type=limits.at_least("--branch-k", 1), default=BRANCH_K,
                    help=f"top-k the draft graph returns per offset (default {BRANCH_K})")
     o.add_argument("--quantize", choices=("int8", "int4"),
@@ -374,10 +376,14 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--out", type=Path, required=True, help="engines directory (the bundle with --plan-only)")
     b.add_argument("--precision", choices=PRECISIONS,
                    help="default: the target's (strongly typed builders: the export's)")
-    b.add_argument("--max-context", type=int, help="lower the export's max context (default: what fits in memory)")
-    b.add_argument("--max-tree", type=int, help="lower the export's max tree (default: the target's cap)")
-    b.add_argument("--memory-gib", type=float, help="device memory budget (default: this device's, else the target's)")
-    b.add_argument("--workspace-gib", type=float, help="builder workspace (trtexec --memPoolSize=workspace)")
+    b.add_argument("--max-context", type=limits.at_least("--max-context", 2),
+                   help="lower the export's max context (default: what fits in memory)")
+    b.add_argument("--max-tree", type=limits.at_least("--max-tree", 1),
+                   help="lower the export's max tree (default: the target's cap)")
+    b.add_argument("--memory-gib", type=limits.positive("--memory-gib"),
+                   help="device memory budget (default: this device's, else the target's)")
+    b.add_argument("--workspace-gib", type=limits.positive("--workspace-gib"),
+                   help="builder workspace (trtexec --memPoolSize=workspace)")
     b.add_argument("--timing-cache", type=Path, help="read if present, written after (trtexec --timingCacheFile)")
     b.add_argument("--plan-only", action="store_true",
                    help="write the export, target profile, README and build.sh for the device; needs no TensorRT")

@@ -261,7 +261,7 @@ def test_law_runs_alone_on_a_round_log(bench_out, tmp_path, capsys):
     (["law", "missing.jsonl"], "round log missing.jsonl does not exist"),
     (["--data", "EMPTY", "--out", "OUT"], "has no tasks"),
     (["--data", str(REPO / "examples/receipt/tasks.jsonl"), "--max-new-tokens", "1", "--out", "OUT"],
-     "leaves no rounds"),
+     "--max-new-tokens must be >= 2"),
     (["--data", "LATIN1", "--out", "OUT"], "is not valid UTF-8"),
     (["law", "LATIN1"], "is not valid UTF-8"),
     (["--data", "EMPTY"], "the following arguments are required: --out"),

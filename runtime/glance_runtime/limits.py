@@ -51,6 +51,19 @@ def between(flag: str, low: int, high: int, why: str) -> Callable[[str], int]:
     return parse
 
 
+def positive(flag: str) -> Callable[[str], float]:
+    """A finite number above 0 (memory budgets in GiB, seconds)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text.strip())
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"{flag} {text!r} is not a positive number; pass a finite {flag} > 0")
+        return value
+    return parse
+
+
 def integer(flag: str) -> Callable[[str], int]:
     """An integer flag whose range is a backend's (--max-context, --max-tree: `runtime_limit`)."""
     return lambda text: _integer(flag, text)

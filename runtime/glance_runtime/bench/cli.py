@@ -69,7 +69,7 @@ def bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--chain", action="store_true", help="also the same head as a chain (branch 1, min(budget, B-1) nodes)")
     p.add_argument("--n", type=int, help="first N prompts of each task file (default: all)")
     p.add_argument("--samples", type=int, default=3, help="runs per prompt and mode, the first dropped as a warm-up")
-    p.add_argument("--max-new-tokens", type=limits.integer("--max-new-tokens"), default=MEASURE_MAX_NEW_TOKENS,
+    p.add_argument("--max-new-tokens", type=limits.at_least("--max-new-tokens", 2), default=MEASURE_MAX_NEW_TOKENS,
                    help=f"answer length per run (default {MEASURE_MAX_NEW_TOKENS}; at least 2: prefill gives the first)")
     p.add_argument("--seed-drafts", choices=("none", "partial", "full"), default="none",
                    help="seed the target's own greedy continuation into the draft top-k with confident log-probs "
@@ -143,9 +143,6 @@ def _auto(runner: Runner, args: argparse.Namespace, calibration: Calibration | N
 def _check(args: argparse.Namespace) -> None:
     if args.samples < 2:
         raise GlanceError("--samples must be at least 2 (the first is a dropped warm-up)")
-    if args.max_new_tokens < 2:
-        raise GlanceError(f"--max-new-tokens {args.max_new_tokens} leaves no rounds to measure (prefill gives the "
-                          "first token); pass 2 or more")
     if args.n is not None and args.n < 1:
         raise GlanceError("--n must be at least 1")
     if args.bootstrap < 1:
