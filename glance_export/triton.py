@@ -74,10 +74,10 @@ def check(repo: TritonRepo) -> None:
                        ("--head", repo.head), ("--python-env", repo.python_env)):
         if path is not None and not Path(path).is_dir():
             raise GlanceError(f"{flag} {path} does not exist or is not a directory; pass an existing directory")
-    check_output(repo.out, REPOSITORY_FORMAT, [repo.artifacts, repo.engines, repo.model, repo.head, repo.python_env])
     if repo.python_env is not None and not (Path(repo.python_env) / "bin" / "python").exists():
         raise GlanceError(f"--python-env {repo.python_env} is not a virtual environment (no bin/python); make one "
                           "with python -m venv and install the runtime's dependencies with numpy 1.26 into it")
+    check_output(repo.out, REPOSITORY_FORMAT, [repo.artifacts, repo.engines, repo.model, repo.head, repo.python_env])
 
 
 def write_repository(repo: TritonRepo, progress: Callable[[str], None] = lambda _: None) -> Path:

@@ -1,10 +1,25 @@
 """GLANCE runtime: the draft/verify loop and its backends; the ONNX Runtime path needs no torch.
 
-`__version__` is the installed distribution's (pyproject.toml is its one source): the version every
-writer stamps into a file and every reader checks."""
-from importlib.metadata import version
+`__version__` is pyproject.toml's, the one source: the installed distribution's metadata, or where this
+source tree is used without an install (on `sys.path`, as Triton's Python-backend stubs load it) the
+checkout's pyproject itself. It is the version every writer stamps into a file and every reader checks."""
+import re
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
-__version__ = version("glance-toolkit")
+
+def _version() -> str:
+    try:
+        return version("glance-toolkit")
+    except PackageNotFoundError:
+        pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+        found = re.search(r'^version = "([^"]+)"', pyproject.read_text(), re.M) if pyproject.is_file() else None
+        if found is None:
+            raise
+        return found.group(1)
+
+
+__version__ = _version()
 
 from .api import Chat, Model, Output, load  # noqa: E402  (after __version__: the API's modules read it)
 from .errors import GlanceError, InputError, IntegrityError, LimitError  # noqa: E402
