@@ -25,6 +25,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
+from glance_export.meta_init import parameters_on_meta
 from glance_runtime.atomic import atomic_directory, check_output
 from glance_runtime.errors import GlanceError
 
@@ -225,12 +226,13 @@ def load_head(head_dir: str | Path, dtype: torch.dtype = torch.float32) -> Draft
         raise GlanceError(f"{head_dir} is not a head directory (needs config.json and {WEIGHTS_FILE}); "
                           "create one with `glance-export init-head`")
     cfg = HeadConfig.from_json(json.loads(cfg_path.read_text()))
-    head = DraftHead(cfg)
+    with parameters_on_meta():  # the checkpoint's tensors become the parameters: no random init, no second copy
+        head = DraftHead(cfg)
     try:
         state = load_file(str(weights))
     except (SafetensorError, OSError) as exc:
         raise GlanceError(f"cannot read {weights} ({exc}); restore the head's files or retrain it") from None
-    missing, unexpected = head.load_state_dict(state, strict=False)
+    missing, unexpected = head.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
         raise GlanceError(f"{weights} does not match its config (missing {sorted(missing)[:3]}, "
                           f"unexpected {sorted(unexpected)[:3]})")

@@ -94,7 +94,7 @@ def test_depth_cut_validation_exports_the_same_graphs(snapshot_dir, tmp_path, mo
     monkeypatch.setattr(depth_cut, "FULL_VALIDATION_BYTES", 0)
     lines: list[str] = []
     cut = export_artifacts(snap, head, tmp_path / "cut", max_tree=16, max_context=64, progress=lines.append)
-    assert any("2-layer cut" in line and "all 4 layers" in line for line in lines)
+    assert any("all 4 layers" in line for line in lines) and any("2-layer cut" in line for line in lines)
     assert _weights(cut) == _weights(whole)
 
 
@@ -111,8 +111,8 @@ def test_smoke_run_fails_on_a_corrupt_graph(snapshot_dir, tmp_path):
     from glance_export.head import load_head
 
     dims = dims_for(Snapshot(snap), load_head(head))
-    with pytest.raises(GlanceError, match="smoke run of target.onnx failed: .*not finite"):
-        depth_cut.smoke_in_child(tmp_path / "target.onnx", dims, "fp32", 1)
+    with pytest.raises(GlanceError, match="smoke run of target.onnx: output .* is not finite"):
+        depth_cut.smoke_run(tmp_path / "target.onnx", dims, "fp32", 1)
 
 
 def test_refusal_names_the_shortfall_and_the_fix(snapshot_dir):
@@ -138,9 +138,6 @@ def _export_peak_kib(snap: Path, head: Path, out: Path) -> int:
     return int(done.stdout.split()[-1])
 
 
-@pytest.mark.xfail(strict=True, reason="the exporter's resident peak still grows with depth (measured: 0.92 GB at "
-                   "2 layers, 1.99 GB at 8): about twice the target graph is resident between tracing and the "
-                   "checker; streaming the initializers alone does not yet bound it")
 def test_export_peak_is_flat_from_2_to_8_layers(tmp_path):
     """Eight layers of a mid-size model (about 64 MB each in fp32) cost the exporter no more resident
     memory than two: the weights stream through, and validation holds a 2-layer cut."""

@@ -2,35 +2,34 @@
 
 A small target is validated whole against its torch wrapper, as every other graph is. A large one is
 validated in two parts that together keep that strength without two full models in memory:
-- a depth-cut graph: the same snapshot's first `CUT_LAYERS` layers, built, traced and streamed by the
-  same code as the full graph, is compared with torch on the same fresh inputs. Every layer of a stack
+- a depth-cut graph: the same snapshot's first `CUT_LAYERS` layers, built and traced by the same code
+  as the full graph, its weights read from the full graph's own data file (so the check covers those
+  bytes, and nothing is written twice), is compared with torch on the same fresh inputs. Every layer of a stack
   is the same code on different weights, so what the comparison proves of the wiring (cache, mask,
   rotary, taps, deepstack rows) holds at any depth;
-- a full-depth smoke run: ONNX Runtime loads the exported graph itself (its weights memory-mapped from
-  the data file, no prepacked copies) and runs a prefill and a tree pass, whose outputs must have the
-  contract's shapes and be finite. That proves the full graph's wiring and every streamed tensor load.
-  It runs in a child process: the pages of the data file it maps are resident while it runs (clean
-  page cache the kernel can reclaim, not a copy), and leave with it instead of staying in the
-  exporter's resident set for the rest of the export.
+- a full-depth smoke run: ONNX Runtime runs the exported graph itself, every node and every weight of
+  it, on a prefill and a tree pass, whose outputs must have the contract's shapes and be finite. That
+  proves the full graph's wiring and every streamed tensor load. It runs segment by segment (see
+  `segments.py`), so at most a few hundred MB of the graph's weights are loaded at once.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
-import subprocess
-import sys
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import onnx
+from onnx.external_data_helper import uses_external_data
 from torch import nn
 
 from glance_runtime.errors import GlanceError
 
-from .export import export_graph, weight_bytes
+from .export import ATTENTION_OPSET, export_graph, weight_bytes
 from .feeds import target_feed, trace_feeds
+from .segments import SEGMENT_BYTES, run_in_segments
 from .sources import target_graph, target_skeleton
 from .spec import DTYPES, Dims, dynamic_axes, output_shapes
 from .validate import TOLERANCES, validate_graph, validation_feeds
@@ -56,54 +55,45 @@ def validate_target(out_dir: Path, full: nn.Module, skeleton, dims: Dims, snapsh
     small = cut_dims(dims, CUT_LAYERS)
     cut = target_skeleton(snapshot, skeleton.checkpoint, dtype, attention, layers=CUT_LAYERS)
     module = target_graph(cut.model, small)
+    progress(f"smoke-running all {dims.layers} layers of target.onnx in ONNX Runtime")
+    smoke_run(out_dir / "target.onnx", dims, dtype, seed, budget=weight_bytes(module))  # no more than the cut holds
+    full_path = out_dir / "target.onnx"
+    borrow = full_path if opset < ATTENTION_OPSET and _external(full_path) else None
     scratch = Path(tempfile.mkdtemp(prefix=".cut.", dir=out_dir))
+    path = out_dir / f"{scratch.name}.target.onnx" if borrow else scratch / "target.onnx"
     try:
         axes = dynamic_axes(small, "target", module.input_names, module.output_names)
-        path = export_graph(module, trace_feeds(snapshot, small, DTYPES[dtype])["target"], scratch / "target.onnx",
-                            axes, opset, output_shapes(small, "target", branch_k), cut)
+        export_graph(module, trace_feeds(snapshot, small, DTYPES[dtype])["target"], path, axes, opset,
+                     output_shapes(small, "target", branch_k), cut, borrow=borrow)
         with cut.materialized(module):
             errors = validate_graph("target", path, module, validation_feeds("target", small, snapshot, dtype, seed), tol)
     finally:
+        path.unlink(missing_ok=True)
         shutil.rmtree(scratch, ignore_errors=True)
-    progress(f"validated a {CUT_LAYERS}-layer cut of target.onnx against torch; smoke-running all {dims.layers} layers")
-    smoke_in_child(out_dir / "target.onnx", dims, dtype, seed)
+    progress(f"validated a {CUT_LAYERS}-layer cut of target.onnx against torch (its weights read from "
+             f"target.onnx.data)" if borrow else f"validated a {CUT_LAYERS}-layer cut of target.onnx against torch")
     return errors
 
 
-def smoke_in_child(path: Path, dims: Dims, dtype: str, seed: int) -> None:
-    """`smoke_run` in a fresh interpreter; its one-line failure becomes this process's GlanceError."""
-    spec = json.dumps({"path": str(path), "dims": dataclasses.asdict(dims), "dtype": dtype, "seed": seed})
-    done = subprocess.run([sys.executable, "-m", __name__, spec], capture_output=True, text=True)
-    if done.returncode:
-        lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
-        raise GlanceError(f"full-depth smoke run of {path.name} failed: {lines[-1]}")
+def _external(path: Path) -> bool:
+    return any(uses_external_data(t) for t in onnx.load(str(path), load_external_data=False).graph.initializer)
 
 
-def smoke_run(path: Path, dims: Dims, dtype: str, seed: int) -> None:
+def smoke_run(path: Path, dims: Dims, dtype: str, seed: int, budget: int = SEGMENT_BYTES) -> None:
     """A prefill and a tree-verify pass of the full graph in ONNX Runtime: contract shapes, finite values."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
     options.add_session_config_entry("session.disable_prepacking", "1")  # packed weights would be a second copy
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(seed)
-    names = [o.name for o in session.get_outputs()]
-    for feed in (target_feed(dims, rng, 7, 0, 2, DTYPES[dtype], tree=False),
-                 target_feed(dims, rng, 5, 7, 0, DTYPES[dtype], tree=True)):
+    feeds = [target_feed(dims, rng, 7, 0, 2, DTYPES[dtype], tree=False),
+             target_feed(dims, rng, 5, 7, 0, DTYPES[dtype], tree=True)]
+    for feed, outputs in zip(feeds, run_in_segments(path, feeds, budget, options)):
         rows = feed["tree_mask"].shape[0]
-        wanted = {i.name for i in session.get_inputs()}
-        for name, value in zip(names, session.run(names, {k: v for k, v in feed.items() if k in wanted})):
+        for name, value in outputs.items():
             if value.shape[0] != rows:
-                raise GlanceError(f"target graph: output {name} has {value.shape[0]} rows for a {rows}-row pass")
+                raise GlanceError(f"full-depth smoke run of {path.name}: output {name} has {value.shape[0]} rows "
+                                  f"for a {rows}-row pass")
             if not np.isfinite(value).all():
-                raise GlanceError(f"target graph: output {name} is not finite at full depth")
-
-
-if __name__ == "__main__":
-    job = json.loads(sys.argv[1])
-    fields = {**job["dims"], "tap_ids": tuple(job["dims"]["tap_ids"])}
-    try:
-        smoke_run(Path(job["path"]), Dims(**fields), job["dtype"], job["seed"])
-    except GlanceError as exc:
-        sys.exit(str(exc))
+                raise GlanceError(f"full-depth smoke run of {path.name}: output {name} is not finite")

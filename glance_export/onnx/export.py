@@ -3,11 +3,12 @@
 TorchScript (`dynamo=False`) traces these wrappers in about a second and emits plain opset-17 ops
 (MatMul/Softmax/Add attention) that TensorRT 10.3 parses. Opset 23 is an option for newer runtimes:
 the dynamo exporter (about 20 s a graph) turns the model's sdpa attention into the ONNX Attention op.
-Graphs whose weights approach 2 GB keep them in one external data file (`<graph>.onnx.data`).
+Graphs with more than `EXTERNAL_DATA_BYTES` of weights keep them in one external data file
+(`<graph>.onnx.data`); smaller ones stay one self-contained file.
 
-The TorchScript trace is weightless (`export_params=False` on a placeholder model, see `skeleton.py`):
-weights are written afterwards, one tensor at a time, from the snapshot (`stream.py`), so an export
-never holds the model. The dynamo exporter has no such mode; at opset 23 the graph's module gets its
+The TorchScript trace is weightless (`export_params=False`, everything on the meta device, see
+`weightless.py`): weights are written afterwards, one tensor at a time, from the snapshot (`stream.py`),
+so an export never holds the model. The dynamo exporter has no such mode; at opset 23 the graph's module gets its
 real weights for the trace.
 """
 from __future__ import annotations
@@ -29,9 +30,10 @@ from torch import nn
 
 from .external_data import gather_external_data, graph_tensors
 from .rewrite import gemm_for_transposed_weights, skip_identities
-from .stream import Progress, drop_unused, fold_transposes, inputs_to_initializers, module_tensors, write_initializers
+from .weightless import trace_args, trace_device, weightless
+from .stream import Progress, borrow_initializers, drop_unused, fold_transposes, inputs_to_initializers, module_tensors, write_initializers
 
-EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's hard limit is 2 GiB; stay clear of it
+EXTERNAL_DATA_BYTES = 16 << 20  # an embedded graph is held whole in memory, and again as it is serialized
 ATTENTION_OPSET = 23  # ONNX Attention (and RMSNormalization, RotaryEmbedding) need opset 23 and TensorRT 10.14+
 
 
@@ -69,7 +71,7 @@ def _quiet(logger_name: str):
 class WeightSource(Protocol):
     """Where a graph's weights come from when it is written (see `skeleton.Skeleton`)."""
 
-    def real(self, tensor: torch.Tensor) -> torch.Tensor: ...
+    def real(self, tensor: torch.Tensor) -> torch.Tensor: ...  # values as stored; the writer casts them
 
     def materialized(self, module: nn.Module) -> contextlib.AbstractContextManager: ...
 
@@ -88,7 +90,7 @@ class InMemory:
 
 def _torch_export(module: nn.Module, feed: dict[str, np.ndarray], path: Path, axes: dict, opset: int,
                   fold: bool = True) -> None:
-    """TorchScript up to opset 20, weightless (parameters and buffers become graph inputs, nothing folded);
+    """TorchScript up to opset 20, on meta (parameters and buffers become graph inputs, nothing folded);
     the dynamo exporter from opset 23, which emits the ONNX Attention op and needs the real weights."""
     names = dict(input_names=module.input_names, output_names=module.output_names, opset_version=opset)
     with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), _quiet("torch.onnx"):
@@ -97,8 +99,11 @@ def _torch_export(module: nn.Module, feed: dict[str, np.ndarray], path: Path, ax
             torch.onnx.export(module, torch_args(module, feed), str(path), dynamo=True, verbose=False,
                               dynamic_shapes=_dynamo_shapes(module.input_names, axes), optimize=fold, **names)
         else:
-            torch.onnx.export(module, torch_args(module, feed), str(path), dynamo=False, dynamic_axes=axes,
-                              export_params=False, do_constant_folding=False, **names)
+            device = trace_device(module)
+            with weightless(module, device):
+                torch.onnx.export(module, trace_args(torch_args(module, feed), device), str(path), dynamo=False,
+                                  dynamic_axes=axes, export_params=False, keep_initializers_as_inputs=True,
+                                  do_constant_folding=False, **names)
 
 
 def pin_outputs(model: onnx.ModelProto, shapes: dict[str, list[int | str]]) -> None:
@@ -114,9 +119,12 @@ def pin_outputs(model: onnx.ModelProto, shapes: dict[str, list[int | str]]) -> N
 
 def export_graph(module: nn.Module, feed: dict[str, np.ndarray], path: Path, axes: dict, opset: int,
                  output_shapes: dict[str, list[int | str]], weights: WeightSource, lm_head_gemm: bool = False,
-                 on_tensor: Progress | None = None) -> Path:
+                 on_tensor: Progress | None = None, borrow: Path | None = None) -> Path:
     """Trace `module` on `feed` into `path`, its weights streamed from `weights`; the checker (full, with
     strict shape inference) must pass.
+
+    `borrow`: a graph beside `path` whose data file already holds every weight of this one (the full
+    target, for its depth cut); the new graph points into that file and writes no weights.
 
     Weight transposes are stored pre-transposed, as constant folding would; `lm_head_gemm` instead turns
     `hidden @ W.T` into a Gemm on W (the vocab graph: one copy of a possibly tied matrix)."""
@@ -136,8 +144,12 @@ def export_graph(module: nn.Module, feed: dict[str, np.ndarray], path: Path, axe
             fold_transposes(model, pending)
             drop_unused(model, pending)
             pin_outputs(model, output_shapes)
-            external = sum(p.nbytes for p in pending.values()) >= EXTERNAL_DATA_BYTES
-            write_initializers(model, pending, path, weights.real, external, on_tensor)
+            if borrow is not None:
+                borrow_initializers(model, pending, borrow)
+                onnx.save_model(model, str(path))
+            else:
+                external = sum(p.nbytes for p in pending.values()) >= EXTERNAL_DATA_BYTES
+                write_initializers(model, pending, path, weights.real, external, on_tensor)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     onnx.checker.check_model(str(path), full_check=True)

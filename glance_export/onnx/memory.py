@@ -1,11 +1,13 @@
 """The export's peak memory, estimated from the snapshot's tensor index before any work, and the refusal
 when this machine cannot hold it.
 
-With streamed weights nothing scales with the depth of the model except page cache. What is resident at
-once is the process itself (torch, transformers, ONNX Runtime), the one tensor being written (read,
-cast, transposed: three copies of the largest), and the one graph being validated: its torch module and
-ONNX Runtime's session beside it (the vocabulary matrices, the vision tower, the head, or a target
-small enough to validate whole; a larger target as its depth cut).
+Nothing scales with the depth of the model: tracing runs on meta tensors, weights stream to disk one
+tensor at a time (read as stored, cast and transposed slice by slice), and the full-depth smoke run
+loads one segment of the target at a time. What is resident at once is the process itself (torch,
+transformers, onnx and ONNX Runtime), the one tensor being written, and the one graph being
+validated: its torch module and ONNX Runtime's session beside it (the vocabulary matrices, the vision
+tower, the head, or a target small enough to validate whole; a larger target as its depth cut). On a
+CPU without fp16 kernels that session also holds an fp32 copy of each fp16 weight.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pathlib import Path
 from glance_runtime.errors import GlanceError
 
 from .checkpoint import Checkpoint
+from .stream import SLICE_BYTES
 
 GIB = 1 << 30
 PROCESS_BYTES = int(1.25 * GIB)  # interpreter, torch, transformers, onnx and ONNX Runtime, measured at import
@@ -48,9 +51,10 @@ def estimate_peak(checkpoint: Checkpoint, itemsize: int, head_bytes: int, layers
         else stack_bytes * cut_layers // max(layers, 1)
     validated = max(_rescaled(checkpoint, vocab, itemsize), _rescaled(checkpoint, vision, itemsize), head_bytes,
                     target_validated)
-    largest = max((e.numel * itemsize for e in checkpoint.entries.values()), default=0)
+    largest = max((e.length for e in checkpoint.entries.values()), default=0)  # read as stored
     graphs = checkpoint.nbytes(itemsize) + head_bytes
-    working = max(3 * largest, 2 * validated)
+    session = 3 if itemsize == 2 else 1  # the mapped weights, plus their fp32 copy when they are fp16
+    working = max(largest + SLICE_BYTES, (1 + session) * validated)
     if quantize:
         working = max(working, 4 * max(stack_bytes, _rescaled(checkpoint, vocab, itemsize), head_bytes))
     return Estimate(PROCESS_BYTES + working, graphs, largest, validated)

@@ -2,11 +2,12 @@
 
 The graph is traced with `export_params=False`, so every parameter and buffer arrives as a graph input
 named after the module attribute that holds it. Each becomes an initializer whose bytes are produced
-only when it is written: the weight source reads the tensor (from the snapshot, cast to the export's
-dtype), a transpose read only through `Transpose` is applied to that one tensor (what constant folding
-did when the weights were in memory), and the bytes go straight to `<graph>.onnx.data` at a page-aligned
-offset (runtimes can map each tensor) or, for a small graph, into the graph file itself. At most one
-tensor's bytes (and its cast or transposed copy) are in memory at any time.
+only when it is written: the weight source reads the tensor as stored (bf16 in most snapshots), and
+the writer casts it to the export's dtype, and transposes it where it is read only through `Transpose`
+(what constant folding did when the weights were in memory), in slices of at most `SLICE_BYTES`,
+each written straight to `<graph>.onnx.data` at a page-aligned offset (runtimes can map each tensor)
+or, for a small graph, into the graph file itself. At most one tensor as stored, plus one slice, is
+in memory at any time.
 """
 from __future__ import annotations
 
@@ -14,11 +15,14 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import onnx
 import torch
+from onnx.external_data_helper import uses_external_data
 from torch import nn
+
+from glance_runtime.errors import GlanceError
 
 from .external_data import ALIGN, point_external
 
@@ -114,6 +118,21 @@ def drop_unused(model: onnx.ModelProto, pending: dict[str, Pending]) -> None:
     model.graph.initializer.extend(keep)
 
 
+SLICE_BYTES = 64 << 20
+
+
+def _slices(values: torch.Tensor, dtype: torch.dtype, transposed: bool) -> Iterator[torch.Tensor]:
+    """`values` (or its transpose) cast to dtype, in contiguous row slices of at most SLICE_BYTES."""
+    out = values.t() if transposed else values
+    if out.dim() == 0:
+        yield out.to(dtype)
+        return
+    row = max(out[0].numel(), 1) * torch.empty((), dtype=dtype).element_size()
+    step = max(1, SLICE_BYTES // row)
+    for start in range(0, max(out.shape[0], 1), step):
+        yield out[start:start + step].to(dtype, memory_format=torch.contiguous_format)  # one pass: cast and copy
+
+
 def _buffer(values: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a contiguous tensor, without a copy (bf16 too, which numpy cannot name)."""
     values = values.detach().contiguous()
@@ -128,8 +147,9 @@ Progress = Callable[[int, int, str], None]  # (bytes written so far, total bytes
 def write_initializers(model: onnx.ModelProto, pending: dict[str, Pending], path: Path,
                        real: Callable[[torch.Tensor], torch.Tensor], external: bool,
                        on_tensor: Progress | None = None) -> None:
-    """Fill every pending initializer from `real(tensor)` and save the graph at `path` (with `<path>.data`
-    when external). Tensors are produced, written and freed one at a time."""
+    """Fill every pending initializer from `real(tensor)` (its values, in any floating dtype for a
+    floating tensor) and save the graph at `path` (with `<path>.data` when external). Tensors are
+    produced, written and freed one at a time."""
     total = sum(p.nbytes for p in pending.values())
     done = 0
     data_name = f"{path.name}.data"
@@ -141,27 +161,44 @@ def write_initializers(model: onnx.ModelProto, pending: dict[str, Pending], path
             if item is None:
                 continue
             values = real(item.tensor)
-            if values.dtype != item.tensor.dtype or tuple(values.shape) != tuple(item.tensor.shape):
+            if tuple(values.shape) != tuple(item.tensor.shape) or (values.dtype != item.tensor.dtype and not (
+                    values.is_floating_point() and item.tensor.is_floating_point())):
                 raise ValueError(f"weight source gave {values.dtype} {list(values.shape)} for {tensor.name}")
-            payload = _buffer(values.t() if item.transposed else values)
-            del values
             if out is None:
-                tensor.raw_data = payload.tobytes()
+                tensor.raw_data = b"".join(_buffer(part).tobytes()
+                                           for part in _slices(values, item.tensor.dtype, item.transposed))
             else:
                 pad = (-offset) % ALIGN
                 out.write(b"\0" * pad)
                 offset += pad
-                out.write(payload)
-                point_external(tensor, data_name, offset, payload.nbytes)
-                offset += payload.nbytes
+                start = offset
+                for part in _slices(values, item.tensor.dtype, item.transposed):
+                    offset += out.write(_buffer(part))
+                point_external(tensor, data_name, start, offset - start)
+            del values
             done += item.nbytes
-            del payload
             if on_tensor is not None:
                 on_tensor(done, total, tensor.name)
     finally:
         if out is not None:
             out.close()
     onnx.save_model(model, str(path))
+
+
+def borrow_initializers(model: onnx.ModelProto, pending: dict[str, Pending], source: Path) -> None:
+    """Point every pending initializer at the tensor of the same name, type and stored shape in the data
+    file of `source` (a graph in the same directory); nothing is written."""
+    stored = {t.name: t for t in onnx.load(str(source), load_external_data=False).graph.initializer}
+    for tensor in model.graph.initializer:
+        if tensor.name not in pending:
+            continue
+        have = stored.get(tensor.name)
+        if have is None or not uses_external_data(have) or have.data_type != tensor.data_type \
+                or list(have.dims) != list(tensor.dims):
+            raise GlanceError(f"{source.name} does not hold {tensor.name} as {list(tensor.dims)}; export it again")
+        del tensor.external_data[:]
+        tensor.external_data.extend(have.external_data)
+        tensor.data_location = onnx.TensorProto.EXTERNAL
 
 
 LAYER = re.compile(r"\.(?:layers|blocks)\.(\d+)\.")
