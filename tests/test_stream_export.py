@@ -3,8 +3,10 @@ memory refusal, and a resident peak that does not grow with the model's depth.""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -125,6 +127,7 @@ def test_refusal_names_the_shortfall_and_the_fix(snapshot_dir):
 
 PEAK_SCRIPT = """
 import sys
+import time
 from glance_export.onnx import export_artifacts
 export_artifacts(sys.argv[1], sys.argv[2], sys.argv[3], max_tree=16, max_context=64, progress=lambda _: None)
 print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')))
@@ -160,3 +163,19 @@ def test_export_peak_is_flat_from_2_to_8_layers(tmp_path):
         peaks[layers] = _export_peak_kib(snap, head, tmp_path / f"a{layers}") * 1024
     growth = peaks[8] - peaks[2]
     assert growth < 0.2 * (weights[8] - weights[2]), (peaks, weights)
+
+
+def test_progress_names_the_layer_and_an_eta_from_the_write_rate():
+    from glance_export.onnx.stream import QUIET_BYTES, eta_reporter
+
+    lines: list[str] = []
+    report = eta_reporter("target.onnx", 4, lines.append, every_s=0)
+    for i in range(4):
+        time.sleep(0.01)
+        report((i + 1) * QUIET_BYTES, 4 * QUIET_BYTES, f"lm.layers.{i}.mlp.up_proj.weight")
+    assert "layer 1/4" in lines[0] and "left" not in lines[0]  # one tensor written: no rate yet
+    assert "layer 2/4" in lines[1] and re.search(r"about \d+s left$", lines[1])
+    assert "layer 4/4" in lines[-1] and "left" not in lines[-1]
+    quiet: list[str] = []
+    eta_reporter("draft.onnx", 0, quiet.append, every_s=0)(QUIET_BYTES - 1, QUIET_BYTES - 1, "fc.weight")
+    assert quiet == []

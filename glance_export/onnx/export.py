@@ -30,7 +30,7 @@ from torch import nn
 
 from .external_data import gather_external_data, graph_tensors
 from .rewrite import gemm_for_transposed_weights, skip_identities
-from .weightless import trace_args, trace_device, weightless
+from .weightless import meta_args, weightless
 from .stream import Progress, borrow_initializers, drop_unused, fold_transposes, inputs_to_initializers, module_tensors, write_initializers
 
 EXTERNAL_DATA_BYTES = 16 << 20  # an embedded graph is held whole in memory, and again as it is serialized
@@ -99,9 +99,8 @@ def _torch_export(module: nn.Module, feed: dict[str, np.ndarray], path: Path, ax
             torch.onnx.export(module, torch_args(module, feed), str(path), dynamo=True, verbose=False,
                               dynamic_shapes=_dynamo_shapes(module.input_names, axes), optimize=fold, **names)
         else:
-            device = trace_device(module)
-            with weightless(module, device):
-                torch.onnx.export(module, trace_args(torch_args(module, feed), device), str(path), dynamo=False,
+            with weightless(module):
+                torch.onnx.export(module, meta_args(torch_args(module, feed)), str(path), dynamo=False,
                                   dynamic_axes=axes, export_params=False, keep_initializers_as_inputs=True,
                                   do_constant_folding=False, **names)
 

@@ -206,21 +206,25 @@ QUIET_BYTES = 64 << 20  # graphs smaller than this are written too fast to need 
 
 
 def eta_reporter(label: str, layers: int, progress: Callable[[str], None], every_s: float = 10.0) -> Progress:
-    """Lines with the layer being written, bytes, elapsed time and an ETA (by bytes), at most one per
-    `every_s` seconds and one at the end; none for a small graph."""
+    """Lines with the layer being written, bytes, elapsed time and an ETA (by bytes written since the first
+    tensor, so the trace before it does not skew the rate), at most one per `every_s` seconds and one at
+    the end; none for a small graph."""
     started = time.perf_counter()
+    first: list[tuple[float, int]] = []  # (time, bytes) when the first tensor was written
     last = [started]
 
     def report(done: int, total: int, name: str) -> None:
         now = time.perf_counter()
+        if not first:
+            first.append((now, done))
         if total < QUIET_BYTES or done < total and now - last[0] < every_s:
             return
         last[0] = now
-        elapsed = now - started
         layer = LAYER.search(name)
         where = f"layer {int(layer.group(1)) + 1}/{layers}, " if layer and layers else ""
-        eta = f", about {elapsed * (total - done) / done:.0f}s left" if done < total and done else ""
-        progress(f"  {label}: {where}{done / 1e9:.2f} of {total / 1e9:.2f} GB written in {elapsed:.0f}s{eta}")
+        since, base = first[0]
+        rate = (done - base) / (now - since) if now > since and done > base else 0.0
+        eta = f", about {(total - done) / rate:.0f}s left" if done < total and rate else ""
+        progress(f"  {label}: {where}{done / 1e9:.2f} of {total / 1e9:.2f} GB written in {now - started:.0f}s{eta}")
 
     return report
-

@@ -46,6 +46,15 @@ class VisionGraph(nn.Module):
         self.input_names = ["pixel_values", *INDEX_INPUTS[family]]
         self.output_names = ["image_embeds"] + (["deepstack_embeds"] if family == "qwen3_vl" else [])
 
+    def patch_embed(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """The tower's patch convolution written as the matmul it is (its kernel and stride are one whole
+        patch, and each row of pixel_values is one flattened patch): the same arithmetic, and unlike a
+        convolution it traces on meta tensors."""
+        proj = self.visual.patch_embed.proj
+        weight = proj.weight.reshape(proj.out_channels, -1)
+        x = torch.matmul(pixel_values.to(weight.dtype), weight.t())
+        return x if proj.bias is None else x + proj.bias
+
     def _window_order(self, x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.unit, x.shape[-1]).index_select(0, order)
         return rows.reshape(-1, x.shape[-1])
@@ -54,7 +63,7 @@ class VisionGraph(nn.Module):
         """Inputs in `input_names` order."""
         pixel_values, vision_pos_ids, *extra = inputs
         vis = self.visual
-        x = vis.patch_embed(pixel_values)
+        x = self.patch_embed(pixel_values)
         window_mask = None
         if self.family == "qwen3_vl":
             index, weight = extra

@@ -2,11 +2,9 @@
 
 The tracer only needs shapes and dtypes; on `meta` every op computes its output's shape and nothing
 else, so a full-depth trace costs neither the weights' memory nor their arithmetic (CPU fp16 matmuls
-over a 150k-row vocabulary are what made tracing slow). One exception: the meta kernels of
-convolutions check shapes with Python conditions that the tracer turns into tensors, so a module
-with a convolution (the vision towers' patch embedding) is traced on the CPU instead, each weight a
-zero broadcast to its shape (a view without storage; each op materialises only its own operand).
-Nothing is read from the weights' values:
+over a 150k-row vocabulary, and a vision tower's, are what made tracing slow). The meta kernels of
+convolutions do not trace (they check shapes with Python conditions the tracer turns into tensors),
+so the graph modules use none (see `VisionGraph.patch_embed`). Nothing is read from the weights' values:
 the TorchScript exporter is told to keep parameters as graph inputs (`keep_initializers_as_inputs`,
 which also skips its value-comparing deduplication of initializers), and buffers that the model does
 not save (rotary frequency tables) are declared persistent for the trace so they arrive as graph
@@ -22,24 +20,15 @@ import torch
 from torch import nn
 
 
-def trace_device(module: nn.Module) -> str:
-    return "cpu" if any(isinstance(m, nn.modules.conv._ConvNd) for m in module.modules()) else "meta"
-
-
-def _stand_in(tensor: torch.Tensor, device: str) -> torch.Tensor:
-    if device == "meta":
-        empty = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
-    elif isinstance(tensor, nn.Parameter) or tensor.is_meta:
-        empty = torch.zeros((), dtype=tensor.dtype).expand(tensor.shape)
-    else:
-        return tensor  # a real buffer is cheap and already on the CPU
+def _meta(tensor: torch.Tensor) -> torch.Tensor:
+    empty = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
     return nn.Parameter(empty, requires_grad=False) if isinstance(tensor, nn.Parameter) else empty
 
 
 @contextlib.contextmanager
-def weightless(module: nn.Module, device: str) -> Iterator[None]:
-    """Every parameter (and, on meta, every buffer) of `module` replaced by a stand-in without storage
-    (shared ones stay shared), all buffers persistent; the real tensors are back in place afterwards."""
+def weightless(module: nn.Module) -> Iterator[None]:
+    """Every parameter and buffer of `module` on meta (shared ones stay shared), all buffers persistent;
+    the real tensors are back in place afterwards."""
     swapped: list[tuple[dict, str, torch.Tensor]] = []
     metas: dict[int, torch.Tensor] = {}
     hidden: list[tuple[nn.Module, set[str]]] = []
@@ -49,7 +38,7 @@ def weightless(module: nn.Module, device: str) -> Iterator[None]:
                 if tensor is None:
                     continue
                 if id(tensor) not in metas:
-                    metas[id(tensor)] = _stand_in(tensor, device)
+                    metas[id(tensor)] = tensor if tensor.is_meta else _meta(tensor)
                 swapped.append((table, name, tensor))
                 table[name] = metas[id(tensor)]
         if owner._non_persistent_buffers_set:
@@ -64,5 +53,5 @@ def weightless(module: nn.Module, device: str) -> Iterator[None]:
             owner._non_persistent_buffers_set.update(names)
 
 
-def trace_args(args: tuple[torch.Tensor, ...], device: str) -> tuple[torch.Tensor, ...]:
-    return tuple(a.to(device) for a in args)
+def meta_args(args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(a.to("meta") for a in args)
