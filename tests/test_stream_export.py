@@ -179,3 +179,33 @@ def test_progress_names_the_layer_and_an_eta_from_the_write_rate():
     quiet: list[str] = []
     eta_reporter("draft.onnx", 0, quiet.append, every_s=0)(QUIET_BYTES - 1, QUIET_BYTES - 1, "fc.weight")
     assert quiet == []
+
+
+def test_depth_cut_checks_the_full_graphs_own_bytes(snapshot_dir, tmp_path, monkeypatch):
+    """The cut reads its weights from the full target's data file: a layer-0 weight zeroed there (finite,
+    so the smoke run cannot see it) fails the cut's comparison with torch."""
+    import glance_export.onnx.export as export_mod
+    from glance_export.onnx.sources import build_graphs, open_sources, target_skeleton
+    from glance_export.onnx.spec import dims_for
+    from onnx.external_data_helper import ExternalDataInfo
+
+    monkeypatch.setattr(export_mod, "EXTERNAL_DATA_BYTES", 0)
+    monkeypatch.setattr(depth_cut, "FULL_VALIDATION_BYTES", 0)
+    snap = snapshot_dir("qwen3")
+    head = _head(snap, tmp_path)
+    lines: list[str] = []
+    art = export_artifacts(snap, head, tmp_path / "art", max_tree=16, max_context=64, progress=lines.append)
+    assert any("read from target.onnx.data" in line for line in lines)
+    assert sorted(p.name for p in art.iterdir() if "target" in p.name) == ["target.onnx", "target.onnx.data"]
+    model = onnx.load(str(art / "target.onnx"), load_external_data=False)
+    weight = next(t for t in model.graph.initializer if "layers.0.mlp.down_proj" in t.name)
+    info = ExternalDataInfo(weight)
+    with open(art / "target.onnx.data", "r+b") as f:
+        f.seek(info.offset)
+        f.write(b"\0" * info.length)
+    snapshot, checkpoint, draft = open_sources(snap, head, "fp32")  # the manifest's hashes would refuse first
+    skeleton = target_skeleton(snapshot, checkpoint, "fp32")
+    dims = dims_for(snapshot, draft)
+    target = build_graphs(skeleton.model, draft, dims, 8)["target"]
+    with pytest.raises(GlanceError, match="target graph: output .* max error"):
+        depth_cut.validate_target(art, target, skeleton, dims, snapshot, "fp32", 17, "eager", 8, 1, lambda _: None)

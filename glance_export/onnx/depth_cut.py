@@ -4,8 +4,8 @@ A small target is validated whole against its torch wrapper, as every other grap
 validated in two parts that together keep that strength without two full models in memory:
 - a depth-cut graph: the same snapshot's first `CUT_LAYERS` layers, built and traced by the same code
   as the full graph, its weights read from the full graph's own data file (so the check covers those
-  bytes, and nothing is written twice), is compared with torch on the same fresh inputs. Every layer of a stack
-  is the same code on different weights, so what the comparison proves of the wiring (cache, mask,
+  bytes, and nothing is written twice), is compared with torch on the same fresh inputs. Every layer
+  of a stack is the same code on different weights, so what the comparison proves of the wiring (cache, mask,
   rotary, taps, deepstack rows) holds at any depth;
 - a full-depth smoke run: ONNX Runtime runs the exported graph itself, every node and every weight of
   it, on a prefill and a tree pass, whose outputs must have the contract's shapes and be finite. That
@@ -55,9 +55,9 @@ def validate_target(out_dir: Path, full: nn.Module, skeleton, dims: Dims, snapsh
     small = cut_dims(dims, CUT_LAYERS)
     cut = target_skeleton(snapshot, skeleton.checkpoint, dtype, attention, layers=CUT_LAYERS)
     module = target_graph(cut.model, small)
-    progress(f"smoke-running all {dims.layers} layers of target.onnx in ONNX Runtime")
-    smoke_run(out_dir / "target.onnx", dims, dtype, seed, budget=weight_bytes(module))  # no more than the cut holds
     full_path = out_dir / "target.onnx"
+    progress(f"smoke-running all {dims.layers} layers of target.onnx in ONNX Runtime")
+    smoke_run(full_path, dims, dtype, seed, budget=weight_bytes(module))  # no more than the cut holds
     borrow = full_path if opset < ATTENTION_OPSET and _external(full_path) else None
     scratch = Path(tempfile.mkdtemp(prefix=".cut.", dir=out_dir))
     path = out_dir / f"{scratch.name}.target.onnx" if borrow else scratch / "target.onnx"
