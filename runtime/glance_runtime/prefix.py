@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -34,7 +35,9 @@ def image_runs(prompt: Prompt, image_token_id: int | None, merge: int) -> list[I
         patches = int(grid.prod())
         start = cursor + int(np.argmax(ids[cursor:] == image_token_id))
         pixels = np.ascontiguousarray(prompt.pixel_values[first_patch:first_patch + patches])
-        key = hashlib.sha256(grid.tobytes() + pixels.tobytes()).hexdigest()
+        digest = hashlib.sha256(grid.tobytes())
+        digest.update(memoryview(pixels).cast("B"))  # hashed in place: no copy of the pixels
+        key = digest.hexdigest()
         runs.append(ImageRun(start, patches // merge ** 2, patches, key))
         cursor, first_patch = start + patches // merge ** 2, first_patch + patches
     return runs
@@ -48,10 +51,12 @@ class Committed:
     images: tuple[ImageRun, ...] = ()
 
 
-def shared_rows(committed: Committed | None, prompt: Prompt, image_token_id: int | None, merge: int) -> int:
+def shared_rows(committed: Committed | None, prompt: Prompt, image_token_id: int | None, merge: int,
+                runs: Sequence[ImageRun] | None = None) -> int:
     """Rows of `prompt` a backend holding `committed` can keep: the longest common prefix, cut before the
     first image that differs or is only partly shared, and leaving at least the prompt's last token to run
-    (its logits give the first answer token)."""
+    (its logits give the first answer token). `runs`: the prompt's `image_runs`, where the caller has them
+    already (hashing pixels is the rule's one costly step, so a caller that also records them hashes once)."""
     if committed is None:
         return 0
     ids = np.asarray(prompt.input_ids).reshape(-1)
@@ -59,7 +64,7 @@ def shared_rows(committed: Committed | None, prompt: Prompt, image_token_id: int
     differ = np.flatnonzero(committed.ids[:limit] != ids[:limit])
     keep = int(differ[0]) if len(differ) else limit
     old = {run.start: run for run in committed.images}
-    for run in image_runs(prompt, image_token_id, merge):
+    for run in image_runs(prompt, image_token_id, merge) if runs is None else runs:
         if run.start >= keep:
             break
         before = old.get(run.start)

@@ -31,11 +31,13 @@ from .engine import Cancelled, Completion, Engine, ModelSpec
 from .errors import RequestError
 from .media import load_image_url
 from .metrics import Metrics
+from .relay import Relay
 from .schema import ChatRequest, parse_request
 
 log = logging.getLogger("glance.serve")
 CLIENT_CLOSED = 499  # the status logged for a request whose client left before the answer (no reply is sent)
 PREPARED = object()  # a stream's first event: its prompt was accepted
+ARRIVED = "glance.arrived"  # the scope key of a request's arrival (perf_counter), stamped before routing
 
 
 @dataclass(frozen=True)
@@ -207,9 +209,8 @@ class Service:
         cancel = threading.Event()
         deadline = arrived + self.config.timeout_s
         cancelled = lambda: cancel.is_set() or time.monotonic() > deadline  # noqa: E731
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[object] = asyncio.Queue()  # stream: PREPARED, then text pieces, then None
-        put = lambda item: loop.call_soon_threadsafe(events.put_nowait, item)  # noqa: E731
+        events = Relay(asyncio.get_running_loop())  # stream: PREPARED, then text pieces, then None
+        put = events.put
 
         def job(engine: Engine) -> Completion:
             """On the decode thread, at the head of the queue: images are decoded only now (a deep queue holds
@@ -235,8 +236,8 @@ class Service:
             finally:
                 cancel.set()
             self._count(completion, arrived)
-            return JSONResponse(self._response(completion))
-        future.add_done_callback(lambda _: events.put_nowait(None))
+            return JSONResponse(self._response(completion, request))
+        future.add_done_callback(lambda _: events.put(None))
         first = asyncio.ensure_future(events.get())
         try:  # the status waits for the prompt: a refused one is still a 4xx, not an error inside a 200 stream
             if not await self._until(request, first, deadline):
@@ -249,7 +250,7 @@ class Service:
             first.cancel()
             raise
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(self._stream(future, events, cancel, deadline, arrived, include_usage),
+        return StreamingResponse(self._stream(request, future, events, cancel, deadline, arrived, include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _until(self, request: Request, waitable: asyncio.Future, deadline: float) -> bool:
@@ -279,7 +280,7 @@ class Service:
         return RequestError(f"the request took over this server's {self.config.timeout_s:g} s timeout", 504,
                             code="timeout", type="server_error")
 
-    async def _stream(self, future, pieces: asyncio.Queue, cancel: threading.Event, deadline: float,
+    async def _stream(self, request: Request, future, pieces: Relay, cancel: threading.Event, deadline: float,
                       arrived: float, include_usage: bool) -> AsyncIterator[bytes]:
         ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -290,11 +291,15 @@ class Service:
         finished = False
         try:
             yield chunk({"role": "assistant", "content": ""})
-            while (piece := await asyncio.wait_for(pieces.get(), max(deadline - time.monotonic(), 0))) is not None:
-                yield chunk({"content": piece})
+            ended = False
+            while not ended:  # the pieces that arrived together leave in one write
+                batch = await asyncio.wait_for(pieces.batch(), max(deadline - time.monotonic(), 0))
+                ended = batch[-1] is None  # the end is put once the decode is over, after every piece
+                if text := [chunk({"content": piece}) for piece in batch if piece is not None]:
+                    yield b"".join(text)
             completion = self._result(future)
             self._count(completion, arrived)
-            yield chunk({}, completion.finish_reason, glance=self._glance(completion))
+            yield chunk({}, completion.finish_reason, glance=self._glance(completion, request))
             if include_usage:
                 yield _sse({"id": ident, "object": "chat.completion.chunk", "created": created, "model": self.name,
                             "choices": [], "usage": self._usage(completion)})
@@ -327,19 +332,33 @@ class Service:
         return {"prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.token_ids),
                 "total_tokens": c.prompt_tokens + len(c.token_ids)}
 
-    def _glance(self, c: Completion) -> dict[str, Any]:
-        """GLANCE's own figures: acceptance, the wait for the runner, and the time an in-process caller would have
-        spent (prepare: images and tokens; decode: the answer), so a client can tell what HTTP added."""
+    def _glance(self, c: Completion, request: Request) -> dict[str, Any]:
+        """GLANCE's own figures: acceptance, the wait for the runner, the time an in-process caller would have
+        spent (prepare: images and tokens; decode: the answer), and the server's whole time, from the request's
+        arrival at the app to this answer's last chunk being formed, so a client can tell what HTTP added."""
         engine = self.runner.engine
+        arrived = request.scope.get(ARRIVED)
         return {"tau": round(c.tau, 4), "rounds": c.rounds, "prefill_tokens": c.prefill_tokens,
                 "backend": engine.backend if engine else None, "budget": engine.budget if engine else None,
-                "queue_ms": round(c.queue_ms, 3), "prepare_ms": round(c.prepare_ms, 3), "decode_ms": round(c.ms, 3)}
+                "queue_ms": round(c.queue_ms, 3), "prepare_ms": round(c.prepare_ms, 3), "decode_ms": round(c.ms, 3),
+                "server_ms": None if arrived is None else round((time.perf_counter() - arrived) * 1e3, 3)}
 
-    def _response(self, c: Completion) -> dict[str, Any]:
+    def _response(self, c: Completion, request: Request) -> dict[str, Any]:
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.name, "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text},
                                                  "finish_reason": c.finish_reason, "logprobs": None}],
-                "usage": self._usage(c), "glance": self._glance(c)}
+                "usage": self._usage(c), "glance": self._glance(c, request)}
+
+
+class Arrival:
+    """Stamps each request's arrival before routing (pure ASGI, so it adds no work of its own)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        scope[ARRIVED] = time.perf_counter()
+        await self.app(scope, receive, send)
 
 
 def create_app(config: ServeConfig, progress: Callable[[str], None] = lambda _: None,
@@ -356,6 +375,7 @@ def create_app(config: ServeConfig, progress: Callable[[str], None] = lambda _: 
 
     app = FastAPI(title="glance-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
+    app.add_middleware(Arrival)
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, exc: RequestError) -> JSONResponse:
