@@ -204,16 +204,14 @@ class Model:
               stop: Sequence[str], on_piece: Callable[[str], None] | None, cancelled: Callable[[], bool] | None,
               fix: str) -> tuple[Output, Committed]:
         """`_run`, keeping the rows `prompt` shares with `committed` while `owner`'s rows are the backend's; the
-        answer, and what the backend then holds (the prompt's images hashed once for both)."""
+        answer, and what the backend then holds."""
         side = self._side
-        runs = image_runs(prompt, side.image_token_id, side.merge_size)
-        keep = shared_rows(committed if self._owner is owner else None, prompt, side.image_token_id, side.merge_size,
-                           runs)
+        keep = shared_rows(committed if self._owner is owner else None, prompt, side.image_token_id, side.merge_size)
         out = self._run(prompt, max_new_tokens, stop, keep=keep, on_piece=on_piece, cancelled=cancelled, fix=fix)
         rows = self.runner.backend.start
         self._owner = owner
         return out, Committed(np.concatenate([prompt.input_ids, np.asarray(out.token_ids, np.int64)])[:rows],
-                              tuple(runs))
+                              tuple(image_runs(prompt, side.image_token_id, side.merge_size)))
 
     def _stats(self, result: DecodeResult, cfg: DecodeConfig, prompt: Prompt, keep: int, kept: list[int],
                reason: str) -> dict[str, Any]:

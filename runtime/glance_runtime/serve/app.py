@@ -1,9 +1,10 @@
 """The HTTP surface: OpenAI's chat completions, models, health and metrics, over one decode thread.
 
-FastAPI (on Starlette) with uvicorn: a maintained ASGI stack whose server handles keep-alive, slow
-clients and disconnects, and whose streaming response notices a client leaving, which is what lets a
-dropped stream cancel its decode. Requests are validated by pydantic (FastAPI's own), from a body read
-under a size cap, so every refusal is OpenAI's error shape. The model runs on one thread: one device,
+Starlette with uvicorn: a maintained ASGI stack whose server handles keep-alive, slow clients and
+disconnects, and whose streaming response notices a client leaving, which is what lets a dropped stream
+cancel its decode. Plain Starlette routes rather than FastAPI's: FastAPI's per-request dependency and
+response machinery cost about 0.14 ms a request here and this app uses none of it. Requests are
+validated by pydantic, from a body read under a size cap, so every refusal is OpenAI's error shape. The model runs on one thread: one device,
 batch 1, requests served in arrival order while the event loop keeps answering health and metrics.
 """
 from __future__ import annotations
@@ -17,13 +18,17 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 from ..errors import GlanceError
 from ..preprocess import Prompt
@@ -363,32 +368,26 @@ class Arrival:
 
 def create_app(config: ServeConfig, progress: Callable[[str], None] = lambda _: None,
                on_fatal: Callable[[Exception], None] = lambda exc: None,
-               on_ready: Callable[[str, str], None] = lambda name, backend: None) -> FastAPI:
+               on_ready: Callable[[str, str], None] = lambda name, backend: None) -> Starlette:
     """The ASGI app; the model loads (and warms) in the background once the server starts."""
     service = Service(config, progress, on_fatal, on_ready)
     tasks: set[asyncio.Task] = set()
 
-    async def lifespan(_app: FastAPI):
+    @asynccontextmanager
+    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
         tasks.add(asyncio.create_task(service.start()))
         yield
         service.runner.close()
 
-    app = FastAPI(title="glance-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.service = service
-    app.add_middleware(Arrival)
-
-    @app.exception_handler(RequestError)
     async def refused(request: Request, exc: RequestError) -> JSONResponse:
         if request.url.path == "/v1/chat/completions":
             service.metrics.requests.labels(str(exc.status)).inc()
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
-    @app.exception_handler(HTTPException)
     async def http_error(_request: Request, exc: HTTPException) -> JSONResponse:
         return JSONResponse(RequestError(str(exc.detail), exc.status_code, code=str(exc.status_code)).body(),
                             status_code=exc.status_code)
 
-    @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error on %s", request.url.path)
         if request.url.path == "/v1/chat/completions":
@@ -396,25 +395,24 @@ def create_app(config: ServeConfig, progress: Callable[[str], None] = lambda _: 
         return JSONResponse(RequestError("internal server error; the server's log has the details", 500,
                                          code="internal_error", type="server_error").body(), status_code=500)
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await service.chat(request)
-
-    @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         service.authorize(request)
         return JSONResponse({"object": "list", "data": [{"id": service.name, "object": "model", "created": 0,
                                                          "owned_by": "glance"}]})
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(_request: Request) -> JSONResponse:
         if service.ready:
             return JSONResponse({"status": "ok", "model": service.name})
         return JSONResponse({"status": "loading"}, status_code=503)
 
-    @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         service.authorize(request)
         return Response(service.metrics.text(), media_type="text/plain; version=0.0.4")
 
+    routes = [Route("/v1/chat/completions", service.chat, methods=["POST"]),
+              Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
+              Route("/metrics", metrics, methods=["GET"])]
+    app = Starlette(routes=routes, middleware=[Middleware(Arrival)], lifespan=lifespan,
+                    exception_handlers={RequestError: refused, HTTPException: http_error, Exception: internal})
+    app.state.service = service
     return app
