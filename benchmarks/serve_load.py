@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import base64
 import http.client
+import importlib.util
 import json
 import os
 import re
@@ -227,7 +228,8 @@ def markdown(report: dict) -> str:
                  f"{o['in_process_p50_ms']} ms, HTTP {o['http_p50_ms']} ms). Inside the server: "
                  f"{o['server_added_p50_ms']} ms at p50 (p99 {o['server_added_p99_ms']} ms). GET /health round trip "
                  f"through the same client: {o['health_round_trip_p50_ms']} ms at p50."]
-    rows += ["", f"Machine: {report['machine']}."]
+    parser = f"; uvicorn's HTTP parser: {report['http_parser']}" if "http_parser" in report else ""
+    rows += ["", f"Machine: {report['machine']}{parser}."]
     return "\n".join(rows) + "\n"
 
 
@@ -254,6 +256,8 @@ def main() -> int:
         bodies = [body(args.model, prompt, image) for prompt, image in work]
         load(url, bodies, 1, 2)  # warm the connection path
         report: dict = {"url": url, "model": args.model, "tasks": len(work), "threads": args.threads, "load": []}
+        if proc is not None:  # the server runs in this interpreter's environment: uvicorn picks the same parser
+            report["http_parser"] = "httptools" if importlib.util.find_spec("httptools") else "h11"
         for clients in (int(c) for c in args.clients.split(",")):
             report["load"].append(load(url, bodies, clients, args.requests))
             print(json.dumps(report["load"][-1]), file=sys.stderr)
