@@ -4,8 +4,9 @@ Starlette with uvicorn: a maintained ASGI stack whose server handles keep-alive,
 disconnects, and whose streaming response notices a client leaving, which is what lets a dropped stream
 cancel its decode. Plain Starlette routes rather than FastAPI's: FastAPI's per-request dependency and
 response machinery cost about 0.14 ms a request here and this app uses none of it. Requests are
-validated by pydantic, from a body read under a size cap, so every refusal is OpenAI's error shape. The model runs on one thread: one device,
-batch 1, requests served in arrival order while the event loop keeps answering health and metrics.
+validated by pydantic, from a body read under a size cap, so every refusal is OpenAI's error shape.
+The model runs on one thread: one device, batch 1, requests served in arrival order while the event
+loop keeps answering health and metrics.
 """
 from __future__ import annotations
 
@@ -342,11 +343,10 @@ class Service:
         spent (prepare: images and tokens; decode: the answer), and the server's whole time, from the request's
         arrival at the app to this answer's last chunk being formed, so a client can tell what HTTP added."""
         engine = self.runner.engine
-        arrived = request.scope.get(ARRIVED)
         return {"tau": round(c.tau, 4), "rounds": c.rounds, "prefill_tokens": c.prefill_tokens,
                 "backend": engine.backend if engine else None, "budget": engine.budget if engine else None,
                 "queue_ms": round(c.queue_ms, 3), "prepare_ms": round(c.prepare_ms, 3), "decode_ms": round(c.ms, 3),
-                "server_ms": None if arrived is None else round((time.perf_counter() - arrived) * 1e3, 3)}
+                "server_ms": round((time.perf_counter() - request.scope[ARRIVED]) * 1e3, 3)}
 
     def _response(self, c: Completion, request: Request) -> dict[str, Any]:
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
@@ -356,7 +356,7 @@ class Service:
 
 
 class Arrival:
-    """Stamps each request's arrival before routing (pure ASGI, so it adds no work of its own)."""
+    """Stamps each request's arrival before routing (a pure ASGI wrapper: one timestamp, nothing else)."""
 
     def __init__(self, app):
         self.app = app
