@@ -15,13 +15,15 @@ minus `server_ms` is the rest (the client, the loopback, uvicorn's HTTP parsing 
 
 The overhead figure is paired, one request at a time: the benchmark's own process loads the same model
 through the public API (`glance_runtime.load`, the same thread count) and alternates, per task, one
-in-process `Model.generate` (opening the task's image file, as an application would) with one HTTP
-request for the same task, in alternating order; it reports p50/p99 of the differences. That HTTP
-request goes through a minimal keep-alive client (the standard library's http.client, its body encoded
-beforehand), so little of the difference is the client's; the round trip of GET /health through the same
-client is reported beside it as the floor any HTTP request pays, back to back and after idling as long as
-an in-process decode (as each paired HTTP request does: on a loaded machine, waking an idle server's
-threads is then most of the difference, and none of it is the server's work).
+in-process decode with one HTTP request for the same task, in alternating order; it reports p50/p99 of
+the differences. The in-process side opens the task's image file, as an application would, and decodes
+through `Model.reuse()`, the calls the server makes, so both sides keep the same rows of the task before
+(the chat template's first rows) and do the same decoding work. The HTTP request goes through a minimal
+keep-alive client (the standard library's http.client, its body encoded beforehand), so little of the
+difference is the client's; the round trip of GET /health through the same client is reported beside it
+as the floor any HTTP request pays, back to back and after idling as long as an in-process decode (as
+each paired HTTP request does: on a loaded machine, waking an idle server's threads takes part of the
+difference, and none of it is the server's work).
 """
 from __future__ import annotations
 
@@ -165,6 +167,7 @@ class LeanClient:
 def overhead(url: str, model_name: str, work: list[tuple[str, Path]], repeats: int, threads: int) -> dict:
     """Paired, one request at a time: the same task in process (the public API) and over HTTP, alternating."""
     model = gr.load(threads=threads)
+    rows = model.reuse()
     client = LeanClient(url)
     payloads = [json.dumps(body(model_name, prompt, image)).encode() for prompt, image in work]
 
@@ -174,7 +177,7 @@ def overhead(url: str, model_name: str, work: list[tuple[str, Path]], repeats: i
         with Image.open(image) as img:
             messages = [{"role": "user", "content": [{"type": "image", "image": img.convert("RGB")},
                                                       {"type": "text", "text": prompt}]}]
-        text = model.generate(messages=messages, max_new_tokens=MAX_TOKENS).text
+        text = rows.decode(model.build(messages=messages), max_new_tokens=MAX_TOKENS).text
         return text, (time.perf_counter() - t0) * 1e3
 
     def remote(i: int) -> tuple[dict, float]:
@@ -233,8 +236,8 @@ def markdown(report: dict) -> str:
              "prepare and decode times; outside the server: the client's latency minus server_ms (httpx, the "
              "loopback, uvicorn's HTTP parsing and writing)."]
     if o := report.get("overhead"):
-        rows += ["", f"Paired with the in-process API (`Model.generate` in the benchmark's process, same model and "
-                 f"threads), one request at a time, {o['requests']} requests over a minimal stdlib keep-alive client: "
+        rows += ["", f"Paired with the in-process API (`Model.reuse().decode` in the benchmark's process, as the "
+                 f"server decodes; same model and threads), one request at a time, {o['requests']} requests over a minimal stdlib keep-alive client: "
                  f"**{o['added_p50_ms']} ms added at p50** (p99 {o['added_p99_ms']} ms; in process "
                  f"{o['in_process_p50_ms']} ms, HTTP {o['http_p50_ms']} ms). Inside the server: "
                  f"{o['server_added_p50_ms']} ms at p50 (p99 {o['server_added_p99_ms']} ms). GET /health round trip "
