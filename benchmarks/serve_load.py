@@ -23,7 +23,10 @@ keep-alive client (the standard library's http.client, its body encoded beforeha
 difference is the client's; the round trip of GET /health through the same client is reported beside it
 as the floor any HTTP request pays, back to back and after idling as long as an in-process decode (as
 each paired HTTP request does: on a loaded machine, waking an idle server's threads takes part of the
-difference, and none of it is the server's work).
+difference, and none of it is the server's work). Where the benchmark started the server, it also
+reads the server's threads' CPU time and run-queue wait (/proc/PID/task/*/schedstat) across the paired
+requests, against the in-process decodes' CPU time: the work the server adds, which other jobs on the
+machine disturb far less than wall time, and how long the server waited for a CPU because of them.
 """
 from __future__ import annotations
 
@@ -164,20 +167,38 @@ class LeanClient:
         self.conn.close()
 
 
-def overhead(url: str, model_name: str, work: list[tuple[str, Path]], repeats: int, threads: int) -> dict:
-    """Paired, one request at a time: the same task in process (the public API) and over HTTP, alternating."""
+def schedstat(pid: int) -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for one) of a process, summed over its threads."""
+    on = waiting = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "schedstat").read_text().split()
+        except OSError:  # a thread that ended meanwhile
+            continue
+        on, waiting = on + int(fields[0]), waiting + int(fields[1])
+    return on / 1e9, waiting / 1e9
+
+
+def overhead(url: str, model_name: str, work: list[tuple[str, Path]], repeats: int, threads: int,
+             server_pid: int | None) -> dict:
+    """Paired, one request at a time: the same task in process (the public API) and over HTTP, alternating.
+    Where the benchmark started the server, also the CPU time each side spent (less disturbed by other jobs
+    than wall time) and how long the server's threads waited for a CPU."""
     model = gr.load(threads=threads)
     rows = model.reuse()
     client = LeanClient(url)
     payloads = [json.dumps(body(model_name, prompt, image)).encode() for prompt, image in work]
 
+    local_cpu: list[float] = []
+
     def local(i: int) -> tuple[str, float]:
         prompt, image = work[i % len(work)]
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         with Image.open(image) as img:
             messages = [{"role": "user", "content": [{"type": "image", "image": img.convert("RGB")},
                                                       {"type": "text", "text": prompt}]}]
         text = rows.decode(model.build(messages=messages), max_new_tokens=MAX_TOKENS).text
+        local_cpu.append(time.process_time() - cpu0)
         return text, (time.perf_counter() - t0) * 1e3
 
     def remote(i: int) -> tuple[dict, float]:
@@ -188,6 +209,8 @@ def overhead(url: str, model_name: str, work: list[tuple[str, Path]], repeats: i
     for i in range(len(work)):  # both sides warm on every task before anything is timed
         local(i), remote(i)
     diffs, in_process, over_http, server = [], [], [], []
+    local_cpu.clear()
+    server0 = schedstat(server_pid) if server_pid else None
     for i in range(repeats):
         if i % 2:
             answer, http_ms = remote(i)
@@ -201,6 +224,7 @@ def overhead(url: str, model_name: str, work: list[tuple[str, Path]], repeats: i
         in_process.append(local_ms)
         over_http.append(http_ms)
         server.append(split(answer, http_ms)[0])
+    server1 = schedstat(server_pid) if server_pid else None
     floor, after_idle = health_round_trips(client, 200, 0.0), health_round_trips(client, 48, statistics.median(in_process))
     client.close()
     model.close()
@@ -209,7 +233,17 @@ def overhead(url: str, model_name: str, work: list[tuple[str, Path]], repeats: i
             "added_p50_ms": round(pct(diffs, 0.5), 2), "added_p99_ms": round(pct(diffs, 0.99), 2),
             "server_added_p50_ms": round(pct(server, 0.5), 2), "server_added_p99_ms": round(pct(server, 0.99), 2),
             "health_round_trip_p50_ms": round(pct(floor, 0.5), 2),
-            "health_after_idle_p50_ms": round(pct(after_idle, 0.5), 2)}
+            "health_after_idle_p50_ms": round(pct(after_idle, 0.5), 2),
+            **(cpu(server0, server1, local_cpu) if server0 else {})}
+
+
+def cpu(before: tuple[float, float], after: tuple[float, float], local: list[float]) -> dict:
+    """Per request: the server process's CPU time against the in-process decode's, and the server's wait for a CPU."""
+    n = len(local)
+    server_ms, local_ms = (after[0] - before[0]) / n * 1e3, sum(local) / n * 1e3
+    return {"server_cpu_ms": round(server_ms, 2), "in_process_cpu_ms": round(local_ms, 2),
+            "cpu_added_ms": round(server_ms - local_ms, 2),
+            "server_runqueue_wait_ms": round((after[1] - before[1]) / n * 1e3, 2)}
 
 
 def health_round_trips(client: LeanClient, n: int, idle_ms: float) -> list[float]:
@@ -243,6 +277,10 @@ def markdown(report: dict) -> str:
                  f"{o['server_added_p50_ms']} ms at p50 (p99 {o['server_added_p99_ms']} ms). GET /health round trip "
                  f"through the same client: {o['health_round_trip_p50_ms']} ms at p50 back to back, "
                  f"{o['health_after_idle_p50_ms']} ms after idling as long as an in-process decode."]
+        if "cpu_added_ms" in o:
+            rows += ["", f"CPU time per request: the server process {o['server_cpu_ms']} ms, the in-process decode "
+                     f"{o['in_process_cpu_ms']} ms: **{o['cpu_added_ms']} ms of work added**; the server's threads "
+                     f"waited {o['server_runqueue_wait_ms']} ms per request for a CPU (other jobs on the machine)."]
     parser = f"; uvicorn's HTTP parser: {report['http_parser']}" if "http_parser" in report else ""
     rows += ["", f"Machine: {report['machine']}{parser}."]
     return "\n".join(rows) + "\n"
@@ -277,7 +315,8 @@ def main() -> int:
             report["load"].append(load(url, bodies, clients, args.requests))
             print(json.dumps(report["load"][-1]), file=sys.stderr)
         if not args.no_overhead:
-            report["overhead"] = overhead(url, args.model, work, args.overhead_requests, args.threads)
+            report["overhead"] = overhead(url, args.model, work, args.overhead_requests, args.threads,
+                                          proc.pid if proc else None)
             print(json.dumps(report["overhead"]), file=sys.stderr)
     finally:
         if proc is not None:
