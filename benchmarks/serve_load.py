@@ -1,4 +1,5 @@
-"""Load on a live `glance-serve`: N clients x M requests each, and what HTTP adds over the in-process API.
+"""Load on a live `glance-serve`: N clients x M requests each, and the time the server adds over the
+in-process API.
 
     python benchmarks/serve_load.py                          # starts glance-serve (embedded default) itself
     python benchmarks/serve_load.py --clients 1,4,16 --requests 24 --out benchmarks/results/serve-load
@@ -7,17 +8,32 @@
 Requests cycle through the held-out tasks of examples/*/tasks.jsonl (image as a data URL). Per load
 level: throughput (requests and completion tokens per second), client latency p50/p99, the server's
 queue wait (p50 and mean, as each answer reports it; the mean agrees with /metrics' histogram), tau
-(pooled over requests) and the time the server adds over the in-process API: each answer's client
-latency minus its queue wait and the server's own prepare (images, tokens) and decode times, which
-are what an in-process caller spends (all four in the answer's `glance` field).
-A second figure alternates one in-process decode here (the same adapter, prompt and thread count) with
-one HTTP request and reports the median of the paired differences (it also counts two processes
-sharing the CPU caches).
+(pooled over requests), and the server's own time split from each answer's `glance` field:
+`server_ms` (arrival at the app to the answer formed) minus the queue wait, `prepare_ms` (images decoded,
+prompt built) and `decode_ms` (the API's decode) is what the server itself added; the client latency
+minus `server_ms` is the rest (the client, the loopback, uvicorn's HTTP parsing and writing).
+
+The overhead figure is paired, one request at a time: the benchmark's own process loads the same model
+through the public API (`glance_runtime.load`, the same thread count) and alternates, per task, one
+in-process decode with one HTTP request for the same task, in alternating order; it reports p50/p99 of
+the differences. The in-process side opens the task's image file, as an application would, and decodes
+through `Model.reuse()`, the calls the server makes, so both sides keep the same rows of the task before
+(the chat template's first rows) and do the same decoding work. The HTTP request goes through a minimal
+keep-alive client (the standard library's http.client, its body encoded beforehand), so little of the
+difference is the client's; the round trip of GET /health through the same client is reported beside it
+as the floor any HTTP request pays, back to back and after idling as long as an in-process decode (as
+each paired HTTP request does: on a loaded machine, waking an idle server's threads takes part of the
+difference, and none of it is the server's work). Where the benchmark started the server, it also
+reads the server's threads' CPU time and run-queue wait (/proc/PID/task/*/schedstat) across the paired
+requests, against the in-process decodes' CPU time: the work the server adds, which other jobs on the
+machine disturb far less than wall time, and how long the server waited for a CPU because of them.
 """
 from __future__ import annotations
 
 import argparse
 import base64
+import http.client
+import importlib.util
 import json
 import os
 import re
@@ -27,15 +43,17 @@ import sys
 import threading
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 
 import httpx
 from PIL import Image
 
-from glance_runtime.serve.engine import Engine, ModelSpec
+import glance_runtime as gr
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("receipt", "chart", "scene", "caption")
 READY = re.compile(r"ready: .* on (http://\S+)")
+MAX_TOKENS = 256  # the server's default and glance-run's
 
 
 def tasks(per_kind: int) -> list[tuple[str, Path]]:
@@ -75,9 +93,16 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
+def split(answer: dict, client_ms: float) -> tuple[float, float]:
+    """(the server's own added ms, the ms outside the server) of one answer."""
+    g = answer["glance"]
+    return g["server_ms"] - g["queue_ms"] - g["prepare_ms"] - g["decode_ms"], client_ms - g["server_ms"]
+
+
 def load(url: str, bodies: list[dict], clients: int, requests: int) -> dict:
     latencies: list[float] = []
-    added: list[float] = []
+    server: list[float] = []
+    outside: list[float] = []
     waits: list[float] = []
     answers: list[dict] = []
     lock = threading.Lock()
@@ -95,9 +120,10 @@ def load(url: str, bodies: list[dict], clients: int, requests: int) -> dict:
                 answer = r.json()
                 with lock:
                     latencies.append(dt)
-                    g = answer["glance"]
-                    waits.append(g["queue_ms"])
-                    added.append(dt * 1e3 - g["queue_ms"] - g["prepare_ms"] - g["decode_ms"])
+                    waits.append(answer["glance"]["queue_ms"])
+                    added, rest = split(answer, dt * 1e3)
+                    server.append(added)
+                    outside.append(rest)
                     answers.append(answer)
 
     wait0 = queue_wait(url)
@@ -117,50 +143,151 @@ def load(url: str, bodies: list[dict], clients: int, requests: int) -> dict:
             "latency_p50_ms": round(pct(latencies, 0.5) * 1e3, 1), "latency_p99_ms": round(pct(latencies, 0.99) * 1e3, 1),
             "queue_wait_p50_ms": round(pct(waits, 0.5), 1), "queue_wait_mean_ms": round(statistics.mean(waits), 1),
             "metrics_queue_wait_mean_ms": round((wait1[0] - wait0[0]) / max(wait1[1] - wait0[1], 1) * 1e3, 1),
-            "added_p50_ms": round(pct(added, 0.5), 2),
+            "server_added_p50_ms": round(pct(server, 0.5), 2), "server_added_p99_ms": round(pct(server, 0.99), 2),
+            "outside_server_p50_ms": round(pct(outside, 0.5), 2),
             "tau": round(sum(a["glance"]["tau"] * a["glance"]["rounds"] for a in answers) / max(rounds, 1), 3)}
 
 
-def overhead(url: str, model: str, work: list[tuple[str, Path]], repeats: int, threads: int) -> dict:
-    """Paired: the same prompt in process, then over HTTP (one client), alternating."""
-    engine = Engine(ModelSpec(threads=threads))
-    engine.warm()
-    diffs, local, remote = [], [], []
-    with httpx.Client(timeout=600) as http:
-        for i in range(repeats):
-            prompt, image = work[i % len(work)]
-            payload = body(model, prompt, image)
-            t0 = time.perf_counter()
-            with Image.open(image) as img:
-                messages = [{"role": "user", "content": [{"type": "image", "image": img.convert("RGB")},
-                                                          {"type": "text", "text": prompt}]}]
-            done = engine.complete(engine.prepare(messages, 256), 256)
-            t1 = time.perf_counter()
-            answer = http.post(f"{url}/v1/chat/completions", json=payload).json()
-            t2 = time.perf_counter()
-            if answer["choices"][0]["message"]["content"] != done.text:
-                raise SystemExit(f"the server's answer to {prompt!r} differs from the in-process one")
-            local.append(t1 - t0)
-            remote.append(t2 - t1)
-            diffs.append((t2 - t1) - (t1 - t0))
-    engine.close()
-    return {"requests": repeats, "in_process_p50_ms": round(statistics.median(local) * 1e3, 2),
-            "http_p50_ms": round(statistics.median(remote) * 1e3, 2),
-            "added_p50_ms": round(statistics.median(diffs) * 1e3, 2)}
+class LeanClient:
+    """One keep-alive HTTP/1.1 connection through the standard library: the least a Python client can spend."""
+
+    def __init__(self, url: str):
+        parts = urlparse(url)
+        self.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
+
+    def post(self, path: str, data: bytes) -> bytes:
+        self.conn.request("POST", path, data, {"Content-Type": "application/json"})
+        return self.conn.getresponse().read()
+
+    def get(self, path: str) -> bytes:
+        self.conn.request("GET", path)
+        return self.conn.getresponse().read()
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def schedstat(pid: int) -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for one) of a process, summed over its threads."""
+    on = waiting = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "schedstat").read_text().split()
+        except OSError:  # a thread that ended meanwhile
+            continue
+        on, waiting = on + int(fields[0]), waiting + int(fields[1])
+    return on / 1e9, waiting / 1e9
+
+
+def overhead(url: str, model_name: str, work: list[tuple[str, Path]], repeats: int, threads: int,
+             server_pid: int | None) -> dict:
+    """Paired, one request at a time: the same task in process (the public API) and over HTTP, alternating.
+    Where the benchmark started the server, also the CPU time each side spent (less disturbed by other jobs
+    than wall time) and how long the server's threads waited for a CPU."""
+    model = gr.load(threads=threads)
+    rows = model.reuse()
+    client = LeanClient(url)
+    payloads = [json.dumps(body(model_name, prompt, image)).encode() for prompt, image in work]
+
+    local_cpu: list[float] = []
+
+    def local(i: int) -> tuple[str, float]:
+        prompt, image = work[i % len(work)]
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        with Image.open(image) as img:
+            messages = [{"role": "user", "content": [{"type": "image", "image": img.convert("RGB")},
+                                                      {"type": "text", "text": prompt}]}]
+        text = rows.decode(model.build(messages=messages), max_new_tokens=MAX_TOKENS).text
+        local_cpu.append(time.process_time() - cpu0)
+        return text, (time.perf_counter() - t0) * 1e3
+
+    def remote(i: int) -> tuple[dict, float]:
+        t0 = time.perf_counter()
+        answer = json.loads(client.post("/v1/chat/completions", payloads[i % len(payloads)]))
+        return answer, (time.perf_counter() - t0) * 1e3
+
+    for i in range(len(work)):  # both sides warm on every task before anything is timed
+        local(i), remote(i)
+    diffs, in_process, over_http, server = [], [], [], []
+    local_cpu.clear()
+    server0 = schedstat(server_pid) if server_pid else None
+    for i in range(repeats):
+        if i % 2:
+            answer, http_ms = remote(i)
+            text, local_ms = local(i)
+        else:
+            text, local_ms = local(i)
+            answer, http_ms = remote(i)
+        if answer["choices"][0]["message"]["content"] != text:
+            raise SystemExit(f"the server's answer to {work[i % len(work)][0]!r} differs from the in-process one")
+        diffs.append(http_ms - local_ms)
+        in_process.append(local_ms)
+        over_http.append(http_ms)
+        server.append(split(answer, http_ms)[0])
+    server1 = schedstat(server_pid) if server_pid else None
+    floor, after_idle = health_round_trips(client, 200, 0.0), health_round_trips(client, 48, statistics.median(in_process))
+    client.close()
+    model.close()
+    return {"requests": repeats, "in_process_p50_ms": round(pct(in_process, 0.5), 2),
+            "http_p50_ms": round(pct(over_http, 0.5), 2),
+            "added_p50_ms": round(pct(diffs, 0.5), 2), "added_p99_ms": round(pct(diffs, 0.99), 2),
+            "server_added_p50_ms": round(pct(server, 0.5), 2), "server_added_p99_ms": round(pct(server, 0.99), 2),
+            "health_round_trip_p50_ms": round(pct(floor, 0.5), 2),
+            "health_after_idle_p50_ms": round(pct(after_idle, 0.5), 2),
+            **(cpu(server0, server1, local_cpu) if server0 else {})}
+
+
+def cpu(before: tuple[float, float], after: tuple[float, float], local: list[float]) -> dict:
+    """Per request: the server process's CPU time against the in-process decode's, and the server's wait for a CPU."""
+    n = len(local)
+    server_ms, local_ms = (after[0] - before[0]) / n * 1e3, sum(local) / n * 1e3
+    return {"server_cpu_ms": round(server_ms, 2), "in_process_cpu_ms": round(local_ms, 2),
+            "cpu_added_ms": round(server_ms - local_ms, 2),
+            "server_runqueue_wait_ms": round((after[1] - before[1]) / n * 1e3, 2)}
+
+
+def health_round_trips(client: LeanClient, n: int, idle_ms: float) -> list[float]:
+    """GET /health round trips, each after `idle_ms` asleep: after an in-process decode's worth of idling, the
+    server's threads have to be woken and scheduled again, which on a busy machine is most of what HTTP adds."""
+    out = []
+    for _ in range(n):
+        time.sleep(idle_ms / 1e3)
+        t0 = time.perf_counter()
+        client.get("/health")
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
 
 
 def markdown(report: dict) -> str:
     rows = ["| clients | requests | req/s | tokens/s | latency p50 ms | p99 ms | queue wait p50 ms | mean | tau "
-            "| added p50 ms |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "| server added p50 ms | p99 ms | outside the server p50 ms |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     rows += [f"| {r['clients']} | {r['requests']} | {r['requests_per_s']} | {r['tokens_per_s']} | {r['latency_p50_ms']} "
              f"| {r['latency_p99_ms']} | {r['queue_wait_p50_ms']} | {r['queue_wait_mean_ms']} | {r['tau']} "
-             f"| {r['added_p50_ms']} |" for r in report["load"]]
-    rows += ["", "added: client latency minus the answer's queue wait, prepare and decode time."]
+             f"| {r['server_added_p50_ms']} | {r['server_added_p99_ms']} | {r['outside_server_p50_ms']} |"
+             for r in report["load"]]
+    rows += ["", "server added: the answer's server_ms (arrival at the app to the answer formed) minus its queue wait, "
+             "prepare and decode times; outside the server: the client's latency minus server_ms (httpx, the "
+             "loopback, uvicorn's HTTP parsing and writing)."]
     if o := report.get("overhead"):
-        rows += ["", f"Paired with an in-process decode in the benchmark's own process, one client, {o['requests']} "
-                 f"requests: {o['added_p50_ms']} ms added at p50 (in process {o['in_process_p50_ms']} ms, "
-                 f"HTTP {o['http_p50_ms']} ms)."]
+        rows += ["", f"Paired with the in-process API (`Model.reuse().decode` in the benchmark's process, as the "
+                 f"server decodes; same model and threads), one request at a time, {o['requests']} requests over a minimal stdlib keep-alive client: "
+                 f"**{o['added_p50_ms']} ms added at p50** (p99 {o['added_p99_ms']} ms; in process "
+                 f"{o['in_process_p50_ms']} ms, HTTP {o['http_p50_ms']} ms). Inside the server: "
+                 f"{o['server_added_p50_ms']} ms at p50 (p99 {o['server_added_p99_ms']} ms). GET /health round trip "
+                 f"through the same client: {o['health_round_trip_p50_ms']} ms at p50 back to back, "
+                 f"{o['health_after_idle_p50_ms']} ms after idling as long as an in-process decode."]
+        if "cpu_added_ms" in o:
+            rows += ["", f"CPU time per request: the server process {o['server_cpu_ms']} ms, the in-process decode "
+                     f"{o['in_process_cpu_ms']} ms: **{o['cpu_added_ms']} ms of work added**; the server's threads "
+                     f"waited {o['server_runqueue_wait_ms']} ms per request for a CPU (other jobs on the machine)."]
+    parser = f"; uvicorn's HTTP parser: {report['http_parser']}" if "http_parser" in report else ""
+    rows += ["", f"Machine: {report['machine']}{parser}."]
     return "\n".join(rows) + "\n"
+
+
+def load_average() -> str:
+    return " ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
 def main() -> int:
@@ -171,25 +298,32 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=24, help="requests per client")
     p.add_argument("--per-kind", type=int, default=6, help="held-out tasks per kind")
     p.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads (server and in-process)")
-    p.add_argument("--overhead-requests", type=int, default=48)
+    p.add_argument("--overhead-requests", type=int, default=96)
     p.add_argument("--no-overhead", action="store_true", help="skip the in-process comparison")
     p.add_argument("--out", type=Path, help="directory for report.json and report.md")
     args = p.parse_args()
     work = tasks(args.per_kind)
+    started = load_average()
     proc, url = (None, args.url) if args.url else start_server(args.threads)
     try:
         bodies = [body(args.model, prompt, image) for prompt, image in work]
         load(url, bodies, 1, 2)  # warm the connection path
         report: dict = {"url": url, "model": args.model, "tasks": len(work), "threads": args.threads, "load": []}
+        if proc is not None:  # the server runs in this interpreter's environment: uvicorn picks the same parser
+            report["http_parser"] = "httptools" if importlib.util.find_spec("httptools") else "h11"
         for clients in (int(c) for c in args.clients.split(",")):
             report["load"].append(load(url, bodies, clients, args.requests))
             print(json.dumps(report["load"][-1]), file=sys.stderr)
         if not args.no_overhead:
-            report["overhead"] = overhead(url, args.model, work, args.overhead_requests, args.threads)
+            report["overhead"] = overhead(url, args.model, work, args.overhead_requests, args.threads,
+                                          proc.pid if proc else None)
+            print(json.dumps(report["overhead"]), file=sys.stderr)
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(timeout=30)
+    report["machine"] = (f"{os.cpu_count()} cores; load average (1, 5, 15 min) {started} at the start, "
+                         f"{load_average()} at the end")
     text = markdown(report)
     print(text)
     if args.out:

@@ -12,6 +12,9 @@ A conversation (`Model.chat`) keeps what the backend has committed: each turn pr
 rows after the prefix it shares with the last one (`prefix.shared_rows`), and its answer is
 token-identical to decoding the whole conversation from scratch, because the kept rows are the
 rows a fresh prefill would compute and the loop is lossless.
+A server whose clients resend the whole conversation each turn (OpenAI's HTTP API) uses `Model.reuse`
+instead: a handle that decodes prompts made with `build`, keeps whatever rows each shares with the one
+before, and can be stopped between rounds.
 """
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ from .prefix import Committed, image_runs, shared_rows
 from .runner import Runner
 from .session import Session, Settings, Source, open_session
 from .text_stream import TextStream
+
+ROOM_FIX = "shorten the prompt, lower max_new_tokens, or load with a larger max_context"
 
 
 @dataclass(frozen=True)
@@ -113,7 +118,7 @@ class Model:
         with self._busy():
             built = self.build(prompt, images=images, messages=messages, system=system)
             yield from self._pieces(lambda on_piece, cancel: self._run(built, max_new_tokens, stop,
-                                                                        on_piece=on_piece, cancel=cancel))
+                                                                        on_piece=on_piece, cancelled=cancel.is_set))
 
     def chat(self, system: str | None = None) -> "Chat":
         """A conversation that keeps its KV between turns."""
@@ -123,6 +128,21 @@ class Model:
               messages: Sequence[dict[str, Any]] | None = None, system: str | None = None) -> Prompt:
         """The prompt (ids, pixels, grids) a call would decode."""
         return self._side.build(conversation(prompt, images, messages, system))
+
+    def reuse(self) -> "Reuse":
+        """A handle that decodes built prompts, keeping the rows each shares with the previous one."""
+        return Reuse(self)
+
+    def check_room(self, prompt: Prompt, max_new_tokens: int = MAX_NEW_TOKENS, *, fix: str = ROOM_FIX) -> None:
+        """Refuse (LimitError, ending with `fix`: what the caller's user can change) a prompt whose answer could
+        overflow the context, before any work is queued for it."""
+        self._check_room(prompt, self._config(max_new_tokens), fix)
+
+    @property
+    def budget(self) -> int | str:
+        """The verify tree's node budget every call uses: "auto", a count, or 0 without speculation."""
+        cfg = self.session.config
+        return AUTO if cfg.auto else cfg.budget if cfg.speculative else 0
 
     # -- the one internal path -------------------------------------------------------------------
 
@@ -147,13 +167,14 @@ class Model:
                              f"{fix}")
 
     def _run(self, prompt: Prompt, max_new_tokens: int, stop: Sequence[str], keep: int = 0,
-             on_piece: Callable[[str], None] | None = None, cancel: threading.Event | None = None,
-             fix: str = "shorten the prompt, lower max_new_tokens, or load with a larger max_context") -> Output:
+             on_piece: Callable[[str], None] | None = None, cancelled: Callable[[], bool] | None = None,
+             fix: str = ROOM_FIX) -> Output:
         cfg = self._config(max_new_tokens)
         self._check_room(prompt, cfg, fix)
         text = TextStream(self._side.tokenizer, list(stop))
         pieces: list[str] = []
         kept: list[int] = []
+        stopped_by_caller = False
 
         def emit(piece: str) -> None:
             if piece:
@@ -162,22 +183,38 @@ class Model:
                     on_piece(piece)
 
         def on_commit(new: list[int]) -> bool:
+            nonlocal stopped_by_caller
             for token in new:
                 kept.append(token)
                 emit(text.push(token))
                 if text.stopped:
                     return True
-            return cancel is not None and cancel.is_set()
+            stopped_by_caller = cancelled is not None and cancelled()
+            return stopped_by_caller
 
         self._owner = None  # the backend's rows are about to change
         result = self.session.decode(prompt, on_commit, config=cfg, keep=keep)
         emit(text.finish())
-        return Output("".join(pieces), kept, result.tau, self._stats(result, cfg, prompt, keep, kept, text.stopped),
+        reason = "stop" if text.stopped else "cancelled" if stopped_by_caller else \
+            "eos" if result.stopped_on is not None else "length"
+        return Output("".join(pieces), kept, result.tau, self._stats(result, cfg, prompt, keep, kept, reason),
                       result.rounds)
 
+    def _kept(self, owner: object, committed: Committed | None, prompt: Prompt, max_new_tokens: int,
+              stop: Sequence[str], on_piece: Callable[[str], None] | None, cancelled: Callable[[], bool] | None,
+              fix: str) -> tuple[Output, Committed]:
+        """`_run`, keeping the rows `prompt` shares with `committed` while `owner`'s rows are the backend's; the
+        answer, and what the backend then holds."""
+        side = self._side
+        keep = shared_rows(committed if self._owner is owner else None, prompt, side.image_token_id, side.merge_size)
+        out = self._run(prompt, max_new_tokens, stop, keep=keep, on_piece=on_piece, cancelled=cancelled, fix=fix)
+        rows = self.runner.backend.start
+        self._owner = owner
+        return out, Committed(np.concatenate([prompt.input_ids, np.asarray(out.token_ids, np.int64)])[:rows],
+                              tuple(image_runs(prompt, side.image_token_id, side.merge_size)))
+
     def _stats(self, result: DecodeResult, cfg: DecodeConfig, prompt: Prompt, keep: int, kept: list[int],
-               stopped_on_string: bool) -> dict[str, Any]:
-        reason = "stop" if stopped_on_string else "eos" if result.stopped_on is not None else "length"
+               reason: str) -> dict[str, Any]:
         return {**result.stats(), "tokens": len(kept), "prompt_tokens": prompt.length,
                 "prefill_tokens": prompt.length - keep, "ms": round(result.total_ms, 3),
                 "tokens_per_s": round(1e3 / result.ms_per_token, 2) if result.ms_per_token else None,
@@ -240,16 +277,31 @@ class Chat:
                 raise InputError(f"the message must be a string, got {type(text).__name__}")
             turn = user_turn(text, list(images or ()))
             prompt = model.build(messages=[*self._messages, turn])
-            side = model._side
-            keep = shared_rows(self._committed if model._owner is self else None, prompt, side.image_token_id,
-                               side.merge_size)
-            out = model._run(prompt, max_new_tokens, stop, keep=keep, on_piece=on_text,
-                             fix="start over with chat.reset(), lower max_new_tokens, or load with a larger max_context")
-            rows = model.runner.backend.start
-            self._committed = Committed(np.concatenate([prompt.input_ids, np.asarray(out.token_ids, np.int64)])[:rows],
-                                        tuple(image_runs(prompt, side.image_token_id, side.merge_size)))
-            model._owner = self
+            out, self._committed = model._kept(
+                self, self._committed, prompt, max_new_tokens, stop, on_text, None,
+                "start over with chat.reset(), lower max_new_tokens, or load with a larger max_context")
             self._messages += [turn, {"role": "assistant", "content": out.text}]
+            return out
+
+
+class Reuse:
+    """Decodes prompts made with `Model.build`, each keeping the rows it shares with the one decoded before
+    through this handle (while no other call has changed them): for callers whose clients resend a whole
+    conversation each turn, so a turn that extends the last one prefills only what is new. The answers are
+    token-identical to fresh decodes. Not thread-safe, like its Model."""
+
+    def __init__(self, model: Model):
+        self._model = model
+        self._committed: Committed | None = None
+
+    def decode(self, prompt: Prompt, *, max_new_tokens: int = MAX_NEW_TOKENS, stop: Sequence[str] = (),
+               on_text: Callable[[str], None] | None = None, cancelled: Callable[[], bool] | None = None) -> Output:
+        """Answer `prompt`; `on_text` sees the text as rounds commit, `cancelled` is asked after each round and
+        a True ends the decode there (stats["finish"] is then "cancelled"; the rows stay consistent)."""
+        model = self._model
+        with model._busy():
+            out, self._committed = model._kept(self, self._committed, prompt, max_new_tokens, stop, on_text, cancelled,
+                                               ROOM_FIX)
             return out
 
 

@@ -115,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
 
     app = create_app(config, progress, on_fatal, on_ready)
     progress(f"listening on {url}; loading the model")
+    # uvicorn picks httptools (the serve extra's C parser) where installed: it parses a request and writes its
+    # answer about 0.3 ms sooner than h11, which uvicorn falls back to.
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
     server.run(sockets=[sock])
     if fatal:

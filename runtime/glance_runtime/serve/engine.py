@@ -1,11 +1,9 @@
-"""The one place the server touches the runtime: the Python API, plus the rows of the last answered
-conversation, kept on the device between requests.
+"""The one place the server touches the runtime, through the Python API's public calls only.
 
-OpenAI clients resend the whole conversation each turn. Each request here decodes through the API's one
-internal path (`Model._run`: prompt in, decode, text out), told to keep the rows its prompt shares with
-what the previous request committed (`prefix.shared_rows`: a conversation that extends the last one
-prefills only its new turn). The answer is token-identical to a fresh decode (the API's guarantee), and
-for a single user turn it is `glance-run`'s text.
+OpenAI clients resend the whole conversation each turn. Each request here is decoded by the API's
+`Reuse` handle, which keeps the rows its prompt shares with what the previous request committed (a
+conversation that extends the last one prefills only its new turn). The answer is token-identical to a
+fresh decode (the API's guarantee), and for a single user turn it is `glance-run`'s text.
 """
 from __future__ import annotations
 
@@ -14,13 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import numpy as np
-
 from ..api import Model, load
-from ..auto_budget import AUTO
 from ..defaults import resolve
 from ..preprocess import Prompt
-from ..prefix import Committed, image_runs, shared_rows
 
 WARMUP_PROMPT = "Hello"
 CONTEXT_FIX = "shorten the conversation or ask for fewer max_tokens"
@@ -61,17 +55,6 @@ class Completion:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-class _Until:
-    """The API's cancel flag, read at each round: set once `cancelled()` says so."""
-
-    def __init__(self, cancelled: Callable[[], bool]):
-        self.cancelled, self.fired = cancelled, False
-
-    def is_set(self) -> bool:
-        self.fired = self.fired or self.cancelled()
-        return self.fired
-
-
 class Engine:
     """A loaded model; not thread-safe (as the API's Model): the server calls it from one thread only."""
 
@@ -82,7 +65,7 @@ class Engine:
                                  max_context=spec.max_context, max_tree=spec.max_tree, progress=progress)
         named = spec.engines or resolve(spec.model, spec.head, spec.artifacts, spec.backend)[0] or spec.artifacts
         self.name = Path(named).name
-        self.committed: Committed | None = None  # what the backend holds, when the last decode finished
+        self.rows = self.model.reuse()  # every request decodes through it, so each keeps what it shares
 
     @property
     def backend(self) -> str:
@@ -90,8 +73,7 @@ class Engine:
 
     @property
     def budget(self) -> int | str:
-        cfg = self.model._config(1)
-        return AUTO if cfg.auto else cfg.budget
+        return self.model.budget
 
     def warm(self) -> None:
         """One short decode, so the first client does not pay for lazy initialisation (or auto's measuring)."""
@@ -101,7 +83,7 @@ class Engine:
     def prepare(self, messages: list[dict[str, Any]], max_tokens: int) -> Prompt:
         """The prompt, refused here, before anything is decoded, if it is bad or would overflow the context."""
         prompt = self.model.build(messages=messages)
-        self.model._check_room(prompt, self.model._config(max_tokens), CONTEXT_FIX)
+        self.model.check_room(prompt, max_tokens, fix=CONTEXT_FIX)
         return prompt
 
     def complete(self, prompt: Prompt, max_tokens: int, stop: Sequence[str] = (),
@@ -110,16 +92,10 @@ class Engine:
         """Decode greedily, keeping the rows shared with the last request; `emit` gets the text as rounds
         commit, `cancelled` is polled each round (Cancelled is raised once the rows are consistent)."""
         t0 = time.perf_counter()
-        side = self.model._side
-        keep = shared_rows(self.committed, prompt, side.image_token_id, side.merge_size)
-        self.committed, flag = None, _Until(cancelled)  # unknown if the decode fails midway
-        out = self.model._run(prompt, max_tokens, stop, keep=keep, on_piece=emit, cancel=flag, fix=CONTEXT_FIX)
-        rows = self.model.runner.backend.start
-        self.committed = Committed(np.concatenate([prompt.input_ids, np.asarray(out.token_ids, np.int64)])[:rows],
-                                   tuple(image_runs(prompt, side.image_token_id, side.merge_size)))
-        if flag.fired:
-            raise Cancelled
+        out = self.rows.decode(prompt, max_new_tokens=max_tokens, stop=stop, on_text=emit, cancelled=cancelled)
         s = out.stats
+        if s["finish"] == "cancelled":
+            raise Cancelled
         return Completion(out.text, s["prompt_tokens"], s["prefill_tokens"], out.token_ids, out.tau, s["rounds"],
                           "length" if s["finish"] == "length" else "stop", (time.perf_counter() - t0) * 1e3,
                           stats=s)
