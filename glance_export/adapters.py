@@ -22,8 +22,8 @@ from PIL import Image
 
 from glance_runtime.errors import GlanceError, InputError
 from glance_runtime.messages import split
-from glance_runtime.preprocess import (IMAGE_PLACEHOLDER, Prompt, expand_placeholders, load_image, processed_videos,
-                                       to_rgb)
+from glance_runtime.preprocess import (IMAGE_PLACEHOLDER, Prompt, check_placeholders, expand_placeholders, load_image,
+                                       processed_videos, to_rgb)
 from glance_runtime.video import VIDEO_PLACEHOLDER, VideoProcessorConfig
 
 VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
@@ -148,6 +148,7 @@ class Snapshot:
         except TemplateError as exc:
             raise GlanceError(f"the chat template of {self.path} does not render ({exc}); restore chat_template.jinja "
                               "from the model's source") from None
+        check_placeholders(rendered, len(images), len(videos), f"of {self.path}")
         image_fields, counts = {}, []
         if images:
             processed = self.image_processor(images=images, return_tensors="np")
@@ -155,8 +156,9 @@ class Snapshot:
             counts = [int(g.prod()) // int(self.image_processor.merge_size) ** 2 for g in grid]
             image_fields = {"pixel_values": np.asarray(processed["pixel_values"], dtype=np.float32),
                             "image_grid_thw": grid}
-        video_fields, video_texts = processed_videos(videos, VideoProcessorConfig.from_dir(self.path, self.family))
-        rendered = expand_placeholders(rendered, [IMAGE_PLACEHOLDER * n for n in counts], video_texts, f"of {self.path}")
+        video_fields, video_texts = processed_videos(videos, VideoProcessorConfig.from_dir(self.path, self.family)) \
+            if videos else ({}, [])
+        rendered = expand_placeholders(rendered, [IMAGE_PLACEHOLDER * n for n in counts], video_texts)
         ids = np.asarray(self.tokenizer(rendered, add_special_tokens=False)["input_ids"], dtype=np.int64)
         if images and int((ids == self.image_token_id).sum()) != sum(counts):
             raise GlanceError(f"the tokenizer of {self.path} does not map {IMAGE_PLACEHOLDER} to image_token_id "

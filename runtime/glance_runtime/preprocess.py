@@ -17,7 +17,7 @@ import re
 import stat
 from dataclasses import dataclass
 from datetime import datetime
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -51,15 +51,18 @@ class Prompt:
         return int(self.input_ids.shape[0])
 
 
-def expand_placeholders(rendered: str, images: Sequence[str], videos: Sequence[str], where: str) -> str:
-    """The rendered prompt with its k-th image and video placeholder replaced by the k-th expansion of that kind,
-    in prompt order; refuses a template that did not emit one placeholder per image and per video."""
-    for token, items in ((IMAGE_PLACEHOLDER, images), (VIDEO_PLACEHOLDER, videos)):
-        if rendered.count(token) != len(items):
-            kind = "image" if token == IMAGE_PLACEHOLDER else "video"
+def check_placeholders(rendered: str, images: int, videos: int, where: str) -> None:
+    """Refuse, before any pixels are processed, a template that did not emit one placeholder per image and video."""
+    for token, count, kind in ((IMAGE_PLACEHOLDER, images, "image"), (VIDEO_PLACEHOLDER, videos, "video")):
+        if rendered.count(token) != count:
             raise InputError(f"the chat template {where} must emit exactly one {token} per {kind} (it emitted "
-                              f"{rendered.count(token)} for {len(items)}); give it a {kind} branch as the Qwen-VL "
-                              "templates have")
+                             f"{rendered.count(token)} for {count}); give it a {kind} branch as the Qwen-VL "
+                             "templates have")
+
+
+def expand_placeholders(rendered: str, images: Sequence[str], videos: Sequence[str]) -> str:
+    """The rendered prompt with its k-th image and video placeholder replaced by the k-th expansion of that kind,
+    in prompt order (`check_placeholders` has passed)."""
     queues = {IMAGE_PLACEHOLDER: iter(images), VIDEO_PLACEHOLDER: iter(videos)}
     pattern = f"{re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)}"
     return re.sub(pattern, lambda match: next(queues[match.group(0)]), rendered)
@@ -232,33 +235,40 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+@lru_cache(maxsize=32)
+def _compiled(source: str):
+    """The template compiled under transformers' environment settings. Compiling is most of opening a model's
+    prompt builder and depends on the source text alone, so a process compiles each template once."""
+    try:
+        import jinja2
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise GlanceError("rendering the chat template needs jinja2: pip install 'jinja2>=3.1'") from None
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
+                       namespace=jinja2.utils.Namespace)
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise GlanceError(f"the chat template does not parse ({exc.message} at line {exc.lineno}); restore "
+                          "chat_template.jinja from the model's source") from None
+
+
 class ChatTemplate:
     """A chat template rendered the way transformers renders it (sandboxed jinja2, trimmed blocks)."""
 
     def __init__(self, source: str, special_tokens: dict[str, str]):
-        try:
-            import jinja2
-            import jinja2.ext
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-        except ImportError:
-            raise GlanceError("rendering the chat template needs jinja2: pip install 'jinja2>=3.1'") from None
-
-        def raise_exception(message: str) -> None:
-            raise jinja2.exceptions.TemplateError(message)
-
-        def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
-                   sort_keys: bool = False) -> str:
-            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-        env.filters["tojson"] = tojson
-        env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
-                           namespace=jinja2.utils.Namespace)
-        try:
-            self.template = env.from_string(source)
-        except jinja2.exceptions.TemplateSyntaxError as exc:
-            raise GlanceError(f"the chat template does not parse ({exc.message} at line {exc.lineno}); restore "
-                              "chat_template.jinja from the model's source") from None
+        self.template = _compiled(source)
         self.special_tokens = special_tokens
 
     @classmethod
@@ -357,11 +367,11 @@ class PromptBuilder:
         if (images or videos) and self.image_token_id is None:
             raise InputError(f"the model in {self.path} is text-only; drop the {'images' if images else 'videos'}")
         rendered = self.template.render(rendered_msgs)
+        check_placeholders(rendered, len(images), len(videos), f"in {self.path}")
         processed = [process_image(image, self.image_config) for image in images]
         counts = [int(grid[0].prod()) // self.image_config.merge_size ** 2 for _, grid in processed]
         video_fields, video_texts = processed_videos(videos, self.video_config) if videos else ({}, [])
-        ids = self.encode(expand_placeholders(rendered, [IMAGE_PLACEHOLDER * n for n in counts], video_texts,
-                                              f"in {self.path}"))
+        ids = self.encode(expand_placeholders(rendered, [IMAGE_PLACEHOLDER * n for n in counts], video_texts))
         if images and int((ids == self.image_token_id).sum()) != sum(counts):
             raise GlanceError(f"the tokenizer in {self.path} does not map {IMAGE_PLACEHOLDER} to image_token_id "
                               f"{self.image_token_id}")
