@@ -254,3 +254,23 @@ def test_refusals(snaps, tmp_path, images):
         build([user_turn("Hi", videos=[[*frames(2), frames(1, width=64)[0]]])])
     with pytest.raises(InputError, match=r"\[T, H, W, 3\]"):
         build([user_turn("Hi", videos=[np.zeros((4, 4, 3), np.uint8)])])
+
+
+def test_glance_run_video_flags(exported, tmp_path, capsys):
+    """`--video FRAME ...` (repeatable) and `--fps` give the API's tokens for the same video and rate."""
+    from glance_runtime import cli
+
+    ex = exported("qwen2_5_vl")
+    paths = []
+    for i, frame in enumerate(frames(3, seed=5)):
+        Image.fromarray(frame).save(tmp_path / f"{i}.png")
+        paths.append(str(tmp_path / f"{i}.png"))
+    assert cli.main(["--json", "--artifacts", str(ex.artifacts), "--prompt", "What moves?", "--video", *paths,
+                     "--fps", "0.5", "--max-new-tokens", "8"]) == 0
+    ran = json.loads(capsys.readouterr().out)
+    with gr.load(artifacts=ex.artifacts) as model:
+        out = model.generate("What moves?", videos=[{"video": paths, "fps": 0.5}], max_new_tokens=8)
+        assert ran["token_ids"] == out.token_ids and ran["prompt_tokens"] == out.stats["prompt_tokens"]
+        assert out.token_ids != model.generate("What moves?", videos=[paths], max_new_tokens=8).token_ids
+    assert cli.main(["--artifacts", str(ex.artifacts), "--prompt", "Hi", "--video", str(tmp_path / "none.png")]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -22,13 +22,15 @@ from .video import DEFAULT_FPS, Video
 
 ROLES = ("system", "user", "assistant")
 ImageLike = str | Path | Image.Image | np.ndarray | bytes
-VideoLike = Sequence[ImageLike] | np.ndarray  # frames in order, or a uint8 [T, H, W, 3] array
+# frames in order, or a uint8 [T, H, W, 3] array, or {"video": either, "fps": the rate they were taken at}
+VideoLike = Sequence[ImageLike] | np.ndarray | dict[str, Any]
 
 
 def user_turn(text: str, images: Sequence[ImageLike] = (), videos: Sequence[VideoLike] = ()) -> dict[str, Any]:
     """One user message: its images, then its videos, then the text (the order the processors' examples use)."""
     return {"role": "user", "content": [*({"type": "image", "image": im} for im in images),
-                                        *({"type": "video", "video": v} for v in videos),
+                                        *({"type": "video", **v} if isinstance(v, dict) else {"type": "video", "video": v}
+                                          for v in videos),
                                         {"type": "text", "text": text}]}
 
 
