@@ -274,3 +274,24 @@ def test_glance_run_video_flags(exported, tmp_path, capsys):
         assert out.token_ids != model.generate("What moves?", videos=[paths], max_new_tokens=8).token_ids
     assert cli.main(["--artifacts", str(ex.artifacts), "--prompt", "Hi", "--video", str(tmp_path / "none.png")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", VL_FAMILIES)
+@pytest.mark.parametrize("seed", ["full", "partial", "zero"])
+def test_follow_ups_about_videos_equal_fresh_decodes(backends, exported, images, family, seed):
+    """Turns that keep a video's rows (and then add an image and another video) decode what fresh decodes of
+    the whole conversation do, on both backends, with seeded drafts accepting everything, part, or nothing."""
+    from glance_export.reference import greedy_reference
+    from test_kv_reuse import converse
+
+    turns = [user_turn("What moves?", videos=[frames(3, seed=6)]), user_turn("Describe the image."),
+             user_turn("What changed?", [images["tall"]], [{"video": frames(4, seed=7), "fps": 1.0}])]
+    backend, ex = backends[family], exported(family)
+    snap = backend.snapshot
+    merge = snap.config["vision_config"]["spatial_merge_size"]
+    for runner, build, detokenize, model in (
+            (backend, snap.build_messages, lambda ids: snap.tokenizer.decode(ids, skip_special_tokens=True), backend.model),
+            (ex.backend, ex.backend.prompts.build_messages, ex.backend.detokenize, ex.model)):
+        kept = converse(runner, build, detokenize, lambda p: greedy_reference(model, snap, p, MAX_NEW, ()), turns, seed,
+                        snap.image_token_id, merge)
+        assert kept[0] == 0 and all(k > 10 for k in kept[1:])
