@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -54,7 +53,6 @@ class VideoProcessorConfig:
     do_normalize: bool = True
     cap_pixels_per_frame: bool = False
     max_video_tokens: int = 128000
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def defaults(cls, family: str) -> "VideoProcessorConfig":
@@ -127,7 +125,7 @@ def frame_size(cfg: VideoProcessorConfig, frames: int, height: int, width: int) 
     if cfg.cap_pixels_per_frame:
         total = int(cfg.max_video_tokens * factor * factor * 0.9)
         max_pixels = max(min(max_pixels, total * cfg.temporal_patch_size // frames), int(cfg.min_pixels * 1.05))
-    from .preprocess import smart_resize
+    from .preprocess import smart_resize  # here, not at the top: preprocess imports this module
 
     return smart_resize(height, width, factor, cfg.min_pixels, max_pixels)
 
