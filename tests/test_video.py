@@ -22,7 +22,7 @@ from glance_runtime.loop import DecodeConfig, decode
 from glance_runtime.messages import user_turn
 from glance_runtime.prefix import Committed, image_runs, shared_rows
 from glance_runtime.rope_index import rope_index, video_grids
-from glance_runtime.video import DEFAULT_FPS, Video, VideoProcessorConfig, process_video, resize_frames
+from glance_runtime.video import DEFAULT_FPS, Video, VideoProcessorConfig, process_video, resize_frame
 from test_ort_backend import Exported
 from tiny_models import VL_FAMILIES, make_snapshot
 
@@ -154,10 +154,10 @@ def test_processor_matches_transformers(snaps, images, family):
 def test_resize_is_torchvision_bicubic_on_a_known_case():
     """A pinned case of the fixed-point antialiased resize (values from torchvision 0.28 on x86), so the
     kernel stays checked where torchvision is not installed."""
-    clip = ((np.arange(9 * 13 * 3).reshape(1, 9, 13, 3) * 97) % 256).astype(np.uint8)
-    out = resize_frames(clip, 6, 5)
-    assert out.shape == (1, 6, 5, 3)
-    np.testing.assert_array_equal(out[0, :, :, 0], [[75, 94, 192, 83, 105], [182, 114, 104, 164, 85],
+    frame = ((np.arange(9 * 13 * 3).reshape(9, 13, 3) * 97) % 256).astype(np.uint8)
+    out = resize_frame(frame, 6, 5)
+    assert out.shape == (6, 5, 3)
+    np.testing.assert_array_equal(out[:, :, 0], [[75, 94, 192, 83, 105], [182, 114, 104, 164, 85],
                                                    [101, 172, 82, 112, 199], [82, 99, 185, 110, 107],
                                                    [181, 117, 112, 172, 84], [106, 194, 82, 119, 185]])
 

@@ -166,23 +166,32 @@ def _axis_weights(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, 
     return first, count, np.where(scaled < 0, np.trunc(scaled - 0.5), np.trunc(scaled + 0.5)).astype(np.int64), bits
 
 
-def _resize_axis(frames: np.ndarray, out_size: int, axis: int) -> np.ndarray:
-    first, count, weights, bits = _axis_weights(frames.shape[axis], out_size)
-    src = np.moveaxis(frames, axis, 0).astype(np.int64)
-    out = np.empty((out_size, *src.shape[1:]), np.int64)
-    for i in range(out_size):
-        out[i] = np.tensordot(weights[i, :count[i]], src[first[i]:first[i] + count[i]], axes=(0, 0))
-    out = (out + (1 << (bits - 1))) >> bits
-    return np.moveaxis(np.clip(out, 0, 255).astype(np.uint8), 0, axis)
+def _resize_axis(frame: np.ndarray, out_size: int, axis: int) -> np.ndarray:
+    """One pass over one uint8 frame: each output pixel is its taps' integer-weighted sum, rounded at the
+    weights' precision and clamped, one tap offset at a time across the whole frame."""
+    in_size = frame.shape[axis]
+    first, count, weights, bits = _axis_weights(in_size, out_size)
+    src = np.moveaxis(frame, axis, 0)
+    acc = np.zeros((out_size, *src.shape[1:]), np.int64)
+    shape = (out_size,) + (1,) * (src.ndim - 1)
+    for tap in range(weights.shape[1]):
+        used = tap < count
+        if not used.any():
+            break
+        rows = np.minimum(first + tap, in_size - 1)
+        acc += np.where(used, weights[:, tap], 0).reshape(shape) * src[rows]
+    out = np.clip((acc + (1 << (bits - 1))) >> bits, 0, 255).astype(np.uint8)
+    return np.moveaxis(out, 0, axis)
 
 
-def resize_frames(frames: np.ndarray, height: int, width: int) -> np.ndarray:
-    """uint8 [T, H, W, C] frames resized as torchvision's antialiased bicubic resize does on the CPU."""
-    if frames.shape[2] != width:
-        frames = _resize_axis(frames, width, 2)
-    if frames.shape[1] != height:
-        frames = _resize_axis(frames, height, 1)
-    return frames
+def resize_frame(frame: np.ndarray, height: int, width: int) -> np.ndarray:
+    """A uint8 [H, W, C] frame resized as torchvision's antialiased bicubic resize does on the CPU: width,
+    then height, each skipped when it does not change."""
+    if frame.shape[1] != width:
+        frame = _resize_axis(frame, width, 1)
+    if frame.shape[0] != height:
+        frame = _resize_axis(frame, height, 0)
+    return frame
 
 
 def process_video(video: Video, cfg: VideoProcessorConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -195,14 +204,13 @@ def process_video(video: Video, cfg: VideoProcessorConfig) -> tuple[np.ndarray, 
     if len(sizes) > 1:
         raise InputError(f"the frames of a video must all have one size; got {sorted(sizes)}")
     p, m, tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
-    frames = np.stack([np.asarray(f.convert("RGB")) for f in video.frames])
-    count, height, width = frames.shape[:3]
+    count, (width, height) = len(video.frames), video.frames[0].size
     if cfg.do_resize:
         height, width = frame_size(cfg, count, height, width)
-        frames = resize_frames(frames, height, width)
     elif height % (p * m) or width % (p * m):
         raise GlanceError(f"with do_resize false the frames must be a multiple of {p * m} px; got {width}x{height}")
-    pixels = frames.astype(np.float32)
+    # frame by frame, so a long video never holds more than one full-size frame beside the resized ones
+    pixels = np.stack([resize_frame(np.asarray(f.convert("RGB")), height, width) for f in video.frames]).astype(np.float32)
     if cfg.do_normalize:
         scale = np.float32(1.0 / cfg.rescale_factor) if cfg.do_rescale else np.float32(1)
         mean = np.asarray(cfg.image_mean, np.float32) * scale
