@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -143,12 +144,15 @@ def test_processor_matches_transformers(snaps, images, family):
         np.testing.assert_array_equal(ours.video_grid_thw, ref["video_grid_thw"], err_msg=name)
         if family == "qwen2_5_vl":
             np.testing.assert_allclose(ours.second_per_grid_ts, ref["second_per_grid_ts"], err_msg=name)
-    for size in ((62, 90), (200, 37), (33, 250)):  # down, up and mixed scales, on both axes
-        clip = np.stack(frames(3, width=size[1], height=size[0]))
-        ref = video_cls.from_pretrained(snap.path)(videos=[clip], return_tensors="np", do_sample_frames=False)
-        pixels, grid = process_video(Video([Image.fromarray(f) for f in clip]), VideoProcessorConfig.from_dir(snap.path, family))
+    for size, count, cap in (((62, 90), 3, False), ((200, 37), 3, False), ((33, 250), 3, False),
+                             ((300, 420), 9, True)):  # down, up and mixed scales; the per-frame pixel cap
+        clip = np.stack(frames(count, width=size[1], height=size[0]))
+        ref = video_cls.from_pretrained(snap.path, cap_pixels_per_frame=cap, max_video_tokens=40)(
+            videos=[clip], return_tensors="np", do_sample_frames=False)
+        cfg = replace(VideoProcessorConfig.from_dir(snap.path, family), cap_pixels_per_frame=cap, max_video_tokens=40)
+        pixels, grid = process_video(Video([Image.fromarray(f) for f in clip]), cfg)
+        np.testing.assert_array_equal(grid, ref["video_grid_thw"], err_msg=str(size))
         np.testing.assert_array_equal(pixels, ref["pixel_values_videos"])
-        np.testing.assert_array_equal(grid, ref["video_grid_thw"])
 
 
 def test_resize_is_torchvision_bicubic_on_a_known_case():

@@ -99,9 +99,9 @@ class Model:
                  messages: Sequence[dict[str, Any]] | None = None, system: str | None = None,
                  max_new_tokens: int = MAX_NEW_TOKENS, stop: Sequence[str] = (),
                  on_text: Callable[[str], None] | None = None, videos: Sequence[VideoLike] | None = None) -> Output:
-        """Answer one prompt (with any number of images and videos: lists of frames taken at 2 fps; give
-        another rate as a message part's "fps") or one OpenAI-style conversation; `on_text` sees the text in
-        pieces as rounds commit, on this thread (what `stream` yields)."""
+        """Answer one prompt (with any number of images and videos: a video is its frames, taken at 2 per
+        second unless given as {"video": frames, "fps": rate}) or one OpenAI-style conversation; `on_text`
+        sees the text in pieces as rounds commit, on this thread (what `stream` yields)."""
         with self._busy():
             built = self.build(prompt, images=images, messages=messages, system=system, videos=videos)
             return self._run(built, max_new_tokens, stop, on_piece=on_text)
