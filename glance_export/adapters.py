@@ -22,7 +22,9 @@ from PIL import Image
 
 from glance_runtime.errors import GlanceError, InputError
 from glance_runtime.messages import split
-from glance_runtime.preprocess import IMAGE_PLACEHOLDER, Prompt, load_image, to_rgb
+from glance_runtime.preprocess import (IMAGE_PLACEHOLDER, Prompt, check_placeholders, expand_placeholders, load_image,
+                                       processed_videos, to_rgb)
+from glance_runtime.video import VIDEO_PLACEHOLDER, VideoProcessorConfig
 
 VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 TEXT_FAMILIES = ("qwen2", "qwen3", "llama")
@@ -134,31 +136,39 @@ class Snapshot:
         return Prompt(ids, np.asarray(processed["pixel_values"], dtype=np.float32), grid)
 
     def build_messages(self, messages) -> Prompt:
-        """A conversation (OpenAI-style messages, any number of images) through the snapshot's own template and
-        image processor, which gives every image its own grid and rows, in prompt order."""
-        rendered_msgs, images = split(messages)
-        if images and not self.is_vl:
-            raise InputError(f"{self.path} is a text-only {self.family} model; drop the images")
+        """A conversation (OpenAI-style messages, any number of images and videos) through the snapshot's own
+        template and image processor, which gives every image its own grid and rows, in prompt order. Videos go
+        through the runtime's numpy video processor: transformers' needs torchvision, which this install lacks."""
+        rendered_msgs, images, videos = split(messages)
+        if (images or videos) and not self.is_vl:
+            raise InputError(f"{self.path} is a text-only {self.family} model; drop the "
+                             f"{'images' if images else 'videos'}")
         try:
             rendered = self.tokenizer.apply_chat_template(rendered_msgs, add_generation_prompt=True, tokenize=False)
         except TemplateError as exc:
             raise GlanceError(f"the chat template of {self.path} does not render ({exc}); restore chat_template.jinja "
                               "from the model's source") from None
-        if rendered.count(IMAGE_PLACEHOLDER) != len(images):
-            raise GlanceError(f"the chat template of {self.path} must emit exactly one {IMAGE_PLACEHOLDER} per image")
-        if not images:
-            ids = self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
-            return Prompt(np.asarray(ids, dtype=np.int64))
-        processed = self.image_processor(images=images, return_tensors="np")
-        grid = np.asarray(processed["image_grid_thw"], dtype=np.int64)
-        counts = [int(g.prod()) // int(self.image_processor.merge_size) ** 2 for g in grid]
-        pieces = rendered.split(IMAGE_PLACEHOLDER)
-        rendered = pieces[0] + "".join(IMAGE_PLACEHOLDER * n + text for n, text in zip(counts, pieces[1:]))
+        check_placeholders(rendered, len(images), len(videos), f"of {self.path}")
+        image_fields, counts = {}, []
+        if images:
+            processed = self.image_processor(images=images, return_tensors="np")
+            grid = np.asarray(processed["image_grid_thw"], dtype=np.int64)
+            counts = [int(g.prod()) // int(self.image_processor.merge_size) ** 2 for g in grid]
+            image_fields = {"pixel_values": np.asarray(processed["pixel_values"], dtype=np.float32),
+                            "image_grid_thw": grid}
+        video_fields, video_texts = processed_videos(videos, VideoProcessorConfig.from_dir(self.path, self.family)) \
+            if videos else ({}, [])
+        rendered = expand_placeholders(rendered, [IMAGE_PLACEHOLDER * n for n in counts], video_texts)
         ids = np.asarray(self.tokenizer(rendered, add_special_tokens=False)["input_ids"], dtype=np.int64)
-        if int((ids == self.image_token_id).sum()) != sum(counts):
+        if images and int((ids == self.image_token_id).sum()) != sum(counts):
             raise GlanceError(f"the tokenizer of {self.path} does not map {IMAGE_PLACEHOLDER} to image_token_id "
                               f"{self.image_token_id}")
-        return Prompt(ids, np.asarray(processed["pixel_values"], dtype=np.float32), grid)
+        if videos:
+            video_fields["video_token_id"] = int(self.config["video_token_id"])
+            if int((ids == video_fields["video_token_id"]).sum()) != sum(t.count(VIDEO_PLACEHOLDER) for t in video_texts):
+                raise GlanceError(f"the tokenizer of {self.path} does not map {VIDEO_PLACEHOLDER} to video_token_id "
+                                  f"{video_fields['video_token_id']}")
+        return Prompt(ids, **image_fields, **video_fields)
 
     def load_model(self, dtype: str = "float32"):
         """The unmodified target, in eval mode; sdpa attention so custom 4D tree masks are honoured."""

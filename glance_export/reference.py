@@ -24,6 +24,28 @@ from .adapters import Prompt, Snapshot
 from .head import DraftHead, check_head_matches, load_head
 
 
+def vision_inputs(snapshot: Snapshot, prompt: Prompt, ids: torch.Tensor, device: torch.device,
+                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """What a transformers forward takes beside `ids` for the prompt's images and videos (none: {}): pixels,
+    grids, Qwen2.5-VL's seconds per temporal patch, and the token types (1 image, 2 video) of `ids`."""
+    def t(array) -> torch.Tensor:
+        return torch.tensor(np.asarray(array), device=device)
+
+    extra: dict[str, torch.Tensor] = {}
+    if prompt.pixel_values is not None:
+        extra.update(pixel_values=t(prompt.pixel_values).to(dtype), image_grid_thw=t(prompt.image_grid_thw))
+    if prompt.pixel_values_videos is not None:
+        extra.update(pixel_values_videos=t(prompt.pixel_values_videos).to(dtype), video_grid_thw=t(prompt.video_grid_thw))
+        if snapshot.family == "qwen2_5_vl":
+            extra["second_per_grid_ts"] = t(prompt.second_per_grid_ts)
+    if extra:
+        types = (ids == snapshot.image_token_id).int()
+        if prompt.video_token_id is not None:
+            types = types + 2 * (ids == prompt.video_token_id).int()
+        extra["mm_token_type_ids"] = types
+    return extra
+
+
 def _entropy(logits: torch.Tensor) -> float:
     logp = torch.log_softmax(logits.float(), dim=-1)
     return float(-(logp.exp() * logp).sum())
@@ -78,16 +100,18 @@ class TorchBackend:
         return pos[None].expand(3, 1, -1) if self.snapshot.is_vl else pos
 
     def prompt_positions(self, prompt: Prompt) -> tuple[torch.Tensor, int]:
-        """Prefill positions and M-RoPE delta from the model's own rope-index function."""
+        """Prefill positions from the model's own rope-index function, and the M-RoPE delta `generate` continues
+        with (one past the prompt's last position, which a video's temporal positions can exceed)."""
         ids = self._t(prompt.input_ids)[None]
-        if prompt.image_grid_thw is None:
+        if prompt.image_grid_thw is None and prompt.video_grid_thw is None:
             pos = torch.arange(ids.shape[1], device=self.device)[None]
             return (pos[None].expand(3, 1, -1) if self.snapshot.is_vl else pos), 0
-        mm = (ids == self.snapshot.image_token_id).int()
-        pos, delta = self.model.model.get_rope_index(input_ids=ids, mm_token_type_ids=mm,
-                                                     image_grid_thw=self._t(prompt.image_grid_thw),
-                                                     attention_mask=torch.ones_like(ids))
-        return pos, int(delta.reshape(-1)[0])
+        extra = vision_inputs(self.snapshot, prompt, ids, self.device, self.model.dtype)
+        pos, delta = self.model.model.get_rope_index(
+            input_ids=ids, mm_token_type_ids=extra["mm_token_type_ids"], image_grid_thw=extra.get("image_grid_thw"),
+            video_grid_thw=extra.get("video_grid_thw"), second_per_grid_ts=extra.get("second_per_grid_ts"),
+            attention_mask=torch.ones_like(ids))
+        return pos, int(pos[0, 0, -1]) + 1 - ids.shape[1]
 
     @torch.no_grad()
     def prefill(self, prompt: Prompt, keep: int = 0) -> tuple[int, float]:
@@ -97,11 +121,7 @@ class TorchBackend:
         self._reset()
         ids = self._t(prompt.input_ids)[None]
         positions, self.delta = self.prompt_positions(prompt)
-        extra = {}
-        if prompt.pixel_values is not None:
-            extra = dict(pixel_values=self._t(prompt.pixel_values).to(self.model.dtype),
-                         image_grid_thw=self._t(prompt.image_grid_thw),
-                         mm_token_type_ids=(ids == self.snapshot.image_token_id).int())
+        extra = vision_inputs(self.snapshot, prompt, ids, self.device, self.model.dtype)
         out = self.model(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True,
                          output_hidden_states=self.head is not None, **extra)
         self.start = ids.shape[1]
@@ -134,9 +154,7 @@ class TorchBackend:
         merge = self.snapshot.config.get("vision_config", {}).get("spatial_merge_size", 1)
         tail = images_after(prompt, keep, self.snapshot.image_token_id if self.snapshot.is_vl else None, merge)
         if tail is not None:
-            extra = dict(pixel_values=self._t(tail.pixel_values).to(self.model.dtype),
-                         image_grid_thw=self._t(tail.image_grid_thw),
-                         mm_token_type_ids=(new == self.snapshot.image_token_id).int())
+            extra = vision_inputs(self.snapshot, tail, new, self.device, self.model.dtype)
         out = self.model(input_ids=new, position_ids=positions[..., keep:], cache=self.cache, use_cache=True,
                          output_hidden_states=self.head is not None, **extra)
         self.start = ids.shape[1]
@@ -225,10 +243,17 @@ def greedy_with_margins(model: torch.nn.Module, snapshot: Snapshot, prompt: Prom
     inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
     if snapshot.is_vl:
         model.model.rope_deltas = None  # cached per prompt by the model; stale deltas shift positions
-    if prompt.pixel_values is not None:
-        inputs.update(pixel_values=torch.from_numpy(prompt.pixel_values).to(device, model.dtype),
-                      image_grid_thw=torch.from_numpy(prompt.image_grid_thw).to(device),
-                      mm_token_type_ids=(ids == snapshot.image_token_id).int())
+    if snapshot.is_vl:
+        inputs.update(vision_inputs(snapshot, prompt, ids, device, model.dtype))
+    after = None  # the answer's first position where the model's own would differ (see below)
+    if prompt.video_grid_thw is not None:
+        # generate continues one past the prompt's last position; the model's cached delta continues one past
+        # its largest, which a video's temporal positions can exceed: decode as generate does
+        pos, _ = model.model.get_rope_index(
+            ids, mm_token_type_ids=inputs["mm_token_type_ids"], image_grid_thw=inputs.get("image_grid_thw"),
+            video_grid_thw=inputs["video_grid_thw"], second_per_grid_ts=inputs.get("second_per_grid_ts"),
+            attention_mask=inputs["attention_mask"])
+        after = int(pos[0, 0, -1]) + 1
     cache = DynamicCache(config=model.config)
     logits = model(**inputs, cache=cache, use_cache=True).logits[0, -1]
     tokens: list[int] = []
@@ -238,8 +263,9 @@ def greedy_with_margins(model: torch.nn.Module, snapshot: Snapshot, prompt: Prom
         margins.append(_top2_margin(logits))
         if tokens[-1] in stop_ids or len(tokens) >= max_new_tokens:
             return tokens, margins
-        logits = model(input_ids=torch.tensor([[tokens[-1]]], device=device), cache=cache,
-                       use_cache=True).logits[0, -1]
+        step = {} if after is None else {"position_ids": torch.full((3, 1, 1), after + len(tokens) - 1, device=device)}
+        logits = model(input_ids=torch.tensor([[tokens[-1]]], device=device), cache=cache, use_cache=True,
+                       **step).logits[0, -1]
 
 
 def checked_prompts(snapshot: Snapshot) -> Callable[..., Prompt]:

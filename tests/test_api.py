@@ -2,7 +2,6 @@
 conversations that keep their KV, refusals, and close()."""
 from __future__ import annotations
 
-import gc
 import json
 import threading
 from pathlib import Path
@@ -127,6 +126,13 @@ def test_errors_are_glance_errors(model, tmp_path):
         assert isinstance(info.value, gr.GlanceError) and "\n" not in str(info.value)
 
 
+def test_video_needs_a_template_that_renders_it(model):
+    """The embedded default's template has no video branch: video is refused with the fix, on one line."""
+    with pytest.raises(gr.InputError, match="video branch") as info:
+        model.generate("What moves?", videos=[[RECEIPT, CHART]])  # two sizes: the template is refused first
+    assert "\n" not in str(info.value)
+
+
 def test_concurrent_calls_are_refused(model):
     stream = model.stream("What is the total?", images=[RECEIPT])
     next(stream)  # the stream now holds the model
@@ -139,24 +145,46 @@ def test_concurrent_calls_are_refused(model):
     assert model.generate("Hi").text  # usable again once the stream is closed
 
 
-def _rss_mb() -> float:
-    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**20
+CYCLES = r"""
+import gc, json, sys
+from pathlib import Path
+import onnxruntime
+import glance_runtime as gr
+
+def rss_mb():
+    return next(int(l.split()[1]) for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmRSS:")) / 1024
+
+marks = {}
+for i in range(1, int(sys.argv[2]) + 1):
+    with gr.load(max_context=256) as model:
+        model.generate("Hi", images=[sys.argv[1]] if i % 2 else None, max_new_tokens=2)
+    if i in (50, int(sys.argv[2])):
+        gc.collect()
+        marks[i] = rss_mb()
+gc.collect()
+print(json.dumps({"rss_mb": list(marks.values()),
+                  "sessions": sum(isinstance(o, onnxruntime.InferenceSession) for o in gc.get_objects())}))
+"""
 
 
 def test_close_frees_buffers():
-    """Load/close cycles keep memory flat; a closed model refuses calls."""
-    def cycle() -> None:
-        with gr.load(max_context=256) as m:
-            m.generate("Hi", max_new_tokens=2)
+    """A thousand load + generate + close cycles (every other one with an image, so the vision graph and its
+    buffers come and go too) in a fresh process keep its resident memory flat: from cycle 50 to 1000 it may
+    grow by allocator noise (measured: 6.5 MB), not by what one cycle holds (its sessions alone are over
+    13 MB, its buffers about 1 MB, so a leak of either is hundreds of megabytes); no session outlives its
+    model. A closed model refuses calls."""
+    import os
+    import subprocess
+    import sys
 
-    for _ in range(3):
-        cycle()
-    gc.collect()
-    base = _rss_mb()
-    for _ in range(12):
-        cycle()
-    gc.collect()
-    assert _rss_mb() - base < 20
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "runtime"), os.environ.get("PYTHONPATH", "")])}
+    ran = subprocess.run([sys.executable, "-c", CYCLES, str(RECEIPT), "1000"], capture_output=True, text=True,
+                         env=env, timeout=900)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    measured = json.loads(ran.stdout.splitlines()[-1])
+    after_50, after_1000 = measured["rss_mb"]
+    assert after_1000 - after_50 < 40, measured
+    assert measured["sessions"] == 0
     m = gr.load()
     m.close()
     with pytest.raises(gr.GlanceError, match="closed"):

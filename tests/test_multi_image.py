@@ -118,7 +118,9 @@ def test_image_kinds_give_one_prompt(snapshots, images):
 
 def test_bad_messages_are_refused(snapshots, images):
     builder = _builder(snapshots["qwen2_vl"])
-    bad = [([{"role": "user", "content": [{"type": "video", "video": [images["wide"]]}]}], "video input is not supported"),
+    bad = [([{"role": "user", "content": [{"type": "video", "video": [images["wide"]]}]}], "give it a video branch"),
+           ([{"role": "user", "content": [{"type": "video", "video": []}]}], "at least one frame"),
+           ([{"role": "user", "content": [{"type": "video", "video": [images["wide"]], "fps": 0}]}], "positive number"),
            ([{"role": "robot", "content": "hi"}], "role one of"),
            ([{"role": "user", "content": [{"type": "audio"}]}], "has a part"),
            ([{"role": "assistant", "content": "hi"}], "no user message"),

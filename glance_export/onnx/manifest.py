@@ -19,7 +19,7 @@ from .spec import Dims
 from .vision import INDEX_INPUTS
 
 RUNTIME_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json",
-                 "generation_config.json", "special_tokens_map.json", "config.json")
+                 "video_preprocessor_config.json", "generation_config.json", "special_tokens_map.json", "config.json")
 
 
 def copy_runtime_files(snapshot: Snapshot, out: Path) -> list[str]:

@@ -30,7 +30,7 @@ import numpy as np
 from .defaults import AUTO, BRANCH_K, RUN_MAX_NEW_TOKENS as MAX_NEW_TOKENS, resolve
 from .errors import GlanceError, InputError, LimitError
 from .loop import DecodeConfig, DecodeResult, RoundLog
-from .messages import ImageLike, conversation, user_turn
+from .messages import ImageLike, VideoLike, conversation, user_turn
 from .preprocess import Prompt
 from .prefix import Committed, image_runs, shared_rows
 from .runner import Runner
@@ -103,20 +103,22 @@ class Model:
     def generate(self, prompt: str | None = None, *, images: Sequence[ImageLike] | None = None,
                  messages: Sequence[dict[str, Any]] | None = None, system: str | None = None,
                  max_new_tokens: int = MAX_NEW_TOKENS, stop: Sequence[str] = (),
-                 on_text: Callable[[str], None] | None = None) -> Output:
-        """Answer one prompt (with any number of images) or one OpenAI-style conversation; `on_text` sees
-        the text in pieces as rounds commit, on this thread (what `stream` yields)."""
+                 on_text: Callable[[str], None] | None = None, videos: Sequence[VideoLike] | None = None) -> Output:
+        """Answer one prompt (with any number of images and videos: a video is its frames, taken at 2 per
+        second unless given as {"video": frames, "fps": rate}) or one OpenAI-style conversation; `on_text`
+        sees the text in pieces as rounds commit, on this thread (what `stream` yields)."""
         with self._busy():
-            built = self.build(prompt, images=images, messages=messages, system=system)
+            built = self.build(prompt, images=images, messages=messages, system=system, videos=videos)
             return self._run(built, max_new_tokens, stop, on_piece=on_text)
 
     def stream(self, prompt: str | None = None, *, images: Sequence[ImageLike] | None = None,
                messages: Sequence[dict[str, Any]] | None = None, system: str | None = None,
-               max_new_tokens: int = MAX_NEW_TOKENS, stop: Sequence[str] = ()) -> Iterator[str]:
+               max_new_tokens: int = MAX_NEW_TOKENS, stop: Sequence[str] = (),
+               videos: Sequence[VideoLike] | None = None) -> Iterator[str]:
         """`generate`'s text in pieces as rounds commit; the pieces join to exactly its text. Leaving the loop
         early ends decoding after the current round."""
         with self._busy():
-            built = self.build(prompt, images=images, messages=messages, system=system)
+            built = self.build(prompt, images=images, messages=messages, system=system, videos=videos)
             yield from self._pieces(lambda on_piece, cancel: self._run(built, max_new_tokens, stop,
                                                                         on_piece=on_piece, cancelled=cancel.is_set))
 
@@ -125,9 +127,10 @@ class Model:
         return Chat(self, system)
 
     def build(self, prompt: str | None = None, *, images: Sequence[ImageLike] | None = None,
-              messages: Sequence[dict[str, Any]] | None = None, system: str | None = None) -> Prompt:
+              messages: Sequence[dict[str, Any]] | None = None, system: str | None = None,
+              videos: Sequence[VideoLike] | None = None) -> Prompt:
         """The prompt (ids, pixels, grids) a call would decode."""
-        return self._side.build(conversation(prompt, images, messages, system))
+        return self._side.build(conversation(prompt, images, messages, system, videos))
 
     def reuse(self) -> "Reuse":
         """A handle that decodes built prompts, keeping the rows each shares with the previous one."""
@@ -268,14 +271,16 @@ class Chat:
         self._committed: Committed | None = None
 
     def send(self, text: str, images: Sequence[ImageLike] | None = None, *, max_new_tokens: int = MAX_NEW_TOKENS,
-             stop: Sequence[str] = (), on_text: Callable[[str], None] | None = None) -> Output:
-        """One user turn (with any number of images) and its answer; prefills only what the conversation has
-        not committed yet. A turn that would overflow the context is refused and leaves the history as it was."""
+             stop: Sequence[str] = (), on_text: Callable[[str], None] | None = None,
+             videos: Sequence[VideoLike] | None = None) -> Output:
+        """One user turn (with any number of images and videos) and its answer; prefills only what the
+        conversation has not committed yet. A turn that would overflow the context is refused and leaves the
+        history as it was."""
         model = self._model
         with model._busy():
             if not isinstance(text, str):
                 raise InputError(f"the message must be a string, got {type(text).__name__}")
-            turn = user_turn(text, list(images or ()))
+            turn = user_turn(text, list(images or ()), list(videos or ()))
             prompt = model.build(messages=[*self._messages, turn])
             out, self._committed = model._kept(
                 self, self._committed, prompt, max_new_tokens, stop, on_text, None,

@@ -1,4 +1,4 @@
-"""`glance-run`: answer a prompt about any number of images, or hold a conversation (`--chat`), streaming
+"""`glance-run`: answer a prompt about any number of images and videos, or hold a conversation (`--chat`), streaming
 the answer as rounds commit. A thin caller of the Python API (`glance_runtime.api`)."""
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from .cache import cache_root
 from .cli_parser import OneLineParser, check_applicable, check_dirs, decode_flags, guarded, runner_flags
 from .defaults import BUDGET, RUN_MAX_NEW_TOKENS, resolve
 from .errors import GlanceError
+from .limits import positive
 from .preprocess import check_image_path
+from .video import DEFAULT_FPS
 
 
 def parser() -> argparse.ArgumentParser:
@@ -20,6 +22,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", help="the question or instruction (required unless --chat)")
     p.add_argument("--image", type=Path, action="append", default=[], help="image file, in prompt order; repeat for "
                    "several (omit for text-only prompts)")
+    p.add_argument("--video", type=Path, nargs="+", action="append", default=[], metavar="FRAME",
+                   help="a video as its frame files in order, after the images; repeat for several")
+    p.add_argument("--fps", type=positive("--fps"), default=DEFAULT_FPS,
+                   help=f"the rate the --video frames were taken at, frames per second (default {DEFAULT_FPS:g})")
     p.add_argument("--system", help="a system message before the prompt")
     p.add_argument("--chat", action="store_true", help="an interactive conversation on the terminal that keeps its "
                    "KV between turns (--prompt and --image give the first turn); /reset starts over, /exit ends")
@@ -36,7 +42,7 @@ def parser() -> argparse.ArgumentParser:
 def _check_inputs(args: argparse.Namespace) -> None:
     """Missing or unreadable inputs are named before anything else is concluded from their absence."""
     check_dirs(args)
-    for image in args.image:
+    for image in [*args.image, *(frame for video in args.video for frame in video)]:
         check_image_path(image)
     if args.prompt is None and not args.chat:
         raise GlanceError("--prompt is required (or pass --chat for a conversation)")
@@ -46,6 +52,10 @@ def _check_inputs(args: argparse.Namespace) -> None:
         except UnicodeEncodeError:
             raise GlanceError(f"{flag} is not valid UTF-8 text (the shell passed undecodable bytes); pass it "
                               "in UTF-8, e.g. with a UTF-8 locale") from None
+
+
+def _videos(args: argparse.Namespace) -> list[dict]:
+    return [{"video": frames, "fps": args.fps} for frames in args.video]
 
 
 def _write(piece: str) -> None:
@@ -78,20 +88,20 @@ def _load(args: argparse.Namespace) -> api.Model:
 def _chat(model: api.Model, args: argparse.Namespace) -> int:
     """Read turns from stdin until /exit or end of input; a refused turn is reported and the chat goes on."""
     chat = model.chat(system=args.system)
-    first = (args.prompt, args.image) if args.prompt is not None else None
-    if first is None and args.image:
-        raise GlanceError("--image in --chat goes with the first turn; pass --prompt too")
+    first = (args.prompt, args.image, _videos(args)) if args.prompt is not None else None
+    if first is None and (args.image or args.video):
+        raise GlanceError("--image and --video in --chat go with the first turn; pass --prompt too")
     print("glance-run chat: /reset starts over, /exit ends", file=sys.stderr)
     while True:
         if first is not None:
-            (text, images), first = first, None
+            (text, images, videos), first = first, None
             print(f"> {text}", file=sys.stderr)
         else:
             print("> ", end="", file=sys.stderr, flush=True)
             line = sys.stdin.readline()
             if not line or line.strip() == "/exit":
                 return 0
-            text, images = line.rstrip("\n"), []
+            text, images, videos = line.rstrip("\n"), [], []
             if text.strip() == "/reset":
                 chat.reset()
                 print("(conversation reset)", file=sys.stderr)
@@ -99,7 +109,7 @@ def _chat(model: api.Model, args: argparse.Namespace) -> int:
             if not text.strip():
                 continue
         try:
-            out = chat.send(text, images, max_new_tokens=args.max_new_tokens, on_text=_write)
+            out = chat.send(text, images, videos=videos, max_new_tokens=args.max_new_tokens, on_text=_write)
         except GlanceError as exc:
             print(f"glance-run: error: {exc}", file=sys.stderr)
             continue
@@ -112,8 +122,8 @@ def run(args: argparse.Namespace) -> int:
     with _load(args) as model:
         if args.chat:
             return _chat(model, args)
-        out = model.generate(args.prompt, images=args.image, system=args.system, max_new_tokens=args.max_new_tokens,
-                             on_text=None if args.json else _write)
+        out = model.generate(args.prompt, images=args.image, videos=_videos(args), system=args.system,
+                             max_new_tokens=args.max_new_tokens, on_text=None if args.json else _write)
         if args.json:
             log = [{"entropy": round(r.entropy, 4), "accepted": r.accepted, "tree_size": r.tree_size,
                     "drafted": r.drafted, "ms": round(r.total_ms, 3)} for r in out.rounds]

@@ -1,10 +1,12 @@
 """Chat input as an application passes it, normalised once for both prompt builders.
 
 Applications speak OpenAI-style `messages` (system/user/assistant; content a string or a list of
-`{"type": "text"|"image", ...}` parts) and hold images as paths, `PIL.Image`s, numpy arrays or
-encoded bytes. The chat templates want parts without payloads (`{"type": "image"}`) and the image
-processor wants RGB images in prompt order, so this module splits the one into the other and
-refuses what no template here can render (unknown roles or parts, video) with the fix.
+`{"type": "text"|"image"|"video", ...}` parts) and hold images as paths, `PIL.Image`s, numpy arrays or
+encoded bytes; a video is a list of such frames (or one uint8 [T, H, W, 3] array) with the rate they
+were taken at (`"fps"`, default `video.DEFAULT_FPS`). The chat templates want parts without payloads
+(`{"type": "image"}`, `{"type": "video"}`) and the processors want RGB images and videos in prompt
+order, so this module splits the one into the other and refuses what no template here can render
+(unknown roles or parts) with the fix.
 """
 from __future__ import annotations
 
@@ -16,29 +18,36 @@ import numpy as np
 from PIL import Image
 
 from .errors import InputError
+from .video import DEFAULT_FPS, Video
 
 ROLES = ("system", "user", "assistant")
 ImageLike = str | Path | Image.Image | np.ndarray | bytes
+# frames in order, or a uint8 [T, H, W, 3] array, or {"video": either, "fps": the rate they were taken at}
+VideoLike = Sequence[ImageLike] | np.ndarray | dict[str, Any]
 
 
-def user_turn(text: str, images: Sequence[ImageLike] = ()) -> dict[str, Any]:
-    """One user message: its images first, then the text (the order the processors' examples use)."""
+def user_turn(text: str, images: Sequence[ImageLike] = (), videos: Sequence[VideoLike] = ()) -> dict[str, Any]:
+    """One user message: its images, then its videos, then the text (the order the processors' examples use)."""
     return {"role": "user", "content": [*({"type": "image", "image": im} for im in images),
+                                        *({"type": "video", **v} if isinstance(v, dict) else {"type": "video", "video": v}
+                                          for v in videos),
                                         {"type": "text", "text": text}]}
 
 
 def conversation(prompt: str | None = None, images: Sequence[ImageLike] | None = None,
-                 messages: Sequence[dict[str, Any]] | None = None, system: str | None = None) -> list[dict[str, Any]]:
-    """The messages of a call given either as a prompt (with images) or as `messages`, system first."""
+                 messages: Sequence[dict[str, Any]] | None = None, system: str | None = None,
+                 videos: Sequence[VideoLike] | None = None) -> list[dict[str, Any]]:
+    """The messages of a call given either as a prompt (with images and videos) or as `messages`, system first."""
     if (prompt is None) == (messages is None):
         raise InputError("pass either a prompt (with optional images) or messages=[...], not both or neither")
     if messages is None:
         if not isinstance(prompt, str):
             raise InputError(f"the prompt must be a string, got {type(prompt).__name__}")
-        msgs = [user_turn(prompt, list(images or ()))]
+        msgs = [user_turn(prompt, list(images or ()), list(videos or ()))]
     else:
-        if images:
-            raise InputError("with messages=[...], put the images inside them as {'type': 'image', 'image': ...} parts")
+        if images or videos:
+            raise InputError("with messages=[...], put the images and videos inside them as {'type': 'image', "
+                             "'image': ...} and {'type': 'video', 'video': [frames]} parts")
         msgs = list(messages)
     if system is not None:
         if msgs and msgs[0].get("role") == "system":
@@ -69,10 +78,29 @@ def _image(value: Any) -> Image.Image:
     raise InputError(f"an image must be a path, PIL.Image, numpy array or bytes; got {type(value).__name__}")
 
 
-def split(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Image.Image]]:
-    """Template messages (image parts without payloads) and the decoded images in prompt order."""
+def _video(part: dict[str, Any]) -> Video:
+    """A video part's frames (each as an image is given, or rows of one [T, H, W, 3] array) and its fps."""
+    value, fps = part["video"], part.get("fps", DEFAULT_FPS)
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not np.isfinite(fps) or fps <= 0:
+        raise InputError(f"a video's fps must be a positive number (the rate its frames were taken at); got {fps!r}")
+    if isinstance(value, np.ndarray):
+        if value.ndim != 4:
+            raise InputError(f"a video array must be uint8 [T, H, W, 3]; got {value.dtype} {value.shape}")
+        value = list(value)
+    if isinstance(value, (str, Path, bytes, Image.Image)) or not isinstance(value, (list, tuple)):
+        raise InputError("a video must be a list of frames (paths, PIL.Images, arrays or bytes) or a uint8 "
+                         f"[T, H, W, 3] array; got {type(value).__name__}")
+    if not value:
+        raise InputError("a video needs at least one frame")
+    return Video([_image(frame) for frame in value], float(fps))
+
+
+def split(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Image.Image], list[Video]]:
+    """Template messages (image and video parts without payloads), and the decoded images and videos, each in
+    prompt order."""
     rendered: list[dict[str, Any]] = []
     images: list[Image.Image] = []
+    videos: list[Video] = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or msg.get("role") not in ROLES:
             raise InputError(f"message {i} must be a dict with role one of {', '.join(ROLES)}; got {msg!r:.80}")
@@ -90,13 +118,14 @@ def split(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], lis
             elif kind == "image" and "image" in part:
                 images.append(_image(part["image"]))
                 parts.append({"type": "image"})
-            elif kind == "video":
-                raise InputError("video input is not supported: the exported vision graph takes still images; "
-                                 "pass the frames you need as separate image parts")
+            elif kind == "video" and "video" in part:
+                videos.append(_video(part))
+                parts.append({"type": "video"})
             else:
-                raise InputError(f"message {i} has a part {part!r:.80}; parts are {{'type': 'text', 'text': str}} "
-                                 "or {'type': 'image', 'image': path | PIL.Image | array | bytes}")
+                raise InputError(f"message {i} has a part {part!r:.80}; parts are {{'type': 'text', 'text': str}}, "
+                                 "{'type': 'image', 'image': path | PIL.Image | array | bytes} or "
+                                 "{'type': 'video', 'video': [frames], 'fps': number}")
         rendered.append({"role": msg["role"], "content": parts})
     if not any(m["role"] == "user" for m in rendered):
         raise InputError("the messages have no user message; add one with the question")
-    return rendered, images
+    return rendered, images, videos

@@ -13,18 +13,20 @@ import errno
 import json
 import math
 import os
+import re
 import stat
 from dataclasses import dataclass
 from datetime import datetime
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 from PIL import Image, ImageOps
 
 from .errors import GlanceError, InputError
 from .messages import split
+from .video import VIDEO_PLACEHOLDER, Video, VideoProcessorConfig, placeholder, process_video, seconds_per_grid
 
 MAX_IMAGE_PIXELS = 8192 * 8192
 IMAGE_PLACEHOLDER = "<|image_pad|>"
@@ -39,10 +41,42 @@ class Prompt:
     input_ids: np.ndarray  # int64 [P]
     pixel_values: np.ndarray | None = None  # float32 [patches, C*t*p*p]
     image_grid_thw: np.ndarray | None = None  # int64 [images, 3], one (t, h, w) per image in prompt order
+    pixel_values_videos: np.ndarray | None = None  # float32 [patches, C*t*p*p], every video's in prompt order
+    video_grid_thw: np.ndarray | None = None  # int64 [videos, 3]
+    second_per_grid_ts: np.ndarray | None = None  # float32 [videos]: seconds one temporal patch spans
+    video_token_id: int | None = None  # set with the videos: the id their placeholder tokens carry
 
     @property
     def length(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+def check_placeholders(rendered: str, images: int, videos: int, where: str) -> None:
+    """Refuse, before any pixels are processed, a template that did not emit one placeholder per image and video."""
+    for token, count, kind in ((IMAGE_PLACEHOLDER, images, "image"), (VIDEO_PLACEHOLDER, videos, "video")):
+        if rendered.count(token) != count:
+            raise InputError(f"the chat template {where} must emit exactly one {token} per {kind} (it emitted "
+                             f"{rendered.count(token)} for {count}); give it a {kind} branch as the Qwen-VL "
+                             "templates have")
+
+
+def expand_placeholders(rendered: str, images: Sequence[str], videos: Sequence[str]) -> str:
+    """The rendered prompt with its k-th image and video placeholder replaced by the k-th expansion of that kind,
+    in prompt order (`check_placeholders` has passed)."""
+    queues = {IMAGE_PLACEHOLDER: iter(images), VIDEO_PLACEHOLDER: iter(videos)}
+    pattern = f"{re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)}"
+    return re.sub(pattern, lambda match: next(queues[match.group(0)]), rendered)
+
+
+def processed_videos(videos: Sequence[Video], cfg: VideoProcessorConfig) -> tuple[dict[str, np.ndarray], list[str]]:
+    """The Prompt fields of `videos` (empty when there are none) and each one's placeholder text."""
+    if not videos:
+        return {}, []
+    done = [process_video(video, cfg) for video in videos]
+    fields = {"pixel_values_videos": np.concatenate([pixels for pixels, _ in done]),
+              "video_grid_thw": np.concatenate([grid for _, grid in done]),
+              "second_per_grid_ts": np.array([seconds_per_grid(cfg, v.fps) for v in videos], np.float32)}
+    return fields, [placeholder(cfg, grid, len(v.frames), v.fps) for v, (_, grid) in zip(videos, done)]
 
 
 def check_image_path(path: str | Path) -> Path:
@@ -201,33 +235,40 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+@lru_cache(maxsize=32)
+def _compiled(source: str):
+    """The template compiled under transformers' environment settings. Compiling is most of opening a model's
+    prompt builder and depends on the source text alone, so a process compiles each template once."""
+    try:
+        import jinja2
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise GlanceError("rendering the chat template needs jinja2: pip install 'jinja2>=3.1'") from None
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
+                       namespace=jinja2.utils.Namespace)
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise GlanceError(f"the chat template does not parse ({exc.message} at line {exc.lineno}); restore "
+                          "chat_template.jinja from the model's source") from None
+
+
 class ChatTemplate:
     """A chat template rendered the way transformers renders it (sandboxed jinja2, trimmed blocks)."""
 
     def __init__(self, source: str, special_tokens: dict[str, str]):
-        try:
-            import jinja2
-            import jinja2.ext
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-        except ImportError:
-            raise GlanceError("rendering the chat template needs jinja2: pip install 'jinja2>=3.1'") from None
-
-        def raise_exception(message: str) -> None:
-            raise jinja2.exceptions.TemplateError(message)
-
-        def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
-                   sort_keys: bool = False) -> str:
-            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-        env.filters["tojson"] = tojson
-        env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
-                           namespace=jinja2.utils.Namespace)
-        try:
-            self.template = env.from_string(source)
-        except jinja2.exceptions.TemplateSyntaxError as exc:
-            raise GlanceError(f"the chat template does not parse ({exc.message} at line {exc.lineno}); restore "
-                              "chat_template.jinja from the model's source") from None
+        self.template = _compiled(source)
         self.special_tokens = special_tokens
 
     @classmethod
@@ -257,10 +298,12 @@ class ChatTemplate:
 class PromptBuilder:
     """Turns (text, image) into a Prompt from a directory of tokenizer/template/processor files.
 
-    `image_token_id` is None for text-only targets; then an image is refused."""
+    `image_token_id` is None for text-only targets; then an image or a video is refused. `family` picks the
+    video processor's rules (Qwen3-VL's differ)."""
 
-    def __init__(self, files_dir: str | Path, image_token_id: int | None = None):
+    def __init__(self, files_dir: str | Path, image_token_id: int | None = None, family: str = "qwen2_vl"):
         self.path = Path(files_dir)
+        self.family = family
         if not (self.path / "tokenizer.json").is_file():
             raise GlanceError(f"{self.path} has no tokenizer.json; the torch-free runtime needs the fast tokenizer file")
         self.image_token_id = image_token_id
@@ -277,6 +320,18 @@ class PromptBuilder:
     @cached_property
     def image_config(self) -> ImageProcessorConfig:
         return ImageProcessorConfig.from_json(json.loads((self.path / "preprocessor_config.json").read_text()))
+
+    @cached_property
+    def video_config(self) -> VideoProcessorConfig:
+        return VideoProcessorConfig.from_dir(self.path, self.family)
+
+    @cached_property
+    def video_token_id(self) -> int:
+        token = self.tokenizer.token_to_id(VIDEO_PLACEHOLDER)
+        if token is None:
+            raise GlanceError(f"the tokenizer in {self.path} has no {VIDEO_PLACEHOLDER} token; this model cannot "
+                              "take video")
+        return int(token)
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
@@ -306,22 +361,25 @@ class PromptBuilder:
         return Prompt(ids, pixel_values, grid)
 
     def build_messages(self, messages) -> Prompt:
-        """Render a conversation (OpenAI-style messages, any number of images) with the snapshot's template;
-        each image gets its own grid and its own run of placeholder tokens, in prompt order."""
-        rendered_msgs, images = split(messages)
-        if images and self.image_token_id is None:
-            raise InputError(f"the model in {self.path} is text-only; drop the images")
+        """Render a conversation (OpenAI-style messages, any number of images and videos) with the snapshot's
+        template; each image and video gets its own grid and its own run of placeholder tokens, in prompt order."""
+        rendered_msgs, images, videos = split(messages)
+        if (images or videos) and self.image_token_id is None:
+            raise InputError(f"the model in {self.path} is text-only; drop the {'images' if images else 'videos'}")
         rendered = self.template.render(rendered_msgs)
-        if rendered.count(IMAGE_PLACEHOLDER) != len(images):
-            raise GlanceError(f"the chat template in {self.path} must emit exactly one {IMAGE_PLACEHOLDER} per image")
-        if not images:
-            return Prompt(self.encode(rendered))
+        check_placeholders(rendered, len(images), len(videos), f"in {self.path}")
         processed = [process_image(image, self.image_config) for image in images]
         counts = [int(grid[0].prod()) // self.image_config.merge_size ** 2 for _, grid in processed]
-        pieces = rendered.split(IMAGE_PLACEHOLDER)
-        ids = self.encode(pieces[0] + "".join(IMAGE_PLACEHOLDER * n + text for n, text in zip(counts, pieces[1:])))
-        if int((ids == self.image_token_id).sum()) != sum(counts):
+        video_fields, video_texts = processed_videos(videos, self.video_config) if videos else ({}, [])
+        ids = self.encode(expand_placeholders(rendered, [IMAGE_PLACEHOLDER * n for n in counts], video_texts))
+        if images and int((ids == self.image_token_id).sum()) != sum(counts):
             raise GlanceError(f"the tokenizer in {self.path} does not map {IMAGE_PLACEHOLDER} to image_token_id "
                               f"{self.image_token_id}")
+        if videos and int((ids == self.video_token_id).sum()) != sum(t.count(VIDEO_PLACEHOLDER) for t in video_texts):
+            raise GlanceError(f"the tokenizer in {self.path} does not keep {VIDEO_PLACEHOLDER} as one token")
+        if videos:
+            video_fields["video_token_id"] = self.video_token_id
+        if not images:
+            return Prompt(ids, **video_fields)
         return Prompt(ids, np.concatenate([pixels for pixels, _ in processed]),
-                      np.concatenate([grid for _, grid in processed]))
+                      np.concatenate([grid for _, grid in processed]), **video_fields)

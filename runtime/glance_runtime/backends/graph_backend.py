@@ -15,6 +15,7 @@ Everything a pass reads or writes is a preallocated `Buffer`, bound by address:
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -27,9 +28,9 @@ from ..hardware import cuda_gpu, host_cpu
 from ..kv_cache import KVCache
 from ..formats.artifacts import Manifest
 from ..limits import check_branch_k, check_tree
-from ..prefix import images_after
+from ..prefix import image_runs
 from ..preprocess import Prompt, PromptBuilder
-from ..rope_index import rope_index
+from ..rope_index import TOKENS_PER_SECOND, rope_index, video_grids
 from ..vision_indices import vision_index_inputs
 
 PRECISION_OF_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -51,7 +52,10 @@ class GraphBackend:
         self._clock: GraphClock | None = None
         self._owned: list[Buffer] = []  # what close() frees
         self._closed = False
-        self.prompts = PromptBuilder(m.path, m.image_token_id if m.is_vl else None)
+        self.prompts = PromptBuilder(m.path, m.image_token_id if m.is_vl else None, m.family)
+        config = m.path / "config.json"
+        vision = json.loads(config.read_text()).get("vision_config", {}) if m.is_vl and config.is_file() else {}
+        self.tokens_per_second = vision.get("tokens_per_second", TOKENS_PER_SECOND)  # Qwen2.5-VL's video positions
         self.stop_token_ids = m.stop_token_ids
         self.block_size, self.max_context, self.max_tree = m.block_size, max_context, max_tree
         self.float = np.dtype(m.float_dtype)
@@ -187,18 +191,18 @@ class GraphBackend:
             buf = self._images[name] = self.device.empty((int(np.prod(shape)),), dtype)
         return buf.tensor(tuple(shape))
 
-    def _encode_image(self, prompt: Prompt) -> tuple[Tensor, Tensor]:
+    def _encode_image(self, pixels: np.ndarray, grid: np.ndarray) -> tuple[Tensor, Tensor]:
         """Image rows (and Qwen3-VL deepstack rows) on the device; inputs are the pixels and the grid-derived
         index tensors the graph declares."""
-        feeds = {"pixel_values": prompt.pixel_values.astype(self.float), "image_grid_thw": prompt.image_grid_thw}
-        feeds.update(vision_index_inputs(prompt.image_grid_thw, self.manifest.vision_index_params))
+        feeds = {"pixel_values": pixels.astype(self.float), "image_grid_thw": grid}
+        feeds.update(vision_index_inputs(grid, self.manifest.vision_index_params))
         graph = self.graphs["vision"]
         inputs = {}
         for name, array in feeds.items():
             if name in graph.input_names:
                 inputs[name] = self._image_buffer(name, array.shape, array.dtype)
                 self.device.upload(inputs[name], array)
-        merged = len(prompt.pixel_values) // self.manifest.spatial_merge_size ** 2
+        merged = len(pixels) // self.manifest.spatial_merge_size ** 2
         hidden = self.manifest.hidden_size
         outputs = {"image_embeds": self._image_buffer("image_embeds", (merged, hidden), self.float)}
         deep = self.no_deep
@@ -208,32 +212,64 @@ class GraphBackend:
         graph.run(inputs, outputs)
         return outputs["image_embeds"], deep
 
-    def _encode_images(self, prompt: Prompt) -> tuple[Tensor, Tensor]:
-        """Every image's rows, concatenated in prompt order (deepstack rows too, per layer): the vision graph
+    def _vision_passes(self, prompt: Prompt, keep: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Pixels and a still-image grid per vision pass, in prompt order, for the images and videos from row
+        `keep` on. A video runs one pass per temporal patch: every family's tower attends within a frame group
+        only (and places it the same whatever follows), so the passes give the rows one pass over it would."""
+        m = self.manifest
+        passes = []
+        for run in image_runs(prompt, m.image_token_id, m.spatial_merge_size):
+            if run.start < keep < run.start + run.tokens:
+                raise ValueError(f"kept rows ({keep}) end inside an image or video; keep all of its rows or none")
+            if run.start < keep:
+                continue
+            if not run.video:
+                passes.append((prompt.pixel_values[run.offset:run.offset + run.patches],
+                               prompt.image_grid_thw[run.index][None]))
+                continue
+            t, h, w = (int(v) for v in prompt.video_grid_thw[run.index])
+            for group in range(t):
+                first = run.offset + group * h * w
+                passes.append((prompt.pixel_values_videos[first:first + h * w], np.array([[1, h, w]], np.int64)))
+        return passes
+
+    def _encode_images(self, passes: list[tuple[np.ndarray, np.ndarray]]) -> tuple[Tensor, Tensor]:
+        """Every pass's rows, concatenated in prompt order (deepstack rows too, per layer): the vision graph
         takes one image per run, the target graph takes all of a pass's image rows at once."""
-        grids = np.asarray(prompt.image_grid_thw, dtype=np.int64).reshape(-1, 3)
-        if len(grids) == 1:
-            return self._encode_image(prompt)
+        if len(passes) == 1:
+            return self._encode_image(*passes[0])
         merge2 = self.manifest.spatial_merge_size ** 2
-        patches = grids.prod(axis=1)
-        total = int(patches.sum()) // merge2
+        total = sum(len(pixels) for pixels, _ in passes) // merge2
         hidden, layers = self.manifest.hidden_size, self.manifest.deepstack_layers
         item = self.float.itemsize
         rows = self._image_buffer("all_image_embeds", (total, hidden), self.float)
         deep = self.no_deep
         if layers:
             deep = self._image_buffer("all_deepstack_embeds", (layers, total, hidden), self.float)
-        first_patch, first_row = 0, 0
-        for grid, count in zip(grids, patches.tolist()):
-            one = Prompt(prompt.input_ids, prompt.pixel_values[first_patch:first_patch + count], grid[None])
-            image, image_deep = self._encode_image(one)
-            merged = count // merge2
+        first_row = 0
+        for pixels, grid in passes:
+            image, image_deep = self._encode_image(pixels, grid)
+            merged = len(pixels) // merge2
             self.device.copy(rows.buffer.tensor((merged, hidden), first_row * hidden * item), image)
             for layer in range(layers):
                 self.device.copy(deep.buffer.tensor((merged, hidden), (layer * total + first_row) * hidden * item),
                                  image_deep.buffer.tensor((merged, hidden), layer * merged * hidden * item))
-            first_patch, first_row = first_patch + count, first_row + merged
+            first_row += merged
         return rows, deep
+
+    def _prompt_positions(self, prompt: Prompt) -> tuple[np.ndarray, int]:
+        m = self.manifest
+        grids, steps = video_grids(m.family, prompt.video_grid_thw, prompt.second_per_grid_ts, self.tokens_per_second)
+        return rope_index(prompt.input_ids, m.image_token_id, prompt.image_grid_thw, m.spatial_merge_size,
+                          prompt.video_token_id, grids, steps)
+
+    def _graph_ids(self, prompt: Prompt) -> np.ndarray:
+        """The prompt's ids as the target graph reads them: video tokens carry the image token id, since the
+        graph places vision rows (of images and videos alike, in prompt order) at image tokens."""
+        ids = np.asarray(prompt.input_ids, dtype=np.int64)
+        if prompt.video_token_id is None:
+            return ids
+        return np.where(ids == prompt.video_token_id, self.manifest.image_token_id, ids)
 
     # -- the Backend protocol -------------------------------------------------------------------------
 
@@ -242,14 +278,14 @@ class GraphBackend:
         if keep:
             return self._prefill_after(prompt, keep)
         self._reset()
-        ids = np.asarray(prompt.input_ids, dtype=np.int64)
+        ids = self._graph_ids(prompt)
         length = ids.shape[0]
         image, deep = self.no_image, self.no_deep
         if self.manifest.is_vl:
-            pos, self.delta = rope_index(ids, self.manifest.image_token_id, prompt.image_grid_thw,
-                                         self.manifest.spatial_merge_size)
-            if prompt.pixel_values is not None:
-                image, deep = self._encode_images(prompt)
+            pos, self.delta = self._prompt_positions(prompt)
+            passes = self._vision_passes(prompt)
+            if passes:
+                image, deep = self._encode_images(passes)
         else:
             pos = np.arange(length, dtype=np.int64)[None]
         self.kv.check_prompt(length)  # before the [length, length] mask below is allocated
@@ -264,7 +300,7 @@ class GraphBackend:
         head keeps its context rows below `keep` and queues the taps of the rest after them."""
         if not 0 < keep <= self.start:
             raise ValueError(f"cannot keep {keep} rows of {self.start} committed")
-        ids = np.asarray(prompt.input_ids, dtype=np.int64)
+        ids = self._graph_ids(prompt)
         length = ids.shape[0]
         self.kv.truncate(keep)
         if keep <= self.pending_from:
@@ -273,11 +309,10 @@ class GraphBackend:
         kept_taps = keep - self.pending_from
         image, deep = self.no_image, self.no_deep
         if self.manifest.is_vl:
-            pos, self.delta = rope_index(ids, self.manifest.image_token_id, prompt.image_grid_thw,
-                                         self.manifest.spatial_merge_size)
-            tail = images_after(prompt, keep, self.manifest.image_token_id, self.manifest.spatial_merge_size)
-            if tail is not None:
-                image, deep = self._encode_images(tail)
+            pos, self.delta = self._prompt_positions(prompt)
+            passes = self._vision_passes(prompt, keep)
+            if passes:
+                image, deep = self._encode_images(passes)
             pos = np.ascontiguousarray(pos[..., keep:])
         else:
             pos = np.arange(keep, length, dtype=np.int64)[None]

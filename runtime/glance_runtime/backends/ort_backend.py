@@ -17,6 +17,7 @@ from ..graphs import DRAFT_GRAPH, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH
 from ..formats.artifacts import check_graph_io, read as load_manifest
 from ..limits import runtime_limit
 from .graph_backend import GraphBackend
+from .ort_cache import open_session
 
 PROVIDER_ALIASES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
                     "tensorrt": "TensorrtExecutionProvider", "trt": "TensorrtExecutionProvider",
@@ -100,18 +101,23 @@ class OrtBackend(GraphBackend):
         path = Path(artifacts_dir)
         manifest = load_manifest(path)
         chosen = resolve_providers(providers)
-        options = ort.SessionOptions()
-        if threads:
-            options.intra_op_num_threads = threads
-        options.log_severity_level = 3
-        # A round alternates four sessions; a session's idle workers spinning for work would steal the
-        # cores the next session's run needs (on 2 cores that doubled a step), so they sleep instead.
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+
+        def options():
+            made = ort.SessionOptions()
+            if threads:
+                made.intra_op_num_threads = threads
+            made.log_severity_level = 3
+            # A round alternates four sessions; a session's idle workers spinning for work would steal the
+            # cores the next session's run needs (on 2 cores that doubled a step), so they sleep instead.
+            made.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            return made
+
         device = device_for(chosen)
+        hashes = manifest.raw["file_hashes"]  # verified by load_manifest just now
 
         def session(graph: str) -> OrtGraph:
             try:
-                opened = ort.InferenceSession(str(path / graph), sess_options=options, providers=chosen)
+                opened = open_session(ort, path / graph, hashes[graph]["sha256"], chosen, options)
             except Exception as exc:  # onnxruntime's load errors share no base class short of Exception
                 reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 raise GlanceError(f"onnxruntime cannot load {path / graph} ({reason}); "
