@@ -14,6 +14,7 @@ from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
 from glance_export.device_profiles import load_profile
 from glance_export.devices import BuildGpu
+from glance_export.engine_build import BuildRequest, build
 from glance_export.mapped_weights import external_initializers
 from glance_export.memory_plan import GIB, BuildPeak, build_peak, maps_weights
 from glance_export.precision import choose_precision
@@ -110,3 +111,17 @@ def test_the_estimate_maps_external_weights_only_where_the_parser_can(tmp_path):
     assert referenced.gib == pytest.approx(3.2 * 1.6 + 4 + 1, abs=0.01)
     assert referenced.gib > BuildPeak("target", 2, 4, mapped=True).gib
     assert "parsed weights of vision" in referenced.explain() and "parsed weights of target" in held.explain()
+
+
+def test_refusal_before_any_worker_names_the_mapped_estimate(snapshot_dir, tmp_path_factory, tmp_path):
+    """From the artifacts alone: external weights on TensorRT-RTX are estimated mapped, and a machine that
+    cannot hold that is told the shortfall and what to change in one line, with nothing written."""
+    _, _, artifacts = export_once(snapshot_dir, tmp_path_factory, "qwen3", "external")
+    request = BuildRequest("rtx", tmp_path / "e", artifacts=artifacts, workspace_gib=1)
+    with pytest.raises(GlanceError, match=r"^this machine has 0\.50 GiB of memory available and the build needs "
+                                          r"about 1\.0\d GiB \(0\.5\d GiB short; builder peak about 1\.0\d GiB of "
+                                          r"host memory \(2\.3 x the mapped weights of target, [\d.]+ MiB \+ 1 GiB "
+                                          r"for the process\)\); free memory, or build elsewhere: --plan-only "
+                                          r"writes a bundle for a larger machine$"):
+        build(request, BuildGpu(None), host_memory_gib=0.5, progress=lambda _: None)
+    assert not (tmp_path / "e").exists()
