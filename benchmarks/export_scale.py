@@ -81,12 +81,13 @@ def _env() -> dict[str, str]:
 
 
 DECODE = """import json, sys, time
+from pathlib import Path
 from glance_runtime.backends.ort_backend import OrtBackend
-from glance_runtime.bench.tasks import read_tasks
+from glance_runtime.bench.tasks import read_bench_tasks
 from glance_runtime.loop import DecodeConfig, decode
 
 backend = OrtBackend(sys.argv[1], threads=2)
-task = read_tasks([sys.argv[2]], 1)[0]
+task = read_bench_tasks([Path(sys.argv[2])], 1)[0]
 prompt = backend.build_prompt(task.prompt, task.image)
 runs = {}
 for mode, speculative in (("ar", False), ("glance", True)):
