@@ -159,7 +159,8 @@ class MemoryPlan:
                 "workspace_gib": b.workspace_gib, "weights_gib": round(b.weights_gib, 4),
                 "kv_gib": round(self.kv_gib, 4), "kv_bytes_per_row": b.kv_bytes_per_row,
                 "total_gib": round(self.total_gib, 4), "reasons": self.reasons,
-                "build_peak_gib": round(self.build.gib, 4), "build_peak_graph": self.build.graph}
+                "build_peak_gib": round(self.build.gib, 4), "build_peak_graph": self.build.graph,
+                "build_peak_weights": "mapped" if self.build.mapped else "parsed"}
 
 
 def graph_bytes(artifacts: Path, manifest: dict[str, Any]) -> dict[str, int]:

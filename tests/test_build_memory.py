@@ -125,3 +125,6 @@ def test_refusal_before_any_worker_names_the_mapped_estimate(snapshot_dir, tmp_p
                                           r"writes a bundle for a larger machine$"):
         build(request, BuildGpu(None), host_memory_gib=0.5, progress=lambda _: None)
     assert not (tmp_path / "e").exists()
+    build(request, BuildGpu(None), host_memory_gib=1.5, progress=lambda _: None)
+    plan = json.loads((tmp_path / "e" / "engines.json").read_text())["memory_plan"]
+    assert (plan["build_peak_graph"], plan["build_peak_weights"]) == ("target", "mapped")
