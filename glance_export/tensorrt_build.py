@@ -34,6 +34,9 @@ from .toolchain import Toolchain
 
 Range = tuple[int, int, int]  # min, opt, max
 ERROR_PREFIX = "glance-build-error: "  # marks the worker's one-line error on its stderr
+PHASE_PREFIX = "glance-build-phase: "  # a builder phase the worker started, passed on as a progress line
+PEAK_PREFIX = "glance-build-peak-gib: "  # the worker's peak RSS, its last line
+SHOWN_PHASE_DEPTH = 3  # builder phases this deep (0: "Building engine") become progress lines
 
 
 @dataclass(frozen=True)
@@ -150,13 +153,23 @@ def _worker_env(module: str) -> dict[str, str]:
             "POLYGRAPHY_USE_TENSORRT_RTX": "1" if module == "tensorrt_rtx" else "0"}
 
 
-def run_job(job: GraphJob) -> float:
-    """Build one graph in a worker process; its peak RSS in GiB. The worker's one-line error is re-raised."""
+def run_job(job: GraphJob, progress: Callable[[str], None] = lambda _: None) -> float:
+    """Build one graph in a worker process; its peak RSS in GiB. The builder's phases go to `progress` as
+    they start; the worker's one-line error is re-raised."""
     child = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=_worker_env(job.module))
-    stdout, stderr = child.communicate(json.dumps(asdict(job)))
+                             stderr=subprocess.STDOUT, text=True, env=_worker_env(job.module))
+    child.stdin.write(json.dumps(asdict(job)))
+    child.stdin.close()
+    lines, peak = [], 0.0
+    for line in child.stdout:
+        if line.startswith(PHASE_PREFIX):
+            progress(line.removeprefix(PHASE_PREFIX).rstrip())
+        elif line.startswith(PEAK_PREFIX):
+            peak = float(line.removeprefix(PEAK_PREFIX))
+        elif line.strip():
+            lines.append(line.strip())
+    child.wait()
     if child.returncode != 0:
-        lines = [line for line in (stdout + stderr).splitlines() if line.strip()]
         error = next((line.removeprefix(ERROR_PREFIX) for line in lines if line.startswith(ERROR_PREFIX)), None)
         logged = [line.removeprefix("[E] ").strip() for line in lines if line.startswith("[E] ")]
         if error and logged:  # what the parser or builder said, before Polygraphy's summary
@@ -166,7 +179,7 @@ def run_job(job: GraphJob) -> float:
                      f"a machine with more memory, or write a bundle for one with --plan-only")
         raise GlanceError(error or f"the TensorRT builder for {Path(job.onnx).name} exited with code "
                                    f"{child.returncode}: {lines[-1] if lines else 'no output'}")
-    return float(stdout.strip().splitlines()[-1]) if stdout.strip() else 0.0
+    return peak
 
 
 def _file_record(path: Path) -> dict[str, Any]:
@@ -191,7 +204,8 @@ def build_engines(toolchain: Toolchain, artifacts: Path, manifest: dict[str, Any
             path = engine_dir / f"{graph}.engine"
             progress(f"building {graph} ({', '.join(p.name for p in profiles)} profiles) in a worker process")
             peak = run_job(graph_job(toolchain.name, artifacts / entry["file"], path, entry["inputs"], profiles,
-                                     options, cache, external_data=bool(entry.get("data_file"))))
+                                     options, cache, external_data=bool(entry.get("data_file"))),
+                           lambda phase, graph=graph: progress(f"  {graph}: {phase}"))
             onnx = [_file_record(artifacts / name) for name in (entry["file"], entry.get("data_file")) if name]
             records[graph] = {**_file_record(path), "onnx": onnx, "build_s": round(time.perf_counter() - t0, 2),
                               "peak_rss_gib": round(peak, 3),
@@ -247,7 +261,7 @@ def _build_in_this_process(job: GraphJob) -> None:
             profile.add(name, *per_profile[i])
         profiles.append(profile)
     network, weights = _network(trt, job)
-    monitor = _returning_pages_per_phase(trt, weights) if weights is not None else None
+    monitor = _monitor(trt, weights) if hasattr(trt, "IProgressMonitor") else None
     common = dict(profiles=profiles, memory_pool_limits={trt.MemoryPoolType.WORKSPACE: job.workspace_bytes},
                   progress_monitor=monitor)
     if job.module == "tensorrt_rtx":
@@ -278,32 +292,45 @@ def _finish_config(trt, job: GraphJob, config) -> None:
                               f"it or pass another --timing-cache")
 
 
-def _returning_pages_per_phase(trt, weights: WeightMap):
-    """The builder's progress monitor: at the end of each build phase the weight pages it read go back to
-    the kernel, so they are gone before the engine is serialized (the peak), which reads the builder's own
-    copy, not the map. Between phase ends `WeightMap.returning_pages` keeps returning them."""
-    class ReturnPagesPerPhase(trt.IProgressMonitor):
+def _monitor(trt, weights: WeightMap | None):
+    """The builder's progress monitor: each phase down to `SHOWN_PHASE_DEPTH` is a line for the parent, with
+    the worker's resident memory as it starts; and at the end of each phase the weight pages the builder
+    read go back to the kernel, so they are gone before the engine is serialized (the peak, which reads the
+    builder's own copy, not the map). Between phase ends `WeightMap.returning_pages` keeps returning them."""
+    class BuildMonitor(trt.IProgressMonitor):
         def __init__(self):
             trt.IProgressMonitor.__init__(self)
+            self.depth: dict[str, int] = {}
 
         def phase_start(self, phase_name, parent_phase, num_steps) -> None:
-            pass
+            depth = self.depth[phase_name] = self.depth.get(parent_phase, -1) + 1 if parent_phase else 0
+            if depth <= SHOWN_PHASE_DEPTH:
+                _phase_line(phase_name, depth)
 
         def step_complete(self, phase_name, step) -> bool:
             return True  # never cancel
 
         def phase_finish(self, phase_name) -> None:
-            weights.return_pages()
+            if weights is not None:
+                weights.return_pages()
 
-    return ReturnPagesPerPhase()
+    return BuildMonitor()
+
+
+def _phase_line(name: str, depth: int) -> None:
+    print(f"{PHASE_PREFIX}{'  ' * depth}{name} (resident {_status_gib('VmRSS'):.2f} GiB)", file=sys.stderr, flush=True)
 
 
 def _stream_writer(trt, fh):
     class FileWriter(trt.IStreamWriter):
         def __init__(self):
             trt.IStreamWriter.__init__(self)
+            self.started = False
 
         def write(self, data) -> int:
+            if not self.started:
+                self.started = True
+                _phase_line("Writing the serialized engine", 0)
             return fh.write(data)
 
     return FileWriter()
@@ -325,9 +352,10 @@ def _write_engine(trt, job: GraphJob, network_loader, config_loader, weights: We
         write_file(Path(job.timing_cache), bytes(config.get_timing_cache().serialize()))
 
 
-def _peak_rss_gib() -> float:
+def _status_gib(key: str) -> float:
+    """A memory line of /proc/self/status (VmRSS: resident now, VmHWM: the peak) in GiB."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{key}:"):
             return int(line.split()[1]) / (1 << 20)
     return 0.0
 
@@ -342,7 +370,7 @@ def _worker() -> int:
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"{ERROR_PREFIX}TensorRT cannot build {Path(job.onnx).name}: {detail}", file=sys.stderr)
         return 2
-    print(f"{_peak_rss_gib():.4f}")
+    print(f"{PEAK_PREFIX}{_status_gib('VmHWM'):.4f}")
     return 0
 
 
