@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "runtime"), str(ROOT)]
 
 from glance_export.device_profiles import load_profile  # noqa: E402
-from glance_export.memory_plan import CONTEXT_STEP, BuildPeak  # noqa: E402
+from glance_export.memory_plan import CONTEXT_STEP, BuildPeak, maps_weights  # noqa: E402
+from glance_export.onnx.export import EXTERNAL_DATA_BYTES  # noqa: E402
 from real_configs import PUBLISHED, checkpoint_tensors, skeleton, write_snapshot  # noqa: E402
 
 GIB = float(1 << 30)
@@ -80,12 +81,13 @@ def _env() -> dict[str, str]:
 
 
 DECODE = """import json, sys, time
+from pathlib import Path
 from glance_runtime.backends.ort_backend import OrtBackend
-from glance_runtime.bench.tasks import read_tasks
+from glance_runtime.bench.tasks import read_bench_tasks
 from glance_runtime.loop import DecodeConfig, decode
 
 backend = OrtBackend(sys.argv[1], threads=2)
-task = read_tasks([sys.argv[2]], 1)[0]
+task = read_bench_tasks([Path(sys.argv[2])], 1)[0]
 prompt = backend.build_prompt(task.prompt, task.image)
 runs = {}
 for mode, speculative in (("ar", False), ("glance", True)):
@@ -139,7 +141,9 @@ def one_row(args, model: str, depth: int | None, dtype: str) -> dict:
                 record = json.loads((work / "engines" / "engines.json").read_text())
                 ws = record["memory_plan"]["workspace_gib"]
                 row["build"]["bound_gib"] = round(1.5 * max(graphs.values()) / GIB + ws + 1, 2)
+                row["build"]["estimate_gib"] = round(record["memory_plan"]["build_peak_gib"], 2)
                 row["build"]["workers_peak_gib"] = {g: e.get("peak_rss_gib") for g, e in record["engines"].items()}
+                row["build"]["workers_s"] = {g: e.get("build_s") for g, e in record["engines"].items()}
                 row["build"]["engines_gib"] = round(sum(e["bytes"] for e in record["engines"].values()) / GIB, 3)
     if args.genai_path is not None and PUBLISHED[model]["family"] != "qwen2_vl":
         print(f"[{snap.name} {dtype}] onnxruntime-genai builder ...", flush=True)
@@ -182,17 +186,26 @@ def render(rows: list[dict]) -> str:
              "--target rtx` (TensorRT-RTX, no GPU), ONNX Runtime GenAI's builder (`-p D -e cpu`, text decoder only) "
              f"on the same bf16 sharded snapshot; time / peak RSS of each process tree, {os.cpu_count()} CPUs.", "",
              "| model | text layers | dtype | snapshot | graphs (largest) | export | export bound | checker | "
-             "ORT decode (AR = GLANCE) | build | build bound | GenAI builder |", "|" + "---|" * 12]
+             "ORT decode (AR = GLANCE) | build | build estimate | build bound | largest graph's worker | "
+             "GenAI builder |", "|" + "---|" * 14]
     for r in rows:
         graphs = r.get("graphs_gib") or {}
         size = f"{sum(graphs.values()):.2f} GiB ({max(graphs.values()):.2f})" if graphs else "-"
         export_bound = f"{r['export'].get('bound_gib', 0):.2f} GiB" if "bound_gib" in r["export"] else "-"
-        build_bound = f"{r['build']['bound_gib']:.2f} GiB" if "bound_gib" in r.get("build", {}) else "-"
+        build = r.get("build", {})
+        build_bound = f"{build['bound_gib']:.2f} GiB" if "bound_gib" in build else "-"
+        estimate = f"{build['estimate_gib']:.2f} GiB" if "estimate_gib" in build else "-"
+        worker = "-"
+        if graphs and build.get("workers_peak_gib"):
+            largest = max(graphs, key=graphs.__getitem__)
+            seconds = build.get("workers_s", {}).get(largest)
+            worker = (f"{largest}: {f'{seconds:.0f} s / ' if seconds else ''}{build['workers_peak_gib'][largest]:.2f} GiB "
+                      f"({build['workers_peak_gib'][largest] / graphs[largest]:.2f}x)")
         depth = f"{r['depth']}{' (full)' if r['full_depth'] else ''}"
         lines.append(f"| {r['model']} | {depth} | {r['dtype']} | {r['snapshot_gib']:.2f} GiB, {r['shards']} shards | "
                      f"{size} | {_cell(r['export'])} | {export_bound} | {_passed(r.get('checker'))} | "
-                     f"{_decoded(r.get('decode'))} | {_cell(r.get('build'))} | {build_bound} | "
-                     f"{_cell(r.get('genai'))} |")
+                     f"{_decoded(r.get('decode'))} | {_cell(r.get('build'))} | {estimate} | {build_bound} | "
+                     f"{worker} | {_cell(r.get('genai'))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -233,7 +246,9 @@ def jetson_table(scratch: Path) -> str:
         cells, peaks = [], {}
         for _, target, memory in JETSONS:
             profile = load_profile(target)
-            peak = BuildPeak(largest, graphs[largest], profile.workspace_gib).gib
+            mapped = maps_weights(profile, None)  # the oldest TensorRT the target accepts
+            peak = max(BuildPeak(g, size, profile.workspace_gib, mapped and size * GIB >= EXTERNAL_DATA_BYTES).gib
+                       for g, size in graphs.items())
             peaks[target] = peak
             usable = memory - profile.reserve_gib
             rows = int((usable - weights - profile.workspace_gib) * GIB // kv_row) // CONTEXT_STEP * CONTEXT_STEP

@@ -146,7 +146,8 @@ def _planned(request: BuildRequest, profile: DeviceProfile, precision: Precision
     manifest = engine_manifest(profile, _read_manifest(artifacts))
     check_opset(profile, manifest["opset"], version)
     plan = plan_memory(profile, manifest, artifacts, precision.name, device, max_context=request.max_context,
-                       max_tree=request.max_tree, memory_gib=request.memory_gib, workspace_gib=request.workspace_gib)
+                       max_tree=request.max_tree, memory_gib=request.memory_gib, workspace_gib=request.workspace_gib,
+                       tensorrt_version=version)
     say(plan.explain())
     return artifacts, manifest, plan
 

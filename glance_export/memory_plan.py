@@ -6,9 +6,16 @@ tree and image limits an engine is built for are derived from that budget (never
 whose axis bounds the ONNX graphs were traced for), and the build says which limit bound each one.
 
 The builder's host memory is bounded by one graph, not the model: each graph is built in its own
-worker process (`tensorrt_build`), whose peak is about `BUILD_WEIGHT_FACTOR` times that graph's ONNX
-weights (the parser's copy, which the network points at, and the builder's own), plus the process
-itself (`BUILD_PROCESS_GIB`), plus the workspace where the GPU shares the host's memory (a Jetson).
+worker process (`tensorrt_build`), whose peak is the process itself (`BUILD_PROCESS_GIB`), plus the
+workspace where the GPU shares the host's memory (a Jetson), plus a factor times that graph's ONNX weights.
+Measured with TensorRT-RTX 1.7 on an fp16 target with two profiles (0.9 GiB of weights, per builder phase):
+the builder's own copy of the weights, made while it determines the engines to build for the first profile
+(0.9x), a transient second one for the second profile (0.6x), and the serialized engine, held whole in
+memory before the first write (1.0x), which coexists with the builder's copy at the peak. Those are the
+builder's; what the build decides is where the parser's weights live. Where the parser reads them itself
+(inline weights, or a parser older than TensorRT 10.13) it holds them too: `BUILD_WEIGHT_FACTOR`. Where
+external weights are referenced from a map of their file (`mapped_weights`), resident only while the
+builder reads them: `BUILD_MAPPED_WEIGHT_FACTOR`.
 """
 from __future__ import annotations
 
@@ -20,15 +27,17 @@ from typing import Any
 
 from glance_runtime.errors import GlanceError
 
-from .device_profiles import DeviceProfile
+from .device_profiles import DeviceProfile, version_tuple
 from .devices import BuildGpu
 
 GIB = float(1 << 30)
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 IO_BYTES = {"float32": 4, "float16": 2}
 CONTEXT_STEP = 256  # a budget-derived max context is rounded down to a multiple of this
-BUILD_WEIGHT_FACTOR = 3.2  # a worker's host bytes per byte of its graph's weights: 2.2-3.1 measured (export_scale)
-BUILD_PROCESS_GIB = 1.0  # Python, TensorRT's libraries and the parent `glance-export build` process
+BUILD_WEIGHT_FACTOR = 3.2  # a worker's host bytes per byte of weights the parser holds: 2.3-3.1 measured
+BUILD_MAPPED_WEIGHT_FACTOR = 2.3  # ... per byte of weights referenced from a map of their file: 2.1-2.2 measured
+BUILD_PROCESS_GIB = 1.0  # Python, TensorRT's libraries, the builder's fixed working memory (0.15-0.5 measured)
+MAPPED_WEIGHTS_FROM = {"tensorrt": "10.13", "tensorrt_rtx": "1.0"}  # parsers with load_initializer
 
 
 @dataclass(frozen=True)
@@ -93,20 +102,26 @@ class Budget:
 
 @dataclass(frozen=True)
 class BuildPeak:
-    """The host memory a build needs at its peak: the worker building the largest graph."""
+    """The host memory a build needs at its peak: the worker building its costliest graph."""
 
     graph: str
     graph_gib: float  # that graph's ONNX file and external data
     workspace_gib: float  # counted where the GPU shares the host's memory, else 0 (it is GPU memory)
+    mapped: bool = False  # its weights are referenced from a map of their file, not held by the parser
+
+    @property
+    def factor(self) -> float:
+        return BUILD_MAPPED_WEIGHT_FACTOR if self.mapped else BUILD_WEIGHT_FACTOR
 
     @property
     def gib(self) -> float:
-        return BUILD_WEIGHT_FACTOR * self.graph_gib + self.workspace_gib + BUILD_PROCESS_GIB
+        return self.factor * self.graph_gib + self.workspace_gib + BUILD_PROCESS_GIB
 
     def explain(self) -> str:
         workspace = f" + workspace {self.workspace_gib:g} GiB" if self.workspace_gib else ""
-        return (f"builder peak about {self.gib:.2f} GiB of host memory ({BUILD_WEIGHT_FACTOR:g} x the largest graph, "
-                f"{self.graph} {_size(self.graph_gib)}{workspace} + {BUILD_PROCESS_GIB:g} GiB for the process)")
+        held = "mapped" if self.mapped else "parsed"
+        return (f"builder peak about {self.gib:.2f} GiB of host memory ({self.factor:g} x the {held} weights of "
+                f"{self.graph}, {_size(self.graph_gib)}{workspace} + {BUILD_PROCESS_GIB:g} GiB for the process)")
 
 
 @dataclass(frozen=True)
@@ -144,7 +159,8 @@ class MemoryPlan:
                 "workspace_gib": b.workspace_gib, "weights_gib": round(b.weights_gib, 4),
                 "kv_gib": round(self.kv_gib, 4), "kv_bytes_per_row": b.kv_bytes_per_row,
                 "total_gib": round(self.total_gib, 4), "reasons": self.reasons,
-                "build_peak_gib": round(self.build.gib, 4), "build_peak_graph": self.build.graph}
+                "build_peak_gib": round(self.build.gib, 4), "build_peak_graph": self.build.graph,
+                "build_peak_weights": "mapped" if self.build.mapped else "parsed"}
 
 
 def graph_bytes(artifacts: Path, manifest: dict[str, Any]) -> dict[str, int]:
@@ -214,8 +230,11 @@ def _max_context(profile: DeviceProfile, budget: Budget, exported: int, requeste
 
 def plan_memory(profile: DeviceProfile, manifest: dict[str, Any], artifacts: Path, precision: str, device: BuildGpu, *,
                 max_context: int | None = None, max_tree: int | None = None, memory_gib: float | None = None,
-                workspace_gib: float | None = None) -> MemoryPlan:
-    """Check a build fits the target's memory and derive the limits its engines are sized for."""
+                workspace_gib: float | None = None, tensorrt_version: str | None = None) -> MemoryPlan:
+    """Check a build fits the target's memory and derive the limits its engines are sized for.
+
+    `tensorrt_version` is the builder's (None: a plan for another machine, sized for the oldest version the
+    target accepts)."""
     export_ctx, export_tree = manifest["limits"]["max_context"], manifest["limits"]["max_tree"]
     _requested("--max-context", max_context, export_ctx)
     _requested("--max-tree", max_tree, export_tree)
@@ -233,14 +252,24 @@ def plan_memory(profile: DeviceProfile, manifest: dict[str, Any], artifacts: Pat
         exported_image = manifest["axes"]["N_img"][1]
         image = min(exported_image, ctx // 2)
         reasons["max_image_tokens"] = "the export's limit" if image == exported_image else "half the context"
-    peak = build_peak(artifacts, manifest, profile, budget.workspace_gib)
+    peak = build_peak(artifacts, manifest, profile, budget.workspace_gib, maps_weights(profile, tensorrt_version))
     return MemoryPlan(Limits(ctx, tree, image), budget, reasons, peak)
 
 
-def build_peak(artifacts: Path, manifest: dict[str, Any], profile: DeviceProfile, workspace_gib: float) -> BuildPeak:
+def maps_weights(profile: DeviceProfile, tensorrt_version: str | None) -> bool:
+    """Whether the target's parser takes initializers from memory the build maps (what the worker checks)."""
+    version = profile.min_version if tensorrt_version is None else tensorrt_version
+    return version_tuple(version) >= version_tuple(MAPPED_WEIGHTS_FROM[profile.module])
+
+
+def build_peak(artifacts: Path, manifest: dict[str, Any], profile: DeviceProfile, workspace_gib: float,
+               mapped: bool = False) -> BuildPeak:
+    """The costliest graph's worker: external weights are mapped where `mapped`, inline ones always parsed."""
     sizes = graph_bytes(artifacts, manifest)
-    graph = max(sizes, key=sizes.__getitem__)
-    return BuildPeak(graph, sizes[graph] / GIB, workspace_gib if profile.jetson else 0.0)
+    workspace = workspace_gib if profile.jetson else 0.0
+    peaks = [BuildPeak(graph, size / GIB, workspace, mapped and bool(manifest["graphs"][graph].get("data_file")))
+             for graph, size in sizes.items()]
+    return max(peaks, key=lambda p: p.gib)
 
 
 def available_host_gib(root: Path = Path("/")) -> float | None:

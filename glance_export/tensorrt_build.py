@@ -4,8 +4,11 @@ One code path for `tensorrt` and `tensorrt_rtx`, through Polygraphy's loaders (`
 `CreateConfig` / `CreateConfigRTX` with profiles, TF32 and the workspace pool, `SetDecomposableAttentions`).
 Each graph is built in its own worker process (`python -m glance_export.tensorrt_build`), so a build's
 peak host memory is that of its largest graph, never the sum, and the memory the builder keeps after a
-graph is returned to the system before the next one starts. In CI the TensorRT-RTX builder proves on a
-CPU-only machine that every exported graph parses and compiles under a real TensorRT compiler.
+graph is returned to the system before the next one starts. Within a worker, external weights are handed
+to the parser from a read-only map of their file (`mapped_weights`), so the builder's own copy and the
+serialized engine are all it holds (see `memory_plan` for the measured peak). In CI the TensorRT-RTX
+builder proves on a CPU-only machine that every exported graph parses and compiles under a real TensorRT
+compiler.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -24,11 +28,15 @@ from glance_runtime.atomic import write_file
 from glance_runtime.errors import GlanceError
 from glance_runtime.integrity import sha256
 
+from .mapped_weights import WeightMap, external_initializers
 from .precision import Precision
 from .toolchain import Toolchain
 
 Range = tuple[int, int, int]  # min, opt, max
 ERROR_PREFIX = "glance-build-error: "  # marks the worker's one-line error on its stderr
+PHASE_PREFIX = "glance-build-phase: "  # a builder phase the worker started, passed on as a progress line
+PEAK_PREFIX = "glance-build-peak-gib: "  # the worker's peak RSS, its last line
+SHOWN_PHASE_DEPTH = 3  # builder phases this deep (0: "Building engine") become progress lines
 
 
 @dataclass(frozen=True)
@@ -98,6 +106,7 @@ class GraphJob:
 
     module: str  # "tensorrt" or "tensorrt_rtx"
     onnx: str
+    external_data: bool  # the graph keeps its weights in a data file beside it
     engine: str  # where the worker writes the serialized engine
     inputs: dict[str, list[list[int]]]  # input name -> [min, opt, max] shapes, one entry per profile
     profiles: int
@@ -121,12 +130,14 @@ def _shapes(shape: list[int | str], axes: dict[str, Range], name: str) -> list[l
 
 
 def graph_job(module: str, onnx_path: Path, engine_path: Path, inputs: dict[str, dict[str, Any]],
-              profiles: list[ShapeProfile], options: BuildOptions, timing_cache: Path | None) -> GraphJob:
+              profiles: list[ShapeProfile], options: BuildOptions, timing_cache: Path | None,
+              external_data: bool = False) -> GraphJob:
     """A precision reached through a builder flag needs a weakly typed network; otherwise the network is
     strongly typed, so the engine computes in exactly the graph's dtypes."""
     flag = options.precision.builder_flag
     shapes = {name: [_shapes(spec["shape"], p.axes, name) for p in profiles] for name, spec in inputs.items()}
-    return GraphJob(module, str(onnx_path), str(engine_path), shapes, len(profiles), strongly_typed=flag is None,
+    return GraphJob(module, str(onnx_path), external_data, str(engine_path), shapes, len(profiles),
+                    strongly_typed=flag is None,
                     builder_flag=flag, tf32=options.precision.name != "fp32",
                     workspace_bytes=int(options.workspace_gib * (1 << 30)),
                     timing_cache=str(timing_cache) if timing_cache else None,
@@ -142,13 +153,23 @@ def _worker_env(module: str) -> dict[str, str]:
             "POLYGRAPHY_USE_TENSORRT_RTX": "1" if module == "tensorrt_rtx" else "0"}
 
 
-def run_job(job: GraphJob) -> float:
-    """Build one graph in a worker process; its peak RSS in GiB. The worker's one-line error is re-raised."""
+def run_job(job: GraphJob, progress: Callable[[str], None] = lambda _: None) -> float:
+    """Build one graph in a worker process; its peak RSS in GiB. The builder's phases go to `progress` as
+    they start; the worker's one-line error is re-raised."""
     child = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=_worker_env(job.module))
-    stdout, stderr = child.communicate(json.dumps(asdict(job)))
+                             stderr=subprocess.STDOUT, text=True, env=_worker_env(job.module))
+    child.stdin.write(json.dumps(asdict(job)))
+    child.stdin.close()
+    lines, peak = [], 0.0
+    for line in child.stdout:
+        if line.startswith(PHASE_PREFIX):
+            progress(line.removeprefix(PHASE_PREFIX).rstrip())
+        elif line.startswith(PEAK_PREFIX):
+            peak = float(line.removeprefix(PEAK_PREFIX))
+        elif line.strip():
+            lines.append(line.strip())
+    child.wait()
     if child.returncode != 0:
-        lines = [line for line in (stdout + stderr).splitlines() if line.strip()]
         error = next((line.removeprefix(ERROR_PREFIX) for line in lines if line.startswith(ERROR_PREFIX)), None)
         logged = [line.removeprefix("[E] ").strip() for line in lines if line.startswith("[E] ")]
         if error and logged:  # what the parser or builder said, before Polygraphy's summary
@@ -158,7 +179,7 @@ def run_job(job: GraphJob) -> float:
                      f"a machine with more memory, or write a bundle for one with --plan-only")
         raise GlanceError(error or f"the TensorRT builder for {Path(job.onnx).name} exited with code "
                                    f"{child.returncode}: {lines[-1] if lines else 'no output'}")
-    return float(stdout.strip().splitlines()[-1]) if stdout.strip() else 0.0
+    return peak
 
 
 def _file_record(path: Path) -> dict[str, Any]:
@@ -183,7 +204,8 @@ def build_engines(toolchain: Toolchain, artifacts: Path, manifest: dict[str, Any
             path = engine_dir / f"{graph}.engine"
             progress(f"building {graph} ({', '.join(p.name for p in profiles)} profiles) in a worker process")
             peak = run_job(graph_job(toolchain.name, artifacts / entry["file"], path, entry["inputs"], profiles,
-                                     options, cache))
+                                     options, cache, external_data=bool(entry.get("data_file"))),
+                           lambda phase, graph=graph: progress(f"  {graph}: {phase}"))
             onnx = [_file_record(artifacts / name) for name in (entry["file"], entry.get("data_file")) if name]
             records[graph] = {**_file_record(path), "onnx": onnx, "build_s": round(time.perf_counter() - t0, 2),
                               "peak_rss_gib": round(peak, 3),
@@ -195,10 +217,39 @@ def build_engines(toolchain: Toolchain, artifacts: Path, manifest: dict[str, Any
     return records
 
 
+def _network(trt, job: GraphJob) -> tuple[Any, WeightMap | None]:
+    """Polygraphy's ONNX network loader, and the map its external weights are referenced from.
+
+    `parse_from_file` reads external weights into buffers of the parser's own; a parser that takes
+    initializers (TensorRT 10.13+, TensorRT-RTX) is handed each one from a read-only map of the data file
+    instead (`load_model_proto`, `load_initializer`, `parse_model_proto`), so the only resident weights are
+    the pages the builder is reading. Inline weights are part of the protobuf the parser must hold anyway."""
+    from polygraphy.backend.trt import network_from_onnx_path
+    from polygraphy.backend.trt import util as trt_util
+    from polygraphy.backend.trt.loader import BaseNetworkFromOnnx
+
+    if not job.external_data or not hasattr(trt.OnnxParser, "load_initializer"):
+        return network_from_onnx_path(job.onnx, strongly_typed=job.strongly_typed), None
+    model = Path(job.onnx).read_bytes()
+    tensors = external_initializers(model)
+    weights = WeightMap(Path(job.onnx), tensors)
+
+    class NetworkFromMappedOnnx(BaseNetworkFromOnnx):
+        def call_impl(self):
+            builder, network, parser = super().call_impl()
+            ok = (parser.load_model_proto(model, job.onnx)
+                  and all(parser.load_initializer(t.name, weights.address(t), t.length) for t in tensors)
+                  and parser.parse_model_proto())
+            trt_util.check_onnx_parser_errors(parser, ok)
+            return builder, network, parser
+
+    return NetworkFromMappedOnnx(strongly_typed=job.strongly_typed), weights
+
+
 def _build_in_this_process(job: GraphJob) -> None:
     """The worker's build, through Polygraphy's loaders for the TensorRT module the job names."""
     from polygraphy.backend.trt import (CreateConfig, PostprocessConfig, Profile as TrtProfile,
-                                        SetDecomposableAttentions, network_from_onnx_path)
+                                        SetDecomposableAttentions)
     from polygraphy.logger import G_LOGGER
 
     G_LOGGER.module_severity = G_LOGGER.ERROR
@@ -209,7 +260,10 @@ def _build_in_this_process(job: GraphJob) -> None:
         for name, per_profile in job.inputs.items():
             profile.add(name, *per_profile[i])
         profiles.append(profile)
-    common = dict(profiles=profiles, memory_pool_limits={trt.MemoryPoolType.WORKSPACE: job.workspace_bytes})
+    network, weights = _network(trt, job)
+    monitor = _monitor(trt, weights) if hasattr(trt, "IProgressMonitor") else None
+    common = dict(profiles=profiles, memory_pool_limits={trt.MemoryPoolType.WORKSPACE: job.workspace_bytes},
+                  progress_monitor=monitor)
     if job.module == "tensorrt_rtx":
         from polygraphy.backend.tensorrt_rtx import CreateConfigRTX
 
@@ -219,10 +273,13 @@ def _build_in_this_process(job: GraphJob) -> None:
         config = CreateConfig(tf32=job.tf32, **flags, **common)
     # Polygraphy's CreateConfigRTX leaves TF32 alone and ignores set_timing_cache's result: both done here.
     config = PostprocessConfig(config, lambda builder, network, cfg: _finish_config(trt, job, cfg))
-    network = network_from_onnx_path(job.onnx, strongly_typed=job.strongly_typed)
     if hasattr(trt.LayerType, "ATTENTION_INPUT"):  # TensorRT before 10.14 has no attention layers
         network = SetDecomposableAttentions(network)
-    _write_engine(trt, job, network, config)
+    try:
+        _write_engine(trt, job, network, config, weights)
+    finally:
+        if weights is not None:
+            weights.close()
 
 
 def _finish_config(trt, job: GraphJob, config) -> None:
@@ -235,24 +292,58 @@ def _finish_config(trt, job: GraphJob, config) -> None:
                               f"it or pass another --timing-cache")
 
 
+def _monitor(trt, weights: WeightMap | None):
+    """The builder's progress monitor: each phase down to `SHOWN_PHASE_DEPTH` is a line for the parent, with
+    the worker's resident memory as it starts; and at the end of each phase the weight pages the builder
+    read go back to the kernel, so they are gone before the engine is serialized (the peak, which reads the
+    builder's own copy, not the map). Between phase ends `WeightMap.returning_pages` keeps returning them."""
+    class BuildMonitor(trt.IProgressMonitor):
+        def __init__(self):
+            trt.IProgressMonitor.__init__(self)
+            self.depth: dict[str, int] = {}
+
+        def phase_start(self, phase_name, parent_phase, num_steps) -> None:
+            depth = self.depth[phase_name] = self.depth.get(parent_phase, -1) + 1 if parent_phase else 0
+            if depth <= SHOWN_PHASE_DEPTH:
+                _phase_line(phase_name, depth)
+
+        def step_complete(self, phase_name, step) -> bool:
+            return True  # never cancel
+
+        def phase_finish(self, phase_name) -> None:
+            if weights is not None:
+                weights.return_pages()
+
+    return BuildMonitor()
+
+
+def _phase_line(name: str, depth: int) -> None:
+    print(f"{PHASE_PREFIX}{'  ' * depth}{name} (resident {_status_gib('VmRSS'):.2f} GiB)", file=sys.stderr, flush=True)
+
+
 def _stream_writer(trt, fh):
     class FileWriter(trt.IStreamWriter):
         def __init__(self):
             trt.IStreamWriter.__init__(self)
+            self.started = False
 
         def write(self, data) -> int:
+            if not self.started:
+                self.started = True
+                _phase_line("Writing the serialized engine", 0)
             return fh.write(data)
 
     return FileWriter()
 
 
-def _write_engine(trt, job: GraphJob, network_loader, config_loader) -> None:
+def _write_engine(trt, job: GraphJob, network_loader, config_loader, weights: WeightMap | None) -> None:
     """Streams the serialized engine to its file (TensorRT's IStreamWriter) instead of Polygraphy's
-    `engine_bytes_from_network`, which returns it as one host buffer: one engine-sized copy fewer at the peak."""
-    builder, network, parser = network_loader()  # the parser owns the weights the network points at
+    `engine_bytes_from_network`, which returns it as one more host buffer (measured: 0.3x the weights more
+    at the peak). TensorRT-RTX still serializes the whole engine in memory before its first write."""
+    builder, network, parser = network_loader()  # the parser (or `weights`) holds what the network points at
     config = config_loader(builder, network)
     engine = Path(job.engine)
-    with open(engine, "wb") as fh:
+    with open(engine, "wb") as fh, (weights.returning_pages() if weights is not None else nullcontext()):
         built = builder.build_serialized_network_to_stream(network, config, _stream_writer(trt, fh))
     if not built:
         engine.unlink()
@@ -261,9 +352,10 @@ def _write_engine(trt, job: GraphJob, network_loader, config_loader) -> None:
         write_file(Path(job.timing_cache), bytes(config.get_timing_cache().serialize()))
 
 
-def _peak_rss_gib() -> float:
+def _status_gib(key: str) -> float:
+    """A memory line of /proc/self/status (VmRSS: resident now, VmHWM: the peak) in GiB."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{key}:"):
             return int(line.split()[1]) / (1 << 20)
     return 0.0
 
@@ -278,7 +370,7 @@ def _worker() -> int:
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"{ERROR_PREFIX}TensorRT cannot build {Path(job.onnx).name}: {detail}", file=sys.stderr)
         return 2
-    print(f"{_peak_rss_gib():.4f}")
+    print(f"{PEAK_PREFIX}{_status_gib('VmHWM'):.4f}")
     return 0
 
 

@@ -348,7 +348,7 @@ def test_build_refuses_a_machine_that_cannot_hold_the_builder(exported, tmp_path
     _, _, artifacts = exported("qwen3")
     request = BuildRequest("rtx", tmp_path / "e", artifacts=artifacts, workspace_gib=1)
     with pytest.raises(GlanceError, match=r"has 0\.50 GiB of memory available and the build needs about 1\.0\d GiB "
-                                          r"\(0\.5\d GiB short; builder peak .*3\.2 x the largest graph, target "
+                                          r"\(0\.5\d GiB short; builder peak .*3\.2 x the parsed weights of target, "
                                           r"[\d.]+ MiB \+ 1 GiB for the process\)\); .*--plan-only"):
         build(request, NO_GPU, host_memory_gib=0.5, progress=lambda _: None)
     assert not (tmp_path / "e").exists()
