@@ -209,3 +209,34 @@ def test_depth_cut_checks_the_full_graphs_own_bytes(snapshot_dir, tmp_path, monk
     target = build_graphs(skeleton.model, draft, dims, 8)["target"]
     with pytest.raises(GlanceError, match="target graph: output .* max error"):
         depth_cut.validate_target(art, target, skeleton, dims, snapshot, "fp32", 17, "eager", 8, 1, lambda _: None)
+
+
+def test_a_graph_run_in_segments_gives_what_it_gives_whole(tmp_path):
+    """Segments of a graph with external weights, an If whose branches read an outer weight, and a value
+    read two segments later compute exactly what one session over the whole graph computes."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from glance_export.onnx.segments import run_in_segments, split
+
+    rng = np.random.default_rng(0)
+    w = {f"w{i}": rng.standard_normal((64, 64) if i < 3 else (64,)).astype(np.float32) for i in range(4)}
+    branch = lambda op: helper.make_graph([helper.make_node(op, ["h2", "w3"], ["b"])], op.lower(), [],
+                                          [helper.make_tensor_value_info("b", TensorProto.FLOAT, None)])
+    nodes = [helper.make_node("MatMul", ["x", "w0"], ["h0"]), helper.make_node("Relu", ["h0"], ["r0"]),
+             helper.make_node("MatMul", ["r0", "w1"], ["h1"]), helper.make_node("MatMul", ["h1", "w2"], ["h2"]),
+             helper.make_node("If", ["flag"], ["h3"], then_branch=branch("Add"), else_branch=branch("Sub")),
+             helper.make_node("Add", ["h3", "r0"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 64]),
+                                           helper.make_tensor_value_info("flag", TensorProto.BOOL, [])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 64])],
+                              [numpy_helper.from_array(v, k) for k, v in w.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save_model(model, str(tmp_path / "g.onnx"), save_as_external_data=True, location="g.onnx.data",
+                    size_threshold=0)
+    assert len(split(onnx.load(str(tmp_path / "g.onnx"), load_external_data=False).graph, 64 * 64 * 4)) == 4
+    feeds = [{"x": rng.standard_normal((n, 64)).astype(np.float32), "flag": np.array(n % 2 == 0)} for n in (3, 5)]
+    whole = ort.InferenceSession(str(tmp_path / "g.onnx"), providers=["CPUExecutionProvider"])
+    for feed, got in zip(feeds, run_in_segments(tmp_path / "g.onnx", feeds, budget=64 * 64 * 4)):
+        assert np.array_equal(got["y"], whole.run(["y"], feed)[0])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g.onnx", "g.onnx.data"]  # no segment file left

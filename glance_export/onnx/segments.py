@@ -35,12 +35,23 @@ def _tensor_bytes(tensor: onnx.TensorProto) -> int:
     return len(tensor.raw_data)
 
 
+def reads(node: onnx.NodeProto) -> list[str]:
+    """The names a node reads, those its subgraphs (If, Loop, Scan bodies) take from the outer scope included."""
+    names = [name for name in node.input if name]
+    for attr in node.attribute:
+        for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+            inner = {o for n in sub.node for o in n.output} | {i.name for i in sub.input} | \
+                {t.name for t in sub.initializer}
+            names += [name for n in sub.node for name in reads(n) if name not in inner]
+    return names
+
+
 def split(graph: onnx.GraphProto, budget: int) -> list[Segment]:
     """Consecutive nodes, a new segment whenever the next node's weights would exceed `budget`."""
     sizes = {t.name: _tensor_bytes(t) for t in graph.initializer}
     segments = [Segment()]
     for node in graph.node:
-        weights = sum(sizes.get(name, 0) for name in set(node.input))
+        weights = sum(sizes.get(name, 0) for name in set(reads(node)))
         if segments[-1].nodes and segments[-1].weight_bytes + weights > budget:
             segments.append(Segment())
         segments[-1].nodes.append(node)
@@ -65,10 +76,11 @@ def _segment_model(model: onnx.ModelProto, segment: Segment, inputs: list[str], 
         value.type.CopyFrom(types[name])
         return value
 
-    used = {name for node in segment.nodes for name in node.input}
+    used = {name for node in segment.nodes for name in reads(node)}
     graph = onnx.helper.make_graph(segment.nodes, "segment", [info(n) for n in inputs], [info(n) for n in outputs],
                                    [initializers[n] for n in sorted(used & initializers.keys())])
-    return onnx.helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
+    return onnx.helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version,
+                                  functions=model.functions)
 
 
 def run_in_segments(path: Path, feeds: list[dict[str, np.ndarray]], budget: int = SEGMENT_BYTES,
@@ -85,7 +97,7 @@ def run_in_segments(path: Path, feeds: list[dict[str, np.ndarray]], budget: int 
     readers: dict[str, int] = {}  # tensor -> index of the last segment that reads it
     for index, segment in enumerate(segments):
         for node in segment.nodes:
-            for name in node.input:
+            for name in reads(node):
                 readers[name] = index
     values = [{k: v for k, v in feed.items()} for feed in feeds]
     fd, scratch = tempfile.mkstemp(prefix=".segment.", suffix=".onnx", dir=path.parent)  # beside the data file
@@ -94,7 +106,7 @@ def run_in_segments(path: Path, feeds: list[dict[str, np.ndarray]], budget: int 
         for index, segment in enumerate(segments):
             produced = [o for node in segment.nodes for o in node.output if o]
             made = set(produced)
-            read = {name for node in segment.nodes for name in node.input if name}
+            read = {name for node in segment.nodes for name in reads(node)}
             inputs = sorted(n for n in read - made - initializers.keys() if n in values[0])
             outputs = [n for n in produced if n in wanted or readers.get(n, -1) > index]
             onnx.save_model(_segment_model(model, segment, inputs, outputs, initializers, types), scratch)
