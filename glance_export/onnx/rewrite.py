@@ -52,9 +52,14 @@ def skip_identities(model: onnx.ModelProto, weights: set[str] | dict) -> None:
     outputs = {o.name for o in graph.output}
     alias = {n.output[0]: n.input[0] for n in graph.node
              if n.op_type == "Identity" and n.input[0] in weights and n.output[0] not in outputs}
-    nodes = [n for n in graph.node if not (n.op_type == "Identity" and n.output[0] in alias)]
-    for node in nodes:
+    bypass(graph, alias)
+
+
+def bypass(graph: onnx.GraphProto, renamed: dict[str, str]) -> None:
+    """Drop the nodes whose (first) output is a key of `renamed`; their readers read its value instead."""
+    kept = [n for n in graph.node if not (n.output and n.output[0] in renamed)]
+    for node in kept:
         for i, name in enumerate(node.input):
-            node.input[i] = alias.get(name, name)
+            node.input[i] = renamed.get(name, name)
     del graph.node[:]
-    graph.node.extend(nodes)
+    graph.node.extend(kept)

@@ -25,6 +25,7 @@ from torch import nn
 from glance_runtime.errors import GlanceError
 
 from .external_data import ALIGN, point_external
+from .rewrite import bypass
 
 TORCH_TO_ONNX = {torch.float32: onnx.TensorProto.FLOAT, torch.float16: onnx.TensorProto.FLOAT16,
                  torch.bfloat16: onnx.TensorProto.BFLOAT16, torch.int64: onnx.TensorProto.INT64,
@@ -91,12 +92,7 @@ def fold_transposes(model: onnx.ModelProto, pending: dict[str, Pending]) -> None
             renamed[node.output[0]] = name
     if not renamed:
         return
-    kept = [n for n in graph.node if not (n.op_type == "Transpose" and n.output[0] in renamed)]
-    for node in kept:
-        for i, name in enumerate(node.input):
-            node.input[i] = renamed.get(name, name)
-    del graph.node[:]
-    graph.node.extend(kept)
+    bypass(graph, renamed)
     for tensor in graph.initializer:
         if tensor.name in pending and pending[tensor.name].transposed:
             tensor.dims[:] = pending[tensor.name].shape
