@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from glance_runtime.errors import GlanceError
+from glance_runtime.hardware import available_host_bytes
 
 from .device_profiles import DeviceProfile, version_tuple
 from .devices import BuildGpu
@@ -274,13 +275,8 @@ def build_peak(artifacts: Path, manifest: dict[str, Any], profile: DeviceProfile
 
 def available_host_gib(root: Path = Path("/")) -> float | None:
     """Memory this machine can give a new process now (MemAvailable), None where the kernel does not say."""
-    try:
-        for line in (root / "proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / (1 << 20)
-    except OSError:
-        return None
-    return None
+    available = available_host_bytes(root / "proc/meminfo")
+    return None if available is None else available / (1 << 30)
 
 
 def check_build_host(peak: BuildPeak, available_gib: float | None) -> None:

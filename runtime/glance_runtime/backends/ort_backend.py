@@ -17,6 +17,7 @@ from ..graphs import DRAFT_GRAPH, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH
 from ..formats.artifacts import check_graph_io, read as load_manifest
 from ..limits import runtime_limit
 from .graph_backend import GraphBackend
+from .host_room import check_this_machine
 from .ort_cache import open_session
 
 PROVIDER_ALIASES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
@@ -113,6 +114,9 @@ class OrtBackend(GraphBackend):
             return made
 
         device = device_for(chosen)
+        context = runtime_limit("--max-context", max_context, manifest.max_context, *_EXPORTED)
+        if isinstance(device, HostDevice):
+            check_this_machine(manifest, context)
         hashes = manifest.raw["file_hashes"]  # verified by load_manifest just now
 
         def session(graph: str) -> OrtGraph:
@@ -131,5 +135,5 @@ class OrtBackend(GraphBackend):
             graphs["vision"] = session(VISION_GRAPH)
         super().__init__(manifest, device, graphs, name="onnxruntime", home=path, providers=tuple(chosen),
                          threads=threads,
-                         max_context=runtime_limit("--max-context", max_context, manifest.max_context, *_EXPORTED),
+                         max_context=context,
                          max_tree=runtime_limit("--max-tree", max_tree, manifest.max_tree, *_EXPORTED))
