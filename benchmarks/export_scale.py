@@ -82,14 +82,15 @@ def _env() -> dict[str, str]:
 
 DECODE = """import json, sys, time
 from pathlib import Path
+from glance_runtime.backends.host_room import cpu_load_bytes
 from glance_runtime.backends.ort_backend import OrtBackend
 from glance_runtime.bench.tasks import read_bench_tasks
 from glance_runtime.loop import DecodeConfig, decode
 
 backend = OrtBackend(sys.argv[1], threads=2)
+runs = {"estimate_gib": round(cpu_load_bytes(backend.manifest, backend.max_context) / 2 ** 30, 2)}
 task = read_bench_tasks([Path(sys.argv[2])], 1)[0]
 prompt = backend.build_prompt(task.prompt, task.image)
-runs = {}
 for mode, speculative in (("ar", False), ("glance", True)):
     t0 = time.perf_counter()
     runs[mode] = decode(backend, prompt, DecodeConfig(max_new_tokens=8, budget=15, speculative=speculative)).tokens
@@ -175,9 +176,13 @@ def _passed(stage: dict | None) -> str:
 
 
 def _decoded(stage: dict | None) -> str:
+    if stage and stage["rc"] and "GiB short" in stage.get("error", ""):
+        return "refused before loading: " + stage["error"].split(" needs ", 1)[-1].split(";")[0]
     if not stage or stage["rc"]:
         return _passed(stage)
-    return f"{'yes' if stage['identical'] else 'NO'} ({stage['ar_s']:.0f} s / {stage['glance_s']:.0f} s)"
+    estimate = f", estimate {stage['estimate_gib']:.1f}" if "estimate_gib" in stage else ""
+    return (f"{'yes' if stage['identical'] else 'NO'} ({stage['ar_s']:.0f} s / {stage['glance_s']:.0f} s; "
+            f"{stage['peak_rss_gib']:.1f} GiB{estimate})")
 
 
 def render(rows: list[dict]) -> str:
