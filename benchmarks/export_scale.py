@@ -2,7 +2,7 @@
 Qwen-VL models (benchmarks/real_configs.py), per (model, text depth, dtype), with ONNX Runtime GenAI's
 model builder on the same snapshot and precision where it is installed.
 
-    python benchmarks/export_scale.py OUT [--models qwen3-vl-2b,qwen2.5-vl-3b] [--depths 2,8,full]
+    python benchmarks/export_scale.py OUT [--models qwen3-vl-2b,qwen2.5-vl-3b] [--depths 4,8,full]
         [--dtypes fp16] [--vision-depth N] [--no-build] [--genai-path DIR] [--keep]
 
 Every stage runs in its own child process and its peak RSS is the largest of that process tree's
@@ -273,7 +273,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--models", default="qwen3-vl-2b,qwen2.5-vl-3b")
-    parser.add_argument("--depths", default="2,8,full", help="text layers per row; 'full' is the published depth")
+    parser.add_argument("--depths", default="4,8,full",
+                        help="text layers per row (Qwen3-VL needs at least its 3 deepstack taps); 'full' is the published depth")
     parser.add_argument("--dtypes", default="fp16")
     parser.add_argument("--vision-depth", type=int, help="vision blocks (default: the published depth)")
     parser.add_argument("--no-build", dest="build", action="store_false")

@@ -240,3 +240,20 @@ def test_a_graph_run_in_segments_gives_what_it_gives_whole(tmp_path):
     for feed, got in zip(feeds, run_in_segments(tmp_path / "g.onnx", feeds, budget=64 * 64 * 4)):
         assert np.array_equal(got["y"], whole.run(["y"], feed)[0])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["g.onnx", "g.onnx.data"]  # no segment file left
+
+
+def test_a_qwen3_vl_cut_below_its_deepstack_taps_is_refused_before_work(tmp_path):
+    """Qwen3-VL adds each deepstack feature to one of the first text layers; a cut shallower than its taps
+    would write a manifest that no runtime can read, so the export refuses it first."""
+    import transformers as tf
+
+    snap = make_snapshot(tmp_path / "s", "qwen3_vl", layers=2)
+    raw = json.loads((snap / "config.json").read_text())
+    raw["vision_config"]["deepstack_visual_indexes"] = [0, 1, 1]
+    (snap / "config.json").write_text(json.dumps(raw))
+    tf.AutoModelForImageTextToText.from_config(tf.AutoConfig.from_pretrained(snap)).save_pretrained(snap)
+    with pytest.raises(GlanceError, match=r"has 2 text layers but Qwen3-VL adds its 3 deepstack features .*keep at "
+                                          r"least 3 text layers$"):
+        export_artifacts(snap, _head(snap, tmp_path), tmp_path / "art", max_tree=16, max_context=64,
+                         progress=lambda _: None)
+    assert not (tmp_path / "art").exists()

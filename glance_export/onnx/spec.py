@@ -10,6 +10,7 @@ from typing import Any
 
 from glance_export.adapters import Snapshot
 from glance_export.head import DraftHead
+from glance_runtime.errors import GlanceError
 
 DTYPES = {"fp32": "float32", "fp16": "float16"}
 
@@ -60,6 +61,10 @@ def vision_params(snapshot: Snapshot) -> dict[str, Any]:
 def dims_for(snapshot: Snapshot, head: DraftHead) -> Dims:
     tc, hc = snapshot.text_config, head.config
     deep = snapshot.config.get("vision_config", {}).get("deepstack_visual_indexes") or []
+    if snapshot.family == "qwen3_vl" and len(deep) > tc["num_hidden_layers"]:
+        raise GlanceError(f"{snapshot.path} has {tc['num_hidden_layers']} text layers but Qwen3-VL adds its "
+                          f"{len(deep)} deepstack features to the first {len(deep)}; a model cut that short cannot be "
+                          f"exported: keep at least {len(deep)} text layers")
     return Dims(family=snapshot.family, is_vl=snapshot.is_vl, hidden=tc["hidden_size"], vocab=tc["vocab_size"],
                 layers=tc["num_hidden_layers"], kv_heads=tc.get("num_key_value_heads") or tc["num_attention_heads"],
                 head_dim=tc.get("head_dim") or tc["hidden_size"] // tc["num_attention_heads"],
