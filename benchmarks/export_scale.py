@@ -291,12 +291,12 @@ def main() -> None:
     if args.genai_path is None and importlib.util.find_spec("onnxruntime_genai") is not None:
         args.genai_path = ""
     results = args.out / "export_scale.json"
-    rows = json.loads(results.read_text()) if results.is_file() else []
     for model in args.models.split(","):
         for depth in args.depths.split(","):
             for dtype in args.dtypes.split(","):
                 row = one_row(args, model, None if depth == "full" else int(depth), dtype)
                 key = (row["model"], row["depth"], row["dtype"])
+                rows = json.loads(results.read_text()) if results.is_file() else []  # rows other runs added meanwhile
                 rows = [r for r in rows if (r["model"], r["depth"], r["dtype"]) != key] + [row]
                 rows.sort(key=lambda r: (r["model"], r["depth"], r["dtype"]))
                 results.write_text(json.dumps(rows, indent=2) + "\n")
