@@ -19,8 +19,8 @@ in-process decode with one HTTP request for the same task, in alternating order;
 the differences. The in-process side opens the task's image file, as an application would, and decodes
 through `Model.reuse()`, the calls the server makes, so both sides keep the same rows of the task before
 (the chat template's first rows) and do the same decoding work. The HTTP request goes through a minimal
-keep-alive client (the standard library's http.client, its body encoded beforehand), so little of the
-difference is the client's; the round trip of GET /health through the same client is reported beside it
+keep-alive client (a bare socket: the request, encoded beforehand, in one write; the answer read by its
+Content-Length), so little of the difference is the client's; the round trip of GET /health through the same client is reported beside it
 as the floor any HTTP request pays, back to back and after idling as long as an in-process decode (as
 each paired HTTP request does: on a loaded machine, waking an idle server's threads takes part of the
 difference, and none of it is the server's work). Where the benchmark started the server, it also
@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import argparse
 import base64
-import http.client
 import importlib.util
 import json
 import os
 import re
+import socket
 import statistics
 import subprocess
 import sys
@@ -149,22 +149,51 @@ def load(url: str, bodies: list[dict], clients: int, requests: int) -> dict:
 
 
 class LeanClient:
-    """One keep-alive HTTP/1.1 connection through the standard library: the least a Python client can spend."""
+    """One keep-alive HTTP/1.1 connection on a bare socket: the request goes out in one write and the answer
+    is read by its Content-Length, the least a Python client can spend (http.client sends a request's
+    headers and body in two writes, which costs the server an extra wake-up and read, and parses the
+    answer's headers with the email package)."""
 
     def __init__(self, url: str):
         parts = urlparse(url)
-        self.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
+        self.host = f"{parts.hostname}:{parts.port}".encode()
+        self.sock = socket.create_connection((parts.hostname, parts.port), timeout=600)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.pending = b""
+
+    def _exchange(self, head: bytes, data: bytes = b"") -> bytes:
+        self.sock.sendall(head + data)
+        buffer = self.pending
+        while (end := buffer.find(b"\r\n\r\n")) < 0:
+            buffer += self._recv()
+        headers, buffer = buffer[:end], buffer[end + 4:]
+        status = int(headers.split(b" ", 2)[1])
+        match = re.search(rb"\r\ncontent-length: *(\d+)", headers, re.I)
+        if match is None:
+            raise SystemExit(f"the server answered without a Content-Length (status {status})")
+        size = int(match.group(1))
+        while len(buffer) < size:
+            buffer += self._recv()
+        self.pending = buffer[size:]
+        if status != 200:
+            raise SystemExit(f"the server answered {status}: {buffer[:size].decode(errors='replace')}")
+        return buffer[:size]
+
+    def _recv(self) -> bytes:
+        chunk = self.sock.recv(1 << 16)
+        if not chunk:
+            raise SystemExit("the server closed the connection")
+        return chunk
 
     def post(self, path: str, data: bytes) -> bytes:
-        self.conn.request("POST", path, data, {"Content-Type": "application/json"})
-        return self.conn.getresponse().read()
+        return self._exchange(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                              b"Content-Length: %d\r\n\r\n" % (path.encode(), self.host, len(data)), data)
 
     def get(self, path: str) -> bytes:
-        self.conn.request("GET", path)
-        return self.conn.getresponse().read()
+        return self._exchange(b"GET %s HTTP/1.1\r\nHost: %s\r\n\r\n" % (path.encode(), self.host))
 
     def close(self) -> None:
-        self.conn.close()
+        self.sock.close()
 
 
 def schedstat(pid: int) -> tuple[float, float]:
@@ -271,7 +300,7 @@ def markdown(report: dict) -> str:
              "loopback, uvicorn's HTTP parsing and writing)."]
     if o := report.get("overhead"):
         rows += ["", f"Paired with the in-process API (`Model.reuse().decode` in the benchmark's process, as the "
-                 f"server decodes; same model and threads), one request at a time, {o['requests']} requests over a minimal stdlib keep-alive client: "
+                 f"server decodes; same model and threads), one request at a time, {o['requests']} requests over a minimal keep-alive socket client: "
                  f"**{o['added_p50_ms']} ms added at p50** (p99 {o['added_p99_ms']} ms; in process "
                  f"{o['in_process_p50_ms']} ms, HTTP {o['http_p50_ms']} ms). Inside the server: "
                  f"{o['server_added_p50_ms']} ms at p50 (p99 {o['server_added_p99_ms']} ms). GET /health round trip "

@@ -16,10 +16,10 @@ import hmac
 import json
 import logging
 import math
+import queue
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,15 +63,46 @@ class ServeConfig:
 
 
 class DecodeQueue:
-    """The one decode thread and its FIFO queue; the engine is created and used on that thread only."""
+    """The one decode thread and its FIFO queue; the engine is created and used on that thread only.
+
+    A bare thread on a `queue.SimpleQueue` rather than a ThreadPoolExecutor: handing a job over is one
+    put, and its answer comes back as one `call_soon_threadsafe` that settles the awaited future, where
+    `run_in_executor` chains a concurrent future into an asyncio one (locks, callbacks and a further loop
+    iteration each way). On this machine that was about 0.07 ms of each hand-off, the decode thread waiting
+    for the event loop to let go of the GIL.
+    """
 
     def __init__(self, config: ServeConfig, metrics: Metrics, progress: Callable[[str], None]):
         self.config, self.metrics, self.progress = config, metrics, progress
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glance-decode")
         self.engine: Engine | None = None
         self.waiting = 0
         self.lock = threading.Lock()
         self.decode_s = 0.1  # running mean of a decode, for Retry-After
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.closed = False
+
+    def _serve(self) -> None:
+        while (item := self.jobs.get()) is not None:
+            loop, future, call = item
+            result, exc = None, None
+            if self.closed:
+                exc = asyncio.CancelledError()
+            else:
+                try:
+                    result = call()
+                except BaseException as error:  # the awaiting request turns it into its answer
+                    exc = error
+            try:
+                loop.call_soon_threadsafe(_settle, future, result, exc)
+            except RuntimeError:  # the event loop has closed: nobody is left waiting
+                pass
+
+    def _put(self, call: Callable[[], Any]) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # an abandoned request's end is not an error
+        self.jobs.put((loop, future, call))
+        return future
 
     def load(self) -> "asyncio.Future[None]":
         def load() -> None:
@@ -82,7 +113,8 @@ class DecodeQueue:
             gc.freeze()
             self.engine = engine
 
-        return asyncio.get_running_loop().run_in_executor(self.pool, load)
+        threading.Thread(target=self._serve, name="glance-decode").start()  # stopped by close()
+        return self._put(load)
 
     def submit(self, job: Callable[[Engine], Completion]) -> "asyncio.Future[Completion]":
         submitted = time.monotonic()
@@ -108,12 +140,23 @@ class DecodeQueue:
                 self.metrics.busy.set(0)
                 self.decode_s = 0.8 * self.decode_s + 0.2 * (time.monotonic() - started)
 
-        future = asyncio.get_running_loop().run_in_executor(self.pool, run)
-        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # an abandoned request's end is not an error
-        return future
+        return self._put(run)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        """Jobs still queued are cancelled; the one decoding finishes (the interpreter waits for it at exit)."""
+        self.closed = True
+        self.jobs.put(None)
+
+
+def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if future.cancelled():  # the request gave up waiting (its client left, or the server is stopping)
+        return
+    if isinstance(exc, asyncio.CancelledError):
+        future.cancel()
+    elif exc is None:
+        future.set_result(result)
+    else:
+        future.set_exception(exc)
 
 
 def _sse(payload: dict[str, Any] | str) -> bytes:
