@@ -317,9 +317,10 @@ def markdown(report: dict) -> str:
                  f"{o['health_after_idle_p50_ms']} ms after idling as long as an in-process decode."]
         if "cpu_added_ms" in o:
             rows += ["", f"CPU time per request: the server process {o['server_cpu_ms']} ms, the in-process decode "
-                     f"{o['in_process_cpu_ms']} ms: **{o['cpu_added_ms']} ms of work added**, of which the event-loop thread "
-                     f"(HTTP, JSON, validation, the answer) spent {o['server_loop_cpu_ms']} ms and the decode thread "
-                     f"{o['decode_side_cpu_added_ms']} ms more than the in-process decode; the server's threads "
+                     f"{o['in_process_cpu_ms']} ms: **{o['cpu_added_ms']} ms of work added**, of which the "
+                     f"event-loop thread (HTTP, JSON, validation, the answer) spent {o['server_loop_cpu_ms']} ms and "
+                     f"the decode thread {o['decode_side_cpu_added_ms']:+} ms against the in-process decode; the "
+                     f"server's threads "
                      f"waited {o['server_runqueue_wait_ms']} ms per request for a CPU (other jobs on the machine)."]
     parser = f"; uvicorn's HTTP parser: {report['http_parser']}" if "http_parser" in report else ""
     rows += ["", f"Machine: {report['machine']}{parser}."]
