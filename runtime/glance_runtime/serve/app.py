@@ -67,9 +67,9 @@ class DecodeQueue:
 
     A bare thread on a `queue.SimpleQueue` rather than a ThreadPoolExecutor: handing a job over is one
     put, and its answer comes back as one `call_soon_threadsafe` that settles the awaited future, where
-    `run_in_executor` chains a concurrent future into an asyncio one (locks, callbacks and a further loop
-    iteration each way). On this machine that was about 0.07 ms of each hand-off, the decode thread waiting
-    for the event loop to let go of the GIL.
+    `run_in_executor` chains a concurrent future into an asyncio one (locks and callbacks each way). In a
+    loop-and-thread ping-pong on this machine a job started 0.03 ms after its put, against 0.10-0.13 ms
+    through `run_in_executor`.
     """
 
     def __init__(self, config: ServeConfig, metrics: Metrics, progress: Callable[[str], None]):
@@ -168,8 +168,8 @@ class Watchdog:
     has left or whose time has run out has its future failed (its decode then stops at its next round).
 
     One task for all rather than asyncio.wait with a timeout per request: a request then awaits its future
-    directly, which saves a timer, the waiter's callbacks and a loop iteration on every answer (about 0.035
-    ms each on this machine, more when the loop thread's caches are cold after a decode).
+    directly, which saves a timer, the waiter's callbacks and a loop iteration on every answer (awaiting a
+    settled future took 0.05 ms through asyncio.wait and 0.016 ms directly, in a hot loop on this machine).
     """
 
     POLL_S = 0.2
