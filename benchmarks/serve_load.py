@@ -19,24 +19,26 @@ in-process decode with one HTTP request for the same task, in alternating order;
 the differences. The in-process side opens the task's image file, as an application would, and decodes
 through `Model.reuse()`, the calls the server makes, so both sides keep the same rows of the task before
 (the chat template's first rows) and do the same decoding work. The HTTP request goes through a minimal
-keep-alive client (the standard library's http.client, its body encoded beforehand), so little of the
-difference is the client's; the round trip of GET /health through the same client is reported beside it
-as the floor any HTTP request pays, back to back and after idling as long as an in-process decode (as
-each paired HTTP request does: on a loaded machine, waking an idle server's threads takes part of the
-difference, and none of it is the server's work). Where the benchmark started the server, it also
-reads the server's threads' CPU time and run-queue wait (/proc/PID/task/*/schedstat) across the paired
-requests, against the in-process decodes' CPU time: the work the server adds, which other jobs on the
-machine disturb far less than wall time, and how long the server waited for a CPU because of them.
+keep-alive client (a bare socket: the request, encoded beforehand, in one write; the answer read by its
+Content-Length), so little of the difference is the client's; the round trip of GET /health through the
+same client is reported beside it as the floor any HTTP request pays, back to back and after idling as
+long as an in-process decode (as each paired HTTP request does: on a loaded machine, waking an idle
+server's threads takes part of the difference, and none of it is the server's work). Where the benchmark
+started the server, it also reads the server's threads' CPU time and run-queue wait
+(/proc/PID/task/*/schedstat) across the paired requests, against the in-process decodes' CPU time: the
+work the server adds, which other jobs on the machine disturb far less than wall time, split into the
+event-loop thread's (everything HTTP: parsing, JSON, validation, the answer) and the decode thread's
+excess over the in-process decode, and how long the server waited for a CPU because of them.
 """
 from __future__ import annotations
 
 import argparse
 import base64
-import http.client
 import importlib.util
 import json
 import os
 import re
+import socket
 import statistics
 import subprocess
 import sys
@@ -149,34 +151,66 @@ def load(url: str, bodies: list[dict], clients: int, requests: int) -> dict:
 
 
 class LeanClient:
-    """One keep-alive HTTP/1.1 connection through the standard library: the least a Python client can spend."""
+    """One keep-alive HTTP/1.1 connection on a bare socket: the request goes out in one write and the answer
+    is read by its Content-Length, the least a Python client can spend (http.client sends a request's
+    headers and body in two writes, which costs the server an extra wake-up and read, and parses the
+    answer's headers with the email package)."""
 
     def __init__(self, url: str):
         parts = urlparse(url)
-        self.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
+        self.host = f"{parts.hostname}:{parts.port}".encode()
+        self.sock = socket.create_connection((parts.hostname, parts.port), timeout=600)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.pending = b""
+
+    def _exchange(self, head: bytes, data: bytes = b"") -> bytes:
+        self.sock.sendall(head + data)
+        buffer = self.pending
+        while (end := buffer.find(b"\r\n\r\n")) < 0:
+            buffer += self._recv()
+        headers, buffer = buffer[:end], buffer[end + 4:]
+        status = int(headers.split(b" ", 2)[1])
+        match = re.search(rb"\r\ncontent-length: *(\d+)", headers, re.I)
+        if match is None:
+            raise SystemExit(f"the server answered without a Content-Length (status {status})")
+        size = int(match.group(1))
+        while len(buffer) < size:
+            buffer += self._recv()
+        self.pending = buffer[size:]
+        if status != 200:
+            raise SystemExit(f"the server answered {status}: {buffer[:size].decode(errors='replace')}")
+        return buffer[:size]
+
+    def _recv(self) -> bytes:
+        chunk = self.sock.recv(1 << 16)
+        if not chunk:
+            raise SystemExit("the server closed the connection")
+        return chunk
 
     def post(self, path: str, data: bytes) -> bytes:
-        self.conn.request("POST", path, data, {"Content-Type": "application/json"})
-        return self.conn.getresponse().read()
+        return self._exchange(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                              b"Content-Length: %d\r\n\r\n" % (path.encode(), self.host, len(data)), data)
 
     def get(self, path: str) -> bytes:
-        self.conn.request("GET", path)
-        return self.conn.getresponse().read()
+        return self._exchange(b"GET %s HTTP/1.1\r\nHost: %s\r\n\r\n" % (path.encode(), self.host))
 
     def close(self) -> None:
-        self.conn.close()
+        self.sock.close()
 
 
-def schedstat(pid: int) -> tuple[float, float]:
-    """(seconds on a CPU, seconds runnable but waiting for one) of a process, summed over its threads."""
-    on = waiting = 0
+def schedstat(pid: int) -> tuple[float, float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for one) of a process, summed over its threads, and the
+    seconds on a CPU of its main thread alone (the server's event loop: HTTP, JSON, validation, the answer)."""
+    on = waiting = loop = 0
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             fields = (task / "schedstat").read_text().split()
         except OSError:  # a thread that ended meanwhile
             continue
         on, waiting = on + int(fields[0]), waiting + int(fields[1])
-    return on / 1e9, waiting / 1e9
+        if task.name == str(pid):
+            loop = int(fields[0])
+    return on / 1e9, waiting / 1e9, loop / 1e9
 
 
 def overhead(url: str, model_name: str, work: list[tuple[str, Path]], repeats: int, threads: int,
@@ -237,12 +271,16 @@ def overhead(url: str, model_name: str, work: list[tuple[str, Path]], repeats: i
             **(cpu(server0, server1, local_cpu) if server0 else {})}
 
 
-def cpu(before: tuple[float, float], after: tuple[float, float], local: list[float]) -> dict:
-    """Per request: the server process's CPU time against the in-process decode's, and the server's wait for a CPU."""
+def cpu(before: tuple[float, float, float], after: tuple[float, float, float], local: list[float]) -> dict:
+    """Per request: the server process's CPU time against the in-process decode's, split into the event loop's
+    share (what only the server does) and the rest (the decode thread: what the in-process caller also does),
+    and the server's wait for a CPU."""
     n = len(local)
     server_ms, local_ms = (after[0] - before[0]) / n * 1e3, sum(local) / n * 1e3
+    loop_ms = (after[2] - before[2]) / n * 1e3
     return {"server_cpu_ms": round(server_ms, 2), "in_process_cpu_ms": round(local_ms, 2),
-            "cpu_added_ms": round(server_ms - local_ms, 2),
+            "cpu_added_ms": round(server_ms - local_ms, 2), "server_loop_cpu_ms": round(loop_ms, 2),
+            "decode_side_cpu_added_ms": round(server_ms - loop_ms - local_ms, 2),
             "server_runqueue_wait_ms": round((after[1] - before[1]) / n * 1e3, 2)}
 
 
@@ -271,7 +309,7 @@ def markdown(report: dict) -> str:
              "loopback, uvicorn's HTTP parsing and writing)."]
     if o := report.get("overhead"):
         rows += ["", f"Paired with the in-process API (`Model.reuse().decode` in the benchmark's process, as the "
-                 f"server decodes; same model and threads), one request at a time, {o['requests']} requests over a minimal stdlib keep-alive client: "
+                 f"server decodes; same model and threads), one request at a time, {o['requests']} requests over a minimal keep-alive socket client: "
                  f"**{o['added_p50_ms']} ms added at p50** (p99 {o['added_p99_ms']} ms; in process "
                  f"{o['in_process_p50_ms']} ms, HTTP {o['http_p50_ms']} ms). Inside the server: "
                  f"{o['server_added_p50_ms']} ms at p50 (p99 {o['server_added_p99_ms']} ms). GET /health round trip "
@@ -279,7 +317,10 @@ def markdown(report: dict) -> str:
                  f"{o['health_after_idle_p50_ms']} ms after idling as long as an in-process decode."]
         if "cpu_added_ms" in o:
             rows += ["", f"CPU time per request: the server process {o['server_cpu_ms']} ms, the in-process decode "
-                     f"{o['in_process_cpu_ms']} ms: **{o['cpu_added_ms']} ms of work added**; the server's threads "
+                     f"{o['in_process_cpu_ms']} ms: **{o['cpu_added_ms']} ms of work added**, of which the "
+                     f"event-loop thread (HTTP, JSON, validation, the answer) spent {o['server_loop_cpu_ms']} ms and "
+                     f"the decode thread {o['decode_side_cpu_added_ms']:+} ms against the in-process decode; the "
+                     f"server's threads "
                      f"waited {o['server_runqueue_wait_ms']} ms per request for a CPU (other jobs on the machine)."]
     parser = f"; uvicorn's HTTP parser: {report['http_parser']}" if "http_parser" in report else ""
     rows += ["", f"Machine: {report['machine']}{parser}."]
@@ -298,7 +339,7 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=24, help="requests per client")
     p.add_argument("--per-kind", type=int, default=6, help="held-out tasks per kind")
     p.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads (server and in-process)")
-    p.add_argument("--overhead-requests", type=int, default=96)
+    p.add_argument("--overhead-requests", type=int, default=192, help="paired requests against the in-process API")
     p.add_argument("--no-overhead", action="store_true", help="skip the in-process comparison")
     p.add_argument("--out", type=Path, help="directory for report.json and report.md")
     args = p.parse_args()

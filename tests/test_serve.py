@@ -266,6 +266,30 @@ def test_a_dropped_stream_leaves_the_next_request_correct(server, expected):
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
+def _client_cancels(server) -> float:
+    text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    return sum(float(line.split()[1]) for line in text.splitlines()
+               if line.startswith('glance_cancelled_total{reason="client"}'))
+
+
+def test_plain_requests_whose_clients_leave_while_queued_are_cancelled(server, expected):
+    before = _client_cancels(server)
+
+    def post(_):  # the client gives up long before the queue of 16 decodes reaches most of them
+        try:
+            httpx.post(f"{server.url}/v1/chat/completions", json=_image(data_url(RECEIPT)), timeout=0.1,
+                       headers={"Authorization": f"Bearer {KEY}"})
+        except httpx.TimeoutException:
+            pass
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(post, range(16)))
+    assert _client_cancels(server) > before
+    ref = expected["What is the total?"]["text"]
+    assert ask(server, "What is the total?", RECEIPT).choices[0].message.content == ref
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
 def test_a_full_queue_answers_429_and_a_killed_server_restarts_cleanly(expected):
     srv = start_server("--max-queue", "1")
     port = srv.url.rsplit(":", 1)[1]

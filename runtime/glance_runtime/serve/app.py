@@ -16,10 +16,10 @@ import hmac
 import json
 import logging
 import math
+import queue
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,15 +63,46 @@ class ServeConfig:
 
 
 class DecodeQueue:
-    """The one decode thread and its FIFO queue; the engine is created and used on that thread only."""
+    """The one decode thread and its FIFO queue; the engine is created and used on that thread only.
+
+    A bare thread on a `queue.SimpleQueue` rather than a ThreadPoolExecutor: handing a job over is one
+    put, and its answer comes back as one `call_soon_threadsafe` that settles the awaited future, where
+    `run_in_executor` chains a concurrent future into an asyncio one (locks and callbacks each way). In a
+    loop-and-thread ping-pong on this machine a job started 0.03 ms after its put, against 0.10-0.13 ms
+    through `run_in_executor`.
+    """
 
     def __init__(self, config: ServeConfig, metrics: Metrics, progress: Callable[[str], None]):
         self.config, self.metrics, self.progress = config, metrics, progress
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glance-decode")
         self.engine: Engine | None = None
         self.waiting = 0
         self.lock = threading.Lock()
         self.decode_s = 0.1  # running mean of a decode, for Retry-After
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.closed = False
+
+    def _serve(self) -> None:
+        while (item := self.jobs.get()) is not None:
+            loop, future, call = item
+            result, exc = None, None
+            if self.closed:
+                exc = asyncio.CancelledError()
+            else:
+                try:
+                    result = call()
+                except BaseException as error:  # the awaiting request turns it into its answer
+                    exc = error
+            try:
+                loop.call_soon_threadsafe(_settle, future, result, exc)
+            except RuntimeError:  # the event loop has closed: nobody is left waiting
+                pass
+
+    def _put(self, call: Callable[[], Any]) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # an abandoned request's end is not an error
+        self.jobs.put((loop, future, call))
+        return future
 
     def load(self) -> "asyncio.Future[None]":
         def load() -> None:
@@ -82,7 +113,8 @@ class DecodeQueue:
             gc.freeze()
             self.engine = engine
 
-        return asyncio.get_running_loop().run_in_executor(self.pool, load)
+        threading.Thread(target=self._serve, name="glance-decode").start()  # stopped by close()
+        return self._put(load)
 
     def submit(self, job: Callable[[Engine], Completion]) -> "asyncio.Future[Completion]":
         submitted = time.monotonic()
@@ -108,12 +140,73 @@ class DecodeQueue:
                 self.metrics.busy.set(0)
                 self.decode_s = 0.8 * self.decode_s + 0.2 * (time.monotonic() - started)
 
-        future = asyncio.get_running_loop().run_in_executor(self.pool, run)
-        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # an abandoned request's end is not an error
-        return future
+        return self._put(run)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        """Jobs still queued are cancelled; the one decoding finishes (the interpreter waits for it at exit)."""
+        self.closed = True
+        self.jobs.put(None)
+
+
+def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if future.done():  # the request was given up (its client left, its time ran out, or the server is stopping)
+        return
+    if isinstance(exc, asyncio.CancelledError):
+        future.cancel()
+    elif exc is None:
+        future.set_result(result)
+    else:
+        future.set_exception(exc)
+
+
+class ClientLeft(Exception):
+    """A waiting request's client closed its connection."""
+
+
+class Watchdog:
+    """Non-streamed requests waiting for their decode, checked by one task every POLL_S: one whose client
+    has left or whose time has run out has its future failed (its decode then stops at its next round).
+
+    One task for all rather than asyncio.wait with a timeout per request: a request then awaits its future
+    directly, which saves a timer, the waiter's callbacks and a loop iteration on every answer (awaiting a
+    settled future took 0.05 ms through asyncio.wait and 0.016 ms directly, in a hot loop on this machine).
+    """
+
+    POLL_S = 0.2
+
+    def __init__(self, metrics: Metrics, timeout: Callable[[], RequestError]):
+        self.metrics, self.timeout = metrics, timeout
+        self.waiting: dict[asyncio.Future, tuple[Request, float]] = {}
+        self.task: asyncio.Task | None = None
+
+    async def until(self, request: Request, future: asyncio.Future, deadline: float) -> bool:
+        """True once `future` is done (its result or error is the request's to read); False when the client
+        left first; the timeout's 504 is the future's error past the deadline."""
+        self.waiting[future] = (request, deadline)
+        if self.task is None or self.task.done():
+            self.task = asyncio.ensure_future(self._run())
+        try:
+            await future
+        except ClientLeft:
+            return False
+        except Exception:  # the request's own error: it reads it from the future
+            pass
+        finally:
+            self.waiting.pop(future, None)
+        return True
+
+    async def _run(self) -> None:
+        while self.waiting:
+            await asyncio.sleep(self.POLL_S)
+            for future, (request, deadline) in list(self.waiting.items()):
+                if future.done():
+                    continue
+                if time.monotonic() > deadline:
+                    future.set_exception(self.timeout())
+                elif await request.is_disconnected() and not future.done():
+                    self.metrics.cancelled.labels("client").inc()
+                    self.metrics.requests.labels(str(CLIENT_CLOSED)).inc()
+                    future.set_exception(ClientLeft())
 
 
 def _sse(payload: dict[str, Any] | str) -> bytes:
@@ -126,6 +219,7 @@ class Service:
         self.config, self.on_fatal, self.on_ready = config, on_fatal, on_ready
         self.metrics = Metrics()
         self.runner = DecodeQueue(config, self.metrics, progress)
+        self.watchdog = Watchdog(self.metrics, self._timeout)
         self.ready = False
 
     @property
@@ -240,7 +334,7 @@ class Service:
         future = self.runner.submit(job)
         if not req.stream:
             try:
-                if not await self._until(request, future, deadline):
+                if not await self.watchdog.until(request, future, deadline):
                     return Response(status_code=CLIENT_CLOSED)
                 completion = self._result(future)
             finally:
@@ -264,8 +358,8 @@ class Service:
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _until(self, request: Request, waitable: asyncio.Future, deadline: float) -> bool:
-        """True once `waitable` is done; False when the client left first (the decode is then cancelled at
-        its next round); the timeout's 504 past the deadline."""
+        """For a stream's first event: True once `waitable` is done; False when the client left first (the
+        decode is then cancelled at its next round); the timeout's 504 past the deadline."""
         while True:
             done, _ = await asyncio.wait({waitable}, timeout=min(0.2, max(deadline - time.monotonic(), 0)))
             if done:
