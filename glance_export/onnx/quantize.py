@@ -22,6 +22,7 @@ deleted as soon as both of its forms are written.
 from __future__ import annotations
 
 import importlib.metadata
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -51,6 +52,7 @@ def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
 def quantize_graph(out: Path, name: str, scheme: Scheme, progress: Callable[[str], None] = print,
                    slice_bytes: int = SLICE_BYTES) -> dict[str, Any]:
     """Both forms of `out/<name>.onnx` in place of the fp32 graph; returns its entry of the manifest's record."""
+    started = time.perf_counter()
     src = out / f"{name}.onnx"
     model = onnx.load(str(src), load_external_data=False)
     # every MatMul on a weight sees the initializer, so the weight is quantized once, not kept fp32 beside it
@@ -76,7 +78,8 @@ def quantize_graph(out: Path, name: str, scheme: Scheme, progress: Callable[[str
     data, trt_data = (f"{src.name}.data", f"{TENSORRT_DIR}/{trt_path.name}.data") if external else (None, None)
     progress(f"quantized {src.name} to {scheme.name} (group {scheme.group_size}): "
              f"{', '.join(f'{k} {v}' for k, v in record.items() if k != 'tied')}; "
-             f"{_bytes(src) / 1e6:.1f} MB, TensorRT form {_bytes(trt_path) / 1e6:.1f} MB")
+             f"{_bytes(src) / 1e6:.1f} MB, TensorRT form {_bytes(trt_path) / 1e6:.1f} MB, "
+             f"in {time.perf_counter() - started:.1f}s")
     return {**record, "file": src.name, "data_file": data, "tensorrt_fp32_weights": len(kept),
             "tensorrt_file": f"{TENSORRT_DIR}/{trt_path.name}", "tensorrt_data_file": trt_data}
 
