@@ -45,22 +45,21 @@ class Fp32Graph:
 
 
 def _stored_slices(src_dir: Path, tensor: onnx.TensorProto, slice_bytes: int) -> Iterator[bytes]:
-    """An external tensor's bytes as stored, in slices."""
+    """An external tensor's bytes as stored, in slices (where they are is read now, before the tensor is
+    pointed at its new place)."""
     info = ExternalDataInfo(tensor)
-    start, remaining = info.offset or 0, info.length
+    return _read(src_dir / info.location, info.offset or 0, info.length, slice_bytes)
 
-    def read() -> Iterator[bytes]:
-        nonlocal start, remaining
-        with open(src_dir / info.location, "rb") as src:
-            src.seek(start)
-            while remaining:
-                chunk = src.read(min(remaining, slice_bytes))
-                if not chunk:
-                    raise OSError(f"{src_dir / info.location} ends before {tensor.name}'s declared length")
-                remaining -= len(chunk)
-                yield chunk
 
-    return read()
+def _read(path: Path, start: int, remaining: int, slice_bytes: int) -> Iterator[bytes]:
+    with open(path, "rb") as src:
+        src.seek(start)
+        while remaining:
+            chunk = src.read(min(remaining, slice_bytes))
+            if not chunk:
+                raise OSError(f"{path} ends before a tensor's declared length")
+            remaining -= len(chunk)
+            yield chunk
 
 
 def _raw(values: np.ndarray) -> memoryview:
