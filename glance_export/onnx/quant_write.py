@@ -18,7 +18,7 @@ from onnx import numpy_helper
 from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
 from .external_data import graph_tensors
-from .quant_blocks import block_quant, int_payload, positive, unpack
+from .quant_blocks import block_quant, int_payload, positive
 from .quant_nodes import Dequantized, Weight
 from .quant_scheme import Scheme
 from .stream import SLICE_BYTES, DataFile, Progress
@@ -77,8 +77,7 @@ def _write_rows(source: Fp32Graph, weight: Weight, ort: DataFile, ort_inits: dic
     for start in range(0, weight.n, step):
         packed, chunk_scales = block_quant(source.rows(weight.name, start, min(weight.n, start + step)).T, scheme)
         ort.add(_raw(packed))
-        signed, chunk_positive = positive(unpack(packed, scheme.bits, weight.k), chunk_scales, scheme.bits,
-                                          scheme.group_size)
+        signed, chunk_positive = positive(packed, chunk_scales, scheme.bits, weight.k)
         trt.add(int_payload(signed, scheme.bits))
         scales.append(chunk_scales)
         positives.append(chunk_positive)
@@ -96,7 +95,7 @@ def _write_matmul(source: Fp32Graph, weight: Weight, ort: DataFile, ort_inits: d
     ort.write(ort_inits[weight.scales], [_raw(scales)])
     if dq is None:  # left fp32 in the TensorRT form, copied through with the other tensors
         return
-    signed, positives = positive(unpack(packed, scheme.bits, weight.k), scales, scheme.bits, scheme.group_size)
+    signed, positives = positive(packed, scales, scheme.bits, weight.k)
     del packed
     trt.write(trt_inits[dq.data], [int_payload(signed.T, scheme.bits)])
     trt.write(trt_inits[dq.scale], [_raw(positives.T)])
