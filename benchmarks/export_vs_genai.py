@@ -73,6 +73,10 @@ def one(args, dtype: str) -> dict:
     return row
 
 
+def _ratio(row: dict) -> str:
+    return f"{row['time_ratio']}x" if "time_ratio" in row else "-"
+
+
 def render(rows: list[dict]) -> str:
     lines = ["| snapshot | dtype | graphs | export: time / peak (bound) | GenAI builder: time / peak | time ratio | "
              "load avg |", "|---|---|---|---|---|---|---|"]
@@ -82,7 +86,7 @@ def render(rows: list[dict]) -> str:
             else f"failed ({e['rc']})"
         theirs = f"{g['wall_s']:.0f} s / {g['peak_rss_gib']:.2f} GiB" if g and not g["rc"] else "-"
         lines.append(f"| {r['snapshot']} | {r['dtype']} | {e.get('graphs_gib', '-')} GiB | {ours} | {theirs} | "
-                     f"{r.get('time_ratio', '-')}x | {e['load_avg']} / {g.get('load_avg', '-')} |")
+                     f"{_ratio(r)} | {e['load_avg']} / {g.get('load_avg', '-')} |")
     return "\n".join(lines) + "\n"
 
 
