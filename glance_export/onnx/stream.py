@@ -6,8 +6,8 @@ only when it is written: the weight source reads the tensor as stored (bf16 in m
 the writer casts it to the export's dtype, and transposes it where it is read only through `Transpose`
 (what constant folding did when the weights were in memory), in slices of at most `SLICE_BYTES`,
 each written straight to `<graph>.onnx.data` at a page-aligned offset (runtimes can map each tensor)
-or, for a small graph, into the graph file itself. At most one tensor as stored, plus one slice, is
-in memory at any time.
+or, for a small graph, into the graph file itself, by `DataFile` (the quantizer writes through it too).
+At most one tensor as stored, plus one slice, is in memory at any time.
 """
 from __future__ import annotations
 
