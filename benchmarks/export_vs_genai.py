@@ -1,7 +1,11 @@
 """`glance-export onnx` against ONNX Runtime GenAI's model builder on the same snapshot and precision:
 wall time and peak RSS of each, one after the other, with the load average when each started.
 
-    python benchmarks/export_vs_genai.py OUT --snapshot DIR --head DIR [--dtypes fp16,fp32] [--genai-path DIR]
+    python benchmarks/export_vs_genai.py OUT --snapshot DIR --head DIR [--dtypes fp16,fp32,int4,int8] [--genai-path DIR]
+
+int4 and int8 are `--quantize` exports (fp32 activations) against the builder's `-p int4` (it has no
+int8 precision, so int8 rows have no builder run); their graphs are both forms written (the ONNX Runtime
+graphs and the TensorRT ones under `tensorrt/`).
 
 Each run is a child process whose peak is its process tree's largest (`os.wait4`, as `/usr/bin/time`
 reports). GenAI's builder (`python -m onnxruntime_genai.models.builder -i SNAPSHOT -o OUT -p DTYPE -e cpu`)
@@ -34,8 +38,12 @@ def run(cmd: list[str], env: dict[str, str], log: Path) -> dict:
             "peak_rss_gib": round(usage.ru_maxrss / 2 ** 20, 2), "load_avg": round(load, 1)}
 
 
+QUANTIZED = ("int4", "int8")
+GENAI_PRECISIONS = ("fp32", "fp16", "bf16", "int4")
+
+
 def graphs_gib(artifacts: Path) -> float:
-    return round(sum(p.stat().st_size for p in artifacts.glob("*.onnx*")) / GIB, 2)
+    return round(sum(p.stat().st_size for p in artifacts.rglob("*.onnx*")) / GIB, 2)
 
 
 def one(args, dtype: str) -> dict:
@@ -46,14 +54,15 @@ def one(args, dtype: str) -> dict:
     ours = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "runtime")])}
     cli = [sys.executable, "-c", "import sys; from glance_export.cli import main; sys.exit(main(sys.argv[1:]))"]
     print(f"[{args.snapshot.name} {dtype}] glance-export onnx ...", flush=True)
+    precision = ["--dtype", "fp32", "--quantize", dtype] if dtype in QUANTIZED else ["--dtype", dtype]
     row["export"] = run([*cli, "onnx", "--model", str(args.snapshot), "--head", str(args.head), "--out",
-                         str(work / "art"), "--dtype", dtype, "--max-context", "1024", "--max-tree", "64"],
+                         str(work / "art"), *precision, "--max-context", "1024", "--max-tree", "64"],
                         ours, args.out / f"{args.snapshot.name}-{dtype}-export.log")
     if row["export"]["rc"] == 0:
         row["export"]["graphs_gib"] = graphs_gib(work / "art")
         row["export"]["bound_gib"] = round(0.5 * row["export"]["graphs_gib"] + 3, 2)
     shutil.rmtree(work / "art", ignore_errors=True)
-    if args.genai_path:
+    if args.genai_path and dtype in GENAI_PRECISIONS:
         print(f"[{args.snapshot.name} {dtype}] onnxruntime-genai builder ...", flush=True)
         row["genai"] = run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(args.snapshot),
                             "-o", str(work / "genai"), "-p", dtype, "-e", "cpu", "-c", str(work / "cache")],
@@ -62,6 +71,10 @@ def one(args, dtype: str) -> dict:
             row["time_ratio"] = round(row["export"]["wall_s"] / row["genai"]["wall_s"], 2)
     shutil.rmtree(work, ignore_errors=True)
     return row
+
+
+def _ratio(row: dict) -> str:
+    return f"{row['time_ratio']}x" if "time_ratio" in row else "-"
 
 
 def render(rows: list[dict]) -> str:
@@ -73,7 +86,7 @@ def render(rows: list[dict]) -> str:
             else f"failed ({e['rc']})"
         theirs = f"{g['wall_s']:.0f} s / {g['peak_rss_gib']:.2f} GiB" if g and not g["rc"] else "-"
         lines.append(f"| {r['snapshot']} | {r['dtype']} | {e.get('graphs_gib', '-')} GiB | {ours} | {theirs} | "
-                     f"{r.get('time_ratio', '-')}x | {e['load_avg']} / {g.get('load_avg', '-')} |")
+                     f"{_ratio(r)} | {e['load_avg']} / {g.get('load_avg', '-')} |")
     return "\n".join(lines) + "\n"
 
 

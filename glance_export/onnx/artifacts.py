@@ -70,7 +70,7 @@ def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str |
     itemsize = 4 if dtype == "fp32" else 2
     estimate = estimate_peak(checkpoint, itemsize, weight_bytes(head), dims.layers, CUT_LAYERS, FULL_VALIDATION_BYTES,
                              quantize=scheme is not None)
-    check_fits(estimate, dtype, available_bytes())
+    check_fits(estimate, dtype, available_bytes(), quantize=scheme is not None)
     graphs = build_graphs(skeleton.model, head, dims, branch_k)
     progress(f"loaded {dims.family} target's config and tensor index ({dims.layers} layers, "
              f"{checkpoint.nbytes() / 1e9:.2f} GB in "

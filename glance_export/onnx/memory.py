@@ -8,6 +8,10 @@ transformers, onnx and ONNX Runtime), the one tensor being written, and the one 
 validated: its torch module and ONNX Runtime's session beside it (the vocabulary matrices, the vision
 tower, the head, or a target small enough to validate whole; a larger target as its depth cut). On a
 CPU without fp16 kernels that session also holds an fp32 copy of each fp16 weight.
+
+Quantization (`--quantize`) then reads, quantizes and writes one weight at a time: a layer's fp32 MatMul
+weight whole with the integer copies made from it, or a chunk of a vocabulary matrix's rows plus that
+matrix's scales.
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ from .stream import SLICE_BYTES
 
 GIB = 1 << 30
 PROCESS_BYTES = int(1.25 * GIB)  # interpreter, torch, transformers, onnx and ONNX Runtime, measured at import
+QUANT_COPIES = 2  # a MatMul weight's fp32 values, then its stored, signed, negated and clipped integers
+SMALLEST_GROUP = 32  # the most scales per weight: one fp32 scale per 32 weights
 
 
 @dataclass(frozen=True)
@@ -40,8 +46,7 @@ def estimate_peak(checkpoint: Checkpoint, itemsize: int, head_bytes: int, layers
                   full_validation_bytes: int, quantize: bool = False) -> Estimate:
     """Peak RSS of an export at `itemsize` bytes per weight, from the tensor index alone.
 
-    Quantization rewrites each graph in memory (ONNX Runtime's quantizer holds the fp32 graph, its
-    blocks and both quantized forms): about four times the largest graph."""
+    Quantization holds one weight at a time (see the module's note), after the export's own peak."""
     keys = list(checkpoint.entries)
     vision = [k for k in keys if "visual" in k]
     vocab = [k for k in keys if "embed_tokens" in k or k.endswith("lm_head.weight")]
@@ -56,7 +61,10 @@ def estimate_peak(checkpoint: Checkpoint, itemsize: int, head_bytes: int, layers
     session = 3 if itemsize == 2 else 1  # the mapped weights, plus their fp32 copy when they are fp16
     working = max(largest + SLICE_BYTES, (1 + session) * validated)
     if quantize:
-        working = max(working, 4 * max(stack_bytes, _rescaled(checkpoint, vocab, itemsize), head_bytes))
+        matmul = max((checkpoint.entries[k].numel * 4 for k in stack if len(checkpoint.entries[k].shape) == 2),
+                     default=0)
+        vocab_scales = max((checkpoint.entries[k].numel * 4 // SMALLEST_GROUP for k in vocab), default=0)
+        working = max(working, QUANT_COPIES * max(matmul, SLICE_BYTES) + 4 * vocab_scales)
     return Estimate(PROCESS_BYTES + working, graphs, largest, validated)
 
 
@@ -71,12 +79,12 @@ def available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
     return None
 
 
-def check_fits(estimate: Estimate, dtype: str, available: int | None) -> None:
+def check_fits(estimate: Estimate, dtype: str, available: int | None, quantize: bool = False) -> None:
     """One-line refusal, before any work, when the estimated peak exceeds the memory available now."""
     if available is None or estimate.peak <= available:
         return
     short = (estimate.peak - available) / GIB
-    change = "export with --dtype fp16 (half the weight bytes), " if dtype == "fp32" else ""
+    change = "export with --dtype fp16 (half the weight bytes), " if dtype == "fp32" and not quantize else ""
     raise GlanceError(f"this export needs about {estimate.peak / GIB:.1f} GiB at its peak and this machine has "
                       f"{available / GIB:.1f} GiB available ({short:.1f} GiB short); {change}close other programs, "
                       f"or run it on a machine with {estimate.peak / GIB:.0f} GiB free")

@@ -6,8 +6,8 @@ only when it is written: the weight source reads the tensor as stored (bf16 in m
 the writer casts it to the export's dtype, and transposes it where it is read only through `Transpose`
 (what constant folding did when the weights were in memory), in slices of at most `SLICE_BYTES`,
 each written straight to `<graph>.onnx.data` at a page-aligned offset (runtimes can map each tensor)
-or, for a small graph, into the graph file itself. At most one tensor as stored, plus one slice, is
-in memory at any time.
+or, for a small graph, into the graph file itself, by `DataFile` (the quantizer writes through it too).
+At most one tensor as stored, plus one slice, is in memory at any time.
 """
 from __future__ import annotations
 
@@ -140,6 +140,52 @@ def _buffer(values: torch.Tensor) -> memoryview:
 Progress = Callable[[int, int, str], None]  # (bytes written so far, total bytes, name of the tensor just written)
 
 
+class DataFile:
+    """Where a graph's tensors go as they are produced: appended page-aligned to `<graph>.onnx.data` (runtimes
+    can map each tensor) and the tensor pointed at its bytes, or, for a small graph, into the tensor itself.
+    One tensor is open at a time; its parts are written as they come, so none is held whole."""
+
+    def __init__(self, path: Path, external: bool) -> None:
+        self.name = f"{path.name}.data"
+        self._out = open(path.with_name(self.name), "wb") if external else None
+        self._offset = 0
+        self._open: tuple[onnx.TensorProto, int, list[bytes]] | None = None
+
+    def __enter__(self) -> "DataFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._out is not None:
+            self._out.close()
+
+    def start(self, tensor: onnx.TensorProto) -> None:
+        if self._out is not None:
+            pad = (-self._offset) % ALIGN
+            self._offset += self._out.write(b"\0" * pad)
+        self._open = (tensor, self._offset, [])
+
+    def add(self, part) -> None:
+        if self._out is not None:
+            self._offset += self._out.write(part)
+        else:
+            self._open[2].append(bytes(part))
+
+    def finish(self) -> None:
+        tensor, start, parts = self._open
+        if self._out is not None:
+            point_external(tensor, self.name, start, self._offset - start)
+        else:
+            tensor.raw_data = b"".join(parts)
+        self._open = None
+
+    def write(self, tensor: onnx.TensorProto, parts) -> None:
+        """One whole tensor from an iterable of byte buffers."""
+        self.start(tensor)
+        for part in parts:
+            self.add(part)
+        self.finish()
+
+
 def write_initializers(model: onnx.ModelProto, pending: dict[str, Pending], path: Path,
                        real: Callable[[torch.Tensor], torch.Tensor], external: bool,
                        on_tensor: Progress | None = None) -> None:
@@ -148,10 +194,7 @@ def write_initializers(model: onnx.ModelProto, pending: dict[str, Pending], path
     produced, written and freed one at a time."""
     total = sum(p.nbytes for p in pending.values())
     done = 0
-    data_name = f"{path.name}.data"
-    out = open(path.with_name(data_name), "wb") if external else None
-    try:
-        offset = 0
+    with DataFile(path, external) as data:
         for tensor in model.graph.initializer:
             item = pending.get(tensor.name)
             if item is None:
@@ -160,24 +203,11 @@ def write_initializers(model: onnx.ModelProto, pending: dict[str, Pending], path
             if tuple(values.shape) != tuple(item.tensor.shape) or (values.dtype != item.tensor.dtype and not (
                     values.is_floating_point() and item.tensor.is_floating_point())):
                 raise ValueError(f"weight source gave {values.dtype} {list(values.shape)} for {tensor.name}")
-            if out is None:
-                tensor.raw_data = b"".join(_buffer(part).tobytes()
-                                           for part in _slices(values, item.tensor.dtype, item.transposed))
-            else:
-                pad = (-offset) % ALIGN
-                out.write(b"\0" * pad)
-                offset += pad
-                start = offset
-                for part in _slices(values, item.tensor.dtype, item.transposed):
-                    offset += out.write(_buffer(part))
-                point_external(tensor, data_name, start, offset - start)
+            data.write(tensor, (_buffer(part) for part in _slices(values, item.tensor.dtype, item.transposed)))
             del values
             done += item.nbytes
             if on_tensor is not None:
                 on_tensor(done, total, tensor.name)
-    finally:
-        if out is not None:
-            out.close()
     onnx.save_model(model, str(path))
 
 
