@@ -49,9 +49,8 @@ def validate_target(out_dir: Path, full: nn.Module, skeleton, dims: Dims, snapsh
     """Max error per output of the target graph (whole, or its depth cut); raises GlanceError on failure."""
     tol = TOLERANCES[dtype]
     if weight_bytes(full) <= FULL_VALIDATION_BYTES or dims.layers <= CUT_LAYERS:
-        with skeleton.materialized(full):
-            return validate_graph("target", out_dir / "target.onnx", full,
-                                  validation_feeds("target", dims, snapshot, dtype, seed), tol)
+        return validate_graph("target", out_dir / "target.onnx", full,
+                              validation_feeds("target", dims, snapshot, dtype, seed), tol, skeleton.materialized)
     small = cut_dims(dims, CUT_LAYERS)
     cut = target_skeleton(snapshot, skeleton.checkpoint, dtype, attention, layers=CUT_LAYERS)
     module = target_graph(cut.model, small)
@@ -65,8 +64,8 @@ def validate_target(out_dir: Path, full: nn.Module, skeleton, dims: Dims, snapsh
         axes = dynamic_axes(small, "target", module.input_names, module.output_names)
         export_graph(module, trace_feeds(snapshot, small, DTYPES[dtype])["target"], path, axes, opset,
                      output_shapes(small, "target", branch_k), cut, borrow=borrow)
-        with cut.materialized(module):
-            errors = validate_graph("target", path, module, validation_feeds("target", small, snapshot, dtype, seed), tol)
+        errors = validate_graph("target", path, module, validation_feeds("target", small, snapshot, dtype, seed), tol,
+                                cut.materialized)
     finally:
         path.unlink(missing_ok=True)
         shutil.rmtree(scratch, ignore_errors=True)

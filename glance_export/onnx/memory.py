@@ -5,9 +5,10 @@ Nothing scales with the depth of the model: tracing runs on meta tensors, weight
 tensor at a time (read as stored, cast and transposed slice by slice), and the full-depth smoke run
 loads one segment of the target at a time. What is resident at once is the process itself (torch,
 transformers, onnx and ONNX Runtime), the one tensor being written, and the one graph being
-validated: its torch module and ONNX Runtime's session beside it (the vocabulary matrices, the vision
-tower, the head, or a target small enough to validate whole; a larger target as its depth cut). On a
-CPU without fp16 kernels that session also holds an fp32 copy of each fp16 weight.
+validated: its torch module (the vocabulary matrices, the vision tower, the head, or a target small
+enough to validate whole; a larger target as its depth cut), then, once torch's outputs are taken and
+its weights dropped, ONNX Runtime running the graph one segment of weights at a time. On a CPU without
+fp16 kernels a segment's session also holds an fp32 copy of each fp16 weight.
 
 Quantization (`--quantize`) then reads, quantizes and writes one weight at a time: a layer's fp32 MatMul
 weight whole with the integer copies made from it, or a chunk of a vocabulary matrix's rows plus that
@@ -21,6 +22,7 @@ from pathlib import Path
 from glance_runtime.errors import GlanceError
 
 from .checkpoint import Checkpoint
+from .segments import SEGMENT_BYTES
 from .stream import SLICE_BYTES
 
 GIB = 1 << 30
@@ -34,7 +36,7 @@ class Estimate:
     peak: int
     graphs: int  # bytes of all exported graphs
     largest_tensor: int
-    validated: int  # the largest module validated at once (torch and ONNX Runtime copies counted once each)
+    validated: int  # the largest module validated at once (in torch, then in ONNX Runtime)
 
 
 def _rescaled(checkpoint: Checkpoint, keys: list[str], itemsize: int) -> int:
@@ -59,7 +61,11 @@ def estimate_peak(checkpoint: Checkpoint, itemsize: int, head_bytes: int, layers
     largest = max((e.length for e in checkpoint.entries.values()), default=0)  # read as stored
     graphs = checkpoint.nbytes(itemsize) + head_bytes
     session = 3 if itemsize == 2 else 1  # the mapped weights, plus their fp32 copy when they are fp16
-    working = max(largest + SLICE_BYTES, (1 + session) * validated)
+    largest_cast = max((e.numel * itemsize for e in checkpoint.entries.values() if e.dtype.is_floating_point),
+                       default=0)
+    segment = max(SEGMENT_BYTES, largest_cast)  # ONNX Runtime's share: one segment, at least one whole weight
+    # torch's module fills tensor by tensor, each read as stored and then cast beside what is already in
+    working = max(largest + SLICE_BYTES, validated + largest, session * min(segment, validated))
     if quantize:
         matmul = max((checkpoint.entries[k].numel * 4 for k in stack if len(checkpoint.entries[k].shape) == 2),
                      default=0)

@@ -35,6 +35,11 @@ def _tensor_bytes(tensor: onnx.TensorProto) -> int:
     return len(tensor.raw_data)
 
 
+def weight_bytes(path: Path) -> int:
+    """The bytes of a graph file's initializers, read from its protobuf alone."""
+    return sum(_tensor_bytes(t) for t in onnx.load(str(path), load_external_data=False).graph.initializer)
+
+
 def reads(node: onnx.NodeProto) -> list[str]:
     """The names a node reads, those its subgraphs (If, Loop, Scan bodies) take from the outer scope included."""
     names = [name for name in node.input if name]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, ContextManager
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ from glance_runtime.errors import GlanceError
 
 from .export import torch_args
 from .feeds import draft_feed, target_feed, vision_feed, vocab_feed
+from .segments import SEGMENT_BYTES, run_in_segments, weight_bytes
 from .spec import DTYPES, Dims
 
 
@@ -95,18 +96,30 @@ def compare(graph: str, names: list[str], ref: list[np.ndarray], got: list[np.nd
 
 
 def validate_graph(graph: str, path: Path, module: nn.Module, feeds: list[dict[str, np.ndarray]],
-                   tol: Tolerance) -> dict[str, float]:
-    """Max error per output over all feeds (mismatch counts for ids); raises GlanceError on failure."""
+                   tol: Tolerance, materialized: Callable[[nn.Module], ContextManager]) -> dict[str, float]:
+    """Max error per output over all feeds (mismatch counts for ids); raises GlanceError on failure.
+
+    Torch's outputs come first, with the module's real weights in place only for them (`materialized`),
+    and ONNX Runtime runs the graph after they are gone, so the two never hold the weights at once (at
+    3B width the fp32 vocabulary matrix alone is 1.2 GB in each). A graph over `SEGMENT_BYTES` of weights
+    runs in segments (see `segments.py`): a whole session would hold an fp32 copy of every fp16 weight
+    beside them, three times the vision tower's 1.2 GiB at its peak."""
     import onnxruntime as ort
 
+    with materialized(module):
+        references = [_reference(module, feed) for feed in feeds]
     options = ort.SessionOptions()
     options.log_severity_level = 3  # fp16 graphs warn about CPU constant folding; not our concern here
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    inputs = [i.name for i in session.get_inputs()]
+    if weight_bytes(path) > SEGMENT_BYTES:
+        options.add_session_config_entry("session.disable_prepacking", "1")  # packed weights would be a second copy
+        runs = run_in_segments(path, feeds, SEGMENT_BYTES, options)
+        outputs = [[run[name] for name in module.output_names] for run in runs]
+    else:
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        inputs = [i.name for i in session.get_inputs()]
+        outputs = [session.run(module.output_names, {n: feed[n] for n in inputs}) for feed in feeds]
     errors: dict[str, float] = {}
-    for feed in feeds:
-        ref = _reference(module, feed)
-        got = session.run(module.output_names, {n: feed[n] for n in inputs})
+    for ref, got in zip(references, outputs):
         compare(graph, module.output_names, ref, got, tol, errors)
     return errors
 
@@ -118,8 +131,8 @@ def validate_graphs(out_dir: Path, graphs: dict[str, nn.Module], dims: Dims, sna
     report = {}
     for name, module in graphs.items():
         feeds = validation_feeds(name, dims, snapshot, dtype, seed)
-        with weights.materialized(module):
-            report[name] = validate_graph(name, Path(out_dir) / f"{name}.onnx", module, feeds, TOLERANCES[dtype])
+        report[name] = validate_graph(name, Path(out_dir) / f"{name}.onnx", module, feeds, TOLERANCES[dtype],
+                                      weights.materialized)
         validated(name, module, report[name], len(feeds), progress)
     return report
 
