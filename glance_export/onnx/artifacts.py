@@ -14,12 +14,13 @@ from typing import Callable
 from glance_runtime.atomic import atomic_directory, check_output
 from glance_runtime.calibration import FILE as CALIBRATION
 from glance_runtime.errors import GlanceError
+from glance_runtime.hardware import available_host_bytes
 from glance_runtime.formats import artifacts as artifacts_format
 
 from .depth_cut import CUT_LAYERS, FULL_VALIDATION_BYTES, validate_target
 from .export import ATTENTION_OPSET, InMemory, export_graph, weight_bytes
 from .feeds import trace_feeds
-from .memory import GIB, available_bytes, check_fits, estimate_peak
+from .memory import GIB, check_fits, estimate_peak
 from .manifest import build_manifest, copy_runtime_files
 from .quantize import check_scheme, quantize_graphs
 from .skeleton import Skeleton
@@ -70,7 +71,7 @@ def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str |
     itemsize = 4 if dtype == "fp32" else 2
     estimate = estimate_peak(checkpoint, itemsize, weight_bytes(head), dims.layers, CUT_LAYERS, FULL_VALIDATION_BYTES,
                              quantize=scheme is not None)
-    check_fits(estimate, dtype, available_bytes(), quantize=scheme is not None)
+    check_fits(estimate, dtype, available_host_bytes(), quantize=scheme is not None)
     graphs = build_graphs(skeleton.model, head, dims, branch_k)
     progress(f"loaded {dims.family} target's config and tensor index ({dims.layers} layers, "
              f"{checkpoint.nbytes() / 1e9:.2f} GB in "

@@ -17,7 +17,6 @@ matrix's scales.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from glance_runtime.errors import GlanceError
 
@@ -72,17 +71,6 @@ def estimate_peak(checkpoint: Checkpoint, itemsize: int, head_bytes: int, layers
         vocab_scales = max((checkpoint.entries[k].numel * 4 // SMALLEST_GROUP for k in vocab), default=0)
         working = max(working, QUANT_COPIES * max(matmul, SLICE_BYTES) + 4 * vocab_scales)
     return Estimate(PROCESS_BYTES + working, graphs, largest, validated)
-
-
-def available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    """MemAvailable: what the kernel can hand out without swapping (free plus reclaimable cache)."""
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def check_fits(estimate: Estimate, dtype: str, available: int | None, quantize: bool = False) -> None:
