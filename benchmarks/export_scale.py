@@ -166,6 +166,8 @@ def one_row(args, model: str, depth: int | None, dtype: str) -> dict:
 def _cell(stage: dict | None, key: str = "peak_rss_gib") -> str:
     if not stage:
         return "-"
+    if stage.get("rc") and any(word in stage.get("error", "") for word in ("does not fit", "GiB short")):
+        return f"refused before work ({stage['error'].split('error: ')[-1][:110]})"
     if stage.get("rc"):
         return f"failed ({stage.get('error', '')[:60]})"
     return f"{stage['wall_s']:.0f} s / {stage[key]:.2f} GiB"
