@@ -32,10 +32,16 @@ train_target(Path(sys.argv[1]), steps=int(sys.argv[2]), batch_size=2, vision_war
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
+def _ctrl_c_deliverable() -> None:
+    """A test run started in the background (`nohup`, `cmd &` in a script) has SIGINT ignored, which its
+    children would inherit; Ctrl-C is what these tests press, so the child starts with it deliverable."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupt(argv: list[str], marker: str, sig: int = signal.SIGKILL, code: str = CLI) -> tuple[int, str]:
     """Start a real process, send `sig` as soon as it prints a line containing `marker`; (exit code, output)."""
     proc = subprocess.Popen([sys.executable, "-c", code, *map(str, argv)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=ENV)
+                            stderr=subprocess.STDOUT, text=True, env=ENV, preexec_fn=_ctrl_c_deliverable)
     seen = []
     for line in proc.stdout:
         seen.append(line)
