@@ -1,13 +1,11 @@
 """The CPU provider's load estimate against what a real session holds, and the refusal it drives."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from glance_export.adapters import Snapshot
 from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
@@ -15,7 +13,7 @@ from glance_export.onnx import export_artifacts
 from glance_runtime.backends.host_room import PROCESS_BYTES, check_cpu_room, cpu_load_bytes, weight_bytes
 from glance_runtime.errors import GlanceError
 from glance_runtime.formats.artifacts import read as read_manifest
-from tiny_models import make_snapshot
+from tiny_models import make_mid_snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTEXT = 256
@@ -36,18 +34,8 @@ print(rss() - before)
 @pytest.fixture(scope="module")
 def wide_fp16(tmp_path_factory) -> Path:
     """A text model wide enough (hidden 1024, about 40 MB of fp16 weights) for its weights to dominate a load."""
-    import transformers as tf
-
     root = tmp_path_factory.mktemp("wide")
-    snap = make_snapshot(root / "snap", "qwen3", layers=2)
-    raw = json.loads((snap / "config.json").read_text())
-    raw.update(hidden_size=1024, intermediate_size=4096, num_attention_heads=8, num_key_value_heads=2, head_dim=128)
-    raw.pop("layer_types", None)
-    (snap / "config.json").write_text(json.dumps(raw))
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(snap))
-    (snap / "model.safetensors").unlink()
-    model.save_pretrained(snap)
+    snap, _ = make_mid_snapshot(root / "snap", 2)
     s = Snapshot(snap)
     head = save_head(init_head(head_config_for(s, 1, 6, pick_mask_token(s)), seed=0), root / "head")
     return export_artifacts(snap, head, root / "art", dtype="fp16", max_tree=16, max_context=CONTEXT,

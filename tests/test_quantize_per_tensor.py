@@ -4,7 +4,6 @@ matrices in chunks of rows) and on exported ones, tied and untied; the TensorRT 
 same blocks with positive scales; and the quantize step's resident peak does not grow with depth."""
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
@@ -13,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-import torch
 from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.quantization.matmul_nbits_quantizer import (DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer,
                                                              MatMulNBitsQuantizer)
@@ -26,7 +24,7 @@ from glance_export.onnx.memory import GIB, check_fits, estimate_peak
 from glance_export.onnx.quantize import STAGING, check_scheme, quantize_graph
 from glance_export.onnx.rewrite import skip_identities
 from glance_runtime.errors import GlanceError
-from tiny_models import make_snapshot
+from tiny_models import make_mid_snapshot, make_snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 H, F, V = 64, 96, 50
@@ -220,22 +218,6 @@ print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHW
 """
 
 
-def _mid_snapshot(root: Path, layers: int) -> tuple[Path, int]:
-    """Hidden 1024, intermediate 4096 (about 60 MB of fp32 weights a layer); returns it and its weight bytes."""
-    import transformers as tf
-
-    snap = make_snapshot(root, "qwen3", layers=layers)
-    raw = json.loads((snap / "config.json").read_text())
-    raw.update(hidden_size=1024, intermediate_size=4096, num_attention_heads=8, num_key_value_heads=2, head_dim=128)
-    raw.pop("layer_types", None)
-    (snap / "config.json").write_text(json.dumps(raw))
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(snap))
-    (snap / "model.safetensors").unlink()
-    model.save_pretrained(snap)
-    return snap, sum(p.numel() * 4 for p in model.parameters())
-
-
 @pytest.mark.parametrize("scheme", ["int4"])
 def test_quantize_peak_is_flat_from_2_to_8_layers(tmp_path, scheme):
     """The quantize step of eight layers of a mid-size model holds no more than that of two: one tensor at a
@@ -244,7 +226,7 @@ def test_quantize_peak_is_flat_from_2_to_8_layers(tmp_path, scheme):
     peaks, weights, estimates = {}, {}, {}
     env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'runtime'}", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     for layers in (2, 8):
-        snap, weights[layers] = _mid_snapshot(tmp_path / f"s{layers}", layers)
+        snap, weights[layers] = make_mid_snapshot(tmp_path / f"s{layers}", layers)
         estimates[layers] = estimate_peak(Checkpoint(snap), 4, 0, layers, 2, 1 << 28, quantize=True).peak
         s = Snapshot(snap)
         head = save_head(init_head(head_config_for(s, 1, 6, pick_mask_token(s)), seed=0), tmp_path / f"h{layers}")

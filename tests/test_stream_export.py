@@ -24,7 +24,7 @@ from glance_export.onnx.checkpoint import INDEX, Checkpoint
 from glance_export.onnx.external_data import graph_tensors
 from glance_export.onnx.memory import GIB, check_fits, estimate_peak
 from glance_runtime.errors import GlanceError
-from tiny_models import make_snapshot
+from tiny_models import make_mid_snapshot, make_snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -144,21 +144,9 @@ def _export_peak_kib(snap: Path, head: Path, out: Path) -> int:
 def test_export_peak_is_flat_from_2_to_8_layers(tmp_path):
     """Eight layers of a mid-size model (about 64 MB each in fp32) cost the exporter no more resident
     memory than two: the weights stream through, and validation holds a 2-layer cut."""
-    import transformers as tf
-
     peaks, weights = {}, {}
     for layers in (2, 8):
-        snap = make_snapshot(tmp_path / f"s{layers}", "qwen3", layers=layers)
-        raw = json.loads((snap / "config.json").read_text())
-        raw.update(hidden_size=1024, intermediate_size=4096, num_attention_heads=8, num_key_value_heads=2, head_dim=128)
-        raw.pop("layer_types", None)
-        (snap / "config.json").write_text(json.dumps(raw))
-        torch.manual_seed(0)
-        model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(snap))
-        (snap / "model.safetensors").unlink()
-        model.save_pretrained(snap)
-        weights[layers] = sum(p.numel() * 4 for p in model.parameters())
-        del model
+        snap, weights[layers] = make_mid_snapshot(tmp_path / f"s{layers}", layers)
         head = _head(snap, tmp_path / f"h{layers}")
         peaks[layers] = _export_peak_kib(snap, head, tmp_path / f"a{layers}") * 1024
     growth = peaks[8] - peaks[2]

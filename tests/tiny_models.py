@@ -139,6 +139,23 @@ def make_wide_snapshot(out: Path, family: str, text: dict, vision: dict | None =
     return snap
 
 
+def make_mid_snapshot(out: Path, layers: int) -> tuple[Path, int]:
+    """A qwen3 text model at hidden 1024, intermediate 4096 (about 60 MB of fp32 weights a layer), for tests
+    of memory that must not grow with depth; returns it and its fp32 weight bytes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    snap = make_snapshot(out, "qwen3", layers=layers)
+    raw = json.loads((snap / "config.json").read_text())
+    raw.update(hidden_size=1024, intermediate_size=4096, num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+    raw.pop("layer_types", None)
+    (snap / "config.json").write_text(json.dumps(raw))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(snap))
+    (snap / "model.safetensors").unlink()
+    model.save_pretrained(snap)
+    return snap, sum(p.numel() * 4 for p in model.parameters())
+
+
 def make_image(path: Path, width: int, height: int, seed: int) -> Path:
     """A seeded image of random coloured rectangles, so different seeds give different pictures."""
     rng = np.random.default_rng(seed)
