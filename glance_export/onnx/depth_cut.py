@@ -80,15 +80,10 @@ def _external(path: Path) -> bool:
 
 def smoke_run(path: Path, dims: Dims, dtype: str, seed: int, budget: int = SEGMENT_BYTES) -> None:
     """A prefill and a tree-verify pass of the full graph in ONNX Runtime: contract shapes, finite values."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.add_session_config_entry("session.disable_prepacking", "1")  # packed weights would be a second copy
     rng = np.random.default_rng(seed)
     feeds = [target_feed(dims, rng, 7, 0, 2, DTYPES[dtype], tree=False),
              target_feed(dims, rng, 5, 7, 0, DTYPES[dtype], tree=True)]
-    for feed, outputs in zip(feeds, run_in_segments(path, feeds, budget, options)):
+    for feed, outputs in zip(feeds, run_in_segments(path, feeds, budget)):
         rows = feed["tree_mask"].shape[0]
         for name, value in outputs.items():
             if value.shape[0] != rows:

@@ -88,11 +88,14 @@ def _segment_model(model: onnx.ModelProto, segment: Segment, inputs: list[str], 
                                   functions=model.functions)
 
 
-def run_in_segments(path: Path, feeds: list[dict[str, np.ndarray]], budget: int = SEGMENT_BYTES,
-                    options=None) -> list[dict[str, np.ndarray]]:
+def run_in_segments(path: Path, feeds: list[dict[str, np.ndarray]], budget: int = SEGMENT_BYTES
+                    ) -> list[dict[str, np.ndarray]]:
     """The graph's outputs for each feed, computed segment by segment (one session open at a time)."""
     import onnxruntime as ort
 
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # fp16 graphs warn about CPU constant folding
+    options.add_session_config_entry("session.disable_prepacking", "1")  # packed weights would be a second copy
     model = onnx.load(str(path), load_external_data=False)
     graph = model.graph
     types = _value_types(model)

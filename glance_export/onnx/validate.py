@@ -108,13 +108,12 @@ def validate_graph(graph: str, path: Path, module: nn.Module, feeds: list[dict[s
 
     with materialized(module):
         references = [_reference(module, feed) for feed in feeds]
-    options = ort.SessionOptions()
-    options.log_severity_level = 3  # fp16 graphs warn about CPU constant folding; not our concern here
     if weight_bytes(path) > SEGMENT_BYTES:
-        options.add_session_config_entry("session.disable_prepacking", "1")  # packed weights would be a second copy
-        runs = run_in_segments(path, feeds, SEGMENT_BYTES, options)
+        runs = run_in_segments(path, feeds, SEGMENT_BYTES)
         outputs = [[run[name] for name in module.output_names] for run in runs]
     else:
+        options = ort.SessionOptions()
+        options.log_severity_level = 3  # fp16 graphs warn about CPU constant folding; not our concern here
         session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         inputs = [i.name for i in session.get_inputs()]
         outputs = [session.run(module.output_names, {n: feed[n] for n in inputs}) for feed in feeds]
