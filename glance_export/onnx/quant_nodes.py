@@ -18,6 +18,7 @@ from onnx import helper, numpy_helper
 from glance_runtime.errors import GlanceError
 
 from .quant_scheme import Scheme
+from .segments import reads
 
 TENSORRT_OPSET = 21  # blocked DequantizeLinear and the int4 type
 _MS = "com.microsoft"
@@ -47,17 +48,6 @@ class Weight:
 
 def _stub(name: str, data_type: int, dims: list[int]) -> onnx.TensorProto:
     return onnx.TensorProto(name=name, data_type=data_type, dims=dims)
-
-
-def _read_names(graph: onnx.GraphProto) -> set[str]:
-    """Every value a node reads, subgraphs included, and the graph's outputs."""
-    names = {o.name for o in graph.output}
-    for node in graph.node:
-        names.update(node.input)
-        for attr in node.attribute:
-            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
-                names |= _read_names(sub)
-    return names
 
 
 def _matmul_weight(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> onnx.TensorProto | None:
@@ -146,7 +136,7 @@ def onnxruntime_form(model: onnx.ModelProto, graph_name: str,
             weights[table] = Weight(table, tuple(t.dims), True, f"{table}_Q{bits}", f"{table}_scales")
         record["GatherBlockQuantized"] = _gather_block_quantized(graph, table, weights[table], scheme)
         record["tied"] = table == head.input[1]
-    read = _read_names(graph)
+    read = {o.name for o in graph.output} | {name for node in graph.node for name in reads(node)}
     keep = [t for t in graph.initializer if t.name not in weights or t.name in read]
     del graph.initializer[:]
     graph.initializer.extend(keep)
