@@ -2,7 +2,7 @@
 in-process API.
 
     python benchmarks/serve_load.py                          # starts glance-serve (embedded default) itself
-    python benchmarks/serve_load.py --clients 1,4,16 --requests 24 --out benchmarks/results/serve-load
+    python benchmarks/serve_load.py --clients 1,4,16 --requests 24 --served 3000 --out benchmarks/results/serve-load
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 --model glance-vl-tiny --no-overhead
 
 Requests cycle through the held-out tasks of examples/*/tasks.jsonl (image as a data URL). Per load
@@ -29,6 +29,9 @@ started the server, it also reads the server's threads' CPU time and run-queue w
 work the server adds, which other jobs on the machine disturb far less than wall time, split into the
 event-loop thread's (everything HTTP: parsing, JSON, validation, the answer) and the decode thread's
 excess over the in-process decode, and how long the server waited for a CPU because of them.
+With `--served N` it then sends N more requests one at a time and reads the event-loop thread's CPU
+per request every 100: what the server spends on a request should not grow with the requests it has
+served (a leak, a growing structure, a slower garbage collection).
 """
 from __future__ import annotations
 
@@ -296,6 +299,22 @@ def health_round_trips(client: LeanClient, n: int, idle_ms: float) -> list[float
     return out
 
 
+def served(url: str, work: list[tuple[str, Path]], model_name: str, total: int, server_pid: int) -> list[float]:
+    """The event-loop thread's CPU ms per request, per 100 requests, over `total` sent one at a time to one
+    server: whether what the server spends on a request grows with the requests it has served."""
+    client = LeanClient(url)
+    payloads = [json.dumps(body(model_name, prompt, image)).encode() for prompt, image in work]
+    out = []
+    for start in range(0, total, 100):
+        n = min(100, total - start)
+        before = schedstat(server_pid)[2]
+        for i in range(start, start + n):
+            client.post("/v1/chat/completions", payloads[i % len(payloads)])
+        out.append(round((schedstat(server_pid)[2] - before) / n * 1e3, 2))
+    client.close()
+    return out
+
+
 def markdown(report: dict) -> str:
     rows = ["| clients | requests | req/s | tokens/s | latency p50 ms | p99 ms | queue wait p50 ms | mean | tau "
             "| server added p50 ms | p99 ms | outside the server p50 ms |",
@@ -322,6 +341,9 @@ def markdown(report: dict) -> str:
                      f"the decode thread {o['decode_side_cpu_added_ms']:+} ms against the in-process decode; the "
                      f"server's threads "
                      f"waited {o['server_runqueue_wait_ms']} ms per request for a CPU (other jobs on the machine)."]
+    if g := report.get("served"):
+        rows += ["", f"The event-loop thread's CPU per request over {g['requests']} more requests one at a time, "
+                 f"per 100: {', '.join(map(str, g['loop_cpu_ms_per_100']))} ms."]
     parser = f"; uvicorn's HTTP parser: {report['http_parser']}" if "http_parser" in report else ""
     rows += ["", f"Machine: {report['machine']}{parser}."]
     return "\n".join(rows) + "\n"
@@ -341,6 +363,9 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads (server and in-process)")
     p.add_argument("--overhead-requests", type=int, default=192, help="paired requests against the in-process API")
     p.add_argument("--no-overhead", action="store_true", help="skip the in-process comparison")
+    p.add_argument("--served", type=int, default=0, metavar="N",
+                   help="then N requests one at a time, the event loop's CPU per request read every 100 (a server "
+                        "this benchmark started)")
     p.add_argument("--out", type=Path, help="directory for report.json and report.md")
     args = p.parse_args()
     work = tasks(args.per_kind)
@@ -359,6 +384,10 @@ def main() -> int:
             report["overhead"] = overhead(url, args.model, work, args.overhead_requests, args.threads,
                                           proc.pid if proc else None)
             print(json.dumps(report["overhead"]), file=sys.stderr)
+        if args.served and proc is not None:
+            report["served"] = {"requests": args.served,
+                                "loop_cpu_ms_per_100": served(url, work, args.model, args.served, proc.pid)}
+            print(json.dumps(report["served"]), file=sys.stderr)
     finally:
         if proc is not None:
             proc.terminate()
