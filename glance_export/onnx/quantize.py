@@ -98,7 +98,8 @@ def quantize_graphs(out: Path, scheme: Scheme, progress: Callable[[str], None] =
     return {
         "scheme": scheme.name, "bits": scheme.bits, "group_size": scheme.group_size, "symmetric": True,
         "method": "round-to-nearest, block-wise along the input axis, one fp32 scale per group",
-        "library": "onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer",
+        "library": "onnxruntime.quantization.matmul_nbits_quantizer.DefaultWeightOnlyQuantizer.qbits_block_quant",
+        "equals": "onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer on the whole graph, bit for bit",
         "library_version": importlib.metadata.version("onnxruntime"),
         "graphs": graphs,
         "accuracy_level": None,
