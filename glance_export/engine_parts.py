@@ -103,7 +103,7 @@ class GraphCut:
         def can_cut(index: int) -> bool:
             return all(name in cheap or self._passable(name) for name in crossing(graph, index))
 
-        segments = split(graph, budget, can_cut)
+        segments = self.runs = split(graph, budget, can_cut)  # the nodes each part owns, before recomputing
         augmented = []
         for number, segment in enumerate(segments):
             made = {o for node in segment.nodes for o in node.output}

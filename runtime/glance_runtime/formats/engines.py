@@ -83,7 +83,7 @@ def _file(entry: Any, where: str, part: bool) -> EngineFile:
 def _engine(graph: str, entry: Any) -> tuple[EngineFile, ...]:
     """A graph's one engine, or its parts in run order: each part reads only the graph's inputs and what an
     earlier part writes."""
-    where = f"engines.{graph}."
+    where = f"engines.{graph if graph.isprintable() else repr(graph)}."  # a graph name is a key: any text
     if not isinstance(entry, dict) or "parts" not in entry:
         return (_file(entry, where, part=False),)
     parts = entry["parts"]
