@@ -79,7 +79,11 @@ class GraphCut:
         from .node_runs import Segment, boundaries, crossing, reads, split
 
         self.path, self.budget = path, budget
-        self.model = onnx.load(str(path), load_external_data=False)
+        try:
+            self.model = onnx.load(str(path), load_external_data=False)
+        except Exception as exc:  # protobuf's DecodeError, OSError: a damaged or foreign file
+            raise GlanceError(f"cannot read {path} to cut it into parts ({type(exc).__name__}); re-export the "
+                              f"artifacts") from None
         graph = self.model.graph
         try:
             inferred = symbolic.infer_shapes(_with_small_weights(self.model, path.parent), auto_merge=True)

@@ -258,7 +258,8 @@ def test_engines_record_round_trip(tmp_path):
     engines.write(tmp_path, _engines_doc())
     record = engines.read(tmp_path)
     assert (record.module, record.max_context, record.max_tree, record.precision) == ("tensorrt_rtx", 256, 32, "fp16")
-    assert record.compute_capabilities == ("8.6", "8.9") and [e.file for e in record.engines["target"]] == ["target.engine"]
+    assert record.compute_capabilities == ("8.6", "8.9")
+    assert [e.file for e in record.engines["target"]] == ["target.engine"]
 
 
 def _parts_doc() -> dict:
