@@ -101,7 +101,6 @@ class GraphCut:
             if all(n in inputs or n in cheap or n in small for n in names):
                 cheap.update(o for o in node.output if o)
             producer.update((o, index) for o in node.output if o)
-        self.cheap = cheap
 
         @lru_cache(maxsize=None)
         def can_cut(index: int) -> bool:
@@ -124,10 +123,15 @@ class GraphCut:
         self.boundaries = boundaries(graph, augmented)
 
     def _passable(self, name: str) -> bool:
+        """Whether an engine can take the value as an input: a float tensor with dims in the graph's axes."""
         value_type = self.types.get(name)
         dims = None if value_type is None else _dims(value_type)
-        return (dims is not None and value_type.tensor_type.elem_type in FLOATING
-                and all(symbols(d) <= self.axes for d in dims))
+        if dims is None or value_type.tensor_type.elem_type not in FLOATING:
+            return False
+        try:
+            return all(symbols(d) <= self.axes for d in dims)
+        except GlanceError:  # a dim symbolic inference wrote as something other than arithmetic
+            return False
 
     @property
     def part_bytes(self) -> list[int]:
