@@ -342,7 +342,8 @@ def check_build_host(peak: BuildPeak, available_gib: float | None) -> None:
     workspace = ", lower --workspace-gib" if peak.workspace_gib else ""
     raise GlanceError(f"this machine has {available_gib:.2f} GiB of memory available and the build needs about "
                       f"{peak.gib:.2f} GiB ({peak.gib - available_gib:.2f} GiB short; {peak.explain()}); free memory"
-                      f"{workspace}, or build elsewhere: --plan-only writes a bundle for a larger machine")
+                      f"{workspace}, build in smaller parts (--max-part-gib), or build elsewhere: --plan-only writes a "
+                      f"bundle for a larger machine")
 
 
 def check_device_builds(profile: DeviceProfile, plan: MemoryPlan) -> None:
@@ -354,4 +355,5 @@ def check_device_builds(profile: DeviceProfile, plan: MemoryPlan) -> None:
     raise GlanceError(f"a {profile.name} with {b.describe()} cannot build these engines on the device: "
                       f"{plan.build.explain()} is {plan.build.gib - b.usable_gib:.2f} GiB over its "
                       f"{b.usable_gib:g} GiB; "
-                      f"pass --memory-gib if the module has more, or export a smaller or quantized model")
+                      f"pass --memory-gib if the module has more, build in smaller parts (--max-part-gib), or export a "
+                      f"smaller or quantized model")
