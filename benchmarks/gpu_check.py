@@ -1,8 +1,8 @@
 """The GPU check: every backend this machine has, audited and timed, in one call of a few minutes.
 
 For each backend it finds (the torch reference on CUDA, ONNX Runtime with the CUDA provider, TensorRT
-or TensorRT-RTX engines built here; ONNX Runtime on the CPU as the baseline row), in fp32 and in half
-precision: GLANCE at the fixed --budget and at auto (this backend's round costs measured here, the
+or TensorRT-RTX engines built here, and the same engines with the target built as a chain of three parts;
+ONNX Runtime on the CPU as the baseline row), in fp32 and in half precision: GLANCE at the fixed --budget and at auto (this backend's round costs measured here, the
 shipped calibration) and the backend's own greedy decode against the torch fp32 oracle (the oracle runs
 with TF32 off), and AR vs GLANCE vs auto ms/token without prefill. Two models: the embedded default (its
 held-out prompts, real draft head) and a mid-size random Qwen2.5-VL written here (seeded drafts, so
@@ -189,21 +189,37 @@ def backends(model: Path, head: Path, artifacts: Path, work: Path, cuda: bool, s
                                                snapshot.stop_token_ids)))
         found.append((module, "fp16", lambda: (tensorrt_backend(module, half_artifacts(model, head, work / "fp16"),
                                                                 work / "engines-fp16"), snapshot.stop_token_ids)))
+        found.append((f"{module}-chained", "fp32", lambda: (
+            tensorrt_backend(module, artifacts, work / "engines-fp32-chained", parts=3), snapshot.stop_token_ids)))
+        found.append((f"{module}-chained", "fp16", lambda: (
+            tensorrt_backend(module, half_artifacts(model, head, work / "fp16"), work / "engines-fp16-chained", parts=3),
+            snapshot.stop_token_ids)))
     else:
         skipped.append("TensorRT: " + ("no GPU" if module else "neither tensorrt nor tensorrt_rtx is installed"))
     return found
 
 
-def tensorrt_backend(module: str, artifacts: Path, out: Path):
-    """Engines built here for this GPU (rtx for TensorRT-RTX, datacenter for TensorRT), then the backend."""
+def tensorrt_backend(module: str, artifacts: Path, out: Path, parts: int = 1):
+    """Engines built here for this GPU (rtx for TensorRT-RTX, datacenter for TensorRT), then the backend; with
+    `parts` > 1 the target is built as a chain of that many part engines (its decode must equal the whole one's:
+    both rows are checked against the same oracle)."""
     from glance_export.devices import probe_device
     from glance_export.engine_build import BuildRequest, build
+    from glance_export.memory_plan import GIB, graph_bytes
     from glance_runtime.backends.trt_backend import TrtBackend
+    from glance_runtime.formats.artifacts import read as load_manifest
 
     if not (out / "engines.json").is_file():
         target = "rtx" if module == "tensorrt_rtx" else "datacenter"
-        build(BuildRequest(target, out, artifacts=artifacts), probe_device(), progress=lambda _: None)
-    return TrtBackend(out, artifacts)
+        part_gib = None
+        if parts > 1:
+            part_gib = graph_bytes(artifacts, load_manifest(artifacts).raw)["target"] / parts / GIB
+        build(BuildRequest(target, out, artifacts=artifacts, max_part_gib=part_gib), probe_device(),
+              progress=lambda _: None)
+    backend = TrtBackend(out, artifacts)
+    if parts > 1 and not hasattr(backend.graphs["target"], "parts"):
+        raise RuntimeError(f"{out} holds the target whole, not as a chain of parts")
+    return backend
 
 
 def table(rows: list[Row]) -> str:

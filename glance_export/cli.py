@@ -255,7 +255,7 @@ def _build(args: argparse.Namespace) -> int:
     request = BuildRequest(target=args.target, out=args.out, model=args.model, head=args.head,
                            artifacts=args.artifacts, precision=args.precision, max_context=args.max_context,
                            max_tree=args.max_tree, memory_gib=args.memory_gib, workspace_gib=args.workspace_gib,
-                           timing_cache=args.timing_cache, plan_only=args.plan_only)
+                           max_part_gib=args.max_part_gib, timing_cache=args.timing_cache, plan_only=args.plan_only)
     build(request, probe_device(), progress=lambda line: print(line, flush=True))
     return 0
 
@@ -384,6 +384,9 @@ def parser() -> argparse.ArgumentParser:
                    help="device memory budget (default: this device's, else the target's)")
     b.add_argument("--workspace-gib", type=limits.positive("--workspace-gib"),
                    help="builder workspace (trtexec --memPoolSize=workspace)")
+    b.add_argument("--max-part-gib", type=limits.positive("--max-part-gib"),
+                   help="build a graph with more weights than this as a chain of engines, one per part "
+                        "(default: 2, less where a Jetson could not build such a part)")
     b.add_argument("--timing-cache", type=Path, help="read if present, written after (trtexec --timingCacheFile)")
     b.add_argument("--plan-only", action="store_true",
                    help="write the export, target profile, README and build.sh for the device; needs no TensorRT")

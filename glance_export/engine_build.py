@@ -46,6 +46,7 @@ class BuildRequest:
     max_tree: int | None = None
     memory_gib: float | None = None
     workspace_gib: float | None = None
+    max_part_gib: float | None = None
     timing_cache: Path | None = None
     plan_only: bool = False
 
@@ -54,7 +55,7 @@ class BuildRequest:
         flags = []
         for flag, value in (("--precision", self.precision), ("--max-context", self.max_context),
                             ("--max-tree", self.max_tree), ("--memory-gib", self.memory_gib),
-                            ("--workspace-gib", self.workspace_gib)):
+                            ("--workspace-gib", self.workspace_gib), ("--max-part-gib", self.max_part_gib)):
             if value is not None:
                 flags += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
         return flags
@@ -147,7 +148,7 @@ def _planned(request: BuildRequest, profile: DeviceProfile, precision: Precision
     check_opset(profile, manifest["opset"], version)
     plan = plan_memory(profile, manifest, artifacts, precision.name, device, max_context=request.max_context,
                        max_tree=request.max_tree, memory_gib=request.memory_gib, workspace_gib=request.workspace_gib,
-                       tensorrt_version=version)
+                       tensorrt_version=version, max_part_gib=request.max_part_gib)
     say(plan.explain())
     return artifacts, manifest, plan
 
@@ -188,7 +189,7 @@ def build(request: BuildRequest, device: BuildGpu, toolchain: Toolchain | None =
     say(f"building {', '.join(manifest['graphs'])} at {precision.name} ({precision.how})")
     with atomic_directory(request.out, ENGINES_FORMAT, "glance-export build") as tmp:
         engines = build_engines(toolchain, artifacts, plan.limits.apply(manifest), tmp,
-                                BuildOptions(precision, plan.workspace_gib, timing_cache), say)
+                                BuildOptions(precision, plan.workspace_gib, timing_cache), say, cuts=plan.cuts)
         record = {
             "toolkit_version": __version__, "target": profile.name,
             "tensorrt": {"module": toolchain.name, "version": toolchain.version},
@@ -201,7 +202,8 @@ def build(request: BuildRequest, device: BuildGpu, toolchain: Toolchain | None =
         engines_format.write(tmp, record)
     if timing_cache is not None:
         timing_cache.save()
-    say(f"wrote {len(engines)} engines and {engines_format.FILE} to {request.out}")
+    files = sum(len(entry.get("parts") or [entry]) for entry in engines.values())
+    say(f"wrote {files} engines for {len(engines)} graphs and {engines_format.FILE} to {request.out}")
     _measure_costs(request.out, device, int(manifest["branch_k"]), say)
     return request.out
 

@@ -16,12 +16,22 @@ builder's; what the build decides is where the parser's weights live. Where the 
 (inline weights, or a parser older than TensorRT 10.13) it holds them too: `BUILD_WEIGHT_FACTOR`. Where
 external weights are referenced from a map of their file (`mapped_weights`), resident only while the
 builder reads them: `BUILD_MAPPED_WEIGHT_FACTOR`.
+
+Those factors are about twice a graph's weights, so a graph over a part budget is built as a chain of parts
+(`engine_parts`), one worker each, and the peak is the largest part's. The default budget is `PART_GIB`
+(2 GiB) of weights, the graph shared evenly over as few parts as that allows: a part then holds at most half
+its graph, so its worker's estimate is at most 2.3 x 0.5 = 1.15x the graph + 1 GiB with mapped weights (1.6x
+parsed, TensorRT 10.3), and never more than 2.3 x 2 + 1 = 5.6 GiB (7.4 parsed) + the workspace on a Jetson,
+whatever the model's size. Smaller parts would lower that further but add engines and boundaries to every
+pass. It is a fixed size, not this machine's free memory, so the same export and flags give the same engines
+wherever they are built. On a Jetson, which builds in the memory it runs in, the budget is lowered to the
+part whose worker fits beside the workspace; `--max-part-gib` sets it.
 """
 from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +40,7 @@ from glance_runtime.hardware import available_host_bytes
 
 from .device_profiles import DeviceProfile, version_tuple
 from .devices import BuildGpu
+from .engine_parts import PART_GIB, GraphCut, cut_budget
 
 GIB = float(1 << 30)
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
@@ -106,9 +117,10 @@ class BuildPeak:
     """The host memory a build needs at its peak: the worker building its costliest graph."""
 
     graph: str
-    graph_gib: float  # that graph's ONNX file and external data
+    graph_gib: float  # that graph's ONNX file and external data (or its largest part's weights)
     workspace_gib: float  # counted where the GPU shares the host's memory, else 0 (it is GPU memory)
     mapped: bool = False  # its weights are referenced from a map of their file, not held by the parser
+    part: str = ""  # "part 2 of 3" where the graph is built in parts
 
     @property
     def factor(self) -> float:
@@ -121,8 +133,9 @@ class BuildPeak:
     def explain(self) -> str:
         workspace = f" + workspace {self.workspace_gib:g} GiB" if self.workspace_gib else ""
         held = "mapped" if self.mapped else "parsed"
+        part = f" {self.part}" if self.part else ""
         return (f"builder peak about {self.gib:.2f} GiB of host memory ({self.factor:g} x the {held} weights of "
-                f"{self.graph}, {_size(self.graph_gib)}{workspace} + {BUILD_PROCESS_GIB:g} GiB for the process)")
+                f"{self.graph}{part}, {_size(self.graph_gib)}{workspace} + {BUILD_PROCESS_GIB:g} GiB for the process)")
 
 
 @dataclass(frozen=True)
@@ -131,6 +144,8 @@ class MemoryPlan:
     budget: Budget
     reasons: dict[str, str]  # limit -> what bound it
     build: BuildPeak  # the host memory the builder needs, wherever it runs
+    part_gib: float = PART_GIB  # weights per part of a graph built in parts
+    cuts: dict[str, GraphCut] = field(default_factory=dict, compare=False)  # graph -> its parts, where cut
 
     @property
     def workspace_gib(self) -> float:
@@ -152,7 +167,14 @@ class MemoryPlan:
                 f"{b.kv_bytes_per_row / 1024:.1f} KiB) + workspace {b.workspace_gib:g} GiB = {_size(self.total_gib)} "
                 f"of {b.usable_gib:g} GiB ({b.describe()}); max context {lim.max_context} "
                 f"({self.reasons['max_context']}), max tree {lim.max_tree} ({self.reasons['max_tree']}){image}; "
-                f"{self.build.explain()}")
+                f"{self.build.explain()}{self._parts()}")
+
+    def _parts(self) -> str:
+        if not self.cuts:
+            return f"; every graph whole (at most {self.part_gib:g} GiB of weights each)"
+        built = ", ".join(f"{graph} in {len(cut.segments)} parts of at most "
+                          f"{_size(max(cut.part_bytes) / GIB)}" for graph, cut in self.cuts.items())
+        return f"; {built} (graphs over {self.part_gib:g} GiB of weights are built in parts, chained at run time)"
 
     def record(self) -> dict[str, Any]:
         b = self.budget
@@ -161,7 +183,9 @@ class MemoryPlan:
                 "kv_gib": round(self.kv_gib, 4), "kv_bytes_per_row": b.kv_bytes_per_row,
                 "total_gib": round(self.total_gib, 4), "reasons": self.reasons,
                 "build_peak_gib": round(self.build.gib, 4), "build_peak_graph": self.build.graph,
-                "build_peak_weights": "mapped" if self.build.mapped else "parsed"}
+                "build_peak_part": self.build.part or None,
+                "build_peak_weights": "mapped" if self.build.mapped else "parsed", "part_gib": self.part_gib,
+                "parts_gib": {graph: [round(b / GIB, 4) for b in cut.part_bytes] for graph, cut in self.cuts.items()}}
 
 
 def graph_bytes(artifacts: Path, manifest: dict[str, Any]) -> dict[str, int]:
@@ -229,13 +253,33 @@ def _max_context(profile: DeviceProfile, budget: Budget, exported: int, requeste
     return fit // CONTEXT_STEP * CONTEXT_STEP, "what fits the memory budget"
 
 
+def part_budget_gib(profile: DeviceProfile, budget: Budget, mapped: bool, requested: float | None) -> float:
+    """Weights per part (see the module docstring): `requested`, else `PART_GIB`, lowered on a Jetson to the
+    part whose worker fits its memory beside the workspace and the process."""
+    if requested is not None:
+        return requested
+    if not profile.jetson:
+        return PART_GIB
+    factor = BUILD_MAPPED_WEIGHT_FACTOR if mapped else BUILD_WEIGHT_FACTOR
+    room = (budget.usable_gib - budget.workspace_gib - BUILD_PROCESS_GIB) / factor
+    return PART_GIB if room <= 0 else min(PART_GIB, math.floor(room * 100) / 100)
+
+
+def graph_cuts(artifacts: Path, manifest: dict[str, Any], part_gib: float) -> dict[str, GraphCut]:
+    """The graphs with more than `part_gib` of weights, each cut into parts (reads their protobufs only)."""
+    return {graph: GraphCut(artifacts / manifest["graphs"][graph]["file"], budget)
+            for graph, size in graph_bytes(artifacts, manifest).items()
+            for budget in [cut_budget(size, int(part_gib * GIB))] if budget is not None}
+
+
 def plan_memory(profile: DeviceProfile, manifest: dict[str, Any], artifacts: Path, precision: str, device: BuildGpu, *,
                 max_context: int | None = None, max_tree: int | None = None, memory_gib: float | None = None,
-                workspace_gib: float | None = None, tensorrt_version: str | None = None) -> MemoryPlan:
+                workspace_gib: float | None = None, tensorrt_version: str | None = None,
+                max_part_gib: float | None = None) -> MemoryPlan:
     """Check a build fits the target's memory and derive the limits its engines are sized for.
 
     `tensorrt_version` is the builder's (None: a plan for another machine, sized for the oldest version the
-    target accepts)."""
+    target accepts); `max_part_gib` the weights per part (None: `part_budget_gib`'s)."""
     export_ctx, export_tree = manifest["limits"]["max_context"], manifest["limits"]["max_tree"]
     _requested("--max-context", max_context, export_ctx)
     _requested("--max-tree", max_tree, export_tree)
@@ -253,8 +297,11 @@ def plan_memory(profile: DeviceProfile, manifest: dict[str, Any], artifacts: Pat
         exported_image = manifest["axes"]["N_img"][1]
         image = min(exported_image, ctx // 2)
         reasons["max_image_tokens"] = "the export's limit" if image == exported_image else "half the context"
-    peak = build_peak(artifacts, manifest, profile, budget.workspace_gib, maps_weights(profile, tensorrt_version))
-    return MemoryPlan(Limits(ctx, tree, image), budget, reasons, peak)
+    mapped = maps_weights(profile, tensorrt_version)
+    part_gib = part_budget_gib(profile, budget, mapped, max_part_gib)
+    cuts = graph_cuts(artifacts, manifest, part_gib)
+    peak = build_peak(artifacts, manifest, profile, budget.workspace_gib, mapped, cuts)
+    return MemoryPlan(Limits(ctx, tree, image), budget, reasons, peak, part_gib, cuts)
 
 
 def maps_weights(profile: DeviceProfile, tensorrt_version: str | None) -> bool:
@@ -264,12 +311,21 @@ def maps_weights(profile: DeviceProfile, tensorrt_version: str | None) -> bool:
 
 
 def build_peak(artifacts: Path, manifest: dict[str, Any], profile: DeviceProfile, workspace_gib: float,
-               mapped: bool = False) -> BuildPeak:
-    """The costliest graph's worker: external weights are mapped where `mapped`, inline ones always parsed."""
+               mapped: bool = False, cuts: dict[str, GraphCut] | None = None) -> BuildPeak:
+    """The costliest worker: a whole graph's, or a cut graph's largest part's. External weights are mapped
+    where `mapped` (a part's are its graph's), inline ones always parsed."""
     sizes = graph_bytes(artifacts, manifest)
     workspace = workspace_gib if profile.jetson else 0.0
-    peaks = [BuildPeak(graph, size / GIB, workspace, mapped and bool(manifest["graphs"][graph].get("data_file")))
-             for graph, size in sizes.items()]
+    peaks = []
+    for graph, size in sizes.items():
+        held = mapped and bool(manifest["graphs"][graph].get("data_file"))
+        cut = (cuts or {}).get(graph)
+        if cut is None:
+            peaks.append(BuildPeak(graph, size / GIB, workspace, held))
+            continue
+        largest = max(range(len(cut.part_bytes)), key=cut.part_bytes.__getitem__)
+        peaks.append(BuildPeak(graph, cut.part_bytes[largest] / GIB, workspace, held,
+                               f"part {largest + 1} of {len(cut.part_bytes)}"))
     return max(peaks, key=lambda p: p.gib)
 
 
@@ -286,7 +342,8 @@ def check_build_host(peak: BuildPeak, available_gib: float | None) -> None:
     workspace = ", lower --workspace-gib" if peak.workspace_gib else ""
     raise GlanceError(f"this machine has {available_gib:.2f} GiB of memory available and the build needs about "
                       f"{peak.gib:.2f} GiB ({peak.gib - available_gib:.2f} GiB short; {peak.explain()}); free memory"
-                      f"{workspace}, or build elsewhere: --plan-only writes a bundle for a larger machine")
+                      f"{workspace}, build in smaller parts (--max-part-gib), or build elsewhere: --plan-only writes a "
+                      f"bundle for a larger machine")
 
 
 def check_device_builds(profile: DeviceProfile, plan: MemoryPlan) -> None:
@@ -298,4 +355,5 @@ def check_device_builds(profile: DeviceProfile, plan: MemoryPlan) -> None:
     raise GlanceError(f"a {profile.name} with {b.describe()} cannot build these engines on the device: "
                       f"{plan.build.explain()} is {plan.build.gib - b.usable_gib:.2f} GiB over its "
                       f"{b.usable_gib:g} GiB; "
-                      f"pass --memory-gib if the module has more, or export a smaller or quantized model")
+                      f"pass --memory-gib if the module has more, build in smaller parts (--max-part-gib), or export a "
+                      f"smaller or quantized model")

@@ -6,7 +6,9 @@ Each graph is built in its own worker process (`python -m glance_export.tensorrt
 peak host memory is that of its largest graph, never the sum, and the memory the builder keeps after a
 graph is returned to the system before the next one starts. Within a worker, external weights are handed
 to the parser from a read-only map of their file (`mapped_weights`), so the builder's own copy and the
-serialized engine are all it holds (see `memory_plan` for the measured peak). In CI the TensorRT-RTX
+serialized engine are all it holds (see `memory_plan` for the measured peak). A graph the memory plan cut
+(`engine_parts`) is built part by part, one worker each, from part protobufs written in the build's scratch
+directory; its part engines are chained at run time (`glance_runtime.graph_chain`). In CI the TensorRT-RTX
 builder proves on a CPU-only machine that every exported graph parses and compiles under a real TensorRT
 compiler.
 """
@@ -27,7 +29,9 @@ import glance_runtime
 from glance_runtime.atomic import write_file
 from glance_runtime.errors import GlanceError
 from glance_runtime.integrity import sha256
+from glance_runtime.shape_expr import evaluate, symbols
 
+from .engine_parts import GraphCut
 from .mapped_weights import WeightMap, external_initializers
 from .precision import Precision
 from .toolchain import Toolchain
@@ -119,11 +123,17 @@ class GraphJob:
 
 
 def _shapes(shape: list[int | str], axes: dict[str, Range], name: str) -> list[list[int]]:
+    """An input's min, opt and max shapes: a dim is a size, an axis, or (a part's input) arithmetic on axes,
+    evaluated at the axes' min, opt and max (dims grow with the axes they read, as a KV concat's S + T does)."""
     out: list[list[int]] = [[], [], []]
     for dim in shape:
-        if isinstance(dim, str) and dim not in axes:
+        unbound = symbols(dim) - axes.keys()
+        if unbound:
             raise GlanceError(f"input {name} has axis {dim!r} that no profile bounds; re-export the artifacts")
-        rng = axes[dim] if isinstance(dim, str) else (dim, dim, dim)
+        rng = [evaluate(dim, {axis: r[i] for axis, r in axes.items()}) for i in range(3)]
+        if not rng[0] <= rng[1] <= rng[2]:
+            raise GlanceError(f"input {name}'s dim {dim!r} is {rng[0]}, {rng[1]}, {rng[2]} at the profile's min, opt "
+                              f"and max; pass a larger --max-part-gib to build the graph whole")
         for i in range(3):
             out[i].append(rng[i])
     return out
@@ -186,32 +196,63 @@ def _file_record(path: Path) -> dict[str, Any]:
     return {"file": path.name, "bytes": path.stat().st_size, "sha256": sha256(path)}
 
 
+def _build_parts(toolchain: Toolchain, graph: str, entry: dict[str, Any], cut: GraphCut, profiles: list[ShapeProfile],
+                 engine_dir: Path, scratch: Path, options: BuildOptions, cache: Path | None,
+                 progress: Callable[[str], None]) -> dict[str, Any]:
+    """One worker per part, in run order; the part protobufs live in `scratch` only while the build runs."""
+    parts = cut.write(scratch, graph)
+    records = []
+    for number, part in enumerate(parts, start=1):
+        t0 = time.perf_counter()
+        path = engine_dir / f"{graph}.part{number}.engine"
+        progress(f"building {graph} part {number} of {len(parts)} ({part.weight_bytes / (1 << 30):.2f} GiB of weights, "
+                 f"{len(part.inputs)} inputs, {len(part.outputs)} outputs) in a worker process")
+        peak = run_job(graph_job(toolchain.name, part.onnx, path, part.inputs, profiles, options, cache,
+                                 external_data=bool(entry.get("data_file"))),
+                       lambda phase: progress(f"  {graph} part {number}: {phase}"))
+        records.append({**_file_record(path), "inputs": list(part.inputs), "outputs": part.outputs,
+                        "weight_bytes": part.weight_bytes, "build_s": round(time.perf_counter() - t0, 2),
+                        "peak_rss_gib": round(peak, 3)})
+        part.onnx.unlink()
+        progress(f"built {graph} part {number} engine ({path.stat().st_size / 1e6:.1f} MB) in "
+                 f"{time.perf_counter() - t0:.1f}s, worker peak RSS {peak:.2f} GiB")
+    return {"parts": records, "peak_rss_gib": max(r["peak_rss_gib"] for r in records)}
+
+
 def build_engines(toolchain: Toolchain, artifacts: Path, manifest: dict[str, Any], engine_dir: Path,
-                  options: BuildOptions, progress: Callable[[str], None] = print) -> dict[str, dict[str, Any]]:
-    """Build every graph the manifest lists into `engine_dir/<graph>.engine`, one worker process each.
+                  options: BuildOptions, progress: Callable[[str], None] = print,
+                  cuts: dict[str, GraphCut] | None = None) -> dict[str, dict[str, Any]]:
+    """Build every graph the manifest lists into `engine_dir/<graph>.engine`, one worker process each, or,
+    for a graph in `cuts`, into `<graph>.partN.engine`, one worker per part.
 
     `manifest` is the artifacts manifest, its axes possibly lowered (`memory_plan.Limits.apply`).
-    Returns, per graph, what engines.json records: the engine and ONNX files (sizes, sha256), the build
-    time, the worker's peak RSS and every profile's min/opt/max per axis."""
+    Returns, per graph, what engines.json records: the engine (or each part's, with the tensors it reads and
+    writes) and ONNX files (sizes, sha256), the build time, the worker's peak RSS and every profile's
+    min/opt/max per axis."""
     records = {}
-    with tempfile.TemporaryDirectory(prefix=".glance-timing-") as scratch:
+    with tempfile.TemporaryDirectory(prefix=".glance-build-") as scratch:
         cache = Path(scratch) / "timing.cache" if options.timing_cache is not None else None
         if cache is not None:
             cache.write_bytes(options.timing_cache.data)
         for graph, entry in manifest["graphs"].items():
             t0 = time.perf_counter()
             profiles = shape_profiles(manifest, graph)
-            path = engine_dir / f"{graph}.engine"
-            progress(f"building {graph} ({', '.join(p.name for p in profiles)} profiles) in a worker process")
-            peak = run_job(graph_job(toolchain.name, artifacts / entry["file"], path, entry["inputs"], profiles,
-                                     options, cache, external_data=bool(entry.get("data_file"))),
-                           lambda phase, graph=graph: progress(f"  {graph}: {phase}"))
+            names = ", ".join(p.name for p in profiles)
+            if graph in (cuts or {}):
+                built = _build_parts(toolchain, graph, entry, cuts[graph], profiles, engine_dir, Path(scratch),
+                                     options, cache, progress)
+            else:
+                path = engine_dir / f"{graph}.engine"
+                progress(f"building {graph} ({names} profiles) in a worker process")
+                peak = run_job(graph_job(toolchain.name, artifacts / entry["file"], path, entry["inputs"], profiles,
+                                         options, cache, external_data=bool(entry.get("data_file"))),
+                               lambda phase, graph=graph: progress(f"  {graph}: {phase}"))
+                built = {**_file_record(path), "peak_rss_gib": round(peak, 3)}
+                progress(f"built {graph} engine ({path.stat().st_size / 1e6:.1f} MB) in "
+                         f"{time.perf_counter() - t0:.1f}s, worker peak RSS {peak:.2f} GiB")
             onnx = [_file_record(artifacts / name) for name in (entry["file"], entry.get("data_file")) if name]
-            records[graph] = {**_file_record(path), "onnx": onnx, "build_s": round(time.perf_counter() - t0, 2),
-                              "peak_rss_gib": round(peak, 3),
+            records[graph] = {**built, "onnx": onnx, "build_s": round(time.perf_counter() - t0, 2),
                               "profiles": {p.name: {axis: list(rng) for axis, rng in p.axes.items()} for p in profiles}}
-            progress(f"built {graph} engine ({path.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f}s, "
-                     f"worker peak RSS {peak:.2f} GiB")
         if cache is not None:
             options.timing_cache.data = cache.read_bytes()
     return records

@@ -124,8 +124,9 @@ def test_refusal_before_any_worker_names_the_mapped_estimate(snapshot_dir, tmp_p
     with pytest.raises(GlanceError, match=r"^this machine has 0\.50 GiB of memory available and the build needs "
                                           r"about 1\.0\d GiB \(0\.5\d GiB short; builder peak about 1\.0\d GiB of "
                                           r"host memory \(2\.3 x the mapped weights of target, [\d.]+ MiB \+ 1 GiB "
-                                          r"for the process\)\); free memory, or build elsewhere: --plan-only "
-                                          r"writes a bundle for a larger machine$"):
+                                          r"for the process\)\); free memory, build in smaller parts "
+                                          r"\(--max-part-gib\), or build elsewhere: --plan-only writes a bundle "
+                                          r"for a larger machine$"):
         build(request, BuildGpu(None), host_memory_gib=0.5, progress=lambda _: None)
     assert not (tmp_path / "e").exists()
     build(request, BuildGpu(None), host_memory_gib=1.5, progress=lambda _: None)

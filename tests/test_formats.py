@@ -258,7 +258,54 @@ def test_engines_record_round_trip(tmp_path):
     engines.write(tmp_path, _engines_doc())
     record = engines.read(tmp_path)
     assert (record.module, record.max_context, record.max_tree, record.precision) == ("tensorrt_rtx", 256, 32, "fp16")
-    assert record.compute_capabilities == ("8.6", "8.9") and record.engines["target"].file == "target.engine"
+    assert record.compute_capabilities == ("8.6", "8.9")
+    assert [e.file for e in record.engines["target"]] == ["target.engine"]
+
+
+def _parts_doc() -> dict:
+    doc = _engines_doc()
+    doc["engines"]["target"] = {"parts": [
+        {"file": "target.part1.engine", "bytes": 4, "sha256": "a", "inputs": ["x"], "outputs": ["h"]},
+        {"file": "target.part2.engine", "bytes": 5, "sha256": "b", "inputs": ["h", "x"], "outputs": ["y"]}]}
+    return doc
+
+
+def test_a_graph_built_in_parts_is_read_in_run_order(tmp_path):
+    engines.write(tmp_path, _parts_doc())
+    parts = engines.read(tmp_path).engines["target"]
+    assert [(p.file, p.inputs, p.outputs) for p in parts] == [("target.part1.engine", ("x",), ("h",)),
+                                                              ("target.part2.engine", ("h", "x"), ("y",))]
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda d: d["engines"]["target"].update(parts=[]), r"engines\.target\.parts must be a non-empty list"),
+    (lambda d: d["engines"]["target"]["parts"][1].pop("inputs"), r"engines\.target\.parts\[1\]\.inputs must be"),
+    (lambda d: d["engines"]["target"]["parts"][0].update(outputs=[3]), r"parts\[0\]\.outputs\[\] is 3"),
+    (lambda d: d["engines"]["target"]["parts"][1].update(file="target.part1.engine"), "name one file twice"),
+    (lambda d: d["engines"]["target"]["parts"][0].update(file="../x"), "must name a file in the engines"),
+])
+def test_bad_parts_are_one_line(tmp_path, change, match):
+    doc = _parts_doc()
+    change(doc)
+    engines.write(tmp_path, doc)
+    with pytest.raises(GlanceError, match=match) as err:
+        engines.read(tmp_path)
+    _one_line(err.value)
+
+
+def test_a_version_2_record_reads_as_whole_graphs_and_a_newer_one_is_refused(tmp_path):
+    from glance_runtime.formats.common import stamped
+
+    for version, match in ((2, None), (4, "format v4, a newer format than the v3 this toolkit reads"),
+                           (1, "format v1, an older format")):
+        doc = stamped(_engines_doc(), engines.FORMAT, version, engines.HASH_FIELD)
+        (tmp_path / engines.FILE).write_text(json.dumps(doc))
+        if match is None:
+            assert [e.file for e in engines.read(tmp_path).engines["target"]] == ["target.engine"]
+            continue
+        with pytest.raises(GlanceError, match=match) as err:
+            engines.read(tmp_path)
+        _one_line(err.value)
 
 
 @pytest.mark.parametrize("change,match", [

@@ -205,7 +205,8 @@ def test_a_graph_run_in_segments_gives_what_it_gives_whole(tmp_path):
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
-    from glance_export.onnx.segments import run_in_segments, split
+    from glance_export.node_runs import split
+    from glance_export.onnx.segments import run_in_segments
 
     rng = np.random.default_rng(0)
     w = {f"w{i}": rng.standard_normal((64, 64) if i < 3 else (64,)).astype(np.float32) for i in range(4)}

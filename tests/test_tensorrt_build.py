@@ -72,6 +72,9 @@ def test_lowered_limits_shrink_every_axis_they_bound(exported):
     assert raised["axes"] == manifest["axes"]  # never above the export's bounds
 
 
+WHOLE = 64  # --max-part-gib: the synthetic graphs below are sizes only, never cut into parts
+
+
 def _synthetic_export(tmp_path: Path, weights_gib: float, dtype: str) -> dict:
     """A manifest of a 28-layer target with GQA (4 KV heads of 128) and its weights as one sparse file."""
     with open(tmp_path / "target.onnx", "wb") as fh:
@@ -85,25 +88,27 @@ def _synthetic_export(tmp_path: Path, weights_gib: float, dtype: str) -> dict:
 def test_memory_plan_derives_context_from_the_budget(tmp_path):
     manifest = _synthetic_export(tmp_path, 3.0, "fp16")
     orin = load_profile("jetson-orin")
-    plan = plan_memory(orin, manifest, tmp_path, "fp16", BuildGpu(None))
+    plan = plan_memory(orin, manifest, tmp_path, "fp16", BuildGpu(None), max_part_gib=WHOLE)
     per_row = kv_bytes_per_row(manifest)
     assert per_row == 2 * 28 * 4 * 128 * 2
     fit = int((orin.memory_gib - orin.reserve_gib - 3.0 - orin.workspace_gib) * (1 << 30) // per_row)
     assert plan.limits.max_context == fit // 256 * 256 and plan.reasons["max_context"] == "what fits the memory budget"
     assert plan.limits.max_tree == orin.max_tree and plan.total_gib <= plan.budget.usable_gib
     assert "max context" in plan.explain() and "jetson-orin default" in plan.explain()
-    roomy = plan_memory(orin, manifest, tmp_path, "fp16", BuildGpu(None), memory_gib=64)
+    roomy = plan_memory(orin, manifest, tmp_path, "fp16", BuildGpu(None), memory_gib=64, max_part_gib=WHOLE)
     assert roomy.limits.max_context == 32768 and roomy.reasons["max_context"] == "the export's limit"
-    on_device = plan_memory(orin, manifest, tmp_path, "fp16", BuildGpu("Jetson AGX Orin", "8.7", 30.6, "orin"))
+    on_device = plan_memory(orin, manifest, tmp_path, "fp16", BuildGpu("Jetson AGX Orin", "8.7", 30.6, "orin"),
+                            max_part_gib=WHOLE)
     assert (on_device.budget.memory_gib, on_device.budget.source) == (30.6, "on this device")
 
 
 def test_memory_plan_counts_weights_at_the_built_precision(tmp_path):
     manifest = _synthetic_export(tmp_path, 6.0, "fp32")
     thor = load_profile("jetson-thor")
-    assert plan_memory(thor, manifest, tmp_path, "fp16", BuildGpu(None)).budget.weights_gib == pytest.approx(3.0)
+    plan = plan_memory(thor, manifest, tmp_path, "fp16", BuildGpu(None), max_part_gib=WHOLE)
+    assert plan.budget.weights_gib == pytest.approx(3.0)
     with pytest.raises(GlanceError, match=r"does not fit jetson-orin: .* GiB over the budget.*--workspace-gib"):
-        plan_memory(load_profile("jetson-orin"), manifest, tmp_path, "fp32", BuildGpu(None))
+        plan_memory(load_profile("jetson-orin"), manifest, tmp_path, "fp32", BuildGpu(None), max_part_gib=WHOLE)
 
 
 def test_opset23_attention_graphs_validate_and_build(snapshot_dir, tmp_path):
@@ -125,18 +130,20 @@ def test_opset23_attention_graphs_validate_and_build(snapshot_dir, tmp_path):
 
 
 def test_a_jetson_bundle_is_refused_where_the_device_cannot_build_it(tmp_path):
-    """A 3 GiB graph runs on an 8 GB Orin at a reduced context, but its builder (3.2 x 3 + 2 + 1 GiB) would not
-    fit beside the OS; a 16 GB module builds it."""
+    """A 3 GiB graph built whole runs on an 8 GB Orin at a reduced context, but its builder (3.2 x 3 + 2 + 1 GiB)
+    would not fit beside the OS; a 16 GB module builds it."""
     manifest = _synthetic_export(tmp_path, 3.0, "fp16")
     orin = load_profile("jetson-orin")
-    plan = plan_memory(orin, manifest, tmp_path, "fp16", BuildGpu(None))
+    plan = plan_memory(orin, manifest, tmp_path, "fp16", BuildGpu(None), max_part_gib=WHOLE)
     assert plan.build.gib == pytest.approx(3.2 * 3 + orin.workspace_gib + 1) and plan.build.graph == "target"
     with pytest.raises(GlanceError, match=r"jetson-orin with 8 GiB .* cannot build these engines on the device: "
                                           r"builder peak about 12\.60 GiB .* 6\.60 GiB over its 6 GiB; "
                                           r"pass --memory-gib"):
         check_device_builds(orin, plan)
-    check_device_builds(orin, plan_memory(orin, manifest, tmp_path, "fp16", BuildGpu(None), memory_gib=16))
-    check_device_builds(load_profile("rtx"), plan_memory(load_profile("rtx"), manifest, tmp_path, "fp16", BuildGpu(None)))
+    check_device_builds(orin, plan_memory(orin, manifest, tmp_path, "fp16", BuildGpu(None), memory_gib=16,
+                                          max_part_gib=WHOLE))
+    rtx = load_profile("rtx")
+    check_device_builds(rtx, plan_memory(rtx, manifest, tmp_path, "fp16", BuildGpu(None), max_part_gib=WHOLE))
 
 
 def test_a_graph_the_builder_rejects_is_one_line_naming_it(exported, tmp_path):

@@ -110,7 +110,8 @@ def verify_files(directory: str | Path, expected: Mapping[str, Mapping[str, obje
 
 
 def verify_engines(engine_dir: str | Path, record: Mapping[str, object]) -> None:
-    """The engines an engines.json record lists ({graph: {file, bytes, sha256}}), checked before loading."""
+    """The engines an engines.json record lists ({graph: {file, bytes, sha256} or {parts: [{file, bytes,
+    sha256}, ...]}}), every part of a chained graph included, checked before loading."""
     engines = record.get("engines") or {}
-    verify_files(engine_dir, {e["file"]: e for e in engines.values()},
-                 "rebuild the engines with `glance-export build`")
+    files = [part for entry in engines.values() for part in (entry.get("parts") or [entry])]
+    verify_files(engine_dir, {e["file"]: e for e in files}, "rebuild the engines with `glance-export build`")

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..backend import BackendInfo, ServeLimits, Verified
 from ..device import Buffer, CudaDevice, Device, Tensor
+from ..graph_chain import ChainGraph
 from ..graph_clock import Graph, GraphClock
 from ..graphs import draft_kv_names, target_kv_names
 from ..hardware import cuda_gpu, host_cpu
@@ -372,4 +373,8 @@ class GraphBackend:
         self._closed = True
         for buffer in [*self._owned, *self._images.values(), self.kv.buffer, self.head_kv.buffer]:
             self.device.free(buffer)
+        for graph in self.graphs.values():
+            graph = getattr(graph, "graph", graph)  # a timed graph's own
+            if isinstance(graph, ChainGraph):
+                graph.close()  # the buffers between its parts
         self._owned, self._images, self.graphs = [], {}, {}

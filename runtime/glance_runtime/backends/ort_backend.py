@@ -11,11 +11,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
+
 from ..device import CudaDevice, Device, HostDevice, Tensor
 from ..errors import GlanceError
 from ..graphs import DRAFT_GRAPH, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH
 from ..formats.artifacts import check_graph_io, read as load_manifest
 from ..limits import runtime_limit
+from ..shape_expr import bind, evaluate
 from .graph_backend import GraphBackend
 from .host_room import check_this_machine
 from .ort_cache import open_session
@@ -65,12 +68,29 @@ def _io(values) -> list[tuple[str, str, list]]:
 
 
 class OrtGraph:
-    """One session, run with its inputs and outputs bound at device addresses (no copies by ONNX Runtime)."""
+    """One session, run with its inputs and outputs bound at device addresses (no copies by ONNX Runtime).
+
+    Its outputs' shapes for a pass (what a chain of parts sizes its buffers by, `graph_chain`) come from the
+    shapes the graph declares, axis names bound from the inputs' and expressions evaluated (`shape_expr`):
+    ONNX Runtime has no call that says them without running the graph."""
 
     def __init__(self, session, device: Device):
         self.session, self.device = session, device
         self.input_names = frozenset(i.name for i in session.get_inputs())
         self.binding = session.io_binding()
+        self._declared = {v.name: list(v.shape) for v in (*session.get_inputs(), *session.get_outputs())}
+        self.output_dtypes = {v.name: np.dtype(_NUMPY_NAMES.get(v.type, "float32")) for v in session.get_outputs()}
+
+    def output_shapes(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        axes: dict[str, int] = {}
+        for name, shape in shapes.items():
+            bind(self._declared[name], shape, axes)
+        out = {}
+        for name in self.output_dtypes:
+            if any(dim is None for dim in self._declared[name]):
+                raise GlanceError(f"output {name} has a dim its graph does not declare; re-export the graph")
+            out[name] = tuple(evaluate(dim, axes) for dim in self._declared[name])
+        return out
 
     def run(self, inputs: dict[str, Tensor], outputs: dict[str, Tensor]) -> None:
         kind, index = self.device.kind, self.device.device_id

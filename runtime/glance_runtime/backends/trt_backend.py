@@ -5,8 +5,10 @@ from). A TensorRT plan runs only on the TensorRT version and GPU it was built fo
 before any engine is deserialized, with a one-line refusal that names the rebuild. Each optimization
 profile gets its own execution context (switching one context between profiles would re-plan every
 pass); each pass picks the tightest profile that holds its shapes (`pick_profile`), so a one-row
-decode or a tree verify never runs in the prefill profile. Works with `tensorrt` and `tensorrt_rtx`
-alike: the runtime API below is common to both.
+decode or a tree verify never runs in the prefill profile. A graph built in parts (engines.json lists
+them) runs as a chain of its part engines (`graph_chain`), each part's output shapes read from its context
+once the pass's input shapes are set. Works with `tensorrt` and `tensorrt_rtx` alike: the runtime API below
+is common to both.
 """
 from __future__ import annotations
 
@@ -15,8 +17,11 @@ from math import prod
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
+
 from ..device import CudaDevice, Tensor
 from ..errors import GlanceError
+from ..graph_chain import chain
 from ..integrity import verify_engines
 from ..formats import engines as engines_format
 from ..formats.artifacts import read as load_manifest
@@ -57,6 +62,14 @@ def pick_profile(profiles: list[Ranges], shapes: dict[str, tuple[int, ...]]) -> 
     return best
 
 
+def _numpy_dtype(trt, dtype) -> np.dtype:
+    """The numpy dtype of a TensorRT tensor type; bf16, which numpy lacks, as a 2-byte container (a buffer
+    between parts is only ever bound by address)."""
+    if dtype == trt.DataType.BF16:
+        return np.dtype(np.uint16)
+    return np.dtype(trt.nptype(dtype))
+
+
 class TrtGraph:
     """One engine with an execution context per optimization profile, all on the device's stream."""
 
@@ -68,6 +81,7 @@ class TrtGraph:
         names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
         inputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         self.input_names = frozenset(inputs)
+        self.output_dtypes = {n: _numpy_dtype(trt, engine.get_tensor_dtype(n)) for n in names if n not in inputs}
         self.engine = engine
         self.profiles: list[Ranges] = []
         self.contexts = []
@@ -78,10 +92,20 @@ class TrtGraph:
             context.set_optimization_profile_async(index, device.stream.ptr)
             self.contexts.append(context)
 
+    def _context(self, shapes: dict[str, tuple[int, ...]]):
+        """The tightest profile's context, with the pass's input shapes set."""
+        context = self.contexts[pick_profile(self.profiles, shapes)]
+        for name, shape in shapes.items():
+            context.set_input_shape(name, shape)
+        return context
+
+    def output_shapes(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        context = self._context(shapes)
+        return {name: tuple(context.get_tensor_shape(name)) for name in self.output_dtypes}
+
     def run(self, inputs: dict[str, Tensor], outputs: dict[str, Tensor]) -> None:
-        context = self.contexts[pick_profile(self.profiles, {n: t.shape for n, t in inputs.items()})]
+        context = self._context({n: t.shape for n, t in inputs.items()})
         for name, t in inputs.items():
-            context.set_input_shape(name, t.shape)
             context.set_tensor_address(name, t.ptr)
         for name, t in outputs.items():
             context.set_tensor_address(name, t.ptr)
@@ -113,8 +137,12 @@ class TrtBackend(GraphBackend):
             raise GlanceError(f"{artifacts} is not the export these engines were built from; pass the original "
                               f"with --artifacts or {REBUILD}")
         self.runtime = trt.Runtime(trt.Logger(trt.Logger.ERROR))
-        graphs = {graph: TrtGraph(trt, self.runtime, engines / entry.file, device)
-                  for graph, entry in record.engines.items()}
+        def graph(files):
+            if len(files) == 1:
+                return TrtGraph(trt, self.runtime, engines / files[0].file, device)
+            return chain(files, lambda part: TrtGraph(trt, self.runtime, engines / part.file, device), device)
+
+        graphs = {name: graph(files) for name, files in record.engines.items()}
         built = ("engines were built for", "rebuild them with `glance-export build`")
         super().__init__(manifest, device, graphs, name="tensorrt", home=engines,
                          precision=record.precision,  # fp16 engines from fp32 graphs

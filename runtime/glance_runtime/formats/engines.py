@@ -6,12 +6,16 @@ engines were built from. `content_sha256` covers every field (an edited record i
 the fields the runtime reads are type- and range-checked; each engine file is listed with its size and
 sha256 (checked by `integrity.verify_engines` before any is deserialized).
 
-Document (format_version 2): format, format_version, toolkit_version, target, tensorrt {module, version},
+Document (format_version 3): format, format_version, toolkit_version, target, tensorrt {module, version},
 device {name, compute_capability | runs_on_compute_capabilities, memory_gib}, precision {name,
 artifacts_dtype, how}, limits {max_context, max_tree, max_image_tokens}, memory_plan, timing_cache,
 artifacts {path, manifest_sha256, toolkit_version, family, dtype, opset, limits, source,
-head_weights_sha256}, engines {graph: {file, bytes, sha256, onnx, build_s, profiles}}, build_s,
-target_profile, content_sha256. Version 2 added content_sha256.
+head_weights_sha256}, engines {graph: {file, bytes, sha256, onnx, build_s, profiles} | {parts: [{file,
+bytes, sha256, inputs, outputs, weight_bytes, build_s, peak_rss_gib}], onnx, build_s, profiles}}, build_s,
+target_profile, content_sha256. Version 2 added content_sha256; version 3 lets a graph be an ordered list
+of parts, engines run one after the other (`graph_chain`), each naming the tensors it reads and writes.
+A version 2 record is a version 3 one without parts, so it is read as such; a reader of version 2 refuses
+version 3 as newer.
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ from .common import (Invalid, check_header, check_int, check_text, digest, dumps
                      stamped)
 
 FORMAT = "glance-engines"
-VERSION = 2
+VERSION = 3
+READS_VERSIONS = (2, 3)  # version 2 is version 3 with every graph whole
 FILE = "engines.json"
 WHAT = "GLANCE engine manifest"
 HASH_FIELD = "content_sha256"
@@ -38,6 +43,8 @@ class EngineFile:
     file: str
     bytes: int
     sha256: str
+    inputs: tuple[str, ...] = ()  # a part's: the tensors it reads (the pass's and earlier parts')
+    outputs: tuple[str, ...] = ()  # ... and writes (the pass's and what later parts read)
 
 
 @dataclass(frozen=True)
@@ -51,19 +58,41 @@ class EnginesRecord:
     max_tree: int
     artifacts_path: str | None
     artifacts_manifest_sha256: str | None
-    engines: dict[str, EngineFile]
+    engines: dict[str, tuple[EngineFile, ...]]  # graph -> its one engine, or its parts in run order
     raw: dict[str, Any]
 
 
-def _engine(graph: str, entry: Any) -> EngineFile:
-    where = f"engines.{graph}."
+def _names(entry: dict[str, Any], key: str, where: str) -> tuple[str, ...]:
+    names = entry.get(key)
+    if not isinstance(names, list) or not names:
+        raise Invalid(f"{where}{key} must be a non-empty list of tensor names")
+    return tuple(check_text(name, f"{where}{key}[]") for name in names)
+
+
+def _file(entry: Any, where: str, part: bool) -> EngineFile:
     if not isinstance(entry, dict):
-        raise Invalid(f"engines.{graph} must be an object")
+        raise Invalid(f"{where.rstrip('.')} must be an object")
     name = check_text(entry.get("file"), f"{where}file")
     if not name or "/" in name or "\\" in name or name in (".", "..") or "\x00" in name:
         raise Invalid(f"{where}file is {name!r}; it must name a file in the engines directory")
-    return EngineFile(name, integer(entry, "bytes", 0, 1 << 50, where),
-                      check_text(entry.get("sha256"), f"{where}sha256"))
+    io = (_names(entry, "inputs", where), _names(entry, "outputs", where)) if part else ((), ())
+    return EngineFile(name, integer(entry, "bytes", 0, 1 << 50, where), check_text(entry.get("sha256"), f"{where}sha256"),
+                      *io)
+
+
+def _engine(graph: str, entry: Any) -> tuple[EngineFile, ...]:
+    """A graph's one engine, or its parts in run order: each part reads only the graph's inputs and what an
+    earlier part writes."""
+    where = f"engines.{graph if graph.isprintable() else repr(graph)}."  # a graph name is a key: any text
+    if not isinstance(entry, dict) or "parts" not in entry:
+        return (_file(entry, where, part=False),)
+    parts = entry["parts"]
+    if not isinstance(parts, list) or not parts:
+        raise Invalid(f"{where}parts must be a non-empty list")
+    files = tuple(_file(part, f"{where}parts[{i}].", part=True) for i, part in enumerate(parts))
+    if len({f.file for f in files}) != len(files):
+        raise Invalid(f"{where}parts name one file twice")
+    return files
 
 
 def _optional_text(raw: dict[str, Any], key: str, where: str) -> str | None:
@@ -109,7 +138,8 @@ def read(engines_dir: str | Path) -> EnginesRecord:
     if not file.is_file():
         raise GlanceError(f"{engines_dir} has no {FILE}; build it with `glance-export build`")
     raw = read_json(file, WHAT, REBUILD)
-    check_header(raw, file, WHAT, FORMAT, VERSION, REBUILD)
+    version = raw.get("format_version")
+    check_header(raw, file, WHAT, FORMAT, version if version in READS_VERSIONS else VERSION, REBUILD)
     if raw.get(HASH_FIELD) != digest(raw, leave_out=HASH_FIELD):
         raise GlanceError(f"{file} was edited after the build (its fields no longer match the content_sha256 it "
                           f"records); copy the engines directory again or {REBUILD}")
