@@ -39,8 +39,8 @@ def _onnx():
         import onnx
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
     except ImportError as exc:
-        raise GlanceError(f"building a graph in parts needs {exc.name or 'onnx'} (pip install onnx sympy "
-                          f"onnxruntime), or pass a larger --max-part-gib to build every graph whole") from None
+        raise GlanceError(f"building a graph in parts needs {exc.name or 'onnx'} (pip install "
+                          f"'glance-toolkit[parts]'), or pass a larger --max-part-gib to build every graph whole") from None
     return onnx, SymbolicShapeInference
 
 

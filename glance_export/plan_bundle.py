@@ -35,6 +35,15 @@ def build_command(profile: DeviceProfile, flags: list[str]) -> str:
                        *flags])
 
 
+def _install(plan: MemoryPlan) -> str:
+    """The toolkit install the device's build needs: cutting a graph into parts reads its shapes with onnx and
+    ONNX Runtime's symbolic shape inference (sympy), nothing else needs more than the edge install."""
+    if plan.cuts:
+        return (f"The toolkit with the `parts` extra (`pip install 'glance-toolkit[parts]'`: onnx, sympy and "
+                f"onnxruntime, no torch), since {', '.join(plan.cuts)} is built in parts.")
+    return "The toolkit's edge install (`pip install glance-toolkit`; no torch or onnx needed)."
+
+
 def _readme(profile: DeviceProfile, manifest: dict, command: str, plan: MemoryPlan, precision: Precision,
             files: list[str]) -> str:
     opset = manifest["opset"]
@@ -52,7 +61,7 @@ TensorRT engines from it. It also runs as is on ONNX Runtime (`glance-run --arti
 
 - GPU: compute capability {', '.join(profile.compute_capabilities)}.
 - `{profile.module}` >= {profile.min_version} and < {profile.below_version}: {profile.install}.
-- The toolkit's edge install (`pip install glance-toolkit`; no torch or onnx needed).
+- {_install(plan)}
 
 Then run `./{SCRIPT}`, which is:
 
