@@ -85,6 +85,8 @@ class TrtGraph:
         self.engine = engine
         self.profiles: list[Ranges] = []
         self.contexts = []
+        self._shapes_set: dict[str, tuple[int, ...]] | None = None  # the input shapes last set, and on which context
+        self._context_set = None
         for index in range(engine.num_optimization_profiles):
             shapes = {n: engine.get_tensor_profile_shape(n, index) for n in inputs}
             self.profiles.append({n: (tuple(s[0]), tuple(s[2])) for n, s in shapes.items()})
@@ -93,10 +95,15 @@ class TrtGraph:
             self.contexts.append(context)
 
     def _context(self, shapes: dict[str, tuple[int, ...]]):
-        """The tightest profile's context, with the pass's input shapes set."""
+        """The tightest profile's context, with the pass's input shapes set; a chain asks for a part's output
+        shapes and then runs it on the same shapes, so those are set once, not twice."""
+        key = {name: tuple(shape) for name, shape in shapes.items()}
+        if key == self._shapes_set:
+            return self._context_set
         context = self.contexts[pick_profile(self.profiles, shapes)]
         for name, shape in shapes.items():
             context.set_input_shape(name, shape)
+        self._shapes_set, self._context_set = key, context
         return context
 
     def output_shapes(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
