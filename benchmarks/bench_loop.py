@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from glance_runtime.backends.seeded import SeededDrafter
-from glance_runtime.graph_clock import GRAPH_NAMES, GraphClock
-from glance_runtime.loop import DecodeConfig, DecodeResult, decode
+from glance_runtime.backends.graph_clock import GRAPH_NAMES, GraphClock
+from glance_runtime.decode.loop import DecodeConfig, DecodeResult, decode
 
 
 def open_backend(args):
@@ -34,9 +34,9 @@ def open_backend(args):
 
         backend = OrtBackend(args.artifacts, providers=args.provider, threads=args.threads)
         return backend, backend.build_prompt, backend.stop_token_ids, backend.time_graphs()
-    from glance_export.adapters import Snapshot
-    from glance_export.head import load_head
-    from glance_export.reference import TorchBackend
+    from glance_export.model.adapters import Snapshot
+    from glance_export.model.head import load_head
+    from glance_export.model.torch_backend import TorchBackend
 
     snapshot = Snapshot(args.model)
     backend = TorchBackend(snapshot, load_head(args.head))

@@ -31,9 +31,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "runtime"), str(ROOT)]
 
-from glance_export.device_profiles import load_profile  # noqa: E402
-from glance_export.engine_parts import cut_budget  # noqa: E402
-from glance_export.memory_plan import CONTEXT_STEP, Budget, BuildPeak, maps_weights, part_budget_gib  # noqa: E402
+from glance_export.build.targets import load_profile  # noqa: E402
+from glance_export.build.engine_parts import cut_budget  # noqa: E402
+from glance_export.build.memory_plan import CONTEXT_STEP, Budget, BuildPeak, maps_weights, part_budget_gib  # noqa: E402
 from glance_export.onnx.export import EXTERNAL_DATA_BYTES  # noqa: E402
 from real_configs import PUBLISHED, checkpoint_tensors, skeleton, write_snapshot  # noqa: E402
 
@@ -69,8 +69,8 @@ def snapshot(out: Path, model: str, depth: int | None, vision_depth: int | None)
         write_snapshot(snap, model, depth, vision_depth, progress=lambda line: print(line, flush=True))
     head = snap.with_name(name + "-head")
     if not (head / "model.safetensors").is_file():
-        code = ("import sys; from glance_export.adapters import Snapshot; "
-                "from glance_export.head import head_config_for, init_head, pick_mask_token, save_head; "
+        code = ("import sys; from glance_export.model.adapters import Snapshot; "
+                "from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head; "
                 "s = Snapshot(sys.argv[1]); "
                 "save_head(init_head(head_config_for(s, 1, 16, pick_mask_token(s)), seed=0), sys.argv[2])")
         assert run([sys.executable, "-c", code, str(snap), str(head)], env=_env())["rc"] == 0, "head"
@@ -85,8 +85,8 @@ DECODE = """import json, sys, time
 from pathlib import Path
 from glance_runtime.backends.host_room import cpu_load_bytes
 from glance_runtime.backends.ort_backend import OrtBackend
-from glance_runtime.bench.tasks import read_bench_tasks
-from glance_runtime.loop import DecodeConfig, decode
+from glance_runtime.bench.task_prompts import read_bench_tasks
+from glance_runtime.decode.loop import DecodeConfig, decode
 
 backend = OrtBackend(sys.argv[1], threads=2)
 runs = {"estimate_gib": round(cpu_load_bytes(backend.manifest, backend.max_context) / 2 ** 30, 2)}

@@ -29,12 +29,12 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "runtime"), str(ROOT)]
 
-from glance_runtime.auto_budget import AUTO_MAX_NODES, AutoBudget  # noqa: E402
+from glance_runtime.decode.auto_budget import AUTO_MAX_NODES, AutoBudget  # noqa: E402
 from glance_runtime.backends.seeded import SeededDrafter  # noqa: E402
-from glance_runtime.calibration import find_calibration  # noqa: E402
-from glance_runtime.cost_profile import measure as measure_costs  # noqa: E402
-from glance_runtime.limits import reachable_nodes  # noqa: E402
-from glance_runtime.loop import DecodeConfig, decode  # noqa: E402
+from glance_runtime.decode.calibration import find_calibration  # noqa: E402
+from glance_runtime.decode.cost_profile import measure as measure_costs  # noqa: E402
+from glance_runtime.decode.limits import reachable_nodes  # noqa: E402
+from glance_runtime.decode.loop import DecodeConfig, decode  # noqa: E402
 
 KINDS = ("receipt", "chart", "scene", "caption")
 HALF = {"torch": "float16", "onnxruntime": "fp16"}
@@ -118,8 +118,8 @@ def measure(backend, stop_ids, case: Case, cfg: DecodeConfig, auto: DecodeConfig
 def default_case(n: int, max_new: int, device: str) -> tuple[Case, Path, Path, Path]:
     """The embedded default on its held-out prompts (n spread over the four kinds), oracle on `device`."""
     from glance_runtime.formats.tasks import read as read_tasks
-    from glance_export.reference import TorchBackend, greedy_reference
-    from glance_export.adapters import Snapshot
+    from glance_export.model.torch_backend import TorchBackend, greedy_reference
+    from glance_export.model.adapters import Snapshot
     from glance_runtime.defaults import DEFAULT_ARTIFACTS, DEFAULT_HEAD, DEFAULT_MODEL
 
     snapshot = Snapshot(DEFAULT_MODEL)
@@ -137,8 +137,8 @@ def random_case(root: Path, n: int, max_new: int, device: str) -> tuple[Case, Pa
     if not (root / "artifacts" / "manifest.json").is_file():
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "make_bench_model.py"), str(root)], check=True,
                        stdout=subprocess.DEVNULL)
-    from glance_export.adapters import Snapshot
-    from glance_export.reference import TorchBackend, greedy_reference
+    from glance_export.model.adapters import Snapshot
+    from glance_export.model.torch_backend import TorchBackend, greedy_reference
 
     snapshot = Snapshot(root / "snapshot")
     texts = ["Describe the image.", "What colour is the square?", "Read the total on the receipt.",
@@ -161,9 +161,9 @@ def backends(model: Path, head: Path, artifacts: Path, work: Path, cuda: bool, s
     """(backend name, precision, opener) for everything this machine can run; skipped gets the rest."""
     import onnxruntime
 
-    from glance_export.head import load_head
-    from glance_export.reference import TorchBackend
-    from glance_export.adapters import Snapshot
+    from glance_export.model.head import load_head
+    from glance_export.model.torch_backend import TorchBackend
+    from glance_export.model.adapters import Snapshot
     from glance_runtime.backends.ort_backend import OrtBackend
 
     snapshot = Snapshot(model)
@@ -203,9 +203,9 @@ def tensorrt_backend(module: str, artifacts: Path, out: Path, parts: int = 1):
     """Engines built here for this GPU (rtx for TensorRT-RTX, datacenter for TensorRT), then the backend; with
     `parts` > 1 the target is built as a chain of that many part engines (its decode must equal the whole one's:
     both rows are checked against the same oracle)."""
-    from glance_export.devices import probe_device
-    from glance_export.engine_build import BuildRequest, build
-    from glance_export.memory_plan import GIB, graph_bytes
+    from glance_export.build.local_gpu import probe_device
+    from glance_export.build.engine_build import BuildRequest, build
+    from glance_export.build.memory_plan import GIB, graph_bytes
     from glance_runtime.backends.trt_backend import TrtBackend
     from glance_runtime.formats.artifacts import read as load_manifest
 

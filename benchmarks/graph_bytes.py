@@ -41,7 +41,7 @@ def graph_bytes(artifacts: Path) -> dict[str, int]:
 def time_rounds(artifacts: Path, rounds: int, threads: int) -> dict[str, float]:
     """ms per round of GLANCE (budget 15) and ms per token of AR on ONNX Runtime CPU, prefill excluded."""
     from glance_runtime.backends.ort_backend import OrtBackend
-    from glance_runtime.loop import DecodeConfig, decode
+    from glance_runtime.decode.loop import DecodeConfig, decode
 
     backend = OrtBackend(artifacts, threads=threads)
     prompt = backend.build_prompt("Describe the image. How many circles are there?", None)
@@ -64,8 +64,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
 
-    from glance_export.adapters import Snapshot
-    from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
+    from glance_export.model.adapters import Snapshot
+    from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
     from glance_export.onnx import export_artifacts
 
     report = {}

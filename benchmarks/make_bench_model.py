@@ -28,8 +28,8 @@ def main() -> None:
     ap.add_argument("--max-context", type=int, default=1024)
     args = ap.parse_args()
 
-    from glance_export.adapters import Snapshot
-    from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
+    from glance_export.model.adapters import Snapshot
+    from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
     from glance_export.onnx import export_artifacts
     from tiny_models import make_wide_snapshot
 

@@ -72,8 +72,8 @@ def _peak_rss_mb() -> float:
 
 def measure(artifacts: Path, tasks: Path | None, threads: int, samples: int, max_new: int, budget: int) -> dict:
     """Runs in a child process: one session, interleaved AR/GLANCE samples per prompt, accuracy, peak RSS."""
-    from glance_runtime.loop import DecodeConfig, decode
-    from glance_runtime.runner import open_runner
+    from glance_runtime.decode.loop import DecodeConfig, decode
+    from glance_runtime.backends.registry import open_runner
 
     runner = open_runner("onnxruntime", artifacts=artifacts, threads=threads)
     if tasks is None:
@@ -121,7 +121,7 @@ def child(artifacts: Path, tasks: Path | None, args) -> dict:
 
 
 def drift(outputs: list[list[int]], reference: list[list[int]]) -> dict:
-    from glance_export.drift import compare
+    from glance_export.audit.drift import compare
 
     rows = [compare(a, b) for a, b in zip(outputs, reference)]
     ref = sum(r["reference_tokens"] for r in rows)
@@ -187,8 +187,8 @@ def main() -> None:
     if args.measure:
         print(json.dumps(measure(args.measure, args.tasks, args.threads, args.samples, args.max_new, args.budget)))
         return
-    from glance_export.adapters import Snapshot
-    from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
+    from glance_export.model.adapters import Snapshot
+    from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
     from glance_runtime.defaults import default_model
 
     rows = []

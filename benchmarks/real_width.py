@@ -72,8 +72,8 @@ def cut(published: dict, layers: int, vision_depth: int) -> tuple[dict, dict]:
 def stage_build(out: Path, name: str, layers: int, vision_depth: int) -> dict:
     from safetensors import safe_open
 
-    from glance_export.adapters import Snapshot
-    from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
+    from glance_export.model.adapters import Snapshot
+    from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
     from glance_export.onnx import export_artifacts
     from tiny_models import make_wide_snapshot
 
@@ -108,8 +108,8 @@ def stage_generate(out: Path, n: int, max_new_tokens: int, threads: int) -> dict
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from glance_export.adapters import Snapshot
-    from glance_runtime.bench.tasks import read_bench_tasks
+    from glance_export.model.adapters import Snapshot
+    from glance_runtime.bench.task_prompts import read_bench_tasks
 
     torch.set_num_threads(threads)
     snapshot = Snapshot(out / "snapshot")
@@ -139,8 +139,8 @@ def stage_generate(out: Path, n: int, max_new_tokens: int, threads: int) -> dict
 def stage_ort_tokens(out: Path, n: int, max_new_tokens: int, threads: int) -> dict:
     """ONNX Runtime's own AR greedy tokens, to set beside transformers' (parity at real width)."""
     from glance_runtime.backends.ort_backend import OrtBackend
-    from glance_runtime.bench.tasks import read_bench_tasks
-    from glance_runtime.loop import DecodeConfig, decode
+    from glance_runtime.bench.task_prompts import read_bench_tasks
+    from glance_runtime.decode.loop import DecodeConfig, decode
 
     backend = OrtBackend(out / "artifacts", threads=threads)
     cfg = DecodeConfig(max_new_tokens=max_new_tokens, speculative=False)

@@ -18,10 +18,10 @@ import os
 import time
 from pathlib import Path
 
-from glance_runtime.bench.tasks import BenchTask, read_bench_tasks
+from glance_runtime.bench.task_prompts import BenchTask, read_bench_tasks
 from glance_runtime.defaults import resolve
-from glance_runtime.loop import DecodeConfig, decode
-from glance_runtime.runner import BACKENDS, Runner, open_runner
+from glance_runtime.decode.loop import DecodeConfig, decode
+from glance_runtime.backends.registry import BACKENDS, Runner, open_runner
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 KINDS = ("receipt", "chart", "scene", "caption")

@@ -25,7 +25,7 @@ def write_snapshot(out: Path, family: str, layers: int, hidden: int, intermediat
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from glance_export.meta_init import parameters_on_meta
+    from glance_export.model.meta_init import parameters_on_meta
     from tiny_models import make_snapshot
 
     snap = make_snapshot(out, family, layers=1, tied=tied)

@@ -6,14 +6,14 @@ import json
 import sys
 from pathlib import Path
 
-from glance_runtime import limits
-from glance_runtime.cli_parser import OneLineParser, decode_flags, guarded, runner_flags, source
+from glance_runtime.decode import limits
+from glance_runtime.cli.flags import OneLineParser, decode_flags, guarded, runner_flags, source
 from glance_runtime.defaults import BRANCH_K, BUDGET, MEASURE_MAX_NEW_TOKENS, default_model, resolve
 from glance_runtime.errors import GlanceError
-from glance_runtime.runner import BACKENDS
-from glance_runtime.session import Settings, open_session
+from glance_runtime.backends.registry import BACKENDS
+from glance_runtime.decode.session import Settings, open_session
 
-from .device_profiles import PROFILE_NAMES
+from .build.targets import PROFILE_NAMES
 
 # Upper bounds of sizes that would otherwise run until stopped or exhaust the machine.
 HEAD_LAYERS = limits.between("--layers", 1, 64, "a draft head has a few layers; 64 is deeper than any target")
@@ -22,7 +22,7 @@ STEPS = limits.between("--steps", 1, 10_000_000, "optimizer steps")
 BATCH = limits.between("--batch", 1, 4096, "sequences held in memory at once")
 MAX_TASKS = 1_000_000
 GROUP_SIZE = 128
-from .precision import PRECISIONS
+from .build.precision import PRECISIONS
 
 
 def _progress(line: str) -> None:
@@ -30,8 +30,8 @@ def _progress(line: str) -> None:
 
 
 def _init_head(args: argparse.Namespace) -> int:
-    from .adapters import Snapshot
-    from .head import check_head_out, head_config_for, init_head, pick_mask_token, save_head
+    from .model.adapters import Snapshot
+    from .model.head import check_head_out, head_config_for, init_head, pick_mask_token, save_head
 
     check_head_out(args.out, [args.model])
     snapshot = Snapshot(args.model)
@@ -56,7 +56,7 @@ def _audit_oracle(args: argparse.Namespace) -> int:
     """The default mode: GLANCE against the torch greedy oracle (or, without a model, the backend's own greedy)."""
     from glance_runtime.formats.tasks import read as read_tasks
 
-    from .audit import audit
+    from .audit.greedy_audit import audit
 
     model, head, artifacts, backend = resolve(args.model, args.head, args.artifacts, args.backend or "torch")
     if backend == "torch" and head is None:
@@ -78,7 +78,7 @@ def _audit_oracle(args: argparse.Namespace) -> int:
 
 def _drift(args: argparse.Namespace) -> int:
     """How far quantized artifacts' greedy output is from the fp32 export's (the quality cost, apart from GLANCE)."""
-    from .drift import drift, drift_lines
+    from .audit.drift import drift, drift_lines
 
     if args.backend not in (None, "onnxruntime") or args.artifacts is None:
         raise GlanceError("--drift-from compares two exports on onnxruntime: pass --artifacts QUANTIZED")
@@ -90,10 +90,10 @@ def _drift(args: argparse.Namespace) -> int:
 
 def _save_reference(args: argparse.Namespace) -> int:
     """Workstation side: the fp32 PyTorch greedy tokens and margins of --data, written to a file."""
-    from .reference_file import check_destination, write_reference
+    from .audit.reference_match import check_destination, write_reference
 
     try:
-        from .reference_record import record_reference
+        from .audit.record_reference import record_reference
     except ImportError as exc:
         missing = exc.name or "torch"
         raise GlanceError(f"--save-reference runs the PyTorch model and needs the export extra ({missing} is "
@@ -115,10 +115,10 @@ def _audit_reference(args: argparse.Namespace) -> int:
     """Device side, no torch: the backend's GLANCE and own greedy output against a recorded reference."""
     from glance_runtime.formats.tasks import read as read_tasks
 
-    from .reference_audit import audit_against_reference, summary
-    from glance_runtime.formats.reference import read as load_reference
+    from .audit.recorded_audit import audit_against_reference, summary
+    from glance_runtime.formats.recorded_reference import read as load_reference
 
-    from .reference_file import check_reference, model_source
+    from .audit.reference_match import check_reference, model_source
 
     ref = load_reference(args.reference)
     model, head, artifacts, backend = resolve(args.model, args.head, args.artifacts, args.backend)
@@ -195,7 +195,7 @@ def _print_scores(model: Path, task_file: Path) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .adapters import Snapshot
+    from .model.adapters import Snapshot
 
     _threads(args.threads)
     model = args.model or default_model()[0]
@@ -249,8 +249,8 @@ def _onnx(args: argparse.Namespace) -> int:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from .devices import probe_device
-    from .engine_build import BuildRequest, build
+    from .build.local_gpu import probe_device
+    from .build.engine_build import BuildRequest, build
 
     request = BuildRequest(target=args.target, out=args.out, model=args.model, head=args.head,
                            artifacts=args.artifacts, precision=args.precision, max_context=args.max_context,
@@ -261,7 +261,7 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _triton(args: argparse.Namespace) -> int:
-    from .triton import TritonRepo, write_repository
+    from .triton.repository import TritonRepo, write_repository
 
     write_repository(TritonRepo(out=args.out, artifacts=args.artifacts, engines=args.engines, model=args.model,
                                 head=args.head, backend=args.backend, providers=tuple(args.provider or ()),

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from glance_runtime.auto_budget import AutoBudget
-from glance_runtime.calibration import Calibration
-from glance_runtime.cost_profile import CostProfile, row_grid
-from glance_runtime.loop import DecodeConfig, DecodeResult, decode
+from glance_runtime.decode.auto_budget import AutoBudget
+from glance_runtime.decode.calibration import Calibration
+from glance_runtime.decode.cost_profile import CostProfile, row_grid
+from glance_runtime.decode.loop import DecodeConfig, DecodeResult, decode
 
 GRID = tuple(row_grid(64))
 SHARP = 12.0  # logistic slope per split of surprisal: p is 0.9 at 0.82 of the split and 0.1 at 1.18 of it

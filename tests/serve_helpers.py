@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from edge_install import BLOCK_TRAINING_STACK
-from glance_runtime.cli import main as run_main
+from glance_runtime.cli.run import main as run_main
 
 REPO = Path(__file__).resolve().parents[1]
 RECEIPT = REPO / "examples" / "receipt" / "images" / "receipt_000.png"
@@ -43,7 +43,7 @@ class Server:
                 self.proc.wait(timeout=30)
 
 
-SERVE = BLOCK_TRAINING_STACK + "from glance_runtime.serve.cli import main; sys.exit(main(sys.argv[1:]))"
+SERVE = BLOCK_TRAINING_STACK + "from glance_runtime.cli.serve import main; sys.exit(main(sys.argv[1:]))"
 
 
 def start_server(*args: str, timeout_s: float = START_TIMEOUT_S,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from glance_export.adapters import Snapshot, load_image
+from glance_export.model.adapters import Snapshot, load_image
 from glance_runtime.errors import GlanceError
 from tiny_models import ALL_FAMILIES, VL_FAMILIES
 

@@ -11,8 +11,8 @@ import pytest
 from PIL import Image
 
 import glance_runtime as gr
-from glance_runtime import cli
-from glance_runtime.text_stream import TextStream
+from glance_runtime.cli import run as cli
+from glance_runtime.prompt.text_stream import TextStream
 
 ROOT = Path(__file__).resolve().parents[1]
 RECEIPT = ROOT / "examples" / "demo" / "receipt.png"

@@ -9,8 +9,8 @@ import numpy as np
 
 from glance_runtime.backends.ort_backend import OrtBackend
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
-from glance_runtime.loop import DecodeConfig, decode
-from glance_runtime.messages import user_turn
+from glance_runtime.decode.loop import DecodeConfig, decode
+from glance_runtime.prompt.messages import user_turn
 
 ROOT = Path(__file__).resolve().parents[1]
 RECEIPT = ROOT / "examples" / "demo" / "receipt.png"

@@ -24,13 +24,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from edge_install import BLOCK_EXPORT_STACK
-from glance_export.adapters import Snapshot
+from glance_export.model.adapters import Snapshot
 from glance_export.cli import main as export_main
-from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
+from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
 from glance_export.onnx import export_artifacts
-from glance_export.reference import greedy_reference, greedy_with_margins
-from glance_export.reference_file import ids_sha256, write_reference
-from glance_runtime.formats.reference import read as load_reference
+from glance_export.model.torch_backend import greedy_reference, greedy_with_margins
+from glance_export.audit.reference_match import ids_sha256, write_reference
+from glance_runtime.formats.recorded_reference import read as load_reference
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
 from glance_runtime.formats.artifacts import read as load_manifest
 from tiny_models import make_image, make_snapshot

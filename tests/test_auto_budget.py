@@ -12,11 +12,11 @@ import math
 import numpy as np
 import pytest
 
-from glance_runtime.auto_budget import AutoBudget
-from glance_runtime.calibration import FILE, PRIOR, Calibration, find_calibration, load_calibration, path_logit
-from glance_runtime.cost_profile import CostProfile, load, measurable_rows, profile_path, row_grid, save
+from glance_runtime.decode.auto_budget import AutoBudget
+from glance_runtime.decode.calibration import FILE, PRIOR, Calibration, find_calibration, load_calibration, path_logit
+from glance_runtime.decode.cost_profile import CostProfile, load, measurable_rows, profile_path, row_grid, save
 from glance_runtime.errors import GlanceError
-from glance_runtime.tree import Tree, build_tree
+from glance_runtime.decode.tree import Tree, build_tree
 
 GRID = (1, 2, 4, 8, 16, 32, 64)
 

@@ -22,11 +22,11 @@ from typing import Callable
 import pytest
 from PIL import Image
 
-from glance_export.adapters import Snapshot
+from glance_export.model.adapters import Snapshot
 from glance_export.cli import main as export_main
-from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
-from glance_runtime.bench.cli import main as bench_main
-from glance_runtime.cli import main as run_main
+from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
+from glance_runtime.cli.bench import main as bench_main
+from glance_runtime.cli.run import main as run_main
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
 from test_onnx_export import export_once
 from tiny_models import make_snapshot
@@ -34,8 +34,8 @@ from tiny_models import make_snapshot
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 COMMANDS: dict[str, Callable[[list[str]], int]] = {"glance-run": run_main, "glance-export": export_main,
                                                    "glance-bench": bench_main}
-PROCESS = {"glance-run": "from glance_runtime.cli import main", "glance-export": "from glance_export.cli import main",
-           "glance-bench": "from glance_runtime.bench.cli import main"}
+PROCESS = {"glance-run": "from glance_runtime.cli.run import main", "glance-export": "from glance_export.cli import main",
+           "glance-bench": "from glance_runtime.cli.bench import main"}
 ANSWERS = {"glance-run"}  # commands whose stdout is the answer: nothing at all may appear there on a refusal
 FIX = re.compile(r"\b(pass|use|point|set|make|free|keep|run|redirect|re-?export|pick|lower|raise|copy|create|add|install|drop|rebuild|shorten|crop|"
                  r"downscale|convert|write|remove|check|choose|see|retrain|export|build|give|restore|save)\b", re.I)

@@ -14,12 +14,12 @@ import pytest
 
 from edge_install import blocking
 
-from glance_runtime.atomic import MARKER
-from glance_runtime.bench.cli import main as bench_main
+from glance_runtime.store.atomic import MARKER
+from glance_runtime.cli.bench import main as bench_main
 from glance_runtime.bench.law import analyse, expected_accepted
 from glance_runtime.bench.modes import Mode, modes_for, parse_budgets
 from glance_runtime.bench.stats import rankdata, spearman
-from glance_runtime.calibration import load_calibration
+from glance_runtime.decode.calibration import load_calibration
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
 from glance_runtime.errors import GlanceError
 
@@ -332,7 +332,7 @@ def test_law_refuses_an_unknown_mode_and_a_missing_cap(bench_out, tmp_path, caps
 
 
 EDGE_BENCH = blocking("torch", "transformers", "glance_export", "safetensors", "matplotlib", "tqdm") + """
-from glance_runtime.bench.cli import main
+from glance_runtime.cli.bench import main
 code = main(sys.argv[1:])
 print("torch imported:", "torch" in sys.modules, file=sys.stderr)
 sys.exit(code)

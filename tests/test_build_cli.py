@@ -14,21 +14,22 @@ import warnings
 from importlib import resources
 from pathlib import Path
 
-from glance_runtime.atomic import MARKER
+from glance_runtime.store.atomic import MARKER
 import pytest
 
 from edge_install import blocking
-from glance_export import cli, devices
-from glance_export.adapters import Snapshot
-from glance_export.device_profiles import PROFILE_NAMES, load_profile, profile_text
-from glance_export.devices import BuildGpu, probe_device, resolve_target
-from glance_export.engine_build import BuildRequest, build, check_out
-from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
-from glance_export.memory_plan import kv_bytes_per_row, weights_bytes
-from glance_export.tensorrt_build import shape_profiles
-from glance_export.toolchain import Toolchain
+from glance_export import cli
+from glance_export.build import local_gpu as devices
+from glance_export.model.adapters import Snapshot
+from glance_export.build.targets import PROFILE_NAMES, load_profile, profile_text
+from glance_export.build.local_gpu import BuildGpu, probe_device, resolve_target
+from glance_export.build.engine_build import BuildRequest, build, check_out
+from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
+from glance_export.build.memory_plan import kv_bytes_per_row, weights_bytes
+from glance_export.build.tensorrt_build import shape_profiles
+from glance_export.build.toolchain import Toolchain
 from glance_runtime.errors import GlanceError
-from glance_runtime.integrity import sha256
+from glance_runtime.store.integrity import sha256
 from test_onnx_export import export_once
 from tiny_models import ALL_FAMILIES
 
@@ -317,8 +318,9 @@ def test_plan_only_for_jetson_needs_a_named_module(exported, monkeypatch, capsys
 EDGE_BUILD_BLOCKER = blocking("torch", "transformers", "safetensors", "onnx", "onnxscript")
 EDGE_BUILD = """
 import sys
-from glance_export import cli, devices
-from glance_export.adapters import Snapshot
+from glance_export import cli
+from glance_export.build import local_gpu as devices
+from glance_export.model.adapters import Snapshot
 
 devices.probe_device = lambda: devices.BuildGpu(None)  # whatever GPU this machine has: build ahead of time
 assert cli.main(["build", "--artifacts", sys.argv[1], "--out", sys.argv[2], "--target", "rtx"]) == 0

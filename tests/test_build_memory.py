@@ -12,13 +12,13 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
-from glance_export.device_profiles import load_profile
-from glance_export.devices import BuildGpu
-from glance_export.engine_build import BuildRequest, build
-from glance_export.mapped_weights import external_initializers
-from glance_export.memory_plan import GIB, BuildPeak, build_peak, maps_weights
-from glance_export.precision import choose_precision
-from glance_export.tensorrt_build import BuildOptions, ShapeProfile, graph_job, run_job
+from glance_export.build.targets import load_profile
+from glance_export.build.local_gpu import BuildGpu
+from glance_export.build.engine_build import BuildRequest, build
+from glance_export.build.mapped_weights import external_initializers
+from glance_export.build.memory_plan import GIB, BuildPeak, build_peak, maps_weights
+from glance_export.build.precision import choose_precision
+from glance_export.build.tensorrt_build import BuildOptions, ShapeProfile, graph_job, run_job
 from glance_runtime.errors import GlanceError
 from test_onnx_export import export_once
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from glance_export.cli import main as export_main
-from glance_runtime.bench.cli import main as bench_main
-from glance_runtime.calibration import FILE as CALIBRATION, Calibration
-from glance_runtime.cli import main as run_main
+from glance_runtime.cli.bench import main as bench_main
+from glance_runtime.decode.calibration import FILE as CALIBRATION, Calibration
+from glance_runtime.cli.run import main as run_main
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
-from glance_runtime.session import Settings, Source, open_session
+from glance_runtime.decode.session import Settings, Source, open_session
 
 
 @pytest.fixture(scope="module")

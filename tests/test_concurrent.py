@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 from glance_export.cli import main as export_main
-from glance_runtime.cli import main as run_main
+from glance_runtime.cli.run import main as run_main
 
-RUN = "import sys; from glance_runtime.cli import main; sys.exit(main(sys.argv[1:]))"
+RUN = "import sys; from glance_runtime.cli.run import main; sys.exit(main(sys.argv[1:]))"
 
 
 def test_two_cold_starts_export_once_and_both_answer(snapshot_dir, images, tmp_path, capsys):

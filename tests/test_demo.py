@@ -12,10 +12,10 @@ import pytest
 
 from glance_export.cli import main as export_main
 from glance_export.train import corpus
-from glance_runtime.cli import main as run_main
+from glance_runtime.cli.run import main as run_main
 from glance_runtime.defaults import DEFAULT_ARTIFACTS, DEFAULT_HEAD, DEFAULT_MODEL, MODELS_ROOT, resolve
 from glance_runtime.formats.artifacts import check_source, read as load_manifest
-from glance_runtime.integrity import sha256
+from glance_runtime.store.integrity import sha256
 from edge_install import BLOCK_TRAINING_STACK
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -80,7 +80,7 @@ def test_shipped_graphs_were_exported_from_the_shipped_weights():
 
 
 TORCH_FREE_DEMO = BLOCK_TRAINING_STACK + """
-from glance_runtime.cli import main
+from glance_runtime.cli.run import main
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from glance_runtime.device import CudaDevice, HostDevice
+from glance_runtime.backends.device_buffers import CudaDevice, HostDevice
 from glance_runtime.errors import GlanceError
 
 

@@ -12,18 +12,18 @@ from pathlib import Path
 import onnxruntime as ort
 import pytest
 
-from glance_export.device_profiles import load_profile
-from glance_export.devices import BuildGpu
-from glance_export.engine_build import BuildRequest, build
-from glance_export.engine_parts import GraphCut, cut_budget
-from glance_export.memory_plan import GIB, BuildPeak, Budget, graph_bytes, part_budget_gib, plan_memory
+from glance_export.build.targets import load_profile
+from glance_export.build.local_gpu import BuildGpu
+from glance_export.build.engine_build import BuildRequest, build
+from glance_export.build.engine_parts import GraphCut, cut_budget
+from glance_export.build.memory_plan import GIB, BuildPeak, Budget, graph_bytes, part_budget_gib, plan_memory
 from glance_runtime.backends.ort_backend import OrtBackend, OrtGraph
 from glance_runtime.backends.seeded import SeededDrafter
 from glance_runtime.errors import GlanceError
 from glance_runtime.formats import engines as engines_format
-from glance_runtime.graph_chain import ChainGraph, Part
-from glance_runtime.integrity import verify_engines
-from glance_runtime.loop import DecodeConfig, decode
+from glance_runtime.backends.graph_chain import ChainGraph, Part
+from glance_runtime.store.integrity import verify_engines
+from glance_runtime.decode.loop import DecodeConfig, decode
 from test_onnx_export import export_once
 
 MAX_NEW = 20

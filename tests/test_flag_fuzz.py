@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from glance_export.cli import parser as export_parser
-from glance_runtime.bench.cli import bench_parser
-from glance_runtime.cli import parser as run_parser
-from glance_runtime.serve.cli import parser as serve_parser
+from glance_runtime.cli.bench import bench_parser
+from glance_runtime.cli.run import parser as run_parser
+from glance_runtime.cli.serve import parser as serve_parser
 
 # (parser, the arguments it needs besides the flag, flag, the accepted range)
 FLAGS = [

@@ -386,7 +386,7 @@ def test_any_round_log_fits_or_is_one_line(tmp_path, rows):
 def test_commands_refuse_bad_task_files_in_one_line(tmp_path, capsys, line, words):
     """audit and glance-bench read task files before opening a model: exit 2, one line, no traceback."""
     from glance_export.cli import main as export_main
-    from glance_runtime.bench.cli import main as bench_main
+    from glance_runtime.cli.bench import main as bench_main
 
     path = _tasks(tmp_path, line)
     for run in (lambda: export_main(["audit", "--data", str(path), "--backend", "onnxruntime"]),

@@ -14,8 +14,8 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from glance_export.adapters import Snapshot
-from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
+from glance_export.model.adapters import Snapshot
+from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
 from glance_export.onnx import export_artifacts
 from glance_export.onnx.external_data import graph_tensors
 from tiny_models import make_snapshot

@@ -14,14 +14,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from PIL import Image
 
-from glance_export.adapters import Snapshot
-from glance_runtime.atomic import MARKER, atomic_directory, check_output, output_directory
-from glance_runtime.cache import cache_root
+from glance_export.model.adapters import Snapshot
+from glance_runtime.store.atomic import MARKER, atomic_directory, check_output, output_directory
+from glance_runtime.store.cache import cache_root
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
 from glance_runtime.errors import GlanceError
 from glance_runtime.formats.artifacts import read as load_manifest
-from glance_runtime.preprocess import PromptBuilder, load_image, to_rgb
-from glance_runtime.tree import build_tree, fit
+from glance_runtime.prompt.prompt_builder import PromptBuilder, load_image, to_rgb
+from glance_runtime.decode.tree import build_tree, fit
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 STATES = ("absent", "empty", "same", "other", "unmarked", "file", "link_to_unmarked")
@@ -195,7 +195,7 @@ def test_a_huge_prompt_is_refused_before_its_buffers(tmp_path):
     """120,000 characters against the shipped export: refused from the token count, before any buffer sized by it."""
     # VmHWM, not getrusage: a child's ru_maxrss also counts the forking parent's peak (Linux folds the
     # replaced address space's high-water mark into it at exec), which is pytest's after a long session.
-    code = ("import sys; from glance_runtime.cli import main; rc = main(sys.argv[1:]); "
+    code = ("import sys; from glance_runtime.cli.run import main; rc = main(sys.argv[1:]); "
             "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')), file=sys.stderr); "
             "sys.exit(rc)")
     proc = subprocess.run([sys.executable, "-c", code, "--prompt", "x" * 120_000, "--budget", "8"],
@@ -232,7 +232,7 @@ def test_a_full_disk_and_a_read_only_cache_are_one_line(mounts, snapshot_dir):
     assert full.returncode == 2 and full.stderr.strip().splitlines() == [
         "glance-export: error: no space left on the device; free space (or pick another place to write) and run again"]
     assert list((mounts / "small").iterdir()) == []  # nothing half-written
-    run = [sys.executable, "-c", "import sys; from glance_runtime.cli import main; sys.exit(main(sys.argv[1:]))",
+    run = [sys.executable, "-c", "import sys; from glance_runtime.cli.run import main; sys.exit(main(sys.argv[1:]))",
            "--prompt", "hi"]
     ro = subprocess.run(run, capture_output=True, text=True, timeout=120,
                         env={**os.environ, "GLANCE_CACHE": str(mounts / "ro" / "cache")})

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from glance_export.adapters import Snapshot
-from glance_export.head import (HeadConfig, check_head_matches, head_config_for, init_head, load_head,
+from glance_export.model.adapters import Snapshot
+from glance_export.model.head import (HeadConfig, check_head_matches, head_config_for, init_head, load_head,
                                 pick_mask_token, save_head, tap_layers)
 from glance_runtime.errors import GlanceError
 

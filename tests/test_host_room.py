@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from glance_export.adapters import Snapshot
-from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
+from glance_export.model.adapters import Snapshot
+from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
 from glance_export.onnx import export_artifacts
 from glance_runtime.backends.host_room import PROCESS_BYTES, check_cpu_room, cpu_load_bytes, weight_bytes
 from glance_runtime.errors import GlanceError

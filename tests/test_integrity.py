@@ -8,17 +8,17 @@ import os
 import shutil
 from pathlib import Path
 
-from glance_runtime.atomic import MARKER
+from glance_runtime.store.atomic import MARKER
 import pytest
 
-from glance_export.adapters import Snapshot
-from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
-from glance_runtime import integrity
+from glance_export.model.adapters import Snapshot
+from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
+from glance_runtime.store import integrity
 from glance_runtime.errors import GlanceError
-from glance_runtime.integrity import Stamps, sha256, verify_engines, verify_files
+from glance_runtime.store.integrity import Stamps, sha256, verify_engines, verify_files
 from glance_runtime.formats import artifacts as artifacts_format
 from glance_runtime.formats.artifacts import read as load_manifest
-from glance_runtime.runner import exported_artifacts
+from glance_runtime.backends.registry import exported_artifacts
 from test_onnx_export import export_once
 
 

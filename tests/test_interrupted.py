@@ -10,16 +10,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from glance_runtime.atomic import MARKER
+from glance_runtime.store.atomic import MARKER
 import pytest
 from safetensors.torch import load_file
 
-from glance_export.adapters import Snapshot
+from glance_export.model.adapters import Snapshot
 from glance_export.cli import main as export_main
-from glance_export.head import load_head
+from glance_export.model.head import load_head
 from glance_export.onnx import export_artifacts
 from glance_export.train.checkpoint import STATE_FILE
-from glance_runtime.integrity import verify_engines
+from glance_runtime.store.integrity import verify_engines
 from glance_runtime.formats.artifacts import read as load_manifest
 
 CLI = "import sys; from glance_export.cli import main; sys.exit(main(sys.argv[1:]))"

@@ -7,9 +7,9 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from glance_runtime.device import HostDevice
+from glance_runtime.backends.device_buffers import HostDevice
 from glance_runtime.errors import GlanceError
-from glance_runtime.kv_cache import KVCache
+from glance_runtime.backends.kv_cache import KVCache
 
 
 def _cache(layers=2, kvh=2, d=4, max_context=16) -> KVCache:

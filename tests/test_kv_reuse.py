@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from glance_export.adapters import Snapshot
-from glance_export.head import head_config_for, init_head, pick_mask_token
-from glance_export.reference import TorchBackend, greedy_reference
+from glance_export.model.adapters import Snapshot
+from glance_export.model.head import head_config_for, init_head, pick_mask_token
+from glance_export.model.torch_backend import TorchBackend, greedy_reference
 from glance_runtime.backends.seeded import SeededDrafter
-from glance_runtime.loop import DecodeConfig, decode
-from glance_runtime.messages import user_turn
-from glance_runtime.prefix import Committed, image_runs, shared_rows
+from glance_runtime.decode.loop import DecodeConfig, decode
+from glance_runtime.prompt.messages import user_turn
+from glance_runtime.prompt.prefix_reuse import Committed, image_runs, shared_rows
 from test_ort_backend import exported  # noqa: F401  (the fixture: tiny artifacts per family)
 from tiny_models import ALL_FAMILIES, VL_FAMILIES
 
@@ -107,7 +107,7 @@ def _draft_after_reuse_equals_fresh(backend, build, detokenize, oracle, turns, i
     (tokens alone cannot show it: the loop is lossless whatever the head proposes). The next prompt either
     extends every committed row (the head's queued taps are kept and appended to) or, re-rendered by the
     template, shares fewer rows than the head has already projected (its cache is cut back)."""
-    from glance_runtime.preprocess import Prompt
+    from glance_runtime.prompt.prompt_builder import Prompt
 
     for variant in ("extends", "template"):
         first = build(turns[:1])

@@ -59,8 +59,8 @@ def test_every_runtime_module_imports_without_torch_or_the_export_package():
 def test_the_export_package_registers_what_the_runtime_asks_for():
     """Installed metadata declares both entry points, and each loads the export package's own function."""
     from glance_export.onnx import export_artifacts
-    from glance_export.reference import open_reference
-    from glance_runtime.extensions import EXPORT, GROUP, REFERENCE
+    from glance_export.model.torch_backend import open_reference
+    from glance_runtime.backends.extensions import EXPORT, GROUP, REFERENCE
 
     found = {ep.name: ep.load() for ep in entry_points(group=GROUP)}
     assert found.get(REFERENCE) is open_reference and found.get(EXPORT) is export_artifacts, \
@@ -68,7 +68,7 @@ def test_the_export_package_registers_what_the_runtime_asks_for():
 
 
 def test_torch_backend_without_the_export_stack_is_a_one_line_fix():
-    proc = _edge_python("from glance_runtime.cli import main\nsys.exit(main(['--backend', 'torch', '--no-spec', "
+    proc = _edge_python("from glance_runtime.cli.run import main\nsys.exit(main(['--backend', 'torch', '--no-spec', "
                         "'--prompt', 'hi']))")
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr

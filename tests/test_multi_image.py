@@ -9,13 +9,13 @@ import pytest
 import torch
 from PIL import Image
 
-from glance_export.adapters import Snapshot
-from glance_export.head import head_config_for, init_head, pick_mask_token
-from glance_export.reference import TorchBackend
+from glance_export.model.adapters import Snapshot
+from glance_export.model.head import head_config_for, init_head, pick_mask_token
+from glance_export.model.torch_backend import TorchBackend
 from glance_runtime.errors import GlanceError, InputError
-from glance_runtime.loop import DecodeConfig, decode
-from glance_runtime.messages import user_turn
-from glance_runtime.rope_index import rope_index
+from glance_runtime.decode.loop import DecodeConfig, decode
+from glance_runtime.prompt.messages import user_turn
+from glance_runtime.prompt.rope_index import rope_index
 from test_preprocess import _builder
 from tiny_models import VL_FAMILIES, make_snapshot
 

@@ -12,15 +12,16 @@ import torch
 
 from glance_runtime.backends.seeded import SeededDrafter
 from glance_export import __version__
-from glance_export.adapters import Snapshot
-from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
-from glance_export.onnx import export_artifacts, validate_artifacts, vision_index_inputs
+from glance_export.model.adapters import Snapshot
+from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
+from glance_export.onnx import export_artifacts, validate_artifacts
+from glance_runtime.prompt.vision_indices import vision_index_inputs
 from glance_export.onnx import artifacts as artifacts_mod
 from glance_export.onnx import export as export_mod
-from glance_export.reference import TorchBackend, greedy_reference
+from glance_export.model.torch_backend import TorchBackend, greedy_reference
 from glance_runtime.errors import GlanceError
-from glance_runtime.graphs import draft_kv_names, target_kv_names
-from glance_runtime.loop import DecodeConfig, decode
+from glance_runtime.formats.graphs import draft_kv_names, target_kv_names
+from glance_runtime.decode.loop import DecodeConfig, decode
 from tiny_models import ALL_FAMILIES, VL_FAMILIES
 
 BLOCK = 6
@@ -232,7 +233,7 @@ class GraphReplay:
 @pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_replayed_decode_matches_greedy_oracle(exported, images, family):
     model_dir, head_dir, out = exported(family)
-    from glance_export.head import load_head
+    from glance_export.model.head import load_head
 
     reference = TorchBackend(Snapshot(model_dir), load_head(head_dir))
     prompt = reference.snapshot.build_prompt("What colour is the square?",

@@ -18,17 +18,17 @@ import numpy as np
 import pytest
 
 from glance_runtime.backends.seeded import SeededDrafter
-from glance_export.adapters import Snapshot
-from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
+from glance_export.model.adapters import Snapshot
+from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
 from glance_export.onnx import export_artifacts
 from glance_runtime.backends.ort_backend import OrtBackend
-from glance_export.reference import TorchBackend, greedy_reference
-from glance_runtime.auto_budget import AutoBudget
-from glance_runtime.calibration import PRIOR
-from glance_runtime.cost_profile import measure
+from glance_export.model.torch_backend import TorchBackend, greedy_reference
+from glance_runtime.decode.auto_budget import AutoBudget
+from glance_runtime.decode.calibration import PRIOR
+from glance_runtime.decode.cost_profile import measure
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
 from glance_runtime.errors import GlanceError
-from glance_runtime.loop import DecodeConfig, decode
+from glance_runtime.decode.loop import DecodeConfig, decode
 from auto_policies import check_mixed, config, cutting, median_surprisal, skipping
 from edge_install import BLOCK_TRAINING_STACK
 from tiny_models import ALL_FAMILIES, VL_FAMILIES
@@ -350,7 +350,7 @@ def test_corrupt_graph_fails_in_one_line(exported, tmp_path):
 BLOCKED_RUN = BLOCK_TRAINING_STACK + """
 import json
 from glance_runtime.backends.ort_backend import OrtBackend
-from glance_runtime.loop import DecodeConfig, decode
+from glance_runtime.decode.loop import DecodeConfig, decode
 
 artifacts, image, text, max_new = sys.argv[1:5]
 backend = OrtBackend(artifacts)
@@ -414,7 +414,7 @@ def test_context_end_matches_greedy(exported, images, family):
 @pytest.mark.parametrize("names", [("wide", "tall"), ("square", "wide", "tall")])
 def test_several_images_match_oracle(exported, images, family, names):
     """The vision graph runs once per image; the rows (and Qwen3-VL's deepstack rows) are concatenated."""
-    from glance_runtime.messages import user_turn
+    from glance_runtime.prompt.messages import user_turn
 
     ex = exported(family)
     prompt = ex.backend.prompts.build_messages([user_turn(TEXT, [images[n] for n in names])])

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from glance_export.adapters import Snapshot
-from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
+from glance_export.model.adapters import Snapshot
+from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
 from glance_export.onnx import export_artifacts
 from glance_runtime.errors import GlanceError
 from glance_runtime.formats import artifacts as fmt
@@ -175,7 +175,7 @@ def test_source_hash_mismatch(exported, snapshot_dir):
 def test_a_graph_swapped_in_with_its_hashes_rewritten_is_refused_when_opened(artifacts):
     """Every hash matching is not enough: the graph itself must be the one the manifest describes."""
     from glance_runtime.backends.ort_backend import OrtBackend
-    from glance_runtime.integrity import record
+    from glance_runtime.store.integrity import record
 
     shutil.copy(artifacts / "draft.onnx", artifacts / "target.onnx")
     _rewrite(artifacts, lambda raw: raw["file_hashes"].update(record(artifacts, ["target.onnx"])))

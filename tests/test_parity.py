@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from glance_runtime.backends.seeded import SeededDrafter
-from glance_export.adapters import Snapshot
-from glance_export.head import head_config_for, init_head, pick_mask_token
-from glance_export.reference import TorchBackend, greedy_reference
-from glance_runtime.loop import DecodeConfig, decode
+from glance_export.model.adapters import Snapshot
+from glance_export.model.head import head_config_for, init_head, pick_mask_token
+from glance_export.model.torch_backend import TorchBackend, greedy_reference
+from glance_runtime.decode.loop import DecodeConfig, decode
 from auto_policies import check_mixed, config, cutting, median_surprisal, skipping
 from tiny_models import ALL_FAMILIES, VL_FAMILIES
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from PIL import Image
 
-from glance_export.adapters import Snapshot
+from glance_export.model.adapters import Snapshot
 from glance_runtime.errors import GlanceError
-from glance_runtime.preprocess import ImageProcessorConfig, PromptBuilder, load_image, process_image, smart_resize
-from glance_runtime.rope_index import rope_index
+from glance_runtime.prompt.prompt_builder import ImageProcessorConfig, PromptBuilder, load_image, process_image, smart_resize
+from glance_runtime.prompt.rope_index import rope_index
 from tiny_models import ALL_FAMILIES, VL_FAMILIES, make_image, make_snapshot
 
 SIZES = [(64, 64), (200, 100), (37, 300), (300, 37), (1000, 800), (20, 20), (113, 97)]

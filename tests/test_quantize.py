@@ -15,19 +15,19 @@ import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
-from glance_export.adapters import Snapshot
+from glance_export.model.adapters import Snapshot
 from glance_export.cli import main as export_main
-from glance_export.device_profiles import load_profile
-from glance_export.drift import compare, drift
-from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
+from glance_export.build.targets import load_profile
+from glance_export.audit.drift import compare, drift
+from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
 from glance_export.onnx import export_artifacts
 from glance_export.onnx.external_data import graph_tensors
 from glance_export.onnx.quantize import check_scheme
-from glance_export.quant_engines import engine_manifest
+from glance_export.build.quant_engines import engine_manifest
 from glance_runtime.backends.ort_backend import OrtBackend
 from glance_runtime.backends.seeded import SeededDrafter
 from glance_runtime.errors import GlanceError
-from glance_runtime.loop import DecodeConfig, decode
+from glance_runtime.decode.loop import DecodeConfig, decode
 from glance_runtime.formats.artifacts import read as load_manifest
 from tiny_models import ALL_FAMILIES, make_snapshot
 

@@ -16,8 +16,8 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.quantization.matmul_nbits_quantizer import (DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer,
                                                              MatMulNBitsQuantizer)
 
-from glance_export.adapters import Snapshot
-from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
+from glance_export.model.adapters import Snapshot
+from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
 from glance_export.onnx import export_artifacts
 from glance_export.onnx.checkpoint import Checkpoint
 from glance_export.onnx.memory import GIB, check_fits, estimate_peak

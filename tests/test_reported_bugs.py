@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from glance_export.adapters import Snapshot
+from glance_export.model.adapters import Snapshot
 from glance_export.cli import main as export_main
-from glance_export.reference import greedy_reference
-from glance_runtime.cli import main as run_main
+from glance_export.model.torch_backend import greedy_reference
+from glance_runtime.cli.run import main as run_main
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
 from tiny_models import make_snapshot
 

@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 import glance_runtime as gr
-from glance_runtime.serve.cli import main as serve_main
+from glance_runtime.cli.serve import main as serve_main
 from serve_helpers import MODEL_NAME, RECEIPT, data_url, glance_run, start_server, user
 
 KEY = "test-key"

@@ -17,8 +17,8 @@ from onnx import numpy_helper
 from safetensors.torch import load_file, save_file
 
 import glance_export.onnx.depth_cut as depth_cut
-from glance_export.adapters import Snapshot
-from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
+from glance_export.model.adapters import Snapshot
+from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
 from glance_export.onnx import export_artifacts
 from glance_export.onnx.checkpoint import INDEX, Checkpoint
 from glance_export.onnx.external_data import graph_tensors
@@ -110,7 +110,7 @@ def test_smoke_run_fails_on_a_corrupt_graph(snapshot_dir, tmp_path):
     weight.CopyFrom(numpy_helper.from_array(np.full_like(numpy_helper.to_array(weight), np.nan), weight.name))
     onnx.save_model(model, str(tmp_path / "target.onnx"))
     from glance_export.onnx.spec import dims_for
-    from glance_export.head import load_head
+    from glance_export.model.head import load_head
 
     dims = dims_for(Snapshot(snap), load_head(head))
     with pytest.raises(GlanceError, match="smoke run of target.onnx: output .* is not finite"):
@@ -205,7 +205,7 @@ def test_a_graph_run_in_segments_gives_what_it_gives_whole(tmp_path):
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
-    from glance_export.node_runs import split
+    from glance_export.onnx.node_runs import split
     from glance_export.onnx.segments import run_in_segments
 
     rng = np.random.default_rng(0)

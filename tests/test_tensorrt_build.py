@@ -11,16 +11,16 @@ from pathlib import Path
 import onnx
 import pytest
 
-from glance_export.adapters import Snapshot
-from glance_export.device_profiles import load_profile
-from glance_export.devices import BuildGpu
-from glance_export.head import head_config_for, init_head, pick_mask_token, save_head
-from glance_export.memory_plan import Limits, check_device_builds, kv_bytes_per_row, plan_memory
+from glance_export.model.adapters import Snapshot
+from glance_export.build.targets import load_profile
+from glance_export.build.local_gpu import BuildGpu
+from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
+from glance_export.build.memory_plan import Limits, check_device_builds, kv_bytes_per_row, plan_memory
 from glance_export.onnx import export_artifacts
-from glance_export.precision import choose_precision
-from glance_export.tensorrt_build import BuildOptions, build_engines, shape_profiles
-from glance_export.engine_build import BuildRequest, build
-from glance_export.toolchain import Toolchain, check_opset, load_toolchain
+from glance_export.build.precision import choose_precision
+from glance_export.build.tensorrt_build import BuildOptions, build_engines, shape_profiles
+from glance_export.build.engine_build import BuildRequest, build
+from glance_export.build.toolchain import Toolchain, check_opset, load_toolchain
 from glance_runtime.errors import GlanceError
 from test_onnx_export import export_once
 

@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from glance_export.audit import audit
+from glance_export.audit.greedy_audit import audit
 from glance_runtime.formats.tasks import read as read_tasks
 from glance_export.cli import main as export_main
-from glance_export.head import load_head
-from glance_runtime.loop import DecodeConfig
-from glance_runtime.runner import open_runner
-from glance_runtime.session import Session
+from glance_export.model.head import load_head
+from glance_runtime.decode.loop import DecodeConfig
+from glance_runtime.backends.registry import open_runner
+from glance_runtime.decode.session import Session
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Property and hand-checked tests for glance_runtime.tree (draft tree build, visibility, walk)."""
+"""Property and hand-checked tests for glance_runtime.decode.tree (draft tree build, visibility, walk)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from glance_runtime.tree import Tree, build_tree, visibility, walk
+from glance_runtime.decode.tree import Tree, build_tree, visibility, walk
 
 FAST = settings(max_examples=100, deadline=None)
 ANCHOR = 1000

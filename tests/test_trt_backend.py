@@ -11,10 +11,10 @@ import pytest
 
 from auto_policies import check_mixed, config, cutting, median_surprisal, skipping
 from glance_export.cli import main as export_main
-from glance_runtime.auto_budget import auto_budget
+from glance_runtime.decode.auto_budget import auto_budget
 from glance_runtime.backends.trt_backend import check_engines, pick_profile
 from glance_runtime.formats.engines import FILE as ENGINE_MANIFEST, read as read_engines_record
-from glance_runtime.cli import main as run_main
+from glance_runtime.cli.run import main as run_main
 from glance_runtime.errors import GlanceError
 
 DEFAULT_ARTIFACTS = Path(__file__).parents[1] / "models" / "glance-vl-tiny-onnx"
@@ -97,7 +97,7 @@ def rtx_engines(tmp_path_factory):
 
 def _has_gpu() -> bool:
     try:
-        from glance_runtime.device import CudaDevice
+        from glance_runtime.backends.device_buffers import CudaDevice
 
         CudaDevice()
     except GlanceError:
@@ -131,8 +131,8 @@ def test_engines_answer_like_onnxruntime(rtx_engines):
     """The same loop on TensorRT engines and on ONNX Runtime gives the same tokens (fp32 engines), with fixed
     budgets and with auto: as `glance-run` builds it (a profile measured on these engines), and with policies
     forcing skipped drafts and small cuts (tests/auto_policies.py)."""
-    from glance_runtime.runner import open_runner
-    from glance_runtime.loop import DecodeConfig, decode
+    from glance_runtime.backends.registry import open_runner
+    from glance_runtime.decode.loop import DecodeConfig, decode
 
     trt = open_runner("tensorrt", engines=rtx_engines)
     ort = open_runner("onnxruntime", artifacts=DEFAULT_ARTIFACTS)

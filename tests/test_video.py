@@ -15,15 +15,15 @@ import torch
 from PIL import Image
 
 import glance_runtime as gr
-from glance_export.adapters import Snapshot
-from glance_export.reference import TorchBackend, greedy_reference
+from glance_export.model.adapters import Snapshot
+from glance_export.model.torch_backend import TorchBackend, greedy_reference
 from glance_export.train.tokenizer import CHAT_TEMPLATE
 from glance_runtime.errors import InputError
-from glance_runtime.loop import DecodeConfig, decode
-from glance_runtime.messages import user_turn
-from glance_runtime.prefix import Committed, image_runs, shared_rows
-from glance_runtime.rope_index import rope_index, video_grids
-from glance_runtime.video import DEFAULT_FPS, Video, VideoProcessorConfig, process_video, resize_frame
+from glance_runtime.decode.loop import DecodeConfig, decode
+from glance_runtime.prompt.messages import user_turn
+from glance_runtime.prompt.prefix_reuse import Committed, image_runs, shared_rows
+from glance_runtime.prompt.rope_index import rope_index, video_grids
+from glance_runtime.prompt.video import DEFAULT_FPS, Video, VideoProcessorConfig, process_video, resize_frame
 from test_ort_backend import Exported
 from tiny_models import VL_FAMILIES, make_snapshot
 
@@ -75,7 +75,7 @@ def snaps(tmp_path_factory) -> dict[str, Snapshot]:
 
 @pytest.fixture(scope="module")
 def backends(snaps) -> dict[str, TorchBackend]:
-    from glance_export.head import head_config_for, init_head, pick_mask_token
+    from glance_export.model.head import head_config_for, init_head, pick_mask_token
 
     return {f: TorchBackend(s, init_head(head_config_for(s, 1, 8, pick_mask_token(s)), seed=8)) for f, s in snaps.items()}
 
@@ -104,7 +104,7 @@ def cases(images) -> dict[str, list[dict]]:
 
 def generate(backend: TorchBackend, prompt) -> list[int]:
     """transformers' greedy `generate`, handed the prompt's ids, pixels, grids, seconds and token types."""
-    from glance_export.reference import vision_inputs
+    from glance_export.model.torch_backend import vision_inputs
 
     model, snap = backend.model, backend.snapshot
     model.model.rope_deltas = None  # cached by the model per prompt
@@ -173,7 +173,7 @@ def test_positions_match_get_rope_index(snaps, backends, images, family):
     for name, messages in cases(images).items():
         prompt = snap.build_messages(messages)
         ids = torch.from_numpy(prompt.input_ids)[None]
-        from glance_export.reference import vision_inputs
+        from glance_export.model.torch_backend import vision_inputs
 
         extra = vision_inputs(snap, prompt, ids, torch.device("cpu"), torch.float32)
         ref_pos, ref_delta = model.model.get_rope_index(
@@ -262,7 +262,7 @@ def test_refusals(snaps, tmp_path, images):
 
 def test_glance_run_video_flags(exported, tmp_path, capsys):
     """`--video FRAME ...` (repeatable) and `--fps` give the API's tokens for the same video and rate."""
-    from glance_runtime import cli
+    from glance_runtime.cli import run as cli
 
     ex = exported("qwen2_5_vl")
     paths = []
@@ -285,7 +285,7 @@ def test_glance_run_video_flags(exported, tmp_path, capsys):
 def test_follow_ups_about_videos_equal_fresh_decodes(backends, exported, images, family, seed):
     """Turns that keep a video's rows (and then add an image and another video) decode what fresh decodes of
     the whole conversation do, on both backends, with seeded drafts accepting everything, part, or nothing."""
-    from glance_export.reference import greedy_reference
+    from glance_export.model.torch_backend import greedy_reference
     from test_kv_reuse import converse
 
     turns = [user_turn("What moves?", videos=[frames(3, seed=6)]), user_turn("Describe the image."),

@@ -12,9 +12,9 @@ from typing import Any, Sequence
 from glance_runtime.errors import GlanceError
 from glance_runtime.formats import artifacts as artifacts_format
 from glance_runtime.formats.tasks import read as read_tasks
-from glance_runtime.session import Settings, Source, open_session
+from glance_runtime.decode.session import Settings, Source, open_session
 
-from .audit import first_divergence
+from .greedy_audit import first_divergence
 
 
 def compare(tokens: list[int], reference: list[int]) -> dict[str, Any]:

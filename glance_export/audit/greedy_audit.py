@@ -9,8 +9,8 @@ from typing import Callable
 
 from glance_runtime.defaults import AUTO
 from glance_runtime.formats.tasks import Task
-from glance_runtime.loop import DecodeConfig
-from glance_runtime.session import Session
+from glance_runtime.decode.loop import DecodeConfig
+from glance_runtime.decode.session import Session
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:

@@ -1,7 +1,7 @@
 """Record a task file's fp32 PyTorch greedy reference (workstation side; needs torch).
 
 The recorded file lets a device without torch audit its engines against the same oracle the
-workstation audit uses: `glance-export audit --reference FILE` reads it (`glance_runtime.formats.reference`).
+workstation audit uses: `glance-export audit --reference FILE` reads it (`glance_runtime.formats.recorded_reference`).
 """
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ import torch
 import transformers
 
 from glance_runtime.errors import GlanceError
-from glance_runtime.integrity import sha256
+from glance_runtime.store.integrity import sha256
 
-from . import __version__
-from .adapters import Snapshot
-from glance_runtime.formats.reference import RecordedTask, Reference
+from .. import __version__
+from ..model.adapters import Snapshot
+from glance_runtime.formats.recorded_reference import RecordedTask, Reference
 from glance_runtime.formats.tasks import read as read_tasks
 
-from .reference import checked_prompts, greedy_with_margins
-from .reference_file import array_sha256, ids_sha256, image_sha256, model_source
+from ..model.torch_backend import checked_prompts, greedy_with_margins
+from .reference_match import array_sha256, ids_sha256, image_sha256, model_source
 
 
 def record_reference(model_dir: Path, tasks_path: Path, max_new_tokens: int,

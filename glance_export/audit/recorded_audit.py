@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from glance_runtime.errors import GlanceError
-from glance_runtime.formats.reference import RECORD, RecordedTask, Reference
+from glance_runtime.formats.recorded_reference import RECORD, RecordedTask, Reference
 from glance_runtime.formats.tasks import Task
-from glance_runtime.session import Session
+from glance_runtime.decode.session import Session
 
-from .audit import budget_of, first_divergence
-from .reference_file import array_sha256, ids_sha256
+from .greedy_audit import budget_of, first_divergence
+from .reference_match import array_sha256, ids_sha256
 
 def _difference(tokens: list[int], rec: RecordedTask) -> dict[str, Any]:
     """First token where `tokens` leaves the reference, the two tokens there and the fp32 margin there."""

@@ -1,6 +1,6 @@
 """Using a recorded fp32 greedy reference: the identities it is recorded against, and the refusal of one
 recorded for another model, other tasks or other settings. The file itself (schema, version, checksum)
-is `glance_runtime.formats.reference`. Torch-free: the device side imports this module.
+is `glance_runtime.formats.recorded_reference`. Torch-free: the device side imports this module.
 """
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from glance_runtime.errors import GlanceError
-from glance_runtime.formats import reference as reference_format
-from glance_runtime.formats.reference import Reference
+from glance_runtime.formats import recorded_reference as reference_format
+from glance_runtime.formats.recorded_reference import Reference
 from glance_runtime.formats.tasks import Task
-from glance_runtime.integrity import sha256
+from glance_runtime.store.integrity import sha256
 
 
 def model_source(model_dir: Path) -> dict[str, Any]:
@@ -48,7 +48,7 @@ def check_destination(path: Path) -> None:
 
 
 def write_reference(path: str | Path, ref: Reference) -> Path:
-    """A directory is refused as such; otherwise the file is written whole (`formats.reference.write`)."""
+    """A directory is refused as such; otherwise the file is written whole (`formats.recorded_reference.write`)."""
     check_destination(Path(path))
     return reference_format.write(path, ref)
 

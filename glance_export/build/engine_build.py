@@ -12,16 +12,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from glance_runtime.atomic import atomic_directory, check_output, output_format
+from glance_runtime.store.atomic import atomic_directory, check_output, output_format
 from glance_runtime.errors import GlanceError
-from glance_runtime.graphs import MANIFEST
+from glance_runtime.formats.graphs import MANIFEST
 from glance_runtime.formats import engines as engines_format
 from glance_runtime.formats.artifacts import check_source, read as load_manifest
-from glance_runtime.integrity import sha256
+from glance_runtime.store.integrity import sha256
 
-from . import __version__
-from .device_profiles import DeviceProfile, load_profile
-from .devices import BuildGpu, check_device, resolve_target
+from .. import __version__
+from .targets import DeviceProfile, load_profile
+from .local_gpu import BuildGpu, check_device, resolve_target
 from .memory_plan import MemoryPlan, available_host_gib, check_build_host, check_device_builds, plan_memory
 from .plan_bundle import BUNDLE_FORMAT, write_bundle
 from .precision import Precision, choose_precision
@@ -30,7 +30,7 @@ from .tensorrt_build import BuildOptions, TimingCache, build_engines
 from .toolchain import Toolchain, check_opset, check_version, load_toolchain
 
 ENGINES_FORMAT = "glance-engines"
-HEAD_WEIGHTS = "model.safetensors"  # glance_export.head.WEIGHTS_FILE, not imported here: that module needs torch
+HEAD_WEIGHTS = "model.safetensors"  # glance_export.model.head.WEIGHTS_FILE, not imported here: that module needs torch
 CACHE_DTYPE = "fp32"  # what `exported_artifacts` exports (the --model/--head path)
 
 
@@ -97,7 +97,7 @@ def _artifacts(request: BuildRequest, say: Callable[[str], None]) -> Path:
     if request.artifacts is not None:
         artifacts = request.artifacts
     else:
-        from glance_runtime.runner import exported_artifacts
+        from glance_runtime.backends.registry import exported_artifacts
 
         artifacts = exported_artifacts(request.model, request.head, say)
     if request.model is not None:
@@ -214,8 +214,8 @@ def _measure_costs(out: Path, device: BuildGpu, branch_k: int, say: Callable[[st
     if not device.name:
         say("cost profile for --budget auto: measured on the device on first use (no GPU here)")
         return
-    from glance_runtime.auto_budget import auto_budget
-    from glance_runtime.runner import open_tensorrt
+    from glance_runtime.decode.auto_budget import auto_budget
+    from glance_runtime.backends.registry import open_tensorrt
 
     try:
         _, path, _ = auto_budget(open_tensorrt(out), branch_k, remeasure=True, progress=say)

@@ -1,5 +1,5 @@
 """Cut a graph too large to build whole into consecutive parts, each built as its own engine and chained at run
-time (`glance_runtime.graph_chain`), so the builder's peak is one part's, not the graph's.
+time (`glance_runtime.backends.graph_chain`), so the builder's peak is one part's, not the graph's.
 
 TensorRT's builder holds its own copy of a graph's weights and the serialized engine at once, about twice the
 weights (`memory_plan`), and an engine that leaves its weights out (weight-stripped, refittable) cannot be built
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from glance_runtime.errors import GlanceError
-from glance_runtime.shape_expr import symbols
+from glance_runtime.backends.shape_expr import symbols
 
 PART_GIB = 2.0  # default part budget: see memory_plan.part_budget_gib
 RECOMPUTE_ELEMENTS = 4096  # a node reading no initializer but vectors this short (and only such values) is recomputed
@@ -76,7 +76,7 @@ class GraphCut:
 
     def __init__(self, path: Path, budget: int):
         onnx, symbolic = _onnx()
-        from .node_runs import Segment, boundaries, crossing, reads, split
+        from ..onnx.node_runs import Segment, boundaries, crossing, reads, split
 
         self.path, self.budget = path, budget
         try:
@@ -144,7 +144,7 @@ class GraphCut:
     def write(self, out_dir: Path, stem: str) -> list[PartFile]:
         """Write each part's protobuf as out_dir/<stem>.partN.onnx, the graph's data file linked beside them."""
         onnx, _ = _onnx()
-        from .node_runs import segment_model
+        from ..onnx.node_runs import segment_model
 
         initializers = {t.name: t for t in self.model.graph.initializer}
         locations = {entry.value for t in initializers.values() for entry in t.external_data if entry.key == "location"}

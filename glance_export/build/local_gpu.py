@@ -12,7 +12,7 @@ from pathlib import Path
 
 from glance_runtime.errors import GlanceError
 
-from .device_profiles import PROFILE_NAMES, DeviceProfile, load_profile, version_tuple
+from .targets import PROFILE_NAMES, DeviceProfile, load_profile, version_tuple
 
 JETSON_RELEASES = {"R36": "orin", "R38": "thor"}  # L4T release line: JetPack 6 ships for Orin, JetPack 7 for Thor
 

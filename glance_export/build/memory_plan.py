@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from glance_runtime.errors import GlanceError
-from glance_runtime.hardware import available_host_bytes
+from glance_runtime.backends.hardware import available_host_bytes
 
-from .device_profiles import DeviceProfile, version_tuple
-from .devices import BuildGpu
+from .targets import DeviceProfile, version_tuple
+from .local_gpu import BuildGpu
 from .engine_parts import PART_GIB, GraphCut, cut_budget
 
 GIB = float(1 << 30)

@@ -11,10 +11,10 @@ import shlex
 import shutil
 from pathlib import Path
 
-from glance_runtime.atomic import atomic_directory
+from glance_runtime.store.atomic import atomic_directory
 from glance_runtime.formats import artifacts as artifacts_format
 
-from .device_profiles import DeviceProfile, profile_text
+from .targets import DeviceProfile, profile_text
 from .memory_plan import MemoryPlan
 from .precision import Precision
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from glance_runtime.errors import GlanceError
 
-from .device_profiles import DeviceProfile
-from .devices import BuildGpu, meets
+from .targets import DeviceProfile
+from .local_gpu import BuildGpu, meets
 
 EXPORT_DTYPES = ("fp32", "fp16")  # what `glance-export onnx --dtype` writes
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8")

@@ -10,7 +10,7 @@ from typing import Any
 
 from glance_runtime.errors import GlanceError
 
-from .device_profiles import DeviceProfile
+from .targets import DeviceProfile
 
 
 def scheme_of(manifest: dict[str, Any]) -> str:

@@ -1,6 +1,6 @@
 """Device target profiles: what each deployment target's GPU and TensorRT accept, read from JSON data.
 
-The files live in `engines/profiles/` (shipped inside this package as `glance_export/profiles`, a link
+The files live in `engines/profiles/` (shipped inside this package as `glance_export/build/profiles`, a link
 to that folder), so adding or tuning a target is a data change, not a code change.
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ class DeviceProfile:
 def profile_text(name: str) -> str:
     if name not in PROFILE_NAMES:
         raise GlanceError(f"unknown target {name!r}; choose one of: jetson, {', '.join(PROFILE_NAMES)}")
-    return resources.files("glance_export").joinpath("profiles", f"{name}.json").read_text()
+    return resources.files("glance_export.build").joinpath("profiles", f"{name}.json").read_text()
 
 
 def load_profile(name: str) -> DeviceProfile:

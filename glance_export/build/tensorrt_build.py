@@ -2,13 +2,13 @@
 
 One code path for `tensorrt` and `tensorrt_rtx`, through Polygraphy's loaders (`network_from_onnx_path`,
 `CreateConfig` / `CreateConfigRTX` with profiles, TF32 and the workspace pool, `SetDecomposableAttentions`).
-Each graph is built in its own worker process (`python -m glance_export.tensorrt_build`), so a build's
+Each graph is built in its own worker process (`python -m glance_export.build.tensorrt_build`), so a build's
 peak host memory is that of its largest graph, never the sum, and the memory the builder keeps after a
 graph is returned to the system before the next one starts. Within a worker, external weights are handed
 to the parser from a read-only map of their file (`mapped_weights`), so the builder's own copy and the
 serialized engine are all it holds (see `memory_plan` for the measured peak). A graph the memory plan cut
 (`engine_parts`) is built part by part, one worker each, from part protobufs written in the build's scratch
-directory; its part engines are chained at run time (`glance_runtime.graph_chain`). In CI the TensorRT-RTX
+directory; its part engines are chained at run time (`glance_runtime.backends.graph_chain`). In CI the TensorRT-RTX
 builder proves on a CPU-only machine that every exported graph parses and compiles under a real TensorRT
 compiler.
 """
@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import glance_runtime
-from glance_runtime.atomic import write_file
+from glance_runtime.store.atomic import write_file
 from glance_runtime.errors import GlanceError
-from glance_runtime.integrity import sha256
-from glance_runtime.shape_expr import evaluate, symbols
+from glance_runtime.store.integrity import sha256
+from glance_runtime.backends.shape_expr import evaluate, symbols
 
 from .engine_parts import GraphCut
 from .mapped_weights import WeightMap, external_initializers
@@ -157,7 +157,7 @@ def graph_job(module: str, onnx_path: Path, engine_path: Path, inputs: dict[str,
 def _worker_env(module: str) -> dict[str, str]:
     """The worker imports this tree's packages, wherever the parent found them, and Polygraphy picks its
     TensorRT module from the environment when it is first imported."""
-    roots = [str(Path(__file__).resolve().parents[1]), str(Path(glance_runtime.__file__).resolve().parents[1])]
+    roots = [str(Path(__file__).resolve().parents[2]), str(Path(glance_runtime.__file__).resolve().parents[1])]
     inherited = os.environ.get("PYTHONPATH")
     return {**os.environ, "PYTHONPATH": os.pathsep.join(roots + ([inherited] if inherited else [])),
             "POLYGRAPHY_USE_TENSORRT_RTX": "1" if module == "tensorrt_rtx" else "0"}

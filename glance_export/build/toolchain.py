@@ -12,7 +12,7 @@ from types import ModuleType
 
 from glance_runtime.errors import GlanceError
 
-from .device_profiles import DeviceProfile, version_tuple
+from .targets import DeviceProfile, version_tuple
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,10 @@ from jinja2 import TemplateError
 from PIL import Image
 
 from glance_runtime.errors import GlanceError, InputError
-from glance_runtime.messages import split
-from glance_runtime.preprocess import (IMAGE_PLACEHOLDER, Prompt, check_placeholders, expand_placeholders, load_image,
+from glance_runtime.prompt.messages import split
+from glance_runtime.prompt.prompt_builder import (IMAGE_PLACEHOLDER, Prompt, check_placeholders, expand_placeholders, load_image,
                                        processed_videos, to_rgb)
-from glance_runtime.video import VIDEO_PLACEHOLDER, VideoProcessorConfig
+from glance_runtime.prompt.video import VIDEO_PLACEHOLDER, VideoProcessorConfig
 
 VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 TEXT_FAMILIES = ("qwen2", "qwen3", "llama")

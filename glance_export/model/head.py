@@ -25,8 +25,8 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
-from glance_export.meta_init import parameters_on_meta
-from glance_runtime.atomic import atomic_directory, check_output
+from glance_export.model.meta_init import parameters_on_meta
+from glance_runtime.store.atomic import atomic_directory, check_output
 from glance_runtime.errors import GlanceError
 
 WEIGHTS_FILE = "model.safetensors"

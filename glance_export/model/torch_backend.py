@@ -14,11 +14,11 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from glance_runtime.backend import BackendInfo, ServeLimits, Verified
+from glance_runtime.decode.backend import BackendInfo, ServeLimits, Verified
 from glance_runtime.errors import GlanceError
-from glance_runtime.hardware import host_cpu
-from glance_runtime.prefix import images_after
-from glance_runtime.runner import Conversations, Runner
+from glance_runtime.backends.hardware import host_cpu
+from glance_runtime.prompt.prefix_reuse import images_after
+from glance_runtime.backends.registry import Conversations, Runner
 
 from .adapters import Prompt, Snapshot
 from .head import DraftHead, check_head_matches, load_head

@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from glance_runtime.atomic import atomic_directory, check_output
-from glance_runtime.calibration import FILE as CALIBRATION
+from glance_runtime.store.atomic import atomic_directory, check_output
+from glance_runtime.decode.calibration import FILE as CALIBRATION
 from glance_runtime.errors import GlanceError
-from glance_runtime.hardware import available_host_bytes
+from glance_runtime.backends.hardware import available_host_bytes
 from glance_runtime.formats import artifacts as artifacts_format
 
 from .depth_cut import CUT_LAYERS, FULL_VALIDATION_BYTES, validate_target

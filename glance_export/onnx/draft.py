@@ -9,14 +9,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from glance_export.head import DraftHead
-from glance_runtime.graphs import draft_kv_names
+from glance_export.model.head import DraftHead
+from glance_runtime.formats.graphs import draft_kv_names
 
 from .target import head_major, seq_major
 
 
 class DraftGraph(nn.Module):
-    """Inputs and outputs exactly as `glance_runtime.graphs` states for the draft graph."""
+    """Inputs and outputs exactly as `glance_runtime.formats.graphs` states for the draft graph."""
 
     def __init__(self, head: DraftHead):
         super().__init__()

@@ -8,12 +8,12 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
-from glance_export.adapters import Snapshot
-from glance_runtime.graphs import draft_kv_names, target_kv_names
-from glance_runtime.tree import visibility
+from glance_export.model.adapters import Snapshot
+from glance_runtime.formats.graphs import draft_kv_names, target_kv_names
+from glance_runtime.decode.tree import visibility
 
 from .spec import Dims
-from glance_runtime.vision_indices import vision_index_inputs
+from glance_runtime.prompt.vision_indices import vision_index_inputs
 
 
 def random_tree(rng: np.random.Generator, size: int) -> tuple[np.ndarray, np.ndarray]:

@@ -10,10 +10,10 @@ from typing import Any
 
 import onnx
 
-from glance_export.adapters import Snapshot
-from glance_export.head import WEIGHTS_FILE, DraftHead
+from glance_export.model.adapters import Snapshot
+from glance_export.model.head import WEIGHTS_FILE, DraftHead
 from glance_runtime import __version__
-from glance_runtime.integrity import record, sha256
+from glance_runtime.store.integrity import record, sha256
 
 from .spec import Dims
 from .vision import INDEX_INPUTS

@@ -18,7 +18,7 @@ from onnx import helper, numpy_helper
 from glance_runtime.errors import GlanceError
 
 from .quant_scheme import Scheme
-from ..node_runs import reads
+from .node_runs import reads
 
 TENSORRT_OPSET = 21  # blocked DequantizeLinear and the int4 type
 _MS = "com.microsoft"

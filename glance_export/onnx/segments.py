@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from ..node_runs import boundaries, segment_model, split, value_types
+from .node_runs import boundaries, segment_model, split, value_types
 
 SEGMENT_BYTES = 256 << 20
 

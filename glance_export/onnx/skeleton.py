@@ -18,8 +18,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from glance_export.adapters import Snapshot
-from glance_export.meta_init import parameters_on_meta
+from glance_export.model.adapters import Snapshot
+from glance_export.model.meta_init import parameters_on_meta
 from glance_runtime.errors import GlanceError
 
 from .checkpoint import Checkpoint

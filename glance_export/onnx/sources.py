@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from glance_export.adapters import Snapshot
-from glance_export.head import DraftHead, check_head_matches, load_head
+from glance_export.model.adapters import Snapshot
+from glance_export.model.head import DraftHead, check_head_matches, load_head
 from glance_runtime.errors import GlanceError
 
 from .checkpoint import Checkpoint

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from glance_export.adapters import Snapshot
-from glance_export.head import DraftHead
+from glance_export.model.adapters import Snapshot
+from glance_export.model.head import DraftHead
 from glance_runtime.errors import GlanceError
 
 DTYPES = {"fp32": "float32", "fp16": "float16"}
@@ -90,7 +90,7 @@ def axis_bounds(dims: Dims, max_tree: int, max_context: int) -> dict[str, list[i
 
 
 def dynamic_axes(dims: Dims, graph: str, input_names: list[str], output_names: list[str]) -> dict[str, dict[int, str]]:
-    """Symbolic axes per tensor name, in the letters of `glance_runtime.graphs`."""
+    """Symbolic axes per tensor name, in the letters of `glance_runtime.formats.graphs`."""
     if graph == "target":
         axes = {"input_ids": {1: "T"}, "inputs_embeds": {0: "T"}, "image_embeds": {0: "N_img"},
                 "deepstack_embeds": {1: "N_img"}, "position_ids": {2 if dims.is_vl else 1: "T"},

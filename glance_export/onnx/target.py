@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from glance_runtime.graphs import target_kv_names
+from glance_runtime.formats.graphs import target_kv_names
 
 
 class PassCache:
@@ -49,7 +49,7 @@ def padded(rows: torch.Tensor) -> torch.Tensor:
 
 
 class TargetGraph(nn.Module):
-    """Inputs and outputs exactly as `glance_runtime.graphs` states for the target graph."""
+    """Inputs and outputs exactly as `glance_runtime.formats.graphs` states for the target graph."""
 
     def __init__(self, model: nn.Module, tap_ids: list[int], image_token_id: int | None, deepstack: int = 0):
         super().__init__()

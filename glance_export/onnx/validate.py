@@ -24,7 +24,7 @@ from glance_runtime.errors import GlanceError
 
 from .export import torch_args
 from .feeds import draft_feed, target_feed, vision_feed, vocab_feed
-from ..node_runs import weight_bytes
+from .node_runs import weight_bytes
 from .segments import SEGMENT_BYTES, run_in_segments
 from .spec import DTYPES, Dims
 

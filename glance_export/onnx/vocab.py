@@ -13,7 +13,7 @@ from torch import nn
 
 
 class VocabGraph(nn.Module):
-    """Inputs and outputs exactly as `glance_runtime.graphs` states for the vocab graph."""
+    """Inputs and outputs exactly as `glance_runtime.formats.graphs` states for the vocab graph."""
 
     input_names = ["ids", "hidden"]
     output_names = ["embeds", "topk_ids", "topk_logprobs", "entropy", "topk_embeds"]

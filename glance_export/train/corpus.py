@@ -16,7 +16,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
-from glance_runtime.atomic import output_directory
+from glance_runtime.store.atomic import output_directory
 from glance_runtime.errors import GlanceError
 from glance_runtime.formats import tasks as task_file
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from glance_runtime.atomic import output_directory
+from glance_runtime.store.atomic import output_directory
 
 from .corpus import TASKS_FORMAT, training_sample
 

@@ -21,10 +21,10 @@ from transformers import DynamicCache
 
 from glance_runtime.errors import GlanceError
 
-from ..adapters import Prompt, Snapshot
-from ..audit import Task
-from ..head import DraftHead, check_head_out, head_config_for, init_head, load_head, pick_mask_token, save_head
-from ..reference import TorchBackend, greedy_reference
+from ..model.adapters import Prompt, Snapshot
+from ..audit.greedy_audit import Task
+from ..model.head import DraftHead, check_head_out, head_config_for, init_head, load_head, pick_mask_token, save_head
+from ..model.torch_backend import TorchBackend, greedy_reference
 from glance_runtime.formats.tasks import read as read_tasks
 from .checkpoint import capture, load_state, restore, run_signature, writer
 

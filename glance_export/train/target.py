@@ -27,7 +27,7 @@ from glance_export.train import corpus
 from glance_export.train.prompts import encode, image_processor_config
 from glance_export.train.tokenizer import train_tokenizer
 from glance_export.train.warmup import warmup_vision
-from glance_runtime.atomic import atomic_files, output_directory
+from glance_runtime.store.atomic import atomic_files, output_directory
 
 # Receipts are a fixed-place read, learnt first; charts and scenes need question-dependent lookups.
 MIX = {"receipt": 0.1, "chart": 0.35, "scene": 0.45, "caption": 0.1}

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from glance_runtime.atomic import atomic_directory, check_output
+from glance_runtime.store.atomic import atomic_directory, check_output
 from glance_runtime.errors import GlanceError
 
 REPOSITORY_FORMAT = "glance-triton-repository"
 MODEL_NAME = "glance"
-TEMPLATE = Path(__file__).with_name("triton_model.py")
+TEMPLATE = Path(__file__).with_name("python_model.py")
 RUNTIME_ROOT = Path(__import__("glance_runtime").__file__).resolve().parents[1]  # where glance_runtime imports from
 
 

@@ -29,13 +29,13 @@ import numpy as np
 
 from .defaults import AUTO, BRANCH_K, RUN_MAX_NEW_TOKENS as MAX_NEW_TOKENS, resolve
 from .errors import GlanceError, InputError, LimitError
-from .loop import DecodeConfig, DecodeResult, RoundLog
-from .messages import ImageLike, VideoLike, conversation, user_turn
-from .preprocess import Prompt
-from .prefix import Committed, image_runs, shared_rows
-from .runner import Runner
-from .session import Session, Settings, Source, open_session
-from .text_stream import TextStream
+from .decode.loop import DecodeConfig, DecodeResult, RoundLog
+from .prompt.messages import ImageLike, VideoLike, conversation, user_turn
+from .prompt.prompt_builder import Prompt
+from .prompt.prefix_reuse import Committed, image_runs, shared_rows
+from .backends.registry import Runner
+from .decode.session import Session, Settings, Source, open_session
+from .prompt.text_stream import TextStream
 
 ROOM_FIX = "shorten the prompt, lower max_new_tokens, or load with a larger max_context"
 

@@ -9,7 +9,7 @@ import importlib.util
 from pathlib import Path
 
 from .errors import GlanceError
-from .graphs import MANIFEST
+from .formats.graphs import MANIFEST
 
 AUTO = "auto"  # --budget auto: each round's tree sized from the draft's confidence and this device's costs
 BUDGET = 63  # tree nodes per round besides the anchor where auto does not apply (and an audit's trees)

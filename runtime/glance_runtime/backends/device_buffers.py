@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .errors import GlanceError
+from ..errors import GlanceError
 
 
 @dataclass

@@ -15,10 +15,10 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from .errors import GlanceError
+from ..errors import GlanceError
 
 if TYPE_CHECKING:
-    from .runner import Runner
+    from .registry import Runner
 
 GROUP = "glance_runtime.extensions"
 REFERENCE = "torch-reference"  # (model, head, dtype) -> Runner: the torch backend with its greedy oracle

@@ -20,19 +20,19 @@ from pathlib import Path
 
 import numpy as np
 
-from ..backend import BackendInfo, ServeLimits, Verified
-from ..device import Buffer, CudaDevice, Device, Tensor
-from ..graph_chain import ChainGraph
-from ..graph_clock import Graph, GraphClock
-from ..graphs import draft_kv_names, target_kv_names
-from ..hardware import cuda_gpu, host_cpu
-from ..kv_cache import KVCache
+from ..decode.backend import BackendInfo, ServeLimits, Verified
+from .device_buffers import Buffer, CudaDevice, Device, Tensor
+from .graph_chain import ChainGraph
+from .graph_clock import Graph, GraphClock
+from ..formats.graphs import draft_kv_names, target_kv_names
+from .hardware import cuda_gpu, host_cpu
+from .kv_cache import KVCache
 from ..formats.artifacts import Manifest
-from ..limits import check_branch_k, check_tree
-from ..prefix import image_runs
-from ..preprocess import Prompt, PromptBuilder
-from ..rope_index import TOKENS_PER_SECOND, rope_index, video_grids
-from ..vision_indices import vision_index_inputs
+from ..decode.limits import check_branch_k, check_tree
+from ..prompt.prefix_reuse import image_runs
+from ..prompt.prompt_builder import Prompt, PromptBuilder
+from ..prompt.rope_index import TOKENS_PER_SECOND, rope_index, video_grids
+from ..prompt.vision_indices import vision_index_inputs
 
 PRECISION_OF_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 

@@ -17,8 +17,8 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
-from .device import Buffer, Device, Tensor
-from .errors import GlanceError
+from .device_buffers import Buffer, Device, Tensor
+from ..errors import GlanceError
 
 
 class PartGraph(Protocol):

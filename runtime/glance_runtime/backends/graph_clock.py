@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Protocol
 
-from .device import Tensor
+from .device_buffers import Tensor
 
 GRAPH_NAMES = ("target", "draft", "vocab")  # the graphs a round runs (vision, where present, only at prefill)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..errors import GlanceError
 from ..formats.artifacts import Manifest
-from ..hardware import available_host_bytes
+from .hardware import available_host_bytes
 
 GIB = float(1 << 30)
 # The interpreter, onnxruntime, the tokenizer and the sessions' activation arenas for a prompt with an image:

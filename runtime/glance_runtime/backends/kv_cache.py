@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .device import Device, Tensor
-from .errors import GlanceError, LimitError
+from .device_buffers import Device, Tensor
+from ..errors import GlanceError, LimitError
 
 
 class KVCache:

@@ -13,12 +13,12 @@ from typing import Sequence
 
 import numpy as np
 
-from ..device import CudaDevice, Device, HostDevice, Tensor
+from .device_buffers import CudaDevice, Device, HostDevice, Tensor
 from ..errors import GlanceError
-from ..graphs import DRAFT_GRAPH, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH
+from ..formats.graphs import DRAFT_GRAPH, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH
 from ..formats.artifacts import check_graph_io, read as load_manifest
-from ..limits import runtime_limit
-from ..shape_expr import bind, evaluate
+from ..decode.limits import runtime_limit
+from .shape_expr import bind, evaluate
 from .graph_backend import GraphBackend
 from .host_room import check_this_machine
 from .ort_cache import open_session
@@ -114,7 +114,7 @@ def device_for(providers: list[str]) -> Device:
 
 
 class OrtBackend(GraphBackend):
-    """Exported graphs in `artifacts_dir` (see glance_runtime.graphs) driven by ONNX Runtime."""
+    """Exported graphs in `artifacts_dir` (see glance_runtime.formats.graphs) driven by ONNX Runtime."""
 
     def __init__(self, artifacts_dir: str | Path, providers: Sequence[str] | str | None = None,
                  max_context: int | None = None, max_tree: int | None = None, threads: int | None = None):

@@ -20,9 +20,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..cache import cache_root, file_lock
+from ..store.cache import cache_root, file_lock
 from ..errors import GlanceError
-from ..integrity import file_digest, sha256
+from ..store.integrity import file_digest, sha256
 
 MAX_BYTES = 64 << 20
 FORMAT = 1  # of the cache entries

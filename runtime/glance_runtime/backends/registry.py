@@ -11,12 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from . import __version__, extensions
-from .backend import Backend, ServeLimits
-from .cache import cache_root, file_lock
-from .defaults import DEFAULT_ARTIFACTS
-from .errors import GlanceError
-from .formats.artifacts import VERSION as FORMAT_VERSION, Manifest, check_source, read as load_manifest
+from .. import __version__
+from . import extensions
+from ..decode.backend import Backend, ServeLimits
+from ..store.cache import cache_root, file_lock
+from ..defaults import DEFAULT_ARTIFACTS
+from ..errors import GlanceError
+from ..formats.artifacts import VERSION as FORMAT_VERSION, Manifest, check_source, read as load_manifest
 
 BACKENDS = ("torch", "onnxruntime", "tensorrt")
 
@@ -83,14 +84,14 @@ def _graph_runner(backend, model: Path | None) -> Runner:
 
 def open_onnxruntime(artifacts: Path, model: Path | None = None, **options) -> Runner:
     """ORT on exported graphs (options: providers, max_context, max_tree, threads)."""
-    from .backends.ort_backend import OrtBackend
+    from .ort_backend import OrtBackend
 
     return _graph_runner(OrtBackend(artifacts, **options), model)
 
 
 def open_tensorrt(engines: Path, artifacts: Path | None = None, model: Path | None = None, **options) -> Runner:
     """TensorRT engines from `glance-export build` (options: max_context, max_tree)."""
-    from .backends.trt_backend import TrtBackend
+    from .trt_backend import TrtBackend
 
     return _graph_runner(TrtBackend(engines, artifacts, **options), model)
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..backend import Backend, BackendInfo, Verified
-from ..graph_clock import GraphClock
+from ..decode.backend import Backend, BackendInfo, Verified
+from .graph_clock import GraphClock
 
 
 class SeededDrafter:

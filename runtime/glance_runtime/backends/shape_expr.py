@@ -12,7 +12,7 @@ import math
 from fractions import Fraction
 from typing import Mapping
 
-from .errors import GlanceError
+from ..errors import GlanceError
 
 _BINARY = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
            ast.Div: lambda a, b: Fraction(a) / b, ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b}

@@ -19,14 +19,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..device import CudaDevice, Tensor
+from .device_buffers import CudaDevice, Tensor
 from ..errors import GlanceError
-from ..graph_chain import chain
-from ..integrity import verify_engines
+from .graph_chain import chain
+from ..store.integrity import verify_engines
 from ..formats import engines as engines_format
 from ..formats.artifacts import read as load_manifest
-from ..integrity import sha256
-from ..limits import runtime_limit
+from ..store.integrity import sha256
+from ..decode.limits import runtime_limit
 from .graph_backend import GraphBackend
 
 REBUILD = "rebuild them on this device with `glance-export build --artifacts ART --target T --out DIR`"

@@ -6,13 +6,13 @@ from collections import Counter
 
 import numpy as np
 
-from ..auto_budget import AUTO
+from ..decode.auto_budget import AUTO
 from ..errors import GlanceError
 from .calibrate import fit_calibration, judged, summary_lines
 from .law_log import POOLED
 from .measure import PromptResult
 from .modes import Mode
-from .rounds import calibration_rows
+from .round_rows import calibration_rows
 from .stats import geomean
 from .summary import paired_ratio
 

@@ -1,4 +1,4 @@
-"""Fit `--budget auto`'s calibration (see glance_runtime.calibration) from a round log.
+"""Fit `--budget auto`'s calibration (see glance_runtime.decode.calibration) from a round log.
 
 Every verified node of a drafted round is one labelled sample: its path score s, its depth, the round's
 anchor surprisal u, and whether the walk accepted it. The node model is a logistic regression on
@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..calibration import Calibration, path_logit
+from ..decode.calibration import Calibration, path_logit
 from ..errors import GlanceError
 from .law import _loglik, _newton, fit
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..loop import decode
+from ..decode.loop import decode
 from .modes import Mode
 from .seeding import ConfidentSeeds
-from .tasks import BenchTask
-from ..graph_clock import GRAPH_NAMES, GraphClock
+from .task_prompts import BenchTask
+from ..backends.graph_clock import GRAPH_NAMES, GraphClock
 
 
 @dataclass

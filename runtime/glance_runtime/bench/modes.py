@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..auto_budget import AutoBudget
+from ..decode.auto_budget import AutoBudget
 from ..defaults import AUTO
 from ..errors import GlanceError
-from ..loop import DecodeConfig
+from ..decode.loop import DecodeConfig
 
 
 @dataclass(frozen=True)

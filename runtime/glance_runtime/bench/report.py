@@ -15,7 +15,7 @@ from .markdown import render
 from .measure import PromptResult
 from .modes import Mode
 from ..formats.rounds import write as write_rounds
-from .rounds import round_rows
+from .round_rows import round_rows
 from .summary import summarize_kind, summarize_pooled, tree_vs_chain
 
 

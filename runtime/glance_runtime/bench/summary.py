@@ -14,7 +14,7 @@ import numpy as np
 from .measure import PromptResult
 from .modes import Mode
 from .stats import bootstrap, geomean, interval
-from ..graph_clock import GRAPH_NAMES
+from ..backends.graph_clock import GRAPH_NAMES
 
 
 def _per_prompt(results: list[PromptResult], mode: str) -> dict[str, np.ndarray]:

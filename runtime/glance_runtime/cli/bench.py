@@ -18,27 +18,28 @@ import sys
 import time
 from pathlib import Path
 
-from .. import __version__, limits
-from ..atomic import check_not_input, check_output, output_directory
-from ..auto_budget import AutoBudget, auto_budget
-from ..calibration import FILE as CALIBRATION_FILE, Calibration, load_calibration
-from ..cli_parser import OneLineParser, check_dirs, guarded, runner_flags, source
+from .. import __version__
+from ..decode import limits
+from ..store.atomic import check_not_input, check_output, output_directory
+from ..decode.auto_budget import AutoBudget, auto_budget
+from ..decode.calibration import FILE as CALIBRATION_FILE, Calibration, load_calibration
+from .flags import OneLineParser, check_dirs, guarded, runner_flags, source
 from ..defaults import BRANCH_K, MEASURE_MAX_NEW_TOKENS, resolve
 from ..errors import GlanceError
-from ..limits import check_decode
-from ..runner import Runner
-from ..session import open_source
-from .calibrate import fit_calibration, summary_lines
-from .expect import METRICS, line as expect_line, parse as parse_expect
-from .law_log import fit_log, select
-from .markdown import law_table
-from .measure import measure_prompt
-from .modes import auto_mode, modes_for, parse_budgets
-from .progress import Progress
-from .report import clean_json, build, write
+from ..decode.limits import check_decode
+from ..backends.registry import Runner
+from ..decode.session import open_source
+from ..bench.calibrate import fit_calibration, summary_lines
+from ..bench.expect import METRICS, line as expect_line, parse as parse_expect
+from ..bench.law_log import fit_log, select
+from ..bench.markdown import law_table
+from ..bench.measure import measure_prompt
+from ..bench.modes import auto_mode, modes_for, parse_budgets
+from ..bench.progress import Progress
+from ..bench.report import clean_json, build, write
 from ..formats.rounds import read as read_rounds
-from .rounds import calibration_rows
-from .tasks import read_bench_tasks
+from ..bench.round_rows import calibration_rows
+from ..bench.task_prompts import read_bench_tasks
 
 REPORT_FORMAT = "glance-bench-report"
 LAW_FORMAT = "glance-bench-law"
@@ -181,7 +182,7 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     calibration = load_calibration(args.calibration) if args.calibration is not None else None
     tasks = read_bench_tasks(args.data, args.n)
     if not args.no_plots:
-        from .plots import pyplot
+        from ..bench.plots import pyplot
 
         pyplot()
     runner = _open(args)
@@ -246,7 +247,7 @@ def run_law(args: argparse.Namespace) -> int:
     chosen = select(rows, args.mode, args.cap, args.include_final)
     mode = chosen[0].get("mode", "all rounds")
     if args.out:
-        from .plots import plot_law
+        from ..bench.plots import plot_law
 
         output_directory(args.out, LAW_FORMAT, "glance-bench law", [args.rounds])
         (args.out / "law.json").write_text(json.dumps({"mode": mode, "law": dicts}, indent=2) + "\n")

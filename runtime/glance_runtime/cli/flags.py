@@ -8,11 +8,11 @@ import sys
 from pathlib import Path
 from typing import Callable, NoReturn
 
-from . import limits
-from .defaults import BRANCH_K
-from .errors import GlanceError, check_stdout, machine_failure, silence_stdout
-from .runner import BACKENDS
-from .session import Source
+from ..decode import limits
+from ..defaults import BRANCH_K
+from ..errors import GlanceError, check_stdout, machine_failure, silence_stdout
+from ..backends.registry import BACKENDS
+from ..decode.session import Source
 
 BACKEND_DEFAULT = "default: onnxruntime where installed, else torch"
 

@@ -7,14 +7,14 @@ import json
 import sys
 from pathlib import Path
 
-from . import api
-from .cache import cache_root
-from .cli_parser import OneLineParser, check_applicable, check_dirs, decode_flags, guarded, runner_flags
-from .defaults import BUDGET, RUN_MAX_NEW_TOKENS, resolve
-from .errors import GlanceError
-from .limits import positive
-from .preprocess import check_image_path
-from .video import DEFAULT_FPS
+from .. import api
+from ..store.cache import cache_root
+from .flags import OneLineParser, check_applicable, check_dirs, decode_flags, guarded, runner_flags
+from ..defaults import BUDGET, RUN_MAX_NEW_TOKENS, resolve
+from ..errors import GlanceError
+from ..decode.limits import positive
+from ..prompt.prompt_builder import check_image_path
+from ..prompt.video import DEFAULT_FPS
 
 
 def parser() -> argparse.ArgumentParser:

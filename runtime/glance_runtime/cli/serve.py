@@ -13,11 +13,11 @@ import socket
 import sys
 from pathlib import Path
 
-from .. import limits
-from ..cli_parser import OneLineParser, check_dirs, guarded, runner_flags
+from ..decode import limits
+from .flags import OneLineParser, check_dirs, guarded, runner_flags
 from ..errors import GlanceError
-from .app import ServeConfig, create_app
-from .engine import ModelSpec
+from ..serve.app import ServeConfig, create_app
+from ..serve.engine import ModelSpec
 
 LOOPBACK_NAMES = ("localhost",)
 

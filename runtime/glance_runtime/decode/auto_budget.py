@@ -30,8 +30,8 @@ import numpy as np
 
 from .calibration import Calibration, find_calibration
 from .cost_profile import CostProfile, load, profile_path, describe, stored_or_measured, PROBE_PROMPT
-from .defaults import AUTO, AUTO_MAX_NODES, BUDGET
-from .errors import GlanceError
+from ..defaults import AUTO, AUTO_MAX_NODES, BUDGET
+from ..errors import GlanceError
 from .limits import check_branch_k, check_decode, reachable_nodes
 from .loop import DecodeConfig
 from .tree import Tree, build_tree

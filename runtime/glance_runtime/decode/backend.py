@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import numpy as np
 
 if TYPE_CHECKING:
-    from .graph_clock import GraphClock
-    from .formats.artifacts import Manifest
+    from ..backends.graph_clock import GraphClock
+    from ..formats.artifacts import Manifest
 
 
 class Verified(NamedTuple):

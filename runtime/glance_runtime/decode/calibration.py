@@ -23,9 +23,9 @@ from typing import Callable
 
 import numpy as np
 
-from .atomic import write_file
-from .errors import GlanceError
-from .formats.common import parse
+from ..store.atomic import write_file
+from ..errors import GlanceError
+from ..formats.common import parse
 
 FILE = "calibration.json"
 FORMAT = "glance-calibration"

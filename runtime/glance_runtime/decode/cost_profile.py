@@ -25,10 +25,10 @@ from typing import Callable
 import numpy as np
 
 from .backend import Backend
-from .cache import cache_root, file_lock
-from .errors import GlanceError
-from .formats import cost as cost_format
-from .formats.cost import CostProfile
+from ..store.cache import cache_root, file_lock
+from ..errors import GlanceError
+from ..formats import cost as cost_format
+from ..formats.cost import CostProfile
 from .limits import reachable_nodes
 from .loop import room_left
 from .tree import build_tree, visibility, walk

@@ -13,8 +13,8 @@ import os
 from typing import Callable
 
 from .backend import ServeLimits
-from .defaults import AUTO
-from .errors import LimitError
+from ..defaults import AUTO
+from ..errors import LimitError
 from .loop import DecodeConfig
 
 

@@ -13,12 +13,12 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from .backend import Backend
-from .defaults import BRANCH_K, BUDGET
+from ..defaults import BRANCH_K, BUDGET
 from .tree import Tree, build_tree, fit, visibility, walk
 
 
 class BudgetPolicy(Protocol):
-    """Per-round choices of `--budget auto` (glance_runtime.auto_budget.AutoBudget)."""
+    """Per-round choices of `--budget auto` (glance_runtime.decode.auto_budget.AutoBudget)."""
 
     def should_draft(self, surprisal: float | None) -> bool: ...
 

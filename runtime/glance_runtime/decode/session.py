@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .auto_budget import decode_config
-from .defaults import BRANCH_K, RUN_MAX_NEW_TOKENS
+from ..defaults import BRANCH_K, RUN_MAX_NEW_TOKENS
 from .loop import DecodeConfig, DecodeResult, decode
-from .runner import Runner, open_runner
+from ..backends.registry import Runner, open_runner
 
 
 @dataclass(frozen=True)

@@ -12,5 +12,5 @@ graph runtime.
 - `common`: the strict JSON and JSON-lines readers and field checks they share
 
 calibration.json (`glance-bench calibrate`) is the one format defined outside this package, in
-`glance_runtime.calibration`: its dataclass is auto's acceptance model as much as a schema.
+`glance_runtime.decode.calibration`: its dataclass is auto's acceptance model as much as a schema.
 """

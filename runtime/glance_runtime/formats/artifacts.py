@@ -27,10 +27,10 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .. import __version__
-from ..atomic import write_file
+from ..store.atomic import write_file
 from ..errors import GlanceError
-from ..graphs import DRAFT_GRAPH, MANIFEST, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH
-from ..integrity import file_digest, verify_files
+from .graphs import DRAFT_GRAPH, MANIFEST, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH
+from ..store.integrity import file_digest, verify_files
 from .common import (Invalid, boolean, check_header, check_int, check_text, digest, dumps, guarded, int_list,
                      integer, obj, optional_int, read_json, stamped, text)
 

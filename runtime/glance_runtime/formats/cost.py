@@ -1,5 +1,5 @@
 """A cost profile (`cost-profile-<device>.json`, beside the artifacts or engines or in the cache): what a round
-costs on one device, as `glance_runtime.cost_profile` measures it and `--budget auto` weighs it.
+costs on one device, as `glance_runtime.decode.cost_profile` measures it and `--budget auto` weighs it.
 
 Document (format_version 1): format, format_version, device (backend, provider, threads, processor or GPU),
 rows (verify row counts measured, ascending from 1), verify_ms (the median ms of each), draft_ms (the median
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..atomic import write_file
+from ..store.atomic import write_file
 from ..errors import GlanceError
 from .common import Invalid, check_header, dumps, guarded, read_json, stamped
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..atomic import write_file
+from ..store.atomic import write_file
 from ..errors import GlanceError
 from .common import (Invalid, check_header, check_int, check_text, digest, dumps, guarded, integer, obj, read_json,
                      stamped)

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..atomic import write_file
+from ..store.atomic import write_file
 from ..errors import GlanceError
 from .common import (Invalid, check_header, check_text, digest, dumps, guarded, int_list, integer,
                      parse, read_text, stamped, text)

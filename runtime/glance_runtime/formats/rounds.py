@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..atomic import write_file
+from ..store.atomic import write_file
 from ..errors import GlanceError
 from .common import read_jsonl
 

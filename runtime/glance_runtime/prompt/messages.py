@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 from PIL import Image
 
-from .errors import InputError
+from ..errors import InputError
 from .video import DEFAULT_FPS, Video
 
 ROLES = ("system", "user", "assistant")
@@ -58,7 +58,7 @@ def conversation(prompt: str | None = None, images: Sequence[ImageLike] | None =
 
 def _image(value: Any) -> Image.Image:
     """An RGB image from a path, PIL image, HxW(x3|4) uint8 array or encoded bytes."""
-    from .preprocess import load_image
+    from .prompt_builder import load_image
 
     if isinstance(value, (str, Path)):
         return load_image(value)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .preprocess import Prompt
+from .prompt_builder import Prompt
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 from PIL import Image, ImageOps
 
-from .errors import GlanceError, InputError
+from ..errors import GlanceError, InputError
 from .messages import split
 from .video import VIDEO_PLACEHOLDER, Video, VideoProcessorConfig, placeholder, process_video, seconds_per_grid
 

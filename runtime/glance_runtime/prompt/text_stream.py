@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .errors import InputError
+from ..errors import InputError
 
 
 class TextStream:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from .errors import GlanceError, InputError
+from ..errors import GlanceError, InputError
 
 DEFAULT_FPS = 2.0  # frames per second of a frame list when the caller does not say (qwen-vl-utils' sampling rate)
 VIDEO_PLACEHOLDER = "<|video_pad|>"
@@ -125,7 +125,7 @@ def frame_size(cfg: VideoProcessorConfig, frames: int, height: int, width: int) 
     if cfg.cap_pixels_per_frame:
         total = int(cfg.max_video_tokens * factor * factor * 0.9)
         max_pixels = max(min(max_pixels, total * cfg.temporal_patch_size // frames), int(cfg.min_pixels * 1.05))
-    from .preprocess import smart_resize  # here, not at the top: preprocess imports this module
+    from .prompt_builder import smart_resize  # here, not at the top: preprocess imports this module
 
     return smart_resize(height, width, factor, cfg.min_pixels, max_pixels)
 

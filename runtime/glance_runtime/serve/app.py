@@ -33,9 +33,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import GlanceError
-from ..preprocess import Prompt
+from ..prompt.prompt_builder import Prompt
 from .engine import Cancelled, Completion, Engine, ModelSpec
-from .errors import RequestError
+from .openai_errors import RequestError
 from .media import load_image_url
 from .metrics import Metrics
 from .relay import Relay

@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 from ..api import Model, load
 from ..defaults import resolve
-from ..preprocess import Prompt
+from ..prompt.prompt_builder import Prompt
 
 WARMUP_PROMPT = "Hello"
 CONTEXT_FIX = "shorten the conversation or ask for fewer max_tokens"

@@ -13,7 +13,7 @@ from urllib.parse import unquote, urlparse
 
 from PIL import Image
 
-from .errors import RequestError
+from .openai_errors import RequestError
 
 
 def _open(data: bytes, where: str, max_pixels: int) -> Image.Image:

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import RequestError
+from .openai_errors import RequestError
 
 
 class _Strict(BaseModel):

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from .errors import GlanceError
+from ..errors import GlanceError
 
 MARKER = ".glance-output.json"  # {"format": ..., "made_by": ...}; hidden, so bundles and listings skip it
 

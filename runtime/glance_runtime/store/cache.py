@@ -15,7 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterator
 
-from .errors import GlanceError
+from ..errors import GlanceError
 
 FIX = "set GLANCE_CACHE to a writable directory"
 

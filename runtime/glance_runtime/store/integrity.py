@@ -16,7 +16,7 @@ from typing import Mapping
 
 from .atomic import write_file
 from .cache import cache_root
-from .errors import GlanceError, IntegrityError
+from ..errors import GlanceError, IntegrityError
 
 RACY_NS = 2_000_000_000  # a file changed this recently may change again without its times moving
 
