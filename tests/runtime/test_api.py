@@ -14,7 +14,7 @@ import glance_runtime as gr
 from glance_runtime.cli import run as cli
 from glance_runtime.prompt.text_stream import TextStream
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECEIPT = ROOT / "examples" / "demo" / "receipt.png"
 CHART = ROOT / "examples" / "demo" / "chart.png"
 

@@ -12,7 +12,7 @@ from glance_runtime.defaults import DEFAULT_ARTIFACTS
 from glance_runtime.decode.loop import DecodeConfig, decode
 from glance_runtime.prompt.messages import user_turn
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECEIPT = ROOT / "examples" / "demo" / "receipt.png"
 
 

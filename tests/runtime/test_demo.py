@@ -18,7 +18,7 @@ from glance_runtime.formats.artifacts import check_source, read as load_manifest
 from glance_runtime.store.integrity import sha256
 from edge_install import BLOCK_TRAINING_STACK
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 PROMPTS = json.loads((EXAMPLES / "demo" / "prompts.json").read_text())
 
 

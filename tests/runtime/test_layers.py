@@ -10,7 +10,7 @@ from pathlib import Path
 
 from edge_install import BLOCK_TRAINING_STACK
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RUNTIME = ROOT / "runtime" / "glance_runtime"
 
 

@@ -14,7 +14,7 @@ from glance_runtime.cli.run import main as run_main
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
 from tiny_models import make_snapshot
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 RECEIPT = ["--image", str(EXAMPLES / "demo" / "receipt.png"), "--prompt", "What is the total?"]
 
 

@@ -36,7 +36,7 @@ from glance_runtime.formats.artifacts import read as load_manifest
 from tiny_models import make_image, make_snapshot
 
 MAX_NEW = 12
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 TASKS = [("What is shown?", "wide"), ("Describe nothing.", None), ("Which colour is largest?", "tall")]
 
 

@@ -26,7 +26,7 @@ from glance_export.onnx.rewrite import skip_identities
 from glance_runtime.errors import GlanceError
 from tiny_models import make_mid_snapshot, make_snapshot
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 H, F, V = 64, 96, 50
 
 

@@ -26,7 +26,7 @@ from glance_export.onnx.memory import GIB, check_fits, estimate_peak
 from glance_runtime.errors import GlanceError
 from tiny_models import make_mid_snapshot, make_snapshot
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _bf16_snapshot(src: Path, out: Path, shards: int) -> Path:

@@ -15,7 +15,7 @@ from glance_runtime.errors import GlanceError
 from glance_runtime.formats.artifacts import read as read_manifest
 from tiny_models import make_mid_snapshot
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 CONTEXT = 256
 LOAD_SCRIPT = """
 import sys

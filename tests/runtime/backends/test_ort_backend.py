@@ -369,7 +369,7 @@ print(json.dumps(out))
 def test_full_loop_runs_without_torch(exported, images, family):
     ex = exported(family)
     image = images["tall"] if family in VL_FAMILIES else None
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "runtime"),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[3] / "runtime"),
                                                         os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-c", BLOCKED_RUN, str(ex.artifacts), str(image or ""), TEXT, str(MAX_NEW)],
                          capture_output=True, text=True, env=env, timeout=300)

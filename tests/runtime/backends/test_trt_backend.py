@@ -17,7 +17,7 @@ from glance_runtime.formats.engines import FILE as ENGINE_MANIFEST, read as read
 from glance_runtime.cli.run import main as run_main
 from glance_runtime.errors import GlanceError
 
-DEFAULT_ARTIFACTS = Path(__file__).parents[1] / "models" / "glance-vl-tiny-onnx"
+DEFAULT_ARTIFACTS = Path(__file__).parents[3] / "models" / "glance-vl-tiny-onnx"
 HIDDEN = 64
 
 
@@ -136,7 +136,7 @@ def test_engines_answer_like_onnxruntime(rtx_engines):
 
     trt = open_runner("tensorrt", engines=rtx_engines)
     ort = open_runner("onnxruntime", artifacts=DEFAULT_ARTIFACTS)
-    image = Path(__file__).parents[1] / "examples" / "demo" / "receipt.png"
+    image = Path(__file__).parents[3] / "examples" / "demo" / "receipt.png"
     prompt = ort.build_prompt("What is the total?", image)
     for cfg in (DecodeConfig(max_new_tokens=32, speculative=False), DecodeConfig(max_new_tokens=32, budget=15)):
         ours = decode(trt.backend, prompt, cfg, trt.stop_ids)

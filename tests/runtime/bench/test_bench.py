@@ -23,7 +23,7 @@ from glance_runtime.decode.calibration import load_calibration
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
 from glance_runtime.errors import GlanceError
 
-REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+REPO = __import__("pathlib").Path(__file__).resolve().parents[3]
 KINDS = ("receipt", "caption")
 ROUND_FIELDS = {"kind", "prompt", "mode", "sample", "round", "entropy", "accepted", "tree_size", "cap",
                 "draft_ms", "verify_ms", "total_ms", "final", "outside_ms", "target_graph_ms", "draft_graph_ms", "vocab_graph_ms",

@@ -31,7 +31,7 @@ from glance_runtime.defaults import DEFAULT_ARTIFACTS
 from test_onnx_export import export_once
 from tiny_models import make_snapshot
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 COMMANDS: dict[str, Callable[[list[str]], int]] = {"glance-run": run_main, "glance-export": export_main,
                                                    "glance-bench": bench_main}
 PROCESS = {"glance-run": "from glance_runtime.cli.run import main", "glance-export": "from glance_export.cli import main",

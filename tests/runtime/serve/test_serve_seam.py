@@ -13,7 +13,7 @@ from PIL import Image
 
 import glance_runtime as gr
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 SERVE = ROOT / "runtime" / "glance_runtime" / "serve"
 RECEIPT = ROOT / "examples" / "demo" / "receipt.png"
 CHART = ROOT / "examples" / "demo" / "chart.png"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-SOAK = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
+SOAK = Path(__file__).resolve().parents[3] / "benchmarks" / "soak.py"
 GROWTH_MB = 10.0  # after the first pass; measured +0.3 (onnxruntime) and +0.6 MB (torch) over 1,000 prompts
 
 
