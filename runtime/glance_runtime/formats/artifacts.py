@@ -16,7 +16,8 @@ graphs {target|draft|vocab|vision: {file, data_file, inputs/outputs {name: {dtyp
 (vocab also records vocab_size, whether the LM head is tied to the embedding, and the top-k baked into
 it), vision.index_params (the `vision_indices` parameters), files (tokenizer/processor files copied
 beside), file_hashes {file: {sha256, size}} of every file written beside the manifest, quantization (null,
-or the weight-only scheme: bits, group size, library, per-graph ops and TensorRT-form files), and
+or the weight-only scheme: bits, group size, accuracy_level (MatMulNBits' compute mode: 4 is int8
+activations, 0 or absent fp32), library, per-graph ops and TensorRT-form files), and
 content_sha256 (of all the rest). Version 3 added content_sha256; 2 moved the embedding and LM head
 into the vocab graph.
 """
@@ -42,6 +43,7 @@ WHAT = "GLANCE artifacts manifest"
 HASH_FIELD = "content_sha256"
 BIG = 1 << 24  # above any real vocabulary, context or layer count: a value past it is corrupt, not large
 FLOAT_DTYPES = ("float16", "float32")
+INT8_ACCURACY_LEVEL = 4  # MatMulNBits accuracy_level: int8 activations
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,10 @@ class Manifest:
     vision_index_params: dict[str, Any] | None
     source: dict[str, Any]
     raw: dict[str, Any]  # the whole checked document, for the export side's graph and build records
+    # quantized weights multiplied with int8 activations (MatMulNBits accuracy_level 4): a tree pass may then
+    # differ from a one-row pass in the last bits, so GLANCE is gated against these graphs' own greedy decode
+    # as fp16 is; False for fp32 and for exact quantized graphs (and manifests written before the field)
+    int8_activations: bool = False
 
     @property
     def head_weights_sha256(self) -> str | None:
@@ -207,8 +213,17 @@ def _parse(path: Path, raw: dict[str, Any]) -> tuple[Manifest, dict[str, str], l
         stop_token_ids=int_list(raw, "stop_token_ids", 0, token), max_tree=max_tree, max_context=max_context,
         spatial_merge_size=merge,
         vision_index_params=_vision_params(vision.get("index_params"), merge) if is_vl else None,
-        source=source, raw=raw)
+        source=source, raw=raw, int8_activations=_int8_activations(raw.get("quantization")))
     return manifest, needed, names
+
+
+def _int8_activations(quantization: Any) -> bool:
+    """Whether the quantization record says MatMulNBits multiplies with int8 activations (accuracy_level 4)."""
+    if quantization is None:
+        return False
+    if not isinstance(quantization, dict):
+        raise Invalid("quantization must be an object or null")
+    return optional_int(quantization, "accuracy_level", 0, 4, "quantization.") == INT8_ACCURACY_LEVEL
 
 
 def read(artifacts_dir: str | Path) -> Manifest:
