@@ -94,9 +94,10 @@ def build(work: Path, layers: int, accuracies: list[str], genai_python: str) -> 
     genai = work / "genai-int4"
     if not (genai / "genai_config.json").exists():
         t0 = time.perf_counter()
-        subprocess.run([genai_python, "-m", "onnxruntime_genai.models.builder", "-i", str(snap), "-o", str(genai),
-                        "-p", "int4", "-e", "cpu", "-c", str(work / "genai-cache")], check=True,
-                       stdout=subprocess.DEVNULL)
+        with open(work / "genai-build.log", "w") as log:
+            subprocess.run([genai_python, "-m", "onnxruntime_genai.models.builder", "-i", str(snap), "-o",
+                            str(genai), "-p", "int4", "-e", "cpu", "-c", str(work / "genai-cache")], check=True,
+                           stdout=log, stderr=subprocess.STDOUT)
         shutil.rmtree(work / "genai-cache", ignore_errors=True)
         times["genai_build_s"] = round(time.perf_counter() - t0, 1)
         print(f"[{layers} layers] GenAI int4 build in {times['genai_build_s']} s", flush=True)
