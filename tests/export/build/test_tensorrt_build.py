@@ -22,7 +22,7 @@ from glance_export.build.tensorrt_build import BuildOptions, build_engines, shap
 from glance_export.build.engine_build import BuildRequest, build
 from glance_export.build.toolchain import Toolchain, check_opset, load_toolchain
 from glance_runtime.errors import GlanceError
-from test_onnx_export import export_once
+from support import export_once
 
 trt = pytest.importorskip("tensorrt_rtx")
 RTX = load_profile("rtx")
