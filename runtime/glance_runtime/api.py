@@ -28,7 +28,8 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from .defaults import AUTO, BRANCH_K, RUN_MAX_NEW_TOKENS as MAX_NEW_TOKENS, resolve
-from .errors import GlanceError, InputError, LimitError
+from .errors import GlanceError, InputError
+from .decode.limits import check_context
 from .decode.loop import DecodeConfig, DecodeResult, RoundLog
 from .prompt.messages import ImageLike, VideoLike, conversation, user_turn
 from .prompt.prompt_builder import Prompt
@@ -38,6 +39,12 @@ from .decode.session import Session, Settings, Source, open_session
 from .prompt.text_stream import TextStream
 
 ROOM_FIX = "shorten the prompt, lower max_new_tokens, or load with a larger max_context"
+
+
+def _answer_length(max_new_tokens: int) -> int:
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    return max_new_tokens
 
 
 @dataclass(frozen=True)
@@ -139,7 +146,7 @@ class Model:
     def check_room(self, prompt: Prompt, max_new_tokens: int = MAX_NEW_TOKENS, *, fix: str = ROOM_FIX) -> None:
         """Refuse (LimitError, ending with `fix`: what the caller's user can change) a prompt whose answer could
         overflow the context, before any work is queued for it."""
-        self._check_room(prompt, self._config(max_new_tokens), fix)
+        check_context(prompt.length, _answer_length(max_new_tokens), self._side.max_context, fix)
 
     @property
     def budget(self) -> int | str:
@@ -151,29 +158,13 @@ class Model:
 
     def _config(self, max_new_tokens: int) -> DecodeConfig:
         """glance-run's DecodeConfig (the session resolves auto's policy once, then it is reused)."""
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        return replace(self.session.config, max_new_tokens=max_new_tokens)
-
-    def _check_room(self, prompt: Prompt, cfg: DecodeConfig, fix: str) -> None:
-        """Refuse before decoding what would overflow the context mid-answer."""
-        tree = cfg.budget + 1 if cfg.speculative and cfg.budget else 1
-        if self.runner.limits.max_tree is not None:
-            tree = min(tree, self.runner.limits.max_tree)
-        needed = prompt.length + cfg.max_new_tokens + tree - 1
-        if prompt.length > self._side.max_context:
-            raise LimitError(f"prompt longer than --max-context {self._side.max_context} ({prompt.length} rows); "
-                             "raise --max-context (max_context=) or shorten the prompt")
-        if needed > self._side.max_context:
-            raise LimitError(f"this needs up to {needed} context rows ({prompt.length} prompt + {cfg.max_new_tokens} "
-                             f"answer + {tree - 1} for a verify tree) but the model holds {self._side.max_context}; "
-                             f"{fix}")
+        return replace(self.session.config, max_new_tokens=_answer_length(max_new_tokens))
 
     def _run(self, prompt: Prompt, max_new_tokens: int, stop: Sequence[str], keep: int = 0,
              on_piece: Callable[[str], None] | None = None, cancelled: Callable[[], bool] | None = None,
              fix: str = ROOM_FIX) -> Output:
+        self.check_room(prompt, max_new_tokens, fix=fix)
         cfg = self._config(max_new_tokens)
-        self._check_room(prompt, cfg, fix)
         text = TextStream(self._side.tokenizer, list(stop))
         pieces: list[str] = []
         kept: list[int] = []
