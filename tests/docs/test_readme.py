@@ -112,3 +112,13 @@ def test_readme_blocks_run_as_written(tmp_path):
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(timeout=60)
     assert ran >= 5
+
+
+@pytest.mark.edge
+def test_every_local_link_in_the_readme_and_docs_resolves():
+    broken = []
+    for page in [README, *sorted((ROOT / "docs").glob("*.md"))]:
+        for link in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" not in link and not (page.parent / link).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {link}")
+    assert not broken
