@@ -76,6 +76,7 @@ def _wait_healthy(port: int, server: subprocess.Popen) -> None:
     pytest.fail(f"the README's background server did not become healthy (exit code {server.poll()})")
 
 
+@pytest.mark.edge
 def test_the_set_up_lines_come_first_and_every_marker_is_known():
     first = blocks(README.read_text())[0]
     assert first.code.splitlines() == ["python3 -m venv .venv && .venv/bin/pip install -e '.[dev]'",
