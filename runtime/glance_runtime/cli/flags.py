@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Callable, NoReturn
 
+from .. import __version__
 from ..decode import limits
 from ..defaults import BRANCH_K
 from ..errors import GlanceError, check_stdout, machine_failure, silence_stdout
@@ -18,7 +19,13 @@ BACKEND_DEFAULT = "default: onnxruntime where installed, else torch"
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse prints a usage block before its error; here it is one line that points at --help."""
+    """argparse prints a usage block before its error; here it is one line that points at --help. Every
+    command and subcommand answers --version with the toolkit's version."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                          help="print the toolkit's version and exit")
 
     def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: error: {message}; see {self.prog} --help", file=sys.stderr)
