@@ -87,11 +87,12 @@ from glance_runtime.backends.host_room import cpu_load_bytes
 from glance_runtime.backends.ort_backend import OrtBackend
 from glance_runtime.bench.task_prompts import read_bench_tasks
 from glance_runtime.decode.loop import DecodeConfig, decode
+from glance_runtime.prompt.codec import exported_codec
 
 backend = OrtBackend(sys.argv[1], threads=2)
 runs = {"estimate_gib": round(cpu_load_bytes(backend.manifest, backend.max_context) / 2 ** 30, 2)}
 task = read_bench_tasks([Path(sys.argv[2])], 1)[0]
-prompt = backend.build_prompt(task.prompt, task.image)
+prompt = exported_codec(backend.manifest).turn(task.prompt, task.image)
 for mode, speculative in (("ar", False), ("glance", True)):
     t0 = time.perf_counter()
     runs[mode] = decode(backend, prompt, DecodeConfig(max_new_tokens=8, budget=15, speculative=speculative)).tokens

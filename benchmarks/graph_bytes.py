@@ -42,9 +42,10 @@ def time_rounds(artifacts: Path, rounds: int, threads: int) -> dict[str, float]:
     """ms per round of GLANCE (budget 15) and ms per token of AR on ONNX Runtime CPU, prefill excluded."""
     from glance_runtime.backends.ort_backend import OrtBackend
     from glance_runtime.decode.loop import DecodeConfig, decode
+    from glance_runtime.prompt.codec import exported_codec
 
     backend = OrtBackend(artifacts, threads=threads)
-    prompt = backend.build_prompt("Describe the image. How many circles are there?", None)
+    prompt = exported_codec(backend.manifest).turn("Describe the image. How many circles are there?")
     out = {}
     for mode, cfg in (("glance_ms_per_round", DecodeConfig(max_new_tokens=rounds, budget=15)),
                       ("ar_ms_per_token", DecodeConfig(max_new_tokens=rounds, speculative=False))):

@@ -141,10 +141,12 @@ def stage_ort_tokens(out: Path, n: int, max_new_tokens: int, threads: int) -> di
     from glance_runtime.backends.ort_backend import OrtBackend
     from glance_runtime.bench.task_prompts import read_bench_tasks
     from glance_runtime.decode.loop import DecodeConfig, decode
+    from glance_runtime.prompt.codec import exported_codec
 
     backend = OrtBackend(out / "artifacts", threads=threads)
+    codec = exported_codec(backend.manifest)
     cfg = DecodeConfig(max_new_tokens=max_new_tokens, speculative=False)
-    return {"tokens": [decode(backend, backend.build_prompt(t.prompt, t.image), cfg).tokens
+    return {"tokens": [decode(backend, codec.turn(t.prompt, t.image), cfg).tokens
                        for t in read_bench_tasks([TASKS], n)]}
 
 

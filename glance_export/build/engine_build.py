@@ -16,10 +16,10 @@ from glance_runtime.store.atomic import atomic_directory, check_output, output_f
 from glance_runtime.errors import GlanceError
 from glance_runtime.formats.graphs import MANIFEST
 from glance_runtime.formats import engines as engines_format
-from glance_runtime.formats.artifacts import check_source, read as load_manifest
+from glance_runtime.formats.artifacts import Manifest, check_source, read as load_manifest
 from glance_runtime.store.integrity import sha256
 
-from .. import __version__
+from glance_runtime._version import __version__
 from .targets import DeviceProfile, load_profile
 from .local_gpu import BuildGpu, check_device, resolve_target
 from .memory_plan import MemoryPlan, available_host_gib, check_build_host, check_device_builds, plan_memory
@@ -75,13 +75,9 @@ class Stopwatch:
         return time.perf_counter() - self.t0
 
 
-def _read_manifest(artifacts: Path) -> dict[str, Any]:
-    return load_manifest(artifacts).raw  # format, version, content and files checked, with one-line errors
-
-
-def check_head(manifest: dict[str, Any], head: Path, artifacts: Path) -> None:
+def check_head(manifest: Manifest, head: Path, artifacts: Path) -> None:
     """Refuse artifacts exported with another draft head (the manifest records its weights' sha256)."""
-    expected = (manifest.get("head") or {}).get("weights_sha256")
+    expected = manifest.head_weights_sha256
     if expected and (not (head / HEAD_WEIGHTS).is_file() or sha256(head / HEAD_WEIGHTS) != expected):
         raise GlanceError(f"{head}/{HEAD_WEIGHTS} differs from the head {artifacts} was exported with; pass the "
                           f"original head directory, or re-export with `glance-export onnx --model M --head {head}`")
@@ -102,8 +98,9 @@ def _artifacts(request: BuildRequest, say: Callable[[str], None]) -> Path:
         artifacts = exported_artifacts(request.model, request.head, say)
     if request.model is not None:
         say(f"checking {artifacts} against {request.model} and {request.head} (sha256)")
-        check_source(load_manifest(artifacts), request.model)
-        check_head(_read_manifest(artifacts), request.head, artifacts)
+        manifest = load_manifest(artifacts)
+        check_source(manifest, request.model)
+        check_head(manifest, request.head, artifacts)
     return artifacts
 
 
@@ -120,11 +117,11 @@ def check_out(request: BuildRequest) -> None:
     check_output(out, fmt, inputs if own_bundle else [*inputs, artifacts])
 
 
-def _identity(artifacts: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+def _identity(artifacts: Path, manifest: Manifest) -> dict[str, Any]:
     return {"path": str(artifacts.resolve()), "manifest_sha256": sha256(artifacts / MANIFEST),
-            "toolkit_version": manifest["toolkit_version"], "family": manifest["family"], "dtype": manifest["dtype"],
-            "opset": manifest["opset"], "limits": manifest["limits"], "source": manifest.get("source"),
-            "head_weights_sha256": (manifest.get("head") or {}).get("weights_sha256")}
+            "toolkit_version": manifest.toolkit_version, "family": manifest.family, "dtype": manifest.dtype,
+            "opset": manifest.opset, "limits": {"max_tree": manifest.max_tree, "max_context": manifest.max_context},
+            "source": manifest.source, "head_weights_sha256": manifest.head_weights_sha256}
 
 
 def _device_record(profile: DeviceProfile, device: BuildGpu) -> dict[str, Any]:
@@ -136,16 +133,16 @@ def _device_record(profile: DeviceProfile, device: BuildGpu) -> dict[str, Any]:
 
 def _precision(request: BuildRequest, profile: DeviceProfile, device: BuildGpu) -> Precision:
     """Checked before any export or TensorRT import, so a precision the target cannot run fails first."""
-    dtype = _read_manifest(request.artifacts)["dtype"] if request.artifacts else CACHE_DTYPE
+    dtype = load_manifest(request.artifacts).dtype if request.artifacts else CACHE_DTYPE
     return choose_precision(profile, request.precision, dtype, device)
 
 
 def _planned(request: BuildRequest, profile: DeviceProfile, precision: Precision, device: BuildGpu,
-             version: str | None, say: Callable[[str], None]) -> tuple[Path, dict[str, Any], MemoryPlan]:
+             version: str | None, say: Callable[[str], None]) -> tuple[Path, Manifest, MemoryPlan]:
     """The checked artifacts, their manifest, and the memory plan (printed) that sizes the engines."""
     artifacts = _artifacts(request, say)
-    manifest = engine_manifest(profile, _read_manifest(artifacts))
-    check_opset(profile, manifest["opset"], version)
+    manifest = engine_manifest(profile, load_manifest(artifacts))
+    check_opset(profile, manifest.opset, version)
     plan = plan_memory(profile, manifest, artifacts, precision.name, device, max_context=request.max_context,
                        max_tree=request.max_tree, memory_gib=request.memory_gib, workspace_gib=request.workspace_gib,
                        tensorrt_version=version, max_part_gib=request.max_part_gib)
@@ -186,7 +183,7 @@ def build(request: BuildRequest, device: BuildGpu, toolchain: Toolchain | None =
     artifacts, manifest, plan = _planned(request, profile, precision, device, toolchain.version, say)
     check_build_host(plan.build, available_host_gib() if host_memory_gib is None else host_memory_gib)
     timing_cache, cache_record = _timing_cache(request, profile, toolchain, say)
-    say(f"building {', '.join(manifest['graphs'])} at {precision.name} ({precision.how})")
+    say(f"building {', '.join(manifest.graphs)} at {precision.name} ({precision.how})")
     with atomic_directory(request.out, ENGINES_FORMAT, "glance-export build") as tmp:
         engines = build_engines(toolchain, artifacts, plan.limits.apply(manifest), tmp,
                                 BuildOptions(precision, plan.workspace_gib, timing_cache), say, cuts=plan.cuts)
@@ -194,7 +191,7 @@ def build(request: BuildRequest, device: BuildGpu, toolchain: Toolchain | None =
             "toolkit_version": __version__, "target": profile.name,
             "tensorrt": {"module": toolchain.name, "version": toolchain.version},
             "device": _device_record(profile, device),
-            "precision": {"name": precision.name, "artifacts_dtype": manifest["dtype"], "how": precision.how},
+            "precision": {"name": precision.name, "artifacts_dtype": manifest.dtype, "how": precision.how},
             "limits": {"max_context": plan.limits.max_context, "max_tree": plan.limits.max_tree,
                        "max_image_tokens": plan.limits.max_image_tokens},
             "memory_plan": plan.record(), "timing_cache": cache_record, "artifacts": _identity(artifacts, manifest),
@@ -204,7 +201,7 @@ def build(request: BuildRequest, device: BuildGpu, toolchain: Toolchain | None =
         timing_cache.save()
     files = sum(len(entry.get("parts") or [entry]) for entry in engines.values())
     say(f"wrote {files} engines for {len(engines)} graphs and {engines_format.FILE} to {request.out}")
-    _measure_costs(request.out, device, int(manifest["branch_k"]), say)
+    _measure_costs(request.out, device, manifest.branch_k, say)
     return request.out
 
 
@@ -215,10 +212,10 @@ def _measure_costs(out: Path, device: BuildGpu, branch_k: int, say: Callable[[st
         say("cost profile for --budget auto: measured on the device on first use (no GPU here)")
         return
     from glance_runtime.decode.auto_budget import auto_budget
-    from glance_runtime.backends.registry import open_tensorrt
+    from glance_runtime.backends.registry import Source, open_session
 
     try:
-        _, path, _ = auto_budget(open_tensorrt(out), branch_k, remeasure=True, progress=say)
+        _, path, _ = auto_budget(open_session(Source("tensorrt", engines=out)), branch_k, remeasure=True, progress=say)
     except GlanceError as exc:
         say(f"cost profile for --budget auto not measured here ({exc}); the device measures it on first use")
         return

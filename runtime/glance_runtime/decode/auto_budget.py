@@ -122,7 +122,7 @@ def auto_budget(runner, branch_k: int, remeasure: bool = False,
     if limits.max_tree is not None:
         largest = min(largest, limits.max_tree - 1)
     cost, cost_path = stored_or_measured(backend, runner.home, runner.identity,
-                                         lambda: runner.build_prompt(PROBE_PROMPT, None), largest + 1, branch_k,
+                                         lambda: runner.prompt(PROBE_PROMPT), largest + 1, branch_k,
                                          remeasure=remeasure, progress=progress)
     calibration, calibration_path = find_calibration(list(runner.calibration_dirs))
     policy = AutoBudget(cost, calibration, min(largest, cost.max_rows - 1), backend.block_size)

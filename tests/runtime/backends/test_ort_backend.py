@@ -29,6 +29,7 @@ from glance_runtime.decode.cost_profile import measure
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
 from glance_runtime.errors import GlanceError
 from glance_runtime.decode.loop import DecodeConfig, decode
+from glance_runtime.prompt.codec import exported_codec
 from auto_policies import check_mixed, config, cutting, median_surprisal, skipping
 from edge_install import BLOCK_TRAINING_STACK
 from tiny_models import ALL_FAMILIES, VL_FAMILIES
@@ -50,10 +51,11 @@ class Exported:
         self.artifacts = export_artifacts(snapshot_path, head_dir, root / "artifacts", dtype=dtype, opset=opset, max_tree=64,
                                           max_context=512, progress=lambda _: None)
         self.backend = OrtBackend(self.artifacts)
+        self.codec = exported_codec(self.backend.manifest)
         self._truth: dict[tuple[bytes, tuple[int, ...]], list[int]] = {}
 
     def prompt(self, image: Path | None, text: str = TEXT):
-        return self.backend.build_prompt(text, image)
+        return self.codec.turn(text, image)
 
     def oracle(self, prompt, stops=()) -> list[int]:
         key = (prompt.input_ids.tobytes(), tuple(stops))
@@ -140,8 +142,8 @@ def test_the_backend_declares_what_it_serves_and_times_its_own_graphs(images):
     assert info.precision == "fp32" and info.providers == ("CPUExecutionProvider",) and info.threads == 1
     clock = backend.time_graphs()
     assert backend.time_graphs() is clock
-    prompt = backend.build_prompt("What is shown?", images["wide"])
-    result = decode(backend, prompt, DecodeConfig(max_new_tokens=6, budget=15), backend.stop_token_ids)
+    prompt = exported_codec(info.manifest).turn("What is shown?", images["wide"])
+    result = decode(backend, prompt, DecodeConfig(max_new_tokens=6, budget=15), info.manifest.stop_token_ids)
     runs = clock.runs()
     assert runs["vision"] == 1 and runs["target"] == 1 + len(result.rounds) and sum(clock.reading().values()) > 0
     verified = backend.verify(np.array([result.tokens[-1]]), np.zeros(1, np.int64), np.ones((1, 1), bool))
@@ -273,7 +275,7 @@ def test_generated_image_token_is_a_plain_token(exported, images, family):
 
 def test_stop_token_and_stop_ids(exported, images):
     ex = exported("qwen2_5_vl")
-    assert ex.backend.stop_token_ids == ex.snapshot.stop_token_ids
+    assert ex.codec.stop_ids == ex.snapshot.stop_token_ids
     prompt = ex.prompt(images["wide"])
     truth = ex.oracle(prompt)
     stop = truth[5]
@@ -336,7 +338,7 @@ def test_limits_and_provider_errors(exported, images):
         OrtBackend(ex.artifacts, providers=["tensorrt"])
     assert OrtBackend(ex.artifacts, providers="cpu").info.providers == ("CPUExecutionProvider",)
     with pytest.raises(GlanceError, match="text-only"):
-        ex.backend.build_prompt("hi", images["wide"])
+        ex.codec.turn("hi", images["wide"])
 
 
 def test_corrupt_graph_fails_in_one_line(exported, tmp_path):
@@ -351,15 +353,16 @@ BLOCKED_RUN = BLOCK_TRAINING_STACK + """
 import json
 from glance_runtime.backends.ort_backend import OrtBackend
 from glance_runtime.decode.loop import DecodeConfig, decode
+from glance_runtime.prompt.codec import exported_codec
 
 artifacts, image, text, max_new = sys.argv[1:5]
 backend = OrtBackend(artifacts)
-prompt = backend.build_prompt(text, image or None)
+prompt = exported_codec(backend.manifest).turn(text, image or None)
 out = {"ids": prompt.input_ids.tolist()}
 for name, cfg in {"ar": DecodeConfig(max_new_tokens=int(max_new), speculative=False),
                   "tree": DecodeConfig(max_new_tokens=int(max_new), budget=31),
                   "chain": DecodeConfig(max_new_tokens=int(max_new), budget=7, branch_k=1)}.items():
-    out[name] = decode(backend, prompt, cfg, stop_ids=backend.stop_token_ids).tokens
+    out[name] = decode(backend, prompt, cfg, stop_ids=backend.manifest.stop_token_ids).tokens
 assert not any(m.split(".")[0] in ("torch", "transformers") for m in sys.modules)
 print(json.dumps(out))
 """
@@ -377,7 +380,7 @@ def test_full_loop_runs_without_torch(exported, images, family):
     out = json.loads(run.stdout.strip().splitlines()[-1])
     prompt = ex.prompt(image)
     assert out["ids"] == prompt.input_ids.tolist()
-    truth = ex.oracle(prompt, stops=ex.backend.stop_token_ids)
+    truth = ex.oracle(prompt, stops=ex.codec.stop_ids)
     assert out["ar"] == out["tree"] == out["chain"] == truth
 
 
@@ -417,7 +420,7 @@ def test_several_images_match_oracle(exported, images, family, names):
     from glance_runtime.prompt.messages import user_turn
 
     ex = exported(family)
-    prompt = ex.backend.prompts.build_messages([user_turn(TEXT, [images[n] for n in names])])
+    prompt = ex.codec.encode([user_turn(TEXT, [images[n] for n in names])])
     assert len(prompt.image_grid_thw) == len(names)
     truth = ex.oracle(prompt)
     assert truth != ex.oracle(ex.prompt(images[names[0]]))

@@ -131,19 +131,19 @@ def test_engines_answer_like_onnxruntime(rtx_engines):
     """The same loop on TensorRT engines and on ONNX Runtime gives the same tokens (fp32 engines), with fixed
     budgets and with auto: as `glance-run` builds it (a profile measured on these engines), and with policies
     forcing skipped drafts and small cuts (tests/auto_policies.py)."""
-    from glance_runtime.backends.registry import open_runner
+    from glance_runtime.backends.registry import Source, open_session
     from glance_runtime.decode.loop import DecodeConfig, decode
 
-    trt = open_runner("tensorrt", engines=rtx_engines)
-    ort = open_runner("onnxruntime", artifacts=DEFAULT_ARTIFACTS)
+    trt = open_session(Source("tensorrt", engines=rtx_engines))
+    ort = open_session(Source("onnxruntime", artifacts=DEFAULT_ARTIFACTS))
     image = Path(__file__).parents[3] / "examples" / "demo" / "receipt.png"
-    prompt = ort.build_prompt("What is the total?", image)
+    prompt = ort.prompt("What is the total?", image)
     for cfg in (DecodeConfig(max_new_tokens=32, speculative=False), DecodeConfig(max_new_tokens=32, budget=15)):
         ours = decode(trt.backend, prompt, cfg, trt.stop_ids)
         assert ours.tokens == decode(ort.backend, prompt, cfg, ort.stop_ids).tokens
     assert np.isfinite(ours.tau)
 
-    prompt = ort.build_prompt("Describe the image.", image)  # the default model is least sure here
+    prompt = ort.prompt("Describe the image.", image)  # the default model is least sure here
     truth = decode(ort.backend, prompt, DecodeConfig(max_new_tokens=32, budget=15), ort.stop_ids).tokens
     measured, cost_path, _ = auto_budget(trt, branch_k=8)
     assert cost_path.parent == rtx_engines and measured.cost.device.startswith("tensorrt")
