@@ -90,6 +90,7 @@ def _code_map():
     return module
 
 
+@pytest.mark.edge
 def test_neither_package_has_an_import_cycle():
     """code_map reads every import of both packages (inside functions and under TYPE_CHECKING too) and fails
     naming any cycle among their modules, package __init__ files included."""
@@ -97,6 +98,7 @@ def test_neither_package_has_an_import_cycle():
     assert proc.returncode == 0 and "import cycles: none" in proc.stdout, proc.stdout
 
 
+@pytest.mark.edge
 def test_the_cycle_check_names_a_cycle_through_an_init_and_a_type_checking_import(tmp_path):
     code_map = _code_map()
     graph = {"p": {"p.a"}, "p.a": {"p.b"}, "p.b": {"p"}, "p.c": {"p.a"}, "p.d": {"p.e"}, "p.e": {"p.d"}}
@@ -109,6 +111,7 @@ def test_the_cycle_check_names_a_cycle_through_an_init_and_a_type_checking_impor
     assert found == {"glance_runtime.decode.loop", "glance_runtime.errors"}
 
 
+@pytest.mark.edge
 def test_a_sub_module_imports_without_the_api():
     """The package loads its API on first use: the pure modules import without Pillow or the backends."""
     proc = _edge_python("import glance_runtime.decode.tree, glance_runtime\n"

@@ -61,6 +61,11 @@ class EnginesRecord:
     engines: dict[str, tuple[EngineFile, ...]]  # graph -> its one engine, or its parts in run order
     raw: dict[str, Any]
 
+    @property
+    def files(self) -> tuple[EngineFile, ...]:
+        """Every engine file, each part of a chained graph included."""
+        return tuple(f for parts in self.engines.values() for f in parts)
+
 
 def _names(entry: dict[str, Any], key: str, where: str) -> tuple[str, ...]:
     names = entry.get(key)

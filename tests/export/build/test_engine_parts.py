@@ -132,7 +132,7 @@ def test_a_forced_part_budget_builds_a_chain_of_engines(exported, tmp_path):
     for part in parts:
         assert set(part.inputs) - written <= graph_inputs and part.outputs
         written |= set(part.outputs)
-    verify_engines(out, raw)
+    verify_engines(out, record.files)
     plan = raw["memory_plan"]
     largest = max(plan["parts_gib"]["target"])
     assert plan["build_peak_part"].startswith("part ") and plan["part_gib"] == pytest.approx(target_gib / 3)

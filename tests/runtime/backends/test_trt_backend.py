@@ -13,7 +13,7 @@ from support import check_mixed, config, cutting, median_surprisal, skipping
 from glance_export.cli import main as export_main
 from glance_runtime.decode.auto_budget import auto_budget
 from glance_runtime.backends.trt_backend import check_engines, pick_profile
-from glance_runtime.formats.engines import FILE as ENGINE_MANIFEST, read as read_engines_record
+from glance_runtime.formats.engines import FILE as ENGINE_MANIFEST, EnginesRecord, read as read_engines_record
 from glance_runtime.cli.run import main as run_main
 from glance_runtime.errors import GlanceError
 
@@ -52,11 +52,10 @@ def test_a_pass_no_profile_holds_is_one_line():
     assert "\n" not in str(err.value)
 
 
-def _record(module="tensorrt", version="10.3.0", cc="8.7", runs_on=None) -> dict:
-    device = {"name": "Orin", "compute_capability": cc} if cc else {"name": "ahead-of-time, no GPU",
-                                                                   "compute_capability": None,
-                                                                   "runs_on_compute_capabilities": runs_on}
-    return {"tensorrt": {"module": module, "version": version}, "device": device}
+def _record(module="tensorrt", version="10.3.0", cc="8.7", runs_on=None) -> EnginesRecord:
+    """Built on a GPU of `cc`, or ahead of time for every capability in `runs_on`."""
+    return EnginesRecord(Path("engines"), module, version, (cc,) if cc else tuple(runs_on or ()), "fp16", 256, 64,
+                         None, None, {}, {})
 
 
 def test_engines_for_this_tensorrt_and_gpu_are_accepted():
