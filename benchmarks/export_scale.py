@@ -33,7 +33,9 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "runtime"), str(ROOT)]
 
 from glance_export.build.targets import load_profile  # noqa: E402
 from glance_export.build.engine_parts import cut_budget  # noqa: E402
-from glance_export.build.memory_plan import CONTEXT_STEP, Budget, BuildPeak, maps_weights, part_budget_gib  # noqa: E402
+from glance_export.build.memory_plan import (CONTEXT_STEP, Budget, BuildPeak, graph_bytes, maps_weights,  # noqa: E402
+                                             part_budget_gib)
+from glance_runtime.formats.artifacts import read as load_manifest  # noqa: E402
 from glance_export.onnx.export import EXTERNAL_DATA_BYTES  # noqa: E402
 from real_configs import PUBLISHED, checkpoint_tensors, skeleton, write_snapshot  # noqa: E402
 
@@ -53,12 +55,6 @@ def run(cmd: list[str], env: dict[str, str] | None = None, log: Path | None = No
 
 def _bytes(paths) -> int:
     return sum(p.stat().st_size for p in paths)
-
-
-def graph_bytes(artifacts: Path) -> dict[str, int]:
-    manifest = json.loads((artifacts / "manifest.json").read_text())
-    return {g: _bytes(artifacts / f for f in (e["file"], e.get("data_file")) if f)
-            for g, e in manifest["graphs"].items()}
 
 
 def snapshot(out: Path, model: str, depth: int | None, vision_depth: int | None) -> Path:
@@ -126,7 +122,7 @@ def one_row(args, model: str, depth: int | None, dtype: str) -> dict:
                          "--dtype", dtype, "--max-context", str(MAX_CONTEXT), "--max-tree", str(MAX_TREE)],
                         env=_env(), log=work / "export.log")
     if row["export"]["rc"] == 0 and (work / "art" / "manifest.json").is_file():
-        graphs = graph_bytes(work / "art")
+        graphs = graph_bytes(work / "art", load_manifest(work / "art").graphs)
         row["graphs_gib"] = {g: round(b / GIB, 3) for g, b in graphs.items()}
         row["export"]["bound_gib"] = round(0.5 * sum(graphs.values()) / GIB + 3, 2)
         print(f"[{snap.name} {dtype}] onnx checker ...", flush=True)

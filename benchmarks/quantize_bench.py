@@ -49,13 +49,13 @@ def export_all(model: Path, head: Path, out: Path, group: int) -> dict[str, Path
 
 def graph_bytes(artifacts: Path) -> dict[str, int]:
     """ONNX Runtime files per graph (graph + external data) and the TensorRT form's total."""
-    manifest = json.loads((artifacts / "manifest.json").read_text())
-    sizes = {name: sum((artifacts / f).stat().st_size for f in (e["file"], e.get("data_file")) if f)
-             for name, e in manifest["graphs"].items()}
-    q = manifest.get("quantization") or {}
-    sizes["tensorrt_form"] = sum((artifacts / f).stat().st_size for e in q.get("graphs", {}).values()
-                                 for f in (e["tensorrt_file"], e["tensorrt_data_file"]) if f)
-    return sizes
+    from glance_export.build.memory_plan import graph_bytes as per_graph
+    from glance_runtime.formats.artifacts import read as load_manifest
+
+    manifest = load_manifest(artifacts)
+    q = manifest.quantization
+    return {**per_graph(artifacts, manifest.graphs),
+            "tensorrt_form": sum(per_graph(artifacts, q.tensorrt_graphs).values()) if q else 0}
 
 
 def _exact(runner, tokens: list[int], answers: list[str]) -> bool:
