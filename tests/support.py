@@ -417,6 +417,7 @@ class Exported:
         from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
         from glance_export.onnx import export_artifacts
         from glance_runtime.backends.ort_backend import OrtBackend
+        from glance_runtime.prompt.codec import exported_codec
 
         self.snapshot = Snapshot(snapshot_path)
         self.model = self.snapshot.load_model()
@@ -426,10 +427,11 @@ class Exported:
         self.artifacts = export_artifacts(snapshot_path, head_dir, root / "artifacts", dtype=dtype, opset=opset,
                                           max_tree=64, max_context=512, progress=lambda _: None)
         self.backend = OrtBackend(self.artifacts)
+        self.codec = exported_codec(self.backend.manifest)
         self._truth: dict[tuple[bytes, tuple[int, ...]], list[int]] = {}
 
     def prompt(self, image: Path | None, text: str = "What colour is the square?"):
-        return self.backend.build_prompt(text, image)
+        return self.codec.turn(text, image)
 
     def oracle(self, prompt, stops=()) -> list[int]:
         from glance_export.model.torch_backend import greedy_reference

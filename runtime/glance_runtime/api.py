@@ -5,8 +5,8 @@
         print(model.generate("What is the total?", images=["receipt.png"]).text)
 
 Defaults are `glance-run`'s (the same backend choice, budget policy, stop ids and answer length), so
-`generate` returns exactly its tokens: a Model is a `session.Session` (the commands' one way to open a
-backend and decode) with conversations, streamed text and stop strings around it, and every call goes
+`generate` returns exactly its tokens: a Model is a `session.Session` (the commands' one way to decode with an
+opened backend) with conversations, streamed text and stop strings around it, and every call goes
 through one internal function (`Model._run`: prompt in, decode, text out).
 A conversation (`Model.chat`) keeps what the backend has committed: each turn prefills only the
 rows after the prefix it shares with the last one (`prefix.shared_rows`), and its answer is
@@ -34,8 +34,8 @@ from .decode.loop import DecodeConfig, DecodeResult, RoundLog
 from .prompt.messages import ImageLike, VideoLike, conversation, user_turn
 from .prompt.prompt_builder import Prompt
 from .prompt.prefix_reuse import Committed, image_runs, shared_rows
-from .backends.registry import Runner
-from .decode.session import Session, Settings, Source, open_session
+from .backends.registry import Source, open_session
+from .decode.session import Session, Settings
 from .prompt.text_stream import TextStream
 
 T = TypeVar("T")
@@ -67,7 +67,6 @@ class Model:
 
     def __init__(self, session: Session):
         self._session: Session | None = session
-        self._side = session.runner.conversations
         self._lock = threading.Lock()
         self._owner: Chat | None = None  # the conversation whose rows the backend holds now
 
@@ -76,10 +75,6 @@ class Model:
         if self._session is None:
             raise GlanceError("this model is closed; load another with glance_runtime.load()")
         return self._session
-
-    @property
-    def runner(self) -> Runner:
-        return self.session.runner
 
     # -- lifetime --------------------------------------------------------------------------------
 
@@ -143,7 +138,7 @@ class Model:
               messages: Sequence[dict[str, Any]] | None = None, system: str | None = None,
               videos: Sequence[VideoLike] | None = None) -> Prompt:
         """The prompt (ids, pixels, grids) a call would decode."""
-        return self._side.build(conversation(prompt, images, messages, system, videos))
+        return self.session.build(conversation(prompt, images, messages, system, videos))
 
     def reuse(self) -> "Reuse":
         """A handle that decodes built prompts, keeping the rows each shares with the previous one."""
@@ -152,7 +147,7 @@ class Model:
     def check_room(self, prompt: Prompt, max_new_tokens: int = MAX_NEW_TOKENS, *, fix: str = ROOM_FIX) -> None:
         """Refuse (LimitError, ending with `fix`: what the caller's user can change) a prompt whose answer could
         overflow the context, before any work is queued for it."""
-        check_context(prompt.length, _answer_length(max_new_tokens), self._side.max_context, fix)
+        check_context(prompt.length, _answer_length(max_new_tokens), self.session.max_context, fix)
 
     @property
     def budget(self) -> int | str:
@@ -171,7 +166,7 @@ class Model:
              fix: str = ROOM_FIX) -> Output:
         self.check_room(prompt, max_new_tokens, fix=fix)
         cfg = self._config(max_new_tokens)
-        text = TextStream(self._side.tokenizer, list(stop))
+        text = TextStream(self.session.codec.tokenizer, list(stop))
         pieces: list[str] = []
         kept: list[int] = []
         stopped_by_caller = False
@@ -205,20 +200,20 @@ class Model:
               fix: str) -> tuple[Output, Committed]:
         """`_run`, keeping the rows `prompt` shares with `committed` while `owner`'s rows are the backend's; the
         answer, and what the backend then holds."""
-        side = self._side
-        keep = shared_rows(committed if self._owner is owner else None, prompt, side.image_token_id, side.merge_size)
+        codec = self.session.codec
+        keep = shared_rows(committed if self._owner is owner else None, prompt, codec.image_token_id, codec.merge_size)
         out = self._run(prompt, max_new_tokens, stop, keep=keep, on_piece=on_piece, cancelled=cancelled, fix=fix)
-        rows = self.runner.backend.start
+        rows = self.session.backend.start
         self._owner = owner
         return out, Committed(np.concatenate([prompt.input_ids, np.asarray(out.token_ids, np.int64)])[:rows],
-                              tuple(image_runs(prompt, side.image_token_id, side.merge_size)))
+                              tuple(image_runs(prompt, codec.image_token_id, codec.merge_size)))
 
     def _stats(self, result: DecodeResult, cfg: DecodeConfig, prompt: Prompt, keep: int, kept: list[int],
                reason: str) -> dict[str, Any]:
         return {**result.stats(), "tokens": len(kept), "prompt_tokens": prompt.length,
                 "prefill_tokens": prompt.length - keep, "ms": round(result.total_ms, 3),
                 "tokens_per_s": round(1e3 / result.ms_per_token, 2) if result.ms_per_token else None,
-                "backend": self.runner.backend.name, "speculative": cfg.speculative,
+                "backend": self.session.backend.name, "speculative": cfg.speculative,
                 "budget": AUTO if cfg.auto else cfg.budget if cfg.speculative else 0, "finish": reason}
 
     @staticmethod

@@ -122,7 +122,7 @@ def auto_budget(runner, branch_k: int, remeasure: bool = False,
     largest = min(AUTO_MAX_NODES, reachable_nodes(backend.block_size, branch_k))
     if limits.max_tree is not None:
         largest = min(largest, limits.max_tree - 1)
-    probe = lambda: runner.conversations.build([user_turn(PROBE_PROMPT)])  # noqa: E731 (not length-checked: cut to fit)
+    probe = lambda: runner.build([user_turn(PROBE_PROMPT)])  # noqa: E731 (not length-checked: cut to fit)
     cost, cost_path = stored_or_measured(backend, runner.home, runner.identity, probe, largest + 1, branch_k,
                                          remeasure=remeasure, progress=progress)
     calibration, calibration_path = find_calibration(list(runner.calibration_dirs))

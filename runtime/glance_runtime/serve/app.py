@@ -32,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..defaults import RUN_MAX_NEW_TOKENS
 from ..errors import GlanceError
 from ..prompt.prompt_builder import Prompt
 from .engine import Cancelled, Completion, Engine, ModelSpec
@@ -58,7 +59,7 @@ class ServeConfig:
     max_body_bytes: int = 16 << 20
     max_image_pixels: int = 4096 * 4096
     max_tokens: int = 1024  # the most a request may ask for
-    default_max_tokens: int = 256  # glance-run's default
+    default_max_tokens: int = RUN_MAX_NEW_TOKENS  # glance-run's default
     max_messages: int = 64
 
 

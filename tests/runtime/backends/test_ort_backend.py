@@ -26,6 +26,7 @@ from glance_runtime.decode.cost_profile import measure
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
 from glance_runtime.errors import GlanceError
 from glance_runtime.decode.loop import DecodeConfig, decode
+from glance_runtime.prompt.codec import exported_codec
 from support import (ALL_FAMILIES, BLOCK_TRAINING_STACK, VL_FAMILIES, ORACLE_TOKENS, check_mixed, config, cutting,
                      median_surprisal, skipping)
 
@@ -98,8 +99,8 @@ def test_the_backend_declares_what_it_serves_and_times_its_own_graphs(images):
     assert info.precision == "fp32" and info.providers == ("CPUExecutionProvider",) and info.threads == 1
     clock = backend.time_graphs()
     assert backend.time_graphs() is clock
-    prompt = backend.build_prompt("What is shown?", images["wide"])
-    result = decode(backend, prompt, DecodeConfig(max_new_tokens=6, budget=15), backend.stop_token_ids)
+    prompt = exported_codec(info.manifest).turn("What is shown?", images["wide"])
+    result = decode(backend, prompt, DecodeConfig(max_new_tokens=6, budget=15), info.manifest.stop_token_ids)
     runs = clock.runs()
     assert runs["vision"] == 1 and runs["target"] == 1 + len(result.rounds) and sum(clock.reading().values()) > 0
     verified = backend.verify(np.array([result.tokens[-1]]), np.zeros(1, np.int64), np.ones((1, 1), bool))
@@ -231,7 +232,7 @@ def test_generated_image_token_is_a_plain_token(ort_exported, images, family):
 
 def test_stop_token_and_stop_ids(ort_exported, images):
     ex = ort_exported("qwen2_5_vl")
-    assert ex.backend.stop_token_ids == ex.snapshot.stop_token_ids
+    assert ex.codec.stop_ids == ex.snapshot.stop_token_ids
     prompt = ex.prompt(images["wide"])
     truth = ex.oracle(prompt)
     stop = truth[5]
@@ -294,7 +295,7 @@ def test_limits_and_provider_errors(ort_exported, images):
         OrtBackend(ex.artifacts, providers=["tensorrt"])
     assert OrtBackend(ex.artifacts, providers="cpu").info.providers == ("CPUExecutionProvider",)
     with pytest.raises(GlanceError, match="text-only"):
-        ex.backend.build_prompt("hi", images["wide"])
+        ex.codec.turn("hi", images["wide"])
 
 
 def test_corrupt_graph_fails_in_one_line(ort_exported, tmp_path):
@@ -309,15 +310,16 @@ BLOCKED_RUN = BLOCK_TRAINING_STACK + """
 import json
 from glance_runtime.backends.ort_backend import OrtBackend
 from glance_runtime.decode.loop import DecodeConfig, decode
+from glance_runtime.prompt.codec import exported_codec
 
 artifacts, image, text, max_new = sys.argv[1:5]
 backend = OrtBackend(artifacts)
-prompt = backend.build_prompt(text, image or None)
+prompt = exported_codec(backend.manifest).turn(text, image or None)
 out = {"ids": prompt.input_ids.tolist()}
 for name, cfg in {"ar": DecodeConfig(max_new_tokens=int(max_new), speculative=False),
                   "tree": DecodeConfig(max_new_tokens=int(max_new), budget=31),
                   "chain": DecodeConfig(max_new_tokens=int(max_new), budget=7, branch_k=1)}.items():
-    out[name] = decode(backend, prompt, cfg, stop_ids=backend.stop_token_ids).tokens
+    out[name] = decode(backend, prompt, cfg, stop_ids=backend.manifest.stop_token_ids).tokens
 assert not any(m.split(".")[0] in ("torch", "transformers") for m in sys.modules)
 print(json.dumps(out))
 """
@@ -335,7 +337,7 @@ def test_full_loop_runs_without_torch(ort_exported, images, family):
     out = json.loads(run.stdout.strip().splitlines()[-1])
     prompt = ex.prompt(image)
     assert out["ids"] == prompt.input_ids.tolist()
-    truth = ex.oracle(prompt, stops=ex.backend.stop_token_ids)
+    truth = ex.oracle(prompt, stops=ex.codec.stop_ids)
     assert out["ar"] == out["tree"] == out["chain"] == truth
 
 
@@ -375,7 +377,7 @@ def test_several_images_match_oracle(ort_exported, images, family, names):
     from glance_runtime.prompt.messages import user_turn
 
     ex = ort_exported(family)
-    prompt = ex.backend.prompts.build_messages([user_turn(TEXT, [images[n] for n in names])])
+    prompt = ex.codec.encode([user_turn(TEXT, [images[n] for n in names])])
     assert len(prompt.image_grid_thw) == len(names)
     truth = ex.oracle(prompt)
     assert truth != ex.oracle(ex.prompt(images[names[0]]))

@@ -59,7 +59,7 @@ def test_torch_follow_ups_equal_fresh_decodes(torch_backend, images, family, see
 def test_onnxruntime_follow_ups_equal_fresh_decodes(ort_exported, images, family, seed):
     ex = ort_exported(family)
     m = ex.backend.manifest
-    kept = converse(ex.backend, ex.backend.prompts.build_messages, ex.backend.detokenize,
+    kept = converse(ex.backend, ex.codec.encode, ex.codec.decode,
                     lambda p: greedy_reference(ex.model, ex.snapshot, p, MAX_NEW, ()), _turns(images, family), seed,
                     m.image_token_id if m.is_vl else None, m.spatial_merge_size if m.is_vl else 1)
     assert kept[0] == 0 and all(k > 10 for k in kept[1:])
@@ -68,7 +68,7 @@ def test_onnxruntime_follow_ups_equal_fresh_decodes(ort_exported, images, family
 def test_a_changed_image_is_not_reused(ort_exported, images):
     """Image tokens are one id repeated: a different picture of the same size must not share its rows."""
     ex = ort_exported("qwen2_vl")
-    build, m = ex.backend.prompts.build_messages, ex.backend.manifest
+    build, m = ex.codec.encode, ex.backend.manifest
     first = build([user_turn("Hi", [images["wide"]])])
     committed = Committed(first.input_ids, tuple(image_runs(first, m.image_token_id, m.spatial_merge_size)))
     same = build([user_turn("Hi", [Image.open(images["wide"])])])
@@ -119,6 +119,6 @@ def test_head_context_after_reuse(torch_backend, ort_exported, images, family):
                                     lambda p: greedy_reference(backend.model, snap, p, MAX_NEW, ()),
                                     _turns(images, family), *vl)
     ex = ort_exported(family)
-    _draft_after_reuse_equals_fresh(ex.backend, ex.backend.prompts.build_messages, ex.backend.detokenize,
+    _draft_after_reuse_equals_fresh(ex.backend, ex.codec.encode, ex.codec.decode,
                                     lambda p: greedy_reference(ex.model, ex.snapshot, p, MAX_NEW, ()),
                                     _turns(images, family), *vl)
