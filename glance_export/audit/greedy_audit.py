@@ -34,7 +34,7 @@ def budget_of(cfg: DecodeConfig) -> int | str:
 def divergence_margin(session: Session, prompt, tokens: list[int], index: int) -> float | None:
     """The backend's own top-2 log-prob gap where its greedy decode chose `tokens[index]` (replayed one row at
     a time); None where the backend cannot tell (the torch reference) or the token came from the prefill."""
-    backend = session.runner.backend
+    backend = session.backend
     if index is None or index == 0 or index >= len(tokens) or not hasattr(backend, "margins"):
         return None
     backend.prefill(prompt)
@@ -59,7 +59,7 @@ def audit(session: Session, tasks: list[Task], progress: Callable[[str], None] =
         accepted += sum(r.accepted for r in spec.rounds)
         rounds += len(spec.rounds)
         div = first_divergence(spec.tokens, ref)
-        margin = None if div is None or session.runner.oracle is not None else \
+        margin = None if div is None or session.oracle is not None else \
             divergence_margin(session, prompt, ref, div)
         rows.append({"prompt": task.prompt, "image": str(task.image) if task.image else None,
                      "identical": div is None, "self_consistent": again == ref, "first_divergence": div,
@@ -69,9 +69,9 @@ def audit(session: Session, tasks: list[Task], progress: Callable[[str], None] =
         progress(f"[{i}/{len(tasks)}] identical={div is None}{parted} tau={spec.tau:.2f} tokens={len(spec.tokens)}")
     identical = sum(r["identical"] for r in rows)
     consistent = sum(r["self_consistent"] for r in rows)
-    manifest = session.runner.backend.info.manifest
-    return {"backend": session.runner.backend.name, "n": len(rows), "identical": identical, "self_consistent": consistent,
-            "int8_activations": bool(manifest and manifest.int8_activations),
+    quantization = session.backend.info.manifest.quantization if session.backend.info.manifest else None
+    return {"backend": session.backend.name, "n": len(rows), "identical": identical, "self_consistent": consistent,
+            "int8_activations": bool(quantization and quantization.int8_activations),
             "first_divergence": [r["first_divergence"] for r in rows],
             "divergences": [{"prompt": r["prompt"], "token": r["first_divergence"], "margin": r["margin"]}
                             for r in rows if not r["identical"]],

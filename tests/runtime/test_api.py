@@ -41,12 +41,47 @@ def test_generate_equals_glance_run(capsys, backend):
             assert out.stats["prefill_tokens"] == out.stats["prompt_tokens"] > 0
 
 
+@pytest.mark.edge
 def test_stream_joins_to_generate(model):
     out = model.generate("What is the total?", images=[RECEIPT])
-    pieces = list(model.stream("What is the total?", images=[RECEIPT]))
+    stream = model.stream("What is the total?", images=[RECEIPT])
+    assert stream.output is None
+    pieces = list(stream)
     assert len(pieces) > 1 and "".join(pieces) == out.text
+    assert (stream.output.text, stream.output.token_ids, stream.output.tau) == (out.text, out.token_ids, out.tau)
+    assert stream.output.stats["finish"] == out.stats["finish"] == "eos"
 
 
+@pytest.mark.edge
+def test_stream_closed_early_has_no_output_and_frees_the_model(model):
+    stream = model.stream("What is the total?", images=[RECEIPT], max_new_tokens=40)
+    next(stream)
+    stream.close()
+    assert stream.output is None and list(stream) == []
+    assert model.generate("Hi").text
+
+
+@pytest.mark.edge
+def test_chat_streams_its_turns(model):
+    turns = (("What is the total?", [RECEIPT]), ("Is it more than 30?", None), ("Thanks.", None))
+    sent = model.chat()
+    answers = [sent.send(text, images) for text, images in turns]
+    streamed = model.chat()
+    for (text, images), out in zip(turns[:2], answers):
+        stream = streamed.stream(text, images)
+        assert "".join(stream) == out.text and stream.output.token_ids == out.token_ids
+        assert stream.output.stats["finish"] == out.stats["finish"]
+    assert stream.output.stats["prefill_tokens"] < stream.output.stats["prompt_tokens"] // 2  # kept its KV
+    stream = streamed.stream("And the tax?", max_new_tokens=40)
+    next(stream)
+    stream.close()  # an answer ended early is not part of the conversation
+    assert stream.output is None and streamed.messages == sent.messages[:4]
+    last = streamed.send(*turns[2])
+    assert last.token_ids == answers[2].token_ids and streamed.messages == sent.messages
+    assert last.stats["prefill_tokens"] < last.stats["prompt_tokens"]  # the rows of the closed answer's prompt
+
+
+@pytest.mark.edge
 def test_stream_never_splits_a_character():
     """Pieces of an answer with multi-byte characters (CJK, an emoji, a euro sign) are whole characters and
     join to the tokenizer's decode; a stop string spanning pieces ends the text before it."""
@@ -64,6 +99,7 @@ def test_stream_never_splits_a_character():
         assert "".join([stream.push(i) for i in ids] + [stream.finish()]) == text[:text.index(stop)]
 
 
+@pytest.mark.edge
 def test_stop_strings(model):
     full = model.generate("What is the total?", images=[RECEIPT])
     stop = full.text[len(full.text) // 2:len(full.text) // 2 + 2]
@@ -74,6 +110,7 @@ def test_stop_strings(model):
     assert "".join(model.stream("What is the total?", images=[RECEIPT], stop=[stop])) == out.text
 
 
+@pytest.mark.edge
 def test_chat_keeps_its_kv(model):
     chat = model.chat(system="You are brief.")
     first = chat.send("What is the total?", images=[RECEIPT])
@@ -93,6 +130,7 @@ def test_chat_keeps_its_kv(model):
     assert chat.messages == [{"role": "system", "content": "You are brief."}]
 
 
+@pytest.mark.edge
 def test_several_images_and_kinds(model):
     arrays = [np.asarray(Image.open(p).convert("RGB")) for p in (RECEIPT, CHART)]
     by_path = model.generate(messages=[{"role": "user", "content": [
@@ -102,6 +140,7 @@ def test_several_images_and_kinds(model):
     assert by_path.token_ids == by_array.token_ids == by_bytes.token_ids
 
 
+@pytest.mark.edge
 def test_context_overflow_is_refused():
     with gr.load(max_context=256) as m:
         chat = m.chat()
@@ -114,6 +153,7 @@ def test_context_overflow_is_refused():
             m.generate("Hi", max_new_tokens=1000)
 
 
+@pytest.mark.edge
 def test_errors_are_glance_errors(model, tmp_path):
     for call, kind in ((lambda: model.generate(), gr.InputError),
                        (lambda: model.generate("Hi", messages=[{"role": "user", "content": "Hi"}]), gr.InputError),
@@ -126,6 +166,7 @@ def test_errors_are_glance_errors(model, tmp_path):
         assert isinstance(info.value, gr.GlanceError) and "\n" not in str(info.value)
 
 
+@pytest.mark.edge
 def test_video_needs_a_template_that_renders_it(model):
     """The embedded default's template has no video branch: video is refused with the fix, on one line."""
     with pytest.raises(gr.InputError, match="video branch") as info:
@@ -133,6 +174,7 @@ def test_video_needs_a_template_that_renders_it(model):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.edge
 def test_concurrent_calls_are_refused(model):
     stream = model.stream("What is the total?", images=[RECEIPT])
     next(stream)  # the stream now holds the model
@@ -167,6 +209,7 @@ print(json.dumps({"rss_mb": list(marks.values()),
 """
 
 
+@pytest.mark.edge
 def test_close_frees_buffers():
     """A thousand load + generate + close cycles (every other one with an image, so the vision graph and its
     buffers come and go too) in a fresh process keep its resident memory flat: from cycle 50 to 1000 it may
@@ -191,6 +234,7 @@ def test_close_frees_buffers():
         m.generate("Hi")
 
 
+@pytest.mark.edge
 def test_a_turn_ended_by_a_stop_string_keeps_the_kv_consistent(model):
     chat = model.chat()
     full = model.generate("What is the total?", images=[RECEIPT])
@@ -202,6 +246,7 @@ def test_a_turn_ended_by_a_stop_string_keeps_the_kv_consistent(model):
     assert second.token_ids == model.generate(messages=chat.messages[:-1]).token_ids
 
 
+@pytest.mark.edge
 def test_damaged_artifacts_are_an_integrity_error(tmp_path):
     import shutil
 
@@ -216,6 +261,7 @@ def test_damaged_artifacts_are_an_integrity_error(tmp_path):
         gr.load(artifacts=copy)
 
 
+@pytest.mark.edge
 def test_glance_run_several_images_and_system(model, capsys):
     ran = _glance_run(capsys, "--prompt", "What changed?", "--image", str(RECEIPT), "--image", str(CHART),
                       "--system", "You are brief.")
@@ -224,6 +270,7 @@ def test_glance_run_several_images_and_system(model, capsys):
     assert ran["token_ids"] != _glance_run(capsys, "--prompt", "What changed?", "--image", str(RECEIPT))["token_ids"]
 
 
+@pytest.mark.edge
 def test_glance_run_chat_keeps_the_kv(model, capsys, monkeypatch):
     import io
 

@@ -13,8 +13,7 @@ import socket
 import sys
 from pathlib import Path
 
-from ..decode import limits
-from .flags import OneLineParser, check_dirs, guarded, runner_flags
+from .flags import OneLineParser, budget, check_dirs, guarded, runner_flags
 from ..errors import GlanceError
 from ..serve.app import ServeConfig, create_app
 from ..serve.engine import ModelSpec
@@ -26,7 +25,7 @@ def parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="glance-serve", description="OpenAI-compatible server for one GLANCE model "
                       "(greedy, lossless; one request decodes at a time)")
     runner_flags(p)
-    p.add_argument("--budget", type=limits.budget, help="tree nodes per round, or auto (default: as glance-run)")
+    p.add_argument("--budget", type=budget, help="tree nodes per round, or auto (default: as glance-run)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs --api-key)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port, printed at start)")
     p.add_argument("--api-key", help="required as `Authorization: Bearer KEY` on every endpoint but /health")

@@ -11,7 +11,8 @@ import pytest
 from glance_export.audit.greedy_audit import audit, divergence_margin
 from glance_export.model.adapters import Snapshot
 from glance_export.model.torch_backend import greedy_with_margins
-from glance_runtime.decode.session import Settings, Source, open_session
+from glance_runtime.backends.registry import Source, open_session
+from glance_runtime.decode.session import Settings
 from glance_runtime.defaults import DEFAULT_ARTIFACTS, DEFAULT_MODEL
 from glance_runtime.formats.tasks import read as read_tasks
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +30,8 @@ from glance_runtime.backends.seeded import SeededDrafter
 from glance_runtime.errors import GlanceError
 from glance_runtime.decode.loop import DecodeConfig, decode
 from glance_runtime.formats.artifacts import read as load_manifest
-from tiny_models import ALL_FAMILIES, make_snapshot
+from glance_runtime.prompt.codec import exported_codec
+from support import ALL_FAMILIES, make_snapshot
 
 GROUP = 32  # divides the tiny models' hidden size (64)
 PROMPTS = ["Describe the image.", "What colour is the square? The quick brown fox"]
@@ -69,9 +71,10 @@ def _tensors(path: Path) -> list[onnx.TensorProto]:
 def test_glance_is_identical_to_the_quantized_greedy(export, family, scheme):
     _, artifacts = export(family, scheme)
     backend = OrtBackend(artifacts)
-    stops = backend.stop_token_ids
+    codec = exported_codec(backend.manifest)
+    stops = codec.stop_ids
     for text in PROMPTS:
-        prompt = backend.build_prompt(text, None)
+        prompt = codec.turn(text)
         truth = decode(backend, prompt, DecodeConfig(max_new_tokens=12, speculative=False), stops).tokens
         cfg = DecodeConfig(max_new_tokens=12, budget=15, branch_k=4)
         assert decode(backend, prompt, cfg, stops).tokens == truth
@@ -166,8 +169,8 @@ def test_int8_activations_are_the_default_and_exact_keeps_fp32(export, capsys):
         assert _accuracy_levels(exact / f"{name}.onnx") == {None}
     assert json.loads((fast / "manifest.json").read_text())["quantization"]["accuracy_level"] == 4
     assert json.loads((exact / "manifest.json").read_text())["quantization"]["accuracy_level"] == 0
-    assert load_manifest(fast).int8_activations and not load_manifest(exact).int8_activations
-    assert not load_manifest(fp32).int8_activations
+    assert load_manifest(fast).quantization.int8_activations and not load_manifest(exact).quantization.int8_activations
+    assert load_manifest(fp32).quantization is None
     assert export_main(["onnx", "--model", "m", "--head", "h", "--out", "o", "--accuracy", "exact"]) == 2
     assert "--accuracy applies to quantized graphs only" in capsys.readouterr().err
 
@@ -185,12 +188,12 @@ def test_refusals_are_one_line():
 
 def test_build_refuses_a_scheme_the_target_cannot_run(export, tmp_path, capsys):
     _, artifacts = export("qwen3", "int4")
-    manifest = json.loads((artifacts / "manifest.json").read_text())
+    manifest = load_manifest(artifacts)
     with pytest.raises(GlanceError, match="jetson-orin does not run int4 weights"):
         engine_manifest(load_profile("jetson-orin"), manifest)
     built = engine_manifest(load_profile("rtx"), manifest)
-    assert built["graphs"]["target"]["file"] == "tensorrt/target.onnx" and built["opset"] == 21
-    assert engine_manifest(load_profile("jetson-orin"), {**manifest, "quantization": None})["opset"] == manifest["opset"]
+    assert built.graphs["target"].file == "tensorrt/target.onnx" and built.opset == 21
+    assert engine_manifest(load_profile("jetson-orin"), replace(manifest, quantization=None)).opset == manifest.opset
     code = export_main(["build", "--target", "jetson-orin", "--artifacts", str(artifacts), "--out",
                         str(tmp_path / "bundle"), "--plan-only"])
     err = capsys.readouterr().err.strip()
