@@ -19,7 +19,7 @@ over GenAI's AR. Greedy tokens of our AR and GenAI's are compared (agreement cou
 our AR (on int8 activations a tree pass may round a near tie differently).
 
     python benchmarks/int4_vs_genai.py OUT [--layers 8,12] [--threads 2] [--new-tokens 24] [--repeats 3]
-        [--accuracies int8] [--stage build|time]
+        [--accuracies int8] [--stage build|time|render]
 
 GenAI is an optional peer (`pip install onnxruntime-genai`); `--genai-python PY` runs its side in that
 interpreter instead (a separate environment). Each depth's build runs in its own process (torch) and its
@@ -248,18 +248,29 @@ def time_depth(work: Path, layers: int, accuracies: list[str], threads: int, new
     return row
 
 
+def _paired(samples: dict[str, list[float]], key: str) -> float:
+    """The median over repeats of GenAI's AR ms over `key`'s in the same repeat: a busy moment slows both
+    sides of a pair, so this moves less than a ratio of medians."""
+    return round(statistics.median(g / m for g, m in zip(samples["genai-ar"], samples[key])), 2)
+
+
 def render(rows: list[dict]) -> str:
-    lines = ["| layers | form | our AR ms | GenAI AR ms | AR vs GenAI | tau 4 (b3 / b7) ms | tau 4 best vs GenAI | "
-             "tau 8 (b7) ms | tau 8 vs GenAI | AR tokens = GenAI's | load |",
+    """One line per depth and form: medians in ms (speedups over GenAI's AR as paired ratios, see `_paired`)."""
+    lines = ["| layers | form | our AR ms (x GenAI) | GenAI AR ms | tau 4, b3 / b7 ms | tau 4 best: x GenAI | "
+             "tau 8, b7 ms | tau 8: x GenAI | AR tokens = GenAI's | GLANCE tokens = own AR | load |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: r["layers"]):
+        s = r["samples"]
         for a, f in r["forms"].items():
             m = f["modes"]
-            lines.append(f"| {r['layers']} | int4 {a} | {f['ar_ms']} | {r['genai_ar_ms']} | {f['ar_vs_genai']}x | "
-                         f"{m['glance-tau4-b3']['ms']} / {m['glance-tau4-b7']['ms']} | "
-                         f"{f['tau4_best_speedup_vs_genai']}x | {m['glance-tau8-b7']['ms']} | "
-                         f"{f['tau8_speedup_vs_genai']}x | {f['tokens_equal_genai']}/{r['new_tokens']} | "
-                         f"{r['load_avg_end']} |")
+            tau4 = max(_paired(s, f"{a}:glance-tau4-b3"), _paired(s, f"{a}:glance-tau4-b7"))
+            same = "/".join(str(m[k]["tokens_equal_own_ar"]) for k in ("glance-tau4-b3", "glance-tau4-b7",
+                                                                          "glance-tau8-b7"))
+            lines.append(f"| {r['layers']} | int4 {a} | {f['ar_ms']} ({_paired(s, f'{a}:ar')}x) | {r['genai_ar_ms']} | "
+                         f"{m['glance-tau4-b3']['ms']} / {m['glance-tau4-b7']['ms']} (tau {m['glance-tau4-b3']['tau']}) | "
+                         f"{tau4}x | {m['glance-tau8-b7']['ms']} (tau {m['glance-tau8-b7']['tau']}) | "
+                         f"{_paired(s, f'{a}:glance-tau8-b7')}x | {f['tokens_equal_genai']}/{r['new_tokens']} | "
+                         f"{same} of {r['new_tokens']} | {r['load_avg_end']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -272,10 +283,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--accuracies", default="int8")
     ap.add_argument("--genai-python", default=sys.executable)
-    ap.add_argument("--stage", choices=("build", "time"))
+    ap.add_argument("--stage", choices=("build", "time", "render"))
     ap.add_argument("--depth", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     accuracies = args.accuracies.split(",")
+    store = args.out / "int4_vs_genai.json"
+    if args.stage == "render":  # the table again from the stored rows
+        (args.out / "int4_vs_genai.md").write_text(render(json.loads(store.read_text())))
+        return
     if args.stage:
         work = args.out / f"work-{args.depth}"
         work.mkdir(parents=True, exist_ok=True)
@@ -287,7 +302,6 @@ def main() -> None:
         (work / f"{args.stage}.json").write_text(json.dumps(result, indent=2))
         return
     args.out.mkdir(parents=True, exist_ok=True)
-    store = args.out / "int4_vs_genai.json"
     rows = json.loads(store.read_text()) if store.exists() else []
     for layers in map(int, args.layers.split(",")):
         base = [sys.executable, __file__, str(args.out), "--depth", str(layers), "--accuracies", args.accuracies,
