@@ -262,12 +262,20 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _triton(args: argparse.Namespace) -> int:
+    from .triton.launch import HOST, find_wheel, install_hint, launch_commands
     from .triton.repository import TritonRepo, write_repository
 
-    write_repository(TritonRepo(out=args.out, artifacts=args.artifacts, engines=args.engines, model=args.model,
-                                head=args.head, backend=args.backend, providers=tuple(args.provider or ()),
-                                instances_per_gpu=args.instances_per_gpu, gpus=args.gpu, python_env=args.python_env,
-                                max_tokens=args.max_tokens), progress=_progress)
+    repo = write_repository(TritonRepo(out=args.out, artifacts=args.artifacts, engines=args.engines, model=args.model,
+                                       head=args.head, backend=args.backend, providers=tuple(args.provider or ()),
+                                       instances_per_gpu=args.instances_per_gpu, gpus=args.gpu,
+                                       python_env=args.python_env, max_tokens=args.max_tokens), progress=_progress)
+    wheel = find_wheel(args.python_env)
+    if wheel is None:
+        _progress(install_hint(args.python_env))
+        return 0
+    _progress(f"launch it on {HOST}:{args.port} with the tritonserver in {wheel.site} (the commands below, on stdout):")
+    print("\n".join(launch_commands(repo, wheel, args.port)))
+    _progress(f"then: curl -s http://{HOST}:{args.port}/v2/models/glance/generate -d '{{\"prompt\": \"Say hello.\"}}'")
     return 0
 
 
@@ -284,6 +292,9 @@ def _add_triton(sub) -> None:
     x.add_argument("--gpu", action="store_true", help="KIND_GPU instance groups (default KIND_CPU)")
     x.add_argument("--python-env", type=Path, help="virtual environment the stubs run in (EXECUTION_ENV_PATH)")
     x.add_argument("--max-tokens", type=int, default=1024, help="the largest max_tokens a request may ask for")
+    x.add_argument("--port", type=flags.between("--port", 1, 65533, "gRPC and metrics take the next two"),
+                   default=8000, help="the HTTP port in the printed launch commands (gRPC: +1, metrics: +2; "
+                   "default 8000)")
     x.set_defaults(func=_triton)
 
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Callable, NoReturn
 
+from .._version import __version__
 from ..defaults import AUTO, BRANCH_K
 from ..errors import GlanceError, check_stdout, machine_failure, silence_stdout
 from ..backends.registry import BACKENDS
@@ -94,7 +95,13 @@ def budget(text: str) -> int | str:
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse prints a usage block before its error; here it is one line that points at --help."""
+    """argparse prints a usage block before its error; here it is one line that points at --help. Every
+    command and subcommand answers --version with the toolkit's version."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                          help="print the toolkit's version and exit")
 
     def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: error: {message}; see {self.prog} --help", file=sys.stderr)

@@ -57,6 +57,25 @@ def check_tree(limits: ServeLimits, rows: int, budget: int | None = None) -> Non
                                                           if limits.exported else ""))
 
 
+def answer_rows(prompt_length: int, max_new_tokens: int) -> int:
+    """Context rows an answer of up to `max_new_tokens` can need: the prompt and every answer token but the
+    last, which is returned without being written back. A round's tree is cut to the rows left (`tree.fit`),
+    down to a plain greedy step, so speculation never needs more than greedy decoding does."""
+    return prompt_length + max_new_tokens - 1
+
+
+def check_context(prompt_length: int, max_new_tokens: int, max_context: int, fix: str) -> None:
+    """Refuse, before any work, a prompt whose answer could overflow the context, with speculation or without
+    (`fix`: what the caller's user can change)."""
+    if prompt_length > max_context:
+        raise LimitError(f"prompt longer than --max-context {max_context} ({prompt_length} rows); raise "
+                         "--max-context (max_context=) or shorten the prompt")
+    needed = answer_rows(prompt_length, max_new_tokens)
+    if needed > max_context:
+        raise LimitError(f"this needs up to {needed} context rows ({prompt_length} prompt + {max_new_tokens - 1} "
+                         f"answer tokens written back) but the model holds {max_context}; {fix}")
+
+
 def check_decode(limits: ServeLimits, cfg: DecodeConfig) -> None:
     """Refuse a fixed-budget config the backend cannot serve (auto sizes its trees within the limits)."""
     if not cfg.speculative or cfg.budget == 0:

@@ -238,6 +238,16 @@ class Service:
 
     # -- checks -----------------------------------------------------------------------------------------
 
+    def check_model(self, name: str) -> None:
+        """Only the served model exists here (404 in OpenAI's shape otherwise)."""
+        if name != self.name:
+            raise RequestError(f"the model {name!r} does not exist here; this server serves {self.name!r}", 404,
+                               param="model", code="model_not_found")
+
+    def card(self) -> dict[str, Any]:
+        """The served model as OpenAI's model object."""
+        return {"id": self.name, "object": "model", "created": 0, "owned_by": "glance"}
+
     def authorize(self, request: Request) -> None:
         key = self.config.api_key
         if key is None:
@@ -304,9 +314,7 @@ class Service:
         if not self.ready:
             raise RequestError("the model is still loading; retry when GET /health answers 200", 503,
                                code="loading", type="server_error", headers={"Retry-After": "1"})
-        if req.model != self.name:
-            raise RequestError(f"the model {req.model!r} does not exist here; this server serves {self.name!r}", 404,
-                               param="model", code="model_not_found")
+        self.check_model(req.model)
         if len(req.messages) > self.config.max_messages:
             raise RequestError(f"{len(req.messages)} messages is over this server's {self.config.max_messages}",
                                param="messages", code="too_many_messages")
@@ -496,8 +504,12 @@ def create_app(config: ServeConfig, progress: Callable[[str], None] = lambda _: 
 
     async def models(request: Request) -> JSONResponse:
         service.authorize(request)
-        return JSONResponse({"object": "list", "data": [{"id": service.name, "object": "model", "created": 0,
-                                                         "owned_by": "glance"}]})
+        return JSONResponse({"object": "list", "data": [service.card()]})
+
+    async def model(request: Request) -> JSONResponse:
+        service.authorize(request)
+        service.check_model(request.path_params["model"])
+        return JSONResponse(service.card())
 
     async def health(_request: Request) -> JSONResponse:
         if service.ready:
@@ -509,7 +521,8 @@ def create_app(config: ServeConfig, progress: Callable[[str], None] = lambda _: 
         return Response(service.metrics.text(), media_type="text/plain; version=0.0.4")
 
     routes = [Route("/v1/chat/completions", service.chat, methods=["POST"]),
-              Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
+              Route("/v1/models", models, methods=["GET"]), Route("/v1/models/{model:path}", model, methods=["GET"]),
+              Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"])]
     app = Starlette(routes=routes, middleware=[Middleware(Arrival)], lifespan=lifespan,
                     exception_handlers={RequestError: refused, HTTPException: http_error, Exception: internal})

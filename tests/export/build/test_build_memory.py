@@ -21,7 +21,7 @@ from glance_runtime.formats.artifacts import GraphFile
 from glance_export.build.precision import choose_precision
 from glance_export.build.tensorrt_build import BuildOptions, ShapeProfile, graph_job, run_job
 from glance_runtime.errors import GlanceError
-from test_onnx_export import export_once
+from support import export_once
 
 pytest.importorskip("tensorrt_rtx")
 RTX = load_profile("rtx")

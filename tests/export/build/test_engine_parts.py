@@ -25,7 +25,7 @@ from glance_runtime.backends.graph_chain import ChainGraph, Part
 from glance_runtime.store.integrity import verify_engines
 from glance_runtime.decode.loop import DecodeConfig, decode
 from glance_runtime.prompt.codec import exported_codec
-from test_onnx_export import export_once
+from support import export_once
 
 MAX_NEW = 20
 RTX = load_profile("rtx")

@@ -25,7 +25,7 @@ from glance_export.build.toolchain import Toolchain, check_opset, load_toolchain
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
 from glance_runtime.errors import GlanceError
 from glance_runtime.formats.artifacts import GraphFile, Manifest, Stack, read as load_manifest
-from test_onnx_export import export_once
+from support import export_once
 
 trt = pytest.importorskip("tensorrt_rtx")
 RTX = load_profile("rtx")

@@ -24,8 +24,7 @@ from glance_runtime.prompt.messages import user_turn
 from glance_runtime.prompt.prefix_reuse import Committed, image_runs, shared_rows
 from glance_runtime.prompt.rope_index import rope_index, video_grids
 from glance_runtime.prompt.video import DEFAULT_FPS, Video, VideoProcessorConfig, process_video, resize_frame
-from test_ort_backend import Exported
-from support import VL_FAMILIES, make_snapshot
+from support import VL_FAMILIES, Exported, make_snapshot
 
 MAX_NEW = 16
 VIDEO_BRANCH = "{% elif c['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
@@ -286,7 +285,7 @@ def test_follow_ups_about_videos_equal_fresh_decodes(backends, exported, images,
     """Turns that keep a video's rows (and then add an image and another video) decode what fresh decodes of
     the whole conversation do, on both backends, with seeded drafts accepting everything, part, or nothing."""
     from glance_export.model.torch_backend import greedy_reference
-    from test_kv_reuse import converse
+    from support import converse
 
     turns = [user_turn("What moves?", videos=[frames(3, seed=6)]), user_turn("Describe the image."),
              user_turn("What changed?", [images["tall"]], [{"video": frames(4, seed=7), "fps": 1.0}])]

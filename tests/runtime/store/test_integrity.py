@@ -20,7 +20,7 @@ from glance_runtime.store.integrity import Stamps, sha256, verify_engines, verif
 from glance_runtime.formats import artifacts as artifacts_format
 from glance_runtime.formats.artifacts import read as load_manifest
 from glance_runtime.backends.registry import exported_artifacts
-from test_onnx_export import export_once
+from support import export_once
 
 
 @pytest.fixture(scope="module")
