@@ -244,7 +244,7 @@ def test_engines_may_be_built_inside_their_bundle_and_nowhere_else_in_it(exporte
 
 def test_device_profiles_state_the_platform_facts():
     """The files in engines/ are the ones the installed package reads, and say what the platforms are."""
-    packaged = resources.files("glance_export").joinpath("profiles")
+    packaged = resources.files("glance_export.build").joinpath("profiles")
     engines = Path(__file__).resolve().parents[3] / "engines" / "profiles"
     assert sorted(p.name for p in engines.glob("*.json")) == sorted(f"{n}.json" for n in PROFILE_NAMES)
     assert all(packaged.joinpath(f"{n}.json").read_text() == (engines / f"{n}.json").read_text() for n in PROFILE_NAMES)
