@@ -16,7 +16,7 @@ from . import extensions
 from ..decode.backend import Backend, ServeLimits
 from ..store.cache import cache_root, file_lock
 from ..defaults import DEFAULT_ARTIFACTS
-from ..errors import GlanceError
+from ..errors import GlanceError, IntegrityError
 from ..formats.artifacts import VERSION as FORMAT_VERSION, Manifest, check_source, read as load_manifest
 
 BACKENDS = ("torch", "onnxruntime", "tensorrt")
@@ -96,13 +96,9 @@ def open_tensorrt(engines: Path, artifacts: Path | None = None, model: Path | No
     return _graph_runner(TrtBackend(engines, artifacts, **options), model)
 
 
-def exported_artifacts(model: Path, head: Path, progress: Callable[[str], None]) -> Path:
-    """Artifacts for (model, head) in the cache, exported on first use.
-
-    Keyed by file names, sizes and modification times (cheap even for multi-GB weights), the
-    toolkit version and the artifacts format; the manifest's own hashes still guard against a mismatched directory.
-    A lock file beside the entry makes concurrent first uses export once (the others wait, then reuse it),
-    and an entry that fails its manifest's checks (a damaged or half-deleted one) is exported again."""
+def export_cache_entry(model: Path, head: Path) -> Path:
+    """Where the cache keeps the export of (model, head): keyed by file names, sizes and modification times
+    (cheap even for multi-GB weights), the toolkit version and the artifacts format."""
     key = hashlib.sha256(f"{__version__}:{FORMAT_VERSION}".encode())
     for root in (Path(model), Path(head)):
         if not root.is_dir():
@@ -110,8 +106,20 @@ def exported_artifacts(model: Path, head: Path, progress: Callable[[str], None])
         for f in sorted(p for p in root.iterdir() if p.is_file()):
             stat = f.stat()
             key.update(f"{f.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    out = cache_root() / "onnx" / key.hexdigest()[:20]
+    return cache_root() / "onnx" / key.hexdigest()[:20]
+
+
+def exported_artifacts(model: Path, head: Path, progress: Callable[[str], None]) -> Path:
+    """Artifacts for (model, head) in the cache, exported on first use.
+
+    The manifest's own hashes guard against a mismatched directory. A lock file beside the entry makes
+    concurrent first uses export once (the others wait, then reuse it), and an entry that fails its
+    manifest's checks (a damaged or half-deleted one) is exported again."""
+    out = export_cache_entry(model, head)
     with file_lock(out.with_name(f"{out.name}.lock")):
+        if out.is_symlink() or (out.exists() and not out.is_dir()):
+            raise IntegrityError(f"cache entry {out} is not a directory (an export is one); remove it and run "
+                                 "again to export afresh")
         if out.exists():
             try:
                 load_manifest(out)
