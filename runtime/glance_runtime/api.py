@@ -29,11 +29,12 @@ import numpy as np
 
 from .defaults import AUTO, BRANCH_K, RUN_MAX_NEW_TOKENS as MAX_NEW_TOKENS, resolve
 from .errors import GlanceError, InputError, LimitError
+from .decode.limits import check_settings
 from .decode.loop import DecodeConfig, DecodeResult, RoundLog
 from .prompt.messages import ImageLike, VideoLike, conversation, user_turn
 from .prompt.prompt_builder import Prompt
 from .prompt.prefix_reuse import Committed, image_runs, shared_rows
-from .backends.registry import Runner
+from .backends.registry import BACKENDS, Runner
 from .decode.session import Session, Settings, Source, open_session
 from .prompt.text_stream import TextStream
 
@@ -317,7 +318,20 @@ def load(artifacts: str | Path | None = None, *, engines: str | Path | None = No
          progress: Callable[[str], None] | None = None) -> Model:
     """Open a model as `glance-run` would with the same flags: with nothing given, the embedded default on
     ONNX Runtime where installed. `budget`: "auto", a node count, or None for the command's default."""
+    check_settings(threads=threads, budget=budget, branch_k=branch_k, max_context=max_context, max_tree=max_tree)
+    if backend is not None and backend not in BACKENDS:
+        raise InputError(f"backend {backend!r:.40} is not one of {', '.join(BACKENDS)}; pass one of them or None")
+    if not isinstance(speculative, bool):
+        raise InputError(f"speculative must be True or False, got {speculative!r:.40}")
+    if provider is not None and not (isinstance(provider, str) or (
+            isinstance(provider, (list, tuple)) and all(isinstance(p, str) for p in provider))):
+        raise InputError("provider must be a string or a list of strings (ONNX Runtime execution providers)")
+    if progress is not None and not callable(progress):
+        raise InputError("progress must be a callable taking one line of text, or None")
     paths = {"model": model, "head": head, "artifacts": artifacts, "engines": engines}
+    for name, value in paths.items():
+        if value is not None and not isinstance(value, (str, Path)):
+            raise InputError(f"{name} must be a path (str or Path), got {type(value).__name__}")
     paths = {k: Path(v) if v is not None else None for k, v in paths.items()}
     for name, path in paths.items():
         if path is not None and not path.is_dir():

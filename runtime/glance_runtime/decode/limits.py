@@ -14,7 +14,7 @@ from typing import Callable
 
 from .backend import ServeLimits
 from ..defaults import AUTO
-from ..errors import LimitError
+from ..errors import InputError, LimitError
 from .loop import DecodeConfig
 
 
@@ -69,13 +69,53 @@ def integer(flag: str) -> Callable[[str], int]:
     return lambda text: _integer(flag, text)
 
 
+def _cpus() -> int:
+    return os.cpu_count() or 1
+
+
+def _threads_rule(name: str, value: int) -> str | None:
+    """Threads: 1 up to this machine's CPUs (more only oversubscribes them, and thousands exhaust it)."""
+    cpus = _cpus()
+    if 1 <= value <= cpus:
+        return None
+    return f"{name} {value} is outside 1..{cpus}, the CPUs of this machine; pass {name} 1..{cpus}"
+
+
 def threads(text: str) -> int:
-    """`--threads`: 1 up to this machine's CPUs (more only oversubscribes them)."""
-    value, cpus = _integer("--threads", text), os.cpu_count() or 1
-    if not 1 <= value <= cpus:
-        raise argparse.ArgumentTypeError(f"--threads {value} is outside 1..{cpus}, the CPUs of this machine; pass "
-                                         f"--threads 1..{cpus}")
+    """`--threads`: as `_threads_rule`."""
+    value = _integer("--threads", text)
+    if (problem := _threads_rule("--threads", value)) is not None:
+        raise argparse.ArgumentTypeError(problem)
     return value
+
+
+def whole(name: str, value: object, low: int, high: int | None = None, optional: bool = False) -> int | None:
+    """An integer setting passed in Python: a real int (not a bool, float or string) within its bounds."""
+    if value is None and optional:
+        return None
+    if type(value) is not int and not (hasattr(value, "__index__") and not isinstance(value, bool)):
+        raise InputError(f"{name} must be an integer, got {type(value).__name__} {value!r:.40}; pass {name}={low} "
+                         "or more" + (", or None" if optional else ""))
+    value = int(value.__index__())
+    if value < low or (high is not None and value > high):
+        bound = f"{low}..{high}" if high is not None else f">= {low}"
+        raise InputError(f"{name} must be {bound}, got {value}; pass {name} {bound}")
+    return value
+
+
+def check_settings(*, threads: object = None, budget: object = None, branch_k: object = 1,
+                   max_context: object = None, max_tree: object = None) -> None:
+    """The API's settings, refused by the rules the command-line flags follow (InputError, one line each)."""
+    value = whole("threads", threads, 1, optional=True)
+    if value is not None and (problem := _threads_rule("threads", value)) is not None:
+        raise InputError(problem)
+    whole("branch_k", branch_k, 1)
+    whole("max_context", max_context, 1, optional=True)
+    whole("max_tree", max_tree, 1, optional=True)
+    if budget is not None and budget != AUTO:
+        if isinstance(budget, str):
+            raise InputError(f"budget {budget!r:.40} is not a budget: pass \"auto\" or an integer >= 0")
+        whole("budget", budget, 0)
 
 
 def budget(text: str) -> int | str:

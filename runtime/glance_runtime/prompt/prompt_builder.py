@@ -24,11 +24,13 @@ from typing import Any, Sequence
 import numpy as np
 from PIL import Image, ImageOps
 
-from ..errors import GlanceError, InputError
+from ..errors import GlanceError, InputError, IntegrityError
+from ..formats.common import read_json, read_text
 from .messages import split
+from .processor_values import MAX_PIXELS, read_processor_config
 from .video import VIDEO_PLACEHOLDER, Video, VideoProcessorConfig, placeholder, process_video, seconds_per_grid
 
-MAX_IMAGE_PIXELS = 8192 * 8192
+MAX_IMAGE_PIXELS = MAX_PIXELS
 IMAGE_PLACEHOLDER = "<|image_pad|>"
 _RESAMPLE = {0: Image.Resampling.NEAREST, 1: Image.Resampling.LANCZOS, 2: Image.Resampling.BILINEAR,
              3: Image.Resampling.BICUBIC, 4: Image.Resampling.BOX, 5: Image.Resampling.HAMMING}
@@ -242,7 +244,8 @@ def _compiled(source: str):
     try:
         import jinja2
         import jinja2.ext
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        from .template_budget import BudgetedSandbox
     except ImportError:
         raise GlanceError("rendering the chat template needs jinja2: pip install 'jinja2>=3.1'") from None
 
@@ -253,14 +256,14 @@ def _compiled(source: str):
                sort_keys: bool = False) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = BudgetedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
                        namespace=jinja2.utils.Namespace)
     try:
         return env.from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as exc:
-        raise GlanceError(f"the chat template does not parse ({exc.message} at line {exc.lineno}); restore "
+        raise IntegrityError(f"the chat template does not parse ({exc.message} at line {exc.lineno}); restore "
                           "chat_template.jinja from the model's source") from None
 
 
@@ -273,26 +276,47 @@ class ChatTemplate:
 
     @classmethod
     def from_dir(cls, path: Path) -> "ChatTemplate":
-        """`chat_template.jinja` if present, else the template inside `tokenizer_config.json`."""
+        """`chat_template.jinja` if present, else the template inside `tokenizer_config.json`; rendered once on
+        a probe conversation, so a template that fails or runs past its budget is refused when loaded."""
         tok_cfg_path = path / "tokenizer_config.json"
-        tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.is_file() else {}
+        try:
+            tok_cfg = read_json(tok_cfg_path, "tokenizer config", "restore it from the model's source") \
+                if tok_cfg_path.is_file() else {}
+            jinja_file = path / "chat_template.jinja"
+            source = read_text(jinja_file, "chat template", "restore it from the model's source") \
+                if jinja_file.is_file() else tok_cfg.get("chat_template")
+        except GlanceError as exc:
+            raise IntegrityError(str(exc)) from None
         specials = {k: s for k, v in tok_cfg.items() if k.endswith("_token") and (s := _token_text(v)) is not None}
-        jinja_file = path / "chat_template.jinja"
-        source = jinja_file.read_text() if jinja_file.is_file() else tok_cfg.get("chat_template")
         if isinstance(source, list):  # named templates: [{"name": ..., "template": ...}]
-            source = next((t["template"] for t in source if t.get("name") == "default"), None)
-        if not source:
+            source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"),
+                          None)
+        if not source or not isinstance(source, str):
             raise GlanceError(f"{path} has no chat template; add chat_template.jinja to the snapshot")
-        return cls(source, specials)
+        template = cls(source, specials)
+        try:
+            template.render([{"role": "user", "content": "probe"}])
+        except InputError:  # a template may refuse a conversation; it only has to render within its budget
+            pass
+        return template
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The rendered prompt; a template that runs past its budget or fails inside is the model files' fault."""
         from jinja2.exceptions import TemplateError
 
+        from .template_budget import OverBudget, run_on_budget
+
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        **self.special_tokens)
+            return run_on_budget(lambda: self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                              **self.special_tokens))
         except TemplateError as exc:
-            raise GlanceError(f"the chat template rejected the prompt: {exc}") from None
+            raise InputError(f"the chat template rejected the prompt: {exc}") from None
+        except OverBudget as exc:
+            raise IntegrityError(f"the chat template ran past its budget ({exc}) rendering this prompt; restore "
+                                 "chat_template.jinja from the model's source") from None
+        except (RecursionError, ArithmeticError, TypeError, ValueError, LookupError, AttributeError) as exc:
+            raise IntegrityError(f"the chat template failed ({type(exc).__name__}: {str(exc)[:120]}); restore "
+                                 "chat_template.jinja from the model's source") from None
 
 
 class PromptBuilder:
@@ -310,16 +334,23 @@ class PromptBuilder:
         if image_token_id is not None and not (self.path / "preprocessor_config.json").is_file():
             raise GlanceError(f"{self.path} has no preprocessor_config.json; a vision model needs its image processor")
         self.template = ChatTemplate.from_dir(self.path)
+        if image_token_id is not None:
+            self.image_config  # checked now: a bad value is the model files' fault, found before any prompt
 
     @cached_property
     def tokenizer(self):
         from tokenizers import Tokenizer
 
-        return Tokenizer.from_file(str(self.path / "tokenizer.json"))
+        try:
+            return Tokenizer.from_file(str(self.path / "tokenizer.json"))
+        except Exception as exc:  # tokenizers' Rust errors share no base class short of Exception
+            reason = (str(exc).splitlines() or [type(exc).__name__])[0][:160]
+            raise IntegrityError(f"cannot load {self.path / 'tokenizer.json'} ({reason}); restore it from the "
+                                 "model's source") from None
 
     @cached_property
     def image_config(self) -> ImageProcessorConfig:
-        return ImageProcessorConfig.from_json(json.loads((self.path / "preprocessor_config.json").read_text()))
+        return ImageProcessorConfig.from_json(read_processor_config(self.path / "preprocessor_config.json"))
 
     @cached_property
     def video_config(self) -> VideoProcessorConfig:
@@ -334,6 +365,12 @@ class PromptBuilder:
         return int(token)
 
     def encode(self, text: str) -> np.ndarray:
+        """Token ids of rendered text: every prompt passes here, so text that is not Unicode is refused here."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InputError(f"the prompt holds a lone surrogate ({text[exc.start]!a} at character {exc.start}), which "
+                             "is not text; pass valid Unicode (decode bytes as UTF-8 first)") from None
         return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
 
     def decode(self, ids) -> str:
