@@ -339,6 +339,9 @@ def load(artifacts: str | Path | None = None, *, engines: str | Path | None = No
             raise InputError(f"{name}={str(path)!r} {state}; pass an existing directory")
     if paths["engines"] is not None and backend is None:
         backend = "tensorrt"  # engines are only ever served by TensorRT
+    if backend != "torch" and (paths["artifacts"] or paths["engines"]) and (paths["model"] or paths["head"]):
+        raise InputError("artifacts and engines already hold the model and its head, so model= and head= would be "
+                         "ignored; pass either model=/head= (exported on first use) or artifacts/engines")
     model_dir, head_dir, artifacts_dir, backend = resolve(paths["model"], paths["head"], paths["artifacts"], backend)
     if speculative and head_dir is None and backend == "torch":
         raise InputError("speculative decoding needs head=DIR (or pass speculative=False for plain greedy decoding)")

@@ -67,6 +67,11 @@ def check_applicable(args: argparse.Namespace, backend: str) -> None:
     if args.engines is not None and backend != "tensorrt":
         raise GlanceError(f"--engines is for --backend tensorrt, not {backend}; drop --engines or pass "
                           "--backend tensorrt")
+    if backend != "torch" and (args.artifacts is not None or args.engines is not None) and \
+            (args.model is not None or args.head is not None):
+        given = "--artifacts" if args.artifacts is not None else "--engines"
+        raise GlanceError(f"{given} already holds the model and its head, so --model and --head would be ignored; "
+                          f"drop --model/--head, or drop {given} to export them")
     if args.artifacts is not None and backend == "torch":
         raise GlanceError("--artifacts is for the onnxruntime and tensorrt backends; drop it or pick one of them")
     if backend == "torch" and (args.provider or args.threads is not None or args.max_context is not None
