@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 from PIL import Image
 
 import glance_runtime as gr
@@ -247,6 +248,31 @@ def test_bad_requests_get_their_4xx_in_openais_shape_and_the_server_stays_health
     assert error["code"] == code and error["message"] and "Traceback" not in r.text
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert ask(server, "Describe this.").choices[0].message.content == expected["Describe this."]["text"]
+
+
+TEXT = st.text(alphabet=st.one_of(st.characters(codec="utf-8"), st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF),
+                                  st.characters(max_codepoint=0x1F)), max_size=30)
+VALUES = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), TEXT),
+                      lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(TEXT, inner, max_size=3)),
+                      max_leaves=8)
+FIELDS = ["stop", "stream", "temperature", "top_p", "n", "seed", "user", "logprobs", "stream_options", "tools",
+          "response_format", "max_completion_tokens", "presence_penalty", "store", "metadata", "x"]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=TEXT, role=st.sampled_from(["user", "system", "assistant", "developer", "tool"]),
+       extra=st.dictionaries(st.sampled_from(FIELDS), VALUES, max_size=3), content=st.one_of(st.none(), VALUES))
+def test_any_request_is_answered_or_refused_in_openais_shape(server, text, role, extra, content):
+    """Arbitrary fields, values and text (lone surrogates, control characters): a 200 or a 4xx with OpenAI's
+    error body; never a 500."""
+    message = {"role": role, "content": text if content is None else content}
+    body = {**extra, "model": MODEL_NAME, "messages": [message, {"role": "user", "content": text}], "max_tokens": 1}
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=json.dumps(body).encode(), timeout=CLIENT_TIMEOUT_S,
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 200 or 400 <= r.status_code < 500, (r.status_code, r.text)
+    if r.status_code != 200:
+        error = r.json()["error"]
+        assert error["message"] and "\n" not in error["message"] and error["type"]
 
 
 @pytest.mark.parametrize("kind", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data", None])
