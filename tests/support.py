@@ -1,20 +1,44 @@
-"""Tiny random HF snapshots of every supported family, written as a user's snapshot would be.
+"""What the tests share: tiny random snapshots of every family, seeded images, live `glance-serve` processes,
+`--budget auto` policies that force what parity under auto must cover, and preludes that run code as an edge
+install would.
 
-Weights are re-drawn from a wide normal so that greedy output depends on the image and the
-context with margins far above fp32 noise (transformers' default init collapses to one token).
+Torch and transformers are imported inside the functions that build snapshots, so a test on an edge install
+(no torch) imports this module too; only the tests that build a snapshot need the export stack.
 """
 from __future__ import annotations
 
+import base64
+import contextlib
+import io
 import json
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
-import torch
 from PIL import Image
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
-from glance_export.train.tokenizer import CHAT_TEMPLATE  # the Qwen-style template of the default model
+from glance_runtime.cli.run import main as run_main
+from glance_runtime.decode.auto_budget import AutoBudget
+from glance_runtime.decode.calibration import Calibration
+from glance_runtime.decode.cost_profile import CostProfile, row_grid
+from glance_runtime.decode.loop import DecodeConfig, DecodeResult, decode
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---- Tiny random snapshots ----
+# Tiny random HF snapshots of every supported family, written as a user's snapshot would be.
+#
+# Weights are re-drawn from a wide normal so that greedy output depends on the image and the
+# context with margins far above fp32 noise (transformers' default init collapses to one token).
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
             "<|image_pad|>", "<|video_pad|>"]
@@ -27,6 +51,11 @@ CORPUS = ["What colour is the square? The square is red, green or blue.",
 
 
 def _tokenizer(out: Path) -> dict[str, int]:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from glance_export.train.tokenizer import CHAT_TEMPLATE  # the Qwen-style template of the default model
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -88,6 +117,7 @@ def make_snapshot(out: Path, family: str, layers: int = 4, seed: int = 0, std: f
                   tied: bool = False) -> Path:
     """Write a complete HF-format snapshot directory for a tiny random model of `family`; `tied` shares
     the embedding with the LM head, as Qwen2.5-VL-3B and Qwen3-VL-2B/4B do."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging
 
@@ -114,6 +144,7 @@ def make_wide_snapshot(out: Path, family: str, text: dict, vision: dict | None =
     as rope_parameters are merged), the tokenizer and processor stay the tiny model's, and weights are
     re-drawn at std 2/sqrt(hidden) so greedy output still depends on the context. For benchmarks at a
     real model's width; depth is text's num_hidden_layers."""
+    import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     snap = make_snapshot(out, family, layers=text.get("num_hidden_layers", 4), tied=tied)
@@ -142,6 +173,7 @@ def make_wide_snapshot(out: Path, family: str, text: dict, vision: dict | None =
 def make_mid_snapshot(out: Path, layers: int) -> tuple[Path, int]:
     """A qwen3 text model at hidden 1024, intermediate 4096 (about 60 MB of fp32 weights a layer), for tests
     of memory that must not grow with depth; returns it and its fp32 weight bytes."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     snap = make_snapshot(out, "qwen3", layers=layers)
@@ -165,3 +197,172 @@ def make_image(path: Path, width: int, height: int, seed: int) -> Path:
         arr[y0:y0 + height // 3, x0:x0 + width // 3] = rng.integers(0, 255, 3, dtype=np.uint8)
     Image.fromarray(arr).save(path)
     return Path(path)
+
+
+# ---- Running as an edge install ----
+# Run code the way a Jetson install would: no torch, transformers, safetensors or glance_export.
+
+def blocking(*packages: str) -> str:
+    """A prelude that makes importing any of `packages` (or their submodules) fail."""
+    return f"""
+import importlib.abc, sys
+
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {packages!r}:
+            raise ImportError(f"{{name}} is blocked: an edge install has no training stack")
+        return None
+
+sys.meta_path.insert(0, Blocker())
+"""
+
+
+BLOCK_TRAINING_STACK = blocking("torch", "transformers", "glance_export", "safetensors")
+# `glance-export build --artifacts` on a device: the toolkit's edge install plus TensorRT, no export stack.
+BLOCK_EXPORT_STACK = blocking("torch", "transformers", "safetensors", "onnx", "onnxscript", "polygraphy")
+
+
+# ---- Live servers ----
+# Live `glance-serve` processes on loopback ports for the server tests, and `glance-run`'s answers.
+
+RECEIPT = REPO / "examples" / "receipt" / "images" / "receipt_000.png"
+MODEL_NAME = "glance-vl-tiny"
+START_TIMEOUT_S = 120
+READY = re.compile(r"ready: .* on (http://\S+)")
+LISTENING = re.compile(r"listening on (http://[^;\s]+)")
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str
+    log: list[str] = field(default_factory=list)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+
+
+SERVE = BLOCK_TRAINING_STACK + "from glance_runtime.cli.serve import main; sys.exit(main(sys.argv[1:]))"
+
+
+def start_server(*args: str, timeout_s: float = START_TIMEOUT_S,
+                 on_listening: Callable[[str], None] | None = None) -> Server:
+    """`glance-serve --port 0 ARGS` as an edge install runs it (no torch, transformers or glance_export),
+    returned once it prints that it is ready."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", SERVE, "--port", "0", "--threads", "1", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    log: list[str] = []
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stderr, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not sel.select(timeout=max(deadline - time.monotonic(), 0)):
+            break
+        line = proc.stderr.readline()
+        if not line:
+            break
+        log.append(line.rstrip())
+        if on_listening and (match := LISTENING.search(line)):
+            on_listening(match.group(1))
+        if match := READY.search(line):
+            sel.close()
+            return Server(proc, match.group(1), log)
+    sel.close()
+    proc.kill()
+    proc.wait(timeout=30)
+    raise AssertionError("glance-serve did not become ready:\n" + "\n".join(log))
+
+
+def data_url(path: Path, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(Path(path).read_bytes()).decode()}"
+
+
+def user(text: str, image_url: str | None = None) -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": image_url}}] if image_url else []
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+def glance_run(prompt: str, image: Path | None = None, max_new_tokens: int | None = None) -> dict:
+    """`glance-run --json` in this process (same defaults, same cache)."""
+    argv = ["--prompt", prompt, "--json", "--threads", "1"]
+    argv += ["--image", str(image)] if image else []
+    argv += ["--max-new-tokens", str(max_new_tokens)] if max_new_tokens else []
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert run_main(argv) == 0
+    return json.loads(out.getvalue())
+
+
+# ---- Auto policies for parity ----
+# `--budget auto` policies that force what parity under auto must cover, on any backend and model.
+#
+# A measured profile and the shipped calibration would mostly draft and keep whole trees on these tiny
+# models, leaving skipped drafts and small cuts unexercised. These policies make both happen on purpose,
+# splitting rounds at the model's own median anchor surprisal, on the scale of that median (so about half
+# the rounds fall on each side, whatever the family, and whether the model is unsure or nearly certain):
+# - `skipping`: a sharp law (p near 1 below the split, near 0 above) with a draft that costs as much as a
+#   verify pass, so rounds above the split are plain greedy steps and rounds below draft a whole tree;
+# - `cutting`: no law (every round drafts) on a device where each row costs a quarter of the first, with
+#   node probabilities that fall as surprisal rises, so the cut ranges from every node down to none.
+# `check_mixed` fails a run that did not actually do what its policy was built to force.
+
+GRID = tuple(row_grid(64))
+SHARP = 12.0  # logistic slope per split of surprisal: p is 0.9 at 0.82 of the split and 0.1 at 1.18 of it
+
+
+def _profile(verify_ms: list[float], draft_ms: float) -> CostProfile:
+    return CostProfile(device="constructed for the parity tests", rows=GRID, verify_ms=tuple(verify_ms),
+                       draft_ms=draft_ms, repeats=1, measured_at="2026-01-01T00:00:00")
+
+
+FLAT = _profile([1.0 + 0.001 * r for r in GRID], draft_ms=1.0)  # a GPU-like verify, a draft as dear as a verify
+STEEP = _profile([0.75 + 0.25 * r for r in GRID], draft_ms=0.5)  # a CPU-like verify: a quarter of a row per row
+
+
+def median_surprisal(backend, prompt, max_new_tokens: int) -> float:
+    """The median anchor surprisal of a plain greedy decode: where the policies split rounds."""
+    rounds = decode(backend, prompt, DecodeConfig(max_new_tokens=max_new_tokens, speculative=False)).rounds
+    split = float(np.median([r.surprisal for r in rounds if r.surprisal is not None]))
+    assert split > 0, "half the anchors are certain: nothing to split rounds at"
+    return split
+
+
+def skipping(split: float, block_size: int, cost: CostProfile = FLAT, max_nodes: int = 63) -> AutoBudget:
+    """Skips the draft above the split, drafts (and keeps most of the tree) below it."""
+    return AutoBudget(cost, Calibration(law=(SHARP, SHARP / split)), max_nodes, block_size)
+
+
+def cutting(split: float, block_size: int, max_nodes: int = 63) -> AutoBudget:
+    """Always drafts; keeps many nodes well below the split, none well above it."""
+    return AutoBudget(STEEP, Calibration(a=8.0, b=1.0, c=-8.0 / split), max_nodes, block_size)
+
+
+def config(policy: AutoBudget, max_new_tokens: int, branch_k: int = 8) -> DecodeConfig:
+    return DecodeConfig(max_new_tokens=max_new_tokens, budget=policy.max_nodes, branch_k=branch_k, auto=policy)
+
+
+def check_mixed(result: DecodeResult, policy: str, seeded: bool) -> None:
+    """The run did what its policy forces: skipped and drafted rounds (`skipping`), or cuts of several sizes
+    (`cutting`; with the random head, some of none). With seeded drafts, which accept several tokens a round
+    and so visit fewer anchors, every round that verified a node must have accepted past the anchor."""
+    rounds = result.rounds[:-1]  # the last round may be cut short by max_new_tokens
+    drafted = [r for r in rounds if r.drafted]
+    assert all(r.tree_size == 1 and r.accepted == 1 for r in rounds if not r.drafted)
+    if policy == "skipping":
+        assert len(drafted) < len(rounds), "no round skipped the draft"
+        assert any(r.drafted for r in rounds[1:]), "no round after the first drafted"
+    else:
+        assert len(drafted) == len(rounds), "a round without a law skipped the draft"
+        sizes = {r.tree_size for r in drafted}
+        forced = len(sizes) >= 2 if seeded else (1 in sizes and len(sizes) >= 3)
+        assert forced, f"cuts of {sorted(sizes)} rows only"
+    if seeded:
+        assert all(r.accepted >= 2 for r in drafted if r.tree_size > 1), [(r.tree_size, r.accepted) for r in rounds]
+        assert max(r.accepted for r in rounds) > 2
