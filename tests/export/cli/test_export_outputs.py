@@ -12,7 +12,7 @@ from glance_export import cli
 from glance_export.build import local_gpu as devices
 from glance_export.build.local_gpu import BuildGpu
 from glance_runtime.defaults import DEFAULT_ARTIFACTS, DEFAULT_HEAD, DEFAULT_MODEL
-from output_guard import assert_kept, tree
+from support import assert_kept, tree
 
 REPO = Path(__file__).resolve().parents[3]
 TASKS = REPO / "examples" / "receipt" / "tasks.jsonl"

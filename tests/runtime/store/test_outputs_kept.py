@@ -10,7 +10,7 @@ import pytest
 
 from glance_runtime.cli.bench import main as bench_main
 from glance_runtime.store.atomic import atomic_directory, recover, write_file
-from output_guard import assert_kept, lookalikes, tree
+from support import assert_kept, lookalikes, tree
 
 pytestmark = pytest.mark.edge
 
