@@ -175,7 +175,9 @@ class Model:
              fix: str = ROOM_FIX) -> Output:
         cfg = self._config(max_new_tokens)
         self._check_room(prompt, cfg, fix)
-        text = TextStream(self._side.tokenizer, list(stop))
+        if on_piece is not None and not callable(on_piece):
+            raise InputError(f"on_text must be a callable taking each piece of text, got {type(on_piece).__name__}")
+        text = TextStream(self._side.tokenizer, [stop] if isinstance(stop, str) else list(stop))
         pieces: list[str] = []
         kept: list[int] = []
         stopped_by_caller = False

@@ -88,23 +88,23 @@ def check_image_path(path: str | Path) -> Path:
         mode = path.stat().st_mode
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise GlanceError(f"image {path} is a symbolic link loop; point it at an image file") from None
+            raise InputError(f"image {path} is a symbolic link loop; point it at an image file") from None
         if exc.errno == errno.ENOENT and path.is_symlink():
-            raise GlanceError(f"image {path} is a dangling symbolic link (to {os.readlink(path)}); point it at an "
+            raise InputError(f"image {path} is a dangling symbolic link (to {os.readlink(path)}); point it at an "
                               "existing image file") from None
         if exc.errno == errno.ENOENT:
-            raise GlanceError(f"image {path} does not exist; pass an existing image file") from None
+            raise InputError(f"image {path} does not exist; pass an existing image file") from None
         if exc.errno == errno.ENOTDIR:
-            raise GlanceError(f"image {path}: a part of the path is a file, not a directory; pass an existing "
+            raise InputError(f"image {path}: a part of the path is a file, not a directory; pass an existing "
                               "image file") from None
-        raise GlanceError(f"image {path} cannot be reached ({exc.strerror}); pass a readable image file") from None
+        raise InputError(f"image {path} cannot be reached ({exc.strerror}); pass a readable image file") from None
     kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
              (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
     for test, what in kinds:
         if test(mode):
-            raise GlanceError(f"image {path} is {what}, not an image file; pass an image file")
+            raise InputError(f"image {path} is {what}, not an image file; pass an image file")
     if not os.access(path, os.R_OK):
-        raise GlanceError(f"image {path} cannot be read (permission denied); make it readable or pass another file")
+        raise InputError(f"image {path} cannot be read (permission denied); make it readable or pass another file")
     return path
 
 
@@ -140,21 +140,21 @@ def load_image(path: str | Path) -> Image.Image:
         with Image.open(path) as img:
             width, height = img.size
             if width * height > MAX_IMAGE_PIXELS:
-                raise GlanceError(f"image {path} is {width}x{height}, larger than {MAX_IMAGE_PIXELS} pixels; "
+                raise InputError(f"image {path} is {width}x{height}, larger than {MAX_IMAGE_PIXELS} pixels; "
                                   "downscale it first")
             return to_rgb(img)
     except GlanceError:
         raise
     except Image.DecompressionBombError:
-        raise GlanceError(f"image {path} is absurdly large; downscale it first") from None
+        raise InputError(f"image {path} is absurdly large; downscale it first") from None
     except (OSError, ValueError, SyntaxError) as exc:
-        raise GlanceError(f"image {path} cannot be decoded ({exc}); pass a PNG, JPEG or other Pillow format") from None
+        raise InputError(f"image {path} cannot be decoded ({exc}); pass a PNG, JPEG or other Pillow format") from None
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """Nearest size with both sides multiples of `factor` and area within [min_pixels, max_pixels]."""
     if max(height, width) / min(height, width) > 200:
-        raise GlanceError(f"image aspect ratio {max(height, width) / min(height, width):.0f}:1 is over 200:1; "
+        raise InputError(f"image aspect ratio {max(height, width) / min(height, width):.0f}:1 is over 200:1; "
                           "crop it first")
     h = round(height / factor) * factor
     w = round(width / factor) * factor
@@ -217,7 +217,7 @@ def process_image(image: Image.Image, cfg: ImageProcessorConfig) -> tuple[np.nda
         height, width = smart_resize(height, width, p * m, cfg.min_pixels, cfg.max_pixels)
         rgb = rgb.resize((width, height), resample=_RESAMPLE[cfg.resample])
     elif height % (p * m) or width % (p * m):
-        raise GlanceError(f"with do_resize false the image must be a multiple of {p * m} px; got {width}x{height}")
+        raise InputError(f"with do_resize false the image must be a multiple of {p * m} px; got {width}x{height}")
     pixels = np.asarray(rgb).astype(np.float64)
     pixels = (pixels * cfg.rescale_factor if cfg.do_rescale else pixels).astype(np.float32)
     if cfg.do_normalize:
@@ -292,7 +292,7 @@ class ChatTemplate:
             source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"),
                           None)
         if not source or not isinstance(source, str):
-            raise GlanceError(f"{path} has no chat template; add chat_template.jinja to the snapshot")
+            raise IntegrityError(f"{path} has no chat template; add chat_template.jinja to the snapshot")
         template = cls(source, specials)
         try:
             template.render([{"role": "user", "content": "probe"}])
@@ -329,10 +329,10 @@ class PromptBuilder:
         self.path = Path(files_dir)
         self.family = family
         if not (self.path / "tokenizer.json").is_file():
-            raise GlanceError(f"{self.path} has no tokenizer.json; the torch-free runtime needs the fast tokenizer file")
+            raise IntegrityError(f"{self.path} has no tokenizer.json; the torch-free runtime needs the fast tokenizer file")
         self.image_token_id = image_token_id
         if image_token_id is not None and not (self.path / "preprocessor_config.json").is_file():
-            raise GlanceError(f"{self.path} has no preprocessor_config.json; a vision model needs its image processor")
+            raise IntegrityError(f"{self.path} has no preprocessor_config.json; a vision model needs its image processor")
         self.template = ChatTemplate.from_dir(self.path)
         if image_token_id is not None:
             self.image_config  # checked now: a bad value is the model files' fault, found before any prompt
@@ -360,7 +360,7 @@ class PromptBuilder:
     def video_token_id(self) -> int:
         token = self.tokenizer.token_to_id(VIDEO_PLACEHOLDER)
         if token is None:
-            raise GlanceError(f"the tokenizer in {self.path} has no {VIDEO_PLACEHOLDER} token; this model cannot "
+            raise InputError(f"the tokenizer in {self.path} has no {VIDEO_PLACEHOLDER} token; this model cannot "
                               "take video")
         return int(token)
 
@@ -380,20 +380,20 @@ class PromptBuilder:
     def build(self, text: str, image: str | Path | Image.Image | None = None) -> Prompt:
         """Render one user turn with the snapshot's chat template; expand the image placeholder."""
         if image is not None and self.image_token_id is None:
-            raise GlanceError(f"the model in {self.path} is text-only; drop --image")
+            raise InputError(f"the model in {self.path} is text-only; drop --image")
         content: list[dict[str, str]] = [{"type": "image"}] if image is not None else []
         content.append({"type": "text", "text": text})
         rendered = self.template.render([{"role": "user", "content": content}])
         if image is None:
             return Prompt(self.encode(rendered))
         if rendered.count(IMAGE_PLACEHOLDER) != 1:
-            raise GlanceError(f"the chat template in {self.path} must emit exactly one {IMAGE_PLACEHOLDER} per image")
+            raise IntegrityError(f"the chat template in {self.path} must emit exactly one {IMAGE_PLACEHOLDER} per image")
         pil = to_rgb(image) if isinstance(image, Image.Image) else load_image(image)
         pixel_values, grid = process_image(pil, self.image_config)
         n_tokens = int(grid[0].prod()) // self.image_config.merge_size ** 2
         ids = self.encode(rendered.replace(IMAGE_PLACEHOLDER, IMAGE_PLACEHOLDER * n_tokens))
         if int((ids == self.image_token_id).sum()) != n_tokens:
-            raise GlanceError(f"the tokenizer in {self.path} does not map {IMAGE_PLACEHOLDER} to image_token_id "
+            raise IntegrityError(f"the tokenizer in {self.path} does not map {IMAGE_PLACEHOLDER} to image_token_id "
                               f"{self.image_token_id}")
         return Prompt(ids, pixel_values, grid)
 
@@ -410,10 +410,10 @@ class PromptBuilder:
         video_fields, video_texts = processed_videos(videos, self.video_config) if videos else ({}, [])
         ids = self.encode(expand_placeholders(rendered, [IMAGE_PLACEHOLDER * n for n in counts], video_texts))
         if images and int((ids == self.image_token_id).sum()) != sum(counts):
-            raise GlanceError(f"the tokenizer in {self.path} does not map {IMAGE_PLACEHOLDER} to image_token_id "
+            raise IntegrityError(f"the tokenizer in {self.path} does not map {IMAGE_PLACEHOLDER} to image_token_id "
                               f"{self.image_token_id}")
         if videos and int((ids == self.video_token_id).sum()) != sum(t.count(VIDEO_PLACEHOLDER) for t in video_texts):
-            raise GlanceError(f"the tokenizer in {self.path} does not keep {VIDEO_PLACEHOLDER} as one token")
+            raise IntegrityError(f"the tokenizer in {self.path} does not keep {VIDEO_PLACEHOLDER} as one token")
         if videos:
             video_fields["video_token_id"] = self.video_token_id
         if not images:
