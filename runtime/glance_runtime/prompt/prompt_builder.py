@@ -304,17 +304,18 @@ class ChatTemplate:
         """The rendered prompt; a template that runs past its budget or fails inside is the model files' fault."""
         from jinja2.exceptions import TemplateError
 
-        from .template_budget import OverBudget, run_on_budget
+        from .template_budget import OverBudget, render_on_budget
 
         try:
-            return run_on_budget(lambda: self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                              **self.special_tokens))
+            return render_on_budget(lambda: self.template.generate(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens))
         except TemplateError as exc:
             raise InputError(f"the chat template rejected the prompt: {exc}") from None
         except OverBudget as exc:
             raise IntegrityError(f"the chat template ran past its budget ({exc}) rendering this prompt; restore "
                                  "chat_template.jinja from the model's source") from None
-        except (RecursionError, ArithmeticError, TypeError, ValueError, LookupError, AttributeError) as exc:
+        except (RecursionError, MemoryError, ArithmeticError, TypeError, ValueError, LookupError,
+                AttributeError) as exc:
             raise IntegrityError(f"the chat template failed ({type(exc).__name__}: {str(exc)[:120]}); restore "
                                  "chat_template.jinja from the model's source") from None
 
