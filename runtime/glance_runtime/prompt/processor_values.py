@@ -17,13 +17,14 @@ FIX = "restore it from the model's source"
 INTEGERS = {"patch_size": (1, 1024), "temporal_patch_size": (1, 64), "merge_size": (1, 64),
             "min_pixels": (1, MAX_PIXELS), "max_pixels": (1, MAX_PIXELS), "max_video_tokens": (1, 1 << 24),
             "resample": (RESAMPLE_FILTERS.start, RESAMPLE_FILTERS.stop - 1)}
+OPTIONAL = ("min_pixels", "max_pixels")  # null: taken from `size`, as transformers reads them
 FLAGS = ("do_resize", "do_rescale", "do_normalize", "cap_pixels_per_frame")
 
 
 def _numbers(raw: dict[str, Any], key: str, nonzero: bool) -> None:
-    value = raw.get(key)
-    if value is None:
+    if key not in raw:
         return
+    value = raw[key]
     values = value if isinstance(value, list) else [value]
     if len(values) not in (1, 3) or any(type(v) not in (int, float) or not math.isfinite(v) or (nonzero and v == 0)
                                         for v in values):
@@ -35,8 +36,8 @@ def check_values(raw: Any) -> dict[str, Any]:
     """`raw` if every value that shapes pixels is in range; Invalid naming the first that is not."""
     if not isinstance(raw, dict):
         raise Invalid("it holds no JSON object")
-    for key, (low, high) in INTEGERS.items():
-        if raw.get(key) is not None:
+    for key, (low, high) in INTEGERS.items():  # present means set: null is no value (bar the pixel bounds)
+        if key in raw and not (raw[key] is None and key in OPTIONAL):
             check_int(raw[key], key, low, high)
     size = raw.get("size")
     if size is not None:
@@ -46,7 +47,7 @@ def check_values(raw: Any) -> dict[str, Any]:
             if size.get(key) is not None:
                 check_int(size[key], f"size.{key}", 1, MAX_PIXELS)
     for key in FLAGS:
-        if raw.get(key) is not None and type(raw[key]) is not bool:
+        if key in raw and type(raw[key]) is not bool:
             raise Invalid(f"{key} is {raw[key]!r:.40}; it must be true or false")
     _numbers(raw, "image_mean", nonzero=False)
     _numbers(raw, "image_std", nonzero=True)
