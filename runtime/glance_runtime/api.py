@@ -321,6 +321,9 @@ def load(artifacts: str | Path | None = None, *, engines: str | Path | None = No
     """Open a model as `glance-run` would with the same flags: with nothing given, the embedded default on
     ONNX Runtime where installed. `budget`: "auto", a node count, or None for the command's default."""
     check_settings(threads=threads, budget=budget, branch_k=branch_k, max_context=max_context, max_tree=max_tree)
+    threads, branch_k, max_context, max_tree = (None if v is None else int(v)  # numpy integers as plain ints
+                                                for v in (threads, branch_k, max_context, max_tree))
+    budget = budget if budget is None or isinstance(budget, str) else int(budget)
     if backend is not None and backend not in BACKENDS:
         raise InputError(f"backend {backend!r:.40} is not one of {', '.join(BACKENDS)}; pass one of them or None")
     if not isinstance(speculative, bool):

@@ -110,8 +110,9 @@ def check_settings(*, threads: object = None, budget: object = None, branch_k: o
     if value is not None and (problem := _threads_rule("threads", value)) is not None:
         raise InputError(problem)
     whole("branch_k", branch_k, 1)
-    whole("max_context", max_context, 1, optional=True)
-    whole("max_tree", max_tree, 1, optional=True)
+    for name, value in (("max_context", max_context), ("max_tree", max_tree)):  # ranged by `runtime_limit`
+        if value is not None and (isinstance(value, bool) or not hasattr(type(value), "__index__")):
+            raise InputError(f"{name} must be an integer or None, got {type(value).__name__} {value!r:.40}")
     if budget is not None and budget != AUTO:
         if isinstance(budget, str):
             raise InputError(f"budget {budget!r:.40} is not a budget: pass \"auto\" or an integer >= 0")
