@@ -31,9 +31,11 @@ from glance_runtime.decode.loop import DecodeConfig, DecodeResult, decode
 def open_backend(args):
     if args.backend == "onnxruntime":
         from glance_runtime.backends.ort_backend import OrtBackend
+        from glance_runtime.prompt.codec import exported_codec
 
         backend = OrtBackend(args.artifacts, providers=args.provider, threads=args.threads)
-        return backend, backend.build_prompt, backend.stop_token_ids, backend.time_graphs()
+        codec = exported_codec(backend.manifest)
+        return backend, codec.turn, codec.stop_ids, backend.time_graphs()
     from glance_export.model.adapters import Snapshot
     from glance_export.model.head import load_head
     from glance_export.model.torch_backend import TorchBackend

@@ -33,7 +33,9 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "runtime"), str(ROOT)]
 
 from glance_export.build.targets import load_profile  # noqa: E402
 from glance_export.build.engine_parts import cut_budget  # noqa: E402
-from glance_export.build.memory_plan import CONTEXT_STEP, Budget, BuildPeak, maps_weights, part_budget_gib  # noqa: E402
+from glance_export.build.memory_plan import (CONTEXT_STEP, Budget, BuildPeak, graph_bytes, maps_weights,  # noqa: E402
+                                             part_budget_gib)
+from glance_runtime.formats.artifacts import read as load_manifest  # noqa: E402
 from glance_export.onnx.export import EXTERNAL_DATA_BYTES  # noqa: E402
 from real_configs import PUBLISHED, checkpoint_tensors, skeleton, write_snapshot  # noqa: E402
 
@@ -53,12 +55,6 @@ def run(cmd: list[str], env: dict[str, str] | None = None, log: Path | None = No
 
 def _bytes(paths) -> int:
     return sum(p.stat().st_size for p in paths)
-
-
-def graph_bytes(artifacts: Path) -> dict[str, int]:
-    manifest = json.loads((artifacts / "manifest.json").read_text())
-    return {g: _bytes(artifacts / f for f in (e["file"], e.get("data_file")) if f)
-            for g, e in manifest["graphs"].items()}
 
 
 def snapshot(out: Path, model: str, depth: int | None, vision_depth: int | None) -> Path:
@@ -87,11 +83,12 @@ from glance_runtime.backends.host_room import cpu_load_bytes
 from glance_runtime.backends.ort_backend import OrtBackend
 from glance_runtime.bench.task_prompts import read_bench_tasks
 from glance_runtime.decode.loop import DecodeConfig, decode
+from glance_runtime.prompt.codec import exported_codec
 
 backend = OrtBackend(sys.argv[1], threads=2)
 runs = {"estimate_gib": round(cpu_load_bytes(backend.manifest, backend.max_context) / 2 ** 30, 2)}
 task = read_bench_tasks([Path(sys.argv[2])], 1)[0]
-prompt = backend.build_prompt(task.prompt, task.image)
+prompt = exported_codec(backend.manifest).turn(task.prompt, task.image)
 for mode, speculative in (("ar", False), ("glance", True)):
     t0 = time.perf_counter()
     runs[mode] = decode(backend, prompt, DecodeConfig(max_new_tokens=8, budget=15, speculative=speculative)).tokens
@@ -125,7 +122,7 @@ def one_row(args, model: str, depth: int | None, dtype: str) -> dict:
                          "--dtype", dtype, "--max-context", str(MAX_CONTEXT), "--max-tree", str(MAX_TREE)],
                         env=_env(), log=work / "export.log")
     if row["export"]["rc"] == 0 and (work / "art" / "manifest.json").is_file():
-        graphs = graph_bytes(work / "art")
+        graphs = graph_bytes(work / "art", load_manifest(work / "art").graphs)
         row["graphs_gib"] = {g: round(b / GIB, 3) for g, b in graphs.items()}
         row["export"]["bound_gib"] = round(0.5 * sum(graphs.values()) / GIB + 3, 2)
         print(f"[{snap.name} {dtype}] onnx checker ...", flush=True)

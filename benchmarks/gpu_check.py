@@ -213,7 +213,7 @@ def tensorrt_backend(module: str, artifacts: Path, out: Path, parts: int = 1):
         target = "rtx" if module == "tensorrt_rtx" else "datacenter"
         part_gib = None
         if parts > 1:
-            part_gib = graph_bytes(artifacts, load_manifest(artifacts).raw)["target"] / parts / GIB
+            part_gib = graph_bytes(artifacts, load_manifest(artifacts).graphs)["target"] / parts / GIB
         build(BuildRequest(target, out, artifacts=artifacts, max_part_gib=part_gib), probe_device(),
               progress=lambda _: None)
     backend = TrtBackend(out, artifacts)

@@ -29,22 +29,14 @@ def make_target(out: Path, hidden: int, layers: int, vocab: int, tied: bool) -> 
     return make_wide_snapshot(out, "qwen2_5_vl", text, tied=tied)
 
 
-def graph_bytes(artifacts: Path) -> dict[str, int]:
-    manifest = json.loads((artifacts / "manifest.json").read_text())
-    sizes = {}
-    for name, entry in manifest["graphs"].items():
-        files = [entry["file"]] + ([entry["data_file"]] if entry.get("data_file") else [])
-        sizes[name] = sum((artifacts / f).stat().st_size for f in files)
-    return sizes
-
-
 def time_rounds(artifacts: Path, rounds: int, threads: int) -> dict[str, float]:
     """ms per round of GLANCE (budget 15) and ms per token of AR on ONNX Runtime CPU, prefill excluded."""
     from glance_runtime.backends.ort_backend import OrtBackend
     from glance_runtime.decode.loop import DecodeConfig, decode
+    from glance_runtime.prompt.codec import exported_codec
 
     backend = OrtBackend(artifacts, threads=threads)
-    prompt = backend.build_prompt("Describe the image. How many circles are there?", None)
+    prompt = exported_codec(backend.manifest).turn("Describe the image. How many circles are there?")
     out = {}
     for mode, cfg in (("glance_ms_per_round", DecodeConfig(max_new_tokens=rounds, budget=15)),
                       ("ar_ms_per_token", DecodeConfig(max_new_tokens=rounds, speculative=False))):
@@ -66,7 +58,9 @@ def main() -> None:
 
     from glance_export.model.adapters import Snapshot
     from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
+    from glance_export.build.memory_plan import graph_bytes
     from glance_export.onnx import export_artifacts
+    from glance_runtime.formats.artifacts import read as load_manifest
 
     report = {}
     for tied in (True, False):
@@ -82,7 +76,7 @@ def main() -> None:
                                      progress=lambda line: print(f"[{name}] {line}", flush=True))
         weights = sum(p.stat().st_size for p in snap.glob("*.safetensors"))
         head = (head_dir / "model.safetensors").stat().st_size
-        graphs = graph_bytes(artifacts)
+        graphs = graph_bytes(artifacts, load_manifest(artifacts).graphs)
         report[name] = {"target_safetensors": weights, "head_safetensors": head, "graphs": graphs,
                         "graphs_total": sum(graphs.values()),
                         "ratio": round(sum(graphs.values()) / (weights + head), 3),

@@ -49,13 +49,13 @@ def export_all(model: Path, head: Path, out: Path, group: int) -> dict[str, Path
 
 def graph_bytes(artifacts: Path) -> dict[str, int]:
     """ONNX Runtime files per graph (graph + external data) and the TensorRT form's total."""
-    manifest = json.loads((artifacts / "manifest.json").read_text())
-    sizes = {name: sum((artifacts / f).stat().st_size for f in (e["file"], e.get("data_file")) if f)
-             for name, e in manifest["graphs"].items()}
-    q = manifest.get("quantization") or {}
-    sizes["tensorrt_form"] = sum((artifacts / f).stat().st_size for e in q.get("graphs", {}).values()
-                                 for f in (e["tensorrt_file"], e["tensorrt_data_file"]) if f)
-    return sizes
+    from glance_export.build.memory_plan import graph_bytes as per_graph
+    from glance_runtime.formats.artifacts import read as load_manifest
+
+    manifest = load_manifest(artifacts)
+    q = manifest.quantization
+    return {**per_graph(artifacts, manifest.graphs),
+            "tensorrt_form": sum(per_graph(artifacts, q.tensorrt_graphs).values()) if q else 0}
 
 
 def _exact(runner, tokens: list[int], answers: list[str]) -> bool:
@@ -73,9 +73,9 @@ def _peak_rss_mb() -> float:
 def measure(artifacts: Path, tasks: Path | None, threads: int, samples: int, max_new: int, budget: int) -> dict:
     """Runs in a child process: one session, interleaved AR/GLANCE samples per prompt, accuracy, peak RSS."""
     from glance_runtime.decode.loop import DecodeConfig, decode
-    from glance_runtime.backends.registry import open_runner
+    from glance_runtime.backends.registry import Source, open_session
 
-    runner = open_runner("onnxruntime", artifacts=artifacts, threads=threads)
+    runner = open_session(Source("onnxruntime", artifacts=artifacts, threads=threads))
     if tasks is None:
         rows = [{"prompt": p, "image": None} for p in REAL_PROMPTS]
     else:
@@ -85,7 +85,7 @@ def measure(artifacts: Path, tasks: Path | None, threads: int, samples: int, max
     spec_cfg = DecodeConfig(max_new_tokens=max_new, budget=budget, branch_k=8)
     ar_ms, spec_ms, accepted, rounds, outputs, correct = [], [], 0, 0, [], {}
     for i, row in enumerate(rows):
-        prompt = runner.build_prompt(row["prompt"], row["image"])
+        prompt = runner.prompt(row["prompt"], row["image"])
         truth = decode(runner.backend, prompt, ar_cfg, runner.stop_ids).tokens
         outputs.append(truth)
         if "answers" in row:

@@ -72,9 +72,11 @@ def cut(published: dict, layers: int, vision_depth: int) -> tuple[dict, dict]:
 def stage_build(out: Path, name: str, layers: int, vision_depth: int) -> dict:
     from safetensors import safe_open
 
+    from glance_export.build.memory_plan import graph_bytes
     from glance_export.model.adapters import Snapshot
     from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
     from glance_export.onnx import export_artifacts
+    from glance_runtime.formats.artifacts import read as load_manifest
     from support import make_wide_snapshot
 
     published = PUBLISHED[name]
@@ -91,11 +93,7 @@ def stage_build(out: Path, name: str, layers: int, vision_depth: int) -> dict:
     t0 = time.perf_counter()
     artifacts = export_artifacts(snap, head_dir, out / "artifacts", max_tree=64, max_context=512,
                                  progress=lambda line: print(f"[{name}] {line}", file=sys.stderr, flush=True))
-    manifest = json.loads((artifacts / "manifest.json").read_text())
-    graphs = {}
-    for graph, entry in manifest["graphs"].items():
-        files = [entry["file"]] + ([entry["data_file"]] if entry.get("data_file") else [])
-        graphs[graph] = sum((artifacts / f).stat().st_size for f in files)
+    graphs = graph_bytes(artifacts, load_manifest(artifacts).graphs)
     return {"text_config": text, "vision_config": vision, "target_parameters": params,
             "target_safetensors_bytes": sum(p.stat().st_size for p in snap.glob("*.safetensors")),
             "head_safetensors_bytes": (head_dir / "model.safetensors").stat().st_size,
@@ -141,10 +139,12 @@ def stage_ort_tokens(out: Path, n: int, max_new_tokens: int, threads: int) -> di
     from glance_runtime.backends.ort_backend import OrtBackend
     from glance_runtime.bench.task_prompts import read_bench_tasks
     from glance_runtime.decode.loop import DecodeConfig, decode
+    from glance_runtime.prompt.codec import exported_codec
 
     backend = OrtBackend(out / "artifacts", threads=threads)
+    codec = exported_codec(backend.manifest)
     cfg = DecodeConfig(max_new_tokens=max_new_tokens, speculative=False)
-    return {"tokens": [decode(backend, backend.build_prompt(t.prompt, t.image), cfg).tokens
+    return {"tokens": [decode(backend, codec.turn(t.prompt, t.image), cfg).tokens
                        for t in read_bench_tasks([TASKS], n)]}
 
 

@@ -1,4 +1,4 @@
-"""Long runs: many consecutive prompts through one `Runner` keep memory flat and every answer equal
+"""Long runs: many consecutive prompts through one `Session` keep memory flat and every answer equal
 to a fresh runner's (on the embedded default model unless told otherwise).
 
     python benchmarks/soak.py                                   # 1,000 prompts, each backend here
@@ -21,7 +21,8 @@ from pathlib import Path
 from glance_runtime.bench.task_prompts import BenchTask, read_bench_tasks
 from glance_runtime.defaults import resolve
 from glance_runtime.decode.loop import DecodeConfig, decode
-from glance_runtime.backends.registry import BACKENDS, Runner, open_runner
+from glance_runtime.backends.registry import BACKENDS, Source, open_session
+from glance_runtime.decode.session import Session
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 KINDS = ("receipt", "chart", "scene", "caption")
@@ -40,14 +41,14 @@ def held_out(distinct: int) -> list[BenchTask]:
     return mixed[:distinct]
 
 
-def open_default(backend: str, threads: int | None = None) -> Runner:
+def open_default(backend: str, threads: int | None = None) -> Session:
     model, head, artifacts, backend = resolve(None, None, None, backend)
-    options = {"threads": threads} if backend == "onnxruntime" else {}
-    return open_runner(backend, model=model, head=head, artifacts=artifacts, **options)
+    return open_session(Source(backend, model=model, head=head, artifacts=artifacts,
+                               threads=threads if backend == "onnxruntime" else None))
 
 
-def answer(runner: Runner, task: BenchTask, cfg: DecodeConfig) -> list[int]:
-    return decode(runner.backend, runner.build_prompt(task.prompt, task.image), cfg, runner.stop_ids).tokens
+def answer(session: Session, task: BenchTask, cfg: DecodeConfig) -> list[int]:
+    return decode(session.backend, session.prompt(task.prompt, task.image), cfg, session.stop_ids).tokens
 
 
 def soak(backend: str, prompts: int, distinct: int = 80, max_new_tokens: int = 32, threads: int | None = None,

@@ -6,20 +6,21 @@ import json
 import sys
 from pathlib import Path
 
-from glance_runtime.decode import limits
+from glance_runtime.cli import flags
 from glance_runtime.cli.flags import OneLineParser, decode_flags, guarded, runner_flags, source
 from glance_runtime.defaults import BRANCH_K, BUDGET, MEASURE_MAX_NEW_TOKENS, default_model, resolve
 from glance_runtime.errors import GlanceError
 from glance_runtime.backends.registry import BACKENDS
-from glance_runtime.decode.session import Settings, open_session
+from glance_runtime.backends.registry import open_session
+from glance_runtime.decode.session import Settings
 
 from .build.targets import PROFILE_NAMES
 
 # Upper bounds of sizes that would otherwise run until stopped or exhaust the machine.
-HEAD_LAYERS = limits.between("--layers", 1, 64, "a draft head has a few layers; 64 is deeper than any target")
-BLOCK_SIZE = limits.between("--block-size", 2, 64, "the anchor plus up to 63 drafted offsets")
-STEPS = limits.between("--steps", 1, 10_000_000, "optimizer steps")
-BATCH = limits.between("--batch", 1, 4096, "sequences held in memory at once")
+HEAD_LAYERS = flags.between("--layers", 1, 64, "a draft head has a few layers; 64 is deeper than any target")
+BLOCK_SIZE = flags.between("--block-size", 2, 64, "the anchor plus up to 63 drafted offsets")
+STEPS = flags.between("--steps", 1, 10_000_000, "optimizer steps")
+BATCH = flags.between("--batch", 1, 4096, "sequences held in memory at once")
 MAX_TASKS = 1_000_000
 GROUP_SIZE = 128
 from .build.precision import PRECISIONS
@@ -129,11 +130,11 @@ def _audit_reference(args: argparse.Namespace) -> int:
     max_new = ref.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
     session = open_session(source(args, backend, model=model if backend == "torch" else None, head=head,
                                   artifacts=artifacts), _audit_settings(args, max_new), _progress)
-    manifest = session.runner.backend.info.manifest
+    manifest = session.backend.info.manifest
     source_record, where = (manifest.source, str(manifest.path)) if manifest is not None \
         else (model_source(model), str(model))
     check_reference(ref, args.reference, source=source_record, where=where, tasks=tasks, tasks_path=args.data,
-                    stop_ids=session.runner.stop_ids, max_new_tokens=max_new)
+                    stop_ids=session.stop_ids, max_new_tokens=max_new)
     report = audit_against_reference(session, ref, args.reference, tasks, progress=_progress)
     print(json.dumps(report, indent=2) if args.json else "\n".join(summary(report)))
     return 0 if report["passed"] else 1
@@ -262,12 +263,20 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _triton(args: argparse.Namespace) -> int:
+    from .triton.launch import HOST, find_wheel, install_hint, launch_commands
     from .triton.repository import TritonRepo, write_repository
 
-    write_repository(TritonRepo(out=args.out, artifacts=args.artifacts, engines=args.engines, model=args.model,
-                                head=args.head, backend=args.backend, providers=tuple(args.provider or ()),
-                                instances_per_gpu=args.instances_per_gpu, gpus=args.gpu, python_env=args.python_env,
-                                max_tokens=args.max_tokens), progress=_progress)
+    repo = write_repository(TritonRepo(out=args.out, artifacts=args.artifacts, engines=args.engines, model=args.model,
+                                       head=args.head, backend=args.backend, providers=tuple(args.provider or ()),
+                                       instances_per_gpu=args.instances_per_gpu, gpus=args.gpu,
+                                       python_env=args.python_env, max_tokens=args.max_tokens), progress=_progress)
+    wheel = find_wheel(args.python_env)
+    if wheel is None:
+        _progress(install_hint(args.python_env))
+        return 0
+    _progress(f"launch it on {HOST}:{args.port} with the tritonserver in {wheel.site} (the commands below, on stdout):")
+    print("\n".join(launch_commands(repo, wheel, args.port)))
+    _progress(f"then: curl -s http://{HOST}:{args.port}/v2/models/glance/generate -d '{{\"prompt\": \"Say hello.\"}}'")
     return 0
 
 
@@ -284,6 +293,9 @@ def _add_triton(sub) -> None:
     x.add_argument("--gpu", action="store_true", help="KIND_GPU instance groups (default KIND_CPU)")
     x.add_argument("--python-env", type=Path, help="virtual environment the stubs run in (EXECUTION_ENV_PATH)")
     x.add_argument("--max-tokens", type=int, default=1024, help="the largest max_tokens a request may ask for")
+    x.add_argument("--port", type=flags.between("--port", 1, 65533, "gRPC and metrics take the next two"),
+                   default=8000, help="the HTTP port in the printed launch commands (gRPC: +1, metrics: +2; "
+                   "default 8000)")
     x.set_defaults(func=_triton)
 
 
@@ -304,7 +316,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--out", type=Path, required=True)
     c.add_argument("--kind", choices=("receipt", "chart", "scene", "caption", "train"), required=True,
                    help="a held-out task kind, or 'train' for mixed training prompts (head training data)")
-    c.add_argument("--n", type=limits.between("--n", 1, MAX_TASKS, "each task is an image file written to disk"),
+    c.add_argument("--n", type=flags.between("--n", 1, MAX_TASKS, "each task is an image file written to disk"),
                    default=20)
     c.add_argument("--seed", type=int, default=0)
     c.set_defaults(func=_corpus)
@@ -316,7 +328,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--time-budget", type=float, default=3000.0, help="seconds; stops early and saves")
     g.add_argument("--batch-size", type=BATCH, default=16)
     g.add_argument("--lr", type=float, default=5e-4)
-    g.add_argument("--threads", type=limits.threads, help="torch CPU threads (1 up to this machine's CPUs)")
+    g.add_argument("--threads", type=flags.threads, help="torch CPU threads (1 up to this machine's CPUs)")
     g.add_argument("--mix", nargs="+", metavar="KIND=WEIGHT",
                    help="training mix by task kind (default receipt=0.1 chart=0.35 scene=0.45 caption=0.1)")
     g.add_argument("--eval", type=Path, nargs="*", default=[], help="task files to score at the end")
@@ -325,7 +337,7 @@ def parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="greedy exact match per task kind, with the same prompts on a blank image")
     e.add_argument("--model", type=Path, help="target snapshot (default: the embedded glance-vl-tiny)")
     e.add_argument("--data", type=Path, nargs="+", required=True, help="task files (corpus format)")
-    e.add_argument("--threads", type=limits.threads, help="torch CPU threads (1 up to this machine's CPUs)")
+    e.add_argument("--threads", type=flags.threads, help="torch CPU threads (1 up to this machine's CPUs)")
     e.set_defaults(func=_eval)
 
     t = sub.add_parser("train-head", help="train a GLANCE head on the target's own answers to a task file")
@@ -345,7 +357,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--time-budget", type=float, help="stop after this many seconds of training")
     t.add_argument("--checkpoint-every", type=int, default=500,
                    help="save head and trainer state every N steps; the same command continues from there")
-    t.add_argument("--threads", type=limits.threads, help="torch CPU threads (1 up to this machine's CPUs)")
+    t.add_argument("--threads", type=flags.threads, help="torch CPU threads (1 up to this machine's CPUs)")
     t.set_defaults(func=_train_head)
 
     o = sub.add_parser("onnx", help="export vision, target and draft graphs with a manifest, validated in ONNX Runtime")
@@ -354,11 +366,11 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--out", type=Path, required=True)
     o.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32")
     o.add_argument("--opset", type=int, default=17, help="14..20 (plain ops, TensorRT 10.3) or 23 (ONNX Attention)")
-    o.add_argument("--max-tree", type=limits.at_least("--max-tree", 1), default=64,
+    o.add_argument("--max-tree", type=flags.at_least("--max-tree", 1), default=64,
                    help="largest verify pass (anchor + tree nodes)")
-    o.add_argument("--max-context", type=limits.at_least("--max-context", 2), default=2048,
+    o.add_argument("--max-context", type=flags.at_least("--max-context", 2), default=2048,
                    help="KV cache rows: prompt + answer")
-    o.add_argument("--branch-k", type=limits.at_least("--branch-k", 1), default=BRANCH_K,
+    o.add_argument("--branch-k", type=flags.at_least("--branch-k", 1), default=BRANCH_K,
                    help=f"top-k the draft graph returns per offset (default {BRANCH_K})")
     o.add_argument("--quantize", choices=("int8", "int4"),
                    help="weight-only: linear layers, LM head and embedding of target and head (vision stays fp32)")
@@ -377,15 +389,15 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--out", type=Path, required=True, help="engines directory (the bundle with --plan-only)")
     b.add_argument("--precision", choices=PRECISIONS,
                    help="default: the target's (strongly typed builders: the export's)")
-    b.add_argument("--max-context", type=limits.at_least("--max-context", 2),
+    b.add_argument("--max-context", type=flags.at_least("--max-context", 2),
                    help="lower the export's max context (default: what fits in memory)")
-    b.add_argument("--max-tree", type=limits.at_least("--max-tree", 1),
+    b.add_argument("--max-tree", type=flags.at_least("--max-tree", 1),
                    help="lower the export's max tree (default: the target's cap)")
-    b.add_argument("--memory-gib", type=limits.positive("--memory-gib"),
+    b.add_argument("--memory-gib", type=flags.positive("--memory-gib"),
                    help="device memory budget (default: this device's, else the target's)")
-    b.add_argument("--workspace-gib", type=limits.positive("--workspace-gib"),
+    b.add_argument("--workspace-gib", type=flags.positive("--workspace-gib"),
                    help="builder workspace (trtexec --memPoolSize=workspace)")
-    b.add_argument("--max-part-gib", type=limits.positive("--max-part-gib"),
+    b.add_argument("--max-part-gib", type=flags.positive("--max-part-gib"),
                    help="build a graph with more weights than this as a chain of engines, one per part "
                         "(default: 2, less where a Jetson could not build such a part)")
     b.add_argument("--timing-cache", type=Path, help="read if present, written after (trtexec --timingCacheFile)")

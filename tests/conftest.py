@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from support import make_image, make_snapshot
+from support import Exported, make_image, make_snapshot
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
@@ -59,3 +59,19 @@ def images(tmp_path_factory):
     root = tmp_path_factory.mktemp("images")
     return {name: make_image(root / f"{name}.png", w, h, seed=i)
             for i, (name, (w, h)) in enumerate(IMAGE_SIZES.items())}
+
+
+@pytest.fixture(scope="module")
+def ort_exported(snapshot_dir, tmp_path_factory):
+    """(family, block_size, dtype, opset) -> an `Exported`: the family's tiny snapshot exported and opened on ONNX
+    Runtime, with its torch oracle."""
+    built: dict[tuple[str, int, str, int], Exported] = {}
+
+    def get(family: str, block_size: int = 8, dtype: str = "fp32", opset: int = 17) -> Exported:
+        key = (family, block_size, dtype, opset)
+        if key not in built:
+            root = tmp_path_factory.mktemp(f"ort_{family}_{block_size}_{dtype}_{opset}")
+            built[key] = Exported(root, snapshot_dir(family), block_size, dtype, opset)
+        return built[key]
+
+    return get

@@ -368,6 +368,124 @@ def check_mixed(result: DecodeResult, policy: str, seeded: bool) -> None:
         assert max(r.accepted for r in rounds) > 2
 
 
+# ---- Exported tiny models ----
+# The real exporter run on the tiny snapshots, shared by every test that needs graphs: one export per family
+# and variant per test session, so the ONNX, build and runtime tests do not each export again.
+
+_EXPORTS: dict[tuple[str, str, int], tuple[Path, Path, Path]] = {}
+ORACLE_TOKENS = 24  # how long the oracle's greedy answers are in `Exported`
+SEEDS = {"full": lambda d: 0, "partial": lambda d: 0 if d <= 2 else None, "zero": lambda d: None}  # SeededDrafter's
+
+
+def tiny_head(snapshot: Path, out: Path, block_size: int = 6) -> Path:
+    """A random two-layer head for `snapshot`, saved at `out`."""
+    from glance_export.model.adapters import Snapshot
+    from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
+
+    snap = Snapshot(snapshot)
+    return save_head(init_head(head_config_for(snap, 2, block_size, pick_mask_token(snap)), seed=3), out)
+
+
+def export_once(snapshot_dir, tmp_path_factory, family: str, variant: str = "fp32",
+                block_size: int = 6) -> tuple[Path, Path, Path]:
+    """(model dir, head dir, artifacts dir) of one export per family and variant per test session.
+
+    Variants: fp32 and fp16 (opset 17, max_tree 32, max_context 256), and external (fp32 with every
+    weight forced into external data)."""
+    from glance_export.onnx import export as export_mod
+    from glance_export.onnx import export_artifacts
+
+    if (family, variant, block_size) not in _EXPORTS:
+        root = tmp_path_factory.mktemp(f"onnx_{family}_{variant}")
+        head = tiny_head(snapshot_dir(family), root / f"head_{family}", block_size)
+        limit = export_mod.EXTERNAL_DATA_BYTES
+        export_mod.EXTERNAL_DATA_BYTES = 0 if variant == "external" else limit
+        try:
+            out = export_artifacts(snapshot_dir(family), head, root / "artifacts", max_tree=32, max_context=256,
+                                   dtype="fp16" if variant == "fp16" else "fp32", progress=lambda _: None)
+        finally:
+            export_mod.EXTERNAL_DATA_BYTES = limit
+        _EXPORTS[family, variant, block_size] = (Path(snapshot_dir(family)), head, out)
+    return _EXPORTS[family, variant, block_size]
+
+
+class Exported:
+    """One family's snapshot, its torch model (for the oracle) and its ONNX artifacts on ONNX Runtime."""
+
+    def __init__(self, root: Path, snapshot_path: Path, block_size: int, dtype: str = "fp32", opset: int = 17):
+        from glance_export.model.adapters import Snapshot
+        from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
+        from glance_export.onnx import export_artifacts
+        from glance_runtime.backends.ort_backend import OrtBackend
+        from glance_runtime.prompt.codec import exported_codec
+
+        self.snapshot = Snapshot(snapshot_path)
+        self.model = self.snapshot.load_model()
+        head = init_head(head_config_for(self.snapshot, 1, block_size, pick_mask_token(self.snapshot)),
+                         seed=block_size)
+        head_dir = save_head(head, root / "head")
+        self.artifacts = export_artifacts(snapshot_path, head_dir, root / "artifacts", dtype=dtype, opset=opset,
+                                          max_tree=64, max_context=512, progress=lambda _: None)
+        self.backend = OrtBackend(self.artifacts)
+        self.codec = exported_codec(self.backend.manifest)
+        self._truth: dict[tuple[bytes, tuple[int, ...]], list[int]] = {}
+
+    def prompt(self, image: Path | None, text: str = "What colour is the square?"):
+        return self.codec.turn(text, image)
+
+    def oracle(self, prompt, stops=()) -> list[int]:
+        from glance_export.model.torch_backend import greedy_reference
+
+        key = (prompt.input_ids.tobytes(), tuple(stops))
+        if key not in self._truth:
+            self._truth[key] = greedy_reference(self.model, self.snapshot, prompt, ORACLE_TOKENS, stops)
+        return self._truth[key]
+
+
+def runtime_prompt_builder(snap):
+    """A torch-free builder over the files an export ships. tokenizer.json is the tokenizer as transformers loads
+    it: for some model types (qwen2) transformers replaces the file's pre-tokenizer, so exports must save the
+    effective one rather than copy the snapshot's file."""
+    import shutil
+
+    from glance_runtime.prompt.prompt_builder import PromptBuilder
+
+    out = snap.path / "runtime_files"
+    if not out.is_dir():
+        out.mkdir()
+        for name in ("chat_template.jinja", "tokenizer_config.json", "preprocessor_config.json",
+                     "generation_config.json"):
+            if (snap.path / name).is_file():
+                shutil.copy(snap.path / name, out / name)
+        snap.tokenizer.backend_tokenizer.save(str(out / "tokenizer.json"))
+    return PromptBuilder(out, snap.image_token_id if snap.is_vl else None)
+
+
+def converse(backend, build, detokenize, oracle, turns, seed: str, image_token_id, merge: int,
+             max_new_tokens: int = 16) -> list[int]:
+    """Decode each turn after the rows the previous ones committed, with drafts seeded by `seed` (SEEDS);
+    returns the rows kept per turn."""
+    from glance_runtime.backends.seeded import SeededDrafter
+    from glance_runtime.prompt.prefix_reuse import Committed, image_runs, shared_rows
+
+    messages, committed, kept = [], None, []
+    for turn in turns:
+        messages.append(turn)
+        prompt = build(messages)
+        keep = shared_rows(committed, prompt, image_token_id, merge)
+        truth = oracle(prompt)
+        result = decode(SeededDrafter(backend, truth, prompt.length, SEEDS[seed]),
+                        prompt, DecodeConfig(max_new_tokens=max_new_tokens, budget=31, branch_k=8), keep=keep)
+        assert result.tokens == truth[:max_new_tokens], (len(messages), keep)
+        if seed != "zero":
+            assert any(r.accepted > 1 for r in result.rounds)
+        tokens = np.concatenate([prompt.input_ids, np.asarray(result.tokens, np.int64)])[:backend.start]
+        committed = Committed(tokens, tuple(image_runs(prompt, image_token_id, merge)))
+        messages.append({"role": "assistant", "content": detokenize(result.tokens)})
+        kept.append(keep)
+    return kept
+
+
 # ---- Outputs a command did not make ----
 # The one check every command's output path goes through: whatever already lies at the output (a user's
 # file or folder, a model's config.json, another command's output), a command that did not make it refuses

@@ -5,7 +5,9 @@
 
 Imports are read with `ast` (every `import` and `from ... import`, at any indentation), so a lazy import
 inside a function counts as much as one at the top. An edge from `glance_runtime` to `glance_export`
-runs against the layering (the runtime is the ground floor) and is printed as such.
+runs against the layering (the runtime is the ground floor) and is printed as such. A cycle among the
+modules (a package's `__init__` counting as a module, an import under `TYPE_CHECKING` as much as any other)
+is printed with its path and fails the run, as the upward edge does.
 """
 from __future__ import annotations
 
@@ -33,8 +35,9 @@ def module_name(root: str, path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path, module: str) -> set[str]:
-    """Absolute names of the project modules that `path` imports."""
+def imports(path: Path, module: str, modules: frozenset[str] = frozenset()) -> set[str]:
+    """Absolute names of the project modules that `path` imports; `from package import name` names the
+    submodule where `name` is one of `modules`, else the package."""
     tree = ast.parse(path.read_text(), str(path))
     found: set[str] = set()
     is_package = path.name == "__init__.py"
@@ -48,8 +51,72 @@ def imports(path: Path, module: str) -> set[str]:
                 name = ".".join(base + ([node.module] if node.module else []))
             else:
                 name = node.module or ""
-            found.add(name)
+            found.update(f"{name}.{alias.name}" if f"{name}.{alias.name}" in modules else name
+                         for alias in node.names)
     return {name for name in found if name.split(".")[0] in ROOTS}
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports, for every module of both packages."""
+    paths = {module_name(root, path): path for root, folder in ROOTS.items() for path in sorted(folder.rglob("*.py"))}
+    names = frozenset(paths)
+    return {module: {t for t in imports(path, module, names) if t in names and t != module}
+            for module, path in paths.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One import cycle per strongly connected group of modules (Tarjan's algorithm), each as a path that
+    starts and ends at the same module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[set[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = set()
+            while True:
+                member = stack.pop()
+                group.add(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10 * len(graph) + 100))
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return [_path_within(graph, group) for group in groups]
+
+
+def _path_within(graph: dict[str, set[str]], group: set[str]) -> list[str]:
+    """A shortest cycle through the group's first module, staying inside the group (breadth first)."""
+    start = min(group)
+    came: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        step = []
+        for node in frontier:
+            for nxt in sorted(graph[node] & group):
+                if nxt == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(came[path[-1]])
+                    return [*reversed(path), start]
+                if nxt not in came:
+                    came[nxt] = node
+                    step.append(nxt)
+        frontier = step
+    raise AssertionError(f"no cycle through {start} in {sorted(group)}")
 
 
 def survey() -> dict:
@@ -74,7 +141,8 @@ def survey() -> dict:
             files[name] += 1
             lines[name] += len(path.read_text().splitlines())
     return {"packages": {p: {"files": files[p], "lines": lines[p]} for p in sorted(files)},
-            "imports": {p: sorted(edges[p]) for p in sorted(edges)}, "upward": upward}
+            "imports": {p: sorted(edges[p]) for p in sorted(edges)}, "upward": upward,
+            "cycles": [" -> ".join(cycle) for cycle in cycles(module_graph())]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
           "none" if not data["upward"] else "")
     for line in data["upward"]:
         print(f"  {line}")
-    return 1 if data["upward"] else 0
+    print("\nimport cycles:", "none" if not data["cycles"] else "")
+    for line in data["cycles"]:
+        print(f"  {line}")
+    return 1 if data["upward"] or data["cycles"] else 0
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ from typing import Any, Sequence
 from glance_runtime.errors import GlanceError
 from glance_runtime.formats import artifacts as artifacts_format
 from glance_runtime.formats.tasks import read as read_tasks
-from glance_runtime.decode.session import Settings, Source, open_session
+from glance_runtime.backends.registry import Source, open_session
+from glance_runtime.decode.session import Settings
 
 from .greedy_audit import first_divergence
 
@@ -46,9 +47,9 @@ def drift(quantized: Path, reference: Path, task_file: Path, max_new_tokens: int
         outs = [s.greedy(s.prompt(task.prompt, task.image)) for s in sessions]
         rows.append({"prompt": task.prompt, **compare(*outs)})
     ref_tokens = sum(r["reference_tokens"] for r in rows)
-    scheme = q_manifest.quantization or {}
-    return {"quantized": str(quantized), "reference": str(reference), "scheme": scheme.get("scheme", "none"),
-            "group_size": scheme.get("group_size"), "n": len(rows), "identical": sum(r["identical"] for r in rows),
+    q = q_manifest.quantization
+    return {"quantized": str(quantized), "reference": str(reference), "scheme": q.scheme if q else "none",
+            "group_size": q.group_size if q else None, "n": len(rows), "identical": sum(r["identical"] for r in rows),
             "prefix_agreement": round(sum(r["prefix_tokens"] for r in rows) / ref_tokens, 4) if ref_tokens else 1.0,
             "max_new_tokens": max_new_tokens, "prompts": rows}
 

@@ -43,7 +43,7 @@ def audit(session: Session, tasks: list[Task], progress: Callable[[str], None] =
         progress(f"[{i}/{len(tasks)}] identical={div is None} tau={spec.tau:.2f} tokens={len(spec.tokens)}")
     identical = sum(r["identical"] for r in rows)
     consistent = sum(r["self_consistent"] for r in rows)
-    return {"backend": session.runner.backend.name, "n": len(rows), "identical": identical, "self_consistent": consistent,
+    return {"backend": session.backend.name, "n": len(rows), "identical": identical, "self_consistent": consistent,
             "first_divergence": [r["first_divergence"] for r in rows],
             "tau": round(accepted / rounds, 4) if rounds else 0.0, "rounds": rounds,
             "budget": budget_of(cfg), "branch_k": cfg.branch_k, "max_new_tokens": cfg.max_new_tokens,

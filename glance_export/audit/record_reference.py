@@ -14,7 +14,7 @@ import transformers
 from glance_runtime.errors import GlanceError
 from glance_runtime.store.integrity import sha256
 
-from .. import __version__
+from glance_runtime._version import __version__
 from ..model.adapters import Snapshot
 from glance_runtime.formats.recorded_reference import RecordedTask, Reference
 from glance_runtime.formats.tasks import read as read_tasks

@@ -64,7 +64,7 @@ def _check_prompts(prompts: Sequence[Any], ref: Reference, path: Path) -> None:
 def audit_against_reference(session: Session, ref: Reference, path: Path, tasks: Sequence[Task],
                             progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Decode every task with GLANCE and with the backend's own greedy; compare both with the reference."""
-    precision, cfg = session.runner.backend.info.precision, session.config
+    precision, cfg = session.backend.info.precision, session.config
     prompts = [session.prompt(t.prompt, t.image) for t in tasks]
     _check_prompts(prompts, ref, path)
     rows, accepted, rounds = [], 0, 0
@@ -85,7 +85,7 @@ def audit_against_reference(session: Session, ref: Reference, path: Path, tasks:
     gate, passed = _gate(precision, identical, own_identical, len(rows))
     margins = [m for rec in ref.tasks for m in rec.margins]
     return {"mode": "reference", "reference": str(path), "recorded_with": ref.recorded_with,
-            "backend": session.runner.backend.name, "precision": precision, "n": len(rows), "identical": identical,
+            "backend": session.backend.name, "precision": precision, "n": len(rows), "identical": identical,
             "own_greedy_identical": own_identical,
             "identical_to_own_greedy": sum(r["glance_vs_own_greedy"]["identical"] for r in rows),
             "first_divergence": [r["first_divergence"] for r in rows],

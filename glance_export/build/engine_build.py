@@ -16,10 +16,10 @@ from glance_runtime.store.atomic import atomic_directory, check_output, check_ou
 from glance_runtime.errors import GlanceError
 from glance_runtime.formats.graphs import MANIFEST
 from glance_runtime.formats import engines as engines_format
-from glance_runtime.formats.artifacts import check_source, read as load_manifest
+from glance_runtime.formats.artifacts import Manifest, check_source, read as load_manifest
 from glance_runtime.store.integrity import sha256
 
-from .. import __version__
+from glance_runtime._version import __version__
 from .targets import DeviceProfile, load_profile
 from .local_gpu import BuildGpu, check_device, resolve_target
 from .memory_plan import MemoryPlan, available_host_gib, check_build_host, check_device_builds, plan_memory
@@ -75,13 +75,9 @@ class Stopwatch:
         return time.perf_counter() - self.t0
 
 
-def _read_manifest(artifacts: Path) -> dict[str, Any]:
-    return load_manifest(artifacts).raw  # format, version, content and files checked, with one-line errors
-
-
-def check_head(manifest: dict[str, Any], head: Path, artifacts: Path) -> None:
+def check_head(manifest: Manifest, head: Path, artifacts: Path) -> None:
     """Refuse artifacts exported with another draft head (the manifest records its weights' sha256)."""
-    expected = (manifest.get("head") or {}).get("weights_sha256")
+    expected = manifest.head_weights_sha256
     if expected and (not (head / HEAD_WEIGHTS).is_file() or sha256(head / HEAD_WEIGHTS) != expected):
         raise GlanceError(f"{head}/{HEAD_WEIGHTS} differs from the head {artifacts} was exported with; pass the "
                           f"original head directory, or re-export with `glance-export onnx --model M --head {head}`")
@@ -102,8 +98,9 @@ def _artifacts(request: BuildRequest, say: Callable[[str], None]) -> Path:
         artifacts = exported_artifacts(request.model, request.head, say)
     if request.model is not None:
         say(f"checking {artifacts} against {request.model} and {request.head} (sha256)")
-        check_source(load_manifest(artifacts), request.model)
-        check_head(_read_manifest(artifacts), request.head, artifacts)
+        manifest = load_manifest(artifacts)
+        check_source(manifest, request.model)
+        check_head(manifest, request.head, artifacts)
     return artifacts
 
 
@@ -123,11 +120,11 @@ def check_out(request: BuildRequest) -> None:
                           recognise=is_timing_cache)
 
 
-def _identity(artifacts: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+def _identity(artifacts: Path, manifest: Manifest) -> dict[str, Any]:
     return {"path": str(artifacts.resolve()), "manifest_sha256": sha256(artifacts / MANIFEST),
-            "toolkit_version": manifest["toolkit_version"], "family": manifest["family"], "dtype": manifest["dtype"],
-            "opset": manifest["opset"], "limits": manifest["limits"], "source": manifest.get("source"),
-            "head_weights_sha256": (manifest.get("head") or {}).get("weights_sha256")}
+            "toolkit_version": manifest.toolkit_version, "family": manifest.family, "dtype": manifest.dtype,
+            "opset": manifest.opset, "limits": {"max_tree": manifest.max_tree, "max_context": manifest.max_context},
+            "source": manifest.source, "head_weights_sha256": manifest.head_weights_sha256}
 
 
 def _device_record(profile: DeviceProfile, device: BuildGpu) -> dict[str, Any]:
@@ -139,21 +136,8 @@ def _device_record(profile: DeviceProfile, device: BuildGpu) -> dict[str, Any]:
 
 def _precision(request: BuildRequest, profile: DeviceProfile, device: BuildGpu) -> Precision:
     """Checked before any export or TensorRT import, so a precision the target cannot run fails first."""
-    dtype = _read_manifest(request.artifacts)["dtype"] if request.artifacts else CACHE_DTYPE
+    dtype = load_manifest(request.artifacts).dtype if request.artifacts else CACHE_DTYPE
     return choose_precision(profile, request.precision, dtype, device)
-
-
-def _planned(request: BuildRequest, profile: DeviceProfile, precision: Precision, device: BuildGpu,
-             version: str | None, say: Callable[[str], None]) -> tuple[Path, dict[str, Any], MemoryPlan]:
-    """The checked artifacts, their manifest, and the memory plan (printed) that sizes the engines."""
-    artifacts = _artifacts(request, say)
-    manifest = engine_manifest(profile, _read_manifest(artifacts))
-    check_opset(profile, manifest["opset"], version)
-    plan = plan_memory(profile, manifest, artifacts, precision.name, device, max_context=request.max_context,
-                       max_tree=request.max_tree, memory_gib=request.memory_gib, workspace_gib=request.workspace_gib,
-                       tensorrt_version=version, max_part_gib=request.max_part_gib)
-    say(plan.explain())
-    return artifacts, manifest, plan
 
 
 def _timing_cache(request: BuildRequest, profile: DeviceProfile, toolchain: Toolchain,
@@ -167,47 +151,115 @@ def _timing_cache(request: BuildRequest, profile: DeviceProfile, toolchain: Tool
     return None, {"path": str(path), "used": False, "note": note}
 
 
-def build(request: BuildRequest, device: BuildGpu, toolchain: Toolchain | None = None, *,
-          profile: DeviceProfile | None = None, host_memory_gib: float | None = None,
-          progress: Callable[[str], None] = print) -> Path:
-    """Build (or with plan_only, bundle) for `request.target`; returns the output directory.
+@dataclass(frozen=True)
+class Target:
+    """Stage 1, the target resolved: its profile, the GPU here, the precision to build at, and the builder
+    (None for a bundle planned here and built on the device)."""
+    profile: DeviceProfile
+    device: BuildGpu
+    precision: Precision
+    toolchain: Toolchain | None
 
-    `device` and `toolchain` are this machine's (`probe_device()`, `load_toolchain(profile)` when None);
-    `profile` overrides the target's file (tests); `host_memory_gib` is the memory this machine can give
-    the builder (`available_host_gib()` when None)."""
-    say = Stopwatch(progress)
+
+@dataclass(frozen=True)
+class Planned:
+    """Stage 2, the plan: the checked artifacts, the manifest the engines are built from, and the memory plan
+    (the limits the engines are sized for, and the graphs it cuts into parts)."""
+    artifacts: Path
+    manifest: Manifest
+    memory: MemoryPlan
+
+
+@dataclass(frozen=True)
+class Built:
+    """Stage 3: what engines.json records of each graph's engines, and the timing cache they were built with."""
+    engines: dict[str, dict[str, Any]]
+    timing_cache: TimingCache | None
+    cache_record: dict[str, Any]
+
+
+def resolve(request: BuildRequest, device: BuildGpu, toolchain: Toolchain | None, profile: DeviceProfile | None,
+            say: Callable[[str], None]) -> Target:
+    """The target's profile, the GPU, precision and builder checked against it, before any export or build."""
     profile = profile or load_profile(resolve_target(request.target, device))
     check_out(request)
     if request.plan_only:
-        return _plan_only(request, profile, say)
+        no_gpu = BuildGpu(None)
+        return Target(profile, no_gpu, _precision(request, profile, no_gpu), None)
     check_device(profile, device)
     precision = _precision(request, profile, device)
     toolchain = toolchain or load_toolchain(profile)
     check_version(profile, toolchain)
     say(f"target {profile.name}: {device.describe() if device.name else 'ahead-of-time build, no GPU'}; "
         f"{toolchain.name} {toolchain.version}")
-    artifacts, manifest, plan = _planned(request, profile, precision, device, toolchain.version, say)
-    check_build_host(plan.build, available_host_gib() if host_memory_gib is None else host_memory_gib)
-    timing_cache, cache_record = _timing_cache(request, profile, toolchain, say)
-    say(f"building {', '.join(manifest['graphs'])} at {precision.name} ({precision.how})")
+    return Target(profile, device, precision, toolchain)
+
+
+def plan(request: BuildRequest, target: Target, say: Callable[[str], None]) -> Planned:
+    """The checked artifacts, their manifest, and the memory plan (printed) that sizes and cuts the engines."""
+    artifacts = _artifacts(request, say)
+    manifest = engine_manifest(target.profile, load_manifest(artifacts))
+    version = target.toolchain.version if target.toolchain is not None else None
+    check_opset(target.profile, manifest.opset, version)
+    memory = plan_memory(target.profile, manifest, artifacts, target.precision.name, target.device,
+                         max_context=request.max_context, max_tree=request.max_tree, memory_gib=request.memory_gib,
+                         workspace_gib=request.workspace_gib, tensorrt_version=version,
+                         max_part_gib=request.max_part_gib)
+    say(memory.explain())
+    return Planned(artifacts, manifest, memory)
+
+
+def build_planned(request: BuildRequest, target: Target, planned: Planned, out: Path,
+                  say: Callable[[str], None]) -> Built:
+    """Every graph's engines (a cut graph's parts) into `out`, one worker each."""
+    timing_cache, cache_record = _timing_cache(request, target.profile, target.toolchain, say)
+    precision, memory = target.precision, planned.memory
+    say(f"building {', '.join(planned.manifest.graphs)} at {precision.name} ({precision.how})")
+    engines = build_engines(target.toolchain, planned.artifacts, memory.limits.apply(planned.manifest), out,
+                            BuildOptions(precision, memory.workspace_gib, timing_cache), say, cuts=memory.cuts)
+    return Built(engines, timing_cache, cache_record)
+
+
+def record(target: Target, planned: Planned, built: Built, build_s: float) -> dict[str, Any]:
+    """What engines.json says: the builder, device, precision, limits and plan, and every engine."""
+    limits, toolchain = planned.memory.limits, target.toolchain
+    return {
+        "toolkit_version": __version__, "target": target.profile.name,
+        "tensorrt": {"module": toolchain.name, "version": toolchain.version},
+        "device": _device_record(target.profile, target.device),
+        "precision": {"name": target.precision.name, "artifacts_dtype": planned.manifest.dtype,
+                      "how": target.precision.how},
+        "limits": {"max_context": limits.max_context, "max_tree": limits.max_tree,
+                   "max_image_tokens": limits.max_image_tokens},
+        "memory_plan": planned.memory.record(), "timing_cache": built.cache_record,
+        "artifacts": _identity(planned.artifacts, planned.manifest), "engines": built.engines,
+        "build_s": round(build_s, 2), "target_profile": target.profile.raw}
+
+
+def build(request: BuildRequest, device: BuildGpu, toolchain: Toolchain | None = None, *,
+          profile: DeviceProfile | None = None, host_memory_gib: float | None = None,
+          progress: Callable[[str], None] = print) -> Path:
+    """Build (or with plan_only, bundle) for `request.target`; returns the output directory. The stages run
+    in order, each taking what the one before produced: resolve the target, plan memory and parts, build,
+    record.
+
+    `device` and `toolchain` are this machine's (`probe_device()`, `load_toolchain(profile)` when None);
+    `profile` overrides the target's file (tests); `host_memory_gib` is the memory this machine can give
+    the builder (`available_host_gib()` when None)."""
+    say = Stopwatch(progress)
+    target = resolve(request, device, toolchain, profile, say)
+    planned = plan(request, target, say)
+    if request.plan_only:
+        return _bundle(request, target, planned, say)
+    check_build_host(planned.memory.build, available_host_gib() if host_memory_gib is None else host_memory_gib)
     with atomic_directory(request.out, ENGINES_FORMAT, "glance-export build") as tmp:
-        engines = build_engines(toolchain, artifacts, plan.limits.apply(manifest), tmp,
-                                BuildOptions(precision, plan.workspace_gib, timing_cache), say, cuts=plan.cuts)
-        record = {
-            "toolkit_version": __version__, "target": profile.name,
-            "tensorrt": {"module": toolchain.name, "version": toolchain.version},
-            "device": _device_record(profile, device),
-            "precision": {"name": precision.name, "artifacts_dtype": manifest["dtype"], "how": precision.how},
-            "limits": {"max_context": plan.limits.max_context, "max_tree": plan.limits.max_tree,
-                       "max_image_tokens": plan.limits.max_image_tokens},
-            "memory_plan": plan.record(), "timing_cache": cache_record, "artifacts": _identity(artifacts, manifest),
-            "engines": engines, "build_s": round(say.elapsed, 2), "target_profile": profile.raw}
-        engines_format.write(tmp, record)
-    if timing_cache is not None:
-        timing_cache.save()
-    files = sum(len(entry.get("parts") or [entry]) for entry in engines.values())
-    say(f"wrote {files} engines for {len(engines)} graphs and {engines_format.FILE} to {request.out}")
-    _measure_costs(request.out, device, int(manifest["branch_k"]), say)
+        built = build_planned(request, target, planned, tmp, say)
+        engines_format.write(tmp, record(target, planned, built, say.elapsed))
+    if built.timing_cache is not None:
+        built.timing_cache.save()
+    files = sum(len(entry.get("parts") or [entry]) for entry in built.engines.values())
+    say(f"wrote {files} engines for {len(built.engines)} graphs and {engines_format.FILE} to {request.out}")
+    _measure_costs(request.out, device, planned.manifest.branch_k, say)
     return request.out
 
 
@@ -218,22 +270,20 @@ def _measure_costs(out: Path, device: BuildGpu, branch_k: int, say: Callable[[st
         say("cost profile for --budget auto: measured on the device on first use (no GPU here)")
         return
     from glance_runtime.decode.auto_budget import auto_budget
-    from glance_runtime.backends.registry import open_tensorrt
+    from glance_runtime.backends.registry import Source, open_session
 
     try:
-        _, path, _ = auto_budget(open_tensorrt(out), branch_k, remeasure=True, progress=say)
+        _, path, _ = auto_budget(open_session(Source("tensorrt", engines=out)), branch_k, remeasure=True, progress=say)
     except GlanceError as exc:
         say(f"cost profile for --budget auto not measured here ({exc}); the device measures it on first use")
         return
     say(f"cost profile for --budget auto stored in {path}")
 
 
-def _plan_only(request: BuildRequest, profile: DeviceProfile, say: Callable[[str], None]) -> Path:
-    """Check what can be checked without the device, then write the bundle it builds from."""
-    no_gpu = BuildGpu(None)
-    precision = _precision(request, profile, no_gpu)
-    artifacts, _, plan = _planned(request, profile, precision, no_gpu, None, say)
-    check_device_builds(profile, plan)
-    out = write_bundle(request.out, artifacts, profile, request.device_flags(), plan, precision)
-    say(f"wrote a build bundle for {profile.name} to {out}: copy it to the device and run ./build.sh there")
+def _bundle(request: BuildRequest, target: Target, planned: Planned, say: Callable[[str], None]) -> Path:
+    """What can be checked without the device checked, the bundle it builds from written."""
+    check_device_builds(target.profile, planned.memory)
+    out = write_bundle(request.out, planned.artifacts, target.profile, request.device_flags(), planned.memory,
+                       target.precision)
+    say(f"wrote a build bundle for {target.profile.name} to {out}: copy it to the device and run ./build.sh there")
     return out

@@ -29,13 +29,13 @@ part whose worker fits beside the workspace; `--max-part-gib` sets it.
 """
 from __future__ import annotations
 
-import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from glance_runtime.errors import GlanceError
+from glance_runtime.formats.artifacts import GraphFile, Manifest
 from glance_runtime.backends.hardware import available_host_bytes
 
 from .targets import DeviceProfile, version_tuple
@@ -58,20 +58,18 @@ class Limits:
     max_tree: int
     max_image_tokens: int | None  # None: a text-only model
 
-    def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
-        """A copy of the artifacts manifest with its axis bounds lowered to these limits (never raised)."""
-        out = copy.deepcopy(manifest)
-        axes, ctx = out["axes"], self.max_context
+    def apply(self, manifest: Manifest) -> Manifest:
+        """The artifacts manifest with its axis bounds lowered to these limits (never raised)."""
+        axes, ctx = dict(manifest.axes), self.max_context
         lowered = {"T": ctx, "S": ctx - 1, "N": ctx, "S_h": ctx - 1, "E": ctx, "T_verify": self.max_tree}
         if self.max_image_tokens is not None and "N_img" in axes:
-            unit = out["graphs"]["vision"]["index_params"]["merge_size"] ** 2
+            unit = manifest.spatial_merge_size ** 2
             lowered.update(N_img=self.max_image_tokens, N_merged=max(axes["N_merged"][0], self.max_image_tokens),
                            N_patch=max(axes["N_patch"][0], self.max_image_tokens * unit))
         for axis, hi in lowered.items():
             if axis in axes:
-                axes[axis] = [axes[axis][0], min(axes[axis][1], hi)]
-        out["limits"] = {**out["limits"], "max_context": ctx, "max_tree": self.max_tree}
-        return out
+                axes[axis] = (axes[axis][0], min(axes[axis][1], hi))
+        return replace(manifest, axes=axes, max_context=ctx, max_tree=self.max_tree)
 
 
 def _size(gib: float) -> str:
@@ -188,22 +186,21 @@ class MemoryPlan:
                 "parts_gib": {graph: [round(b / GIB, 4) for b in cut.part_bytes] for graph, cut in self.cuts.items()}}
 
 
-def graph_bytes(artifacts: Path, manifest: dict[str, Any]) -> dict[str, int]:
+def graph_bytes(artifacts: Path, graphs: dict[str, GraphFile]) -> dict[str, int]:
     """Per graph: its ONNX file and external data, the weights its worker parses."""
-    return {graph: sum((artifacts / name).stat().st_size for name in (entry["file"], entry.get("data_file")) if name)
-            for graph, entry in manifest["graphs"].items()}
+    return {graph: sum((artifacts / name).stat().st_size for name in (entry.file, entry.data_file) if name)
+            for graph, entry in graphs.items()}
 
 
-def weights_bytes(artifacts: Path, manifest: dict[str, Any]) -> int:
+def weights_bytes(artifacts: Path, graphs: dict[str, GraphFile]) -> int:
     """Bytes of every graph file and its external data: the weights each engine will hold."""
-    return sum(graph_bytes(artifacts, manifest).values())
+    return sum(graph_bytes(artifacts, graphs).values())
 
 
-def kv_bytes_per_row(manifest: dict[str, Any]) -> int:
+def kv_bytes_per_row(manifest: Manifest) -> int:
     """K and V of one context row in every graph that keeps a cache (target and head layers)."""
-    io = IO_BYTES[manifest["float_io_dtype"]]
-    return sum(2 * g["num_layers"] * g["num_kv_heads"] * g["head_dim"] * io
-               for g in manifest["graphs"].values() if {"num_layers", "num_kv_heads", "head_dim"} <= g.keys())
+    return sum(2 * s.num_layers * s.kv_heads * s.head_dim * IO_BYTES[manifest.float_dtype]
+               for s in (manifest.target, manifest.head))
 
 
 def _memory(profile: DeviceProfile, device: BuildGpu, memory_gib: float | None) -> tuple[float, str]:
@@ -265,14 +262,14 @@ def part_budget_gib(profile: DeviceProfile, budget: Budget, mapped: bool, reques
     return PART_GIB if room <= 0 else min(PART_GIB, math.floor(room * 100) / 100)
 
 
-def graph_cuts(artifacts: Path, manifest: dict[str, Any], part_gib: float) -> dict[str, GraphCut]:
+def graph_cuts(artifacts: Path, graphs: dict[str, GraphFile], part_gib: float) -> dict[str, GraphCut]:
     """The graphs with more than `part_gib` of weights, each cut into parts (reads their protobufs only)."""
-    return {graph: GraphCut(artifacts / manifest["graphs"][graph]["file"], budget)
-            for graph, size in graph_bytes(artifacts, manifest).items()
+    return {graph: GraphCut(artifacts / graphs[graph].file, budget)
+            for graph, size in graph_bytes(artifacts, graphs).items()
             for budget in [cut_budget(size, int(part_gib * GIB))] if budget is not None}
 
 
-def plan_memory(profile: DeviceProfile, manifest: dict[str, Any], artifacts: Path, precision: str, device: BuildGpu, *,
+def plan_memory(profile: DeviceProfile, manifest: Manifest, artifacts: Path, precision: str, device: BuildGpu, *,
                 max_context: int | None = None, max_tree: int | None = None, memory_gib: float | None = None,
                 workspace_gib: float | None = None, tensorrt_version: str | None = None,
                 max_part_gib: float | None = None) -> MemoryPlan:
@@ -280,11 +277,11 @@ def plan_memory(profile: DeviceProfile, manifest: dict[str, Any], artifacts: Pat
 
     `tensorrt_version` is the builder's (None: a plan for another machine, sized for the oldest version the
     target accepts); `max_part_gib` the weights per part (None: `part_budget_gib`'s)."""
-    export_ctx, export_tree = manifest["limits"]["max_context"], manifest["limits"]["max_tree"]
+    export_ctx, export_tree = manifest.max_context, manifest.max_tree
     _requested("--max-context", max_context, export_ctx)
     _requested("--max-tree", max_tree, export_tree)
     memory, source = _memory(profile, device, memory_gib)
-    weights = weights_bytes(artifacts, manifest) * BYTES[precision] / BYTES[manifest["dtype"]] / GIB
+    weights = weights_bytes(artifacts, manifest.graphs) * BYTES[precision] / BYTES[manifest.dtype] / GIB
     budget = Budget(memory, source, profile.reserve_gib, _workspace(profile, workspace_gib), weights,
                     kv_bytes_per_row(manifest))
     ctx, ctx_why = _max_context(profile, budget, export_ctx, max_context)
@@ -293,14 +290,14 @@ def plan_memory(profile: DeviceProfile, manifest: dict[str, Any], artifacts: Pat
                          key=lambda pair: pair[0])
     reasons = {"max_context": ctx_why, "max_tree": tree_why}
     image = None
-    if "N_img" in manifest["axes"]:
-        exported_image = manifest["axes"]["N_img"][1]
+    if "N_img" in manifest.axes:
+        exported_image = manifest.axes["N_img"][1]
         image = min(exported_image, ctx // 2)
         reasons["max_image_tokens"] = "the export's limit" if image == exported_image else "half the context"
     mapped = maps_weights(profile, tensorrt_version)
     part_gib = part_budget_gib(profile, budget, mapped, max_part_gib)
-    cuts = graph_cuts(artifacts, manifest, part_gib)
-    peak = build_peak(artifacts, manifest, profile, budget.workspace_gib, mapped, cuts)
+    cuts = graph_cuts(artifacts, manifest.graphs, part_gib)
+    peak = build_peak(artifacts, manifest.graphs, profile, budget.workspace_gib, mapped, cuts)
     return MemoryPlan(Limits(ctx, tree, image), budget, reasons, peak, part_gib, cuts)
 
 
@@ -310,15 +307,15 @@ def maps_weights(profile: DeviceProfile, tensorrt_version: str | None) -> bool:
     return version_tuple(version) >= version_tuple(MAPPED_WEIGHTS_FROM[profile.module])
 
 
-def build_peak(artifacts: Path, manifest: dict[str, Any], profile: DeviceProfile, workspace_gib: float,
+def build_peak(artifacts: Path, graphs: dict[str, GraphFile], profile: DeviceProfile, workspace_gib: float,
                mapped: bool = False, cuts: dict[str, GraphCut] | None = None) -> BuildPeak:
     """The costliest worker: a whole graph's, or a cut graph's largest part's. External weights are mapped
     where `mapped` (a part's are its graph's), inline ones always parsed."""
-    sizes = graph_bytes(artifacts, manifest)
+    sizes = graph_bytes(artifacts, graphs)
     workspace = workspace_gib if profile.jetson else 0.0
     peaks = []
     for graph, size in sizes.items():
-        held = mapped and bool(manifest["graphs"][graph].get("data_file"))
+        held = mapped and bool(graphs[graph].data_file)
         cut = (cuts or {}).get(graph)
         if cut is None:
             peaks.append(BuildPeak(graph, size / GIB, workspace, held))

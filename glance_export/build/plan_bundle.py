@@ -44,17 +44,17 @@ def _install(plan: MemoryPlan) -> str:
     return "The toolkit's edge install (`pip install glance-toolkit`; no torch or onnx needed)."
 
 
-def _readme(profile: DeviceProfile, manifest: dict, command: str, plan: MemoryPlan, precision: Precision,
+def _readme(profile: DeviceProfile, manifest: artifacts_format.Manifest, command: str, plan: MemoryPlan, precision: Precision,
             files: list[str]) -> str:
-    opset = manifest["opset"]
+    opset = manifest.opset
     parser = (f"opset {opset} graphs parse on every accepted version" if opset <= profile.max_opset
               else f"opset {opset} (ONNX Attention) graphs need {profile.module} >= {profile.attention_op_from}")
     return f"""# GLANCE build bundle: {profile.name}
 
 {profile.description}.
 
-This folder is a complete ONNX export ({manifest['family']}, {manifest['dtype']}, opset {opset}, max context \
-{manifest['limits']['max_context']}, max tree {manifest['limits']['max_tree']}) and what the device needs to build \
+This folder is a complete ONNX export ({manifest.family}, {manifest.dtype}, opset {opset}, max context \
+{manifest.max_context}, max tree {manifest.max_tree}) and what the device needs to build \
 TensorRT engines from it. It also runs as is on ONNX Runtime (`glance-run --artifacts .`).
 
 ## On the device
@@ -84,7 +84,7 @@ Files: {', '.join(files)}.
 
 def write_bundle(out: Path, artifacts: Path, profile: DeviceProfile, flags: list[str], plan: MemoryPlan,
                  precision: Precision) -> Path:
-    manifest = artifacts_format.read(artifacts).raw
+    manifest = artifacts_format.read(artifacts)
     command = build_command(profile, flags)
     written = [f"{profile.name}.json", SCRIPT, README]  # never linked: writing them would write through a link
     with atomic_directory(out, BUNDLE_FORMAT, "glance-export build --plan-only") as tmp:

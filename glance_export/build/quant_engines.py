@@ -6,28 +6,28 @@ Quantized artifacts carry two forms of each quantized graph (see `onnx/quantize.
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
 
 from glance_runtime.errors import GlanceError
+from glance_runtime.formats.artifacts import Manifest
 
 from .targets import DeviceProfile
 
 
-def scheme_of(manifest: dict[str, Any]) -> str:
-    return (manifest.get("quantization") or {}).get("scheme", "none")
+def scheme_of(manifest: Manifest) -> str:
+    return manifest.quantization.scheme if manifest.quantization else "none"
 
 
-def engine_manifest(profile: DeviceProfile, manifest: dict[str, Any]) -> dict[str, Any]:
+def engine_manifest(profile: DeviceProfile, manifest: Manifest) -> Manifest:
     """The manifest the engines are built from: refused when the target cannot run its scheme; for quantized
     artifacts, each quantized graph pointed at its TensorRT form and the opset raised to that form's."""
     scheme = scheme_of(manifest)
     if scheme not in profile.quant_schemes:
         raise GlanceError(f"{profile.name} does not run {scheme} weights ({profile.raw['quantization']['note']}); "
                           f"it runs {', '.join(profile.quant_schemes)}: re-export without --quantize or build for rtx")
-    quantization = manifest.get("quantization")
-    if not quantization:
+    q = manifest.quantization
+    if q is None:
         return manifest
-    graphs = {name: dict(entry) for name, entry in manifest["graphs"].items()}
-    for name, entry in quantization["graphs"].items():
-        graphs[name].update(file=entry["tensorrt_file"], data_file=entry["tensorrt_data_file"])
-    return {**manifest, "graphs": graphs, "opset": max(manifest["opset"], quantization["tensorrt_opset"])}
+    graphs = {name: replace(entry, file=q.tensorrt_graphs[name].file, data_file=q.tensorrt_graphs[name].data_file)
+              if name in q.tensorrt_graphs else entry for name, entry in manifest.graphs.items()}
+    return replace(manifest, graphs=graphs, opset=max(manifest.opset, q.tensorrt_opset))

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import glance_runtime
 from glance_runtime.store.atomic import write_file
 from glance_runtime.errors import GlanceError
+from glance_runtime.formats.artifacts import GraphFile, Manifest
 from glance_runtime.store.integrity import sha256
 from glance_runtime.backends.shape_expr import evaluate, symbols
 
@@ -60,10 +61,9 @@ def _span(bounds: list[int], want: int) -> Range:
     return lo, _opt(lo, hi, want), hi
 
 
-def shape_profiles(manifest: dict[str, Any], graph: str) -> list[ShapeProfile]:
+def shape_profiles(manifest: Manifest, graph: str) -> list[ShapeProfile]:
     """Optimization profiles of one graph from the manifest's axis bounds."""
-    axes = manifest["axes"]
-    max_tree = manifest["limits"]["max_tree"]
+    axes, max_tree = manifest.axes, manifest.max_tree
     if graph == "target":
         past = _span(axes["S"], axes["S"][1] // 2)
         prefill = {"T": _span(axes["T"], 256), "S": past}
@@ -79,7 +79,7 @@ def shape_profiles(manifest: dict[str, Any], graph: str) -> list[ShapeProfile]:
         return [ShapeProfile("embed", {"E": _span(axes["E"], 256), "R": (1, 1, 1)}),
                 ShapeProfile("project", {"E": (1, 1, 1), "R": _span(axes["R"], 32)})]
     patches = _span(axes["N_patch"], axes["N_patch"][1] // 4)
-    unit = manifest["graphs"]["vision"]["index_params"]["merge_size"] ** 2
+    unit = manifest.spatial_merge_size ** 2
     return [ShapeProfile("vision", {"N_patch": patches, "N_merged": tuple(p // unit for p in patches)})]
 
 
@@ -209,7 +209,7 @@ def _file_record(path: Path) -> dict[str, Any]:
     return {"file": path.name, "bytes": path.stat().st_size, "sha256": sha256(path)}
 
 
-def _build_parts(toolchain: Toolchain, graph: str, entry: dict[str, Any], cut: GraphCut, profiles: list[ShapeProfile],
+def _build_parts(toolchain: Toolchain, graph: str, entry: GraphFile, cut: GraphCut, profiles: list[ShapeProfile],
                  engine_dir: Path, scratch: Path, options: BuildOptions, cache: Path | None,
                  progress: Callable[[str], None]) -> dict[str, Any]:
     """One worker per part, in run order; the part protobufs live in `scratch` only while the build runs."""
@@ -221,7 +221,7 @@ def _build_parts(toolchain: Toolchain, graph: str, entry: dict[str, Any], cut: G
         progress(f"building {graph} part {number} of {len(parts)} ({part.weight_bytes / (1 << 30):.2f} GiB of weights, "
                  f"{len(part.inputs)} inputs, {len(part.outputs)} outputs) in a worker process")
         peak = run_job(graph_job(toolchain.name, part.onnx, path, part.inputs, profiles, options, cache,
-                                 external_data=bool(entry.get("data_file"))),
+                                 external_data=bool(entry.data_file)),
                        lambda phase: progress(f"  {graph} part {number}: {phase}"))
         records.append({**_file_record(path), "inputs": list(part.inputs), "outputs": part.outputs,
                         "weight_bytes": part.weight_bytes, "build_s": round(time.perf_counter() - t0, 2),
@@ -232,7 +232,7 @@ def _build_parts(toolchain: Toolchain, graph: str, entry: dict[str, Any], cut: G
     return {"parts": records, "peak_rss_gib": max(r["peak_rss_gib"] for r in records)}
 
 
-def build_engines(toolchain: Toolchain, artifacts: Path, manifest: dict[str, Any], engine_dir: Path,
+def build_engines(toolchain: Toolchain, artifacts: Path, manifest: Manifest, engine_dir: Path,
                   options: BuildOptions, progress: Callable[[str], None] = print,
                   cuts: dict[str, GraphCut] | None = None) -> dict[str, dict[str, Any]]:
     """Build every graph the manifest lists into `engine_dir/<graph>.engine`, one worker process each, or,
@@ -247,7 +247,7 @@ def build_engines(toolchain: Toolchain, artifacts: Path, manifest: dict[str, Any
         cache = Path(scratch) / "timing.cache" if options.timing_cache is not None else None
         if cache is not None:
             cache.write_bytes(options.timing_cache.data)
-        for graph, entry in manifest["graphs"].items():
+        for graph, entry in manifest.graphs.items():
             t0 = time.perf_counter()
             profiles = shape_profiles(manifest, graph)
             names = ", ".join(p.name for p in profiles)
@@ -257,13 +257,13 @@ def build_engines(toolchain: Toolchain, artifacts: Path, manifest: dict[str, Any
             else:
                 path = engine_dir / f"{graph}.engine"
                 progress(f"building {graph} ({names} profiles) in a worker process")
-                peak = run_job(graph_job(toolchain.name, artifacts / entry["file"], path, entry["inputs"], profiles,
-                                         options, cache, external_data=bool(entry.get("data_file"))),
+                peak = run_job(graph_job(toolchain.name, artifacts / entry.file, path, entry.inputs, profiles,
+                                         options, cache, external_data=bool(entry.data_file)),
                                lambda phase, graph=graph: progress(f"  {graph}: {phase}"))
                 built = {**_file_record(path), "peak_rss_gib": round(peak, 3)}
                 progress(f"built {graph} engine ({path.stat().st_size / 1e6:.1f} MB) in "
                          f"{time.perf_counter() - t0:.1f}s, worker peak RSS {peak:.2f} GiB")
-            onnx = [_file_record(artifacts / name) for name in (entry["file"], entry.get("data_file")) if name]
+            onnx = [_file_record(artifacts / name) for name in (entry.file, entry.data_file) if name]
             records[graph] = {**built, "onnx": onnx, "build_s": round(time.perf_counter() - t0, 2),
                               "profiles": {p.name: {axis: list(rng) for axis, rng in p.axes.items()} for p in profiles}}
         if cache is not None:

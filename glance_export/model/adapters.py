@@ -22,9 +22,9 @@ from PIL import Image
 
 from glance_runtime.prompt.processor_values import read_processor_config
 from glance_runtime.errors import GlanceError, InputError
-from glance_runtime.prompt.messages import split
-from glance_runtime.prompt.prompt_builder import (IMAGE_PLACEHOLDER, Prompt, check_placeholders, expand_placeholders, load_image,
-                                       processed_videos, to_rgb)
+from glance_runtime.prompt.messages import split, user_turn
+from glance_runtime.prompt.prompt_builder import (IMAGE_PLACEHOLDER, Prompt, check_placeholders, expand_placeholders,
+                                                  processed_videos)
 from glance_runtime.prompt.video import VIDEO_PLACEHOLDER, VideoProcessorConfig
 
 VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
@@ -111,32 +111,8 @@ class Snapshot:
         return tuple(sorted(ids))
 
     def build_prompt(self, text: str, image: str | Path | Image.Image | None = None) -> Prompt:
-        """Render one user turn with the snapshot's own chat template and image processor."""
-        if image is not None and not self.is_vl:
-            raise GlanceError(f"{self.path} is a text-only {self.family} model; drop --image")
-        content: list[dict[str, str]] = [{"type": "image"}] if image is not None else []
-        content.append({"type": "text", "text": text})
-        try:
-            rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": content}],
-                                                          add_generation_prompt=True, tokenize=False)
-        except TemplateError as exc:
-            raise GlanceError(f"the chat template of {self.path} does not render ({exc}); restore chat_template.jinja "
-                              "from the model's source") from None
-        if image is None:
-            ids = self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
-            return Prompt(np.asarray(ids, dtype=np.int64))
-        if rendered.count(IMAGE_PLACEHOLDER) != 1:
-            raise GlanceError(f"the chat template of {self.path} must emit exactly one {IMAGE_PLACEHOLDER} per image")
-        pil = load_image(image) if not isinstance(image, Image.Image) else to_rgb(image)
-        processed = self.image_processor(images=[pil], return_tensors="np")
-        grid = np.asarray(processed["image_grid_thw"], dtype=np.int64)
-        n_tokens = int(grid[0].prod()) // int(self.image_processor.merge_size) ** 2
-        rendered = rendered.replace(IMAGE_PLACEHOLDER, IMAGE_PLACEHOLDER * n_tokens)
-        ids = np.asarray(self.tokenizer(rendered, add_special_tokens=False)["input_ids"], dtype=np.int64)
-        if int((ids == self.image_token_id).sum()) != n_tokens:
-            raise GlanceError(f"the tokenizer of {self.path} does not map {IMAGE_PLACEHOLDER} to image_token_id "
-                              f"{self.image_token_id}")
-        return Prompt(ids, np.asarray(processed["pixel_values"], dtype=np.float32), grid)
+        """One user turn (the text after one image, or alone): `build_messages` of that turn."""
+        return self.build_messages([user_turn(text, [image] if image is not None else [])])
 
     def build_messages(self, messages) -> Prompt:
         """A conversation (OpenAI-style messages, any number of images and videos) through the snapshot's own

@@ -15,10 +15,11 @@ import numpy as np
 import torch
 
 from glance_runtime.decode.backend import BackendInfo, ServeLimits, Verified
-from glance_runtime.errors import GlanceError
 from glance_runtime.backends.hardware import host_cpu
+from glance_runtime.decode.loop import DecodeConfig
+from glance_runtime.decode.session import Session, Settings
+from glance_runtime.prompt.codec import PromptCodec
 from glance_runtime.prompt.prefix_reuse import images_after
-from glance_runtime.backends.registry import Conversations, Runner
 
 from .adapters import Prompt, Snapshot
 from .head import DraftHead, check_head_matches, load_head
@@ -268,33 +269,23 @@ def greedy_with_margins(model: torch.nn.Module, snapshot: Snapshot, prompt: Prom
                        **step).logits[0, -1]
 
 
-def checked_prompts(snapshot: Snapshot) -> Callable[..., Prompt]:
-    """`snapshot.build_prompt`, refusing by token count a prompt past the positions the model has, before
-    a prefill whose attention grows with the square of its length is tried (a 5 MB task prompt)."""
+def snapshot_codec(snapshot: Snapshot) -> PromptCodec:
+    """The snapshot's own text side: transformers' tokenizer, template and image processor (the reference's)."""
     positions = snapshot.text_config.get("max_position_embeddings")
-
-    def build(text: str, image=None) -> Prompt:
-        prompt = snapshot.build_prompt(text, image)
-        if isinstance(positions, int) and prompt.length > positions:
-            raise GlanceError(f"prompt of {prompt.length} tokens is longer than the {positions} positions of "
-                              f"{snapshot.path}; shorten the prompt")
-        return prompt
-
-    return build
+    return PromptCodec(snapshot.build_messages, snapshot.tokenizer.backend_tokenizer, snapshot.stop_token_ids,
+                       snapshot.image_token_id if snapshot.is_vl else None,
+                       int(snapshot.config.get("vision_config", {}).get("spatial_merge_size", 1)),
+                       positions if isinstance(positions, int) else None)
 
 
-def open_reference(model: Path, head: Path | None, dtype: str = "float32", device: str = "cpu") -> Runner:
-    """The torch backend on a snapshot (on `device`: "cpu", "cuda"), with the greedy oracle beside it."""
+def open_reference(model: Path, head: Path | None, dtype: str = "float32", device: str = "cpu", *,
+                   settings: Settings | DecodeConfig = Settings(),
+                   progress: Callable[[str], None] = lambda _: None) -> Session:
+    """The torch backend on a snapshot (on `device`: "cpu", "cuda"), with its codec and the greedy oracle."""
     snapshot = Snapshot(model)
     backend = TorchBackend(snapshot, load_head(head) if head is not None else None, dtype=dtype, device=device)
     stops = snapshot.stop_token_ids
-    conversations = Conversations(snapshot.build_messages, snapshot.tokenizer.backend_tokenizer,
-                                  snapshot.image_token_id if snapshot.is_vl else None,
-                                  int(snapshot.config.get("vision_config", {}).get("spatial_merge_size", 1)),
-                                  int(snapshot.text_config.get("max_position_embeddings", 1 << 31)))
-    return Runner(backend=backend, build_prompt=checked_prompts(snapshot), stop_ids=stops,
-                  detokenize=lambda ids: snapshot.tokenizer.decode(list(ids), skip_special_tokens=True),
-                  conversations=conversations,
-                  oracle=lambda prompt, n: greedy_reference(backend.model, snapshot, prompt, n, stops),
-                  identity=f"torch {Path(model).resolve()} {Path(head).resolve() if head else ''} {dtype}",
-                  calibration_dirs=(Path(head),) if head is not None else ())
+    return Session(backend, snapshot_codec(snapshot), settings, progress,
+                   oracle=lambda prompt, n: greedy_reference(backend.model, snapshot, prompt, n, stops),
+                   identity=f"torch {Path(model).resolve()} {Path(head).resolve() if head else ''} {dtype}",
+                   calibration_dirs=(Path(head),) if head is not None else ())

@@ -111,13 +111,13 @@ def validate_artifacts(artifacts_dir: str | Path, model_dir: str | Path, head_di
                        progress: Callable[[str], None] = print) -> dict[str, dict[str, float]]:
     """Re-validate an artifacts directory against the torch target and head it was exported from."""
     artifacts = Path(artifacts_dir)
-    manifest = artifacts_format.read(artifacts).raw
-    dtype, opset = manifest["dtype"], manifest["opset"]
+    manifest = artifacts_format.read(artifacts)
+    dtype, opset = manifest.dtype, manifest.opset
     snapshot, checkpoint, head = open_sources(model_dir, head_dir, dtype)
     skeleton = target_skeleton(snapshot, checkpoint, dtype, _attention(opset))
     dims = dims_for(snapshot, head)
-    graphs = build_graphs(skeleton.model, head, dims, manifest["branch_k"])
-    return _validate(artifacts, graphs, skeleton, dims, snapshot, dtype, opset, manifest["branch_k"], seed, progress)
+    graphs = build_graphs(skeleton.model, head, dims, manifest.branch_k)
+    return _validate(artifacts, graphs, skeleton, dims, snapshot, dtype, opset, manifest.branch_k, seed, progress)
 
 
 def _graph_bytes(path: Path) -> int:

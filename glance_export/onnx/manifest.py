@@ -12,7 +12,7 @@ import onnx
 
 from glance_export.model.adapters import Snapshot
 from glance_export.model.head import WEIGHTS_FILE, DraftHead
-from glance_runtime import __version__
+from glance_runtime._version import __version__
 from glance_runtime.store.integrity import record, sha256
 
 from .spec import Dims

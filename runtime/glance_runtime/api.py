@@ -5,8 +5,8 @@
         print(model.generate("What is the total?", images=["receipt.png"]).text)
 
 Defaults are `glance-run`'s (the same backend choice, budget policy, stop ids and answer length), so
-`generate` returns exactly its tokens: a Model is a `session.Session` (the commands' one way to open a
-backend and decode) with conversations, streamed text and stop strings around it, and every call goes
+`generate` returns exactly its tokens: a Model is a `session.Session` (the commands' one way to decode with an
+opened backend) with conversations, streamed text and stop strings around it, and every call goes
 through one internal function (`Model._run`: prompt in, decode, text out).
 A conversation (`Model.chat`) keeps what the backend has committed: each turn prefills only the
 rows after the prefix it shares with the last one (`prefix.shared_rows`), and its answer is
@@ -23,22 +23,29 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Generator, Iterator, Sequence, TypeVar
 
 import numpy as np
 
 from .defaults import AUTO, BRANCH_K, RUN_MAX_NEW_TOKENS as MAX_NEW_TOKENS, resolve
-from .errors import GlanceError, InputError, LimitError
-from .decode.limits import check_settings
+from .errors import GlanceError, InputError
+from .decode.limits import check_context, check_settings
 from .decode.loop import DecodeConfig, DecodeResult, RoundLog
 from .prompt.messages import ImageLike, VideoLike, conversation, user_turn
 from .prompt.prompt_builder import Prompt
 from .prompt.prefix_reuse import Committed, image_runs, shared_rows
-from .backends.registry import BACKENDS, Runner
-from .decode.session import Session, Settings, Source, open_session
+from .backends.registry import BACKENDS, Source, open_session
+from .decode.session import Session, Settings
 from .prompt.text_stream import TextStream
 
+T = TypeVar("T")
 ROOM_FIX = "shorten the prompt, lower max_new_tokens, or load with a larger max_context"
+
+
+def _answer_length(max_new_tokens: int) -> int:
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    return max_new_tokens
 
 
 @dataclass(frozen=True)
@@ -60,7 +67,6 @@ class Model:
 
     def __init__(self, session: Session):
         self._session: Session | None = session
-        self._side = session.runner.conversations
         self._lock = threading.Lock()
         self._owner: Chat | None = None  # the conversation whose rows the backend holds now
 
@@ -69,10 +75,6 @@ class Model:
         if self._session is None:
             raise GlanceError("this model is closed; load another with glance_runtime.load()")
         return self._session
-
-    @property
-    def runner(self) -> Runner:
-        return self.session.runner
 
     # -- lifetime --------------------------------------------------------------------------------
 
@@ -115,13 +117,18 @@ class Model:
     def stream(self, prompt: str | None = None, *, images: Sequence[ImageLike] | None = None,
                messages: Sequence[dict[str, Any]] | None = None, system: str | None = None,
                max_new_tokens: int = MAX_NEW_TOKENS, stop: Sequence[str] = (),
-               videos: Sequence[VideoLike] | None = None) -> Iterator[str]:
-        """`generate`'s text in pieces as rounds commit; the pieces join to exactly its text. Leaving the loop
-        early ends decoding after the current round."""
+               videos: Sequence[VideoLike] | None = None) -> "Stream":
+        """`generate`'s text in pieces as rounds commit; the pieces join to exactly its text, and once they are
+        exhausted the stream's `output` is `generate`'s Output. Closing the stream early ends decoding after
+        the current round."""
+        return Stream(self._streamed(prompt, images, messages, system, max_new_tokens, stop, videos))
+
+    def _streamed(self, prompt, images, messages, system, max_new_tokens, stop, videos) -> Generator[str, None, Output]:
         with self._busy():
             built = self.build(prompt, images=images, messages=messages, system=system, videos=videos)
-            yield from self._pieces(lambda on_piece, cancel: self._run(built, max_new_tokens, stop,
-                                                                        on_piece=on_piece, cancelled=cancel.is_set))
+            return (yield from self._pieces(lambda on_piece, cancel: self._run(built, max_new_tokens, stop,
+                                                                                on_piece=on_piece,
+                                                                                cancelled=cancel.is_set)))
 
     def chat(self, system: str | None = None) -> "Chat":
         """A conversation that keeps its KV between turns."""
@@ -131,7 +138,7 @@ class Model:
               messages: Sequence[dict[str, Any]] | None = None, system: str | None = None,
               videos: Sequence[VideoLike] | None = None) -> Prompt:
         """The prompt (ids, pixels, grids) a call would decode."""
-        return self._side.build(conversation(prompt, images, messages, system, videos))
+        return self.session.build(conversation(prompt, images, messages, system, videos))
 
     def reuse(self) -> "Reuse":
         """A handle that decodes built prompts, keeping the rows each shares with the previous one."""
@@ -140,7 +147,7 @@ class Model:
     def check_room(self, prompt: Prompt, max_new_tokens: int = MAX_NEW_TOKENS, *, fix: str = ROOM_FIX) -> None:
         """Refuse (LimitError, ending with `fix`: what the caller's user can change) a prompt whose answer could
         overflow the context, before any work is queued for it."""
-        self._check_room(prompt, self._config(max_new_tokens), fix)
+        check_context(prompt.length, _answer_length(max_new_tokens), self.session.max_context, fix)
 
     @property
     def budget(self) -> int | str:
@@ -152,32 +159,16 @@ class Model:
 
     def _config(self, max_new_tokens: int) -> DecodeConfig:
         """glance-run's DecodeConfig (the session resolves auto's policy once, then it is reused)."""
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        return replace(self.session.config, max_new_tokens=max_new_tokens)
-
-    def _check_room(self, prompt: Prompt, cfg: DecodeConfig, fix: str) -> None:
-        """Refuse before decoding what would overflow the context mid-answer."""
-        tree = cfg.budget + 1 if cfg.speculative and cfg.budget else 1
-        if self.runner.limits.max_tree is not None:
-            tree = min(tree, self.runner.limits.max_tree)
-        needed = prompt.length + cfg.max_new_tokens + tree - 1
-        if prompt.length > self._side.max_context:
-            raise LimitError(f"prompt longer than --max-context {self._side.max_context} ({prompt.length} rows); "
-                             "raise --max-context (max_context=) or shorten the prompt")
-        if needed > self._side.max_context:
-            raise LimitError(f"this needs up to {needed} context rows ({prompt.length} prompt + {cfg.max_new_tokens} "
-                             f"answer + {tree - 1} for a verify tree) but the model holds {self._side.max_context}; "
-                             f"{fix}")
+        return replace(self.session.config, max_new_tokens=_answer_length(max_new_tokens))
 
     def _run(self, prompt: Prompt, max_new_tokens: int, stop: Sequence[str], keep: int = 0,
              on_piece: Callable[[str], None] | None = None, cancelled: Callable[[], bool] | None = None,
              fix: str = ROOM_FIX) -> Output:
+        self.check_room(prompt, max_new_tokens, fix=fix)
         cfg = self._config(max_new_tokens)
-        self._check_room(prompt, cfg, fix)
         if on_piece is not None and not callable(on_piece):
             raise InputError(f"on_text must be a callable taking each piece of text, got {type(on_piece).__name__}")
-        text = TextStream(self._side.tokenizer, [stop] if isinstance(stop, str) else list(stop))
+        text = TextStream(self.session.codec.tokenizer, [stop] if isinstance(stop, str) else list(stop))
         pieces: list[str] = []
         kept: list[int] = []
         stopped_by_caller = False
@@ -211,33 +202,34 @@ class Model:
               fix: str) -> tuple[Output, Committed]:
         """`_run`, keeping the rows `prompt` shares with `committed` while `owner`'s rows are the backend's; the
         answer, and what the backend then holds."""
-        side = self._side
-        keep = shared_rows(committed if self._owner is owner else None, prompt, side.image_token_id, side.merge_size)
+        codec = self.session.codec
+        keep = shared_rows(committed if self._owner is owner else None, prompt, codec.image_token_id, codec.merge_size)
         out = self._run(prompt, max_new_tokens, stop, keep=keep, on_piece=on_piece, cancelled=cancelled, fix=fix)
-        rows = self.runner.backend.start
+        rows = self.session.backend.start
         self._owner = owner
         return out, Committed(np.concatenate([prompt.input_ids, np.asarray(out.token_ids, np.int64)])[:rows],
-                              tuple(image_runs(prompt, side.image_token_id, side.merge_size)))
+                              tuple(image_runs(prompt, codec.image_token_id, codec.merge_size)))
 
     def _stats(self, result: DecodeResult, cfg: DecodeConfig, prompt: Prompt, keep: int, kept: list[int],
                reason: str) -> dict[str, Any]:
         return {**result.stats(), "tokens": len(kept), "prompt_tokens": prompt.length,
                 "prefill_tokens": prompt.length - keep, "ms": round(result.total_ms, 3),
                 "tokens_per_s": round(1e3 / result.ms_per_token, 2) if result.ms_per_token else None,
-                "backend": self.runner.backend.name, "speculative": cfg.speculative,
+                "backend": self.session.backend.name, "speculative": cfg.speculative,
                 "budget": AUTO if cfg.auto else cfg.budget if cfg.speculative else 0, "finish": reason}
 
     @staticmethod
-    def _pieces(work: Callable[[Callable[[str], None], threading.Event], Output]) -> Iterator[str]:
-        """Run `work` on a worker thread and yield the pieces it emits, as it emits them."""
+    def _pieces(work: Callable[[Callable[[str], None], threading.Event], T]) -> Generator[str, None, T]:
+        """Run `work` on a worker thread and yield the pieces it emits, as it emits them; then return its result."""
         pieces: queue.Queue = queue.Queue()
         cancel = threading.Event()
         done = object()
         failure: list[BaseException] = []
+        result: list[T] = []
 
         def target() -> None:
             try:
-                work(pieces.put, cancel)
+                result.append(work(pieces.put, cancel))
             except BaseException as exc:  # handed to the consumer's thread, raised there
                 failure.append(exc)
             finally:
@@ -253,6 +245,28 @@ class Model:
             worker.join()
         if failure:
             raise failure[0]
+        return result[0]
+
+
+class Stream(Iterator[str]):
+    """An answer's text in pieces as rounds commit. Once the pieces are exhausted, `output` holds the finished
+    Output (text, tau, stats["finish"], ...); until then, and after closing the stream early, it is None."""
+
+    def __init__(self, pieces: Generator[str, None, Output]):
+        self._pieces = pieces
+        self.output: Output | None = None
+
+    def __next__(self) -> str:
+        try:
+            return next(self._pieces)
+        except StopIteration as end:
+            if end.value is not None:
+                self.output = end.value
+            raise
+
+    def close(self) -> None:
+        """End decoding after the current round and release the model."""
+        self._pieces.close()
 
 
 class Chat:
@@ -279,17 +293,42 @@ class Chat:
         """One user turn (with any number of images and videos) and its answer; prefills only what the
         conversation has not committed yet. A turn that would overflow the context is refused and leaves the
         history as it was."""
-        model = self._model
-        with model._busy():
-            if not isinstance(text, str):
-                raise InputError(f"the message must be a string, got {type(text).__name__}")
-            turn = user_turn(text, list(images or ()), list(videos or ()))
-            prompt = model.build(messages=[*self._messages, turn])
-            out, self._committed = model._kept(
-                self, self._committed, prompt, max_new_tokens, stop, on_text, None,
-                "start over with chat.reset(), lower max_new_tokens, or load with a larger max_context")
-            self._messages += [turn, {"role": "assistant", "content": out.text}]
-            return out
+        with self._model._busy():
+            turn, prompt = self._turn(text, images, videos)
+            return self._record(turn, self._answer(prompt, max_new_tokens, stop, on_text, None))
+
+    def stream(self, text: str, images: Sequence[ImageLike] | None = None, *, max_new_tokens: int = MAX_NEW_TOKENS,
+               stop: Sequence[str] = (), videos: Sequence[VideoLike] | None = None) -> Stream:
+        """`send`'s answer in pieces as rounds commit; once they are exhausted the stream's `output` is `send`'s
+        Output and the turn is in the history. A stream closed before then ends decoding after the current round
+        and leaves the history as it was."""
+        return Stream(self._streamed(text, images, max_new_tokens, stop, videos))
+
+    def _streamed(self, text, images, max_new_tokens, stop, videos) -> Generator[str, None, Output]:
+        with self._model._busy():
+            turn, prompt = self._turn(text, images, videos)
+            out = yield from Model._pieces(lambda on_piece, cancel: self._answer(prompt, max_new_tokens, stop,
+                                                                                 on_piece, cancel.is_set))
+            return self._record(turn, out)
+
+    def _turn(self, text: str, images: Sequence[ImageLike] | None,
+              videos: Sequence[VideoLike] | None) -> tuple[dict[str, Any], Prompt]:
+        if not isinstance(text, str):
+            raise InputError(f"the message must be a string, got {type(text).__name__}")
+        turn = user_turn(text, list(images or ()), list(videos or ()))
+        return turn, self._model.build(messages=[*self._messages, turn])
+
+    def _answer(self, prompt: Prompt, max_new_tokens: int, stop: Sequence[str], on_text: Callable[[str], None] | None,
+                cancelled: Callable[[], bool] | None) -> Output:
+        """Decode a turn's prompt, keeping what the backend then holds (whether or not the turn is recorded)."""
+        out, self._committed = self._model._kept(
+            self, self._committed, prompt, max_new_tokens, stop, on_text, cancelled,
+            "start over with chat.reset(), lower max_new_tokens, or load with a larger max_context")
+        return out
+
+    def _record(self, turn: dict[str, Any], out: Output) -> Output:
+        self._messages += [turn, {"role": "assistant", "content": out.text}]
+        return out
 
 
 class Reuse:

@@ -17,6 +17,7 @@ AUTO_MAX_NODES = 63  # auto's largest tree where the graphs set no smaller bound
 BRANCH_K = 8  # top-k per draft offset (and the export's: what a draft graph returns)
 RUN_MAX_NEW_TOKENS = 256  # glance-run's answer length
 MEASURE_MAX_NEW_TOKENS = 64  # glance-bench's and glance-export audit's answer length
+DECODE_MAX_NEW_TOKENS = 128  # a DecodeConfig's answer length where its caller names none (library use, tests)
 
 MODELS_ROOT = Path(__file__).resolve().parents[2] / "models"
 DEFAULT_MODEL = MODELS_ROOT / "glance-vl-tiny"

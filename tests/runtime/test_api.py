@@ -44,8 +44,41 @@ def test_generate_equals_glance_run(capsys, backend):
 @pytest.mark.edge
 def test_stream_joins_to_generate(model):
     out = model.generate("What is the total?", images=[RECEIPT])
-    pieces = list(model.stream("What is the total?", images=[RECEIPT]))
+    stream = model.stream("What is the total?", images=[RECEIPT])
+    assert stream.output is None
+    pieces = list(stream)
     assert len(pieces) > 1 and "".join(pieces) == out.text
+    assert (stream.output.text, stream.output.token_ids, stream.output.tau) == (out.text, out.token_ids, out.tau)
+    assert stream.output.stats["finish"] == out.stats["finish"] == "eos"
+
+
+@pytest.mark.edge
+def test_stream_closed_early_has_no_output_and_frees_the_model(model):
+    stream = model.stream("What is the total?", images=[RECEIPT], max_new_tokens=40)
+    next(stream)
+    stream.close()
+    assert stream.output is None and list(stream) == []
+    assert model.generate("Hi").text
+
+
+@pytest.mark.edge
+def test_chat_streams_its_turns(model):
+    turns = (("What is the total?", [RECEIPT]), ("Is it more than 30?", None), ("Thanks.", None))
+    sent = model.chat()
+    answers = [sent.send(text, images) for text, images in turns]
+    streamed = model.chat()
+    for (text, images), out in zip(turns[:2], answers):
+        stream = streamed.stream(text, images)
+        assert "".join(stream) == out.text and stream.output.token_ids == out.token_ids
+        assert stream.output.stats["finish"] == out.stats["finish"]
+    assert stream.output.stats["prefill_tokens"] < stream.output.stats["prompt_tokens"] // 2  # kept its KV
+    stream = streamed.stream("And the tax?", max_new_tokens=40)
+    next(stream)
+    stream.close()  # an answer ended early is not part of the conversation
+    assert stream.output is None and streamed.messages == sent.messages[:4]
+    last = streamed.send(*turns[2])
+    assert last.token_ids == answers[2].token_ids and streamed.messages == sent.messages
+    assert last.stats["prefill_tokens"] < last.stats["prompt_tokens"]  # the rows of the closed answer's prompt
 
 
 @pytest.mark.edge

@@ -11,6 +11,7 @@ import pytest
 from glance_runtime.backends.ort_backend import OrtBackend
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
 from glance_runtime.decode.loop import DecodeConfig, decode
+from glance_runtime.prompt.codec import exported_codec
 from glance_runtime.prompt.messages import user_turn
 
 pytestmark = pytest.mark.edge  # needs no torch: runs on the edge install too
@@ -21,8 +22,9 @@ RECEIPT = ROOT / "examples" / "demo" / "receipt.png"
 
 def _run(backend: OrtBackend) -> tuple[list[int], np.ndarray]:
     """A decode's tokens, and the prefill's hidden rows bit for bit (the tokens alone could hide drift)."""
-    prompt = backend.prompts.build_messages([user_turn("What is the total?", [RECEIPT])])
-    tokens = decode(backend, prompt, DecodeConfig(max_new_tokens=12, budget=15, branch_k=8), backend.stop_token_ids).tokens
+    prompt = exported_codec(backend.manifest).encode([user_turn("What is the total?", [RECEIPT])])
+    tokens = decode(backend, prompt, DecodeConfig(max_new_tokens=12, budget=15, branch_k=8),
+                    backend.manifest.stop_token_ids).tokens
     backend.prefill(prompt)
     hidden = backend.device.download(backend.hidden.rows(prompt.length)).copy()
     backend.close()

@@ -20,7 +20,8 @@ from glance_runtime.store.cache import cache_root
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
 from glance_runtime.errors import GlanceError
 from glance_runtime.formats.artifacts import read as load_manifest
-from glance_runtime.prompt.prompt_builder import PromptBuilder, load_image, to_rgb
+from glance_runtime.prompt.images import load_image, to_rgb
+from glance_runtime.prompt.codec import exported_codec
 from glance_runtime.decode.tree import build_tree, fit
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -170,9 +171,8 @@ def test_a_16_bit_image_prompts_like_its_8_bit_self_on_every_path(snapshot_dir, 
     grey = (np.arange(90 * 130).reshape(90, 130) * 7 % 256).astype(np.uint8)
     eight, sixteen = _png(tmp_path / "g8.png", grey), _png(tmp_path / "g16.png", grey.astype(np.uint16) * 257)
     snapshot = Snapshot(snapshot_dir("qwen2_5_vl"))
-    manifest = load_manifest(DEFAULT_ARTIFACTS)
-    builder = PromptBuilder(DEFAULT_ARTIFACTS, manifest.image_token_id)
-    for build in (snapshot.build_prompt, builder.build):
+    codec = exported_codec(load_manifest(DEFAULT_ARTIFACTS))
+    for build in (snapshot.build_prompt, codec.turn):
         a, b = build("Hi", eight), build("Hi", sixteen)
         np.testing.assert_array_equal(a.pixel_values, b.pixel_values)
     np.testing.assert_array_equal(snapshot.build_prompt("Hi", sixteen).pixel_values,

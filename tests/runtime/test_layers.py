@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from support import BLOCK_TRAINING_STACK
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNTIME = ROOT / "runtime" / "glance_runtime"
+CODE_MAP = ROOT / "tools" / "code_map.py"
 
 
 def _imported(tree: ast.AST) -> list[str]:
@@ -79,3 +81,42 @@ def test_torch_backend_without_the_export_stack_is_a_one_line_fix():
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "needs the export extra" in lines[0] and "pip install" in lines[0]
+
+
+def _code_map():
+    spec = importlib.util.spec_from_file_location("code_map", CODE_MAP)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.edge
+def test_neither_package_has_an_import_cycle():
+    """code_map reads every import of both packages (inside functions and under TYPE_CHECKING too) and fails
+    naming any cycle among their modules, package __init__ files included."""
+    proc = subprocess.run([sys.executable, str(CODE_MAP)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0 and "import cycles: none" in proc.stdout, proc.stdout
+
+
+@pytest.mark.edge
+def test_the_cycle_check_names_a_cycle_through_an_init_and_a_type_checking_import(tmp_path):
+    code_map = _code_map()
+    graph = {"p": {"p.a"}, "p.a": {"p.b"}, "p.b": {"p"}, "p.c": {"p.a"}, "p.d": {"p.e"}, "p.e": {"p.d"}}
+    assert code_map.cycles(graph) == [["p", "p.a", "p.b", "p"], ["p.d", "p.e", "p.d"]]
+    module = tmp_path / "m.py"
+    module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from glance_runtime.decode import loop\n"
+                      "def f():\n    from .. import errors\n")
+    found = code_map.imports(module, "glance_runtime.decode.m",
+                             frozenset({"glance_runtime.decode.loop", "glance_runtime.errors"}))
+    assert found == {"glance_runtime.decode.loop", "glance_runtime.errors"}
+
+
+@pytest.mark.edge
+def test_a_sub_module_imports_without_the_api():
+    """The package loads its API on first use: the pure modules import without Pillow or the backends."""
+    proc = _edge_python("import glance_runtime.decode.tree, glance_runtime\n"
+                        "print(sorted(m for m in ('PIL', 'glance_runtime.api', 'tokenizers') if m in sys.modules))\n"
+                        "print(glance_runtime.__version__, glance_runtime.load.__module__)")
+    assert proc.returncode == 0, proc.stderr
+    loaded, version = proc.stdout.splitlines()
+    assert loaded == "[]" and version.endswith("glance_runtime.api"), proc.stdout

@@ -13,15 +13,14 @@ from __future__ import annotations
 
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
+from ..decode.loop import DecodeConfig
+from ..decode.session import Session, Settings
 from ..errors import GlanceError
 
-if TYPE_CHECKING:
-    from .registry import Runner
-
 GROUP = "glance_runtime.extensions"
-REFERENCE = "torch-reference"  # (model, head, dtype) -> Runner: the torch backend with its greedy oracle
+REFERENCE = "torch-reference"  # (model, head, settings=, progress=) -> Session: the torch backend and its oracle
 EXPORT = "export"  # (model, head, out, progress=) -> Path: an artifacts directory
 INSTALL = "pip install 'glance-toolkit[export]' (from a clone: pip install -e '.[export]', which registers it)"
 
@@ -38,9 +37,11 @@ def _load(name: str, needed_for: str) -> Callable[..., Any]:
                           f"{INSTALL}") from None
 
 
-def torch_runner(model: Path, head: Path | None, dtype: str = "float32") -> "Runner":
-    """The torch reference backend and its greedy oracle."""
-    return _load(REFERENCE, "the torch backend")(model, head, dtype)
+def torch_session(model: Path, head: Path | None, settings: Settings | DecodeConfig = Settings(),
+                  progress: Callable[[str], None] = lambda _: None) -> Session:
+    """The torch reference backend on the snapshot `model` (with the draft head `head`), its codec and greedy
+    oracle."""
+    return _load(REFERENCE, "the torch backend")(model, head, settings=settings, progress=progress)
 
 
 def export(model: Path, head: Path, out: Path, progress: Callable[[str], None]) -> Path:

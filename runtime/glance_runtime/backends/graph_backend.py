@@ -23,14 +23,15 @@ import numpy as np
 from ..decode.backend import BackendInfo, ServeLimits, Verified
 from .device_buffers import Buffer, CudaDevice, Device, Tensor
 from .graph_chain import ChainGraph
-from .graph_clock import Graph, GraphClock
+from .graph import Graph
+from .graph_clock import GraphClock
 from ..formats.graphs import draft_kv_names, target_kv_names
 from .hardware import cuda_gpu, host_cpu
 from .kv_cache import KVCache
 from ..formats.artifacts import Manifest
 from ..decode.limits import check_branch_k, check_tree
 from ..prompt.prefix_reuse import image_runs
-from ..prompt.prompt_builder import Prompt, PromptBuilder
+from ..prompt.prompt_builder import Prompt
 from ..prompt.rope_index import TOKENS_PER_SECOND, rope_index, video_grids
 from ..prompt.vision_indices import vision_index_inputs
 
@@ -53,11 +54,9 @@ class GraphBackend:
         self._clock: GraphClock | None = None
         self._owned: list[Buffer] = []  # what close() frees
         self._closed = False
-        self.prompts = PromptBuilder(m.path, m.image_token_id if m.is_vl else None, m.family)
         config = m.path / "config.json"
         vision = json.loads(config.read_text()).get("vision_config", {}) if m.is_vl and config.is_file() else {}
         self.tokens_per_second = vision.get("tokens_per_second", TOKENS_PER_SECOND)  # Qwen2.5-VL's video positions
-        self.stop_token_ids = m.stop_token_ids
         self.block_size, self.max_context, self.max_tree = m.block_size, max_context, max_tree
         self.float = np.dtype(m.float_dtype)
         hidden, k, width = m.hidden_size, m.branch_k, m.tap_width
@@ -107,15 +106,6 @@ class GraphBackend:
         self.delta = 0  # M-RoPE offset: text position = stream position + delta
         self.pending_rows, self.pending_from = 0, 0
         self.known: dict[int, tuple[Buffer, int]] = {}  # token -> where its embedding row is on the device
-
-    def build_prompt(self, text: str, image=None) -> Prompt:
-        """The prompt, refused by its token count before anything sized by its length is allocated."""
-        prompt = self.prompts.build(text, image)
-        self.kv.check_prompt(prompt.length)
-        return prompt
-
-    def detokenize(self, ids) -> str:
-        return self.prompts.decode(ids)
 
     # -- the vocab graph ------------------------------------------------------------------------------
 

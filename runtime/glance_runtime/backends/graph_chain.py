@@ -1,5 +1,5 @@
 """One graph run as a chain of parts: a graph too large to build whole is built as consecutive parts, and this
-runs them in order as if they were the one graph (`graph_clock.Graph`).
+runs them in order as if they were the one graph (`graph.Graph`).
 
 Each part reads some of the caller's inputs and the values earlier parts made, and writes some of the caller's
 outputs and the values later parts read. The caller's views are bound where a part reads or writes them; the
@@ -32,7 +32,7 @@ class PartGraph(Protocol):
         """Every output's shape for a pass with these input shapes."""
 
     def run(self, inputs: dict[str, Tensor], outputs: dict[str, Tensor]) -> None:
-        """As `graph_clock.Graph.run`."""
+        """As `graph.Graph.run`."""
 
 
 @dataclass(frozen=True)

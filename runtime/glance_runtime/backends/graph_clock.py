@@ -7,21 +7,12 @@ graphs (`Backend.time_graphs`), so no caller replaces a backend's parts.
 from __future__ import annotations
 
 import time
-from typing import Callable, Protocol
+from typing import Callable
 
 from .device_buffers import Tensor
+from .graph import Graph
 
 GRAPH_NAMES = ("target", "draft", "vocab")  # the graphs a round runs (vision, where present, only at prefill)
-
-
-class Graph(Protocol):
-    """One graph that runs on bound device views (ONNX Runtime IOBinding, a TensorRT context)."""
-
-    input_names: frozenset[str]
-
-    def run(self, inputs: dict[str, Tensor], outputs: dict[str, Tensor]) -> None:
-        """Run with every input and output bound at the given views; returns once outputs are written
-        (on the device's stream)."""
 
 
 class TimedGraph:
@@ -43,7 +34,7 @@ class TimedGraph:
 
 
 class GraphClock:
-    """Timed stand-ins for every graph of one backend."""
+    """Timed stand-ins for every graph of one backend (the `decode.backend.GraphTimes` a backend hands out)."""
 
     def __init__(self, graphs: dict[str, Graph], sync: Callable[[], None]):
         self.graphs = {name: TimedGraph(graph, sync) for name, graph in graphs.items()}

@@ -21,9 +21,8 @@ HALF_PRECISION = ("fp16", "bf16")
 
 def weight_bytes(manifest: Manifest) -> int:
     """Bytes of every graph file and data file the backend opens (not the TensorRT forms beside them)."""
-    sizes = manifest.raw["file_hashes"]
-    return sum(sizes[entry[key]]["size"] for entry in manifest.raw["graphs"].values()
-               for key in ("file", "data_file") if entry.get(key))
+    return sum(manifest.file_hashes[name].size for entry in manifest.graphs.values()
+               for name in (entry.file, entry.data_file) if name)
 
 
 def buffer_bytes(manifest: Manifest, max_context: int) -> int:

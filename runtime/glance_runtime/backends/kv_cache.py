@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .device_buffers import Device, Tensor
+from ..decode.limits import check_prompt
 from ..errors import GlanceError, LimitError
 
 
@@ -53,9 +54,7 @@ class KVCache:
 
     def check_prompt(self, rows: int) -> None:
         """Refuse a prompt of `rows` tokens that could never fit, whatever is committed now."""
-        if rows > self.max_context:
-            raise LimitError(f"prompt longer than --max-context {self.max_context} ({rows} rows); "
-                              "raise --max-context or shorten the prompt")
+        check_prompt(rows, self.max_context)
 
     def appended(self, rows: int) -> None:
         """The pass bound to `new_rows(rows)` has written them: they become the last block."""

@@ -3,8 +3,8 @@
 Every input and output is bound at an address of the device layer's buffers: host memory for the CPU
 provider, CUDA memory for the CUDA and TensorRT providers, so KV stays where the provider computes
 and the loop, caches and commit code are the ones TensorRT uses (`graph_backend`). Needs numpy and
-onnxruntime only: prompts are built without transformers (`preprocess`) and M-RoPE prefill positions
-come from the numpy port of the model's rope-index function (`rope_index`).
+onnxruntime only: M-RoPE prefill positions come from the numpy port of the model's rope-index function
+(`rope_index`).
 """
 from __future__ import annotations
 
@@ -137,11 +137,10 @@ class OrtBackend(GraphBackend):
         context = runtime_limit("--max-context", max_context, manifest.max_context, *_EXPORTED)
         if isinstance(device, HostDevice):
             check_this_machine(manifest, context)
-        hashes = manifest.raw["file_hashes"]  # verified by load_manifest just now
 
         def session(graph: str) -> OrtGraph:
             try:
-                opened = open_session(ort, path / graph, hashes[graph]["sha256"], chosen, options)
+                opened = open_session(ort, path / graph, manifest.file_hashes[graph].sha256, chosen, options)
             except Exception as exc:  # onnxruntime's load errors share no base class short of Exception
                 reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 raise GlanceError(f"onnxruntime cannot load {path / graph} ({reason}); "

@@ -1,4 +1,5 @@
-"""Opens a backend with everything a caller needs around it: prompt building, stop ids, detokenizing.
+"""Backends by name: each opener turns a `Source` (what the shared flags name) into a Session, the backend
+with its prompt codec, oracle and where its cost profile and calibration live.
 
 Backends are imported only when chosen, and the torch reference is the one the export package
 registers (`extensions`), so the ONNX Runtime path never imports torch.
@@ -9,46 +10,34 @@ import hashlib
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
-from .. import __version__
+from .._version import __version__
 from . import extensions
-from ..decode.backend import Backend, ServeLimits
-from ..store.cache import cache_root, file_lock
+from ..decode.session import Session, Settings
+from ..decode.loop import DecodeConfig
 from ..defaults import DEFAULT_ARTIFACTS
 from ..errors import GlanceError, IntegrityError
 from ..formats.artifacts import VERSION as FORMAT_VERSION, Manifest, check_source, read as load_manifest
+from ..prompt.codec import exported_codec
+from ..prompt.prompt_builder import Prompt
+from ..store.cache import cache_root, file_lock
 
-BACKENDS = ("torch", "onnxruntime", "tensorrt")
+Progress = Callable[[str], None]
 
 
 @dataclass(frozen=True)
-class Conversations:
-    """What whole conversations need of a runner beyond one prompt: building a message list (several turns and
-    images), the raw `tokenizers.Tokenizer` (streamed text), the image-token rules (which rows a later turn can
-    reuse) and the context rows the backend holds."""
-    build: Callable[[list[dict[str, Any]]], Any]
-    tokenizer: Any
-    image_token_id: int | None  # None for text-only targets
-    merge_size: int
-    max_context: int
-
-
-@dataclass
-class Runner:
-    backend: Backend
-    build_prompt: Callable[[str, str | Path | None], Any]
-    stop_ids: tuple[int, ...]
-    detokenize: Callable[[Sequence[int]], str]
-    conversations: Conversations
-    oracle: Callable[[Any, int], list[int]] | None = None  # independent greedy decode, when the backend has one
-    home: Path | None = None  # the artifacts or engines served: a cost profile is stored beside them
-    identity: str = ""  # what is served, for cache keys where there is no `home` (the torch reference)
-    calibration_dirs: tuple[Path, ...] = ()  # where `calibration.json` for `--budget auto` may be, first first
-
-    @property
-    def limits(self) -> ServeLimits:
-        return self.backend.info.limits
+class Source:
+    """Which model, on which backend: what the shared command-line flags name (`flags.runner_flags`)."""
+    backend: str
+    model: Path | None = None
+    head: Path | None = None
+    artifacts: Path | None = None
+    engines: Path | None = None
+    providers: Sequence[str] | None = None  # ONNX Runtime execution providers, in priority order
+    threads: int | None = None  # ONNX Runtime intra-op threads
+    max_context: int | None = None  # below the export's or build's bound (graph backends)
+    max_tree: int | None = None
 
 
 class _TorchOracle:
@@ -57,43 +46,25 @@ class _TorchOracle:
 
     def __init__(self, manifest: Manifest, model: Path):
         self.manifest, self.model = manifest, model
-        self._reference: Runner | None = None
+        self._reference: Session | None = None
 
-    def __call__(self, prompt, max_new_tokens: int) -> list[int]:
+    def __call__(self, prompt: Prompt, max_new_tokens: int) -> list[int]:
         if self._reference is None:
             check_source(self.manifest, self.model)
-            self._reference = extensions.torch_runner(self.model, None)
+            self._reference = extensions.torch_session(self.model, None)
         return self._reference.oracle(prompt, max_new_tokens)
 
 
-def _graph_runner(backend, model: Path | None) -> Runner:
-    """A graph backend with, when `model` (the snapshot its graphs came from) is given, the torch oracle."""
+def _graph_session(backend, model: Path | None, settings: Settings | DecodeConfig, progress: Progress) -> Session:
+    """A graph backend with its exported codec and, when `model` (the snapshot its graphs came from) is given,
+    the torch oracle."""
     info = backend.info
     places = tuple(dict.fromkeys([info.home, info.manifest.path]))  # engines first, then their artifacts
     shipped = Path(info.home).resolve() == DEFAULT_ARTIFACTS.resolve()  # part of the install: kept unwritten
-    m = info.manifest
-    conversations = Conversations(backend.prompts.build_messages, backend.prompts.tokenizer,
-                                  m.image_token_id if m.is_vl else None, m.spatial_merge_size if m.is_vl else 1,
-                                  backend.max_context)
-    return Runner(backend=backend, build_prompt=backend.build_prompt, stop_ids=tuple(backend.stop_token_ids),
-                  detokenize=backend.detokenize, conversations=conversations,
-                  oracle=_TorchOracle(info.manifest, model) if model is not None else None,
-                  home=None if shipped else info.home, identity=str(Path(info.home).resolve()),
-                  calibration_dirs=places)
-
-
-def open_onnxruntime(artifacts: Path, model: Path | None = None, **options) -> Runner:
-    """ORT on exported graphs (options: providers, max_context, max_tree, threads)."""
-    from .ort_backend import OrtBackend
-
-    return _graph_runner(OrtBackend(artifacts, **options), model)
-
-
-def open_tensorrt(engines: Path, artifacts: Path | None = None, model: Path | None = None, **options) -> Runner:
-    """TensorRT engines from `glance-export build` (options: max_context, max_tree)."""
-    from .trt_backend import TrtBackend
-
-    return _graph_runner(TrtBackend(engines, artifacts, **options), model)
+    return Session(backend, exported_codec(info.manifest), settings, progress,
+                   oracle=_TorchOracle(info.manifest, model) if model is not None else None,
+                   home=None if shipped else info.home, identity=str(Path(info.home).resolve()),
+                   calibration_dirs=places)
 
 
 def export_cache_entry(model: Path, head: Path) -> Path:
@@ -109,7 +80,7 @@ def export_cache_entry(model: Path, head: Path) -> Path:
     return cache_root() / "onnx" / key.hexdigest()[:20]
 
 
-def exported_artifacts(model: Path, head: Path, progress: Callable[[str], None]) -> Path:
+def exported_artifacts(model: Path, head: Path, progress: Progress) -> Path:
     """Artifacts for (model, head) in the cache, exported on first use.
 
     The manifest's own hashes guard against a mismatched directory. A lock file beside the entry makes
@@ -130,27 +101,47 @@ def exported_artifacts(model: Path, head: Path, progress: Callable[[str], None])
         return extensions.export(model, head, out, progress)
 
 
-def open_runner(backend: str, *, model: Path | None = None, head: Path | None = None,
-                artifacts: Path | None = None, engines: Path | None = None, dtype: str = "float32",
-                providers: Sequence[str] | str | None = None, threads: int | None = None,
-                max_context: int | None = None, max_tree: int | None = None,
-                progress: Callable[[str], None] = lambda _: None) -> Runner:
-    """`providers` and `threads` apply to onnxruntime, `max_context` and `max_tree` to both graph backends;
-    the torch reference has none of these bounds."""
-    if backend == "torch":
-        if model is None:
-            raise GlanceError("the torch backend needs --model (a HF snapshot directory)")
-        return extensions.torch_runner(model, head, dtype)
-    if backend == "onnxruntime":
-        if artifacts is None:
-            if model is None or head is None:
-                raise GlanceError("the onnxruntime backend needs --artifacts DIR (from `glance-export onnx`), "
-                                  "or --model and --head to export them once into the cache")
-            artifacts = exported_artifacts(model, head, progress)
-        return open_onnxruntime(artifacts, model, providers=providers, threads=threads, max_context=max_context,
-                                max_tree=max_tree)
-    if backend == "tensorrt":
-        if engines is None:
-            raise GlanceError("the tensorrt backend needs --engines DIR (from `glance-export build`)")
-        return open_tensorrt(engines, artifacts, model, max_context=max_context, max_tree=max_tree)
-    raise GlanceError(f"unknown backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
+def _open_torch(source: Source, settings: Settings | DecodeConfig, progress: Progress) -> Session:
+    """The torch reference (the export package's), on a snapshot; it has none of the graph backends' bounds."""
+    if source.model is None:
+        raise GlanceError("the torch backend needs --model (a HF snapshot directory)")
+    return extensions.torch_session(source.model, source.head, settings=settings, progress=progress)
+
+
+def _open_onnxruntime(source: Source, settings: Settings | DecodeConfig, progress: Progress) -> Session:
+    """ONNX Runtime on exported graphs (--artifacts, or --model and --head exported once into the cache)."""
+    from .ort_backend import OrtBackend
+
+    artifacts = source.artifacts
+    if artifacts is None:
+        if source.model is None or source.head is None:
+            raise GlanceError("the onnxruntime backend needs --artifacts DIR (from `glance-export onnx`), "
+                              "or --model and --head to export them once into the cache")
+        artifacts = exported_artifacts(source.model, source.head, progress)
+    backend = OrtBackend(artifacts, providers=source.providers, threads=source.threads,
+                         max_context=source.max_context, max_tree=source.max_tree)
+    return _graph_session(backend, source.model, settings, progress)
+
+
+def _open_tensorrt(source: Source, settings: Settings | DecodeConfig, progress: Progress) -> Session:
+    """TensorRT engines from `glance-export build`."""
+    from .trt_backend import TrtBackend
+
+    if source.engines is None:
+        raise GlanceError("the tensorrt backend needs --engines DIR (from `glance-export build`)")
+    backend = TrtBackend(source.engines, source.artifacts, max_context=source.max_context, max_tree=source.max_tree)
+    return _graph_session(backend, source.model, settings, progress)
+
+
+OPENERS: dict[str, Callable[[Source, Settings | DecodeConfig, Progress], Session]] = {
+    "torch": _open_torch, "onnxruntime": _open_onnxruntime, "tensorrt": _open_tensorrt}
+BACKENDS = tuple(OPENERS)
+
+
+def open_session(source: Source, settings: Settings | DecodeConfig = Settings(),
+                 progress: Progress = lambda _: None) -> Session:
+    """Open `source` and decode with `settings`: the one way in for commands and the Python API."""
+    opener = OPENERS.get(source.backend)
+    if opener is None:
+        raise GlanceError(f"unknown backend {source.backend!r}; choose one of: {', '.join(BACKENDS)}")
+    return opener(source, settings, progress)

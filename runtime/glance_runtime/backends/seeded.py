@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..decode.backend import Backend, BackendInfo, Verified
-from .graph_clock import GraphClock
+from ..decode.backend import Backend, BackendInfo, GraphTimes, Verified
 
 
 class SeededDrafter:
@@ -54,7 +53,7 @@ class SeededDrafter:
     def commit(self, rows) -> None:
         self.inner.commit(rows)
 
-    def time_graphs(self) -> GraphClock | None:
+    def time_graphs(self) -> GraphTimes | None:
         return self.inner.time_graphs()
 
     def close(self) -> None:

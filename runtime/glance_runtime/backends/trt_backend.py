@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from math import prod
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -34,15 +34,12 @@ REBUILD = "rebuild them on this device with `glance-export build --artifacts ART
 Ranges = dict[str, tuple[Sequence[int], Sequence[int]]]  # input -> (min shape, max shape)
 
 
-def check_engines(record: dict[str, Any], module: str, version: str, compute_capability: str) -> None:
+def check_engines(record: engines_format.EnginesRecord, module: str, version: str, compute_capability: str) -> None:
     """Refuse engines built by another TensorRT or for another GPU: their plans would fail or misbehave."""
-    built = record["tensorrt"]
-    if (built["module"], built["version"]) != (module, version):
-        raise GlanceError(f"engines were built with {built['module']} {built['version']} but this machine has "
+    if (record.module, record.tensorrt_version) != (module, version):
+        raise GlanceError(f"engines were built with {record.module} {record.tensorrt_version} but this machine has "
                           f"{module} {version}; {REBUILD}")
-    device = record.get("device") or {}
-    built_cc = device.get("compute_capability")
-    allowed = [built_cc] if built_cc else list(device.get("runs_on_compute_capabilities") or [])
+    allowed = record.compute_capabilities
     if compute_capability not in allowed:
         raise GlanceError(f"engines were built for compute capability {', '.join(allowed) or '?'} but this GPU is "
                           f"{compute_capability}; {REBUILD}")
@@ -121,14 +118,14 @@ class TrtGraph:
 
 
 class TrtBackend(GraphBackend):
-    """Engines in `engines_dir`; the tokenizer, processor and sizes come from the artifacts they were built
-    from (recorded in engines.json, or `artifacts_dir`), whose manifest must be the one built from."""
+    """Engines in `engines_dir`; their sizes come from the artifacts they were built from (recorded in
+    engines.json, or `artifacts_dir`), whose manifest must be the one built from."""
 
     def __init__(self, engines_dir: str | Path, artifacts_dir: str | Path | None = None,
                  max_context: int | None = None, max_tree: int | None = None):
         engines = Path(engines_dir)
         record = engines_format.read(engines)
-        verify_engines(engines, record.raw)  # first: a damaged copy is named as such on any machine
+        verify_engines(engines, record.files)  # first: a damaged copy is named as such on any machine
         module_name = record.module
         try:
             trt = importlib.import_module(module_name)
@@ -136,7 +133,7 @@ class TrtBackend(GraphBackend):
             raise GlanceError(f"these engines need the {module_name} Python module (on Jetson it comes with "
                               "JetPack: apt install python3-libnvinfer)") from None
         device = CudaDevice()
-        check_engines(record.raw, module_name, trt.__version__, device.compute_capability())
+        check_engines(record, module_name, trt.__version__, device.compute_capability())
         artifacts = Path(artifacts_dir or record.artifacts_path or engines)
         manifest = load_manifest(artifacts)
         expected = record.artifacts_manifest_sha256

@@ -18,7 +18,7 @@ import numpy as np
 from .stats import cluster_indices, interval, spearman
 
 DECILES = 10
-MIN_ROUNDS = 3  # fewer cannot be fitted at all; the verdict asks for 20
+MIN_ROUNDS = 20  # fewer rounds give a fit (and a curve) too unstable to mean anything: not fitted, and said so
 
 
 @dataclass
@@ -62,9 +62,14 @@ class LawFit:
         return {**asdict(self), "slope": self.slope}
 
 
+def _sigmoid(eta: np.ndarray) -> np.ndarray:
+    """1 / (1 + e^-eta) without overflow for large |eta| (a steep fit)."""
+    return np.exp(-np.logaddexp(0, -eta))
+
+
 def expected_accepted(b0: float, b1: float, entropy: np.ndarray, cap: np.ndarray) -> np.ndarray:
     """E[a | H] = p (1 - p^L) / (1 - p) = sum_{k=1..L} p^k, capped at L by construction."""
-    p = 1 / (1 + np.exp(-(b0 - b1 * np.asarray(entropy, dtype=float))))
+    p = _sigmoid(b0 - b1 * np.asarray(entropy, dtype=float))
     cap = np.asarray(cap, dtype=float)
     near_one = np.abs(1 - p) < 1e-9
     safe = np.where(near_one, 0.5, p)
@@ -87,7 +92,7 @@ def _newton(x: np.ndarray, success: np.ndarray, failure: np.ndarray, ridge: floa
 
     current = objective(w)
     for _ in range(steps):
-        p = 1 / (1 + np.exp(-(x @ w)))
+        p = _sigmoid(x @ w)
         grad = x.T @ (success - trials * p) - 2 * ridge * w
         hess = (x * (trials * p * (1 - p))[:, None]).T @ x + 2 * ridge * np.eye(len(w))
         step = np.linalg.solve(hess, grad)
@@ -137,8 +142,8 @@ def _lr_note(f: LawFit) -> str:
 
 
 def _verdict(f: LawFit) -> str:
-    if f.rounds < 20:
-        return f"too few rounds ({f.rounds}) to test the law"
+    if f.rounds < MIN_ROUNDS:
+        return f"not fitted: {f.rounds} rounds are too few to fit or test the law (it needs {MIN_ROUNDS})"
     if f.entropy_range[1] - f.entropy_range[0] < 1e-3:
         return "the anchor entropy barely varies here, so the law cannot be tested"
     lo, hi = f.b1_interval

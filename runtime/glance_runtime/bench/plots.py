@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import GlanceError
-from .law import LawFit, expected_accepted
+from .law import MIN_ROUNDS, LawFit, expected_accepted
 from .auto_summary import PRIOR_NAME
 from .law_log import POOLED
 
@@ -41,7 +41,10 @@ def plot_law(path: Path, fits: dict[str, LawFit], rows: list[dict], mode: str) -
         ax.errorbar([x.entropy for x in d], [x.accepted for x in d],
                     yerr=[[x.accepted - x.lo for x in d], [x.hi - x.accepted for x in d]],
                     fmt="o", color="C0", capsize=2, label="decile means (95%)")
-        if np.isfinite(fit.b1) and len(h):
+        if fit.rounds < MIN_ROUNDS:
+            ax.text(0.5, 0.5, f"law not fitted:\n{fit.rounds} rounds of the {MIN_ROUNDS} it needs",
+                    transform=ax.transAxes, ha="center", va="center", fontsize=8, color="C3")
+        elif np.isfinite(fit.b1) and len(h):
             grid = np.linspace(h.min(), h.max(), 100)
             cap = max(r["cap"] for r in sel)
             ax.plot(grid, expected_accepted(fit.b0, fit.b1, grid, np.full_like(grid, cap)), color="C3",

@@ -18,17 +18,16 @@ import sys
 import time
 from pathlib import Path
 
-from .. import __version__
-from ..decode import limits
+from .._version import __version__
 from ..store.atomic import check_output, check_output_file, output_directory
 from ..decode.auto_budget import AutoBudget, auto_budget
 from ..decode.calibration import FILE as CALIBRATION_FILE, FORMAT as CALIBRATION_FORMAT, Calibration, load_calibration
-from .flags import OneLineParser, check_dirs, guarded, runner_flags, source
+from .flags import OneLineParser, at_least, check_dirs, guarded, runner_flags, source
 from ..defaults import BRANCH_K, MEASURE_MAX_NEW_TOKENS, resolve
 from ..errors import GlanceError
 from ..decode.limits import check_decode
-from ..backends.registry import Runner
-from ..decode.session import open_source
+from ..backends.registry import open_session
+from ..decode.session import Session
 from ..bench.calibrate import fit_calibration, summary_lines
 from ..bench.expect import METRICS, line as expect_line, parse as parse_expect
 from ..bench.law_log import fit_log, select
@@ -48,7 +47,7 @@ LAW_FORMAT = "glance-bench-law"
 def _runner_args(p: argparse.ArgumentParser) -> None:
     """What the bench and `cost` are run on: glance-run's flags, and the trees' top-k."""
     runner_flags(p)
-    p.add_argument("--branch-k", type=limits.at_least("--branch-k", 1), default=BRANCH_K,
+    p.add_argument("--branch-k", type=at_least("--branch-k", 1), default=BRANCH_K,
                    help=f"top-k per draft offset for the trees (default {BRANCH_K})")
     p.add_argument("--remeasure", action="store_true", help="measure this device's cost profile for auto again, "
                    "even where one is stored")
@@ -70,7 +69,7 @@ def bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--chain", action="store_true", help="also the same head as a chain (branch 1, min(budget, B-1) nodes)")
     p.add_argument("--n", type=int, help="first N prompts of each task file (default: all)")
     p.add_argument("--samples", type=int, default=3, help="runs per prompt and mode, the first dropped as a warm-up")
-    p.add_argument("--max-new-tokens", type=limits.at_least("--max-new-tokens", 2), default=MEASURE_MAX_NEW_TOKENS,
+    p.add_argument("--max-new-tokens", type=at_least("--max-new-tokens", 2), default=MEASURE_MAX_NEW_TOKENS,
                    help=f"answer length per run (default {MEASURE_MAX_NEW_TOKENS}; at least 2: prefill gives the first)")
     p.add_argument("--seed-drafts", choices=("none", "partial", "full"), default="none",
                    help="seed the target's own greedy continuation into the draft top-k with confident log-probs "
@@ -120,19 +119,19 @@ def calibrate_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _open(args: argparse.Namespace) -> Runner:
+def _open(args: argparse.Namespace) -> Session:
     model, head, artifacts, backend = resolve(args.model, args.head, args.artifacts, args.backend)
-    return open_source(source(args, backend, model=model, head=head, artifacts=artifacts), _progress)
+    return open_session(source(args, backend, model=model, head=head, artifacts=artifacts), progress=_progress)
 
 
 def _progress(line: str) -> None:
     print(line, file=sys.stderr)
 
 
-def _auto(runner: Runner, args: argparse.Namespace, calibration: Calibration | None) -> tuple[AutoBudget, dict]:
-    """The runner's auto policy (with `calibration`, from --calibration, in place of the one found) and what
+def _auto(session: Session, args: argparse.Namespace, calibration: Calibration | None) -> tuple[AutoBudget, dict]:
+    """The session's auto policy (with `calibration`, from --calibration, in place of the one found) and what
     the report records of it: the cost profile with its path, and the calibration's path ("prior" where none)."""
-    policy, cost_path, found = auto_budget(runner, args.branch_k, remeasure=args.remeasure, progress=_progress)
+    policy, cost_path, found = auto_budget(session, args.branch_k, remeasure=args.remeasure, progress=_progress)
     if calibration is not None:
         policy, found = policy.with_calibration(calibration), args.calibration
     return policy, {"max_nodes": policy.max_nodes, "cost_table": policy.cost.table(),
@@ -157,8 +156,8 @@ def _inputs(args: argparse.Namespace) -> list[Path | None]:
     return [*args.data, args.model, args.head, args.artifacts, args.engines, args.calibration]
 
 
-def _conditions(runner, args: argparse.Namespace, argv: list[str]) -> dict:
-    providers = runner.backend.info.providers
+def _conditions(session: Session, args: argparse.Namespace, argv: list[str]) -> dict:
+    providers = session.backend.info.providers
     versions = {}
     for module in ("numpy", "onnxruntime"):
         try:
@@ -166,7 +165,7 @@ def _conditions(runner, args: argparse.Namespace, argv: list[str]) -> dict:
         except ImportError:
             continue
     return {"command": "glance-bench " + " ".join(shlex.quote(a) for a in argv), "toolkit": __version__,
-            "backend": runner.backend.name, "providers": ", ".join(providers) if providers else None,
+            "backend": session.backend.name, "providers": ", ".join(providers) if providers else None,
             "threads": args.threads, "cpus": os.cpu_count(), "platform": platform.platform(),
             "python": platform.python_version(), "versions": versions,
             "load_start": round(os.getloadavg()[0], 2), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
@@ -185,24 +184,24 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
         from ..bench.plots import pyplot
 
         pyplot()
-    runner = _open(args)
-    modes = modes_for(budgets, args.branch_k, runner.backend.block_size, args.chain)
+    session = _open(args)
+    modes = modes_for(budgets, args.branch_k, session.backend.block_size, args.chain)
     if args.law_mode is not None and args.law_mode not in {m.name for m in modes if m.kind != "ar"}:
         raise GlanceError(f"--law-mode {args.law_mode} is not a fixed mode measured here; choose one of: "
                           + ", ".join(m.name for m in modes if m.kind != "ar"))
     for mode in modes:
-        check_decode(runner.limits, mode.config(args.max_new_tokens))
+        check_decode(session.limits, mode.config(args.max_new_tokens))
     auto = None
     if with_auto:
-        policy, auto = _auto(runner, args, calibration)
+        policy, auto = _auto(session, args, calibration)
         modes.append(auto_mode(policy, args.branch_k))
-    conditions = _conditions(runner, args, argv)
-    clock = runner.backend.time_graphs()
+    conditions = _conditions(session, args, argv)
+    clock = session.backend.time_graphs()
     output_directory(args.out, REPORT_FORMAT, "glance-bench", _inputs(args))
     results = []
     with Progress(len(tasks)) as progress:
         for task in tasks:
-            result = measure_prompt(runner.backend, task, runner.build_prompt, runner.stop_ids, modes, args.samples,
+            result = measure_prompt(session.backend, task, session.prompt, session.stop_ids, modes, args.samples,
                                     args.max_new_tokens, clock, args.seed_drafts)
             results.append(result)
             progress.step(f"{task.kind} {task.index}: {result.new_tokens} tokens")
@@ -211,7 +210,7 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
                 "samples": args.samples,
                 "warmup_dropped": 1, "prompts": len(tasks), "n": args.n, "max_new_tokens": args.max_new_tokens,
                 "drafts": "the head's own" if args.seed_drafts == "none" else f"seeded ({args.seed_drafts}; an upper bound)",
-                "block_size": runner.backend.block_size, "bootstrap": args.bootstrap, "seed": args.seed,
+                "block_size": session.backend.block_size, "bootstrap": args.bootstrap, "seed": args.seed,
                 "modes": [m.name for m in modes], "data": [str(p) for p in args.data]}
     report, rows, fits = build(results, modes, conditions, settings, args.bootstrap, args.seed, args.law_mode, auto,
                                expectations)
@@ -265,8 +264,8 @@ def run_law(args: argparse.Namespace) -> int:
 
 def run_cost(args: argparse.Namespace) -> int:
     check_dirs(args)
-    runner = _open(args)
-    policy, path, calibration = auto_budget(runner, args.branch_k, remeasure=args.remeasure, progress=_progress)
+    session = _open(args)
+    policy, path, calibration = auto_budget(session, args.branch_k, remeasure=args.remeasure, progress=_progress)
     print(policy.cost.table())
     print(f"stored in {path}")
     where = calibration or f"the prior (no {CALIBRATION_FILE} beside the artifacts, engines or head)"

@@ -1,24 +1,106 @@
 """What the commands share on their command lines: the flags that name a model and backend (declared once,
 for glance-run, glance-bench and glance-export), argument errors in the same one-line form as every other
-refusal, and the one wrapper that turns a command's refusals and Ctrl-C into that line and an exit code."""
+refusal, each flag's range rule (argparse types: every command declaring a flag refuses a bad value in the
+same words, before anything is opened), and the one wrapper that turns a command's refusals and Ctrl-C into
+that line and an exit code."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Callable, NoReturn
 
-from ..decode import limits
-from ..defaults import BRANCH_K
+from .._version import __version__
+from ..defaults import AUTO, BRANCH_K
+from ..decode.limits import threads_problem
 from ..errors import GlanceError, check_stdout, machine_failure, silence_stdout
 from ..backends.registry import BACKENDS
-from ..decode.session import Source
+from ..backends.registry import Source
 
 BACKEND_DEFAULT = "default: onnxruntime where installed, else torch"
 
 
+def _integer(flag: str, text: str) -> int:
+    try:
+        value = float(text.strip())
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value != int(value):
+        raise argparse.ArgumentTypeError(f"{flag} {text!r} is not a whole number; pass an integer {flag}")
+    return int(value)
+
+
+def at_least(flag: str, minimum: int) -> Callable[[str], int]:
+    """An integer flag with a lower bound (--max-new-tokens, --branch-k, --samples, ...)."""
+    def parse(text: str) -> int:
+        value = _integer(flag, text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= {minimum} (got {value}); pass {flag} {minimum} "
+                                             "or more")
+        return value
+    return parse
+
+
+def between(flag: str, low: int, high: int, why: str) -> Callable[[str], int]:
+    """An integer flag with both bounds, `why` saying where the upper one comes from (sizes that would
+    otherwise run until stopped or exhaust the machine: --layers, --n, --steps, ...)."""
+    def parse(text: str) -> int:
+        value = _integer(flag, text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{flag} {value} is outside {low}..{high} ({why}); pass {flag} "
+                                             f"{low}..{high}")
+        return value
+    return parse
+
+
+def positive(flag: str) -> Callable[[str], float]:
+    """A finite number above 0 (memory budgets in GiB, seconds)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text.strip())
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"{flag} {text!r} is not a positive number; pass a finite {flag} > 0")
+        return value
+    return parse
+
+
+def integer(flag: str) -> Callable[[str], int]:
+    """An integer flag whose range is a backend's (--max-context, --max-tree: `decode.limits.runtime_limit`)."""
+    return lambda text: _integer(flag, text)
+
+
+def threads(text: str) -> int:
+    """`--threads`: the rule `limits.threads_problem` states for the API too."""
+    value = _integer("--threads", text)
+    if (problem := threads_problem("--threads", value)) is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return value
+
+
+def budget(text: str) -> int | str:
+    """`--budget`: auto, or tree nodes besides the anchor (0: plain greedy steps)."""
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        value = _integer("--budget", text)
+    except argparse.ArgumentTypeError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a budget: pass auto or an integer --budget >= 0")
+    return value
+
+
 class OneLineParser(argparse.ArgumentParser):
-    """argparse prints a usage block before its error; here it is one line that points at --help."""
+    """argparse prints a usage block before its error; here it is one line that points at --help. Every
+    command and subcommand answers --version with the toolkit's version."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                          help="print the toolkit's version and exit")
 
     def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: error: {message}; see {self.prog} --help", file=sys.stderr)
@@ -36,20 +118,20 @@ def runner_flags(p: argparse.ArgumentParser, *, backend_help: str = BACKEND_DEFA
     p.add_argument("--engines", type=Path, help="TensorRT engines for --backend tensorrt (glance-export build)")
     p.add_argument("--provider", action="append", help="ONNX Runtime execution provider (cpu, cuda, tensorrt or a "
                    "full name); repeat for a priority list; CPU is the fallback")
-    p.add_argument("--threads", type=limits.threads, help=threads_help)
-    p.add_argument("--max-context", type=limits.integer("--max-context"),
+    p.add_argument("--threads", type=threads, help=threads_help)
+    p.add_argument("--max-context", type=integer("--max-context"),
                    help="KV rows to allocate (default: the export's or build's bound)")
-    p.add_argument("--max-tree", type=limits.integer("--max-tree"),
+    p.add_argument("--max-tree", type=integer("--max-tree"),
                    help="largest verify pass (default: the export's or build's bound)")
 
 
 def decode_flags(p: argparse.ArgumentParser, *, max_new_tokens: int | None, budget_help: str,
                  budget_default: int | None = None, max_new_tokens_help: str | None = None) -> None:
-    """--budget, --branch-k and --max-new-tokens, each with its one range rule (`limits`)."""
-    p.add_argument("--budget", type=limits.budget, default=budget_default, help=budget_help)
-    p.add_argument("--branch-k", type=limits.at_least("--branch-k", 1), default=BRANCH_K,
+    """--budget, --branch-k and --max-new-tokens, each with its one range rule."""
+    p.add_argument("--budget", type=budget, default=budget_default, help=budget_help)
+    p.add_argument("--branch-k", type=at_least("--branch-k", 1), default=BRANCH_K,
                    help=f"top-k per draft offset (default {BRANCH_K})")
-    p.add_argument("--max-new-tokens", type=limits.at_least("--max-new-tokens", 1), default=max_new_tokens,
+    p.add_argument("--max-new-tokens", type=at_least("--max-new-tokens", 1), default=max_new_tokens,
                    help=max_new_tokens_help or f"longest answer in tokens (default {max_new_tokens})")
 
 

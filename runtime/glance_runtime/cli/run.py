@@ -9,11 +9,10 @@ from pathlib import Path
 
 from .. import api
 from ..store.cache import cache_root
-from .flags import OneLineParser, check_applicable, check_dirs, decode_flags, guarded, runner_flags
+from .flags import OneLineParser, check_applicable, check_dirs, decode_flags, guarded, positive, runner_flags
 from ..defaults import BUDGET, RUN_MAX_NEW_TOKENS, resolve
 from ..errors import GlanceError
-from ..decode.limits import positive
-from ..prompt.prompt_builder import check_image_path
+from ..prompt.images import check_image_path
 from ..prompt.video import DEFAULT_FPS
 
 

@@ -13,10 +13,9 @@ import socket
 import sys
 from pathlib import Path
 
-from ..decode import limits
-from .flags import OneLineParser, check_dirs, guarded, runner_flags
+from .flags import OneLineParser, between, budget, check_dirs, guarded, positive, runner_flags
 from ..errors import GlanceError
-from ..prompt.processor_values import MAX_PIXELS
+from ..prompt.images import MAX_IMAGE_PIXELS as MAX_PIXELS
 from ..serve.app import ServeConfig, create_app
 from ..serve.engine import ModelSpec
 
@@ -32,28 +31,28 @@ def parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="glance-serve", description="OpenAI-compatible server for one GLANCE model "
                       "(greedy, lossless; one request decodes at a time)")
     runner_flags(p)
-    p.add_argument("--budget", type=limits.budget, help="tree nodes per round, or auto (default: as glance-run)")
+    p.add_argument("--budget", type=budget, help="tree nodes per round, or auto (default: as glance-run)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs --api-key)")
-    p.add_argument("--port", type=limits.between("--port", 0, 65535, "TCP ports"), default=8000,
+    p.add_argument("--port", type=between("--port", 0, 65535, "TCP ports"), default=8000,
                    help="port to bind (0: any free port, printed at start)")
     p.add_argument("--api-key", help="required as `Authorization: Bearer KEY` on every endpoint but /health")
     p.add_argument("--media-dir", type=Path, help="directory whose files requests may name as file:// image URLs")
     p.add_argument("--served-model-name", help="the model id clients send (default: the model directory's name)")
-    p.add_argument("--max-queue", type=limits.between("--max-queue", 1, MAX_QUEUE, "requests held in memory"),
+    p.add_argument("--max-queue", type=between("--max-queue", 1, MAX_QUEUE, "requests held in memory"),
                    default=64, help="requests that may wait for the runner; more get 429")
-    p.add_argument("--timeout", type=limits.positive("--timeout"), default=120.0,
+    p.add_argument("--timeout", type=positive("--timeout"), default=120.0,
                    help="seconds per request, queue wait included")
-    p.add_argument("--max-tokens", type=limits.between("--max-tokens", 1, MAX_TOKENS, "tokens one answer may take"),
+    p.add_argument("--max-tokens", type=between("--max-tokens", 1, MAX_TOKENS, "tokens one answer may take"),
                    default=1024, help="the largest max_tokens a request may ask for")
-    p.add_argument("--max-body-mb", type=limits.positive("--max-body-mb"), default=16.0,
+    p.add_argument("--max-body-mb", type=positive("--max-body-mb"), default=16.0,
                    help=f"largest request body, in MiB (at most {MAX_BODY_MB})")
-    p.add_argument("--max-image-pixels", type=limits.between("--max-image-pixels", 1, MAX_PIXELS,
+    p.add_argument("--max-image-pixels", type=between("--max-image-pixels", 1, MAX_PIXELS,
                                                              "the largest image the runtime decodes"),
                    default=4096 * 4096, help="largest image, in pixels")
-    p.add_argument("--max-request-pixels", type=limits.between("--max-request-pixels", 1, 16 * MAX_PIXELS,
+    p.add_argument("--max-request-pixels", type=between("--max-request-pixels", 1, 16 * MAX_PIXELS,
                                                                "every image of one request together"),
                    default=4 * 4096 * 4096, help="most pixels of all a request's images together")
-    p.add_argument("--max-messages", type=limits.between("--max-messages", 1, MAX_MESSAGES, "messages one request holds"),
+    p.add_argument("--max-messages", type=between("--max-messages", 1, MAX_MESSAGES, "messages one request holds"),
                    default=64, help="most messages in one request")
     return p
 

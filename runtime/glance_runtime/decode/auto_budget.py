@@ -35,6 +35,7 @@ from ..errors import GlanceError
 from .limits import check_branch_k, check_decode, reachable_nodes
 from .loop import DecodeConfig
 from .tree import Tree, build_tree
+from ..prompt.messages import user_turn
 
 
 class _Cut:
@@ -121,8 +122,8 @@ def auto_budget(runner, branch_k: int, remeasure: bool = False,
     largest = min(AUTO_MAX_NODES, reachable_nodes(backend.block_size, branch_k))
     if limits.max_tree is not None:
         largest = min(largest, limits.max_tree - 1)
-    cost, cost_path = stored_or_measured(backend, runner.home, runner.identity,
-                                         lambda: runner.build_prompt(PROBE_PROMPT, None), largest + 1, branch_k,
+    probe = lambda: runner.build([user_turn(PROBE_PROMPT)])  # noqa: E731 (not length-checked: cut to fit)
+    cost, cost_path = stored_or_measured(backend, runner.home, runner.identity, probe, largest + 1, branch_k,
                                          remeasure=remeasure, progress=progress)
     calibration, calibration_path = find_calibration(list(runner.calibration_dirs))
     policy = AutoBudget(cost, calibration, min(largest, cost.max_rows - 1), backend.block_size)

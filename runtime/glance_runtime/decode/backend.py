@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import numpy as np
 
 if TYPE_CHECKING:
-    from ..backends.graph_clock import GraphClock
     from ..formats.artifacts import Manifest
 
 
@@ -48,6 +47,16 @@ class BackendInfo:
     manifest: "Manifest | None" = None  # the exported graphs' manifest; None for the torch reference
 
 
+class GraphTimes(Protocol):
+    """What a backend's graph clock tells between rounds (`backends.graph_clock.GraphClock`)."""
+
+    def reading(self) -> dict[str, float]:
+        """Cumulative ms per graph so far."""
+
+    def runs(self) -> dict[str, int]:
+        """Runs per graph so far."""
+
+
 class Backend(Protocol):
     name: str  # torch, onnxruntime or tensorrt
     block_size: int  # B: anchor plus B-1 drafted offsets; 1 when no head is loaded
@@ -71,7 +80,7 @@ class Backend(Protocol):
         """Keep the KV (and head context) of packed rows `rows` ([0] + accepted path, in order);
         drop the rest. The next anchor then sits at position start + len(rows)."""
 
-    def time_graphs(self) -> "GraphClock | None":
+    def time_graphs(self) -> GraphTimes | None:
         """From now on, time each graph run (waiting for the device after each, so a run is charged its
         own time); None where the backend has no separate graphs to time (the torch reference)."""
 

@@ -19,6 +19,7 @@ import hashlib
 import os
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -61,6 +62,9 @@ def measure(backend: Backend, prompt, max_rows: int, branch_k: int, seconds: flo
     if backend.block_size < 2:
         raise GlanceError("a cost profile needs a draft head (block size 1 here); pass --head or artifacts "
                           "exported with one")
+    limit = backend.info.limits.max_context
+    if limit is not None and prompt.length >= limit:  # the probe's head leaves a row to verify: costs, not text
+        prompt = replace(prompt, input_ids=prompt.input_ids[:max(1, limit - 1)])
     anchor, _ = backend.prefill(prompt)
     room = room_left(backend)  # a small --max-context bounds the passes that can be timed
     grid = row_grid(measurable_rows(backend.block_size, branch_k, max_rows if room is None else min(max_rows, room)))

@@ -13,7 +13,7 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from .backend import Backend
-from ..defaults import BRANCH_K, BUDGET
+from ..defaults import BRANCH_K, BUDGET, DECODE_MAX_NEW_TOKENS
 from .tree import Tree, build_tree, fit, visibility, walk
 
 
@@ -28,7 +28,7 @@ class BudgetPolicy(Protocol):
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    max_new_tokens: int = 128
+    max_new_tokens: int = DECODE_MAX_NEW_TOKENS
     budget: int = BUDGET  # tree nodes besides the anchor (with `auto`: the most it may keep)
     branch_k: int = BRANCH_K  # top-k per offset; 1 with budget <= B-1 is the chain ablation
     speculative: bool = True

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .. import __version__
+from .._version import __version__
 from ..store.atomic import write_file
 from ..errors import GlanceError, IntegrityError
 from .graphs import DRAFT_GRAPH, MANIFEST, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH
@@ -54,6 +54,33 @@ class Stack:
 
 
 @dataclass(frozen=True)
+class GraphFile:
+    """One exported graph as a builder reads it: its ONNX file, its external data, and its inputs."""
+
+    file: str
+    data_file: str | None
+    inputs: dict[str, Any]  # name -> {dtype, shape (symbolic axes by name)}: what an engine's profiles bind
+
+
+@dataclass(frozen=True)
+class FileHash:
+    """What the manifest records of a file beside it (checked before any graph is opened)."""
+
+    sha256: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """A weight-only quantized export: its scheme, and the TensorRT form of each quantized graph."""
+
+    scheme: str
+    group_size: int | None
+    tensorrt_opset: int  # the TensorRT form's (blocked DequantizeLinear)
+    tensorrt_graphs: dict[str, GraphFile]  # graph -> its TensorRT-form files (under tensorrt/)
+
+
+@dataclass(frozen=True)
 class Manifest:
     path: Path
     toolkit_version: str
@@ -78,15 +105,12 @@ class Manifest:
     spatial_merge_size: int | None
     vision_index_params: dict[str, Any] | None
     source: dict[str, Any]
-    raw: dict[str, Any]  # the whole checked document, for the export side's graph and build records
-
-    @property
-    def head_weights_sha256(self) -> str | None:
-        return (self.raw.get("head") or {}).get("weights_sha256")
-
-    @property
-    def quantization(self) -> dict[str, Any] | None:
-        return self.raw.get("quantization")
+    axes: dict[str, tuple[int, int]]  # every symbolic axis's [min, max], which engine profiles are sized from
+    graphs: dict[str, GraphFile]
+    head_weights_sha256: str | None  # of the draft head's weights the graphs were exported with
+    quantization: Quantization | None
+    file_hashes: dict[str, FileHash]  # every file beside the manifest
+    raw: dict[str, Any]  # the whole checked document, for the graph I/O and file-hash checks
 
 
 def _version(value: str) -> tuple[int, int]:
@@ -196,6 +220,51 @@ def _vision_params(value: Any, merge_size: int) -> dict[str, Any]:
     return value
 
 
+def _axes(raw: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    axes = raw.get("axes") or {}
+    if not isinstance(axes, dict):
+        raise Invalid("axes must be an object")
+    out = {}
+    for name, bounds in axes.items():
+        if not isinstance(bounds, list) or len(bounds) != 2:
+            raise Invalid(f"axes.{name} must be [min, max]")
+        lo, hi = (check_int(v, f"axes.{name}", 0, BIG) for v in bounds)
+        if lo > hi:
+            raise Invalid(f"axes.{name} is [{lo}, {hi}]: min above max")
+        out[name] = (lo, hi)
+    return out
+
+
+def _graph_file(entry: dict[str, Any], file: str, data_file: str, where: str) -> GraphFile:
+    inputs = entry.get("inputs") or {}
+    if not isinstance(inputs, dict):
+        raise Invalid(f"{where}inputs must be an object")
+    data = entry.get(data_file)
+    return GraphFile(text(entry, file, where), None if data is None else text(entry, data_file, where), inputs)
+
+
+def _quantization(raw: dict[str, Any]) -> Quantization | None:
+    q = raw.get("quantization")
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise Invalid("quantization must be an object or null")
+    graphs = obj(q, "graphs", "quantization.")
+    return Quantization(text(q, "scheme", "quantization."), optional_int(q, "group_size", 1, BIG, "quantization."),
+                        integer(q, "tensorrt_opset", 1, 99, "quantization."),
+                        {name: _graph_file(obj(graphs, name, "quantization.graphs."), "tensorrt_file",
+                                           "tensorrt_data_file", f"quantization.graphs.{name}.")
+                         for name in graphs})
+
+
+def _head_weights(raw: dict[str, Any]) -> str | None:
+    head = raw.get("head") or {}
+    if not isinstance(head, dict):
+        raise Invalid("head must be an object")
+    value = head.get("weights_sha256")
+    return None if value is None else text(head, "weights_sha256", "head.")
+
+
 def _parse(path: Path, raw: dict[str, Any]) -> tuple[Manifest, dict[str, str], list[str]]:
     """The typed manifest, the graphs it needs and every file it names; Invalid on the first bad field."""
     is_vl = boolean(raw, "is_vl")
@@ -245,7 +314,11 @@ def _parse(path: Path, raw: dict[str, Any]) -> tuple[Manifest, dict[str, str], l
         stop_token_ids=int_list(raw, "stop_token_ids", 0, token), max_tree=max_tree, max_context=max_context,
         spatial_merge_size=merge,
         vision_index_params=_vision_params(vision.get("index_params"), merge) if is_vl else None,
-        source=source, raw=raw)
+        source=source, axes=_axes(raw),
+        graphs={name: _graph_file(obj(graphs, name, "graphs."), "file", "data_file", f"graphs.{name}.")
+                for name in graphs},
+        head_weights_sha256=_head_weights(raw), quantization=_quantization(raw),
+        file_hashes={name: FileHash(e["sha256"], e["size"]) for name, e in raw["file_hashes"].items()}, raw=raw)
     return manifest, needed, names
 
 

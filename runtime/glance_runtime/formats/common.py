@@ -185,6 +185,12 @@ def check_text(value: Any, name: str, choices: tuple[str, ...] = ()) -> str:
     return value
 
 
+def optional_text(raw: dict[str, Any], key: str, where: str = "", name: str | None = None) -> str | None:
+    """`raw[key]` as text, None where it is absent or null; a refusal names it `name` (default: where + key)."""
+    value = raw.get(key)
+    return None if value is None else check_text(value, name or f"{where}{key}")
+
+
 def boolean(raw: dict[str, Any], key: str, where: str = "") -> bool:
     value = field(raw, key, where)
     if type(value) is not bool:

@@ -25,8 +25,8 @@ from typing import Any
 
 from ..store.atomic import write_file
 from ..errors import GlanceError
-from .common import (Invalid, check_header, check_int, check_text, digest, dumps, guarded, integer, obj, read_json,
-                     stamped)
+from .common import (Invalid, check_header, check_int, check_text, digest, dumps, guarded, integer, obj,
+                     optional_text, read_json, stamped)
 
 FORMAT = "glance-engines"
 VERSION = 3
@@ -60,6 +60,11 @@ class EnginesRecord:
     artifacts_manifest_sha256: str | None
     engines: dict[str, tuple[EngineFile, ...]]  # graph -> its one engine, or its parts in run order
     raw: dict[str, Any]
+
+    @property
+    def files(self) -> tuple[EngineFile, ...]:
+        """Every engine file, each part of a chained graph included."""
+        return tuple(f for parts in self.engines.values() for f in parts)
 
 
 def _names(entry: dict[str, Any], key: str, where: str) -> tuple[str, ...]:
@@ -95,17 +100,12 @@ def _engine(graph: str, entry: Any) -> tuple[EngineFile, ...]:
     return files
 
 
-def _optional_text(raw: dict[str, Any], key: str, where: str) -> str | None:
-    value = raw.get(key)
-    return None if value is None else check_text(value, f"{where}{key}")
-
-
 def _parse(path: Path, raw: dict[str, Any]) -> EnginesRecord:
     tensorrt, limits = obj(raw, "tensorrt"), obj(raw, "limits")
     device = raw.get("device") or {}
     if not isinstance(device, dict):
         raise Invalid("device must be an object")
-    built = _optional_text(device, "compute_capability", "device.")
+    built = optional_text(device, "compute_capability", "device.")
     runs_on = device.get("runs_on_compute_capabilities") or []
     if not isinstance(runs_on, list):
         raise Invalid("device.runs_on_compute_capabilities must be a list")
@@ -121,10 +121,10 @@ def _parse(path: Path, raw: dict[str, Any]) -> EnginesRecord:
     return EnginesRecord(
         path=path.parent, module=check_text(tensorrt.get("module"), "tensorrt.module", ("tensorrt", "tensorrt_rtx")),
         tensorrt_version=check_text(tensorrt.get("version"), "tensorrt.version"), compute_capabilities=capabilities,
-        precision=_optional_text(precision, "name", "precision."), max_context=max_context,
+        precision=optional_text(precision, "name", "precision."), max_context=max_context,
         max_tree=check_int(limits.get("max_tree"), "limits.max_tree", 1, max_context - 1),
-        artifacts_path=_optional_text(artifacts, "path", "artifacts."),
-        artifacts_manifest_sha256=_optional_text(artifacts, "manifest_sha256", "artifacts."),
+        artifacts_path=optional_text(artifacts, "path", "artifacts."),
+        artifacts_manifest_sha256=optional_text(artifacts, "manifest_sha256", "artifacts."),
         engines={graph: _engine(graph, entry) for graph, entry in engines.items()}, raw=raw)
 
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from ..store.atomic import write_file
 from ..errors import GlanceError
-from .common import (Invalid, check_header, check_text, digest, dumps, guarded, int_list, integer,
-                     parse, read_text, stamped, text)
+from .common import (Invalid, check_header, digest, dumps, guarded, int_list, integer,
+                     optional_text, parse, read_text, stamped, text)
 
 FORMAT = "glance-reference"
 VERSION = 1
@@ -58,10 +58,6 @@ def _payload(ref: Reference) -> dict[str, Any]:
     return body
 
 
-def _optional_text(raw: dict[str, Any], key: str, where: str) -> str | None:
-    return None if raw.get(key) is None else check_text(raw[key], f"{where}{key}")
-
-
 def _task(i: int, raw: Any) -> RecordedTask:
     where = f"payload.tasks[{i}]."
     if not isinstance(raw, dict):
@@ -70,9 +66,9 @@ def _task(i: int, raw: Any) -> RecordedTask:
     if not isinstance(margins, list) or len(margins) != len(tokens) or \
             any(type(m) not in (int, float) or not math.isfinite(m) for m in margins):
         raise Invalid(f"{where}margins must hold one finite number per token")
-    return RecordedTask(prompt=text(raw, "prompt", where), image_sha256=_optional_text(raw, "image_sha256", where),
+    return RecordedTask(prompt=text(raw, "prompt", where), image_sha256=optional_text(raw, "image_sha256", where),
                         input_ids_sha256=text(raw, "input_ids_sha256", where),
-                        pixels_sha256=_optional_text(raw, "pixels_sha256", where),
+                        pixels_sha256=optional_text(raw, "pixels_sha256", where),
                         tokens=list(tokens), margins=[float(m) for m in margins])
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..store.atomic import write_file
 from ..errors import GlanceError
-from .common import Invalid, check_text, read_jsonl
+from .common import Invalid, check_text, optional_text, read_jsonl
 
 FORMAT = "glance-tasks"
 VERSION = 1
@@ -30,25 +30,20 @@ class Task:
     answers: tuple[str, ...] = ()  # every accepted answer (eval scores against them): `answers`, else `answer`
 
 
-def _optional_text(row: dict[str, Any], key: str) -> str | None:
-    value = row.get(key)
-    return None if value is None else check_text(value, f'"{key}"')
-
-
 def parse_row(row: dict[str, Any], base: Path) -> Task:
     """One line's object as a Task (image resolved against `base`); Invalid names the bad field."""
     if "prompt" not in row:
         raise Invalid('the "prompt" field is missing')
     prompt = check_text(row["prompt"], '"prompt"')
-    image = _optional_text(row, "image")
+    image = optional_text(row, "image", name='"image"')
     if image is not None and "\x00" in image:
         raise Invalid('"image" holds a NUL character, which no path can')
-    answer, answers = _optional_text(row, "answer"), row.get("answers")
+    answer, answers = optional_text(row, "answer", name='"answer"'), row.get("answers")
     if answers is None:
         answers = [] if answer is None else [answer]
     elif not isinstance(answers, list):
         raise Invalid('"answers" must be a list of strings')
-    return Task(prompt, base / image if image else None, _optional_text(row, "kind") or None, answer,
+    return Task(prompt, base / image if image else None, optional_text(row, "kind", name='"kind"') or None, answer,
                 tuple(check_text(a, f'"answers"[{i}]') for i, a in enumerate(answers)))
 
 

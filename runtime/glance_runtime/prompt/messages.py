@@ -18,6 +18,7 @@ import numpy as np
 from PIL import Image
 
 from ..errors import InputError
+from .images import load_image, to_rgb
 from .video import DEFAULT_FPS, Video
 
 ROLES = ("system", "user", "assistant")
@@ -58,12 +59,10 @@ def conversation(prompt: str | None = None, images: Sequence[ImageLike] | None =
 
 def _image(value: Any) -> Image.Image:
     """An RGB image from a path, PIL image, HxW(x3|4) uint8 array or encoded bytes."""
-    from .prompt_builder import load_image
-
     if isinstance(value, (str, Path)):
         return load_image(value)
     if isinstance(value, Image.Image):
-        return value.convert("RGB")
+        return to_rgb(value)
     if isinstance(value, np.ndarray):
         if value.dtype != np.uint8 or value.ndim not in (2, 3) or (value.ndim == 3 and value.shape[2] not in (3, 4)):
             raise InputError(f"an image array must be uint8 HxW, HxWx3 or HxWx4; got {value.dtype} {value.shape}")

@@ -10,8 +10,8 @@ from typing import Any
 
 from ..errors import GlanceError, IntegrityError
 from ..formats.common import Invalid, check_int, read_json
+from .images import MAX_IMAGE_PIXELS as MAX_PIXELS
 
-MAX_PIXELS = 8192 * 8192  # the largest image the runtime decodes at all
 RESAMPLE_FILTERS = range(6)  # PIL's filters as transformers numbers them (3: bicubic)
 FIX = "restore it from the model's source"
 INTEGERS = {"patch_size": (1, 1024), "temporal_patch_size": (1, 64), "merge_size": (1, 64),

@@ -9,12 +9,8 @@ bicubic resize of the uint8 image, rescale/normalise and the patch layout the vi
 """
 from __future__ import annotations
 
-import errno
 import json
-import math
-import os
 import re
-import stat
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property, lru_cache
@@ -22,15 +18,15 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image
 
 from ..errors import GlanceError, InputError, IntegrityError
 from ..formats.common import read_json, read_text
+from .images import smart_resize
 from .messages import split
-from .processor_values import MAX_PIXELS, read_processor_config
+from .processor_values import read_processor_config
 from .video import VIDEO_PLACEHOLDER, Video, VideoProcessorConfig, placeholder, process_video, seconds_per_grid
 
-MAX_IMAGE_PIXELS = MAX_PIXELS
 IMAGE_PLACEHOLDER = "<|image_pad|>"
 _RESAMPLE = {0: Image.Resampling.NEAREST, 1: Image.Resampling.LANCZOS, 2: Image.Resampling.BILINEAR,
              3: Image.Resampling.BICUBIC, 4: Image.Resampling.BOX, 5: Image.Resampling.HAMMING}
@@ -79,94 +75,6 @@ def processed_videos(videos: Sequence[Video], cfg: VideoProcessorConfig) -> tupl
               "video_grid_thw": np.concatenate([grid for _, grid in done]),
               "second_per_grid_ts": np.array([seconds_per_grid(cfg, v.fps) for v in videos], np.float32)}
     return fields, [placeholder(cfg, grid, len(v.frames), v.fps) for v, (_, grid) in zip(videos, done)]
-
-
-def check_image_path(path: str | Path) -> Path:
-    """The file an image path names, or a refusal that says what the path really is."""
-    path = Path(path)
-    try:
-        mode = path.stat().st_mode
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise InputError(f"image {path} is a symbolic link loop; point it at an image file") from None
-        if exc.errno == errno.ENOENT and path.is_symlink():
-            raise InputError(f"image {path} is a dangling symbolic link (to {os.readlink(path)}); point it at an "
-                              "existing image file") from None
-        if exc.errno == errno.ENOENT:
-            raise InputError(f"image {path} does not exist; pass an existing image file") from None
-        if exc.errno == errno.ENOTDIR:
-            raise InputError(f"image {path}: a part of the path is a file, not a directory; pass an existing "
-                              "image file") from None
-        raise InputError(f"image {path} cannot be reached ({exc.strerror}); pass a readable image file") from None
-    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
-             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-    for test, what in kinds:
-        if test(mode):
-            raise InputError(f"image {path} is {what}, not an image file; pass an image file")
-    if not os.access(path, os.R_OK):
-        raise InputError(f"image {path} cannot be read (permission denied); make it readable or pass another file")
-    return path
-
-
-def to_rgb(image: Image.Image) -> Image.Image:
-    """8-bit RGB as image viewers show it, so one picture gives one prompt whatever its encoding: rotated
-    by its EXIF orientation; 16- and 32-bit integer greys scaled from their full range (not clipped at
-    255, which turns a 16-bit PNG almost white); floats read as 0..1 intensities when they lie in that
-    range, else clipped to 0..255; transparency (RGBA, LA, palettes with a transparent index) composited
-    over white. Every backend and the torch oracle build their pixels through here."""
-    image = ImageOps.exif_transpose(image)
-    if image.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
-        values = np.asarray(image.convert("F") if image.mode.startswith("I;16") else image, dtype=np.float64)
-        finite = values[np.isfinite(values)]
-        if image.mode == "F":
-            top = 1.0 if finite.size and finite.min() >= 0 and finite.max() <= 1 else 255.0
-        else:
-            top = 65535.0 if image.mode != "I" or not finite.size or finite.max() <= 65535 else float(2**32 - 1)
-        grey = np.clip(np.nan_to_num(values, nan=0.0, posinf=top, neginf=0.0) / top, 0, 1) * 255
-        image = Image.fromarray(np.round(grey).astype(np.uint8), "L")
-    if image.mode == "P" and "transparency" in image.info or image.mode == "PA":
-        image = image.convert("RGBA")
-    if image.mode in ("RGBA", "LA", "RGBa", "La"):
-        rgba = image.convert("RGBA")
-        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, rgba).convert("RGB")
-    return image.convert("RGB")
-
-
-def load_image(path: str | Path) -> Image.Image:
-    """Open and decode an image fully now, so a bad file fails here with its name, not inside a graph."""
-    path = check_image_path(path)
-    try:
-        with Image.open(path) as img:
-            width, height = img.size
-            if width * height > MAX_IMAGE_PIXELS:
-                raise InputError(f"image {path} is {width}x{height}, larger than {MAX_IMAGE_PIXELS} pixels; "
-                                  "downscale it first")
-            return to_rgb(img)
-    except GlanceError:
-        raise
-    except Image.DecompressionBombError:
-        raise InputError(f"image {path} is absurdly large; downscale it first") from None
-    except (OSError, ValueError, SyntaxError) as exc:
-        raise InputError(f"image {path} cannot be decoded ({exc}); pass a PNG, JPEG or other Pillow format") from None
-
-
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Nearest size with both sides multiples of `factor` and area within [min_pixels, max_pixels]."""
-    if max(height, width) / min(height, width) > 200:
-        raise InputError(f"image aspect ratio {max(height, width) / min(height, width):.0f}:1 is over 200:1; "
-                          "crop it first")
-    h = round(height / factor) * factor
-    w = round(width / factor) * factor
-    if h * w > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h = max(factor, math.floor(height / beta / factor) * factor)
-        w = max(factor, math.floor(width / beta / factor) * factor)
-    elif h * w < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h = math.ceil(height * beta / factor) * factor
-        w = math.ceil(width * beta / factor) * factor
-    return h, w
 
 
 @dataclass(frozen=True)
@@ -321,7 +229,7 @@ class ChatTemplate:
 
 
 class PromptBuilder:
-    """Turns (text, image) into a Prompt from a directory of tokenizer/template/processor files.
+    """Turns a conversation into a Prompt from a directory of tokenizer/template/processor files.
 
     `image_token_id` is None for text-only targets; then an image or a video is refused. `family` picks the
     video processor's rules (Qwen3-VL's differ)."""
@@ -373,30 +281,6 @@ class PromptBuilder:
             raise InputError(f"the prompt holds a lone surrogate ({text[exc.start]!a} at character {exc.start}), which "
                              "is not text; pass valid Unicode (decode bytes as UTF-8 first)") from None
         return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
-
-    def decode(self, ids) -> str:
-        """Text of generated ids, special tokens dropped (what the CLI prints)."""
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
-
-    def build(self, text: str, image: str | Path | Image.Image | None = None) -> Prompt:
-        """Render one user turn with the snapshot's chat template; expand the image placeholder."""
-        if image is not None and self.image_token_id is None:
-            raise InputError(f"the model in {self.path} is text-only; drop --image")
-        content: list[dict[str, str]] = [{"type": "image"}] if image is not None else []
-        content.append({"type": "text", "text": text})
-        rendered = self.template.render([{"role": "user", "content": content}])
-        if image is None:
-            return Prompt(self.encode(rendered))
-        if rendered.count(IMAGE_PLACEHOLDER) != 1:
-            raise IntegrityError(f"the chat template in {self.path} must emit exactly one {IMAGE_PLACEHOLDER} per image")
-        pil = to_rgb(image) if isinstance(image, Image.Image) else load_image(image)
-        pixel_values, grid = process_image(pil, self.image_config)
-        n_tokens = int(grid[0].prod()) // self.image_config.merge_size ** 2
-        ids = self.encode(rendered.replace(IMAGE_PLACEHOLDER, IMAGE_PLACEHOLDER * n_tokens))
-        if int((ids == self.image_token_id).sum()) != n_tokens:
-            raise IntegrityError(f"the tokenizer in {self.path} does not map {IMAGE_PLACEHOLDER} to image_token_id "
-                              f"{self.image_token_id}")
-        return Prompt(ids, pixel_values, grid)
 
     def build_messages(self, messages) -> Prompt:
         """Render a conversation (OpenAI-style messages, any number of images and videos) with the snapshot's

@@ -19,6 +19,7 @@ import numpy as np
 from PIL import Image
 
 from ..errors import GlanceError, InputError
+from .images import check_aspect, smart_resize
 from .processor_values import read_processor_config
 
 DEFAULT_FPS = 2.0  # frames per second of a frame list when the caller does not say (qwen-vl-utils' sampling rate)
@@ -110,7 +111,7 @@ def frame_size(cfg: VideoProcessorConfig, frames: int, height: int, width: int) 
         if height < factor or width < factor:
             scale = max(factor / height, factor / width)
             height, width = int(height * scale), int(width * scale)
-        _check_aspect(height, width)
+        check_aspect(height, width, "video frame", "crop the frames first")
         h, w = _round_to(height, factor), _round_to(width, factor)
         t = _round_to(frames, cfg.temporal_patch_size)
         if t * h * w > max_pixels:
@@ -125,15 +126,7 @@ def frame_size(cfg: VideoProcessorConfig, frames: int, height: int, width: int) 
     if cfg.cap_pixels_per_frame:
         total = int(cfg.max_video_tokens * factor * factor * 0.9)
         max_pixels = max(min(max_pixels, total * cfg.temporal_patch_size // frames), int(cfg.min_pixels * 1.05))
-    from .prompt_builder import smart_resize  # here, not at the top: preprocess imports this module
-
     return smart_resize(height, width, factor, cfg.min_pixels, max_pixels)
-
-
-def _check_aspect(height: int, width: int) -> None:
-    if max(height, width) / min(height, width) > 200:
-        raise GlanceError(f"video frame aspect ratio {max(height, width) / min(height, width):.0f}:1 is over 200:1; "
-                          "crop the frames first")
 
 
 def _cubic(x: np.ndarray) -> np.ndarray:

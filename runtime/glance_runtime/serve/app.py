@@ -32,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..defaults import RUN_MAX_NEW_TOKENS
 from ..errors import GlanceError
 from ..formats.common import MAX_DEPTH, parse
 from ..prompt.prompt_builder import Prompt
@@ -60,7 +61,7 @@ class ServeConfig:
     max_image_pixels: int = 4096 * 4096
     max_request_pixels: int = 4 * 4096 * 4096  # all of a request's images together
     max_tokens: int = 1024  # the most a request may ask for
-    default_max_tokens: int = 256  # glance-run's default
+    default_max_tokens: int = RUN_MAX_NEW_TOKENS  # glance-run's default
     max_messages: int = 64
 
 
@@ -239,6 +240,16 @@ class Service:
 
     # -- checks -----------------------------------------------------------------------------------------
 
+    def check_model(self, name: str) -> None:
+        """Only the served model exists here (404 in OpenAI's shape otherwise)."""
+        if name != self.name:
+            raise RequestError(f"the model {name!r} does not exist here; this server serves {self.name!r}", 404,
+                               param="model", code="model_not_found")
+
+    def card(self) -> dict[str, Any]:
+        """The served model as OpenAI's model object."""
+        return {"id": self.name, "object": "model", "created": 0, "owned_by": "glance"}
+
     def authorize(self, request: Request) -> None:
         key = self.config.api_key
         if key is None:
@@ -328,9 +339,7 @@ class Service:
         if not self.ready:
             raise RequestError("the model is still loading; retry when GET /health answers 200", 503,
                                code="loading", type="server_error", headers={"Retry-After": "1"})
-        if req.model != self.name:
-            raise RequestError(f"the model {req.model!r} does not exist here; this server serves {self.name!r}", 404,
-                               param="model", code="model_not_found")
+        self.check_model(req.model)
         if len(req.messages) > self.config.max_messages:
             raise RequestError(f"{len(req.messages)} messages is over this server's {self.config.max_messages}",
                                param="messages", code="too_many_messages")
@@ -520,8 +529,12 @@ def create_app(config: ServeConfig, progress: Callable[[str], None] = lambda _: 
 
     async def models(request: Request) -> JSONResponse:
         service.authorize(request)
-        return JSONResponse({"object": "list", "data": [{"id": service.name, "object": "model", "created": 0,
-                                                         "owned_by": "glance"}]})
+        return JSONResponse({"object": "list", "data": [service.card()]})
+
+    async def model(request: Request) -> JSONResponse:
+        service.authorize(request)
+        service.check_model(request.path_params["model"])
+        return JSONResponse(service.card())
 
     async def health(_request: Request) -> JSONResponse:
         if service.ready:
@@ -533,7 +546,8 @@ def create_app(config: ServeConfig, progress: Callable[[str], None] = lambda _: 
         return Response(service.metrics.text(), media_type="text/plain; version=0.0.4")
 
     routes = [Route("/v1/chat/completions", service.chat, methods=["POST"]),
-              Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
+              Route("/v1/models", models, methods=["GET"]), Route("/v1/models/{model:path}", model, methods=["GET"]),
+              Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"])]
     app = Starlette(routes=routes, middleware=[Middleware(Arrival)], lifespan=lifespan,
                     exception_handlers={RequestError: refused, HTTPException: http_error, Exception: internal})

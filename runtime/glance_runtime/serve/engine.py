@@ -69,7 +69,7 @@ class Engine:
 
     @property
     def backend(self) -> str:
-        return self.model.runner.backend.name
+        return self.model.session.backend.name
 
     @property
     def budget(self) -> int | str:

@@ -12,7 +12,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Mapping
+from typing import Iterable, Mapping, Protocol
 
 from .atomic import write_file
 from .cache import cache_root
@@ -109,9 +109,14 @@ def verify_files(directory: str | Path, expected: Mapping[str, Mapping[str, obje
         stamps.save()
 
 
-def verify_engines(engine_dir: str | Path, record: Mapping[str, object]) -> None:
-    """The engines an engines.json record lists ({graph: {file, bytes, sha256} or {parts: [{file, bytes,
-    sha256}, ...]}}), every part of a chained graph included, checked before loading."""
-    engines = record.get("engines") or {}
-    files = [part for entry in engines.values() for part in (entry.get("parts") or [entry])]
-    verify_files(engine_dir, {e["file"]: e for e in files}, "rebuild the engines with `glance-export build`")
+class EngineFile(Protocol):
+    file: str
+    bytes: int
+    sha256: str
+
+
+def verify_engines(engine_dir: str | Path, files: Iterable[EngineFile]) -> None:
+    """The engine files an engines.json record lists (`EnginesRecord.files`: every part of a chained graph
+    included), checked before loading."""
+    verify_files(engine_dir, {f.file: {"sha256": f.sha256, "bytes": f.bytes} for f in files},
+                 "rebuild the engines with `glance-export build`")

@@ -29,8 +29,7 @@ from glance_export.build.tensorrt_build import shape_profiles
 from glance_export.build.toolchain import Toolchain
 from glance_runtime.errors import GlanceError
 from glance_runtime.store.integrity import sha256
-from test_onnx_export import export_once
-from support import ALL_FAMILIES, blocking
+from support import ALL_FAMILIES, blocking, export_once
 
 trt = pytest.importorskip("tensorrt_rtx")
 

@@ -17,10 +17,11 @@ from glance_export.build.local_gpu import BuildGpu
 from glance_export.build.engine_build import BuildRequest, build
 from glance_export.build.mapped_weights import external_initializers
 from glance_export.build.memory_plan import GIB, BuildPeak, build_peak, maps_weights
+from glance_runtime.formats.artifacts import GraphFile
 from glance_export.build.precision import choose_precision
 from glance_export.build.tensorrt_build import BuildOptions, ShapeProfile, graph_job, run_job
 from glance_runtime.errors import GlanceError
-from test_onnx_export import export_once
+from support import export_once
 
 pytest.importorskip("tensorrt_rtx")
 RTX = load_profile("rtx")
@@ -102,13 +103,12 @@ def test_the_estimate_maps_external_weights_only_where_the_parser_can(tmp_path):
         fh.truncate(2 << 30)
     with open(tmp_path / "vision.onnx", "wb") as fh:
         fh.truncate(int(1.6 * (1 << 30)))
-    manifest = {"graphs": {"target": {"file": "target.onnx", "data_file": "target.onnx.data"},
-                           "vision": {"file": "vision.onnx", "data_file": None}}}
+    graphs = {"target": GraphFile("target.onnx", "target.onnx.data", {}), "vision": GraphFile("vision.onnx", None, {})}
     orin, thor = load_profile("jetson-orin"), load_profile("jetson-thor")
     assert not maps_weights(orin, None) and not maps_weights(orin, "10.3.0") and maps_weights(thor, None)
     assert maps_weights(RTX, None) and maps_weights(orin, "10.13.2")
-    held = build_peak(tmp_path, manifest, orin, 2.0, mapped=False)
-    referenced = build_peak(tmp_path, manifest, thor, 4.0, mapped=True)
+    held = build_peak(tmp_path, graphs, orin, 2.0, mapped=False)
+    referenced = build_peak(tmp_path, graphs, thor, 4.0, mapped=True)
     assert (held.graph, held.mapped) == ("target", False) and held.gib == pytest.approx(3.2 * 2 + 2 + 1, abs=0.01)
     assert (referenced.graph, referenced.mapped) == ("vision", False)
     assert referenced.gib == pytest.approx(3.2 * 1.6 + 4 + 1, abs=0.01)

@@ -4,7 +4,6 @@ on ONNX Runtime over host buffers) decoding token for token as the whole graph d
 of the parts with engines.json listing them, the memory plan's per-part estimate, and one-line refusals."""
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from pathlib import Path
@@ -21,10 +20,12 @@ from glance_runtime.backends.ort_backend import OrtBackend, OrtGraph
 from glance_runtime.backends.seeded import SeededDrafter
 from glance_runtime.errors import GlanceError
 from glance_runtime.formats import engines as engines_format
+from glance_runtime.formats.artifacts import read as load_manifest
 from glance_runtime.backends.graph_chain import ChainGraph, Part
 from glance_runtime.store.integrity import verify_engines
 from glance_runtime.decode.loop import DecodeConfig, decode
-from test_onnx_export import export_once
+from glance_runtime.prompt.codec import exported_codec
+from support import export_once
 
 MAX_NEW = 20
 RTX = load_profile("rtx")
@@ -43,7 +44,7 @@ def _layer(node) -> str | None:
 
 
 def _target_cut(artifacts: Path, parts: int) -> GraphCut:
-    size = graph_bytes(artifacts, json.loads((artifacts / "manifest.json").read_text()))["target"]
+    size = graph_bytes(artifacts, load_manifest(artifacts).graphs)["target"]
     return GraphCut(artifacts / "target.onnx", cut_budget(size, size // parts))
 
 
@@ -71,7 +72,7 @@ def test_a_chained_target_decodes_as_the_whole_graph(exported, images, tmp_path,
     whole = OrtBackend(artifacts)
     chained, chain = _chained(artifacts, cut, tmp_path / "parts")
     assert chain.input_names == whole.graphs["target"].input_names
-    prompt = whole.build_prompt("What colour is the square?", images["wide"])
+    prompt = exported_codec(whole.manifest).turn("What colour is the square?", images["wide"])
     ar = DecodeConfig(max_new_tokens=MAX_NEW, speculative=False)
     truth = decode(whole, prompt, ar).tokens
     assert decode(chained, prompt, ar).tokens == truth
@@ -84,7 +85,7 @@ def test_a_chained_target_decodes_as_the_whole_graph(exported, images, tmp_path,
     assert [r.accepted for r in runs["chained"].rounds] == [r.accepted for r in runs["whole"].rounds]
     assert max(r.accepted for r in runs["chained"].rounds) >= 2
     assert chain._buffers == buffers and chain.held_bytes() == held  # the prompt's prefill was the largest pass
-    longer = whole.build_prompt("What colour is the square? " * 4, images["large"])
+    longer = exported_codec(whole.manifest).turn("What colour is the square? " * 4, images["large"])
     assert decode(chained, longer, ar).tokens == decode(whole, longer, ar).tokens
     assert chain.held_bytes() > held
     chained.close()
@@ -115,7 +116,7 @@ def test_a_forced_part_budget_builds_a_chain_of_engines(exported, tmp_path):
     pytest.importorskip("tensorrt_rtx")
     artifacts = exported("qwen2_5_vl")
     before = sorted(p.name for p in artifacts.iterdir())
-    target_gib = graph_bytes(artifacts, json.loads((artifacts / "manifest.json").read_text()))["target"] / GIB
+    target_gib = graph_bytes(artifacts, load_manifest(artifacts).graphs)["target"] / GIB
     out = tmp_path / "engines"
     lines: list[str] = []
     build(BuildRequest("rtx", out, artifacts=artifacts, max_part_gib=target_gib / 3), NO_GPU, progress=lines.append)
@@ -126,12 +127,12 @@ def test_a_forced_part_budget_builds_a_chain_of_engines(exported, tmp_path):
     assert len(parts) >= 3 and [p.file for p in parts] == [f"target.part{i}.engine" for i in range(1, len(parts) + 1)]
     raw = record.raw
     assert set(raw["engines"]["target"]) >= {"parts", "onnx", "profiles", "build_s", "peak_rss_gib"}
-    graph_inputs = set(json.loads((artifacts / "manifest.json").read_text())["graphs"]["target"]["inputs"])
+    graph_inputs = set(load_manifest(artifacts).graphs["target"].inputs)
     written: set[str] = set()
     for part in parts:
         assert set(part.inputs) - written <= graph_inputs and part.outputs
         written |= set(part.outputs)
-    verify_engines(out, raw)
+    verify_engines(out, record.files)
     plan = raw["memory_plan"]
     largest = max(plan["parts_gib"]["target"])
     assert plan["build_peak_part"].startswith("part ") and plan["part_gib"] == pytest.approx(target_gib / 3)
@@ -147,7 +148,7 @@ def test_a_forced_part_budget_builds_a_chain_of_engines(exported, tmp_path):
 def chained_engines(exported, tmp_path_factory):
     pytest.importorskip("tensorrt_rtx")
     artifacts = exported("qwen3")
-    size = graph_bytes(artifacts, json.loads((artifacts / "manifest.json").read_text()))["target"]
+    size = graph_bytes(artifacts, load_manifest(artifacts).graphs)["target"]
     out = tmp_path_factory.mktemp("chained") / "engines"
     build(BuildRequest("rtx", out, artifacts=artifacts, max_part_gib=size / 2 / GIB), NO_GPU, progress=lambda _: None)
     return out
@@ -171,8 +172,8 @@ def test_a_damaged_or_missing_part_is_one_line(chained_engines, tmp_path, damage
 
 def test_the_plan_estimates_the_largest_part_and_a_jetson_lowers_the_budget(exported):
     artifacts = exported("qwen2_5_vl")
-    manifest = json.loads((artifacts / "manifest.json").read_text())
-    sizes = graph_bytes(artifacts, manifest)
+    manifest = load_manifest(artifacts)
+    sizes = graph_bytes(artifacts, manifest.graphs)
     whole = plan_memory(RTX, manifest, artifacts, "fp32", NO_GPU)
     assert whole.cuts == {} and whole.build.part == "" and "every graph whole" in whole.explain()
     split = plan_memory(RTX, manifest, artifacts, "fp32", NO_GPU, max_part_gib=sizes["target"] / 4 / GIB)
@@ -201,7 +202,7 @@ def test_a_chain_refuses_a_part_reading_what_nothing_gives(exported, tmp_path):
     backend, chain = _chained(artifacts, _target_cut(artifacts, parts=2), tmp_path / "parts")
     chain.parts[1] = Part(chain.parts[1].graph, chain.parts[1].inputs + ("nowhere",), chain.parts[1].outputs,
                           chain.parts[1].name)
-    prompt = backend.build_prompt("What colour is the square?", None)
+    prompt = exported_codec(backend.manifest).turn("What colour is the square?")
     with pytest.raises(GlanceError, match=r"^target\.part2\.onnx reads nowhere, which neither the pass nor an earlier "
                                           r"part gives; rebuild the engines$"):
         backend.prefill(prompt)

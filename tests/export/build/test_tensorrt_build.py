@@ -6,6 +6,7 @@ Artifacts come from the same per-session exports as test_onnx_export (fp32, fp16
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import onnx
@@ -21,8 +22,10 @@ from glance_export.build.precision import choose_precision
 from glance_export.build.tensorrt_build import BuildOptions, build_engines, shape_profiles
 from glance_export.build.engine_build import BuildRequest, build
 from glance_export.build.toolchain import Toolchain, check_opset, load_toolchain
+from glance_runtime.defaults import DEFAULT_ARTIFACTS
 from glance_runtime.errors import GlanceError
-from test_onnx_export import export_once
+from glance_runtime.formats.artifacts import GraphFile, Manifest, Stack, read as load_manifest
+from support import export_once
 
 trt = pytest.importorskip("tensorrt_rtx")
 RTX = load_profile("rtx")
@@ -35,11 +38,11 @@ def exported(snapshot_dir, tmp_path_factory):
 
 def _build_all(artifacts: Path, out: Path) -> set[str]:
     """Build every graph with TensorRT-RTX at the export's own precision; the graphs that built."""
-    manifest = json.loads((artifacts / "manifest.json").read_text())
+    manifest = load_manifest(artifacts)
     out.mkdir()
-    options = BuildOptions(choose_precision(RTX, None, manifest["dtype"], BuildGpu(None)), workspace_gib=1)
+    options = BuildOptions(choose_precision(RTX, None, manifest.dtype, BuildGpu(None)), workspace_gib=1)
     records = build_engines(load_toolchain(RTX), artifacts, manifest, out, options, progress=lambda _: None)
-    assert set(records) == set(manifest["graphs"]) and all(r["bytes"] > 0 for r in records.values())
+    assert set(records) == set(manifest.graphs) and all(r["bytes"] > 0 for r in records.values())
     return set(records)
 
 
@@ -49,40 +52,41 @@ def test_fp16_and_external_data_graphs_build(exported, tmp_path, family, variant
 
 
 def test_profiles_cover_prefill_tree_verify_and_vocab_passes(exported):
-    manifest = json.loads((exported("qwen2_5_vl") / "manifest.json").read_text())
+    manifest = load_manifest(exported("qwen2_5_vl"))
     prefill, verify = shape_profiles(manifest, "target")
     assert prefill.axes["T"] == (1, 256, 256) and verify.axes["T"] == (1, 32, 32)
     assert prefill.axes["S"][0] == verify.axes["S"][0] == 0 and verify.axes["S"][2] == 255
-    assert verify.axes["N_img"] == (0, 1, 1) and prefill.axes["N_img"][2] == manifest["axes"]["N_img"][1]
+    assert verify.axes["N_img"] == (0, 1, 1) and prefill.axes["N_img"][2] == manifest.axes["N_img"][1]
     (draft,) = shape_profiles(manifest, "draft")
     assert draft.axes["N"][2] == 256 and draft.axes["S_h"] == (0, 127, 255)
-    manifest["axes"].update(E=[1, 2048], R=[1, 63])  # the vocabulary graph's axes, whatever the export has
+    manifest = replace(manifest, axes={**manifest.axes, "E": (1, 2048), "R": (1, 63)})  # whatever the export has
     embed, project = shape_profiles(manifest, "vocab")
     assert embed.axes == {"E": (1, 256, 2048), "R": (1, 1, 1)} and project.axes == {"E": (1, 1, 1), "R": (1, 32, 63)}
 
 
 def test_lowered_limits_shrink_every_axis_they_bound(exported):
-    manifest = json.loads((exported("qwen2_5_vl") / "manifest.json").read_text())
+    manifest = load_manifest(exported("qwen2_5_vl"))
     low = Limits(max_context=96, max_tree=16, max_image_tokens=40).apply(manifest)
     prefill, verify = shape_profiles(low, "target")
     assert prefill.axes["T"][2] == 96 and prefill.axes["S"][2] == 95 and verify.axes["T"][2] == 16
     assert prefill.axes["N_img"][2] == 40 and shape_profiles(low, "vision")[0].axes["N_merged"][2] == 40
-    assert low["limits"] == {"max_context": 96, "max_tree": 16} and manifest["limits"]["max_context"] == 256
+    assert (low.max_context, low.max_tree) == (96, 16) and manifest.max_context == 256
     raised = Limits(max_context=4096, max_tree=64, max_image_tokens=None).apply(manifest)
-    assert raised["axes"] == manifest["axes"]  # never above the export's bounds
+    assert raised.axes == manifest.axes  # never above the export's bounds
 
 
 WHOLE = 64  # --max-part-gib: the synthetic graphs below are sizes only, never cut into parts
 
 
-def _synthetic_export(tmp_path: Path, weights_gib: float, dtype: str) -> dict:
-    """A manifest of a 28-layer target with GQA (4 KV heads of 128) and its weights as one sparse file."""
+def _synthetic_export(tmp_path: Path, weights_gib: float, dtype: str) -> Manifest:
+    """The shipped manifest made a 28-layer target with GQA (4 KV heads of 128), no head, and its weights as one
+    sparse file."""
     with open(tmp_path / "target.onnx", "wb") as fh:
         fh.truncate(int(weights_gib * (1 << 30)))
-    io = "float16" if dtype == "fp16" else "float32"
-    return {"dtype": dtype, "float_io_dtype": io, "limits": {"max_context": 32768, "max_tree": 64},
-            "axes": {"T": [1, 32768], "S": [0, 32767]},
-            "graphs": {"target": {"file": "target.onnx", "num_layers": 28, "num_kv_heads": 4, "head_dim": 128}}}
+    return replace(load_manifest(DEFAULT_ARTIFACTS), path=tmp_path, dtype=dtype,
+                   float_dtype="float16" if dtype == "fp16" else "float32", max_context=32768, max_tree=64,
+                   axes={"T": (1, 32768), "S": (0, 32767)}, target=Stack(28, 4, 128), head=Stack(0, 0, 0),
+                   graphs={"target": GraphFile("target.onnx", None, {})})
 
 
 def test_memory_plan_derives_context_from_the_budget(tmp_path):

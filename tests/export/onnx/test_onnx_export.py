@@ -17,45 +17,17 @@ from glance_export.model.head import head_config_for, init_head, pick_mask_token
 from glance_export.onnx import export_artifacts, validate_artifacts
 from glance_runtime.prompt.vision_indices import vision_index_inputs
 from glance_export.onnx import artifacts as artifacts_mod
-from glance_export.onnx import export as export_mod
 from glance_export.model.torch_backend import TorchBackend, greedy_reference
 from glance_runtime.errors import GlanceError
 from glance_runtime.formats.graphs import draft_kv_names, target_kv_names
 from glance_runtime.decode.loop import DecodeConfig, decode
-from support import ALL_FAMILIES, VL_FAMILIES
+from support import ALL_FAMILIES, VL_FAMILIES, export_once, tiny_head
 
 BLOCK = 6
 MAX_NEW = 16
-_EXPORTS: dict[tuple[str, str], tuple[Path, Path, Path]] = {}  # shared with test_tensorrt_build (same process)
-
-
-def _head(snapshot_dir, family: str, root: Path) -> Path:
-    snap = Snapshot(snapshot_dir(family))
-    return save_head(init_head(head_config_for(snap, 2, BLOCK, pick_mask_token(snap)), seed=3), root / f"head_{family}")
-
-
-def export_once(snapshot_dir, tmp_path_factory, family: str, variant: str = "fp32") -> tuple[Path, Path, Path]:
-    """(model dir, head dir, artifacts dir) of one export per family and variant per test session.
-
-    Variants: fp32 and fp16 (opset 17, max_tree 32, max_context 256), and external (fp32 with every
-    weight forced into external data)."""
-    if (family, variant) not in _EXPORTS:
-        root = tmp_path_factory.mktemp(f"onnx_{family}_{variant}")
-        head = _head(snapshot_dir, family, root)
-        limit = export_mod.EXTERNAL_DATA_BYTES
-        export_mod.EXTERNAL_DATA_BYTES = 0 if variant == "external" else limit
-        try:
-            out = export_artifacts(snapshot_dir(family), head, root / "artifacts", max_tree=32, max_context=256,
-                                   dtype="fp16" if variant == "fp16" else "fp32", progress=lambda _: None)
-        finally:
-            export_mod.EXTERNAL_DATA_BYTES = limit
-        _EXPORTS[family, variant] = (Path(snapshot_dir(family)), head, out)
-    return _EXPORTS[family, variant]
-
-
 @pytest.fixture(scope="module")
 def exported(snapshot_dir, tmp_path_factory):
-    return lambda family, variant="fp32": export_once(snapshot_dir, tmp_path_factory, family, variant)
+    return lambda family, variant="fp32": export_once(snapshot_dir, tmp_path_factory, family, variant, BLOCK)
 
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)
@@ -268,7 +240,7 @@ def test_external_data_when_weights_are_large(exported):
 
 
 def test_failed_export_leaves_nothing(snapshot_dir, tmp_path, monkeypatch):
-    head = _head(snapshot_dir, "qwen2", tmp_path)
+    head = tiny_head(snapshot_dir("qwen2"), tmp_path / "head_qwen2", BLOCK)
 
     def broken(*args, **kwargs):
         raise GlanceError("target graph: output taps max error 1 exceeds 0.1")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,7 @@ from glance_runtime.backends.seeded import SeededDrafter
 from glance_runtime.errors import GlanceError
 from glance_runtime.decode.loop import DecodeConfig, decode
 from glance_runtime.formats.artifacts import read as load_manifest
+from glance_runtime.prompt.codec import exported_codec
 from support import ALL_FAMILIES, make_snapshot
 
 GROUP = 32  # divides the tiny models' hidden size (64)
@@ -65,9 +67,10 @@ def _tensors(path: Path) -> list[onnx.TensorProto]:
 def test_glance_is_identical_to_the_quantized_greedy(export, family, scheme):
     _, artifacts = export(family, scheme)
     backend = OrtBackend(artifacts)
-    stops = backend.stop_token_ids
+    codec = exported_codec(backend.manifest)
+    stops = codec.stop_ids
     for text in PROMPTS:
-        prompt = backend.build_prompt(text, None)
+        prompt = codec.turn(text)
         truth = decode(backend, prompt, DecodeConfig(max_new_tokens=12, speculative=False), stops).tokens
         cfg = DecodeConfig(max_new_tokens=12, budget=15, branch_k=4)
         assert decode(backend, prompt, cfg, stops).tokens == truth
@@ -156,12 +159,12 @@ def test_refusals_are_one_line():
 
 def test_build_refuses_a_scheme_the_target_cannot_run(export, tmp_path, capsys):
     _, artifacts = export("qwen3", "int4")
-    manifest = json.loads((artifacts / "manifest.json").read_text())
+    manifest = load_manifest(artifacts)
     with pytest.raises(GlanceError, match="jetson-orin does not run int4 weights"):
         engine_manifest(load_profile("jetson-orin"), manifest)
     built = engine_manifest(load_profile("rtx"), manifest)
-    assert built["graphs"]["target"]["file"] == "tensorrt/target.onnx" and built["opset"] == 21
-    assert engine_manifest(load_profile("jetson-orin"), {**manifest, "quantization": None})["opset"] == manifest["opset"]
+    assert built.graphs["target"].file == "tensorrt/target.onnx" and built.opset == 21
+    assert engine_manifest(load_profile("jetson-orin"), replace(manifest, quantization=None)).opset == manifest.opset
     code = export_main(["build", "--target", "jetson-orin", "--artifacts", str(artifacts), "--out",
                         str(tmp_path / "bundle"), "--plan-only"])
     err = capsys.readouterr().err.strip()

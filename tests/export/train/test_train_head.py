@@ -11,8 +11,7 @@ from glance_runtime.formats.tasks import read as read_tasks
 from glance_export.cli import main as export_main
 from glance_export.model.head import load_head
 from glance_runtime.decode.loop import DecodeConfig
-from glance_runtime.backends.registry import open_runner
-from glance_runtime.decode.session import Session
+from glance_runtime.backends.registry import Source, open_session
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +33,8 @@ def test_trained_head_accepts_long_blocks_and_stays_lossless(snapshot_dir, task_
     assert "stage 1/2" in log and "step 60/60" in log
     assert load_head(out).config.block_size == 8
 
-    runner = open_runner("torch", model=model, head=out)
-    report = audit(Session(runner, DecodeConfig(max_new_tokens=24, budget=31)), read_tasks(task_file))
+    session = open_session(Source("torch", model=model, head=out), DecodeConfig(max_new_tokens=24, budget=31))
+    report = audit(session, read_tasks(task_file))
     assert report["identical"] == report["n"] == 3
     assert report["tau"] > 3.0, report
 
@@ -44,6 +43,6 @@ def test_untrained_head_accepts_little(snapshot_dir, task_file, tmp_path):
     """The control for the test above: the same prompts with an untrained head."""
     model = snapshot_dir("qwen2_5_vl")
     assert export_main(["init-head", "--model", str(model), "--out", str(tmp_path / "h"), "--block-size", "8"]) == 0
-    report = audit(Session(open_runner("torch", model=model, head=tmp_path / "h"),
-                           DecodeConfig(max_new_tokens=24, budget=31)), read_tasks(task_file))
+    report = audit(open_session(Source("torch", model=model, head=tmp_path / "h"),
+                                DecodeConfig(max_new_tokens=24, budget=31)), read_tasks(task_file))
     assert report["identical"] == 3 and report["tau"] < 1.5

@@ -7,11 +7,14 @@ pytest's cache directory (about a minute from pip's cache) and reuses it while i
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
+import io
 import json
 import os
 import platform
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -59,33 +62,42 @@ def stub_env(request, tmp_path_factory) -> Path:
     return env
 
 
-def _site(env: Path) -> Path:
-    return env / "lib" / f"python{PYVER}" / "site-packages"
+def _free_ports() -> int:
+    """An HTTP port whose next two (gRPC, metrics) are free too."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port < 65533 and all(_free(p) for p in (port + 1, port + 2)):
+            return port
 
 
-def _free_port() -> int:
+def _free(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 @pytest.fixture(scope="module")
 def triton(stub_env, tmp_path_factory):
-    """tritonserver on a loopback port serving the repository `glance-export triton` wrote."""
+    """tritonserver on loopback ports serving the repository `glance-export triton` wrote, launched by exactly
+    the commands it printed."""
     root = tmp_path_factory.mktemp("triton")
     repo = root / "repo"
-    assert export_main(["triton", "--out", str(repo), "--python-env", str(stub_env)]) == 0
-    server_dir = _site(stub_env) / "pytriton" / "tritonserver"
-    backends = root / "backends"
-    shutil.copytree(server_dir / "backends", backends)
-    shutil.copy(server_dir / "python_backend_stubs" / PYVER / "triton_python_backend_stub", backends / "python")
-    port = _free_port()
-    env = {**os.environ, "LD_LIBRARY_PATH": str(_site(stub_env) / "nvidia_pytriton.libs"), "OMP_NUM_THREADS": "1"}
+    port = _free_ports()
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert export_main(["triton", "--out", str(repo), "--python-env", str(stub_env), "--port", str(port)]) == 0
+    commands = printed.getvalue().strip().splitlines()
+    assert len(commands) == 4 and "--http-address 127.0.0.1" in commands[-1]
+    subprocess.run(["bash", "-ec", "\n".join(commands[:-1])], check=True, timeout=120)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = (root / "tritonserver.log").open("w")
-    proc = subprocess.Popen([str(server_dir / "bin" / "tritonserver"), "--model-repository", str(repo),
-                             "--backend-directory", str(backends), "--http-address", "127.0.0.1",
-                             "--http-port", str(port), "--allow-grpc", "false", "--allow-metrics", "false"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(["bash", "-c", commands[-1]], stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -100,11 +112,11 @@ def triton(stub_env, tmp_path_factory):
             pytest.fail("tritonserver did not become ready:\n" + (root / "tritonserver.log").read_text()[-4000:])
         yield url
     finally:
-        proc.terminate()
+        os.killpg(proc.pid, signal.SIGTERM)  # the shell and the server it started
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
         log.close()
 
@@ -148,3 +160,12 @@ def test_repository_layout_and_instance_groups(tmp_path, capsys):
     assert export_main(["triton", "--out", str(tmp_path / "bad"), "--python-env", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "--instances-per-gpu" in err and "--python-env" in err and not (tmp_path / "bad").exists()
+
+
+def test_without_the_wheel_it_says_how_to_install_it(tmp_path, capsys):
+    env = tmp_path / "env"
+    (env / "bin").mkdir(parents=True)
+    (env / "bin" / "python").symlink_to(sys.executable)
+    assert export_main(["triton", "--out", str(tmp_path / "repo"), "--python-env", str(env)]) == 0
+    out, err = capsys.readouterr()
+    assert out == "" and f"{env / 'bin' / 'python'} -m pip install --no-deps nvidia-pytriton" in err

@@ -1,4 +1,4 @@
-"""OrtBackend on exported tiny models: token parity with the torch greedy oracle, no torch at run time.
+"""OrtBackend on ort_exported tiny models: token parity with the torch greedy oracle, no torch at run time.
 
 Artifacts are built with the real exporter from the shared tiny snapshots. Prompts come from the
 backend's own torch-free builder and are handed unchanged to the oracle, so any divergence is the
@@ -18,61 +18,21 @@ import numpy as np
 import pytest
 
 from glance_runtime.backends.seeded import SeededDrafter
-from glance_export.model.adapters import Snapshot
-from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
-from glance_export.onnx import export_artifacts
 from glance_runtime.backends.ort_backend import OrtBackend
-from glance_export.model.torch_backend import TorchBackend, greedy_reference
+from glance_export.model.torch_backend import TorchBackend
 from glance_runtime.decode.auto_budget import AutoBudget
 from glance_runtime.decode.calibration import PRIOR
 from glance_runtime.decode.cost_profile import measure
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
 from glance_runtime.errors import GlanceError
 from glance_runtime.decode.loop import DecodeConfig, decode
-from support import (ALL_FAMILIES, BLOCK_TRAINING_STACK, VL_FAMILIES, check_mixed, config, cutting, median_surprisal,
-                     skipping)
+from glance_runtime.prompt.codec import exported_codec
+from support import (ALL_FAMILIES, BLOCK_TRAINING_STACK, VL_FAMILIES, ORACLE_TOKENS, check_mixed, config, cutting,
+                     median_surprisal, skipping)
 
-MAX_NEW = 24
+MAX_NEW = ORACLE_TOKENS  # as long as the oracle answers
 BUDGETS = {"chain": (7, 1), "b8": (8, 8), "b31": (31, 8), "b63": (63, 8)}
 TEXT = "What colour is the square?"
-
-
-class Exported:
-    """One family's snapshot, its torch model (for the oracle) and its ONNX artifacts."""
-
-    def __init__(self, root: Path, snapshot_path: Path, block_size: int, dtype: str = "fp32", opset: int = 17):
-        self.snapshot = Snapshot(snapshot_path)
-        self.model = self.snapshot.load_model()
-        head = init_head(head_config_for(self.snapshot, 1, block_size, pick_mask_token(self.snapshot)),
-                         seed=block_size)
-        head_dir = save_head(head, root / "head")
-        self.artifacts = export_artifacts(snapshot_path, head_dir, root / "artifacts", dtype=dtype, opset=opset, max_tree=64,
-                                          max_context=512, progress=lambda _: None)
-        self.backend = OrtBackend(self.artifacts)
-        self._truth: dict[tuple[bytes, tuple[int, ...]], list[int]] = {}
-
-    def prompt(self, image: Path | None, text: str = TEXT):
-        return self.backend.build_prompt(text, image)
-
-    def oracle(self, prompt, stops=()) -> list[int]:
-        key = (prompt.input_ids.tobytes(), tuple(stops))
-        if key not in self._truth:
-            self._truth[key] = greedy_reference(self.model, self.snapshot, prompt, MAX_NEW, stops)
-        return self._truth[key]
-
-
-@pytest.fixture(scope="module")
-def exported(snapshot_dir, tmp_path_factory):
-    built: dict[tuple[str, int, str, int], Exported] = {}
-
-    def get(family: str, block_size: int = 8, dtype: str = "fp32", opset: int = 17) -> Exported:
-        key = (family, block_size, dtype, opset)
-        if key not in built:
-            root = tmp_path_factory.mktemp(f"ort_{family}_{block_size}_{dtype}_{opset}")
-            built[key] = Exported(root, snapshot_dir(family), block_size, dtype, opset)
-        return built[key]
-
-    return get
 
 
 def _cases():
@@ -87,8 +47,8 @@ def _cfg(budget: str, block_size: int = 8) -> DecodeConfig:
 
 
 @pytest.mark.parametrize("family,image", list(_cases()))
-def test_random_head_matches_oracle(exported, images, family, image):
-    ex = exported(family)
+def test_random_head_matches_oracle(ort_exported, images, family, image):
+    ex = ort_exported(family)
     prompt = ex.prompt(images[image] if image else None)
     truth = ex.oracle(prompt)
     assert decode(ex.backend, prompt, DecodeConfig(max_new_tokens=MAX_NEW, speculative=False)).tokens == truth
@@ -96,8 +56,8 @@ def test_random_head_matches_oracle(exported, images, family, image):
         assert decode(ex.backend, prompt, _cfg(budget)).tokens == truth, budget
 
 
-def test_block_16_head(exported, images):
-    ex = exported("qwen3_vl", 16)
+def test_block_16_head(ort_exported, images):
+    ex = ort_exported("qwen3_vl", 16)
     prompt = ex.prompt(images["large"])
     truth = ex.oracle(prompt)
     for budget in ("chain", "b63"):
@@ -105,9 +65,9 @@ def test_block_16_head(exported, images):
 
 
 @pytest.mark.parametrize("family", ["qwen3_vl", "llama"])
-def test_opset_23_attention_graphs(exported, images, family):
+def test_opset_23_attention_graphs(ort_exported, images, family):
     """Graphs using the ONNX Attention op (opset 23) run through the same backend, token for token."""
-    ex = exported(family, opset=23)
+    ex = ort_exported(family, opset=23)
     prompt = ex.prompt(images["tall"] if family in VL_FAMILIES else None)
     truth = ex.oracle(prompt)
     for budget in ("chain", "b31"):
@@ -115,11 +75,11 @@ def test_opset_23_attention_graphs(exported, images, family):
     assert decode(SeededDrafter(ex.backend, truth, prompt.length, lambda d: 0), prompt, _cfg("b31")).tokens == truth
 
 
-def test_fp16_artifacts(exported, images):
+def test_fp16_artifacts(ort_exported, images):
     """fp16 graphs run with fp16 caches; on these wide-margin tiny models speculative output equals the
     same backend's AR output (the fp16 gate in general is the self-consistency control: at least as many identical answers as
     the backend's own greedy decode gets against the fp32 reference)."""
-    ex = exported("qwen2_5_vl", dtype="fp16")
+    ex = ort_exported("qwen2_5_vl", dtype="fp16")
     assert ex.backend.kv.buffer.dtype == np.float16
     prompt = ex.prompt(images["wide"])
     ar = decode(ex.backend, prompt, DecodeConfig(max_new_tokens=MAX_NEW, speculative=False)).tokens
@@ -135,12 +95,12 @@ def test_the_backend_declares_what_it_serves_and_times_its_own_graphs(images):
     backend = OrtBackend(DEFAULT_ARTIFACTS, max_tree=16, threads=1)
     info = backend.info
     assert info.home == DEFAULT_ARTIFACTS and info.manifest.path == DEFAULT_ARTIFACTS
-    assert info.limits.max_tree == 16 and info.limits.max_branch_k == info.manifest.branch_k and info.limits.exported
+    assert info.limits.max_tree == 16 and info.limits.max_branch_k == info.manifest.branch_k and info.limits.ort_exported
     assert info.precision == "fp32" and info.providers == ("CPUExecutionProvider",) and info.threads == 1
     clock = backend.time_graphs()
     assert backend.time_graphs() is clock
-    prompt = backend.build_prompt("What is shown?", images["wide"])
-    result = decode(backend, prompt, DecodeConfig(max_new_tokens=6, budget=15), backend.stop_token_ids)
+    prompt = exported_codec(info.manifest).turn("What is shown?", images["wide"])
+    result = decode(backend, prompt, DecodeConfig(max_new_tokens=6, budget=15), info.manifest.stop_token_ids)
     runs = clock.runs()
     assert runs["vision"] == 1 and runs["target"] == 1 + len(result.rounds) and sum(clock.reading().values()) > 0
     verified = backend.verify(np.array([result.tokens[-1]]), np.zeros(1, np.int64), np.ones((1, 1), bool))
@@ -150,10 +110,10 @@ def test_the_backend_declares_what_it_serves_and_times_its_own_graphs(images):
 
 
 @pytest.mark.parametrize("speculative", [True, False])
-def test_a_round_is_at_most_four_graph_runs(exported, images, speculative):
+def test_a_round_is_at_most_four_graph_runs(ort_exported, images, speculative):
     """draft, vocab (project the block), target (verify), vocab (project the tree): the embeddings the
     next pass needs come back with each projection, so no round runs the vocab graph a third time."""
-    ex = exported("qwen2_5_vl")
+    ex = ort_exported("qwen2_5_vl")
     backend = OrtBackend(ex.artifacts)
     clock = backend.time_graphs()
     prompt = ex.prompt(images["wide"])
@@ -184,10 +144,10 @@ class _Metered(SeededDrafter):
         t.reset()
 
 
-def test_kv_never_crosses_the_host(exported):
+def test_kv_never_crosses_the_host(ort_exported):
     """Per round the host sends the tree and reads top-k rows: the same bytes and the same number of device
     calls whether 20 or 300 rows of context sit in the cache, and far less than the cache itself."""
-    ex = exported("qwen2")
+    ex = ort_exported("qwen2")
     backend = OrtBackend(ex.artifacts)
     per_round = []
     for text in (TEXT, TEXT + " Describe nothing." * 24):
@@ -213,10 +173,10 @@ SEEDED_CASES = [(seed, budget) for seed in SEEDS for budget in ("chain", "b31")
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)
 @pytest.mark.parametrize("seed,budget", SEEDED_CASES)
-def test_seeded_acceptance_matches_oracle(exported, images, family, seed, budget):
+def test_seeded_acceptance_matches_oracle(ort_exported, images, family, seed, budget):
     """Drafts that are right at chosen offsets: full, partial, zero and off-first-branch acceptance,
     so multi-row commits compact the KV caches and the head context grows by several rows."""
-    ex = exported(family)
+    ex = ort_exported(family)
     prompt = ex.prompt(images["wide"] if family in VL_FAMILIES else None)
     truth = ex.oracle(prompt)
     result = decode(SeededDrafter(ex.backend, truth, prompt.length, SEEDS[seed]), prompt, _cfg(budget))
@@ -229,11 +189,11 @@ def test_seeded_acceptance_matches_oracle(exported, images, family, seed, budget
 
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)
-def test_auto_matches_oracle(exported, images, family):
+def test_auto_matches_oracle(ort_exported, images, family):
     """Lossless whatever auto decides, on the graphs: rounds that skip the draft and cuts of any size (random
     head and seeded drafts), then a profile measured here with the prior, as `--budget auto` runs by default,
     and with a law that makes some of its rounds skip."""
-    ex = exported(family)
+    ex = ort_exported(family)
     prompt = ex.prompt(images["wide"] if family in VL_FAMILIES else None)
     truth = ex.oracle(prompt)
     split = median_surprisal(ex.backend, prompt, MAX_NEW)
@@ -253,10 +213,10 @@ def test_auto_matches_oracle(exported, images, family):
 
 
 @pytest.mark.parametrize("family", VL_FAMILIES)
-def test_generated_image_token_is_a_plain_token(exported, images, family):
+def test_generated_image_token_is_a_plain_token(ort_exported, images, family):
     """A pass holding one image-token id (the model may generate it) must embed it as a token, as the
     HF model does without pixels, not substitute an image row."""
-    ex = exported(family)
+    ex = ort_exported(family)
     prompt = ex.prompt(images["wide"])
     reference = TorchBackend(ex.snapshot, model=ex.model)
     token = ex.snapshot.image_token_id
@@ -270,9 +230,9 @@ def test_generated_image_token_is_a_plain_token(exported, images, family):
     assert ours[2].shape == (3,) and np.all(ours[2] <= 0)
 
 
-def test_stop_token_and_stop_ids(exported, images):
-    ex = exported("qwen2_5_vl")
-    assert ex.backend.stop_token_ids == ex.snapshot.stop_token_ids
+def test_stop_token_and_stop_ids(ort_exported, images):
+    ex = ort_exported("qwen2_5_vl")
+    assert ex.codec.stop_ids == ex.snapshot.stop_token_ids
     prompt = ex.prompt(images["wide"])
     truth = ex.oracle(prompt)
     stop = truth[5]
@@ -283,8 +243,8 @@ def test_stop_token_and_stop_ids(exported, images):
 
 
 @pytest.mark.parametrize("family", VL_FAMILIES)
-def test_prompt_matches_adapter(exported, images, family):
-    ex = exported(family)
+def test_prompt_matches_adapter(ort_exported, images, family):
+    ex = ort_exported(family)
     for image in (images["wide"], None):
         ours, ref = ex.prompt(image), ex.snapshot.build_prompt(TEXT, image)
         np.testing.assert_array_equal(ours.input_ids, ref.input_ids)
@@ -293,16 +253,16 @@ def test_prompt_matches_adapter(exported, images, family):
 
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)
-def test_text_prompt_matches_adapter(exported, family):
+def test_text_prompt_matches_adapter(ort_exported, family):
     """Includes digits: transformers splits them one by one for qwen2, so the export must ship that tokenizer."""
-    ex = exported(family)
+    ex = ort_exported(family)
     for text in (TEXT, "Read the total: 42.17", ""):
         np.testing.assert_array_equal(ex.prompt(None, text).input_ids, ex.snapshot.build_prompt(text).input_ids)
 
 
-def test_committed_kv_matches_fresh_prefill(exported, images):
+def test_committed_kv_matches_fresh_prefill(ort_exported, images):
     """After multi-token rounds the compacted cache equals a fresh prefill over the committed tokens."""
-    ex = exported("qwen2_5_vl")
+    ex = ort_exported("qwen2_5_vl")
     prompt = ex.prompt(images["wide"])
     truth = ex.oracle(prompt)
     backend = ex.backend
@@ -317,8 +277,8 @@ def test_committed_kv_matches_fresh_prefill(exported, images):
         np.testing.assert_allclose(ours, ref, atol=2e-4, rtol=1e-4)
 
 
-def test_limits_and_provider_errors(exported, images):
-    ex = exported("qwen2")
+def test_limits_and_provider_errors(ort_exported, images):
+    ex = ort_exported("qwen2")
     prompt = ex.prompt(None)
     with pytest.raises(GlanceError, match="prompt longer than --max-context 8"):
         OrtBackend(ex.artifacts, max_context=8).prefill(prompt)
@@ -335,11 +295,11 @@ def test_limits_and_provider_errors(exported, images):
         OrtBackend(ex.artifacts, providers=["tensorrt"])
     assert OrtBackend(ex.artifacts, providers="cpu").info.providers == ("CPUExecutionProvider",)
     with pytest.raises(GlanceError, match="text-only"):
-        ex.backend.build_prompt("hi", images["wide"])
+        ex.codec.turn("hi", images["wide"])
 
 
-def test_corrupt_graph_fails_in_one_line(exported, tmp_path):
-    art = Path(shutil.copytree(exported("qwen3").artifacts, tmp_path / "art"))
+def test_corrupt_graph_fails_in_one_line(ort_exported, tmp_path):
+    art = Path(shutil.copytree(ort_exported("qwen3").artifacts, tmp_path / "art"))
     (art / "draft.onnx").write_bytes(b"not a protobuf")
     with pytest.raises(GlanceError, match="draft.onnx .*re-export with `glance-export onnx`") as err:
         OrtBackend(art)
@@ -350,23 +310,24 @@ BLOCKED_RUN = BLOCK_TRAINING_STACK + """
 import json
 from glance_runtime.backends.ort_backend import OrtBackend
 from glance_runtime.decode.loop import DecodeConfig, decode
+from glance_runtime.prompt.codec import exported_codec
 
 artifacts, image, text, max_new = sys.argv[1:5]
 backend = OrtBackend(artifacts)
-prompt = backend.build_prompt(text, image or None)
+prompt = exported_codec(backend.manifest).turn(text, image or None)
 out = {"ids": prompt.input_ids.tolist()}
 for name, cfg in {"ar": DecodeConfig(max_new_tokens=int(max_new), speculative=False),
                   "tree": DecodeConfig(max_new_tokens=int(max_new), budget=31),
                   "chain": DecodeConfig(max_new_tokens=int(max_new), budget=7, branch_k=1)}.items():
-    out[name] = decode(backend, prompt, cfg, stop_ids=backend.stop_token_ids).tokens
+    out[name] = decode(backend, prompt, cfg, stop_ids=backend.manifest.stop_token_ids).tokens
 assert not any(m.split(".")[0] in ("torch", "transformers") for m in sys.modules)
 print(json.dumps(out))
 """
 
 
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen3"])
-def test_full_loop_runs_without_torch(exported, images, family):
-    ex = exported(family)
+def test_full_loop_runs_without_torch(ort_exported, images, family):
+    ex = ort_exported(family)
     image = images["tall"] if family in VL_FAMILIES else None
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[3] / "runtime"),
                                                         os.environ.get("PYTHONPATH", "")])}
@@ -376,7 +337,7 @@ def test_full_loop_runs_without_torch(exported, images, family):
     out = json.loads(run.stdout.strip().splitlines()[-1])
     prompt = ex.prompt(image)
     assert out["ids"] == prompt.input_ids.tolist()
-    truth = ex.oracle(prompt, stops=ex.backend.stop_token_ids)
+    truth = ex.oracle(prompt, stops=ex.codec.stop_ids)
     assert out["ar"] == out["tree"] == out["chain"] == truth
 
 
@@ -391,10 +352,10 @@ def _outcome(drafter, prompt, cfg: DecodeConfig) -> tuple[list[int], str | None]
 
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)
-def test_context_end_matches_greedy(exported, images, family):
+def test_context_end_matches_greedy(ort_exported, images, family):
     """At every --max-context from the prompt length to past the answer, GLANCE streams exactly what greedy
     streams and stops (or is refused) where greedy is: each round's tree is cut to the rows left."""
-    ex = exported(family)
+    ex = ort_exported(family)
     prompt = ex.prompt(images["wide"] if family in VL_FAMILIES else None)
     truth = ex.oracle(prompt)
     split = median_surprisal(ex.backend, prompt, MAX_NEW)
@@ -411,12 +372,12 @@ def test_context_end_matches_greedy(exported, images, family):
 
 @pytest.mark.parametrize("family", VL_FAMILIES)
 @pytest.mark.parametrize("names", [("wide", "tall"), ("square", "wide", "tall")])
-def test_several_images_match_oracle(exported, images, family, names):
+def test_several_images_match_oracle(ort_exported, images, family, names):
     """The vision graph runs once per image; the rows (and Qwen3-VL's deepstack rows) are concatenated."""
     from glance_runtime.prompt.messages import user_turn
 
-    ex = exported(family)
-    prompt = ex.backend.prompts.build_messages([user_turn(TEXT, [images[n] for n in names])])
+    ex = ort_exported(family)
+    prompt = ex.codec.encode([user_turn(TEXT, [images[n] for n in names])])
     assert len(prompt.image_grid_thw) == len(names)
     truth = ex.oracle(prompt)
     assert truth != ex.oracle(ex.prompt(images[names[0]]))

@@ -13,7 +13,7 @@ from support import check_mixed, config, cutting, median_surprisal, skipping
 from glance_export.cli import main as export_main
 from glance_runtime.decode.auto_budget import auto_budget
 from glance_runtime.backends.trt_backend import check_engines, pick_profile
-from glance_runtime.formats.engines import FILE as ENGINE_MANIFEST, read as read_engines_record
+from glance_runtime.formats.engines import FILE as ENGINE_MANIFEST, EnginesRecord, read as read_engines_record
 from glance_runtime.cli.run import main as run_main
 from glance_runtime.errors import GlanceError
 
@@ -52,11 +52,10 @@ def test_a_pass_no_profile_holds_is_one_line():
     assert "\n" not in str(err.value)
 
 
-def _record(module="tensorrt", version="10.3.0", cc="8.7", runs_on=None) -> dict:
-    device = {"name": "Orin", "compute_capability": cc} if cc else {"name": "ahead-of-time, no GPU",
-                                                                   "compute_capability": None,
-                                                                   "runs_on_compute_capabilities": runs_on}
-    return {"tensorrt": {"module": module, "version": version}, "device": device}
+def _record(module="tensorrt", version="10.3.0", cc="8.7", runs_on=None) -> EnginesRecord:
+    """Built on a GPU of `cc`, or ahead of time for every capability in `runs_on`."""
+    return EnginesRecord(Path("engines"), module, version, (cc,) if cc else tuple(runs_on or ()), "fp16", 256, 64,
+                         None, None, {}, {})
 
 
 def test_engines_for_this_tensorrt_and_gpu_are_accepted():
@@ -133,19 +132,19 @@ def test_engines_answer_like_onnxruntime(rtx_engines):
     """The same loop on TensorRT engines and on ONNX Runtime gives the same tokens (fp32 engines), with fixed
     budgets and with auto: as `glance-run` builds it (a profile measured on these engines), and with policies
     forcing skipped drafts and small cuts (tests/support.py)."""
-    from glance_runtime.backends.registry import open_runner
+    from glance_runtime.backends.registry import Source, open_session
     from glance_runtime.decode.loop import DecodeConfig, decode
 
-    trt = open_runner("tensorrt", engines=rtx_engines)
-    ort = open_runner("onnxruntime", artifacts=DEFAULT_ARTIFACTS)
+    trt = open_session(Source("tensorrt", engines=rtx_engines))
+    ort = open_session(Source("onnxruntime", artifacts=DEFAULT_ARTIFACTS))
     image = Path(__file__).parents[3] / "examples" / "demo" / "receipt.png"
-    prompt = ort.build_prompt("What is the total?", image)
+    prompt = ort.prompt("What is the total?", image)
     for cfg in (DecodeConfig(max_new_tokens=32, speculative=False), DecodeConfig(max_new_tokens=32, budget=15)):
         ours = decode(trt.backend, prompt, cfg, trt.stop_ids)
         assert ours.tokens == decode(ort.backend, prompt, cfg, ort.stop_ids).tokens
     assert np.isfinite(ours.tau)
 
-    prompt = ort.build_prompt("Describe the image.", image)  # the default model is least sure here
+    prompt = ort.prompt("Describe the image.", image)  # the default model is least sure here
     truth = decode(ort.backend, prompt, DecodeConfig(max_new_tokens=32, budget=15), ort.stop_ids).tokens
     measured, cost_path, _ = auto_budget(trt, branch_k=8)
     assert cost_path.parent == rtx_engines and measured.cost.device.startswith("tensorrt")

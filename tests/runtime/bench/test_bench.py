@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from support import blocking
 
 from glance_runtime.store.atomic import MARKER
 from glance_runtime.cli.bench import main as bench_main
-from glance_runtime.bench.law import analyse, expected_accepted
+from glance_runtime.bench.law import MIN_ROUNDS, analyse, expected_accepted
 from glance_runtime.bench.modes import Mode, modes_for, parse_budgets
 from glance_runtime.bench.stats import rankdata, spearman
 from glance_runtime.decode.calibration import load_calibration
@@ -74,6 +75,26 @@ def test_law_refuses_impossible_rounds_and_says_when_entropy_is_constant():
         analyse([0.1, 0.2], [3, 9], [7, 7])
     fit = analyse(np.zeros(40), np.resize([1, 2, 3], 40), np.full(40, 15), replicates=20, permutations=20)
     assert np.isnan(fit.b1) and "barely varies" in fit.verdict
+
+
+def test_too_few_rounds_are_not_fitted_or_drawn_and_it_says_so(tmp_path):
+    """13 rounds of a steep sample once gave b1 in the thousands and an exp overflow: below the rounds the
+    law needs nothing is fitted, the verdict says why, and the plot shows the rounds without a curve."""
+    h = np.linspace(0.0, 0.02, 13)
+    a = np.where(h < 0.01, 15, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fit = analyse(h, a, np.full(13, 15), replicates=20, permutations=20)
+        assert np.isnan(fit.b0) and np.isnan(fit.b1) and fit.deciles == []
+        assert fit.verdict == f"not fitted: 13 rounds are too few to fit or test the law (it needs {MIN_ROUNDS})"
+        steep = expected_accepted(1.0, 5000.0, np.array([0.0, 1.0]), np.array([15, 15]))
+        p = 1 / (1 + np.exp(-1.0))
+        assert steep[0] == pytest.approx(sum(p ** k for k in range(1, 16))) and steep[1] == 0.0
+        rows = [{"entropy": float(x), "drafted": int(y), "cap": 15} for x, y in zip(h, a)]
+        from glance_runtime.bench.plots import plot_law
+
+        plot_law(tmp_path / "law.png", {"pooled": fit}, rows, "tree-15")
+    assert (tmp_path / "law.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.edge

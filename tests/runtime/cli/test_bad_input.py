@@ -30,8 +30,7 @@ from glance_runtime.cli.run import main as run_main
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
 from glance_runtime.formats.common import digest
 from glance_runtime.store.integrity import sha256
-from test_onnx_export import export_once
-from support import make_snapshot
+from support import export_once, make_snapshot
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 COMMANDS: dict[str, Callable[[list[str]], int]] = {"glance-run": run_main, "glance-export": export_main,

@@ -13,7 +13,8 @@ from glance_runtime.cli.bench import main as bench_main
 from glance_runtime.decode.calibration import FILE as CALIBRATION, Calibration
 from glance_runtime.cli.run import main as run_main
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
-from glance_runtime.decode.session import Settings, Source, open_session
+from glance_runtime.backends.registry import Source, open_session
+from glance_runtime.decode.session import Settings
 
 
 @pytest.fixture(scope="module")

@@ -15,11 +15,9 @@ from glance_runtime.backends.seeded import SeededDrafter
 from glance_runtime.decode.loop import DecodeConfig, decode
 from glance_runtime.prompt.messages import user_turn
 from glance_runtime.prompt.prefix_reuse import Committed, image_runs, shared_rows
-from test_ort_backend import exported  # noqa: F401  (the fixture: tiny artifacts per family)
-from support import ALL_FAMILIES, VL_FAMILIES
+from support import ALL_FAMILIES, SEEDS, VL_FAMILIES, converse
 
 MAX_NEW = 16
-SEEDS = {"full": lambda d: 0, "partial": lambda d: 0 if d <= 2 else None, "zero": lambda d: None}
 
 
 def _turns(images, family: str) -> list[dict]:
@@ -28,26 +26,6 @@ def _turns(images, family: str) -> list[dict]:
     return [user_turn("What colour is the square?", [images["wide"]] if vl else []),
             user_turn("Describe the image."),
             user_turn("How many circles are there?", [images["tall"]] if vl else [])]
-
-
-def converse(backend, build, detokenize, oracle, turns, seed: str, image_token_id, merge: int) -> list[int]:
-    """Decode each turn after the rows the previous ones committed; returns the rows kept per turn."""
-    messages, committed, kept = [], None, []
-    for turn in turns:
-        messages.append(turn)
-        prompt = build(messages)
-        keep = shared_rows(committed, prompt, image_token_id, merge)
-        truth = oracle(prompt)
-        result = decode(SeededDrafter(backend, truth, prompt.length, SEEDS[seed]),
-                        prompt, DecodeConfig(max_new_tokens=MAX_NEW, budget=31, branch_k=8), keep=keep)
-        assert result.tokens == truth[:MAX_NEW], (len(messages), keep)
-        if seed != "zero":
-            assert any(r.accepted > 1 for r in result.rounds)
-        tokens = np.concatenate([prompt.input_ids, np.asarray(result.tokens, np.int64)])[:backend.start]
-        committed = Committed(tokens, tuple(image_runs(prompt, image_token_id, merge)))
-        messages.append({"role": "assistant", "content": detokenize(result.tokens)})
-        kept.append(keep)
-    return kept
 
 
 @pytest.fixture(scope="module")
@@ -78,19 +56,19 @@ def test_torch_follow_ups_equal_fresh_decodes(torch_backend, images, family, see
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)
 @pytest.mark.parametrize("seed", list(SEEDS))
-def test_onnxruntime_follow_ups_equal_fresh_decodes(exported, images, family, seed):  # noqa: F811
-    ex = exported(family)
+def test_onnxruntime_follow_ups_equal_fresh_decodes(ort_exported, images, family, seed):
+    ex = ort_exported(family)
     m = ex.backend.manifest
-    kept = converse(ex.backend, ex.backend.prompts.build_messages, ex.backend.detokenize,
+    kept = converse(ex.backend, ex.codec.encode, ex.codec.decode,
                     lambda p: greedy_reference(ex.model, ex.snapshot, p, MAX_NEW, ()), _turns(images, family), seed,
                     m.image_token_id if m.is_vl else None, m.spatial_merge_size if m.is_vl else 1)
     assert kept[0] == 0 and all(k > 10 for k in kept[1:])
 
 
-def test_a_changed_image_is_not_reused(exported, images):  # noqa: F811
+def test_a_changed_image_is_not_reused(ort_exported, images):
     """Image tokens are one id repeated: a different picture of the same size must not share its rows."""
-    ex = exported("qwen2_vl")
-    build, m = ex.backend.prompts.build_messages, ex.backend.manifest
+    ex = ort_exported("qwen2_vl")
+    build, m = ex.codec.encode, ex.backend.manifest
     first = build([user_turn("Hi", [images["wide"]])])
     committed = Committed(first.input_ids, tuple(image_runs(first, m.image_token_id, m.spatial_merge_size)))
     same = build([user_turn("Hi", [Image.open(images["wide"])])])
@@ -132,7 +110,7 @@ def _draft_after_reuse_equals_fresh(backend, build, detokenize, oracle, turns, i
 
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)
-def test_head_context_after_reuse(torch_backend, exported, images, family):  # noqa: F811
+def test_head_context_after_reuse(torch_backend, ort_exported, images, family):
     backend = torch_backend(family)
     snap = backend.snapshot
     vl = (snap.image_token_id if snap.is_vl else None, snap.config.get("vision_config", {}).get("spatial_merge_size", 1))
@@ -140,7 +118,7 @@ def test_head_context_after_reuse(torch_backend, exported, images, family):  # n
                                     lambda ids: snap.tokenizer.decode(ids, skip_special_tokens=True),
                                     lambda p: greedy_reference(backend.model, snap, p, MAX_NEW, ()),
                                     _turns(images, family), *vl)
-    ex = exported(family)
-    _draft_after_reuse_equals_fresh(ex.backend, ex.backend.prompts.build_messages, ex.backend.detokenize,
+    ex = ort_exported(family)
+    _draft_after_reuse_equals_fresh(ex.backend, ex.codec.encode, ex.codec.decode,
                                     lambda p: greedy_reference(ex.model, ex.snapshot, p, MAX_NEW, ()),
                                     _turns(images, family), *vl)

@@ -16,8 +16,7 @@ from glance_runtime.errors import GlanceError, InputError
 from glance_runtime.decode.loop import DecodeConfig, decode
 from glance_runtime.prompt.messages import user_turn
 from glance_runtime.prompt.rope_index import rope_index
-from test_preprocess import _builder
-from support import VL_FAMILIES, make_snapshot
+from support import VL_FAMILIES, make_snapshot, runtime_prompt_builder
 
 MAX_NEW = 20
 IMAGE_SETS = {"two": ("wide", "tall"), "three": ("square", "wide", "tall")}
@@ -67,7 +66,7 @@ def generate(backend: TorchBackend, prompt) -> list[int]:
 def test_builders_and_positions_agree(snapshots, backends, images, family, count):
     snap = snapshots[family]
     messages = conversation([images[n] for n in IMAGE_SETS[count]])
-    ours, ref = _builder(snap).build_messages(messages), snap.build_messages(messages)
+    ours, ref = runtime_prompt_builder(snap).build_messages(messages), snap.build_messages(messages)
     np.testing.assert_array_equal(ours.input_ids, ref.input_ids)
     np.testing.assert_array_equal(ours.image_grid_thw, ref.image_grid_thw)
     np.testing.assert_array_equal(ours.pixel_values, ref.pixel_values)
@@ -103,7 +102,7 @@ def test_images_change_the_answer(backends, images):
 
 def test_image_kinds_give_one_prompt(snapshots, images):
     snap = snapshots["qwen3_vl"]
-    builder = _builder(snap)
+    builder = runtime_prompt_builder(snap)
     path = images["wide"]
     pil = Image.open(path)
     kinds = [path, str(path), pil, np.asarray(pil.convert("RGB")), np.asarray(pil.convert("RGBA")), path.read_bytes()]
@@ -117,7 +116,7 @@ def test_image_kinds_give_one_prompt(snapshots, images):
 
 
 def test_bad_messages_are_refused(snapshots, images):
-    builder = _builder(snapshots["qwen2_vl"])
+    builder = runtime_prompt_builder(snapshots["qwen2_vl"])
     bad = [([{"role": "user", "content": [{"type": "video", "video": [images["wide"]]}]}], "give it a video branch"),
            ([{"role": "user", "content": [{"type": "video", "video": []}]}], "at least one frame"),
            ([{"role": "user", "content": [{"type": "video", "video": [images["wide"]], "fps": 0}]}], "positive number"),
@@ -130,6 +129,6 @@ def test_bad_messages_are_refused(snapshots, images):
     for messages, message in bad:
         with pytest.raises(InputError, match=message):
             builder.build_messages(messages)
-    text_only = _builder(Snapshot(make_snapshot(snapshots["qwen2_vl"].path.parent / "qwen2", "qwen2", layers=1)))
+    text_only = runtime_prompt_builder(Snapshot(make_snapshot(snapshots["qwen2_vl"].path.parent / "qwen2", "qwen2", layers=1)))
     with pytest.raises(GlanceError, match="text-only"):
         text_only.build_messages([user_turn("Hi", [images["wide"]])])

@@ -11,9 +11,11 @@ from PIL import Image
 
 from glance_export.model.adapters import Snapshot
 from glance_runtime.errors import GlanceError
-from glance_runtime.prompt.prompt_builder import ImageProcessorConfig, PromptBuilder, load_image, process_image, smart_resize
+from glance_runtime.prompt.images import load_image, smart_resize
+from glance_runtime.prompt.messages import user_turn
+from glance_runtime.prompt.prompt_builder import ImageProcessorConfig, Prompt, PromptBuilder, process_image
 from glance_runtime.prompt.rope_index import rope_index
-from support import ALL_FAMILIES, VL_FAMILIES, make_image, make_snapshot
+from support import ALL_FAMILIES, VL_FAMILIES, make_image, make_snapshot, runtime_prompt_builder
 
 SIZES = [(64, 64), (200, 100), (37, 300), (300, 37), (1000, 800), (20, 20), (113, 97)]
 TEXTS = ["What colour is the square?", "", "Read the total: 42.17 — ünïcødé ✓ <|im_end|> not special?"]
@@ -25,26 +27,16 @@ def snapshots(tmp_path_factory) -> dict[str, Snapshot]:
     return {f: Snapshot(make_snapshot(root / f, f, layers=2)) for f in ALL_FAMILIES}
 
 
-def _builder(snap: Snapshot) -> PromptBuilder:
-    """A builder over the files an export ships. tokenizer.json is the tokenizer as transformers loads it:
-    for some model types (qwen2) transformers replaces the file's pre-tokenizer, so exports must save
-    the effective one rather than copy the snapshot's file."""
-    out = snap.path / "runtime_files"
-    if not out.is_dir():
-        out.mkdir()
-        for name in ("chat_template.jinja", "tokenizer_config.json", "preprocessor_config.json",
-                     "generation_config.json"):
-            if (snap.path / name).is_file():
-                shutil.copy(snap.path / name, out / name)
-        snap.tokenizer.backend_tokenizer.save(str(out / "tokenizer.json"))
-    return PromptBuilder(out, snap.image_token_id if snap.is_vl else None)
+def _turn(builder: PromptBuilder, text: str, image=None) -> Prompt:
+    """One user turn through the runtime's builder (as the codec's `turn` sends it)."""
+    return builder.build_messages([user_turn(text, [image] if image is not None else [])])
 
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)
 @pytest.mark.parametrize("text", TEXTS)
 def test_text_prompt_ids_match(snapshots, family, text):
     snap = snapshots[family]
-    ours, ref = _builder(snap).build(text), snap.build_prompt(text)
+    ours, ref = _turn(runtime_prompt_builder(snap), text), snap.build_prompt(text)
     assert ours.input_ids.dtype == np.int64
     np.testing.assert_array_equal(ours.input_ids, ref.input_ids)
     assert ours.pixel_values is None and ours.image_grid_thw is None
@@ -55,7 +47,7 @@ def test_text_prompt_ids_match(snapshots, family, text):
 def test_image_prompt_matches_processor(snapshots, family, size, tmp_path):
     snap = snapshots[family]
     image = make_image(tmp_path / "img.png", *size, seed=sum(size))
-    ours, ref = _builder(snap).build("Describe the image.", image), snap.build_prompt("Describe the image.", image)
+    ours, ref = _turn(runtime_prompt_builder(snap), "Describe the image.", image), snap.build_prompt("Describe the image.", image)
     np.testing.assert_array_equal(ours.input_ids, ref.input_ids)
     np.testing.assert_array_equal(ours.image_grid_thw, ref.image_grid_thw)
     assert ours.pixel_values.dtype == np.float32 and ours.pixel_values.shape == ref.pixel_values.shape
@@ -67,7 +59,7 @@ def test_non_rgb_images_match(snapshots, mode):
     snap = snapshots["qwen2_5_vl"]
     rgb = Image.fromarray(np.random.default_rng(1).integers(0, 255, (90, 130, 3), dtype=np.uint8))
     image = rgb.convert(mode)
-    ours, ref = _builder(snap).build("Hi", image), snap.build_prompt("Hi", image)
+    ours, ref = _turn(runtime_prompt_builder(snap), "Hi", image), snap.build_prompt("Hi", image)
     np.testing.assert_array_equal(ours.input_ids, ref.input_ids)
     np.testing.assert_array_equal(ours.pixel_values, ref.pixel_values)  # bit-exact
 
@@ -78,7 +70,7 @@ def test_processor_flags_match(snapshots, flags, tmp_path):
     from transformers import AutoImageProcessor
 
     snap = snapshots["qwen2_vl"]
-    builder = _builder(snap)
+    builder = runtime_prompt_builder(snap)
     raw = json.loads((builder.path / "preprocessor_config.json").read_text())
     (tmp_path / "preprocessor_config.json").write_text(json.dumps({**raw, **flags}))
     ours = ImageProcessorConfig.from_json({**raw, **flags})
@@ -106,7 +98,7 @@ def models(snapshots):
 @pytest.mark.parametrize("size", [(64, 64), (200, 100), (37, 300), (1000, 800)])
 def test_rope_index_matches_model(snapshots, models, family, size, tmp_path):
     snap, model = snapshots[family], models[family]
-    prompt = _builder(snap).build("Describe it.", make_image(tmp_path / "i.png", *size, seed=3))
+    prompt = _turn(runtime_prompt_builder(snap), "Describe it.", make_image(tmp_path / "i.png", *size, seed=3))
     ids = torch.from_numpy(prompt.input_ids)[None]
     ref_pos, ref_delta = model.model.get_rope_index(
         input_ids=ids, mm_token_type_ids=(ids == snap.image_token_id).int(),
@@ -128,9 +120,9 @@ def test_rope_index_text_only():
 @pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_decode_matches_tokenizer(snapshots, family):
     snap = snapshots[family]
-    builder = _builder(snap)
+    builder = runtime_prompt_builder(snap)
     for text in TEXTS:
-        ids = builder.build(text).input_ids.tolist()
+        ids = _turn(builder, text).input_ids.tolist()
         assert builder.decode(ids) == snap.tokenizer.decode(ids, skip_special_tokens=True)
 
 
@@ -169,20 +161,20 @@ def test_rich_template_renders_like_transformers(snapshots, tmp_path):
 
 
 def test_image_errors(snapshots, tmp_path):
-    builder = _builder(snapshots["qwen2_vl"])
+    builder = runtime_prompt_builder(snapshots["qwen2_vl"])
     with pytest.raises(GlanceError, match="does not exist"):
-        builder.build("x", tmp_path / "missing.png")
+        _turn(builder, "x", tmp_path / "missing.png")
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\nnot really a png")
     with pytest.raises(GlanceError, match="cannot be decoded"):
-        builder.build("x", bad)
+        _turn(builder, "x", bad)
     huge = tmp_path / "huge.png"
     Image.new("1", (9000, 8000)).save(huge)
     with pytest.raises(GlanceError, match="larger than") as err:
         load_image(huge)
     assert "\n" not in str(err.value)
     with pytest.raises(GlanceError, match="text-only"):
-        _builder(snapshots["qwen2"]).build("x", make_image(tmp_path / "ok.png", 32, 32, 0))
+        _turn(runtime_prompt_builder(snapshots["qwen2"]), "x", make_image(tmp_path / "ok.png", 32, 32, 0))
 
 
 def test_missing_files(snapshots, tmp_path):

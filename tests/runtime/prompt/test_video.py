@@ -24,8 +24,7 @@ from glance_runtime.prompt.messages import user_turn
 from glance_runtime.prompt.prefix_reuse import Committed, image_runs, shared_rows
 from glance_runtime.prompt.rope_index import rope_index, video_grids
 from glance_runtime.prompt.video import DEFAULT_FPS, Video, VideoProcessorConfig, process_video, resize_frame
-from test_ort_backend import Exported
-from support import VL_FAMILIES, make_snapshot
+from support import VL_FAMILIES, Exported, make_snapshot
 
 MAX_NEW = 16
 VIDEO_BRANCH = "{% elif c['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
@@ -199,13 +198,13 @@ def test_torch_and_onnxruntime_match_generate(backends, exported, images, family
         prompt = backend.snapshot.build_messages(messages)
         truth = generate(backend, prompt)
         assert greedy_reference(backend.model, backend.snapshot, prompt, MAX_NEW, backend.snapshot.stop_token_ids) == truth
-        ort_prompt = ex.backend.prompts.build_messages(messages)
+        ort_prompt = ex.codec.encode(messages)
         for field in ("input_ids", "pixel_values", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
             np.testing.assert_array_equal(getattr(ort_prompt, field), getattr(prompt, field), err_msg=f"{name} {field}")
         for budget, k in ((31, 8), (0, 1)):
             cfg = DecodeConfig(max_new_tokens=MAX_NEW, budget=budget, branch_k=k)
             assert decode(backend, prompt, cfg, backend.snapshot.stop_token_ids).tokens == truth, (name, budget)
-            assert decode(ex.backend, ort_prompt, cfg, ex.backend.stop_token_ids).tokens == truth, (name, budget)
+            assert decode(ex.backend, ort_prompt, cfg, ex.codec.stop_ids).tokens == truth, (name, budget)
 
 
 def test_the_video_changes_the_answer(backends):
@@ -233,7 +232,7 @@ def test_follow_up_about_a_video_keeps_its_kv(exported, snaps):
             second = chat.send("Describe the image.", max_new_tokens=8)
             assert second.stats["prefill_tokens"] < second.stats["prompt_tokens"] // 2
             assert second.token_ids == model.generate(messages=chat.messages[:-1], max_new_tokens=8).token_ids
-    build = ex.backend.prompts.build_messages
+    build = ex.codec.encode
     side = (ex.backend.manifest.image_token_id, ex.backend.manifest.spatial_merge_size)
     seen = build([user_turn("What moves?", videos=[clip])])
     committed = Committed(seen.input_ids, tuple(image_runs(seen, *side)))
@@ -286,7 +285,7 @@ def test_follow_ups_about_videos_equal_fresh_decodes(backends, exported, images,
     """Turns that keep a video's rows (and then add an image and another video) decode what fresh decodes of
     the whole conversation do, on both backends, with seeded drafts accepting everything, part, or nothing."""
     from glance_export.model.torch_backend import greedy_reference
-    from test_kv_reuse import converse
+    from support import converse
 
     turns = [user_turn("What moves?", videos=[frames(3, seed=6)]), user_turn("Describe the image."),
              user_turn("What changed?", [images["tall"]], [{"video": frames(4, seed=7), "fps": 1.0}])]
@@ -295,7 +294,7 @@ def test_follow_ups_about_videos_equal_fresh_decodes(backends, exported, images,
     merge = snap.config["vision_config"]["spatial_merge_size"]
     for runner, build, detokenize, model in (
             (backend, snap.build_messages, lambda ids: snap.tokenizer.decode(ids, skip_special_tokens=True), backend.model),
-            (ex.backend, ex.backend.prompts.build_messages, ex.backend.detokenize, ex.model)):
+            (ex.backend, ex.codec.encode, ex.codec.decode, ex.model)):
         kept = converse(runner, build, detokenize, lambda p: greedy_reference(model, snap, p, MAX_NEW, ()), turns, seed,
                         snap.image_token_id, merge)
         assert kept[0] == 0 and all(k > 10 for k in kept[1:])

@@ -305,8 +305,17 @@ def test_a_missing_or_wrong_api_key_is_401(server, key):
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
-def test_models_lists_the_served_model(server):
+def test_models_lists_and_retrieves_the_served_model(server):
     assert [m.id for m in client(server).models.list()] == [MODEL_NAME]
+    card = client(server).models.retrieve(MODEL_NAME)
+    assert (card.id, card.object, card.owned_by) == (MODEL_NAME, "model", "glance")
+    with pytest.raises(openai.NotFoundError) as missing:
+        client(server).models.retrieve("nope/other")
+    assert missing.value.body == {"message": "the model 'nope/other' does not exist here; this server serves "
+                                             f"{MODEL_NAME!r}", "type": "invalid_request_error", "param": "model",
+                                  "code": "model_not_found"}
+    r = httpx.get(f"{server.url}/v1/models/{MODEL_NAME}", timeout=CLIENT_TIMEOUT_S)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_a_dropped_stream_leaves_the_next_request_correct(server, expected):

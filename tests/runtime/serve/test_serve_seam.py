@@ -132,7 +132,7 @@ def test_another_image_of_the_same_size_is_not_taken_for_the_kept_one(model):
     rows.decode(model.build(messages=ask(receipt)))
     flipped = rows.decode(model.build(messages=ask(other)))
     assert flipped.token_ids == model.generate(messages=ask(other)).token_ids
-    image_start = int(np.argmax(model.build(messages=ask(other)).input_ids == model.runner.conversations.image_token_id))
+    image_start = int(np.argmax(model.build(messages=ask(other)).input_ids == model.session.codec.image_token_id))
     assert flipped.stats["prefill_tokens"] == flipped.stats["prompt_tokens"] - image_start
 
 

@@ -15,11 +15,12 @@ from glance_export.model.adapters import Snapshot
 from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
 from glance_runtime.store import integrity
 from glance_runtime.errors import GlanceError
+from glance_runtime.formats.engines import EngineFile
 from glance_runtime.store.integrity import Stamps, sha256, verify_engines, verify_files
 from glance_runtime.formats import artifacts as artifacts_format
 from glance_runtime.formats.artifacts import read as load_manifest
 from glance_runtime.backends.registry import exported_artifacts
-from test_onnx_export import export_once
+from support import export_once
 
 
 @pytest.fixture(scope="module")
@@ -114,12 +115,11 @@ def test_fresh_files_are_never_stamped(copy):
 
 def test_verify_engines_reads_an_engine_record(tmp_path):
     (tmp_path / "target.engine").write_bytes(b"plan" * 100)
-    record = {"engines": {"target": {"file": "target.engine", "bytes": 400,
-                                     "sha256": sha256(tmp_path / "target.engine")}}}
-    verify_engines(tmp_path, record)
+    files = [EngineFile("target.engine", 400, sha256(tmp_path / "target.engine"))]
+    verify_engines(tmp_path, files)
     _flip(tmp_path / "target.engine", at=7)
     with pytest.raises(GlanceError, match="target.engine does not match.*glance-export build"):
-        verify_engines(tmp_path, record)
+        verify_engines(tmp_path, files)
     with pytest.raises(GlanceError, match="gone.engine is missing"):
         verify_files(tmp_path, {"gone.engine": {"sha256": "0"}}, "rebuild")
 

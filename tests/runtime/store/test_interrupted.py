@@ -3,7 +3,6 @@ the previous output exactly as it was, or nothing; the next run succeeds and lea
 continues from its last checkpoint, and a resumed head run ends bit-identical to an uninterrupted one."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -19,6 +18,7 @@ from glance_export.cli import main as export_main
 from glance_export.model.head import load_head
 from glance_export.onnx import export_artifacts
 from glance_export.train.checkpoint import STATE_FILE
+from glance_runtime.formats import engines as engines_format
 from glance_runtime.store.integrity import verify_engines
 from glance_runtime.formats.artifacts import read as load_manifest
 
@@ -109,7 +109,7 @@ def test_killed_build_leaves_the_previous_engines(sources, tmp_path):
     assert debris(out)
     assert export_main([str(a) for a in argv]) == 0
     assert debris(out) == []
-    verify_engines(out, json.loads((out / "engines.json").read_text()))
+    verify_engines(out, engines_format.read(out).files)
 
 
 def test_killed_head_training_resumes_to_the_same_head(sources, images, tmp_path):

@@ -1,0 +1,108 @@
+"""Images as every prompt builder takes them: a path checked and decoded now, any encoding turned into the
+8-bit RGB viewers show, and the processors' smart resize (with its aspect-ratio bound)."""
+from __future__ import annotations
+
+import errno
+import math
+import os
+import stat
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from ..errors import GlanceError, InputError
+
+MAX_IMAGE_PIXELS = 8192 * 8192  # the largest image the runtime decodes at all
+
+
+def check_image_path(path: str | Path) -> Path:
+    """The file an image path names, or a refusal that says what the path really is."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise InputError(f"image {path} is a symbolic link loop; point it at an image file") from None
+        if exc.errno == errno.ENOENT and path.is_symlink():
+            raise InputError(f"image {path} is a dangling symbolic link (to {os.readlink(path)}); point it at an "
+                              "existing image file") from None
+        if exc.errno == errno.ENOENT:
+            raise InputError(f"image {path} does not exist; pass an existing image file") from None
+        if exc.errno == errno.ENOTDIR:
+            raise InputError(f"image {path}: a part of the path is a file, not a directory; pass an existing "
+                              "image file") from None
+        raise InputError(f"image {path} cannot be reached ({exc.strerror}); pass a readable image file") from None
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    for test, what in kinds:
+        if test(mode):
+            raise InputError(f"image {path} is {what}, not an image file; pass an image file")
+    if not os.access(path, os.R_OK):
+        raise InputError(f"image {path} cannot be read (permission denied); make it readable or pass another file")
+    return path
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """8-bit RGB as image viewers show it, so one picture gives one prompt whatever its encoding: rotated
+    by its EXIF orientation; 16- and 32-bit integer greys scaled from their full range (not clipped at
+    255, which turns a 16-bit PNG almost white); floats read as 0..1 intensities when they lie in that
+    range, else clipped to 0..255; transparency (RGBA, LA, palettes with a transparent index) composited
+    over white. Every backend and the torch oracle build their pixels through here."""
+    image = ImageOps.exif_transpose(image)
+    if image.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
+        values = np.asarray(image.convert("F") if image.mode.startswith("I;16") else image, dtype=np.float64)
+        finite = values[np.isfinite(values)]
+        if image.mode == "F":
+            top = 1.0 if finite.size and finite.min() >= 0 and finite.max() <= 1 else 255.0
+        else:
+            top = 65535.0 if image.mode != "I" or not finite.size or finite.max() <= 65535 else float(2**32 - 1)
+        grey = np.clip(np.nan_to_num(values, nan=0.0, posinf=top, neginf=0.0) / top, 0, 1) * 255
+        image = Image.fromarray(np.round(grey).astype(np.uint8), "L")
+    if image.mode == "P" and "transparency" in image.info or image.mode == "PA":
+        image = image.convert("RGBA")
+    if image.mode in ("RGBA", "LA", "RGBa", "La"):
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def load_image(path: str | Path) -> Image.Image:
+    """Open and decode an image fully now, so a bad file fails here with its name, not inside a graph."""
+    path = check_image_path(path)
+    try:
+        with Image.open(path) as img:
+            width, height = img.size
+            if width * height > MAX_IMAGE_PIXELS:
+                raise InputError(f"image {path} is {width}x{height}, larger than {MAX_IMAGE_PIXELS} pixels; "
+                                  "downscale it first")
+            return to_rgb(img)
+    except GlanceError:
+        raise
+    except Image.DecompressionBombError:
+        raise InputError(f"image {path} is absurdly large; downscale it first") from None
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise InputError(f"image {path} cannot be decoded ({exc}); pass a PNG, JPEG or other Pillow format") from None
+
+
+def check_aspect(height: int, width: int, what: str = "image", fix: str = "crop it first") -> None:
+    """Refuse a picture over 200:1, which the vision processors cannot resize to whole patches."""
+    if max(height, width) / min(height, width) > 200:
+        raise InputError(f"{what} aspect ratio {max(height, width) / min(height, width):.0f}:1 is over 200:1; {fix}")
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Nearest size with both sides multiples of `factor` and area within [min_pixels, max_pixels]."""
+    check_aspect(height, width)
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
