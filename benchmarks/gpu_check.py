@@ -171,7 +171,7 @@ def backends(model: Path, head: Path, artifacts: Path, work: Path, cuda: bool, s
         ("onnxruntime-cpu", "fp32", lambda: (OrtBackend(artifacts), snapshot.stop_token_ids))]
     if cuda:
         for dtype in ("float32", "float16"):
-            found.append((f"torch-cuda", dtype, lambda dtype=dtype: (
+            found.append(("torch-cuda", dtype, lambda dtype=dtype: (
                 TorchBackend(snapshot, load_head(head), dtype=dtype, device="cuda"), snapshot.stop_token_ids)))
     else:
         skipped.append("torch on CUDA: torch.cuda.is_available() is False")
