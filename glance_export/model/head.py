@@ -117,7 +117,8 @@ class HeadAttention(nn.Module):
         return k, v
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx_k: torch.Tensor,
-                ctx_v: torch.Tensor, ctx_mask: torch.Tensor | None = None) -> torch.Tensor:
+                ctx_v: torch.Tensor, ctx_mask: torch.Tensor | None = None,
+                block_mask: torch.Tensor | None = None) -> torch.Tensor:
         q = self.q_norm(self._split(self.q_proj(x), self.heads))
         cos, sin = rope
         q, _ = apply_rotary_pos_emb(q, q, cos, sin)
@@ -126,8 +127,8 @@ class HeadAttention(nn.Module):
         v = torch.cat([ctx_v, v_blk], dim=2).repeat_interleave(self.heads // self.kv_heads, dim=1)
         mask = None
         if ctx_mask is not None:
-            block_cols = ctx_mask.new_zeros(*ctx_mask.shape[:-1], x.shape[1])
-            mask = torch.cat([ctx_mask, block_cols], dim=-1)
+            block_cols = block_mask if block_mask is not None else ctx_mask.new_zeros(*ctx_mask.shape[:-1], x.shape[1])
+            mask = torch.cat([ctx_mask, block_cols.to(ctx_mask.dtype)], dim=-1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
 
@@ -140,8 +141,8 @@ class HeadLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def forward(self, x, rope, ctx_k, ctx_v, ctx_mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), rope, ctx_k, ctx_v, ctx_mask)
+    def forward(self, x, rope, ctx_k, ctx_v, ctx_mask=None, block_mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), rope, ctx_k, ctx_v, ctx_mask, block_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -170,12 +171,15 @@ class DraftHead(nn.Module):
         return [layer.self_attn.key_value(ctx, rope) for layer in self.layers]
 
     def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor,
-                ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], ctx_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Final-normed hidden states of the block [batch, B, H]; ctx_mask (additive, optional) hides context."""
+                ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], ctx_mask: torch.Tensor | None = None,
+                block_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed hidden states of the block rows [batch, rows, H]. Additive masks (optional): ctx_mask
+        [batch, 1, rows, context] hides context; block_mask [batch, 1, rows, rows] (with ctx_mask) splits the rows
+        into several blocks that do not see each other, as training packs the anchors of one sequence."""
         rope = self.rope(block_embeds, positions)
         x = block_embeds
         for layer, (k, v) in zip(self.layers, ctx_kv):
-            x = layer(x, rope, k, v, ctx_mask)
+            x = layer(x, rope, k, v, ctx_mask, block_mask)
         return self.norm(x)
 
 

@@ -3,8 +3,7 @@
 For every task the target answers greedily; one forward pass over prompt + answer gives the tapped
 hidden states of every row. A training example is an anchor inside the answer: block
 `[anchor, MASK x (B-1)]` at positions `anchor .. anchor+B-1`, context = rows strictly before the
-anchor, and offset k learns token `anchor + k` with weight `exp(-(k-1)/gamma)`. Many anchors of one
-sequence share one context projection; a mask hides the rows at or after each anchor.
+anchor, and offset k learns token `anchor + k` with weight `exp(-(k-1)/gamma)` (head_loss.py).
 """
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 
 from glance_runtime.errors import GlanceError
@@ -26,14 +24,8 @@ from ..audit.greedy_audit import Task
 from ..model.head import DraftHead, check_head_out, head_config_for, init_head, load_head, pick_mask_token, save_head
 from ..model.torch_backend import TorchBackend, greedy_reference
 from glance_runtime.formats.tasks import read as read_tasks
+from .head_loss import Sequence, batch_loss, make_batch
 from .checkpoint import capture, load_state, restore, run_signature, writer
-
-
-@dataclass
-class Sequence:
-    ids: torch.Tensor  # int64 [L]: prompt + the target's own answer
-    taps: torch.Tensor  # [L, n_taps * H], detached
-    answer_start: int  # first generated row == first anchor position
 
 
 @torch.no_grad()
@@ -62,45 +54,17 @@ def tap_rows(snapshot: Snapshot, model, prompt: Prompt, answer: list[int], layer
 
 @torch.no_grad()
 def collect_sequences(snapshot: Snapshot, model, tasks: list[Task], layer_ids: list[int], max_new_tokens: int,
-                      progress: Callable[[str], None]) -> list[Sequence]:
+                      progress: Callable[[str], None]) -> list[tuple[Sequence, torch.Tensor]]:
     """Generate each task's greedy answer, then tap the target over prompt + answer."""
     out = []
     for i, task in enumerate(tasks, 1):
         prompt = snapshot.build_prompt(task.prompt, task.image)
         answer = greedy_reference(model, snapshot, prompt, max_new_tokens, snapshot.stop_token_ids)
         ids = torch.cat([torch.from_numpy(prompt.input_ids), torch.tensor(answer, dtype=torch.long)])
-        out.append(Sequence(ids, tap_rows(snapshot, model, prompt, answer, layer_ids), prompt.length))
+        out.append((Sequence(ids, prompt.length), tap_rows(snapshot, model, prompt, answer, layer_ids)))
         if i % 20 == 0 or i == len(tasks):
             progress(f"generated {i}/{len(tasks)} answers")
     return out
-
-
-def sequence_loss(head: DraftHead, embed, lm_head, seq: Sequence, anchors: torch.Tensor,
-                  gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted block loss of `anchors` (rows of seq) and their offset-1 top-1 hits."""
-    cfg = head.config
-    rows, n, block = seq.ids.shape[0], anchors.shape[0], cfg.block_size
-    ctx = head.context_kv(seq.taps[None], torch.arange(rows)[None])
-    ctx = [(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1)) for k, v in ctx]
-    offsets = torch.arange(block)
-    block_ids = torch.full((n, block), cfg.mask_token_id, dtype=torch.long)
-    block_ids[:, 0] = seq.ids[anchors]
-    positions = anchors[:, None] + offsets[None]
-    hide = torch.arange(rows)[None, :] >= anchors[:, None]  # context strictly before the anchor
-    mask = torch.zeros(n, 1, block, rows).masked_fill(hide[:, None, None, :], torch.finfo(torch.float32).min)
-    with torch.no_grad():
-        embeds = embed(block_ids).float()
-    hidden = head(embeds, positions, ctx, mask)
-    logits = lm_head(hidden[:, 1:]).float()
-    target_rows = positions[:, 1:]
-    valid = target_rows < rows
-    labels = torch.where(valid, seq.ids[target_rows.clamp(max=rows - 1)], torch.full_like(target_rows, -100))
-    weights = torch.exp(-(offsets[1:].float() - 1) / gamma)[None].expand(n, -1)
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
-                         reduction="none").view(n, -1)
-    w = weights * valid
-    hits = (logits[:, 0].argmax(-1) == labels[:, 0]).float()
-    return (ce * w).sum() / w.sum().clamp(min=1e-6), hits
 
 
 MADE_BY = "glance-export train-head"
@@ -139,7 +103,7 @@ def train_head(model_dir: str | Path, task_file: str | Path, out_dir: str | Path
     cfg = head.config
     progress(f"stage 1/2: target answers and taps of layers {cfg.target_layer_ids}")
     seqs = [s for s in collect_sequences(snapshot, model, tasks, cfg.target_layer_ids, max_new_tokens,
-                                         progress) if s.ids.shape[0] - s.answer_start >= 2]
+                                         progress) if s[0].ids.shape[0] - s[0].answer_start >= 2]
     if not seqs:
         raise GlanceError("the target produced no answer longer than one token; nothing to train on")
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -155,21 +119,21 @@ def train_head(model_dir: str | Path, task_file: str | Path, out_dir: str | Path
     t0 = time.time()
     for step in range(done + 1, steps + 1):
         opt.zero_grad()
-        total, hits, count = 0.0, 0.0, 0
-        for seq in rng.sample(seqs, min(batch, len(seqs))):
+        chosen = rng.sample(seqs, min(batch, len(seqs)))
+        picks = []
+        for seq, _ in chosen:
             lo, hi = seq.answer_start, seq.ids.shape[0] - 2
-            picks = torch.tensor(sorted(rng.sample(range(lo, hi + 1), min(anchors, hi - lo + 1))))
-            loss, hit = sequence_loss(head, embed, lm_head, seq, picks, gamma)
-            (loss / batch).backward()
-            total += loss.item()
-            hits += float(hit.sum())
-            count += len(picks)
+            picks.append(sorted(rng.sample(range(lo, hi + 1), min(anchors, hi - lo + 1))))
+        stats = batch_loss(head, embed, lm_head, make_batch([s for s, _ in chosen], [t for _, t in chosen], picks),
+                           gamma)
+        stats.loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
         sched.step()
         done = step
         if step % 50 == 0 or step == steps:
-            progress(f"step {step}/{steps} loss {total / batch:.4f} offset-1 acc {hits / count:.3f} "
+            progress(f"step {step}/{steps} loss {stats.loss.item():.4f} offset-1 acc "
+                     f"{stats.hits[0].item() / max(1, stats.counts[0].item()):.3f} "
                      f"({time.time() - t0:.0f}s)")
         if step % checkpoint_every == 0 and step < steps:
             save_head(head.eval(), out_dir, also=writer(capture(signature, step, opt, sched, rng)), made_by=MADE_BY)
