@@ -213,7 +213,7 @@ def save_head(head: DraftHead, out_dir: str | Path, also: Callable[[Path], None]
 
     with atomic_directory(out_dir, HEAD_FORMAT, made_by) as tmp:
         (tmp / "config.json").write_text(json.dumps(head.config.to_json(), indent=2))
-        state = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
+        state = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         if also is not None:
             also(tmp)

@@ -22,6 +22,7 @@ from ..model.head import DraftHead
 class Sequence:
     ids: torch.Tensor  # int64 [L]: prompt + the target's own answer
     answer_start: int  # first generated row == first anchor position
+    sample: int = 0  # which training sample it answers (its prompt is rebuilt from there for the taps)
 
 
 @dataclass

@@ -1,148 +1,174 @@
 """Train a GLANCE head for any supported target on its own greedy generations (the DFlash recipe).
 
-For every task the target answers greedily; one forward pass over prompt + answer gives the tapped
-hidden states of every row. A training example is an anchor inside the answer: block
-`[anchor, MASK x (B-1)]` at positions `anchor .. anchor+B-1`, context = rows strictly before the
-anchor, and offset k learns token `anchor + k` with weight `exp(-(k-1)/gamma)` (head_loss.py).
+Stage 1 answers every training prompt with the target (sequences.py); stage 2 takes optimizer steps, each one
+padded forward and backward over a batch of sequences and their anchors (head_loss.py), the taps of each
+sequence computed by the target as the step needs them. Under `torchrun` the processes split every global
+batch (order.py) and average their gradients (world.py); only the first writes.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-import random
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
-from transformers import DynamicCache
 
 from glance_runtime.errors import GlanceError
 
-from ..model.adapters import Prompt, Snapshot
-from ..audit.greedy_audit import Task
-from ..model.head import DraftHead, check_head_out, head_config_for, init_head, load_head, pick_mask_token, save_head
-from ..model.torch_backend import TorchBackend, greedy_reference
-from glance_runtime.formats.tasks import read as read_tasks
-from .head_loss import Sequence, batch_loss, make_batch
+from ..model.adapters import Snapshot
+from ..model.head import check_head_out, head_config_for, init_head, load_head, pick_mask_token, save_head
 from .checkpoint import capture, load_state, restore, run_signature, writer
-
-
-@torch.no_grad()
-def tap_rows(snapshot: Snapshot, model, prompt: Prompt, answer: list[int], layer_ids: list[int]) -> torch.Tensor:
-    """Taps of prompt + answer as decoding produces them: the prompt with its image, then the answer on
-    the prompt's cache at positions `stream + delta`. Image features go to the prompt's image-pad rows
-    only, so an answer that contains the image-pad id is embedded as the plain token, as in decoding."""
-    reference = TorchBackend(snapshot, model=model)
-    positions, delta = reference.prompt_positions(prompt)
-    ids = torch.from_numpy(prompt.input_ids)[None]
-    extra = {}
-    if prompt.pixel_values is not None:
-        extra = dict(pixel_values=torch.from_numpy(prompt.pixel_values).to(model.dtype),
-                     image_grid_thw=torch.from_numpy(prompt.image_grid_thw),
-                     mm_token_type_ids=(ids == snapshot.image_token_id).int())
-    cache = DynamicCache(config=model.config)
-    passes = [model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, output_hidden_states=True,
-                    **extra).hidden_states]
-    if answer:
-        stream = (torch.arange(prompt.length, prompt.length + len(answer)) + delta)[None]
-        passes.append(model(input_ids=torch.tensor(answer)[None], cache=cache, use_cache=True,
-                            position_ids=stream[None].expand(3, 1, -1) if snapshot.is_vl else stream,
-                            output_hidden_states=True).hidden_states)
-    return torch.cat([torch.cat([hidden[l + 1][0] for l in layer_ids], dim=-1) for hidden in passes]).float()
-
-
-@torch.no_grad()
-def collect_sequences(snapshot: Snapshot, model, tasks: list[Task], layer_ids: list[int], max_new_tokens: int,
-                      progress: Callable[[str], None]) -> list[tuple[Sequence, torch.Tensor]]:
-    """Generate each task's greedy answer, then tap the target over prompt + answer."""
-    out = []
-    for i, task in enumerate(tasks, 1):
-        prompt = snapshot.build_prompt(task.prompt, task.image)
-        answer = greedy_reference(model, snapshot, prompt, max_new_tokens, snapshot.stop_token_ids)
-        ids = torch.cat([torch.from_numpy(prompt.input_ids), torch.tensor(answer, dtype=torch.long)])
-        out.append((Sequence(ids, prompt.length), tap_rows(snapshot, model, prompt, answer, layer_ids)))
-        if i % 20 == 0 or i == len(tasks):
-            progress(f"generated {i}/{len(tasks)} answers")
-    return out
-
+from .data_files import Tally, read_samples
+from .head_loss import batch_loss, make_batch
+from .order import anchors_for, rank_slots, step_items
+from .sequences import answer_samples
+from .tap_source import OnlineTaps
+from .world import World, join, leave
 
 MADE_BY = "glance-export train-head"
 
 
-def train_head(model_dir: str | Path, task_file: str | Path, out_dir: str | Path, *, layers: int = 1,
-               block_size: int = 16, steps: int = 2000, lr: float = 3e-3, batch: int = 8, anchors: int = 16,
-               gamma: float = 7.0, max_new_tokens: int = 64, seed: int = 0, time_budget_s: float | None = None,
-               resume: str | Path | None = None, checkpoint_every: int = 500,
+@dataclass(frozen=True)
+class HeadTraining:
+    """A training run's settings. `batch` is per process: N processes train on N * batch sequences a step."""
+    layers: int = 1
+    block_size: int = 16
+    steps: int = 2000
+    lr: float = 3e-3
+    batch: int = 8
+    anchors: int = 16
+    gamma: float = 7.0
+    max_new_tokens: int = 64
+    seed: int = 0
+    gen_batch: int = 16
+    device: str = "cpu"
+    time_budget_s: float | None = None
+    checkpoint_every: int = 500
+    resume: Path | None = None
+
+    def identity(self, world: int) -> dict:
+        """What makes two runs the same run: everything but where and how long it runs, and how the global
+        batch is split, so a run resumes on another device or number of processes."""
+        out = asdict(self)
+        for key in ("gen_batch", "device", "time_budget_s", "checkpoint_every"):
+            out.pop(key)
+        out["batch"] = self.batch * world
+        return out
+
+
+def _schedule(opt: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup over the first 5% of steps, then cosine decay to zero."""
+    warmup = max(1, steps // 20)
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+
+
+def _precision(device: torch.device):
+    """bf16 autocast on CUDA (the head's master weights stay fp32); plain fp32 on the CPU."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def train_head(model_dir: str | Path, data: list[Path], out_dir: str | Path, settings: HeadTraining = HeadTraining(),
                progress: Callable[[str], None] = print) -> Path:
     """Train (or continue) a head; returns the saved head directory.
 
     Every `checkpoint_every` steps the head and the trainer state are written to `out_dir` together;
-    the same command run again after an interruption continues from there. The finished head holds
-    no trainer state (a run stopped by its time budget keeps it, so it can be continued)."""
-    check_head_out(out_dir, (model_dir, task_file, resume))
-    tasks = read_tasks(task_file)
-    if checkpoint_every < 1:
-        raise GlanceError(f"--checkpoint-every must be at least 1, got {checkpoint_every}; pass a positive step count")
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    snapshot = Snapshot(model_dir)
-    signature = run_signature(snapshot.path, Path(task_file), layers=layers, block_size=block_size, steps=steps,
-                              lr=lr, batch=batch, anchors=anchors, gamma=gamma, max_new_tokens=max_new_tokens,
-                              seed=seed, resume=resume)
-    state = load_state(Path(out_dir), signature)
-    model = snapshot.load_model("float32")
+    the same command run again after an interruption (under any number of processes) continues from
+    there. The finished head holds no trainer state (a run stopped by its time budget keeps it)."""
+    s = settings
+    if s.checkpoint_every < 1:
+        raise GlanceError(f"--checkpoint-every must be at least 1, got {s.checkpoint_every}; pass a positive step count")
+    check_head_out(out_dir, (model_dir, *data, s.resume))
+    world = join(s.device)
+    try:
+        return _train(Snapshot(model_dir), [Path(d) for d in data], Path(out_dir), s, world,
+                      progress if world.main else (lambda line: None))
+    except torch.OutOfMemoryError:
+        raise GlanceError(f"out of memory on {world.device} at {s.batch} sequences x {s.anchors} anchors a step; "
+                          "lower --batch (or --anchors)") from None
+    finally:
+        leave()
+
+
+def _train(snapshot: Snapshot, data: list[Path], out_dir: Path, s: HeadTraining, world: World,
+           progress: Callable[[str], None]) -> Path:
+    torch.manual_seed(s.seed)
+    signature = run_signature(snapshot.path, data, **s.identity(world.size))
+    state = load_state(out_dir, signature)
+    model = snapshot.load_model("bfloat16" if world.device.type == "cuda" else "float32").to(world.device)
     for p in model.parameters():
         p.requires_grad_(False)
     if state is not None:
-        head = load_head(out_dir).train()
-    elif resume is not None:
-        head = load_head(resume).train()
+        head = load_head(out_dir)
+    elif s.resume is not None:
+        head = load_head(s.resume)
     else:
-        head = init_head(head_config_for(snapshot, layers, block_size, pick_mask_token(snapshot)), seed).train()
+        head = init_head(head_config_for(snapshot, s.layers, s.block_size, pick_mask_token(snapshot)), s.seed)
+    head = head.to(world.device).train()
     cfg = head.config
+
     progress(f"stage 1/2: target answers and taps of layers {cfg.target_layer_ids}")
-    seqs = [s for s in collect_sequences(snapshot, model, tasks, cfg.target_layer_ids, max_new_tokens,
-                                         progress) if s[0].ids.shape[0] - s[0].answer_start >= 2]
+    tally = Tally()
+    samples = read_samples(data, tally)
+    if not samples and not tally.bad:
+        raise GlanceError(f"the training data {', '.join(map(str, data))} has no tasks; write rows of prompts "
+                          "(TASKS.jsonl, LLaVA or OpenAI messages)")
+    seqs = [q for q in answer_samples(snapshot, model, samples, s.max_new_tokens, s.gen_batch, world, tally, progress)
+            if q.ids.shape[0] - q.answer_start >= 2]
+    progress(tally.summary())
+    tally.check()
     if not seqs:
         raise GlanceError("the target produced no answer longer than one token; nothing to train on")
+
+    taps = OnlineTaps(snapshot, model, samples, cfg.target_layer_ids)
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
-    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
-    warmup = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    params = list(head.parameters())
+    opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0)
+    sched = _schedule(opt, s.steps)
     done = 0
     if state is not None:
-        done = restore(state, opt, sched, rng)
+        done = restore(state, opt, sched)
         progress(f"resuming from the checkpoint in {out_dir} at step {done}")
-    progress(f"stage 2/2: {steps} steps on {len(seqs)} sequences, block {cfg.block_size}")
+    global_batch = s.batch * world.size
+    progress(f"stage 2/2: {s.steps} steps on {len(seqs)} sequences, {global_batch} a step"
+             + (f" over {world.size} processes" if world.size > 1 else "") + f", block {cfg.block_size}")
     t0 = time.time()
-    for step in range(done + 1, steps + 1):
+    for step in range(done + 1, s.steps + 1):
+        items = step_items(s.seed, step, global_batch, len(seqs))
+        slots = rank_slots(global_batch, world.rank, world.size)
+        chosen = [seqs[items[j]] for j in slots]
+        picks = [anchors_for(s.seed, step, j, q.answer_start, q.ids.shape[0] - 2, s.anchors)
+                 for j, q in zip(slots, chosen)]
+        batch = make_batch(chosen, [taps(q) for q in chosen], picks)
         opt.zero_grad()
-        chosen = rng.sample(seqs, min(batch, len(seqs)))
-        picks = []
-        for seq, _ in chosen:
-            lo, hi = seq.answer_start, seq.ids.shape[0] - 2
-            picks.append(sorted(rng.sample(range(lo, hi + 1), min(anchors, hi - lo + 1))))
-        stats = batch_loss(head, embed, lm_head, make_batch([s for s, _ in chosen], [t for _, t in chosen], picks),
-                           gamma)
+        with _precision(world.device):
+            stats = batch_loss(head, embed, lm_head, batch, s.gamma)
         stats.loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        world.average_gradients(params)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
         done = step
-        if step % 50 == 0 or step == steps:
-            progress(f"step {step}/{steps} loss {stats.loss.item():.4f} offset-1 acc "
-                     f"{stats.hits[0].item() / max(1, stats.counts[0].item()):.3f} "
-                     f"({time.time() - t0:.0f}s)")
-        if step % checkpoint_every == 0 and step < steps:
-            save_head(head.eval(), out_dir, also=writer(capture(signature, step, opt, sched, rng)), made_by=MADE_BY)
-            head.train()
+        if step % 50 == 0 or step == s.steps:
+            progress(f"step {step}/{s.steps} loss {stats.loss.item():.4f} offset-1 acc "
+                     f"{stats.hits[0].item() / max(1, stats.counts[0].item()):.3f} ({time.time() - t0:.0f}s)")
+        if step % s.checkpoint_every == 0 and step < s.steps:
+            if world.main:
+                save_head(head.eval(), out_dir, also=writer(capture(signature, step, opt, sched)), made_by=MADE_BY)
+                head.train()
+            world.barrier()
             progress(f"checkpoint at step {step}")
-        if time_budget_s is not None and time.time() - t0 > time_budget_s:
+        if world.any(s.time_budget_s is not None and time.time() - t0 > s.time_budget_s):
             progress(f"time budget reached after {step} steps")
             break
-    unfinished = writer(capture(signature, done, opt, sched, rng)) if done < steps else None
-    out = save_head(head.eval(), out_dir, also=unfinished, made_by=MADE_BY)
-    progress(f"saved head to {out} after {done} steps")
-    return out
+    if world.main:
+        unfinished = writer(capture(signature, done, opt, sched)) if done < s.steps else None
+        save_head(head.eval(), out_dir, also=unfinished, made_by=MADE_BY)
+    world.barrier()
+    progress(f"saved head to {out_dir} after {done} steps")
+    return out_dir
