@@ -155,8 +155,10 @@ def _train(snapshot: Snapshot, data: list[Path], out_dir: Path, s: HeadTraining,
         sched.step()
         done = step
         if step % 50 == 0 or step == s.steps:
-            progress(f"step {step}/{s.steps} loss {stats.loss.item():.4f} offset-1 acc "
-                     f"{stats.hits[0].item() / max(1, stats.counts[0].item()):.3f} ({time.time() - t0:.0f}s)")
+            loss, hits, counts = world.total(torch.cat([stats.loss.detach()[None] / world.size, stats.hits[:1],
+                                                        stats.counts[:1]]).float()).tolist()
+            progress(f"step {step}/{s.steps} loss {loss:.4f} offset-1 acc {hits / max(1, counts):.3f} "
+                     f"({time.time() - t0:.0f}s)")
         if step % s.checkpoint_every == 0 and step < s.steps:
             if world.main:
                 save_head(head.eval(), out_dir, also=writer(capture(signature, step, opt, sched)), made_by=MADE_BY)

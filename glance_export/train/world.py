@@ -43,6 +43,14 @@ class World:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
+    def total(self, values: torch.Tensor) -> torch.Tensor:
+        """The sum of `values` over every process (for logs of the global batch)."""
+        if self.size == 1:
+            return values
+        values = values.detach().clone()
+        dist.all_reduce(values)
+        return values
+
     def average_gradients(self, params: list[torch.nn.Parameter]) -> None:
         if self.size == 1:
             return
