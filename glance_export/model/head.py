@@ -128,7 +128,7 @@ class HeadAttention(nn.Module):
         mask = None
         if ctx_mask is not None:
             block_cols = block_mask if block_mask is not None else ctx_mask.new_zeros(*ctx_mask.shape[:-1], x.shape[1])
-            mask = torch.cat([ctx_mask, block_cols.to(ctx_mask.dtype)], dim=-1)
+            mask = torch.cat([ctx_mask, block_cols.to(ctx_mask.dtype)], dim=-1).to(q.dtype)  # autocast: bf16 q
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
 

@@ -89,3 +89,13 @@ def test_train_head_on_llava_and_openai_files_together(snapshot_dir, data_dir, c
     log = capsys.readouterr().out
     assert "read 2 rows, skipped 0" in log and "on 4 sequences" in log and "step 2/2" in log
     assert (out / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("device, words", [("cuda:99", "cuda:99"), ("tpu", "pass cpu, cuda")])
+def test_a_device_this_machine_cannot_train_on_is_refused_in_one_line(snapshot_dir, data_dir, capsys, device, words):
+    (data_dir / "tasks.jsonl").write_text(json.dumps({"prompt": "Hi"}) + "\n")
+    rc = export_main(["train-head", "--model", str(snapshot_dir("qwen2_5_vl")), "--data", str(data_dir / "tasks.jsonl"),
+                      "--out", str(data_dir / "head"), "--steps", "1", "--device", device])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0 and len(err) == 1 and words in err[0] and "--device" in err[0], err
+    assert not (data_dir / "head").exists()
