@@ -18,11 +18,12 @@ import torch.nn.functional as F
 from ..model.head import DraftHead
 
 
-@dataclass
+@dataclass(frozen=True)
 class Sequence:
-    ids: torch.Tensor  # int64 [L]: prompt + the target's own answer
+    """Where a training sequence (prompt + the target's own answer) is; its ids and taps are read per step."""
+    length: int  # rows: prompt + answer
     answer_start: int  # first generated row == first anchor position
-    sample: int = 0  # which training sample it answers (its prompt is rebuilt from there for the taps)
+    sample: int  # which sequence of its source (the training sample online, the prepared entry offline)
 
 
 @dataclass
@@ -43,22 +44,22 @@ class StepStats:
     counts: torch.Tensor  # [B-1] how many anchors each offset was scored on
 
 
-def make_batch(seqs: list[Sequence], taps: list[torch.Tensor], anchors: list[list[int]]) -> Batch:
+def make_batch(ids: list[torch.Tensor], taps: list[torch.Tensor], anchors: list[list[int]]) -> Batch:
     """Pad sequences (ids with 0, taps with zeros: the masks hide both) and anchor lists to common sizes."""
-    rows = max(s.ids.shape[0] for s in seqs)
+    rows = max(i.shape[0] for i in ids)
     slots = max(len(a) for a in anchors)
-    b = len(seqs)
-    ids = torch.zeros(b, rows, dtype=torch.long)
+    b = len(ids)
+    padded_ids = torch.zeros(b, rows, dtype=torch.long)
     padded = taps[0].new_zeros(b, rows, taps[0].shape[-1])
     picks = torch.zeros(b, slots, dtype=torch.long)
     used = torch.zeros(b, slots, dtype=torch.bool)
-    for i, (seq, tap, chosen) in enumerate(zip(seqs, taps, anchors)):
-        n = seq.ids.shape[0]
-        ids[i, :n], padded[i, :n] = seq.ids, tap
+    for i, (seq, tap, chosen) in enumerate(zip(ids, taps, anchors)):
+        n = seq.shape[0]
+        padded_ids[i, :n], padded[i, :n] = seq, tap
         picks[i, :len(chosen)] = torch.tensor(chosen, dtype=torch.long)
         picks[i, len(chosen):] = chosen[0]  # a real row, so the unused slot's mask leaves context visible
         used[i, :len(chosen)] = True
-    return Batch(ids, padded, torch.tensor([s.ids.shape[0] for s in seqs]), picks, used)
+    return Batch(padded_ids, padded, torch.tensor([i.shape[0] for i in ids]), picks, used)
 
 
 def offset_weights(block_size: int, gamma: float) -> torch.Tensor:
@@ -70,7 +71,7 @@ def batch_loss(head: DraftHead, embed, lm_head, batch: Batch, gamma: float) -> S
     """One forward over every anchor of every sequence in `batch` (on the head's device)."""
     cfg = head.config
     device = next(head.parameters()).device
-    ids, taps = batch.ids.to(device), batch.taps.to(device)
+    ids, taps = batch.ids.to(device), batch.taps.to(device, next(head.parameters()).dtype)
     anchors, used, lengths = batch.anchors.to(device), batch.used.to(device), batch.lengths.to(device)
     b, rows = ids.shape
     slots, block = anchors.shape[1], cfg.block_size

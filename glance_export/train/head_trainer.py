@@ -2,7 +2,8 @@
 
 Stage 1 answers every training prompt with the target (sequences.py); stage 2 takes optimizer steps, each one
 padded forward and backward over a batch of sequences and their anchors (head_loss.py), the taps of each
-sequence computed by the target as the step needs them. Under `torchrun` the processes split every global
+sequence computed by the target as the step needs them (online) or read from data prepared once
+(prepared.py, offline: then only the target's embedding and LM head are loaded). Under `torchrun` the processes split every global
 batch (order.py) and average their gradients (world.py); only the first writes.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .data_files import Tally, read_samples
 from .head_loss import batch_loss, make_batch
 from .order import anchors_for, rank_slots, step_items
 from .sequences import answer_samples
+from .prepared import INDEX, PreparedData, token_layers
 from .tap_source import OnlineTaps
 from .world import World, join, leave
 
@@ -74,7 +76,7 @@ def _precision(device: torch.device):
 
 
 def train_head(model_dir: str | Path, data: list[Path], out_dir: str | Path, settings: HeadTraining = HeadTraining(),
-               progress: Callable[[str], None] = print) -> Path:
+               progress: Callable[[str], None] = print, prepared: Path | None = None) -> Path:
     """Train (or continue) a head; returns the saved head directory.
 
     Every `checkpoint_every` steps the head and the trainer state are written to `out_dir` together;
@@ -83,10 +85,13 @@ def train_head(model_dir: str | Path, data: list[Path], out_dir: str | Path, set
     s = settings
     if s.checkpoint_every < 1:
         raise GlanceError(f"--checkpoint-every must be at least 1, got {s.checkpoint_every}; pass a positive step count")
-    check_head_out(out_dir, (model_dir, *data, s.resume))
+    if bool(data) == (prepared is not None):
+        raise GlanceError("pass either --data (online: the target answers and taps as training goes) or --prepared "
+                          "DIR (from `glance-export prepare-head-data`)")
+    check_head_out(out_dir, (model_dir, *data, prepared, s.resume))
     world = join(s.device)
     try:
-        return _train(Snapshot(model_dir), [Path(d) for d in data], Path(out_dir), s, world,
+        return _train(Snapshot(model_dir), [Path(d) for d in data], prepared, Path(out_dir), s, world,
                       progress if world.main else (lambda line: None))
     except torch.OutOfMemoryError:
         raise GlanceError(f"out of memory on {world.device} at {s.batch} sequences x {s.anchors} anchors a step; "
@@ -95,14 +100,41 @@ def train_head(model_dir: str | Path, data: list[Path], out_dir: str | Path, set
         leave()
 
 
-def _train(snapshot: Snapshot, data: list[Path], out_dir: Path, s: HeadTraining, world: World,
-           progress: Callable[[str], None]) -> Path:
-    torch.manual_seed(s.seed)
-    signature = run_signature(snapshot.path, data, **s.identity(world.size))
-    state = load_state(out_dir, signature)
+def _online(snapshot: Snapshot, data: list[Path], s: HeadTraining, layer_ids: list[int], world: World,
+            progress: Callable[[str], None]):
+    """Stage 1 of an online run: the target's answers; then the target taps each sequence when a step needs it."""
     model = snapshot.load_model("bfloat16" if world.device.type == "cuda" else "float32").to(world.device)
     for p in model.parameters():
         p.requires_grad_(False)
+    progress(f"stage 1/2: target answers and taps of layers {layer_ids}")
+    tally = Tally()
+    samples = read_samples(data, tally)
+    if not samples and not tally.bad:
+        raise GlanceError(f"the training data {', '.join(map(str, data))} has no tasks; write rows of prompts "
+                          "(TASKS.jsonl, LLaVA or OpenAI messages)")
+    seqs, ids = answer_samples(snapshot, model, samples, s.max_new_tokens, s.gen_batch, world, tally, progress)
+    progress(tally.summary())
+    tally.check()
+    source = OnlineTaps(snapshot, model, samples, ids, layer_ids)
+    return seqs, source, model.get_input_embeddings(), model.get_output_embeddings()
+
+
+def _offline(snapshot: Snapshot, prepared: Path, layer_ids: list[int], world: World, progress: Callable[[str], None]):
+    """Prepared sequences, read per step; of the target only its embedding and LM head."""
+    source = PreparedData.open(prepared, snapshot)
+    if source.index["target_layer_ids"] != layer_ids:
+        raise GlanceError(f"{prepared} holds taps of layers {source.index['target_layer_ids']} but the head reads "
+                          f"{layer_ids}; pass the --layers it was prepared with, or prepare again")
+    progress(f"stage 1/2: {len(source.sequences)} prepared sequences in {prepared}")
+    embed, lm_head = token_layers(snapshot, world.device)
+    return source.sequences, source, embed, lm_head
+
+
+def _train(snapshot: Snapshot, data: list[Path], prepared: Path | None, out_dir: Path, s: HeadTraining, world: World,
+           progress: Callable[[str], None]) -> Path:
+    torch.manual_seed(s.seed)
+    signature = run_signature(snapshot.path, data or [Path(prepared) / INDEX], **s.identity(world.size))
+    state = load_state(out_dir, signature)
     if state is not None:
         head = load_head(out_dir)
     elif s.resume is not None:
@@ -111,22 +143,13 @@ def _train(snapshot: Snapshot, data: list[Path], out_dir: Path, s: HeadTraining,
         head = init_head(head_config_for(snapshot, s.layers, s.block_size, pick_mask_token(snapshot)), s.seed)
     head = head.to(world.device).train()
     cfg = head.config
-
-    progress(f"stage 1/2: target answers and taps of layers {cfg.target_layer_ids}")
-    tally = Tally()
-    samples = read_samples(data, tally)
-    if not samples and not tally.bad:
-        raise GlanceError(f"the training data {', '.join(map(str, data))} has no tasks; write rows of prompts "
-                          "(TASKS.jsonl, LLaVA or OpenAI messages)")
-    seqs = [q for q in answer_samples(snapshot, model, samples, s.max_new_tokens, s.gen_batch, world, tally, progress)
-            if q.ids.shape[0] - q.answer_start >= 2]
-    progress(tally.summary())
-    tally.check()
+    if prepared is None:
+        seqs, source, embed, lm_head = _online(snapshot, data, s, cfg.target_layer_ids, world, progress)
+    else:
+        seqs, source, embed, lm_head = _offline(snapshot, prepared, cfg.target_layer_ids, world, progress)
+    seqs = [q for q in seqs if q.length - q.answer_start >= 2]
     if not seqs:
         raise GlanceError("the target produced no answer longer than one token; nothing to train on")
-
-    taps = OnlineTaps(snapshot, model, samples, cfg.target_layer_ids)
-    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
     params = list(head.parameters())
     opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0)
     sched = _schedule(opt, s.steps)
@@ -142,9 +165,9 @@ def _train(snapshot: Snapshot, data: list[Path], out_dir: Path, s: HeadTraining,
         items = step_items(s.seed, step, global_batch, len(seqs))
         slots = rank_slots(global_batch, world.rank, world.size)
         chosen = [seqs[items[j]] for j in slots]
-        picks = [anchors_for(s.seed, step, j, q.answer_start, q.ids.shape[0] - 2, s.anchors)
-                 for j, q in zip(slots, chosen)]
-        batch = make_batch(chosen, [taps(q) for q in chosen], picks)
+        picks = [anchors_for(s.seed, step, j, q.answer_start, q.length - 2, s.anchors) for j, q in zip(slots, chosen)]
+        loaded = [source(q) for q in chosen]
+        batch = make_batch([ids for ids, _ in loaded], [taps for _, taps in loaded], picks)
         opt.zero_grad()
         with _precision(world.device):
             stats = batch_loss(head, embed, lm_head, batch, s.gamma)

@@ -39,9 +39,9 @@ def _checked(snapshot: Snapshot, sample: Sample, max_new_tokens: int) -> Prompt 
 
 
 def answer_samples(snapshot: Snapshot, model, samples: list[Sample], max_new_tokens: int, batch: int, world: World,
-                   tally: Tally, progress: Callable[[str], None]) -> list[Sequence]:
-    """Every usable sample as a Sequence (prompt ids + the target's greedy answer), in sample order; skipped
-    samples are added to `tally` (on every process)."""
+                   tally: Tally, progress: Callable[[str], None]) -> tuple[list[Sequence], dict[int, torch.Tensor]]:
+    """Every usable sample as a Sequence, in sample order, and its ids (prompt + the target's greedy answer) by
+    sample; skipped samples are added to `tally` (on every process)."""
     mine = list(range(world.rank, len(samples), world.size))
     done: list[tuple[int, list[int], int] | tuple[int, str]] = []
     window = batch * WINDOW_BATCHES
@@ -64,10 +64,11 @@ def answer_samples(snapshot: Snapshot, model, samples: list[Sample], max_new_tok
             progress(f"answered {min(lo + window, len(mine))}/{len(mine)} prompts"
                      + (f" on each of {world.size} processes" if world.size > 1 else ""))
     results = sorted((r for part in world.gather(done) for r in part), key=lambda r: r[0])
-    seqs = []
+    seqs, ids = [], {}
     for r in results:
         if len(r) == 2:
             tally.skip(samples[r[0]].where, r[1])
         else:
-            seqs.append(Sequence(torch.tensor(r[1], dtype=torch.long), r[2], r[0]))
-    return seqs
+            seqs.append(Sequence(len(r[1]), r[2], r[0]))
+            ids[r[0]] = torch.tensor(r[1], dtype=torch.long)
+    return seqs, ids

@@ -1,4 +1,5 @@
-"""The tapped hidden states of a training sequence, computed by the target when a step needs them (online).
+"""The ids and tapped hidden states of a training sequence, the taps computed by the target when a step needs
+them (online).
 
 Taps of sequences seen before are kept while they fit in a fixed memory allowance, so a small data set is
 tapped once and a large one costs one target pass per sequence per step, never memory that grows with it.
@@ -17,19 +18,20 @@ KEEP_BYTES = 2 << 30
 
 
 class OnlineTaps:
-    def __init__(self, snapshot: Snapshot, model, samples: list[Sample], layer_ids: list[int],
-                 keep_bytes: int = KEEP_BYTES):
-        self.snapshot, self.model, self.samples, self.layer_ids = snapshot, model, samples, layer_ids
+    def __init__(self, snapshot: Snapshot, model, samples: list[Sample], ids: dict[int, torch.Tensor],
+                 layer_ids: list[int], keep_bytes: int = KEEP_BYTES):
+        self.snapshot, self.model, self.samples, self.ids, self.layer_ids = snapshot, model, samples, ids, layer_ids
         self.kept: dict[int, torch.Tensor] = {}
         self.room = keep_bytes
 
-    def __call__(self, seq: Sequence) -> torch.Tensor:
+    def __call__(self, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = self.ids[seq.sample]
         taps = self.kept.get(seq.sample)
         if taps is None:
             prompt = prompt_of(self.snapshot, self.samples[seq.sample])
-            taps = tap_rows(self.snapshot, self.model, prompt, seq.ids[prompt.length:].tolist(), self.layer_ids)
+            taps = tap_rows(self.snapshot, self.model, prompt, ids[prompt.length:].tolist(), self.layer_ids)
             size = taps.numel() * taps.element_size()
             if size <= self.room:
                 self.kept[seq.sample] = taps
                 self.room -= size
-        return taps
+        return ids, taps

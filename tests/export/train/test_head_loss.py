@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from glance_export.model.head import HeadConfig, init_head
-from glance_export.train.head_loss import Sequence, batch_loss, make_batch
+from glance_export.train.head_loss import batch_loss, make_batch
 
 H, VOCAB, TAPS, BLOCK, GAMMA = 32, 50, 2, 6, 7.0
 
@@ -44,12 +44,12 @@ def _setup():
             p.add_(torch.randn_like(p) * 0.3)  # away from init, so attention patterns matter
     embed, lm_head = torch.nn.Embedding(VOCAB, H), torch.nn.Linear(H, VOCAB, bias=False)
     rng = random.Random(1)
-    seqs, taps, anchors = [], [], []
+    ids, taps, anchors = [], [], []
     for rows, start, n in ((23, 9, 5), (12, 4, 8), (30, 20, 3)):  # lengths, answers and anchor counts differ
-        seqs.append(Sequence(torch.randint(0, VOCAB - 1, (rows,)), start))
+        ids.append(torch.randint(0, VOCAB - 1, (rows,)))
         taps.append(torch.randn(rows, TAPS * H))
         anchors.append(sorted(rng.sample(range(start, rows - 1), min(n, rows - 1 - start))))
-    return head, embed, lm_head, seqs, taps, anchors
+    return head, embed, lm_head, ids, taps, anchors
 
 
 def _grads(head):
@@ -57,13 +57,13 @@ def _grads(head):
 
 
 def test_batch_loss_and_gradient_equal_the_per_sequence_mean():
-    head, embed, lm_head, seqs, taps, anchors = _setup()
-    stats = batch_loss(head, embed, lm_head, make_batch(seqs, taps, anchors), GAMMA)
+    head, embed, lm_head, ids, taps, anchors = _setup()
+    stats = batch_loss(head, embed, lm_head, make_batch(ids, taps, anchors), GAMMA)
     stats.loss.backward()
     batched = _grads(head)
     head.zero_grad()
-    per_seq = [reference_loss(head, embed, lm_head, s.ids, t, torch.tensor(a), GAMMA)
-               for s, t, a in zip(seqs, taps, anchors)]
+    per_seq = [reference_loss(head, embed, lm_head, i, t, torch.tensor(a), GAMMA)
+               for i, t, a in zip(ids, taps, anchors)]
     reference = torch.stack(per_seq).mean()
     reference.backward()
     assert abs(stats.loss.item() - reference.item()) < 1e-5 * reference.item()
