@@ -242,7 +242,8 @@ def _train_head(args: argparse.Namespace) -> int:
                             batch=args.batch, anchors=args.anchors, gamma=args.gamma,
                             max_new_tokens=args.max_new_tokens, seed=args.seed, gen_batch=args.gen_batch,
                             device=args.device, time_budget_s=args.time_budget, checkpoint_every=args.checkpoint_every,
-                            resume=args.resume)
+                            resume=args.resume, log_every=args.log_every, eval_data=args.eval_data,
+                            eval_every=args.eval_every, eval_budget=args.eval_budget)
     train_head(args.model, args.data or [], args.out, settings, progress=lambda line: print(line, flush=True),
                prepared=args.prepared)
     return 0
@@ -364,6 +365,14 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--time-budget", type=float, help="stop after this many seconds of training")
     t.add_argument("--checkpoint-every", type=int, default=500,
                    help="save head and trainer state every N steps; the same command continues from there")
+    t.add_argument("--log-every", type=limits.at_least("--log-every", 1), default=50,
+                   help="steps between log lines and metrics.jsonl records")
+    t.add_argument("--eval-data", type=Path, help="held-out prompts: tau and per-offset acceptance with the real "
+                   "draft/verify loop, into metrics.jsonl and the head's card")
+    t.add_argument("--eval-every", type=limits.at_least("--eval-every", 0), default=0,
+                   help="steps between held-out measurements (default 0: at the end only)")
+    t.add_argument("--eval-budget", type=limits.between("--eval-budget", 1, 1024, "tree nodes a round"),
+                   default=BUDGET, help=f"tree budget of the held-out tau besides 15 (default {BUDGET})")
     t.add_argument("--threads", type=limits.threads, help="torch CPU threads (1 up to this machine's CPUs)")
     t.set_defaults(func=_train_head)
 

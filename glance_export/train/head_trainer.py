@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from glance_runtime.defaults import BUDGET
 from glance_runtime.errors import GlanceError
 
 from ..model.adapters import Snapshot
@@ -25,12 +26,15 @@ from .checkpoint import capture, load_state, restore, run_signature, writer
 from .data_files import Tally, read_samples
 from .head_loss import batch_loss, make_batch
 from .order import anchors_for, rank_slots, step_items
-from .sequences import answer_samples
+from .sequences import answer_samples, prompt_of
+from .held_out import HeldOut, measure
 from .prepared import INDEX, PreparedData, token_layers
 from .tap_source import OnlineTaps
+from .train_log import Bar, RunLog, card, data_lines
 from .world import World, join, leave
 
 MADE_BY = "glance-export train-head"
+EVAL_BUDGET = 15  # held-out tau is always reported at this tree budget, beside --eval-budget
 
 
 @dataclass(frozen=True)
@@ -50,12 +54,17 @@ class HeadTraining:
     time_budget_s: float | None = None
     checkpoint_every: int = 500
     resume: Path | None = None
+    log_every: int = 50
+    eval_data: Path | None = None
+    eval_every: int = 0  # 0: only at the end (with eval_data)
+    eval_budget: int = BUDGET
 
     def identity(self, world: int) -> dict:
         """What makes two runs the same run: everything but where and how long it runs, and how the global
         batch is split, so a run resumes on another device or number of processes."""
         out = asdict(self)
-        for key in ("gen_batch", "device", "time_budget_s", "checkpoint_every"):
+        for key in ("gen_batch", "device", "time_budget_s", "checkpoint_every", "log_every", "eval_data", "eval_every",
+                    "eval_budget"):
             out.pop(key)
         out["batch"] = self.batch * world
         return out
@@ -100,12 +109,18 @@ def train_head(model_dir: str | Path, data: list[Path], out_dir: str | Path, set
         leave()
 
 
+def _frozen_target(snapshot: Snapshot, device: torch.device):
+    """The target in bf16 on CUDA, fp32 on the CPU, without gradients."""
+    model = snapshot.load_model("bfloat16" if device.type == "cuda" else "float32").to(device)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
 def _online(snapshot: Snapshot, data: list[Path], s: HeadTraining, layer_ids: list[int], world: World,
             progress: Callable[[str], None]):
     """Stage 1 of an online run: the target's answers; then the target taps each sequence when a step needs it."""
-    model = snapshot.load_model("bfloat16" if world.device.type == "cuda" else "float32").to(world.device)
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model = _frozen_target(snapshot, world.device)
     progress(f"stage 1/2: target answers and taps of layers {layer_ids}")
     tally = Tally()
     samples = read_samples(data, tally)
@@ -116,7 +131,7 @@ def _online(snapshot: Snapshot, data: list[Path], s: HeadTraining, layer_ids: li
     progress(tally.summary())
     tally.check()
     source = OnlineTaps(snapshot, model, samples, ids, layer_ids)
-    return seqs, source, model.get_input_embeddings(), model.get_output_embeddings()
+    return model, seqs, source, model.get_input_embeddings(), model.get_output_embeddings()
 
 
 def _offline(snapshot: Snapshot, prepared: Path, layer_ids: list[int], world: World, progress: Callable[[str], None]):
@@ -128,6 +143,19 @@ def _offline(snapshot: Snapshot, prepared: Path, layer_ids: list[int], world: Wo
     progress(f"stage 1/2: {len(source.sequences)} prepared sequences in {prepared}")
     embed, lm_head = token_layers(snapshot, world.device)
     return source.sequences, source, embed, lm_head
+
+
+def _held_out(snapshot: Snapshot, model, s: HeadTraining) -> HeldOut | None:
+    """The held-out prompts (every row of --eval-data must be usable: they are few and chosen)."""
+    if s.eval_data is None:
+        return None
+    tally = Tally()
+    samples = read_samples([s.eval_data], tally)
+    if tally.bad or not samples:
+        raise GlanceError(f"--eval-data {s.eval_data}: {tally.summary() if tally.bad else 'no rows'}; held-out "
+                          "prompts must all be usable")
+    return HeldOut([prompt_of(snapshot, x) for x in samples], tuple(sorted({EVAL_BUDGET, s.eval_budget})),
+                   s.max_new_tokens)
 
 
 def _train(snapshot: Snapshot, data: list[Path], prepared: Path | None, out_dir: Path, s: HeadTraining, world: World,
@@ -143,13 +171,17 @@ def _train(snapshot: Snapshot, data: list[Path], prepared: Path | None, out_dir:
         head = init_head(head_config_for(snapshot, s.layers, s.block_size, pick_mask_token(snapshot)), s.seed)
     head = head.to(world.device).train()
     cfg = head.config
+    model = None
     if prepared is None:
-        seqs, source, embed, lm_head = _online(snapshot, data, s, cfg.target_layer_ids, world, progress)
+        model, seqs, source, embed, lm_head = _online(snapshot, data, s, cfg.target_layer_ids, world, progress)
     else:
         seqs, source, embed, lm_head = _offline(snapshot, prepared, cfg.target_layer_ids, world, progress)
     seqs = [q for q in seqs if q.length - q.answer_start >= 2]
     if not seqs:
         raise GlanceError("the target produced no answer longer than one token; nothing to train on")
+    held_out = _held_out(snapshot, model, s) if world.main else None
+    if held_out is not None and model is None:  # offline: the draft/verify loop needs the whole target
+        model = _frozen_target(snapshot, world.device)
     params = list(head.parameters())
     opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0)
     sched = _schedule(opt, s.steps)
@@ -157,10 +189,22 @@ def _train(snapshot: Snapshot, data: list[Path], prepared: Path | None, out_dir:
     if state is not None:
         done = restore(state, opt, sched)
         progress(f"resuming from the checkpoint in {out_dir} at step {done}")
+    log = RunLog(out_dir, done)
+    data_names = data_lines(data) if data else [f"prepared `{Path(prepared).name}`"]
+
+    def save(extra: Callable[[Path], None] | None) -> None:
+        settings = {k: v for k, v in s.identity(world.size).items() if k != "resume"}
+        files = log.files(card(snapshot.path, data_names, done, s.steps, settings, len(seqs), log.last_eval(),
+                               s.eval_data))
+        save_head(head.eval(), out_dir, made_by=MADE_BY, also=lambda d: (files(d), extra and extra(d)))
+        head.train()
+
     global_batch = s.batch * world.size
     progress(f"stage 2/2: {s.steps} steps on {len(seqs)} sequences, {global_batch} a step"
              + (f" over {world.size} processes" if world.size > 1 else "") + f", block {cfg.block_size}")
-    t0 = time.time()
+    bar = Bar(s.steps, done, world.main)
+    t0 = t_log = time.time()
+    logged = done
     for step in range(done + 1, s.steps + 1):
         items = step_items(s.seed, step, global_batch, len(seqs))
         slots = rank_slots(global_batch, world.rank, world.size)
@@ -174,26 +218,38 @@ def _train(snapshot: Snapshot, data: list[Path], prepared: Path | None, out_dir:
         stats.loss.backward()
         world.average_gradients(params)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
+        lr = opt.param_groups[0]["lr"]
         opt.step()
         sched.step()
         done = step
-        if step % 50 == 0 or step == s.steps:
-            loss, hits, counts = world.total(torch.cat([stats.loss.detach()[None] / world.size, stats.hits[:1],
-                                                        stats.counts[:1]]).float()).tolist()
-            progress(f"step {step}/{s.steps} loss {loss:.4f} offset-1 acc {hits / max(1, counts):.3f} "
-                     f"({time.time() - t0:.0f}s)")
+        bar.update(step)
+        evaluate = held_out is not None and (step == s.steps or (s.eval_every and step % s.eval_every == 0))
+        if step % s.log_every == 0 or step == s.steps or evaluate:
+            totals = world.total(torch.cat([stats.loss.detach()[None] / world.size, stats.hits.float(),
+                                            stats.counts.float()]))
+            loss, hits, counts = totals[0].item(), totals[1:cfg.block_size], totals[cfg.block_size:]
+            record = {"step": step, "loss": round(loss, 5),
+                      "accuracy": [round(h / c, 4) if c else None for h, c in zip(hits.tolist(), counts.tolist())],
+                      "lr": lr, "samples_per_s": round(global_batch * (step - logged) / (time.time() - t_log), 3)}
+            if evaluate:
+                with torch.no_grad():
+                    record["held_out"] = measure(snapshot, model, head, held_out)
+            t_log, logged = time.time(), step
+            log.add(record)
+            progress(f"step {step}/{s.steps} loss {loss:.4f} offset-1 acc {record['accuracy'][0] or 0:.3f} "
+                     f"{record['samples_per_s']:.1f} samples/s, ETA {bar.eta(step, s.steps)}"
+                     + (f"; held-out tau {record['held_out']['tau']}" if evaluate else ""))
         if step % s.checkpoint_every == 0 and step < s.steps:
             if world.main:
-                save_head(head.eval(), out_dir, also=writer(capture(signature, step, opt, sched)), made_by=MADE_BY)
-                head.train()
+                save(writer(capture(signature, step, opt, sched)))
             world.barrier()
             progress(f"checkpoint at step {step}")
         if world.any(s.time_budget_s is not None and time.time() - t0 > s.time_budget_s):
             progress(f"time budget reached after {step} steps")
             break
+    bar.close()
     if world.main:
-        unfinished = writer(capture(signature, done, opt, sched)) if done < s.steps else None
-        save_head(head.eval(), out_dir, also=unfinished, made_by=MADE_BY)
+        save(writer(capture(signature, done, opt, sched)) if done < s.steps else None)
     world.barrier()
     progress(f"saved head to {out_dir} after {done} steps")
     return out_dir
