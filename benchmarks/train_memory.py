@@ -1,10 +1,11 @@
 """Peak memory of offline head training is bounded by a shard and a batch, not by the data set's size.
 
-A random qwen3 text target at hidden 1024 (2 layers) answers long prompts; `prepare-head-data` writes its taps
+A random qwen3 text target at hidden 1024 (one layer by default) answers long prompts; `prepare-head-data` writes its taps
 and `train-head --prepared` trains from them, each in its own process so its max RSS is its own, for two data
 set sizes (4x apart). The prepared bytes grow with the data; the peaks should not.
 
-    python benchmarks/train_memory.py OUT [--sizes 60,240] [--prompt-words 300] [--shard-mb 16] [--steps 10]
+    python benchmarks/train_memory.py OUT [--sizes 20,80] [--prompt-words 100] [--shard-mb 4] [--steps 10]
+        [--layers 1]
 """
 from __future__ import annotations
 
@@ -36,13 +37,14 @@ def peak_mib(argv: list[str]) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
-    ap.add_argument("--sizes", default="60,240", help="data set sizes (samples)")
-    ap.add_argument("--prompt-words", type=int, default=300)
-    ap.add_argument("--shard-mb", type=float, default=16)
+    ap.add_argument("--sizes", default="20,80", help="data set sizes (samples)")
+    ap.add_argument("--prompt-words", type=int, default=100)
+    ap.add_argument("--shard-mb", type=float, default=4)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--layers", type=int, default=1, help="target layers")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    model, _ = make_mid_snapshot(args.out / "target", layers=2)
+    model, _ = make_mid_snapshot(args.out / "target", layers=args.layers)
     words = " ".join(CORPUS).split()
     rows = []
     for n in (int(s) for s in args.sizes.split(",")):

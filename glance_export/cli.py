@@ -243,7 +243,7 @@ def _train_head(args: argparse.Namespace) -> int:
                             max_new_tokens=args.max_new_tokens, seed=args.seed, gen_batch=args.gen_batch,
                             device=args.device, time_budget_s=args.time_budget, checkpoint_every=args.checkpoint_every,
                             resume=args.resume, log_every=args.log_every, eval_data=args.eval_data,
-                            eval_every=args.eval_every, eval_budget=args.eval_budget)
+                            eval_every=args.eval_every, eval_budget=args.eval_budget, draft_vocab=args.draft_vocab)
     train_head(args.model, args.data or [], args.out, settings, progress=lambda line: print(line, flush=True),
                prepared=args.prepared)
     return 0
@@ -365,6 +365,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--time-budget", type=float, help="stop after this many seconds of training")
     t.add_argument("--checkpoint-every", type=int, default=500,
                    help="save head and trainer state every N steps; the same command continues from there")
+    t.add_argument("--draft-vocab", type=limits.at_least("--draft-vocab", 2), metavar="N",
+                   help="draft over the N tokens most frequent in the target's answers (a cheaper draft pass); "
+                   "default: the whole vocabulary")
     t.add_argument("--log-every", type=limits.at_least("--log-every", 1), default=50,
                    help="steps between log lines and metrics.jsonl records")
     t.add_argument("--eval-data", type=Path, help="held-out prompts: tau and per-offset acceptance with the real "

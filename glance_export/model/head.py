@@ -56,11 +56,14 @@ class HeadConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 32768
+    draft_vocab_size: int | None = None  # logits over this many target tokens (draft_vocab_ids), else all
 
     def to_json(self) -> dict[str, Any]:
         """Qwen3-style config plus the DFlash fields, as published heads have it."""
         raw = asdict(self)
         dflash = {"target_layer_ids": raw.pop("target_layer_ids"), "mask_token_id": raw.pop("mask_token_id")}
+        if raw["draft_vocab_size"] is None:
+            raw.pop("draft_vocab_size")
         return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_act": "silu",
                 "tie_word_embeddings": False, **raw, "rope_parameters": {"rope_type": "default",
                                                                           "rope_theta": raw["rope_theta"]},
@@ -80,7 +83,8 @@ class HeadConfig:
                        target_layer_ids=list(dflash["target_layer_ids"]), mask_token_id=dflash["mask_token_id"],
                        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
                        rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 1_000_000.0)),
-                       max_position_embeddings=cfg.get("max_position_embeddings", 32768))
+                       max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+                       draft_vocab_size=cfg.get("draft_vocab_size"))
         except KeyError as exc:
             raise GlanceError(f"head config.json lacks {exc.args[0]!r}; expected a DFlash/GLANCE head config") from None
 
@@ -158,6 +162,20 @@ class DraftHead(nn.Module):
         self.layers = nn.ModuleList(HeadLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(cfg.qwen3())
+        if cfg.draft_vocab_size:
+            # ascending target ids the head drafts over; saved with the weights
+            self.register_buffer("draft_vocab_ids", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Logits through the target's LM head: over the draft vocabulary (in draft_vocab_ids order) when the head
+        has one, else over the target's whole vocabulary."""
+        if self.config.draft_vocab_size:
+            return F.linear(hidden, lm_head.weight[self.draft_vocab_ids])
+        return lm_head(hidden)
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids of indices into the head's logits."""
+        return self.draft_vocab_ids[draft_ids] if self.config.draft_vocab_size else draft_ids
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotary_emb(x, positions)

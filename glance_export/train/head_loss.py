@@ -91,13 +91,19 @@ def batch_loss(head: DraftHead, embed, lm_head, batch: Batch, gamma: float) -> S
     with torch.no_grad():
         embeds = embed(block_ids.view(b, -1)).float()
     hidden = head(embeds, positions, ctx, ctx_mask, block_mask).view(b, slots, block, -1)
-    logits = lm_head(hidden[:, :, 1:]).float()  # [b, A, B-1, V]
+    logits = head.logits(hidden[:, :, 1:], lm_head).float()  # [b, A, B-1, V or the draft vocabulary]
 
     target = anchors[:, :, None] + offsets[1:]  # [b, A, B-1]
     valid = (target < lengths[:, None, None]) & used[:, :, None]
     labels = ids.gather(1, target.clamp(max=rows - 1).view(b, -1)).view_as(target)
-    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(target)
-    w = offset_weights(block, gamma).to(device)[None, None] * valid
+    learnable = valid
+    if cfg.draft_vocab_size:  # a token outside the draft vocabulary cannot be drafted: scored a miss, not learned
+        lookup = torch.full((cfg.vocab_size,), -1, dtype=torch.long, device=device)
+        lookup[head.draft_vocab_ids] = torch.arange(cfg.draft_vocab_size, device=device)
+        labels = lookup[labels]
+        learnable = valid & (labels >= 0)
+    ce = F.cross_entropy(logits.flatten(0, 2), labels.clamp(min=0).flatten(), reduction="none").view_as(target)
+    w = offset_weights(block, gamma).to(device)[None, None] * learnable
     per_seq = (ce * w).sum((1, 2)) / w.sum((1, 2)).clamp(min=1e-6)
     with torch.no_grad():
         hits = ((logits.argmax(-1) == labels) & valid).sum((0, 1))

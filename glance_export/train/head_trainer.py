@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -24,6 +24,7 @@ from ..model.adapters import Snapshot
 from ..model.head import check_head_out, head_config_for, init_head, load_head, pick_mask_token, save_head
 from .checkpoint import capture, load_state, restore, run_signature, writer
 from .data_files import Tally, read_samples
+from .draft_vocab import check_size, frequent_tokens
 from .head_loss import batch_loss, make_batch
 from .order import anchors_for, rank_slots, step_items
 from .sequences import answer_samples, prompt_of
@@ -58,6 +59,7 @@ class HeadTraining:
     eval_data: Path | None = None
     eval_every: int = 0  # 0: only at the end (with eval_data)
     eval_budget: int = BUDGET
+    draft_vocab: int | None = None  # draft over the N tokens most frequent in the target's answers
 
     def identity(self, world: int) -> dict:
         """What makes two runs the same run: everything but where and how long it runs, and how the global
@@ -168,7 +170,12 @@ def _train(snapshot: Snapshot, data: list[Path], prepared: Path | None, out_dir:
     elif s.resume is not None:
         head = load_head(s.resume)
     else:
-        head = init_head(head_config_for(snapshot, s.layers, s.block_size, pick_mask_token(snapshot)), s.seed)
+        cfg = head_config_for(snapshot, s.layers, s.block_size, pick_mask_token(snapshot))
+        check_size(s.draft_vocab, cfg.vocab_size)
+        head = init_head(replace(cfg, draft_vocab_size=s.draft_vocab), s.seed)
+    if head.config.draft_vocab_size != s.draft_vocab:
+        raise GlanceError(f"the head to continue drafts over {head.config.draft_vocab_size or 'the whole'} vocabulary "
+                          f"but --draft-vocab is {s.draft_vocab}; pass the same --draft-vocab, or start a new head")
     head = head.to(world.device).train()
     cfg = head.config
     model = None
@@ -179,6 +186,10 @@ def _train(snapshot: Snapshot, data: list[Path], prepared: Path | None, out_dir:
     seqs = [q for q in seqs if q.length - q.answer_start >= 2]
     if not seqs:
         raise GlanceError("the target produced no answer longer than one token; nothing to train on")
+    if s.draft_vocab and state is None and s.resume is None:
+        head.draft_vocab_ids.copy_(frequent_tokens([source.ids_of(q)[q.answer_start:] for q in seqs], s.draft_vocab,
+                                                      cfg.vocab_size))
+        progress(f"drafting over the {s.draft_vocab} tokens most frequent in the target's answers")
     held_out = _held_out(snapshot, model, s) if world.main else None
     if held_out is not None and model is None:  # offline: the draft/verify loop needs the whole target
         model = _frozen_target(snapshot, world.device)

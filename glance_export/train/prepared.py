@@ -144,6 +144,11 @@ class PreparedData:
                 where.append((n, offset))
         return cls(Path(root), index, seqs, where)
 
+    def ids_of(self, seq: Sequence) -> torch.Tensor:
+        shard, offset = self.shard_of[seq.sample]
+        with safe_open(str(self.root / self.index["shards"][shard]["file"]), "pt") as f:
+            return f.get_slice("ids")[offset:offset + seq.length]
+
     def __call__(self, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, taps) of one sequence, read from its shard's memory map."""
         shard, offset = self.shard_of[seq.sample]

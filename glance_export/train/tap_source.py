@@ -24,6 +24,9 @@ class OnlineTaps:
         self.kept: dict[int, torch.Tensor] = {}
         self.room = keep_bytes
 
+    def ids_of(self, seq: Sequence) -> torch.Tensor:
+        return self.ids[seq.sample]
+
     def __call__(self, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
         ids = self.ids[seq.sample]
         taps = self.kept.get(seq.sample)
