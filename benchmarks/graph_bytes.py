@@ -20,7 +20,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "runtime"), str(ROOT)]
 
 def make_target(out: Path, hidden: int, layers: int, vocab: int, tied: bool) -> Path:
     """A random Qwen2.5-VL snapshot of the given width and vocabulary, its own tokenizer and processor."""
-    from tiny_models import make_wide_snapshot
+    from support import make_wide_snapshot
 
     heads = hidden // 64
     text = dict(hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_attention_heads=heads,

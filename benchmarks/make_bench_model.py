@@ -31,7 +31,7 @@ def main() -> None:
     from glance_export.model.adapters import Snapshot
     from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
     from glance_export.onnx import export_artifacts
-    from tiny_models import make_wide_snapshot
+    from support import make_wide_snapshot
 
     heads = args.hidden // 64
     text = dict(hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4, num_attention_heads=heads,

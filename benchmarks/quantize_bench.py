@@ -28,7 +28,7 @@ REAL_PROMPTS = ["Describe the picture in detail.", "What is the total on the rec
 
 def make_real_width(out: Path, layers: int, vocab: int) -> Path:
     """A random Qwen2.5-VL snapshot at Qwen2.5-VL-3B's text width, tied, with the tiny test vision tower."""
-    from tiny_models import make_wide_snapshot
+    from support import make_wide_snapshot
 
     text = dict(hidden_size=2048, intermediate_size=11008, num_attention_heads=16, num_key_value_heads=2,
                 vocab_size=vocab, num_hidden_layers=layers, rope_parameters={"mrope_section": [16, 24, 24]})

@@ -3,7 +3,7 @@ bf16, sharded (`model-0000k-of-0000n.safetensors` + `model.safetensors.index.jso
 chat template and preprocessor files.
 
 The configurations were typed from the models' published config.json files (no download is possible
-here). The tokenizer and the special token ids are the tests' small ones (tests/tiny_models.py), so the
+here). The tokenizer and the special token ids are the tests' small ones (tests/support.py), so the
 embedding has the real vocabulary's rows but only a few hundred are ever looked up. Weights are written
 tensor by tensor from the model's meta-device skeleton (names and shapes from transformers, in the
 checkpoint naming transformers saves), so a 8B snapshot is written in well under 1 GiB of memory.
@@ -176,7 +176,7 @@ def _write_shard(path: Path, names: list[str], tensors: dict[str, tuple[int, ...
 
 def skeleton(out: Path, name: str, layers: int | None = None, vision_depth: int | None = None) -> Path:
     """The snapshot's files other than its weights: config, tokenizer, chat template, preprocessor."""
-    from tiny_models import make_snapshot
+    from support import make_snapshot
 
     text, vision = cut(name, layers, vision_depth)
     snap = make_snapshot(out, PUBLISHED[name]["family"], layers=1, tied=text["tie_word_embeddings"])

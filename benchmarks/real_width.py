@@ -75,7 +75,7 @@ def stage_build(out: Path, name: str, layers: int, vision_depth: int) -> dict:
     from glance_export.model.adapters import Snapshot
     from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
     from glance_export.onnx import export_artifacts
-    from tiny_models import make_wide_snapshot
+    from support import make_wide_snapshot
 
     published = PUBLISHED[name]
     text, vision = cut(published, layers, vision_depth)

@@ -26,7 +26,7 @@ def write_snapshot(out: Path, family: str, layers: int, hidden: int, intermediat
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from glance_export.model.meta_init import parameters_on_meta
-    from tiny_models import make_snapshot
+    from support import make_snapshot
 
     snap = make_snapshot(out, family, layers=1, tied=tied)
     for old in snap.glob("*.safetensors"):

@@ -41,12 +41,14 @@ def test_generate_equals_glance_run(capsys, backend):
             assert out.stats["prefill_tokens"] == out.stats["prompt_tokens"] > 0
 
 
+@pytest.mark.edge
 def test_stream_joins_to_generate(model):
     out = model.generate("What is the total?", images=[RECEIPT])
     pieces = list(model.stream("What is the total?", images=[RECEIPT]))
     assert len(pieces) > 1 and "".join(pieces) == out.text
 
 
+@pytest.mark.edge
 def test_stream_never_splits_a_character():
     """Pieces of an answer with multi-byte characters (CJK, an emoji, a euro sign) are whole characters and
     join to the tokenizer's decode; a stop string spanning pieces ends the text before it."""
@@ -64,6 +66,7 @@ def test_stream_never_splits_a_character():
         assert "".join([stream.push(i) for i in ids] + [stream.finish()]) == text[:text.index(stop)]
 
 
+@pytest.mark.edge
 def test_stop_strings(model):
     full = model.generate("What is the total?", images=[RECEIPT])
     stop = full.text[len(full.text) // 2:len(full.text) // 2 + 2]
@@ -74,6 +77,7 @@ def test_stop_strings(model):
     assert "".join(model.stream("What is the total?", images=[RECEIPT], stop=[stop])) == out.text
 
 
+@pytest.mark.edge
 def test_chat_keeps_its_kv(model):
     chat = model.chat(system="You are brief.")
     first = chat.send("What is the total?", images=[RECEIPT])
@@ -93,6 +97,7 @@ def test_chat_keeps_its_kv(model):
     assert chat.messages == [{"role": "system", "content": "You are brief."}]
 
 
+@pytest.mark.edge
 def test_several_images_and_kinds(model):
     arrays = [np.asarray(Image.open(p).convert("RGB")) for p in (RECEIPT, CHART)]
     by_path = model.generate(messages=[{"role": "user", "content": [
@@ -102,6 +107,7 @@ def test_several_images_and_kinds(model):
     assert by_path.token_ids == by_array.token_ids == by_bytes.token_ids
 
 
+@pytest.mark.edge
 def test_context_overflow_is_refused():
     with gr.load(max_context=256) as m:
         chat = m.chat()
@@ -114,6 +120,7 @@ def test_context_overflow_is_refused():
             m.generate("Hi", max_new_tokens=1000)
 
 
+@pytest.mark.edge
 def test_errors_are_glance_errors(model, tmp_path):
     for call, kind in ((lambda: model.generate(), gr.InputError),
                        (lambda: model.generate("Hi", messages=[{"role": "user", "content": "Hi"}]), gr.InputError),
@@ -126,6 +133,7 @@ def test_errors_are_glance_errors(model, tmp_path):
         assert isinstance(info.value, gr.GlanceError) and "\n" not in str(info.value)
 
 
+@pytest.mark.edge
 def test_video_needs_a_template_that_renders_it(model):
     """The embedded default's template has no video branch: video is refused with the fix, on one line."""
     with pytest.raises(gr.InputError, match="video branch") as info:
@@ -133,6 +141,7 @@ def test_video_needs_a_template_that_renders_it(model):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.edge
 def test_concurrent_calls_are_refused(model):
     stream = model.stream("What is the total?", images=[RECEIPT])
     next(stream)  # the stream now holds the model
@@ -167,6 +176,7 @@ print(json.dumps({"rss_mb": list(marks.values()),
 """
 
 
+@pytest.mark.edge
 def test_close_frees_buffers():
     """A thousand load + generate + close cycles (every other one with an image, so the vision graph and its
     buffers come and go too) in a fresh process keep its resident memory flat: from cycle 50 to 1000 it may
@@ -191,6 +201,7 @@ def test_close_frees_buffers():
         m.generate("Hi")
 
 
+@pytest.mark.edge
 def test_a_turn_ended_by_a_stop_string_keeps_the_kv_consistent(model):
     chat = model.chat()
     full = model.generate("What is the total?", images=[RECEIPT])
@@ -202,6 +213,7 @@ def test_a_turn_ended_by_a_stop_string_keeps_the_kv_consistent(model):
     assert second.token_ids == model.generate(messages=chat.messages[:-1]).token_ids
 
 
+@pytest.mark.edge
 def test_damaged_artifacts_are_an_integrity_error(tmp_path):
     import shutil
 
@@ -216,6 +228,7 @@ def test_damaged_artifacts_are_an_integrity_error(tmp_path):
         gr.load(artifacts=copy)
 
 
+@pytest.mark.edge
 def test_glance_run_several_images_and_system(model, capsys):
     ran = _glance_run(capsys, "--prompt", "What changed?", "--image", str(RECEIPT), "--image", str(CHART),
                       "--system", "You are brief.")
@@ -224,6 +237,7 @@ def test_glance_run_several_images_and_system(model, capsys):
     assert ran["token_ids"] != _glance_run(capsys, "--prompt", "What changed?", "--image", str(RECEIPT))["token_ids"]
 
 
+@pytest.mark.edge
 def test_glance_run_chat_keeps_the_kv(model, capsys, monkeypatch):
     import io
 

@@ -6,11 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from glance_runtime.backends.ort_backend import OrtBackend
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
 from glance_runtime.decode.loop import DecodeConfig, decode
 from glance_runtime.prompt.messages import user_turn
+
+pytestmark = pytest.mark.edge  # needs no torch: runs on the edge install too
 
 ROOT = Path(__file__).resolve().parents[2]
 RECEIPT = ROOT / "examples" / "demo" / "receipt.png"

@@ -16,7 +16,7 @@ from glance_runtime.cli.run import main as run_main
 from glance_runtime.defaults import DEFAULT_ARTIFACTS, DEFAULT_HEAD, DEFAULT_MODEL, MODELS_ROOT, resolve
 from glance_runtime.formats.artifacts import check_source, read as load_manifest
 from glance_runtime.store.integrity import sha256
-from edge_install import BLOCK_TRAINING_STACK
+from support import BLOCK_TRAINING_STACK
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 PROMPTS = json.loads((EXAMPLES / "demo" / "prompts.json").read_text())
@@ -27,6 +27,7 @@ def _run(args: list[str], capsys) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.edge
 @pytest.mark.parametrize("kind", corpus.KINDS)
 def test_demo_answers_the_example_image(kind, capsys):
     args = ["--image", str(EXAMPLES / "demo" / f"{kind}.png"), "--prompt", PROMPTS[f"{kind}.png"]]
@@ -38,6 +39,7 @@ def test_demo_answers_the_example_image(kind, capsys):
         assert spec["tau"] >= 3.0
 
 
+@pytest.mark.edge
 def test_embedded_default_is_served_from_shipped_graphs_only_with_its_own_head(tmp_path):
     assert resolve(None, None, None, None) == (DEFAULT_MODEL, DEFAULT_HEAD, DEFAULT_ARTIFACTS, "onnxruntime")
     assert resolve(None, None, None, "torch") == (DEFAULT_MODEL, DEFAULT_HEAD, None, "torch")
@@ -47,6 +49,7 @@ def test_embedded_default_is_served_from_shipped_graphs_only_with_its_own_head(t
     assert resolve(None, None, tmp_path, None) == (None, None, tmp_path, "onnxruntime")
 
 
+@pytest.mark.edge
 def test_examples_are_the_generator_output():
     for kind in corpus.KINDS:
         rows = corpus.read_task_file(EXAMPLES / kind / "tasks.jsonl")
@@ -65,6 +68,7 @@ def test_heldout_sets_audit_identical_to_greedy(backend, capsys):
         assert report["self_consistent"] == 20 and report["tau"] > 1.5
 
 
+@pytest.mark.edge
 def test_shipped_model_fits_the_size_cap_and_has_a_card():
     files = [p for p in MODELS_ROOT.rglob("*") if p.is_file()]
     assert sum(p.stat().st_size for p in files) <= 60 * 2**20
@@ -73,6 +77,7 @@ def test_shipped_model_fits_the_size_cap_and_has_a_card():
     assert {p.parent for p in files if p.suffix == ".onnx"} == {DEFAULT_ARTIFACTS}
 
 
+@pytest.mark.edge
 def test_shipped_graphs_were_exported_from_the_shipped_weights():
     check_source(load_manifest(DEFAULT_ARTIFACTS), DEFAULT_MODEL)
     raw = json.loads((DEFAULT_ARTIFACTS / "manifest.json").read_text())
@@ -85,6 +90,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.edge
 def test_demo_runs_on_an_edge_install_without_torch(tmp_path):
     env = {**os.environ, "GLANCE_CACHE": str(tmp_path / "cache")}
     run = subprocess.run([sys.executable, "-c", TORCH_FREE_DEMO, "--image", str(EXAMPLES / "demo" / "receipt.png"),

@@ -58,6 +58,7 @@ def _make(root: Path, state: str) -> Path:
     return out
 
 
+@pytest.mark.edge
 @FAST
 @given(state=st.sampled_from(STATES), relation=st.sampled_from(RELATIONS), via_link=st.booleans())
 def test_an_output_is_replaced_only_when_it_is_ours_and_no_input(tmp_path_factory, state, relation, via_link):
@@ -83,6 +84,7 @@ def test_an_output_is_replaced_only_when_it_is_ours_and_no_input(tmp_path_factor
         assert "\n" not in refused and "pick" in refused
 
 
+@pytest.mark.edge
 @FAST
 @given(state=st.sampled_from(("absent", "empty", "same")))
 def test_outputs_carry_their_marker(tmp_path_factory, state):
@@ -101,6 +103,7 @@ CACHE_TEXT = st.lists(st.sampled_from(list("ab~./-_ é") + ["file", "dir", "/"])
     lambda v: not v.startswith("/") and ".." not in v.split("/") and not v.startswith("~/.."))
 
 
+@pytest.mark.edge
 @FAST
 @given(value=CACHE_TEXT, home=st.sampled_from(("dir", "file", "missing")))
 def test_the_cache_location_is_a_writable_directory_or_one_line(tmp_path_factory, monkeypatch, value, home):
@@ -132,6 +135,7 @@ GREYS = st.integers(2, 24).flatmap(lambda h: st.integers(2, 24).flatmap(
         lambda v: np.array(v, np.uint8).reshape(h, w))))
 
 
+@pytest.mark.edge
 @FAST
 @given(grey=GREYS)
 def test_wide_and_float_images_look_like_their_8_bit_selves(tmp_path_factory, grey):
@@ -145,6 +149,7 @@ def test_wide_and_float_images_look_like_their_8_bit_selves(tmp_path_factory, gr
     assert np.array_equal(np.asarray(to_rgb(Image.open(root / "g16.png"))), eight)
 
 
+@pytest.mark.edge
 @FAST
 @given(grey=GREYS, hole=st.integers(0, 255))
 def test_transparency_shows_as_white(tmp_path_factory, grey, hole):
@@ -174,6 +179,7 @@ def test_a_16_bit_image_prompts_like_its_8_bit_self_on_every_path(snapshot_dir, 
                                   snapshot.build_prompt("Hi", Image.open(sixteen)).pixel_values)
 
 
+@pytest.mark.edge
 @FAST
 @given(data=st.data())
 def test_a_tree_cut_to_the_room_left_is_the_best_tree_that_fits(data):
@@ -191,6 +197,7 @@ def test_a_tree_cut_to_the_room_left_is_the_best_tree_that_fits(data):
     assert np.array_equal(best.tokens, cut.tokens) and np.array_equal(best.parents, cut.parents)
 
 
+@pytest.mark.edge
 def test_a_huge_prompt_is_refused_before_its_buffers(tmp_path):
     """120,000 characters against the shipped export: refused from the token count, before any buffer sized by it."""
     # VmHWM, not getrusage: a child's ru_maxrss also counts the forking parent's peak (Linux folds the

@@ -8,7 +8,9 @@ import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from edge_install import BLOCK_TRAINING_STACK
+import pytest
+
+from support import BLOCK_TRAINING_STACK
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNTIME = ROOT / "runtime" / "glance_runtime"
@@ -28,6 +30,7 @@ def _imported(tree: ast.AST) -> list[str]:
     return names
 
 
+@pytest.mark.edge
 def test_no_runtime_module_imports_the_export_package():
     upward = [f"{path.relative_to(ROOT)}: {name}" for path in sorted(RUNTIME.rglob("*.py"))
               for name in _imported(ast.parse(path.read_text(), str(path)))
@@ -35,6 +38,7 @@ def test_no_runtime_module_imports_the_export_package():
     assert not upward, upward
 
 
+@pytest.mark.edge
 def test_the_scan_sees_nested_and_dynamic_imports():
     code = "def f():\n    try:\n        from glance_export.x import y\n    except ImportError:\n        pass\n" \
            "import importlib\nimportlib.import_module('glance_export.onnx')\n"
@@ -47,6 +51,7 @@ def _edge_python(code: str) -> subprocess.CompletedProcess:
                           env=env, cwd=ROOT, timeout=300)
 
 
+@pytest.mark.edge
 def test_every_runtime_module_imports_without_torch_or_the_export_package():
     modules = sorted(".".join(p.relative_to(RUNTIME.parent).with_suffix("").parts).removesuffix(".__init__")
                      for p in RUNTIME.rglob("*.py") if p.stem != "plots")  # plots needs matplotlib (bench extra)
@@ -67,6 +72,7 @@ def test_the_export_package_registers_what_the_runtime_asks_for():
         "entry points missing: reinstall the toolkit (pip install -e .)"
 
 
+@pytest.mark.edge
 def test_torch_backend_without_the_export_stack_is_a_one_line_fix():
     proc = _edge_python("from glance_runtime.cli.run import main\nsys.exit(main(['--backend', 'torch', '--no-spec', "
                         "'--prompt', 'hi']))")

@@ -12,7 +12,7 @@ from glance_export.cli import main as export_main
 from glance_export.model.torch_backend import greedy_reference
 from glance_runtime.cli.run import main as run_main
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
-from tiny_models import make_snapshot
+from support import make_snapshot
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 RECEIPT = ["--image", str(EXAMPLES / "demo" / "receipt.png"), "--prompt", "What is the total?"]

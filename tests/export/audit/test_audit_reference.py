@@ -23,7 +23,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from edge_install import BLOCK_EXPORT_STACK
 from glance_export.model.adapters import Snapshot
 from glance_export.cli import main as export_main
 from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
@@ -33,7 +32,7 @@ from glance_export.audit.reference_match import ids_sha256, write_reference
 from glance_runtime.formats.recorded_reference import read as load_reference
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
 from glance_runtime.formats.artifacts import read as load_manifest
-from tiny_models import make_image, make_snapshot
+from support import BLOCK_EXPORT_STACK, make_image, make_snapshot
 
 MAX_NEW = 12
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"

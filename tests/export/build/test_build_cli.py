@@ -17,7 +17,6 @@ from pathlib import Path
 from glance_runtime.store.atomic import MARKER
 import pytest
 
-from edge_install import blocking
 from glance_export import cli
 from glance_export.build import local_gpu as devices
 from glance_export.model.adapters import Snapshot
@@ -31,7 +30,7 @@ from glance_export.build.toolchain import Toolchain
 from glance_runtime.errors import GlanceError
 from glance_runtime.store.integrity import sha256
 from test_onnx_export import export_once
-from tiny_models import ALL_FAMILIES
+from support import ALL_FAMILIES, blocking
 
 trt = pytest.importorskip("tensorrt_rtx")
 

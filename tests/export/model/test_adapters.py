@@ -10,7 +10,7 @@ from PIL import Image
 
 from glance_export.model.adapters import Snapshot, load_image
 from glance_runtime.errors import GlanceError
-from tiny_models import ALL_FAMILIES, VL_FAMILIES
+from support import ALL_FAMILIES, VL_FAMILIES
 
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)
@@ -54,11 +54,13 @@ def test_missing_files_are_named(snapshot_dir, tmp_path, missing, message):
         Snapshot(bad)
 
 
+@pytest.mark.edge
 def test_missing_directory(tmp_path):
     with pytest.raises(GlanceError, match="does not exist"):
         Snapshot(tmp_path / "nowhere")
 
 
+@pytest.mark.edge
 def test_bad_images(tmp_path):
     with pytest.raises(GlanceError, match="does not exist"):
         load_image(tmp_path / "none.png")

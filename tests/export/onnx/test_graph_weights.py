@@ -18,7 +18,7 @@ from glance_export.model.adapters import Snapshot
 from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
 from glance_export.onnx import export_artifacts
 from glance_export.onnx.external_data import graph_tensors
-from tiny_models import make_snapshot
+from support import make_snapshot
 
 LARGE = 4096  # bytes; smaller constants (rotary tables, shape tensors) may legitimately repeat
 

@@ -22,7 +22,7 @@ from glance_export.model.torch_backend import TorchBackend, greedy_reference
 from glance_runtime.errors import GlanceError
 from glance_runtime.formats.graphs import draft_kv_names, target_kv_names
 from glance_runtime.decode.loop import DecodeConfig, decode
-from tiny_models import ALL_FAMILIES, VL_FAMILIES
+from support import ALL_FAMILIES, VL_FAMILIES
 
 BLOCK = 6
 MAX_NEW = 16

@@ -29,7 +29,7 @@ from glance_runtime.backends.seeded import SeededDrafter
 from glance_runtime.errors import GlanceError
 from glance_runtime.decode.loop import DecodeConfig, decode
 from glance_runtime.formats.artifacts import read as load_manifest
-from tiny_models import ALL_FAMILIES, make_snapshot
+from support import ALL_FAMILIES, make_snapshot
 
 GROUP = 32  # divides the tiny models' hidden size (64)
 PROMPTS = ["Describe the image.", "What colour is the square? The quick brown fox"]

@@ -24,7 +24,7 @@ from glance_export.onnx.memory import GIB, check_fits, estimate_peak
 from glance_export.onnx.quantize import STAGING, check_scheme, quantize_graph
 from glance_export.onnx.rewrite import skip_identities
 from glance_runtime.errors import GlanceError
-from tiny_models import make_mid_snapshot, make_snapshot
+from support import make_mid_snapshot, make_snapshot
 
 ROOT = Path(__file__).resolve().parents[3]
 H, F, V = 64, 96, 50

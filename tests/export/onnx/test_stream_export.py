@@ -24,7 +24,7 @@ from glance_export.onnx.checkpoint import INDEX, Checkpoint
 from glance_export.onnx.external_data import graph_tensors
 from glance_export.onnx.memory import GIB, check_fits, estimate_peak
 from glance_runtime.errors import GlanceError
-from tiny_models import make_mid_snapshot, make_snapshot
+from support import make_mid_snapshot, make_snapshot
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from glance_export.cli import main as export_main
-from serve_helpers import RECEIPT, glance_run
+from support import RECEIPT, glance_run
 
 ENV_PACKAGES = ["numpy==1.26.4", "onnxruntime", "pillow", "tokenizers", "jinja2>=3.1.6"]
 TRITON_WHEEL = "nvidia-pytriton"  # installed without its Python client's dependencies: only the binary is used
@@ -30,8 +30,9 @@ PYVER = f"{sys.version_info.major}.{sys.version_info.minor}"
 START_TIMEOUT_S = 180
 REQUEST_TIMEOUT_S = 120
 
-pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.machine() != "x86_64",
-                                reason="the nvidia-pytriton wheel ships tritonserver for Linux x86-64 only")
+pytestmark = [pytest.mark.edge,  # needs no torch: runs on the edge install too
+              pytest.mark.skipif(platform.system() != "Linux" or platform.machine() != "x86_64",
+                                 reason="the nvidia-pytriton wheel ships tritonserver for Linux x86-64 only")]
 
 
 def _pip(python: Path, *args: str) -> None:

@@ -23,6 +23,7 @@ DEVICES = [pytest.param(HostDevice, id="host"),
                NO_CUDA is not None, reason=f"needs an NVIDIA GPU: {NO_CUDA}")])]
 
 
+@pytest.mark.edge
 @pytest.mark.parametrize("make", DEVICES)
 def test_upload_download_round_trip_and_traffic(make):
     device = make()
@@ -33,6 +34,7 @@ def test_upload_download_round_trip_and_traffic(make):
     assert device.traffic.h2d_bytes == device.traffic.d2h_bytes == data.nbytes
 
 
+@pytest.mark.edge
 @pytest.mark.parametrize("make", DEVICES)
 def test_copies_stay_on_the_device(make):
     device = make()
@@ -44,6 +46,7 @@ def test_copies_stay_on_the_device(make):
     np.testing.assert_array_equal(device.download(dst.rows(1, 2)), [[0, 1]])
 
 
+@pytest.mark.edge
 @pytest.mark.parametrize("make", DEVICES)
 def test_copy_2d_moves_one_row_in_every_slab(make):
     """What KV compaction relies on: row 3 -> row 1 of each of 4 slabs, in one call."""
@@ -60,6 +63,7 @@ def test_copy_2d_moves_one_row_in_every_slab(make):
     assert device.traffic.d2d_bytes == 4 * row and device.traffic.calls == 1 + 2  # the copy, then the download
 
 
+@pytest.mark.edge
 def test_views_refuse_to_leave_their_buffer():
     buf = HostDevice().empty((2, 2), np.float32)
     with pytest.raises(ValueError, match="exceeds"):

@@ -13,7 +13,7 @@ from glance_export.onnx import export_artifacts
 from glance_runtime.backends.host_room import PROCESS_BYTES, check_cpu_room, cpu_load_bytes, weight_bytes
 from glance_runtime.errors import GlanceError
 from glance_runtime.formats.artifacts import read as read_manifest
-from tiny_models import make_mid_snapshot
+from support import make_mid_snapshot
 
 ROOT = Path(__file__).resolve().parents[3]
 CONTEXT = 256

@@ -11,6 +11,8 @@ from glance_runtime.backends.device_buffers import HostDevice
 from glance_runtime.errors import GlanceError
 from glance_runtime.backends.kv_cache import KVCache
 
+pytestmark = pytest.mark.edge  # needs no torch: runs on the edge install too
+
 
 def _cache(layers=2, kvh=2, d=4, max_context=16) -> KVCache:
     return KVCache(HostDevice(), layers, kvh, d, max_context)

@@ -29,9 +29,8 @@ from glance_runtime.decode.cost_profile import measure
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
 from glance_runtime.errors import GlanceError
 from glance_runtime.decode.loop import DecodeConfig, decode
-from auto_policies import check_mixed, config, cutting, median_surprisal, skipping
-from edge_install import BLOCK_TRAINING_STACK
-from tiny_models import ALL_FAMILIES, VL_FAMILIES
+from support import (ALL_FAMILIES, BLOCK_TRAINING_STACK, VL_FAMILIES, check_mixed, config, cutting, median_surprisal,
+                     skipping)
 
 MAX_NEW = 24
 BUDGETS = {"chain": (7, 1), "b8": (8, 8), "b31": (31, 8), "b63": (63, 8)}

@@ -9,13 +9,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from auto_policies import check_mixed, config, cutting, median_surprisal, skipping
+from support import check_mixed, config, cutting, median_surprisal, skipping
 from glance_export.cli import main as export_main
 from glance_runtime.decode.auto_budget import auto_budget
 from glance_runtime.backends.trt_backend import check_engines, pick_profile
 from glance_runtime.formats.engines import FILE as ENGINE_MANIFEST, read as read_engines_record
 from glance_runtime.cli.run import main as run_main
 from glance_runtime.errors import GlanceError
+
+pytestmark = pytest.mark.edge  # needs no torch: runs on the edge install too
 
 DEFAULT_ARTIFACTS = Path(__file__).parents[3] / "models" / "glance-vl-tiny-onnx"
 HIDDEN = 64
@@ -130,7 +132,7 @@ def test_a_damaged_engine_is_named_before_anything_loads(rtx_engines, tmp_path, 
 def test_engines_answer_like_onnxruntime(rtx_engines):
     """The same loop on TensorRT engines and on ONNX Runtime gives the same tokens (fp32 engines), with fixed
     budgets and with auto: as `glance-run` builds it (a profile measured on these engines), and with policies
-    forcing skipped drafts and small cuts (tests/auto_policies.py)."""
+    forcing skipped drafts and small cuts (tests/support.py)."""
     from glance_runtime.backends.registry import open_runner
     from glance_runtime.decode.loop import DecodeConfig, decode
 

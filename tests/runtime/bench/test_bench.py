@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from edge_install import blocking
+from support import blocking
 
 from glance_runtime.store.atomic import MARKER
 from glance_runtime.cli.bench import main as bench_main
@@ -46,6 +46,7 @@ def draw_rounds(b0: float, b1: float, n: int, cap, seed: int):
     return h, a, caps
 
 
+@pytest.mark.edge
 def test_law_fit_recovers_known_coefficients():
     h, a, cap = draw_rounds(2.0, 1.5, 1500, 15, seed=3)
     fit = analyse(h, a, cap, groups=np.arange(len(h)) // 3, replicates=200, permutations=500, seed=0)
@@ -57,6 +58,7 @@ def test_law_fit_recovers_known_coefficients():
     assert fit.verdict.startswith("holds")
 
 
+@pytest.mark.edge
 def test_law_fit_with_per_round_caps_and_no_effect():
     h, a, cap = draw_rounds(1.0, 0.8, 1500, np.resize([3, 7, 15], 1500), seed=4)
     fit = analyse(h, a, cap, replicates=100, permutations=200)
@@ -66,6 +68,7 @@ def test_law_fit_with_per_round_caps_and_no_effect():
     assert flat.b1_interval[0] < 0 < flat.b1_interval[1] and not flat.verdict.startswith("holds")
 
 
+@pytest.mark.edge
 def test_law_refuses_impossible_rounds_and_says_when_entropy_is_constant():
     with pytest.raises(ValueError):
         analyse([0.1, 0.2], [3, 9], [7, 7])
@@ -73,6 +76,7 @@ def test_law_refuses_impossible_rounds_and_says_when_entropy_is_constant():
     assert np.isnan(fit.b1) and "barely varies" in fit.verdict
 
 
+@pytest.mark.edge
 def test_expected_accepted_is_the_truncated_geometric_mean():
     # p = 0.5, L = 2: E = 0.5 + 0.25; p -> 1 gives the cap; always within 0..L.
     assert expected_accepted(0.0, 0.0, np.array([1.0]), np.array([2]))[0] == pytest.approx(0.75)
@@ -81,6 +85,7 @@ def test_expected_accepted_is_the_truncated_geometric_mean():
     assert np.all((values >= 0) & (values <= 7)) and np.all(np.diff(values) < 0)
 
 
+@pytest.mark.edge
 def test_rank_statistics():
     assert rankdata(np.array([3.0, 1.0, 2.0, 2.0])).tolist() == [4.0, 1.0, 2.5, 2.5]
     rng = np.random.default_rng(0)
@@ -89,6 +94,7 @@ def test_rank_statistics():
     assert rho == pytest.approx(-1.0) and p < 0.01
 
 
+@pytest.mark.edge
 def test_budgets_and_modes():
     assert parse_budgets("63,7, 15,7") == ([7, 15, 63], False)
     assert parse_budgets("7,AUTO,15") == ([7, 15], True)
@@ -299,6 +305,7 @@ def test_bad_input_is_one_line(argv, message, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.edge
 def test_an_unmet_expectation_is_reported_and_exits_1(artifacts, tmp_path, capsys):
     out = tmp_path / "out"
     argv = ["--data", str(REPO / "examples/receipt/tasks.jsonl"), "--n", "1", "--budgets", "7", "--samples", "2",
@@ -339,6 +346,7 @@ sys.exit(code)
 """
 
 
+@pytest.mark.edge
 def test_edge_install_benches_without_torch_and_refuses_plots_in_one_line(tmp_path):
     """No torch, matplotlib or tqdm: the bench measures and fits (one line of progress per prompt);
     plots are refused before any work, with the extra to install."""

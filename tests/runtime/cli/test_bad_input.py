@@ -29,7 +29,7 @@ from glance_runtime.cli.bench import main as bench_main
 from glance_runtime.cli.run import main as run_main
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
 from test_onnx_export import export_once
-from tiny_models import make_snapshot
+from support import make_snapshot
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 COMMANDS: dict[str, Callable[[list[str]], int]] = {"glance-run": run_main, "glance-export": export_main,

@@ -239,6 +239,7 @@ def test_backend_defaults_to_onnxruntime_when_a_head_is_given(snapshot_dir, head
     assert json.loads(capsys.readouterr().out)["backend"] == "onnxruntime"
 
 
+@pytest.mark.edge
 def test_missing_default_model_is_a_clear_error(tmp_path, monkeypatch, capsys):
     import glance_runtime.defaults as defaults
 
@@ -282,6 +283,7 @@ COMMAND_LINES = {"glance-run": (run_main, ["--prompt", "x"]),
     ("--max-tree", "inf", "--max-tree 'inf' is not a whole number"),
     ("--max-context", "-inf", "--max-context '-inf' is not a whole number"),
 ])
+@pytest.mark.edge
 def test_a_flag_is_refused_in_the_same_words_by_every_command(flag, value, phrase, capsys):
     """Each flag's rule is stated once: the three commands that take it refuse a bad value identically,
     before opening anything."""
@@ -295,6 +297,7 @@ def test_a_flag_is_refused_in_the_same_words_by_every_command(flag, value, phras
     assert phrase in lines[0] and len(set(lines)) == 1, lines
 
 
+@pytest.mark.edge
 def test_budget_and_max_new_tokens_rules_hold_where_declared(capsys):
     for main, argv in (COMMAND_LINES["glance-run"], COMMAND_LINES["glance-export audit"]):
         for flag, value, phrase in (("--budget", "-1", "--budget >= 0"), ("--budget", "nan", "not a budget"),
@@ -304,6 +307,7 @@ def test_budget_and_max_new_tokens_rules_hold_where_declared(capsys):
             assert phrase in capsys.readouterr().err
 
 
+@pytest.mark.edge
 def test_a_session_decodes_the_backends_own_greedy_tokens():
     """open_session + decode on the shipped graphs: GLANCE's tokens are the backend's own greedy ones, each
     round is seen by on_commit, and the settings are the ones asked for."""

@@ -15,6 +15,8 @@ from glance_runtime.cli.bench import bench_parser
 from glance_runtime.cli.run import parser as run_parser
 from glance_runtime.cli.serve import parser as serve_parser
 
+pytestmark = pytest.mark.edge  # needs no torch: runs on the edge install too
+
 # (parser, the arguments it needs besides the flag, flag, the accepted range)
 FLAGS = [
     (run_parser, ["--prompt", "p"], "--max-new-tokens", (1, math.inf)),

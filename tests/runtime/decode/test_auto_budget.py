@@ -18,6 +18,8 @@ from glance_runtime.decode.cost_profile import CostProfile, load, measurable_row
 from glance_runtime.errors import GlanceError
 from glance_runtime.decode.tree import Tree, build_tree
 
+pytestmark = pytest.mark.edge  # needs no torch: runs on the edge install too
+
 GRID = (1, 2, 4, 8, 16, 32, 64)
 
 

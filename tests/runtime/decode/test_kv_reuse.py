@@ -16,7 +16,7 @@ from glance_runtime.decode.loop import DecodeConfig, decode
 from glance_runtime.prompt.messages import user_turn
 from glance_runtime.prompt.prefix_reuse import Committed, image_runs, shared_rows
 from test_ort_backend import exported  # noqa: F401  (the fixture: tiny artifacts per family)
-from tiny_models import ALL_FAMILIES, VL_FAMILIES
+from support import ALL_FAMILIES, VL_FAMILIES
 
 MAX_NEW = 16
 SEEDS = {"full": lambda d: 0, "partial": lambda d: 0 if d <= 2 else None, "zero": lambda d: None}

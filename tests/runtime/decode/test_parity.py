@@ -3,7 +3,7 @@
 Covers every family, text and image prompts of several shapes, budgets {chain, 8, 31, 63, auto} and block
 sizes {4, 8, 16}; with seeded drafters, full / partial / zero / off-first-branch acceptance and stop
 tokens inside an accepted path; and the committed KV rows against a fresh prefill. Auto runs with policies
-that force rounds skipping the draft and cuts of every size down to none (tests/auto_policies.py).
+that force rounds skipping the draft and cuts of every size down to none (tests/support.py).
 """
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ from glance_export.model.adapters import Snapshot
 from glance_export.model.head import head_config_for, init_head, pick_mask_token
 from glance_export.model.torch_backend import TorchBackend, greedy_reference
 from glance_runtime.decode.loop import DecodeConfig, decode
-from auto_policies import check_mixed, config, cutting, median_surprisal, skipping
-from tiny_models import ALL_FAMILIES, VL_FAMILIES
+from support import ALL_FAMILIES, VL_FAMILIES, check_mixed, config, cutting, median_surprisal, skipping
 
 MAX_NEW = 24
 BUDGETS = {"chain": (15, 1), "b8": (8, 8), "b31": (31, 8), "b63": (63, 8)}

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from glance_runtime.decode.tree import Tree, build_tree, visibility, walk
 
+pytestmark = pytest.mark.edge  # needs no torch: runs on the edge install too
+
 FAST = settings(max_examples=100, deadline=None)
 ANCHOR = 1000
 

@@ -15,6 +15,8 @@ from glance_runtime.errors import GlanceError
 from glance_runtime.formats import artifacts, engines, rounds, tasks
 from glance_runtime.formats.common import MAX_DEPTH, parse
 
+pytestmark = pytest.mark.edge  # needs no torch: runs on the edge install too
+
 DEFAULT_ARTIFACTS = Path(__file__).parents[3] / "models" / "glance-vl-tiny-onnx"
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -17,7 +17,7 @@ from glance_runtime.decode.loop import DecodeConfig, decode
 from glance_runtime.prompt.messages import user_turn
 from glance_runtime.prompt.rope_index import rope_index
 from test_preprocess import _builder
-from tiny_models import VL_FAMILIES, make_snapshot
+from support import VL_FAMILIES, make_snapshot
 
 MAX_NEW = 20
 IMAGE_SETS = {"two": ("wide", "tall"), "three": ("square", "wide", "tall")}

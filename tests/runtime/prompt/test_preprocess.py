@@ -13,7 +13,7 @@ from glance_export.model.adapters import Snapshot
 from glance_runtime.errors import GlanceError
 from glance_runtime.prompt.prompt_builder import ImageProcessorConfig, PromptBuilder, load_image, process_image, smart_resize
 from glance_runtime.prompt.rope_index import rope_index
-from tiny_models import ALL_FAMILIES, VL_FAMILIES, make_image, make_snapshot
+from support import ALL_FAMILIES, VL_FAMILIES, make_image, make_snapshot
 
 SIZES = [(64, 64), (200, 100), (37, 300), (300, 37), (1000, 800), (20, 20), (113, 97)]
 TEXTS = ["What colour is the square?", "", "Read the total: 42.17 — ünïcødé ✓ <|im_end|> not special?"]

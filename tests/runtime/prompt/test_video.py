@@ -25,7 +25,7 @@ from glance_runtime.prompt.prefix_reuse import Committed, image_runs, shared_row
 from glance_runtime.prompt.rope_index import rope_index, video_grids
 from glance_runtime.prompt.video import DEFAULT_FPS, Video, VideoProcessorConfig, process_video, resize_frame
 from test_ort_backend import Exported
-from tiny_models import VL_FAMILIES, make_snapshot
+from support import VL_FAMILIES, make_snapshot
 
 MAX_NEW = 16
 VIDEO_BRANCH = "{% elif c['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"

@@ -19,7 +19,9 @@ from PIL import Image
 
 import glance_runtime as gr
 from glance_runtime.cli.serve import main as serve_main
-from serve_helpers import MODEL_NAME, RECEIPT, data_url, glance_run, start_server, user
+from support import MODEL_NAME, RECEIPT, data_url, glance_run, start_server, user
+
+pytestmark = pytest.mark.edge  # needs no torch: runs on the edge install too
 
 KEY = "test-key"
 CLIENT_TIMEOUT_S = 60

@@ -13,6 +13,8 @@ from PIL import Image
 
 import glance_runtime as gr
 
+pytestmark = pytest.mark.edge  # needs no torch: runs on the edge install too
+
 ROOT = Path(__file__).resolve().parents[3]
 SERVE = ROOT / "runtime" / "glance_runtime" / "serve"
 RECEIPT = ROOT / "examples" / "demo" / "receipt.png"

@@ -1,0 +1,368 @@
+"""What the tests share: tiny random snapshots of every family, seeded images, live `glance-serve` processes,
+`--budget auto` policies that force what parity under auto must cover, and preludes that run code as an edge
+install would.
+
+Torch and transformers are imported inside the functions that build snapshots, so a test on an edge install
+(no torch) imports this module too; only the tests that build a snapshot need the export stack.
+"""
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import json
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from PIL import Image
+
+from glance_runtime.cli.run import main as run_main
+from glance_runtime.decode.auto_budget import AutoBudget
+from glance_runtime.decode.calibration import Calibration
+from glance_runtime.decode.cost_profile import CostProfile, row_grid
+from glance_runtime.decode.loop import DecodeConfig, DecodeResult, decode
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---- Tiny random snapshots ----
+# Tiny random HF snapshots of every supported family, written as a user's snapshot would be.
+#
+# Weights are re-drawn from a wide normal so that greedy output depends on the image and the
+# context with margins far above fp32 noise (transformers' default init collapses to one token).
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+            "<|image_pad|>", "<|video_pad|>"]
+VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+TEXT_FAMILIES = ("qwen2", "qwen3", "llama")
+ALL_FAMILIES = VL_FAMILIES + TEXT_FAMILIES
+CORPUS = ["What colour is the square? The square is red, green or blue.",
+          "Describe the image. How many circles are there? Read the total on the receipt: 42.17",
+          "user assistant system The quick brown fox jumps over the lazy dog 0123456789"]
+
+
+def _tokenizer(out: Path) -> dict[str, int]:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from glance_export.train.tokenizer import CHAT_TEMPLATE  # the Qwen-style template of the default model
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    ids = {s: tok.token_to_id(s) for s in SPECIALS}
+    ids["vocab"] = tok.get_vocab_size()
+    return ids
+
+
+def _config(family: str, ids: dict[str, int], layers: int, tied: bool = False):
+    import transformers as tf
+
+    vocab = ids["vocab"] + 8  # spare embedding rows past the tokenizer, like real checkpoints
+    text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                tie_word_embeddings=tied, eos_token_id=ids["<|im_end|>"], rms_norm_eps=1e-6,
+                bos_token_id=None, pad_token_id=ids["<|endoftext|>"])
+    vl_ids = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                  vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+                  eos_token_id=ids["<|im_end|>"], tie_word_embeddings=tied)
+    if family == "qwen2_vl":
+        text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2)
+        return tf.Qwen2VLConfig(text_config=text, vision_config=vision, **vl_ids)
+    if family == "qwen2_5_vl":
+        text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                      fullatt_block_indexes=[1])
+        return tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **vl_ids)
+    if family == "qwen3_vl":
+        text.update(head_dim=16, rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                                  "mrope_interleaved": True, "rope_theta": 10000.0})
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                      patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                      num_position_embeddings=64, deepstack_visual_indexes=[0])
+        return tf.Qwen3VLConfig(text_config=text, vision_config=vision, **vl_ids)
+    cls = {"qwen2": tf.Qwen2Config, "qwen3": tf.Qwen3Config, "llama": tf.LlamaConfig}[family]
+    if family == "qwen3":
+        text["head_dim"] = 16
+    return cls(**text)
+
+
+def _processor(family: str) -> dict:
+    patch = 16 if family == "qwen3_vl" else 14
+    unit = patch * 2
+    return {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": patch, "temporal_patch_size": 2,
+            "merge_size": 2, "min_pixels": unit * unit * 4, "max_pixels": unit * unit * 64,
+            "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True}
+
+
+def make_snapshot(out: Path, family: str, layers: int = 4, seed: int = 0, std: float = 0.5,
+                  tied: bool = False) -> Path:
+    """Write a complete HF-format snapshot directory for a tiny random model of `family`; `tied` shares
+    the embedding with the LM head, as Qwen2.5-VL-3B and Qwen3-VL-2B/4B do."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # the snapshot is tiny; progress lines would only pollute captured stderr
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    ids = _tokenizer(out)
+    config = _config(family, ids, layers, tied)
+    torch.manual_seed(seed)
+    auto = AutoModelForImageTextToText if family in VL_FAMILIES else AutoModelForCausalLM
+    model = auto.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, std)
+    model.save_pretrained(out)
+    if family in VL_FAMILIES:
+        (out / "preprocessor_config.json").write_text(json.dumps(_processor(family), indent=2))
+    return out
+
+
+def make_wide_snapshot(out: Path, family: str, text: dict, vision: dict | None = None, tied: bool = False) -> Path:
+    """A random VL snapshot at another width: `text` and `vision` override the tiny config (nested dicts such
+    as rope_parameters are merged), the tokenizer and processor stay the tiny model's, and weights are
+    re-drawn at std 2/sqrt(hidden) so greedy output still depends on the context. For benchmarks at a
+    real model's width; depth is text's num_hidden_layers."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    snap = make_snapshot(out, family, layers=text.get("num_hidden_layers", 4), tied=tied)
+    raw = json.loads((snap / "config.json").read_text())
+    for section, overrides in (("text_config", text), ("vision_config",
+                                                       {"out_hidden_size": text["hidden_size"], **(vision or {})})):
+        for key, value in overrides.items():
+            if isinstance(value, dict) and isinstance(raw[section].get(key), dict):
+                raw[section][key].update(value)
+            else:
+                raw[section][key] = value
+    raw["text_config"]["tie_word_embeddings"] = raw["tie_word_embeddings"] = tied
+    (snap / "config.json").write_text(json.dumps(raw, indent=2))
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(snap))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, 2.0 / text["hidden_size"] ** 0.5)
+    for old in snap.glob("*.safetensors"):
+        old.unlink()
+    model.save_pretrained(snap)
+    return snap
+
+
+def make_mid_snapshot(out: Path, layers: int) -> tuple[Path, int]:
+    """A qwen3 text model at hidden 1024, intermediate 4096 (about 60 MB of fp32 weights a layer), for tests
+    of memory that must not grow with depth; returns it and its fp32 weight bytes."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    snap = make_snapshot(out, "qwen3", layers=layers)
+    raw = json.loads((snap / "config.json").read_text())
+    raw.update(hidden_size=1024, intermediate_size=4096, num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+    raw.pop("layer_types", None)
+    (snap / "config.json").write_text(json.dumps(raw))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(snap))
+    (snap / "model.safetensors").unlink()
+    model.save_pretrained(snap)
+    return snap, sum(p.numel() * 4 for p in model.parameters())
+
+
+def make_image(path: Path, width: int, height: int, seed: int) -> Path:
+    """A seeded image of random coloured rectangles, so different seeds give different pictures."""
+    rng = np.random.default_rng(seed)
+    arr = np.zeros((height, width, 3), np.uint8) + rng.integers(0, 255, 3, dtype=np.uint8)
+    for _ in range(6):
+        x0, y0 = rng.integers(0, width), rng.integers(0, height)
+        arr[y0:y0 + height // 3, x0:x0 + width // 3] = rng.integers(0, 255, 3, dtype=np.uint8)
+    Image.fromarray(arr).save(path)
+    return Path(path)
+
+
+# ---- Running as an edge install ----
+# Run code the way a Jetson install would: no torch, transformers, safetensors or glance_export.
+
+def blocking(*packages: str) -> str:
+    """A prelude that makes importing any of `packages` (or their submodules) fail."""
+    return f"""
+import importlib.abc, sys
+
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {packages!r}:
+            raise ImportError(f"{{name}} is blocked: an edge install has no training stack")
+        return None
+
+sys.meta_path.insert(0, Blocker())
+"""
+
+
+BLOCK_TRAINING_STACK = blocking("torch", "transformers", "glance_export", "safetensors")
+# `glance-export build --artifacts` on a device: the toolkit's edge install plus TensorRT, no export stack.
+BLOCK_EXPORT_STACK = blocking("torch", "transformers", "safetensors", "onnx", "onnxscript", "polygraphy")
+
+
+# ---- Live servers ----
+# Live `glance-serve` processes on loopback ports for the server tests, and `glance-run`'s answers.
+
+RECEIPT = REPO / "examples" / "receipt" / "images" / "receipt_000.png"
+MODEL_NAME = "glance-vl-tiny"
+START_TIMEOUT_S = 120
+READY = re.compile(r"ready: .* on (http://\S+)")
+LISTENING = re.compile(r"listening on (http://[^;\s]+)")
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str
+    log: list[str] = field(default_factory=list)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+
+
+SERVE = BLOCK_TRAINING_STACK + "from glance_runtime.cli.serve import main; sys.exit(main(sys.argv[1:]))"
+
+
+def start_server(*args: str, timeout_s: float = START_TIMEOUT_S,
+                 on_listening: Callable[[str], None] | None = None) -> Server:
+    """`glance-serve --port 0 ARGS` as an edge install runs it (no torch, transformers or glance_export),
+    returned once it prints that it is ready."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", SERVE, "--port", "0", "--threads", "1", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    log: list[str] = []
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stderr, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not sel.select(timeout=max(deadline - time.monotonic(), 0)):
+            break
+        line = proc.stderr.readline()
+        if not line:
+            break
+        log.append(line.rstrip())
+        if on_listening and (match := LISTENING.search(line)):
+            on_listening(match.group(1))
+        if match := READY.search(line):
+            sel.close()
+            return Server(proc, match.group(1), log)
+    sel.close()
+    proc.kill()
+    proc.wait(timeout=30)
+    raise AssertionError("glance-serve did not become ready:\n" + "\n".join(log))
+
+
+def data_url(path: Path, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(Path(path).read_bytes()).decode()}"
+
+
+def user(text: str, image_url: str | None = None) -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": image_url}}] if image_url else []
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+def glance_run(prompt: str, image: Path | None = None, max_new_tokens: int | None = None) -> dict:
+    """`glance-run --json` in this process (same defaults, same cache)."""
+    argv = ["--prompt", prompt, "--json", "--threads", "1"]
+    argv += ["--image", str(image)] if image else []
+    argv += ["--max-new-tokens", str(max_new_tokens)] if max_new_tokens else []
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert run_main(argv) == 0
+    return json.loads(out.getvalue())
+
+
+# ---- Auto policies for parity ----
+# `--budget auto` policies that force what parity under auto must cover, on any backend and model.
+#
+# A measured profile and the shipped calibration would mostly draft and keep whole trees on these tiny
+# models, leaving skipped drafts and small cuts unexercised. These policies make both happen on purpose,
+# splitting rounds at the model's own median anchor surprisal, on the scale of that median (so about half
+# the rounds fall on each side, whatever the family, and whether the model is unsure or nearly certain):
+# - `skipping`: a sharp law (p near 1 below the split, near 0 above) with a draft that costs as much as a
+#   verify pass, so rounds above the split are plain greedy steps and rounds below draft a whole tree;
+# - `cutting`: no law (every round drafts) on a device where each row costs a quarter of the first, with
+#   node probabilities that fall as surprisal rises, so the cut ranges from every node down to none.
+# `check_mixed` fails a run that did not actually do what its policy was built to force.
+
+GRID = tuple(row_grid(64))
+SHARP = 12.0  # logistic slope per split of surprisal: p is 0.9 at 0.82 of the split and 0.1 at 1.18 of it
+
+
+def _profile(verify_ms: list[float], draft_ms: float) -> CostProfile:
+    return CostProfile(device="constructed for the parity tests", rows=GRID, verify_ms=tuple(verify_ms),
+                       draft_ms=draft_ms, repeats=1, measured_at="2026-01-01T00:00:00")
+
+
+FLAT = _profile([1.0 + 0.001 * r for r in GRID], draft_ms=1.0)  # a GPU-like verify, a draft as dear as a verify
+STEEP = _profile([0.75 + 0.25 * r for r in GRID], draft_ms=0.5)  # a CPU-like verify: a quarter of a row per row
+
+
+def median_surprisal(backend, prompt, max_new_tokens: int) -> float:
+    """The median anchor surprisal of a plain greedy decode: where the policies split rounds."""
+    rounds = decode(backend, prompt, DecodeConfig(max_new_tokens=max_new_tokens, speculative=False)).rounds
+    split = float(np.median([r.surprisal for r in rounds if r.surprisal is not None]))
+    assert split > 0, "half the anchors are certain: nothing to split rounds at"
+    return split
+
+
+def skipping(split: float, block_size: int, cost: CostProfile = FLAT, max_nodes: int = 63) -> AutoBudget:
+    """Skips the draft above the split, drafts (and keeps most of the tree) below it."""
+    return AutoBudget(cost, Calibration(law=(SHARP, SHARP / split)), max_nodes, block_size)
+
+
+def cutting(split: float, block_size: int, max_nodes: int = 63) -> AutoBudget:
+    """Always drafts; keeps many nodes well below the split, none well above it."""
+    return AutoBudget(STEEP, Calibration(a=8.0, b=1.0, c=-8.0 / split), max_nodes, block_size)
+
+
+def config(policy: AutoBudget, max_new_tokens: int, branch_k: int = 8) -> DecodeConfig:
+    return DecodeConfig(max_new_tokens=max_new_tokens, budget=policy.max_nodes, branch_k=branch_k, auto=policy)
+
+
+def check_mixed(result: DecodeResult, policy: str, seeded: bool) -> None:
+    """The run did what its policy forces: skipped and drafted rounds (`skipping`), or cuts of several sizes
+    (`cutting`; with the random head, some of none). With seeded drafts, which accept several tokens a round
+    and so visit fewer anchors, every round that verified a node must have accepted past the anchor."""
+    rounds = result.rounds[:-1]  # the last round may be cut short by max_new_tokens
+    drafted = [r for r in rounds if r.drafted]
+    assert all(r.tree_size == 1 and r.accepted == 1 for r in rounds if not r.drafted)
+    if policy == "skipping":
+        assert len(drafted) < len(rounds), "no round skipped the draft"
+        assert any(r.drafted for r in rounds[1:]), "no round after the first drafted"
+    else:
+        assert len(drafted) == len(rounds), "a round without a law skipped the draft"
+        sizes = {r.tree_size for r in drafted}
+        forced = len(sizes) >= 2 if seeded else (1 in sizes and len(sizes) >= 3)
+        assert forced, f"cuts of {sorted(sizes)} rows only"
+    if seeded:
+        assert all(r.accepted >= 2 for r in drafted if r.tree_size > 1), [(r.tree_size, r.accepted) for r in rounds]
+        assert max(r.accepted for r in rounds) > 2
