@@ -246,7 +246,7 @@ def check_head_training(work: Path, skipped: list[str]) -> list[str]:
     import torch
     from safetensors.torch import load_file
 
-    from tiny_models import make_image, make_snapshot
+    from support import make_image, make_snapshot
 
     model = make_snapshot(work / "snapshot", "qwen2_5_vl")
     rows = []

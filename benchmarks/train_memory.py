@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "runtime"), str(ROOT)]
 
-from tiny_models import CORPUS, make_mid_snapshot  # noqa: E402
+from support import CORPUS, make_mid_snapshot  # noqa: E402
 
 
 def peak_mib(argv: list[str]) -> float:

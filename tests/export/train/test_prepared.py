@@ -14,7 +14,7 @@ from glance_export.cli import main as export_main
 from glance_export.model.adapters import Snapshot
 from glance_export.train.prepared import INDEX, check_room, token_layers
 from glance_runtime.errors import GlanceError
-from tiny_models import make_image, make_snapshot
+from support import make_image, make_snapshot
 
 COMMON = ["--block-size", "4", "--anchors", "4", "--batch", "3", "--steps", "3", "--lr", "1e-2", "--threads", "1"]
 
