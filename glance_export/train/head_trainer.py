@@ -2,9 +2,10 @@
 
 Stage 1 answers every training prompt with the target (sequences.py); stage 2 takes optimizer steps, each one
 padded forward and backward over a batch of sequences and their anchors (head_loss.py), the taps of each
-sequence computed by the target as the step needs them (online) or read from data prepared once
-(prepared.py, offline: then only the target's embedding and LM head are loaded). Under `torchrun` the processes split every global
-batch (order.py) and average their gradients (world.py); only the first writes.
+sequence computed by the target as the step needs them (online) or read from data prepared once (prepared.py,
+offline: then only the target's embedding and LM head are loaded). Under `torchrun` the processes split every
+global batch (order.py) and average their gradients (world.py); only the first writes. Held-out acceptance
+(held_out.py) and the run's metrics and card (train_log.py) are written beside the head.
 """
 from __future__ import annotations
 
@@ -26,10 +27,10 @@ from .checkpoint import capture, load_state, restore, run_signature, writer
 from .data_files import Tally, read_samples
 from .draft_vocab import check_size, frequent_tokens
 from .head_loss import batch_loss, make_batch
-from .order import anchors_for, rank_slots, step_items
-from .sequences import answer_samples, prompt_of
 from .held_out import HeldOut, measure
+from .order import anchors_for, rank_slots, step_items
 from .prepared import INDEX, PreparedData, token_layers
+from .sequences import answer_samples, prompt_of
 from .tap_source import OnlineTaps
 from .train_log import Bar, RunLog, card, data_lines
 from .world import World, join, leave
