@@ -15,6 +15,7 @@ from glance_runtime.backends.registry import open_session
 from glance_runtime.decode.session import Settings
 
 from .build.targets import PROFILE_NAMES
+from .onnx.quant_scheme import ACCURACY, ACCURACY_LEVELS
 
 # Upper bounds of sizes that would otherwise run until stopped or exhaust the machine.
 HEAD_LAYERS = flags.between("--layers", 1, 64, "a draft head has a few layers; 64 is deeper than any target")
@@ -71,9 +72,12 @@ def _audit_oracle(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
+        for d in report["divergences"]:
+            print(f"parts from greedy at token {d['token']} (greedy's top-2 margin {d['margin']}): {d['prompt']}")
         print(f"{report['identical']}/{report['n']} identical to greedy (self-consistent {report['self_consistent']}/"
               f"{report['n']}), tau {report['tau']:.2f} over {report['rounds']} rounds: "
-              f"{'PASS' if report['passed'] else 'FAIL'}")
+              f"{'PASS' if report['passed'] else 'FAIL'}"
+              f"{' (int8 activations: gated as fp16 is)' if report['int8_activations'] else ''}")
     return 0 if report["passed"] else 1
 
 
@@ -253,11 +257,12 @@ def _train_head(args: argparse.Namespace) -> int:
 def _onnx(args: argparse.Namespace) -> int:
     from .onnx import export_artifacts
 
-    if args.group_size is not None and args.quantize is None:
-        raise GlanceError("--group-size applies to quantized graphs only; add --quantize int8|int4 or drop it")
+    for flag, value in (("--group-size", args.group_size), ("--accuracy", args.accuracy)):
+        if value is not None and args.quantize is None:
+            raise GlanceError(f"{flag} applies to quantized graphs only; add --quantize int8|int4 or drop it")
     out = export_artifacts(args.model, args.head, args.out, dtype=args.dtype, opset=args.opset, max_tree=args.max_tree,
                            max_context=args.max_context, branch_k=args.branch_k, quantize=args.quantize,
-                           group_size=args.group_size or GROUP_SIZE,
+                           group_size=args.group_size or GROUP_SIZE, accuracy=args.accuracy or ACCURACY,
                            progress=(lambda _: None) if args.quiet else (lambda line: print(line, flush=True)))
     print(f"wrote ONNX artifacts to {out}")
     return 0
@@ -422,6 +427,11 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--group-size", type=int, choices=(32, 64, 128),
                    help=f"weights per quantization scale, with --quantize (must divide the hidden size; default "
                    f"{GROUP_SIZE})")
+    o.add_argument("--accuracy", choices=tuple(ACCURACY_LEVELS),
+                   help=f"with --quantize, how ONNX Runtime's CPU provider multiplies by the quantized weights: int8 "
+                   "(int8 activations per block, fast for several rows; a tree pass may differ from a one-row pass "
+                   "in the last bits) or exact (fp32, every row as a one-row pass computes it; slower) (default "
+                   f"{ACCURACY})")
     o.add_argument("--quiet", action="store_true")
     o.set_defaults(func=_onnx)
 

@@ -354,9 +354,10 @@ def load(artifacts: str | Path | None = None, *, engines: str | Path | None = No
          head: str | Path | None = None, backend: str | None = None, provider: str | Sequence[str] | None = None,
          budget: int | str | None = None, branch_k: int = BRANCH_K, speculative: bool = True,
          max_context: int | None = None, max_tree: int | None = None, threads: int | None = None,
-         progress: Callable[[str], None] | None = None) -> Model:
+         remeasure: bool = False, progress: Callable[[str], None] | None = None) -> Model:
     """Open a model as `glance-run` would with the same flags: with nothing given, the embedded default on
-    ONNX Runtime where installed. `budget`: "auto", a node count, or None for the command's default."""
+    ONNX Runtime where installed. `budget`: "auto", a node count, or None for the command's default;
+    `remeasure`: auto's cost profile for this device is measured again, not read."""
     paths = {"model": model, "head": head, "artifacts": artifacts, "engines": engines}
     paths = {k: Path(v) if v is not None else None for k, v in paths.items()}
     for name, path in paths.items():
@@ -371,5 +372,5 @@ def load(artifacts: str | Path | None = None, *, engines: str | Path | None = No
     source = Source(backend, model=model_dir, head=head_dir, artifacts=artifacts_dir, engines=paths["engines"],
                     providers=[provider] if isinstance(provider, str) else provider, threads=threads,
                     max_context=max_context, max_tree=max_tree)
-    settings = Settings(budget=budget, branch_k=branch_k, speculative=speculative)
+    settings = Settings(budget=budget, branch_k=branch_k, speculative=speculative, remeasure=remeasure)
     return Model(open_session(source, settings, progress or (lambda _: None)))
