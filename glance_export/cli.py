@@ -104,12 +104,13 @@ def _save_reference(args: argparse.Namespace) -> int:
         raise GlanceError(f"--save-reference runs the PyTorch model and needs the export extra ({missing} is "
                           "missing): record on a workstation with `pip install 'glance-toolkit[export]'`, "
                           "then audit here with --reference FILE") from None
-    check_destination(args.save_reference)
     model = args.model or default_model()[0]
+    inputs = [args.data, model, args.head, args.artifacts]
+    check_destination(args.save_reference, inputs)
     _threads(args.threads)
     max_new = MEASURE_MAX_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
     ref = record_reference(model, args.data, max_new, progress=_progress)
-    path = write_reference(args.save_reference, ref)
+    path = write_reference(args.save_reference, ref, inputs)
     margins = [m for task in ref.tasks for m in task.margins]
     print(f"wrote the fp32 greedy reference of {len(ref.tasks)} prompts ({len(margins)} tokens, smallest top-2 "
           f"margin {min(margins):.4g}) to {path}")
