@@ -356,17 +356,19 @@ def load(artifacts: str | Path | None = None, *, engines: str | Path | None = No
          head: str | Path | None = None, backend: str | None = None, provider: str | Sequence[str] | None = None,
          budget: int | str | None = None, branch_k: int = BRANCH_K, speculative: bool = True,
          max_context: int | None = None, max_tree: int | None = None, threads: int | None = None,
-         progress: Callable[[str], None] | None = None) -> Model:
+         remeasure: bool = False, progress: Callable[[str], None] | None = None) -> Model:
     """Open a model as `glance-run` would with the same flags: with nothing given, the embedded default on
-    ONNX Runtime where installed. `budget`: "auto", a node count, or None for the command's default."""
+    ONNX Runtime where installed. `budget`: "auto", a node count, or None for the command's default;
+    `remeasure`: auto's cost profile for this device is measured again, not read."""
     check_settings(threads=threads, budget=budget, branch_k=branch_k, max_context=max_context, max_tree=max_tree)
     threads, branch_k, max_context, max_tree = (None if v is None else int(v)  # numpy integers as plain ints
                                                 for v in (threads, branch_k, max_context, max_tree))
     budget = budget if budget is None or isinstance(budget, str) else int(budget)
     if backend is not None and backend not in BACKENDS:
         raise InputError(f"backend {backend!r:.40} is not one of {', '.join(BACKENDS)}; pass one of them or None")
-    if not isinstance(speculative, bool):
-        raise InputError(f"speculative must be True or False, got {speculative!r:.40}")
+    for name, flag in (("speculative", speculative), ("remeasure", remeasure)):
+        if not isinstance(flag, bool):
+            raise InputError(f"{name} must be True or False, got {flag!r:.40}")
     if provider is not None and not (isinstance(provider, str) or (
             isinstance(provider, (list, tuple)) and all(isinstance(p, str) for p in provider))):
         raise InputError("provider must be a string or a list of strings (ONNX Runtime execution providers)")
@@ -392,5 +394,5 @@ def load(artifacts: str | Path | None = None, *, engines: str | Path | None = No
     source = Source(backend, model=model_dir, head=head_dir, artifacts=artifacts_dir, engines=paths["engines"],
                     providers=[provider] if isinstance(provider, str) else provider, threads=threads,
                     max_context=max_context, max_tree=max_tree)
-    settings = Settings(budget=budget, branch_k=branch_k, speculative=speculative)
+    settings = Settings(budget=budget, branch_k=branch_k, speculative=speculative, remeasure=remeasure)
     return Model(open_session(source, settings, progress or (lambda _: None)))

@@ -268,6 +268,8 @@ def run_cost(args: argparse.Namespace) -> int:
     policy, path, calibration = auto_budget(session, args.branch_k, remeasure=args.remeasure, progress=_progress)
     print(policy.cost.table())
     print(f"stored in {path}")
+    for doubt in policy.cost.doubts():
+        print(f"implausible: {doubt}; a noisy moment while measuring? run again with --remeasure")
     where = calibration or f"the prior (no {CALIBRATION_FILE} beside the artifacts, engines or head)"
     print(f"auto verifies at most {policy.max_nodes} nodes a round; calibration: {where}")
     return 0

@@ -16,7 +16,8 @@ graphs {target|draft|vocab|vision: {file, data_file, inputs/outputs {name: {dtyp
 (vocab also records vocab_size, whether the LM head is tied to the embedding, and the top-k baked into
 it), vision.index_params (the `vision_indices` parameters), files (tokenizer/processor files copied
 beside), file_hashes {file: {sha256, size}} of every file written beside the manifest, quantization (null,
-or the weight-only scheme: bits, group size, library, per-graph ops and TensorRT-form files), and
+or the weight-only scheme: bits, group size, accuracy_level (MatMulNBits' compute mode: 4 is int8
+activations, 0 or absent fp32), library, per-graph ops and TensorRT-form files), and
 content_sha256 (of all the rest). Version 3 added content_sha256; 2 moved the embedding and LM head
 into the vocab graph.
 """
@@ -42,6 +43,7 @@ WHAT = "GLANCE artifacts manifest"
 HASH_FIELD = "content_sha256"
 BIG = 1 << 24  # above any real vocabulary, context or layer count: a value past it is corrupt, not large
 FLOAT_DTYPES = ("float16", "float32")
+INT8_ACCURACY_LEVEL = 4  # MatMulNBits accuracy_level: int8 activations
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,14 @@ class Quantization:
     group_size: int | None
     tensorrt_opset: int  # the TensorRT form's (blocked DequantizeLinear)
     tensorrt_graphs: dict[str, GraphFile]  # graph -> its TensorRT-form files (under tensorrt/)
+    accuracy_level: int = 0  # MatMulNBits' compute mode in the ONNX Runtime form; 0 where older manifests omit it
+
+    @property
+    def int8_activations(self) -> bool:
+        """Quantized weights multiplied with int8 activations (accuracy_level 4): a tree pass may then differ
+        from a one-row pass in the last bits, so GLANCE is gated against these graphs' own greedy decode as
+        fp16 is. False for exact quantized graphs."""
+        return self.accuracy_level == INT8_ACCURACY_LEVEL
 
 
 @dataclass(frozen=True)
@@ -240,7 +250,8 @@ def _quantization(raw: dict[str, Any]) -> Quantization | None:
                         integer(q, "tensorrt_opset", 1, 99, "quantization."),
                         {name: _graph_file(obj(graphs, name, "quantization.graphs."), "tensorrt_file",
                                            "tensorrt_data_file", f"quantization.graphs.{name}.")
-                         for name in graphs})
+                         for name in graphs},
+                        optional_int(q, "accuracy_level", 0, 4, "quantization.") or 0)
 
 
 def _head_weights(raw: dict[str, Any]) -> str | None:
