@@ -11,9 +11,8 @@ from glance_export.audit.greedy_audit import audit
 from glance_export.cli import main as export_main
 from glance_export.model.head import load_head
 from glance_export.train.draft_vocab import frequent_tokens
-from glance_runtime.backends.registry import open_runner
+from glance_runtime.backends.registry import Source, open_session
 from glance_runtime.decode.loop import DecodeConfig
-from glance_runtime.decode.session import Session
 from glance_runtime.formats.tasks import read as read_tasks
 
 
@@ -39,7 +38,7 @@ def test_a_head_with_a_draft_vocabulary_saves_it_and_decodes_losslessly(snapshot
     head = load_head(out)
     assert torch.equal(head.draft_vocab_ids, ids)
 
-    report = audit(Session(open_runner("torch", model=model, head=out), DecodeConfig(max_new_tokens=16, budget=15)),
+    report = audit(open_session(Source("torch", model=model, head=out), DecodeConfig(max_new_tokens=16, budget=15)),
                    read_tasks(tasks))
     assert report["identical"] == report["n"] == 2 and report["tau"] > 2.0, report
 
