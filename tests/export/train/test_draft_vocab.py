@@ -11,9 +11,8 @@ from glance_export.audit.greedy_audit import audit
 from glance_export.cli import main as export_main
 from glance_export.model.head import load_head
 from glance_export.train.draft_vocab import frequent_tokens
-from glance_runtime.backends.registry import open_runner
+from glance_runtime.backends.registry import Source, open_session
 from glance_runtime.decode.loop import DecodeConfig
-from glance_runtime.decode.session import Session
 from glance_runtime.formats.tasks import read as read_tasks
 
 
@@ -24,7 +23,7 @@ def test_frequent_tokens_are_the_most_common_ascending_and_always_n():
     assert frequent_tokens(answers, 6, 20).tolist() == [0, 1, 2, 5, 7, 9]  # unused ids fill the rest
 
 
-def test_a_head_with_a_draft_vocabulary_saves_it_and_decodes_losslessly(snapshot_dir, images, tmp_path):
+def test_a_head_with_a_draft_vocabulary_saves_it_and_decodes_losslessly(snapshot_dir, images, tmp_path, capsys):
     model = snapshot_dir("qwen2_5_vl")
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("".join(json.dumps({"image": str(images[n]), "prompt": "What is shown?"}) + "\n"
@@ -39,9 +38,15 @@ def test_a_head_with_a_draft_vocabulary_saves_it_and_decodes_losslessly(snapshot
     head = load_head(out)
     assert torch.equal(head.draft_vocab_ids, ids)
 
-    report = audit(Session(open_runner("torch", model=model, head=out), DecodeConfig(max_new_tokens=16, budget=15)),
+    report = audit(open_session(Source("torch", model=model, head=out), DecodeConfig(max_new_tokens=16, budget=15)),
                    read_tasks(tasks))
     assert report["identical"] == report["n"] == 2 and report["tau"] > 2.0, report
+
+    # the ONNX draft graph has no draft vocabulary yet: refused, not exported over the whole vocabulary
+    capsys.readouterr()
+    assert export_main(["onnx", "--model", str(model), "--head", str(out), "--out", str(tmp_path / "art")]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "draft_vocab_size" in err[0] and not (tmp_path / "art").exists()
 
 
 def test_a_draft_vocabulary_larger_than_the_target_s_is_refused(snapshot_dir, images, tmp_path, capsys):
