@@ -15,6 +15,7 @@ from glance_runtime.backends.registry import open_session
 from glance_runtime.decode.session import Settings
 
 from .build.targets import PROFILE_NAMES
+from .onnx.quant_scheme import ACCURACY, ACCURACY_LEVELS
 
 # Upper bounds of sizes that would otherwise run until stopped or exhaust the machine.
 HEAD_LAYERS = flags.between("--layers", 1, 64, "a draft head has a few layers; 64 is deeper than any target")
@@ -71,9 +72,12 @@ def _audit_oracle(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
+        for d in report["divergences"]:
+            print(f"parts from greedy at token {d['token']} (greedy's top-2 margin {d['margin']}): {d['prompt']}")
         print(f"{report['identical']}/{report['n']} identical to greedy (self-consistent {report['self_consistent']}/"
               f"{report['n']}), tau {report['tau']:.2f} over {report['rounds']} rounds: "
-              f"{'PASS' if report['passed'] else 'FAIL'}")
+              f"{'PASS' if report['passed'] else 'FAIL'}"
+              f"{' (int8 activations: gated as fp16 is)' if report['int8_activations'] else ''}")
     return 0 if report["passed"] else 1
 
 
@@ -93,6 +97,9 @@ def _save_reference(args: argparse.Namespace) -> int:
     """Workstation side: the fp32 PyTorch greedy tokens and margins of --data, written to a file."""
     from .audit.reference_match import check_destination, write_reference
 
+    model = args.model or default_model()[0]
+    inputs = [args.data, model, args.head, args.artifacts]
+    check_destination(args.save_reference, inputs)  # first: an output it may not replace is refused as such
     try:
         from .audit.record_reference import record_reference
     except ImportError as exc:
@@ -100,12 +107,10 @@ def _save_reference(args: argparse.Namespace) -> int:
         raise GlanceError(f"--save-reference runs the PyTorch model and needs the export extra ({missing} is "
                           "missing): record on a workstation with `pip install 'glance-toolkit[export]'`, "
                           "then audit here with --reference FILE") from None
-    check_destination(args.save_reference)
-    model = args.model or default_model()[0]
     _threads(args.threads)
     max_new = MEASURE_MAX_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
     ref = record_reference(model, args.data, max_new, progress=_progress)
-    path = write_reference(args.save_reference, ref)
+    path = write_reference(args.save_reference, ref, inputs)
     margins = [m for task in ref.tasks for m in task.margins]
     print(f"wrote the fp32 greedy reference of {len(ref.tasks)} prompts ({len(margins)} tokens, smallest top-2 "
           f"margin {min(margins):.4g}) to {path}")
@@ -224,26 +229,41 @@ def _corpus(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_head(args: argparse.Namespace) -> int:
-    from .train.head_trainer import train_head
+def _prepare_head_data(args: argparse.Namespace) -> int:
+    from .train.prepared import prepare
+    from .train.world import World, parse_device
 
     _threads(args.threads)
-    train_head(args.model, args.data, args.out, layers=args.layers, block_size=args.block_size, steps=args.steps,
-               lr=args.lr, batch=args.batch, anchors=args.anchors, gamma=args.gamma,
-               max_new_tokens=args.max_new_tokens, seed=args.seed, time_budget_s=args.time_budget,
-               resume=args.resume, checkpoint_every=args.checkpoint_every,
-               progress=lambda line: print(line, flush=True))
+    prepare(args.model, args.data, args.out, layers=args.layers, max_new_tokens=args.max_new_tokens,
+            gen_batch=args.gen_batch, shard_mb=args.shard_mb, world=World(0, 1, parse_device(args.device)),
+            progress=lambda line: print(line, flush=True))
+    return 0
+
+
+def _train_head(args: argparse.Namespace) -> int:
+    from .train.head_trainer import HeadTraining, train_head
+
+    _threads(args.threads)
+    settings = HeadTraining(layers=args.layers, block_size=args.block_size, steps=args.steps, lr=args.lr,
+                            batch=args.batch, anchors=args.anchors, gamma=args.gamma,
+                            max_new_tokens=args.max_new_tokens, seed=args.seed, gen_batch=args.gen_batch,
+                            device=args.device, time_budget_s=args.time_budget, checkpoint_every=args.checkpoint_every,
+                            resume=args.resume, log_every=args.log_every, eval_data=args.eval_data,
+                            eval_every=args.eval_every, eval_budget=args.eval_budget, draft_vocab=args.draft_vocab)
+    train_head(args.model, args.data or [], args.out, settings, progress=lambda line: print(line, flush=True),
+               prepared=args.prepared)
     return 0
 
 
 def _onnx(args: argparse.Namespace) -> int:
     from .onnx import export_artifacts
 
-    if args.group_size is not None and args.quantize is None:
-        raise GlanceError("--group-size applies to quantized graphs only; add --quantize int8|int4 or drop it")
+    for flag, value in (("--group-size", args.group_size), ("--accuracy", args.accuracy)):
+        if value is not None and args.quantize is None:
+            raise GlanceError(f"{flag} applies to quantized graphs only; add --quantize int8|int4 or drop it")
     out = export_artifacts(args.model, args.head, args.out, dtype=args.dtype, opset=args.opset, max_tree=args.max_tree,
                            max_context=args.max_context, branch_k=args.branch_k, quantize=args.quantize,
-                           group_size=args.group_size or GROUP_SIZE,
+                           group_size=args.group_size or GROUP_SIZE, accuracy=args.accuracy or ACCURACY,
                            progress=(lambda _: None) if args.quiet else (lambda line: print(line, flush=True)))
     print(f"wrote ONNX artifacts to {out}")
     return 0
@@ -339,16 +359,23 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--threads", type=flags.threads, help="torch CPU threads (1 up to this machine's CPUs)")
     e.set_defaults(func=_eval)
 
-    t = sub.add_parser("train-head", help="train a GLANCE head on the target's own answers to a task file")
+    t = sub.add_parser("train-head", help="train a GLANCE head on the target's own answers to training prompts "
+                       "(runs under torchrun for several processes)")
     t.add_argument("--model", type=Path, required=True)
-    t.add_argument("--data", type=Path, required=True, help="TASKS.jsonl of training prompts (answers not needed)")
+    t.add_argument("--data", type=Path, action="append",
+                   help="training prompts, repeatable: TASKS.jsonl, LLaVA-style JSON/JSONL or OpenAI-style messages "
+                   "JSONL (image paths relative to the file); every assistant turn is regenerated by the target")
+    t.add_argument("--prepared", type=Path, help="instead of --data: a directory from prepare-head-data (only the "
+                   "target's embedding and LM head are loaded)")
     t.add_argument("--out", type=Path, required=True)
     t.add_argument("--resume", type=Path, help="continue from this head directory")
     t.add_argument("--layers", type=HEAD_LAYERS, default=1)
     t.add_argument("--block-size", type=BLOCK_SIZE, default=16)
     t.add_argument("--steps", type=STEPS, default=2000)
     t.add_argument("--lr", type=float, default=3e-3)
-    t.add_argument("--batch", type=BATCH, default=8, help="sequences per step")
+    t.add_argument("--batch", type=BATCH, default=8, help="sequences per step and process")
+    t.add_argument("--gen-batch", type=BATCH, default=16, help="prompts the target answers in one batch")
+    t.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (under torchrun: each process its GPU)")
     t.add_argument("--anchors", type=int, default=16, help="anchors sampled per sequence")
     t.add_argument("--gamma", type=float, default=7.0, help="offset k is weighted exp(-(k-1)/gamma)")
     t.add_argument("--max-new-tokens", type=int, default=64, help="length of the target's answers")
@@ -356,8 +383,33 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--time-budget", type=float, help="stop after this many seconds of training")
     t.add_argument("--checkpoint-every", type=int, default=500,
                    help="save head and trainer state every N steps; the same command continues from there")
+    t.add_argument("--draft-vocab", type=flags.at_least("--draft-vocab", 2), metavar="N",
+                   help="draft over the N tokens most frequent in the target's answers (a cheaper draft pass); "
+                   "default: the whole vocabulary")
+    t.add_argument("--log-every", type=flags.at_least("--log-every", 1), default=50,
+                   help="steps between log lines and metrics.jsonl records")
+    t.add_argument("--eval-data", type=Path, help="held-out prompts: tau and per-offset acceptance with the real "
+                   "draft/verify loop, into metrics.jsonl and the head's card")
+    t.add_argument("--eval-every", type=flags.at_least("--eval-every", 0), default=0,
+                   help="steps between held-out measurements (default 0: at the end only)")
+    t.add_argument("--eval-budget", type=flags.between("--eval-budget", 1, 1024, "tree nodes a round"),
+                   default=BUDGET, help=f"tree budget of the held-out tau besides 15 (default {BUDGET})")
     t.add_argument("--threads", type=flags.threads, help="torch CPU threads (1 up to this machine's CPUs)")
     t.set_defaults(func=_train_head)
+
+    d = sub.add_parser("prepare-head-data", help="answer and tap training prompts once, into bf16 shards that "
+                       "train-head --prepared reads")
+    d.add_argument("--model", type=Path, required=True)
+    d.add_argument("--data", type=Path, required=True, action="append",
+                   help="training prompts, repeatable (the formats train-head --data takes)")
+    d.add_argument("--out", type=Path, required=True)
+    d.add_argument("--layers", type=HEAD_LAYERS, default=1, help="layers of the head to train (picks the taps)")
+    d.add_argument("--max-new-tokens", type=int, default=64, help="length of the target's answers")
+    d.add_argument("--gen-batch", type=BATCH, default=16, help="prompts the target answers in one batch")
+    d.add_argument("--shard-mb", type=flags.positive("--shard-mb"), default=256, help="size of one shard file")
+    d.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    d.add_argument("--threads", type=flags.threads, help="torch CPU threads (1 up to this machine's CPUs)")
+    d.set_defaults(func=_prepare_head_data)
 
     o = sub.add_parser("onnx", help="export vision, target and draft graphs with a manifest, validated in ONNX Runtime")
     o.add_argument("--model", type=Path, required=True)
@@ -376,6 +428,11 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--group-size", type=int, choices=(32, 64, 128),
                    help=f"weights per quantization scale, with --quantize (must divide the hidden size; default "
                    f"{GROUP_SIZE})")
+    o.add_argument("--accuracy", choices=tuple(ACCURACY_LEVELS),
+                   help=f"with --quantize, how ONNX Runtime's CPU provider multiplies by the quantized weights: int8 "
+                   "(int8 activations per block, fast for several rows; a tree pass may differ from a one-row pass "
+                   "in the last bits) or exact (fp32, every row as a one-row pass computes it; slower) (default "
+                   f"{ACCURACY})")
     o.add_argument("--quiet", action="store_true")
     o.set_defaults(func=_onnx)
 

@@ -1,16 +1,22 @@
 """Losslessness audit: every task decoded by the greedy oracle twice and by GLANCE once.
 
 The oracle's second run is the self-consistency control: a backend whose own greedy decode is not
-repeatable cannot be asked to match it more often than it matches itself.
+repeatable cannot be asked to match it more often than it matches itself. Where GLANCE and the oracle part,
+the report gives the oracle's top-2 logit margin at the first differing token when the oracle is the
+backend's own greedy decode on graphs (a near tie that a tree pass may round the other way: fp16, or int8
+activations); `int8_activations` says whether the graphs compute that way.
 """
 from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
+
 from glance_runtime.defaults import AUTO
 from glance_runtime.formats.tasks import Task
 from glance_runtime.decode.loop import DecodeConfig
 from glance_runtime.decode.session import Session
+from glance_runtime.decode.tree import Tree, visibility
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -25,6 +31,22 @@ def budget_of(cfg: DecodeConfig) -> int | str:
     return AUTO if cfg.auto else cfg.budget
 
 
+def divergence_margin(session: Session, prompt, tokens: list[int], index: int) -> float | None:
+    """The backend's own top-2 log-prob gap where its greedy decode chose `tokens[index]` (replayed one row at
+    a time); None where the backend cannot tell (the torch reference) or the token came from the prefill."""
+    backend = session.backend
+    if index is None or index == 0 or index >= len(tokens) or not hasattr(backend, "margins"):
+        return None
+    backend.prefill(prompt)
+    for j in range(1, index + 1):
+        root = Tree.root(tokens[j - 1])
+        backend.verify(root.tokens, root.depths, visibility(root.parents))
+        if j == index:
+            return round(float(backend.margins(1)[0]), 6)
+        backend.commit(np.zeros(1, np.int64))
+    return None
+
+
 def audit(session: Session, tasks: list[Task], progress: Callable[[str], None] = lambda _: None) -> dict:
     """Decode every task three times and report parity, self-consistency and pooled tau."""
     cfg = session.config  # resolved (and refused where the backend cannot serve it) before any decoding
@@ -37,14 +59,22 @@ def audit(session: Session, tasks: list[Task], progress: Callable[[str], None] =
         accepted += sum(r.accepted for r in spec.rounds)
         rounds += len(spec.rounds)
         div = first_divergence(spec.tokens, ref)
+        margin = None if div is None or session.oracle is not None else \
+            divergence_margin(session, prompt, ref, div)
         rows.append({"prompt": task.prompt, "image": str(task.image) if task.image else None,
                      "identical": div is None, "self_consistent": again == ref, "first_divergence": div,
-                     "tokens": len(spec.tokens), "rounds": len(spec.rounds), "tau": round(spec.tau, 4)})
-        progress(f"[{i}/{len(tasks)}] identical={div is None} tau={spec.tau:.2f} tokens={len(spec.tokens)}")
+                     "margin": margin, "tokens": len(spec.tokens), "rounds": len(spec.rounds),
+                     "tau": round(spec.tau, 4)})
+        parted = "" if div is None else f" (parts at token {div}, margin {margin})"
+        progress(f"[{i}/{len(tasks)}] identical={div is None}{parted} tau={spec.tau:.2f} tokens={len(spec.tokens)}")
     identical = sum(r["identical"] for r in rows)
     consistent = sum(r["self_consistent"] for r in rows)
+    quantization = session.backend.info.manifest.quantization if session.backend.info.manifest else None
     return {"backend": session.backend.name, "n": len(rows), "identical": identical, "self_consistent": consistent,
+            "int8_activations": bool(quantization and quantization.int8_activations),
             "first_divergence": [r["first_divergence"] for r in rows],
+            "divergences": [{"prompt": r["prompt"], "token": r["first_divergence"], "margin": r["margin"]}
+                            for r in rows if not r["identical"]],
             "tau": round(accepted / rounds, 4) if rounds else 0.0, "rounds": rounds,
             "budget": budget_of(cfg), "branch_k": cfg.branch_k, "max_new_tokens": cfg.max_new_tokens,
             "passed": bool(rows) and identical >= consistent, "prompts": rows}

@@ -22,6 +22,7 @@ from .export import ATTENTION_OPSET, InMemory, export_graph, weight_bytes
 from .feeds import trace_feeds
 from .memory import GIB, check_fits, estimate_peak
 from .manifest import build_manifest, copy_runtime_files
+from .quant_scheme import ACCURACY
 from .quantize import check_scheme, quantize_graphs
 from .skeleton import Skeleton
 from .sources import build_graphs, open_sources, target_skeleton
@@ -55,7 +56,7 @@ def _attention(opset: int) -> str:
 
 def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
                      opset: int = 17, max_tree: int = 64, max_context: int = 2048, branch_k: int = 8,
-                     quantize: str | None = None, group_size: int = 128,
+                     quantize: str | None = None, group_size: int = 128, accuracy: str = ACCURACY,
                      progress: Callable[[str], None] = print) -> Path:
     """Export vision (VL only), target, draft and vocab graphs, validate them, and write the manifest.
 
@@ -67,7 +68,7 @@ def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str |
     snapshot, checkpoint, head = open_sources(model_dir, head_dir, dtype)
     skeleton = target_skeleton(snapshot, checkpoint, dtype, _attention(opset))
     dims = dims_for(snapshot, head)
-    scheme = check_scheme(quantize, group_size, dims.hidden, dtype) if quantize else None
+    scheme = check_scheme(quantize, group_size, dims.hidden, dtype, accuracy) if quantize else None
     itemsize = 4 if dtype == "fp32" else 2
     estimate = estimate_peak(checkpoint, itemsize, weight_bytes(head), dims.layers, CUT_LAYERS, FULL_VALIDATION_BYTES,
                              quantize=scheme is not None)

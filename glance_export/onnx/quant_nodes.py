@@ -67,7 +67,8 @@ def _lm_head(graph: onnx.GraphProto) -> onnx.NodeProto:
 
 def _matmul_nbits(a: str, weight: Weight, out: list[str], name: str, scheme: Scheme) -> onnx.NodeProto:
     return helper.make_node("MatMulNBits", [a, weight.packed, weight.scales], out, name=name, domain=_MS,
-                            K=weight.k, N=weight.n, bits=scheme.bits, block_size=scheme.group_size)
+                            K=weight.k, N=weight.n, bits=scheme.bits, block_size=scheme.group_size,
+                            **({"accuracy_level": scheme.accuracy_level} if scheme.accuracy_level else {}))
 
 
 def _gather_block_quantized(graph: onnx.GraphProto, table: str, weight: Weight, scheme: Scheme) -> int:

@@ -40,6 +40,8 @@ __all__ = ["GRAPHS", "TENSORRT_DIR", "check_scheme", "quantize_graph", "quantize
 
 GRAPHS = ("target", "draft", "vocab")  # the vision tower runs once per image: it stays in the export's dtype
 TENSORRT_DIR = "tensorrt"
+ACTIVATIONS_INT8 = ("int8 per block of each row (MatMulNBits accuracy_level 4) on ONNX Runtime's CPU provider: an "
+                    "n-row pass may differ from a 1-row pass in the last bits")
 STAGING = ".quantizing"  # each ONNX Runtime form is written here while its fp32 graph is read
 
 
@@ -102,7 +104,9 @@ def quantize_graphs(out: Path, scheme: Scheme, progress: Callable[[str], None] =
         "equals": "onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer on the whole graph, bit for bit",
         "library_version": importlib.metadata.version("onnxruntime"),
         "graphs": graphs,
-        "accuracy_level": None,
+        "accuracy_level": scheme.accuracy_level,
+        "activations": (ACTIVATIONS_INT8 if scheme.accuracy_level else
+                        "fp32: every row of an n-row pass equals that row's 1-row pass, bit for bit"),
         "kept": "vision tower, norms, biases, rotary tables and all activations stay fp32",
         "onnxruntime_form": "MatMulNBits (linear layers and LM head) + GatherBlockQuantized (embedding)",
         "tensorrt_form": f"blocked DequantizeLinear (opset {TENSORRT_OPSET}, zero point 0) -> MatMul/Gemm/Gather",

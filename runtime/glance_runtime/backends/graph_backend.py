@@ -341,6 +341,12 @@ class GraphBackend:
         top, logp, entropy = self.project(hidden, "verify")
         return Verified(top[:, 0].astype(np.int64), entropy, logp[:, 0].astype(np.float64))
 
+    def margins(self, rows: int) -> np.ndarray:
+        """Top-1 minus top-2 log-prob (the logit gap) of the first `rows` rows of the last verify pass: how near
+        a tie each greedy choice was (an audit reports it where two decodes part)."""
+        logp = self.device.download(self.top_logp.rows(rows)).astype(np.float64)
+        return logp[:, 0] - logp[:, 1] if logp.shape[1] > 1 else np.full(rows, np.inf)
+
     def commit(self, rows: np.ndarray) -> None:
         """Compact the pack's KV on the device (kept rows move down after the prefix); queue their taps."""
         rows = np.asarray(rows, dtype=np.int64)

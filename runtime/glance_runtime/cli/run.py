@@ -10,7 +10,7 @@ from pathlib import Path
 from .. import api
 from ..store.cache import cache_root
 from .flags import OneLineParser, check_applicable, check_dirs, decode_flags, guarded, positive, runner_flags
-from ..defaults import BUDGET, RUN_MAX_NEW_TOKENS, resolve
+from ..defaults import AUTO, BUDGET, RUN_MAX_NEW_TOKENS, resolve
 from ..errors import GlanceError
 from ..prompt.images import check_image_path
 from ..prompt.video import DEFAULT_FPS
@@ -34,6 +34,8 @@ def parser() -> argparse.ArgumentParser:
                  "anchor, or auto: sized each round from the draft's confidence and this device's measured costs "
                  "(default: auto where a cost profile exists or is measured on first use, i.e. exported graphs "
                  f"and engines; else {BUDGET})")
+    p.add_argument("--remeasure", action="store_true", help="measure this device's cost profile for --budget "
+                   "auto again instead of reading the stored one")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     return p
 
@@ -76,11 +78,15 @@ def _load(args: argparse.Namespace) -> api.Model:
     check_applicable(args, backend)
     if args.no_spec and args.budget is not None:
         raise GlanceError("--budget sizes GLANCE's trees and --no-spec decodes without them; drop one")
+    if args.remeasure and (args.no_spec or args.budget not in (None, AUTO)):
+        raise GlanceError("--remeasure measures the costs --budget auto weighs; drop it, or --no-spec and a "
+                          "fixed --budget")
     if not args.no_spec and head is None and backend == "torch":
         raise GlanceError("speculative decoding needs --head (or pass --no-spec for plain greedy decoding)")
     return api.load(args.artifacts, engines=args.engines, model=args.model, head=args.head, backend=args.backend,
                     provider=args.provider, budget=args.budget, branch_k=args.branch_k, speculative=not args.no_spec,
                     max_context=args.max_context, max_tree=args.max_tree, threads=args.threads,
+                    remeasure=args.remeasure,
                     progress=lambda line: print(line, file=sys.stderr))
 
 
@@ -97,7 +103,11 @@ def _chat(model: api.Model, args: argparse.Namespace) -> int:
             print(f"> {text}", file=sys.stderr)
         else:
             print("> ", end="", file=sys.stderr, flush=True)
-            line = sys.stdin.readline()
+            try:
+                line = sys.stdin.readline()
+            except UnicodeDecodeError:
+                print("glance-run: error: that line is not valid UTF-8 text; type it again in UTF-8", file=sys.stderr)
+                continue
             if not line or line.strip() == "/exit":
                 return 0
             text, images, videos = line.rstrip("\n"), [], []

@@ -29,11 +29,12 @@ from typing import Callable
 import numpy as np
 
 from .calibration import Calibration, find_calibration
-from .cost_profile import CostProfile, load, profile_path, describe, stored_or_measured, PROBE_PROMPT
+from .cost_profile import CostProfile, load, profile_path, describe, save, stored_or_measured, PROBE_PROMPT
+from .cost_watch import PROBE_ROWS, CostWatch
 from ..defaults import AUTO, AUTO_MAX_NODES, BUDGET
 from ..errors import GlanceError
 from .limits import check_branch_k, check_decode, reachable_nodes
-from .loop import DecodeConfig
+from .loop import DecodeConfig, RoundLog
 from .tree import Tree, build_tree
 from ..prompt.messages import user_turn
 
@@ -56,25 +57,31 @@ class _Cut:
 
 
 class AutoBudget:
-    """The policy for one cost profile and calibration; everything a round reads is computed here once."""
+    """The policy for one cost profile and calibration; everything a round reads is computed here once (and
+    again when `watch`, the decode's own timings, corrects the profile)."""
 
-    def __init__(self, cost: CostProfile, calibration: Calibration, max_nodes: int, block_size: int):
-        self.cost, self.calibration = cost, calibration
+    def __init__(self, cost: CostProfile, calibration: Calibration, max_nodes: int, block_size: int,
+                 watch: CostWatch | None = None):
+        self.calibration, self.watch = calibration, watch
         self.max_nodes = max_nodes  # the largest tree auto may verify, anchor excluded
         self.block_size = block_size  # B: a drafted chain is at most B-1 deep
-        rows = np.arange(1, max_nodes + 2)
+        self._use(cost)
+
+    def _use(self, cost: CostProfile) -> None:
+        self.cost = cost
+        rows = np.arange(1, self.max_nodes + 2)
         self._round_ms = cost.draft_ms + cost.verify_cost(rows)  # C(n) = D + V(n+1), n = 0..max_nodes
         self._round_list = self._round_ms.tolist()  # Python floats for the per-node loop
         slope = [min((self._round_ms[m] - self._round_ms[n]) / (m - n) for m in range(n + 1, len(self._round_ms)))
                  for n in range(len(self._round_ms) - 1)]
         self._slope_list = [max(float(v), 0.0) for v in slope]  # S(n)
         self._plain_ms = float(cost.verify_cost(1))
-        law = calibration.law
+        law = self.calibration.law
         constant = law is None or law[1] == 0  # the same answer every round: decided once
-        self._always = self._repays(calibration.offset_acceptance(1.0)) if constant else None
+        self._always = self._repays(self.calibration.offset_acceptance(1.0)) if constant else None
 
     def with_calibration(self, calibration: Calibration) -> "AutoBudget":
-        return AutoBudget(self.cost, calibration, self.max_nodes, self.block_size)
+        return AutoBudget(self.cost, calibration, self.max_nodes, self.block_size, self.watch)
 
     def _repays(self, p: float | None) -> bool:
         if p is None:
@@ -85,19 +92,39 @@ class AutoBudget:
         expected = 1 + np.cumsum(p ** np.arange(1, depth + 1))
         return bool(np.max(expected / self._round_ms[1:depth + 1]) > 1 / self._plain_ms)
 
+    def _probing(self) -> bool:
+        return self.watch is not None and self.max_nodes >= PROBE_ROWS - 1 and self.watch.probing()
+
     def should_draft(self, surprisal: float | None) -> bool:
-        """Step 1: whether the law's best chain repays the draft pass."""
+        """Step 1: whether the law's best chain repays the draft pass (or the profile's smallest tree is
+        still to be checked against this decode's timings)."""
+        if self._probing():
+            return True
         if self._always is not None:
             return self._always
         return surprisal is None or self._repays(self.calibration.offset_acceptance(surprisal))
 
     def grow(self, anchor: int, topk_ids: np.ndarray, topk_logprobs: np.ndarray, branch_k: int,
              surprisal: float | None) -> Tree:
-        """Step 2: the round's tree from the draft's top-k, grown by q and cut at n*."""
+        """Step 2: the round's tree from the draft's top-k, grown by q and cut at n* (a probe keeps the
+        anchor and the best node where n* is 0)."""
         cut = _Cut(self._round_list, self._slope_list)
-        tree = build_tree(anchor, topk_ids, topk_logprobs, self.max_nodes, branch_k,
-                          priority=self.calibration.node_scorer(surprisal), stop=cut.stop)
+        priority = self.calibration.node_scorer(surprisal)
+        tree = build_tree(anchor, topk_ids, topk_logprobs, self.max_nodes, branch_k, priority=priority,
+                          stop=cut.stop)
+        if cut.best_nodes == 0 and self._probing():
+            return build_tree(anchor, topk_ids, topk_logprobs, PROBE_ROWS - 1, branch_k, priority=priority)
         return tree.prefix(cut.best_nodes + 1)
+
+    def observe(self, round_log: RoundLog) -> None:
+        """The round's own timings: where they contradict the cost profile, it is corrected from them."""
+        if self.watch is None:
+            return
+        verify_ms = round_log.total_ms - round_log.draft_ms
+        corrected = self.watch.observe(round_log.tree_size, verify_ms,
+                                       round_log.draft_ms if round_log.drafted else None)
+        if corrected is not None:
+            self._use(corrected)
 
 
 def has_profile(runner) -> bool:
@@ -126,14 +153,27 @@ def auto_budget(runner, branch_k: int, remeasure: bool = False,
     cost, cost_path = stored_or_measured(backend, runner.home, runner.identity, probe, largest + 1, branch_k,
                                          remeasure=remeasure, progress=progress)
     calibration, calibration_path = find_calibration(list(runner.calibration_dirs))
-    policy = AutoBudget(cost, calibration, min(largest, cost.max_rows - 1), backend.block_size)
+    watch = CostWatch(cost, lambda corrected: _store(corrected, cost_path, progress))
+    policy = AutoBudget(cost, calibration, min(largest, cost.max_rows - 1), backend.block_size, watch)
     return policy, cost_path, calibration_path
 
 
+def _store(profile: CostProfile, path: Path, progress: Callable[[str], None]) -> None:
+    """A profile the decode corrected or checked, stored for later runs (a failed write costs only that)."""
+    try:
+        save(profile, path)
+    except GlanceError as exc:
+        progress(f"cost profile not updated: {exc}")
+        return
+    progress(f"cost profile updated from this decode's round timings in {path}")
+
+
 def decode_config(runner, budget: int | str | None, *, max_new_tokens: int, branch_k: int,
-                  speculative: bool = True, progress: Callable[[str], None] = lambda _: None) -> DecodeConfig:
+                  speculative: bool = True, remeasure: bool = False,
+                  progress: Callable[[str], None] = lambda _: None) -> DecodeConfig:
     """The commands' DecodeConfig: a fixed budget as given, or auto (asked for, or the default where it applies),
-    refused here where the backend cannot serve it (auto's trees fit by construction)."""
+    refused here where the backend cannot serve it (auto's trees fit by construction). `remeasure`: auto's
+    cost profile is measured again, not read."""
     if budget is None:
         budget = default_budget(runner) if speculative else BUDGET
     if budget != AUTO or not speculative:
@@ -141,5 +181,5 @@ def decode_config(runner, budget: int | str | None, *, max_new_tokens: int, bran
                            branch_k=branch_k, speculative=speculative)
         check_decode(runner.limits, cfg)
         return cfg
-    policy = auto_budget(runner, branch_k, progress=progress)[0]
+    policy = auto_budget(runner, branch_k, remeasure=remeasure, progress=progress)[0]
     return DecodeConfig(max_new_tokens=max_new_tokens, budget=policy.max_nodes, branch_k=branch_k, auto=policy)

@@ -6,12 +6,14 @@ Python around the graphs counts as much as the graphs on a tiny model. So a meas
 rounds through the Backend protocol, split the way the loop splits them:
 - draft: the draft pass plus building the tree from it (what a round skips by not drafting);
 - verify(T): mask, verify pass, walk and commit of a T-row tree (a plain greedy step is verify(1)).
-Each row count is timed several times, interleaved, and the medians kept; the measurement commits one
-row per round (a plain greedy step), so it needs a short prompt and a few dozen rows of context.
+Each row count is timed several times, interleaved, and the medians kept; counts implausible against the
+one-row cost are timed again. The measurement commits one row per round (a plain greedy step), so it needs
+a short prompt and a few dozen rows of context.
 
 A profile is stored beside the artifacts or engines it was measured with (a file per backend, provider,
 thread count and processor or GPU, since the same graphs cost differently elsewhere), or in the cache
-when that directory is read-only, and measured again only when missing or unreadable.
+when that directory is read-only, and measured again only when missing or unreadable (or asked to:
+`--remeasure`); the decode corrects a stored profile its own rounds contradict (`cost_watch`).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from typing import Callable
 import numpy as np
 
 from .backend import Backend
+from ..store.atomic import file_format
 from ..store.cache import cache_root, file_lock
 from ..errors import GlanceError
 from ..formats import cost as cost_format
@@ -36,6 +39,7 @@ from .tree import build_tree, visibility, walk
 
 PROBE_PROMPT = "Describe what you see in one sentence."
 MIN_REPEATS, MAX_REPEATS = 3, 9  # timed rounds per row count: at least, and at most within `seconds`
+RETIMES = 2  # times implausible row counts are timed again before they are kept at the plausible bound
 
 
 def row_grid(max_rows: int) -> list[int]:
@@ -52,25 +56,17 @@ def measurable_rows(block_size: int, branch_k: int, max_rows: int) -> int:
     return max(1, min(max_rows, 1 + reachable_nodes(block_size, branch_k)))
 
 
-def measure(backend: Backend, prompt, max_rows: int, branch_k: int, seconds: float = 2.0,
-            progress: Callable[[str], None] = lambda _: None) -> CostProfile:
-    """Time real rounds of every row count in `row_grid(max_rows)` (capped by what one draft can fill).
-
-    Every round drafts, builds the tree, verifies, walks and commits the anchor alone, so the state stays
-    a valid greedy decode; the first pass over the grid warms the graphs up and is not kept."""
-    if backend.block_size < 2:
-        raise GlanceError("a cost profile needs a draft head (block size 1 here); pass --head or artifacts "
-                          "exported with one")
-    limit = backend.info.limits.max_context
-    if limit is not None and prompt.length >= limit:  # the probe's head leaves a row to verify: costs, not text
-        prompt = replace(prompt, input_ids=prompt.input_ids[:max(1, limit - 1)])
+def _time_rounds(backend: Backend, prompt, grid: list[int], branch_k: int, seconds: float
+                 ) -> tuple[dict[int, list[float]], list[float], int]:
+    """Timed rounds of every row count in `grid`, interleaved (the order alternates each pass, so a slow
+    moment lands on several counts, not one); the first pass warms up and is not kept. Every round drafts,
+    builds the tree, verifies, walks and commits the anchor alone, so the state stays a valid greedy decode.
+    Returns the verify-side ms per count, the draft ms, and the passes kept."""
     anchor, _ = backend.prefill(prompt)
-    room = room_left(backend)  # a small --max-context bounds the passes that can be timed
-    grid = row_grid(measurable_rows(backend.block_size, branch_k, max_rows if room is None else min(max_rows, room)))
+    room = room_left(backend)
     verify: dict[int, list[float]] = {rows: [] for rows in grid}
     draft: list[float] = []
     start, repeat = time.perf_counter(), 0
-    progress(f"measuring round costs for {', '.join(map(str, grid))} verify rows")
     while repeat <= MIN_REPEATS or (repeat <= MAX_REPEATS and time.perf_counter() - start < seconds):
         order = grid if repeat % 2 else grid[::-1]
         for rows in order:
@@ -89,10 +85,47 @@ def measure(backend: Backend, prompt, max_rows: int, branch_k: int, seconds: flo
                 draft.append((t1 - t0) * 1e3)
                 verify[rows].append((t2 - t1) * 1e3)
         repeat += 1
-    return CostProfile(device=describe(backend), rows=tuple(grid),
-                       verify_ms=tuple(round(statistics.median(verify[r]), 4) for r in grid),
-                       draft_ms=round(statistics.median(draft), 4), repeats=repeat - 1,
-                       measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    return verify, draft, repeat - 1
+
+
+def measure(backend: Backend, prompt, max_rows: int, branch_k: int, seconds: float = 2.0,
+            progress: Callable[[str], None] = lambda _: None) -> CostProfile:
+    """Time real rounds of every row count in `row_grid(max_rows)` (capped by what one draft can fill), and
+    keep the medians. Counts whose medians are implausible against the one-row cost (`CostProfile.doubts`:
+    a noisy moment) are timed again with one row, RETIMES times at most; what is still implausible then is
+    kept at the plausible bound, and the decode's own timings correct it (`cost_watch`)."""
+    if backend.block_size < 2:
+        raise GlanceError("a cost profile needs a draft head (block size 1 here); pass --head or artifacts "
+                          "exported with one")
+    limit = backend.info.limits.max_context
+    if limit is not None and prompt.length >= limit:  # the probe's head leaves a row to verify: costs, not text
+        prompt = replace(prompt, input_ids=prompt.input_ids[:max(1, limit - 1)])
+    backend.prefill(prompt)
+    room = room_left(backend)  # a small --max-context bounds the passes that can be timed, after the prompt
+    grid = row_grid(measurable_rows(backend.block_size, branch_k, max_rows if room is None else min(max_rows, room)))
+    progress(f"measuring round costs for {', '.join(map(str, grid))} verify rows")
+    verify, draft, repeats = _time_rounds(backend, prompt, grid, branch_k, seconds)
+
+    def profile() -> CostProfile:
+        return CostProfile(device=describe(backend), rows=tuple(grid),
+                           verify_ms=tuple(round(statistics.median(verify[r]), 4) for r in grid),
+                           draft_ms=round(statistics.median(draft), 4), repeats=repeats,
+                           measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
+
+    found = profile()
+    for _ in range(RETIMES):
+        doubtful = [r for r, ms in zip(found.rows[1:], found.verify_ms[1:]) if ms > found.plausible_ms(r)]
+        if not doubtful:
+            return found
+        progress(f"{'; '.join(found.doubts())}: timing {', '.join(map(str, [1, *doubtful]))} rows again")
+        again, _, _ = _time_rounds(backend, prompt, [1, *doubtful], branch_k, seconds / 2)
+        verify.update(again)
+        found = profile()
+    if not found.doubts():
+        return found
+    progress(f"{'; '.join(found.doubts())} again: kept at that bound (decoding corrects it from its own timings)")
+    return replace(found, verify_ms=tuple(min(ms, round(found.plausible_ms(r), 4))
+                                          for r, ms in zip(found.rows, found.verify_ms)))
 
 
 def describe(backend: Backend) -> str:
@@ -102,11 +135,14 @@ def describe(backend: Backend) -> str:
 
 
 def profile_path(home: Path | None, identity: str, device: str) -> Path:
-    """Beside the artifacts or engines (`home`) when that directory is writable, else in the cache under
-    what is served (`identity`)."""
+    """Beside the artifacts or engines (`home`) when that directory is writable and the name is free or holds
+    a cost profile, else in the cache under what is served (`identity`): a file no glance command wrote is
+    never replaced."""
     tag = hashlib.sha256(device.encode()).hexdigest()[:12]
-    if home is not None and os.access(home, os.W_OK):
-        return home / f"cost-profile-{tag}.json"
+    beside = home / f"cost-profile-{tag}.json" if home is not None else None
+    if beside is not None and os.access(home, os.W_OK) and (not os.path.lexists(beside) or (
+            beside.is_file() and not beside.is_symlink() and file_format(beside) == cost_format.FORMAT)):
+        return beside
     place = hashlib.sha256(identity.encode()).hexdigest()[:12]
     return cache_root() / "cost" / f"{place}-{tag}.json"
 

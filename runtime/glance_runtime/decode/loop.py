@@ -25,6 +25,9 @@ class BudgetPolicy(Protocol):
     def grow(self, anchor: int, topk_ids: np.ndarray, topk_logprobs: np.ndarray, branch_k: int,
              surprisal: float | None) -> Tree: ...
 
+    def observe(self, round_log: "RoundLog") -> None:
+        """Each round's log once it is committed (its timings may correct the costs the policy weighs)."""
+
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -137,6 +140,8 @@ def decode(backend: Backend, prompt, cfg: DecodeConfig, stop_ids: Sequence[int] 
                                    draft_ms=(r1 - r0) * 1e3, verify_ms=(r2 - r1) * 1e3, total_ms=(r3 - r0) * 1e3,
                                    drafted=drafted, surprisal=surprisal, node_scores=tree.scores[1:].tolist(),
                                    node_depths=tree.depths[1:].tolist(), path=path.tolist()))
+        if cfg.auto:
+            cfg.auto.observe(out.rounds[-1])
         anchor, surprisal = int(bonus), -float(confidence[path[-1] if len(path) else 0])
         ended = bool(on_commit and on_commit(new))
     out.total_ms = (time.perf_counter() - t0) * 1e3

@@ -31,6 +31,7 @@ class Settings:
     max_new_tokens: int = RUN_MAX_NEW_TOKENS
     branch_k: int = BRANCH_K
     speculative: bool = True
+    remeasure: bool = False  # auto's cost profile measured again, not read
 
 
 class Session:
@@ -68,7 +69,7 @@ class Session:
         if isinstance(s, DecodeConfig):
             return s
         return decode_config(self, s.budget, max_new_tokens=s.max_new_tokens, branch_k=s.branch_k,
-                             speculative=s.speculative, progress=self.progress)
+                             speculative=s.speculative, remeasure=s.remeasure, progress=self.progress)
 
     def prompt(self, text: str, image: ImageLike | None = None) -> Prompt:
         """One user turn, refused by its token count before anything sized by its length is allocated."""

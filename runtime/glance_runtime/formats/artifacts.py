@@ -16,7 +16,8 @@ graphs {target|draft|vocab|vision: {file, data_file, inputs/outputs {name: {dtyp
 (vocab also records vocab_size, whether the LM head is tied to the embedding, and the top-k baked into
 it), vision.index_params (the `vision_indices` parameters), files (tokenizer/processor files copied
 beside), file_hashes {file: {sha256, size}} of every file written beside the manifest, quantization (null,
-or the weight-only scheme: bits, group size, library, per-graph ops and TensorRT-form files), and
+or the weight-only scheme: bits, group size, accuracy_level (MatMulNBits' compute mode: 4 is int8
+activations, 0 or absent fp32), library, per-graph ops and TensorRT-form files), and
 content_sha256 (of all the rest). Version 3 added content_sha256; 2 moved the embedding and LM head
 into the vocab graph.
 """
@@ -28,7 +29,7 @@ from typing import Any
 
 from .._version import __version__
 from ..store.atomic import write_file
-from ..errors import GlanceError
+from ..errors import GlanceError, IntegrityError
 from .graphs import DRAFT_GRAPH, MANIFEST, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH
 from ..store.integrity import file_digest, verify_files
 from .common import (Invalid, boolean, check_header, check_int, check_text, digest, dumps, guarded, int_list,
@@ -42,6 +43,7 @@ WHAT = "GLANCE artifacts manifest"
 HASH_FIELD = "content_sha256"
 BIG = 1 << 24  # above any real vocabulary, context or layer count: a value past it is corrupt, not large
 FLOAT_DTYPES = ("float16", "float32")
+INT8_ACCURACY_LEVEL = 4  # MatMulNBits accuracy_level: int8 activations
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,14 @@ class Quantization:
     group_size: int | None
     tensorrt_opset: int  # the TensorRT form's (blocked DequantizeLinear)
     tensorrt_graphs: dict[str, GraphFile]  # graph -> its TensorRT-form files (under tensorrt/)
+    accuracy_level: int = 0  # MatMulNBits' compute mode in the ONNX Runtime form; 0 where older manifests omit it
+
+    @property
+    def int8_activations(self) -> bool:
+        """Quantized weights multiplied with int8 activations (accuracy_level 4): a tree pass may then differ
+        from a one-row pass in the last bits, so GLANCE is gated against these graphs' own greedy decode as
+        fp16 is. False for exact quantized graphs."""
+        return self.accuracy_level == INT8_ACCURACY_LEVEL
 
 
 @dataclass(frozen=True)
@@ -142,6 +152,27 @@ def _name(value: Any, field: str) -> str:
 def _stack(entry: dict[str, Any], where: str) -> Stack:
     return Stack(integer(entry, "num_layers", 1, 4096, where), integer(entry, "num_kv_heads", 1, 4096, where),
                  integer(entry, "head_dim", 1, 65536, where))
+
+
+def _kv_io(entry: dict[str, Any], stack: Stack, where: str, inputs: str, outputs: str) -> None:
+    """The KV tensors a graph's recorded inputs and outputs name are one key and one value per layer of
+    `stack`, each [rows, num_kv_heads, head_dim]: what the runtime allocates from the stack's numbers."""
+    for side, prefix in (("inputs", inputs), ("outputs", outputs)):
+        recorded = entry.get(side)
+        if recorded is None:
+            continue
+        if not isinstance(recorded, dict):
+            raise Invalid(f"{where}{side} must be an object")
+        found = sorted(n for n in recorded if isinstance(n, str) and n.startswith((f"{prefix}key_", f"{prefix}value_")))
+        wanted = sorted(f"{prefix}{kind}_{layer}" for kind in ("key", "value") for layer in range(stack.num_layers))
+        if found != wanted:
+            raise Invalid(f"{where}num_layers is {stack.num_layers} but {where}{side} hold {len(found)} KV tensors "
+                          f"({prefix}key_*/{prefix}value_*), not {len(wanted)}")
+        for name in found:
+            shape = recorded[name].get("shape") if isinstance(recorded[name], dict) else None
+            if not isinstance(shape, list) or shape[1:] != [stack.kv_heads, stack.head_dim]:
+                raise Invalid(f"{where}{side}.{name} has shape {shape!r:.60}, not [rows, num_kv_heads "
+                              f"{stack.kv_heads}, head_dim {stack.head_dim}]")
 
 
 def _graph_files(raw: dict[str, Any], graphs: dict[str, Any], needed: dict[str, str]) -> list[str]:
@@ -219,7 +250,8 @@ def _quantization(raw: dict[str, Any]) -> Quantization | None:
                         integer(q, "tensorrt_opset", 1, 99, "quantization."),
                         {name: _graph_file(obj(graphs, name, "quantization.graphs."), "tensorrt_file",
                                            "tensorrt_data_file", f"quantization.graphs.{name}.")
-                         for name in graphs})
+                         for name in graphs},
+                        optional_int(q, "accuracy_level", 0, 4, "quantization.") or 0)
 
 
 def _head_weights(raw: dict[str, Any]) -> str | None:
@@ -239,6 +271,8 @@ def _parse(path: Path, raw: dict[str, Any]) -> tuple[Manifest, dict[str, str], l
     names = _graph_files(raw, graphs, needed)
     target, draft, vocab = (obj(graphs, key, "graphs.") for key in ("target", "draft", "vocab"))
     target_stack = _stack(target, "graphs.target.")
+    _kv_io(target, target_stack, "graphs.target.", "past_", "present_")
+    _kv_io(draft, _stack(draft, "graphs.draft."), "graphs.draft.", "past_ctx_", "ctx_")
     hidden = integer(target, "hidden_size", 1, BIG, "graphs.target.")
     vocab_size = integer(target, "vocab_size", 2, BIG, "graphs.target.")
     if integer(vocab, "vocab_size", 2, BIG, "graphs.vocab.") != vocab_size:
@@ -285,8 +319,17 @@ def _parse(path: Path, raw: dict[str, Any]) -> tuple[Manifest, dict[str, str], l
 
 
 def read(artifacts_dir: str | Path) -> Manifest:
-    """Parse, version-, content- and range-check `artifacts_dir/manifest.json`, then every file it records."""
-    path = Path(artifacts_dir)
+    """Parse, version-, content- and range-check `artifacts_dir/manifest.json`, then every file it records; what
+    fails is the files' fault (IntegrityError)."""
+    try:
+        return _read(Path(artifacts_dir))
+    except IntegrityError:
+        raise
+    except GlanceError as exc:
+        raise IntegrityError(str(exc)) from None
+
+
+def _read(path: Path) -> Manifest:
     file = path / FILE
     if not path.is_dir():
         what = "is not a directory" if path.exists() else "does not exist"

@@ -3,13 +3,15 @@ costs on one device, as `glance_runtime.decode.cost_profile` measures it and `--
 
 Document (format_version 1): format, format_version, device (backend, provider, threads, processor or GPU),
 rows (verify row counts measured, ascending from 1), verify_ms (the median ms of each), draft_ms (the median
-ms of a draft pass and its tree), repeats, measured_at. A profile that cannot be read is measured again
-(`cost_profile.load`), so `read` refuses anything else in one line and the caller decides.
+ms of a draft pass and its tree), repeats, measured_at, and, optionally, checked_rows (row counts whose costs
+the decode's own round timings have borne out; absent in profiles written before it). A profile
+that cannot be read is measured again (`cost_profile.load`), so `read` refuses anything else in one line and
+the caller decides.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +25,8 @@ VERSION = 1
 WHAT = "GLANCE cost profile"
 FIX = "delete it to have it measured again (or run `glance-bench cost`)"
 MAX_ROWS = 1 << 16
+PLAUSIBLE_PER_ROW = 1.5  # an n-row verify costing more than this many times n one-row verifies is a noisy timing
+CONTRADICTS = 2.0  # how far off (either way) an observed cost must be to correct a profile
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,7 @@ class CostProfile:
     draft_ms: float  # median ms of a draft pass and the tree built from it
     repeats: int
     measured_at: str
+    checked_rows: tuple[int, ...] = ()  # row counts the decode's own timings have borne out
 
     def verify_cost(self, rows: np.ndarray | int) -> np.ndarray:
         """ms of a round's verify side for `rows` rows: linear between measured counts (made non-decreasing,
@@ -49,6 +54,42 @@ class CostProfile:
     @property
     def max_rows(self) -> int:
         return self.rows[-1]
+
+    def plausible_ms(self, rows: int) -> float:
+        """The most an honest `rows`-row verify can cost: a one-packed-pass can be slower per row than a single
+        row, but not by much; several single-row passes would do the same work."""
+        return PLAUSIBLE_PER_ROW * rows * self.verify_ms[0]
+
+    def doubts(self) -> list[str]:
+        """Why these costs are implausible (empty: plausible), one line per row count."""
+        one = self.verify_ms[0]
+        return [f"a {r}-row verify timed at {ms / one:.1f}x one row, more than {PLAUSIBLE_PER_ROW:g} x {r} rows' worth"
+                for r, ms in zip(self.rows[1:], self.verify_ms[1:]) if ms > self.plausible_ms(r)]
+
+    def corrected(self, verify: dict[int, float], draft_ms: float | None, at: str) -> "CostProfile":
+        """These costs corrected by observed ones (`verify`: ms by row count; `draft_ms`: None keeps the draft's).
+        Observed counts take their observed ms and are interpolated between; measured counts below them stay;
+        above them, a measured count is scaled as the largest observed one was, unless that one came out
+        cheaper than measured by more than `CONTRADICTS`: then the measurement's growth above it is suspect too
+        and they cost what it does. Erring cheap is safe: a tree that costs more than thought is drafted,
+        timed and corrected; one thought too dear would never be tried."""
+        observed = sorted(verify)
+        points = dict(verify)
+        points.update((r, ms) for r, ms in zip(self.rows, self.verify_ms) if not observed or r < observed[0])
+        if observed:
+            last = observed[-1]
+            ratio = verify[last] / float(self.verify_cost(last))
+            points.update((r, ms * ratio if ratio * CONTRADICTS >= 1 else verify[last])
+                          for r, ms in zip(self.rows, self.verify_ms) if r > last)
+        rows = tuple(sorted(points))
+        return replace(self, rows=rows, verify_ms=tuple(round(points[r], 4) for r in rows),
+                       draft_ms=round(draft_ms, 4) if draft_ms is not None else self.draft_ms, measured_at=at)
+
+    def contradicted_by(self, verify: dict[int, float], draft_ms: float | None) -> bool:
+        """Whether observed costs (as `corrected` takes them) are off these by more than CONTRADICTS either way."""
+        pairs = [(ms, float(self.verify_cost(r))) for r, ms in verify.items()]
+        pairs += [(draft_ms, self.draft_ms)] if draft_ms is not None else []
+        return any(not expected / CONTRADICTS <= seen <= expected * CONTRADICTS for seen, expected in pairs)
 
     def as_dict(self) -> dict:
         return stamped(asdict(self), FORMAT, VERSION)
@@ -72,10 +113,15 @@ class CostProfile:
                 raise Invalid("repeats must be a positive integer")
             if not isinstance(raw["device"], str) or not isinstance(raw["measured_at"], str):
                 raise Invalid("device and measured_at must be strings")
+            checked = raw.get("checked_rows", [])
+            if not isinstance(checked, (list, tuple)) or any(type(r) is not int or not 1 <= r <= MAX_ROWS
+                                                             for r in checked):
+                raise Invalid("checked_rows must be a list of row counts")
         except KeyError as exc:
             raise Invalid(f"{exc.args[0]} is missing") from None
         return cls(device=raw["device"], rows=tuple(rows), verify_ms=tuple(float(v) for v in verify),
-                   draft_ms=float(raw["draft_ms"]), repeats=raw["repeats"], measured_at=raw["measured_at"])
+                   draft_ms=float(raw["draft_ms"]), repeats=raw["repeats"], measured_at=raw["measured_at"],
+                   checked_rows=tuple(sorted(set(checked))))
 
     def table(self) -> str:
         """The profile as a few readable lines (what `glance-bench cost` prints)."""
@@ -84,6 +130,8 @@ class CostProfile:
                  "verify rows    ms   ms/row  x one row"]
         one = self.verify_ms[0]
         lines += [f"{r:>11} {ms:>6.2f} {ms / r:>7.3f} {ms / one:>9.2f}" for r, ms in zip(self.rows, self.verify_ms)]
+        if self.checked_rows:
+            lines.append(f"checked against decoding at {', '.join(map(str, self.checked_rows))} rows")
         return "\n".join(lines)
 
 

@@ -38,9 +38,11 @@ PROMPTS = ["Describe the image.", "What colour is the square? The quick brown fo
 _EXPORTS: dict[tuple, Path] = {}
 
 
-def _export(root_factory, family: str, scheme: str | None, tied: bool = False) -> tuple[Path, Path]:
-    """(snapshot, artifacts) per (family, scheme, tied), once per session; the same head for every scheme."""
-    key = (family, scheme, tied)
+def _export(root_factory, family: str, scheme: str | None, tied: bool = False,
+            accuracy: str = "int8") -> tuple[Path, Path]:
+    """(snapshot, artifacts) per (family, scheme, tied, accuracy), once per session; the same head for every
+    scheme."""
+    key = (family, scheme, tied, accuracy)
     if key not in _EXPORTS:
         base = _EXPORTS.get((family, "root", tied))
         if base is None:
@@ -48,14 +50,16 @@ def _export(root_factory, family: str, scheme: str | None, tied: bool = False) -
             snap = Snapshot(make_snapshot(base / "snapshot", family, tied=tied))
             save_head(init_head(head_config_for(snap, 1, 6, pick_mask_token(snap)), seed=3), base / "head")
             _EXPORTS[family, "root", tied] = base
-        _EXPORTS[key] = export_artifacts(base / "snapshot", base / "head", base / (scheme or "fp32"), max_tree=16,
-                                         max_context=128, quantize=scheme, group_size=GROUP, progress=lambda _: None)
+        _EXPORTS[key] = export_artifacts(base / "snapshot", base / "head", base / f"{scheme or 'fp32'}-{accuracy}",
+                                         max_tree=16, max_context=128, quantize=scheme, group_size=GROUP,
+                                         accuracy=accuracy, progress=lambda _: None)
     return _EXPORTS[family, "root", tied] / "snapshot", _EXPORTS[key]
 
 
 @pytest.fixture(scope="module")
 def export(tmp_path_factory):
-    return lambda family, scheme="int4", tied=False: _export(tmp_path_factory, family, scheme, tied)
+    return lambda family, scheme="int4", tied=False, accuracy="int8": _export(tmp_path_factory, family, scheme, tied,
+                                                                             accuracy)
 
 
 def _tensors(path: Path) -> list[onnx.TensorProto]:
@@ -148,7 +152,32 @@ def test_manifest_records_the_scheme_and_hashes_both_forms(export):
     assert manifest["file_hashes"][q["graphs"]["draft"]["tensorrt_file"]]["size"] == len(data)
 
 
+def _accuracy_levels(path: Path) -> set[int | None]:
+    """The accuracy_level of every MatMulNBits in a graph (None: the attribute is absent, i.e. 0)."""
+    nodes = [n for n in onnx.load(str(path), load_external_data=False).graph.node if n.op_type == "MatMulNBits"]
+    return {next((a.i for a in n.attribute if a.name == "accuracy_level"), None) for n in nodes}
+
+
+def test_int8_activations_are_the_default_and_exact_keeps_fp32(export, capsys):
+    """The default multiplies with int8 activations (the fast path for several rows) and says so in the
+    manifest; --accuracy exact keeps fp32 activations; an fp32 export has no quantization to speak of."""
+    _, fast = export("qwen2_5_vl", "int4")
+    _, exact = export("qwen2_5_vl", "int4", accuracy="exact")
+    _, fp32 = export("qwen2_5_vl", None)
+    for name in ("target", "draft", "vocab"):
+        assert _accuracy_levels(fast / f"{name}.onnx") == {4}
+        assert _accuracy_levels(exact / f"{name}.onnx") == {None}
+    assert json.loads((fast / "manifest.json").read_text())["quantization"]["accuracy_level"] == 4
+    assert json.loads((exact / "manifest.json").read_text())["quantization"]["accuracy_level"] == 0
+    assert load_manifest(fast).quantization.int8_activations and not load_manifest(exact).quantization.int8_activations
+    assert load_manifest(fp32).quantization is None
+    assert export_main(["onnx", "--model", "m", "--head", "h", "--out", "o", "--accuracy", "exact"]) == 2
+    assert "--accuracy applies to quantized graphs only" in capsys.readouterr().err
+
+
 def test_refusals_are_one_line():
+    with pytest.raises(GlanceError, match="unknown --accuracy"):
+        check_scheme("int4", 32, 64, "fp32", "fp16")
     with pytest.raises(GlanceError, match="does not divide the hidden size 64"):
         check_scheme("int4", 128, 64, "fp32")
     with pytest.raises(GlanceError, match="--dtype fp32"):

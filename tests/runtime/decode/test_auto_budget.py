@@ -390,3 +390,89 @@ def test_grow_matches_the_rule_computed_here(seed):
                         np.testing.assert_array_equal(getattr(tree, name), getattr(want, name))
                     sizes.add(tree.size)
     assert len(sizes) >= 5, f"the settings must lead to different trees, not only {sorted(sizes)}"
+
+
+# --- plausibility and correction from the decode's own rounds ---------------------------------------------
+
+def test_a_profile_from_before_checked_rows_still_reads(tmp_path):
+    raw = {k: v for k, v in CPU.as_dict().items() if k != "checked_rows"}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(raw))
+    assert load(path) == CPU and CPU.checked_rows == ()
+    assert CostProfile.from_dict({**raw, "checked_rows": [2, 1]}).checked_rows == (1, 2)
+    with pytest.raises(ValueError, match="checked_rows"):
+        CostProfile.from_dict({**raw, "checked_rows": [0]})
+
+
+def test_doubts_name_rows_dearer_than_that_many_single_rows():
+    assert GPU.doubts() == [] and CPU.doubts() == []
+    poisoned = profile([1.0, 6.0, 3.0, 6.5], draft_ms=1.0, rows=(1, 2, 4, 8))
+    assert poisoned.doubts() == ["a 2-row verify timed at 6.0x one row, more than 1.5 x 2 rows' worth"]
+    assert "implausible" not in CPU.table()
+
+
+def test_corrected_takes_observed_rows_and_errs_cheap_above_a_cheaper_one():
+    poisoned = profile([1.0] + [3.0 * r for r in GRID[1:]], draft_ms=1.0)
+    fixed = poisoned.corrected({2: 1.1}, None, "now")
+    assert fixed.rows == GRID and fixed.draft_ms == 1.0 and fixed.checked_rows == ()
+    # 2 rows came out 5x cheaper than measured: the measured growth above is suspect and costs what 2 rows do
+    np.testing.assert_allclose(fixed.verify_cost(np.array([1, 2, 4, 64])), [1.0, 1.1, 1.1, 1.1])
+    # within the factor: the measured counts above are scaled as the largest observed one was
+    dearer = CPU.corrected({1: 1.0, 4: 2.1}, 2.0, "now")
+    assert dearer.rows == (1, *GRID[2:]) and dearer.draft_ms == 2.0  # between observed counts: interpolated
+    np.testing.assert_allclose(dearer.verify_cost(np.array([2, 8])), [1.0 + 1.1 / 3, cpu_ms(8) * 1.2])
+    assert CPU.contradicted_by({1: 1.0, 4: 1.75 * 2.1}, None) and not CPU.contradicted_by({4: 3.4}, 1.9)
+    assert CPU.contradicted_by({}, 0.4)
+
+
+class Rounds:
+    """Feeds a CostWatch rounds whose verify costs follow `ms(rows)` (and a draft of `draft_ms`), through the
+    policy as the loop does, and records each round's tree size."""
+
+    def __init__(self, stored: CostProfile, ms, draft_ms: float):
+        from glance_runtime.decode.calibration import Calibration
+        from glance_runtime.decode.cost_watch import CostWatch
+        self.saved: list[CostProfile] = []
+        self.policy = AutoBudget(stored, Calibration(law=(3.0, 0.0)), 63, 16, CostWatch(stored, self.saved.append))
+        self.ms, self.draft_ms = ms, draft_ms
+
+    def run(self, n: int) -> list[int]:
+        from glance_runtime.decode.loop import RoundLog
+        sizes = []
+        for seed in range(n):
+            tree = Tree.root(5)
+            if self.policy.should_draft(None):
+                tree = self.policy.grow(5, *random_draft(seed, offsets=15, spread=4.0), 8, None)
+            drafted_ms = self.draft_ms if tree.size > 1 or self.policy.should_draft(None) else 0.0
+            total = drafted_ms + self.ms(tree.size)
+            self.policy.observe(RoundLog(entropy=0.1, accepted=1, tree_size=tree.size, draft_ms=drafted_ms,
+                                         verify_ms=self.ms(tree.size), total_ms=total, drafted=drafted_ms > 0))
+            sizes.append(tree.size)
+        return sizes
+
+
+def test_a_poisoned_profile_is_probed_corrected_and_stored_within_a_few_rounds():
+    poisoned = profile([1.0] + [3.0 * r for r in GRID[1:]], draft_ms=0.2)
+    rounds = Rounds(poisoned, lambda r: 1.0 + 0.02 * r, draft_ms=0.2)
+    sizes = rounds.run(8)
+    assert sizes[:7] == [2, 1, 2, 1, 2, 1, 2]  # probes every other round; plain steps between
+    assert len(rounds.saved) == 1 and rounds.saved[0].doubts() == [] and rounds.policy.cost == rounds.saved[0]
+    assert max(sizes[7:]) > 2  # the corrected profile makes trees pay
+
+
+def test_a_uniformly_slower_machine_changes_nothing():
+    """auto's choices depend on how costs compare, so a machine three times slower than when it was measured
+    leaves the profile alone."""
+    rounds = Rounds(CPU, lambda r: 3 * cpu_ms(r), draft_ms=3 * CPU.draft_ms)
+    sizes = rounds.run(30)
+    assert max(sizes) > 2 and len(rounds.saved) <= 1  # at most: its probe size stored as checked
+    assert all(p.verify_ms == CPU.verify_ms and p.draft_ms == CPU.draft_ms for p in rounds.saved)
+
+
+def test_probes_that_bear_the_profile_out_are_stored_as_checked_and_stop():
+    dear = profile([1.0] + [3.0 * r for r in GRID[1:]], draft_ms=0.2)
+    rounds = Rounds(dear, lambda r: 1.0 if r == 1 else 3.0 * r, draft_ms=0.2)
+    sizes = rounds.run(20)
+    assert sizes[:11] == [2, 1] * 5 + [2] and set(sizes[11:]) == {1}
+    assert len(rounds.saved) == 1 and rounds.saved[0].checked_rows == (1, 2)
+    assert rounds.saved[0].verify_ms == dear.verify_ms and not rounds.policy.watch.probing()

@@ -1,0 +1,308 @@
+"""int4 decoding on the CPU: this toolkit's graphs against ONNX Runtime GenAI on the same random snapshot.
+
+A random Qwen2 text model at Qwen2.5-3B width (hidden 2048, MLP 11008, 16 heads, 2 KV heads, vocabulary
+151,936, tied embeddings; depth cut to --layers), a random head (block 8), `glance-export onnx --quantize
+int4 --group-size 32` at its defaults (and, with --accuracies, other MatMulNBits compute modes), and
+GenAI's int4 CPU build of the same snapshot (`python -m onnxruntime_genai.models.builder -p int4 -e cpu`).
+Both decode the same prompt ids greedily in ONE process, same intra-op threads, interleaved repeat by repeat:
+
+- our AR (plain greedy steps on our graphs), GenAI AR;
+- GLANCE with drafts seeded from the greedy continuation at depth 3 (tau 4: three drafts accepted a
+  round, the bench's confident seeding with `partial` on a block-8 head) at budgets 3 and 7, and at depth
+  7 (tau 8, `full`) at budget 7. Seeding isolates the loop's cost from a head's quality. With int8 activations a tree pass can
+  choose otherwise than a one-row pass where logits are near-flat (random weights), so the seeded
+  continuation is what the seeded decode itself commits (iterated to a fixed point), and the table says how
+  many of its tokens equal the graphs' own AR.
+
+ms/token exclude the prefill and the token it produced, as glance-bench reports them; GLANCE's speedups are
+over GenAI's AR. Greedy tokens of our AR and GenAI's are compared (agreement counted), and GLANCE's against
+our AR (on int8 activations a tree pass may round a near tie differently).
+
+    python benchmarks/int4_vs_genai.py OUT [--layers 8,12] [--threads 2] [--new-tokens 24] [--repeats 3]
+        [--accuracies int8] [--stage build|time]
+
+GenAI is an optional peer (`pip install onnxruntime-genai`); `--genai-python PY` runs its side in that
+interpreter instead (a separate environment). Each depth's build runs in its own process (torch) and its
+timing in another (no torch). OUT/int4_vs_genai.json and .md accumulate one row per depth.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "runtime"), str(ROOT)]
+
+WIDTH = dict(hidden_size=2048, intermediate_size=11008, num_attention_heads=16, num_key_value_heads=2,
+             vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1000000.0,
+             rms_norm_eps=1e-6)
+PROMPT = "Describe the picture in detail, then list every object you can see and its colour."
+MODES = (("ar", None, 0), ("glance-tau4-b3", "partial", 3), ("glance-tau4-b7", "partial", 7),
+         ("glance-tau8-b7", "full", 7))
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "runtime"), str(ROOT / "tests")])}
+
+
+def build(work: Path, layers: int, accuracies: list[str], genai_python: str) -> dict:
+    """Snapshot, head, our exports and GenAI's build for one depth; what exists is kept."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from support import make_snapshot
+
+    times = {}
+    snap = work / "snapshot"
+    if not (snap / "model.safetensors").exists() and not list(snap.glob("model-*.safetensors")):
+        t0 = time.perf_counter()
+        make_snapshot(snap, "qwen2", layers=1)
+        raw = json.loads((snap / "config.json").read_text())
+        raw.update(WIDTH, num_hidden_layers=layers)
+        raw.pop("layer_types", None)
+        (snap / "config.json").write_text(json.dumps(raw))
+        for old in snap.glob("*.safetensors"):
+            old.unlink()
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(snap))
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.ndim >= 2:
+                    p.normal_(0.0, 2.0 / WIDTH["hidden_size"] ** 0.5)
+        model.save_pretrained(snap)
+        del model
+        times["snapshot_s"] = round(time.perf_counter() - t0, 1)
+        print(f"[{layers} layers] snapshot in {times['snapshot_s']} s", flush=True)
+    cli = [sys.executable, "-c", "import sys; from glance_export.cli import main; sys.exit(main(sys.argv[1:]))"]
+    head = work / "head"
+    if not (head / "config.json").exists():
+        subprocess.run([*cli, "init-head", "--model", str(snap), "--out", str(head), "--block-size", "8",
+                        "--layers", "1"], check=True, env=_env())
+    for accuracy in accuracies:
+        art = work / f"ours-int4-{accuracy}"
+        if not (art / "manifest.json").exists():
+            t0 = time.perf_counter()
+            subprocess.run([*cli, "onnx", "--model", str(snap), "--head", str(head), "--out", str(art), "--quantize",
+                            "int4", "--group-size", "32", "--accuracy", accuracy, "--max-context", "512",
+                            "--max-tree", "16", "--quiet"], check=True, env=_env())
+            times[f"export_{accuracy}_s"] = round(time.perf_counter() - t0, 1)
+            print(f"[{layers} layers] our int4 ({accuracy}) export in {times[f'export_{accuracy}_s']} s", flush=True)
+    genai = work / "genai-int4"
+    if not (genai / "genai_config.json").exists():
+        t0 = time.perf_counter()
+        with open(work / "genai-build.log", "w") as log:
+            subprocess.run([genai_python, "-m", "onnxruntime_genai.models.builder", "-i", str(snap), "-o",
+                            str(genai), "-p", "int4", "-e", "cpu", "-c", str(work / "genai-cache")], check=True,
+                           stdout=log, stderr=subprocess.STDOUT)
+        shutil.rmtree(work / "genai-cache", ignore_errors=True)
+        times["genai_build_s"] = round(time.perf_counter() - t0, 1)
+        print(f"[{layers} layers] GenAI int4 build in {times['genai_build_s']} s", flush=True)
+    return times
+
+
+GENAI_SIDE = r'''
+import json, sys, time
+
+
+def generate(og, model, ids, new):
+    """GenAI's greedy decode of `new` tokens after `ids`; the first (prefill) step is timed apart."""
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=len(ids) + new, min_length=len(ids) + new)
+    gen = og.Generator(model, params)
+    t0 = time.perf_counter()
+    gen.append_tokens(ids)
+    gen.generate_next_token()
+    tokens, t1 = [int(gen.get_next_tokens()[0])], time.perf_counter()
+    while len(tokens) < new:
+        gen.generate_next_token()
+        tokens.append(int(gen.get_next_tokens()[0]))
+    t2 = time.perf_counter()
+    return {"tokens": tokens, "prefill_ms": (t1 - t0) * 1e3,
+            "ms_per_token_decode": (t2 - t1) * 1e3 / max(len(tokens) - 1, 1)}
+
+
+if __name__ == "__main__":
+    import onnxruntime_genai as og
+    model = og.Model(og.Config(sys.argv[1]))
+    for line in sys.stdin:
+        print(json.dumps(generate(og, model, *json.loads(line))), flush=True)
+'''
+
+
+class GenAI:
+    """GenAI's greedy decode with `threads` intra-op threads: in this process where `python` is this one, else
+    in a child running `python` (GenAI in its own environment), fed over a pipe."""
+
+    def __init__(self, path: Path, threads: int, python: str):
+        raw = json.loads((path / "genai_config.json").read_text())
+        options = raw["model"]["decoder"].setdefault("session_options", {})
+        options.update(intra_op_num_threads=threads, inter_op_num_threads=1)
+        (path / "genai_config.json").write_text(json.dumps(raw, indent=2))
+        self.child = None
+        if python != sys.executable:
+            self.child = subprocess.Popen([python, "-c", GENAI_SIDE, str(path)], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, text=True)
+            return
+        import onnxruntime_genai as og
+
+        side: dict = {}
+        exec(compile(GENAI_SIDE, "genai_side", "exec"), side)
+        model, generate = og.Model(og.Config(str(path))), side["generate"]
+        self.run = lambda ids, new: generate(og, model, ids, new)
+
+    def generate(self, ids: list[int], new: int) -> dict:
+        if self.child is None:
+            return self.run(ids, new)
+        self.child.stdin.write(json.dumps([ids, new]) + "\n")
+        self.child.stdin.flush()
+        return json.loads(self.child.stdout.readline())
+
+    def close(self) -> None:
+        if self.child is not None:
+            self.child.stdin.close()
+            self.child.wait()
+
+
+def seeded_truth(backend, prompt, greedy: list[int], seeding: str, budget: int, new: int) -> list[int]:
+    """The continuation to seed so that every round accepts the seeded depth: the graphs' own AR tokens, unless
+    a tree pass chooses otherwise than a one-row pass (int8 activations on near-flat random logits), then what
+    the seeded decode itself commits, repeated until it commits what it was seeded with."""
+    from glance_runtime.bench.seeding import ConfidentSeeds
+    from glance_runtime.decode.loop import DecodeConfig, decode
+
+    truth = greedy
+    for _ in range(8):
+        out = decode(ConfidentSeeds(backend, truth, prompt.length, seeding), prompt,
+                     DecodeConfig(max_new_tokens=new, budget=budget, branch_k=8)).tokens
+        if out == truth[:len(out)]:
+            break
+        truth = out
+    return truth
+
+
+def time_depth(work: Path, layers: int, accuracies: list[str], threads: int, new: int, repeats: int,
+               genai_python: str) -> dict:
+    """Every mode of every form, interleaved repeat by repeat, in this process (GenAI in it where it imports)."""
+    from glance_runtime.backends.registry import Source, open_session
+    from glance_runtime.bench.seeding import ConfidentSeeds
+    from glance_runtime.decode.loop import DecodeConfig, decode
+
+    runners = {a: open_session(Source("onnxruntime", artifacts=work / f"ours-int4-{a}", threads=threads))
+               for a in accuracies}
+    genai = GenAI(work / "genai-int4", threads, genai_python)
+    prompts = {a: r.prompt(PROMPT) for a, r in runners.items()}
+    ids = [int(t) for t in prompts[accuracies[0]].input_ids.reshape(-1)]
+    truth = {a: decode(r.backend, prompts[a], DecodeConfig(max_new_tokens=new, speculative=False)).tokens
+             for a, r in runners.items()}
+    seeds = {(a, mode): seeded_truth(runners[a].backend, prompts[a], truth[a], seeding, budget, new)
+             for a in accuracies for mode, seeding, budget in MODES[1:]}
+    samples: dict[str, list[float]] = {}
+    tokens: dict[str, list[int]] = {}
+
+    def note(name: str, ms: float, toks: list[int]) -> None:
+        samples.setdefault(name, []).append(ms)
+        tokens[name] = toks
+
+    for rep in range(repeats + 1):  # the first pass warms up and is not kept
+        out = genai.generate(ids, new)
+        if rep:
+            note("genai-ar", out["ms_per_token_decode"], out["tokens"])
+        for a, runner in runners.items():
+            backend, prompt = runner.backend, prompts[a]
+            for mode, seeding, budget in MODES:
+                drafter = ConfidentSeeds(backend, seeds[a, mode], prompt.length, seeding) if seeding else backend
+                cfg = DecodeConfig(max_new_tokens=new, budget=budget, branch_k=8, speculative=seeding is not None)
+                result = decode(drafter, prompt, cfg)
+                if rep:
+                    note(f"{a}:{mode}", result.ms_per_token_decode, result.tokens)
+                    samples.setdefault(f"{a}:{mode}:tau", []).append(result.tau)
+        print(f"[{layers} layers] repeat {rep}/{repeats} done (load {os.getloadavg()[0]:.1f})", flush=True)
+    genai.close()
+    med = {k: round(statistics.median(v), 2) for k, v in samples.items()}
+    genai_ar = med["genai-ar"]
+    row = {"layers": layers, "threads": threads, "new_tokens": new, "repeats": repeats, "genai_ar_ms": genai_ar,
+           "prompt_tokens": len(ids), "load_avg_end": round(os.getloadavg()[0], 1), "forms": {}}
+    for a in accuracies:
+        ar = tokens[f"{a}:ar"]
+        form = {"ar_ms": med[f"{a}:ar"], "ar_vs_genai": round(genai_ar / med[f"{a}:ar"], 3),
+                "tokens_equal_genai": sum(x == y for x, y in zip(ar, tokens["genai-ar"])),
+                "modes": {}}
+        for mode, _, _ in MODES[1:]:
+            key = f"{a}:{mode}"
+            form["modes"][mode] = {"ms": med[key], "tau": med[f"{key}:tau"],
+                                   "speedup_vs_genai_ar": round(genai_ar / med[key], 3),
+                                   "speedup_vs_own_ar": round(med[f"{a}:ar"] / med[key], 3),
+                                   "tokens_equal_own_ar": sum(x == y for x, y in zip(tokens[key], ar))}
+        tau4 = min(form["modes"]["glance-tau4-b3"]["ms"], form["modes"]["glance-tau4-b7"]["ms"])
+        form["tau4_best_speedup_vs_genai"] = round(genai_ar / tau4, 3)
+        form["tau8_speedup_vs_genai"] = form["modes"]["glance-tau8-b7"]["speedup_vs_genai_ar"]
+        row["forms"][a] = form
+    row["samples"] = samples
+    return row
+
+
+def render(rows: list[dict]) -> str:
+    lines = ["| layers | form | our AR ms | GenAI AR ms | AR vs GenAI | tau 4 (b3 / b7) ms | tau 4 best vs GenAI | "
+             "tau 8 (b7) ms | tau 8 vs GenAI | AR tokens = GenAI's | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: r["layers"]):
+        for a, f in r["forms"].items():
+            m = f["modes"]
+            lines.append(f"| {r['layers']} | int4 {a} | {f['ar_ms']} | {r['genai_ar_ms']} | {f['ar_vs_genai']}x | "
+                         f"{m['glance-tau4-b3']['ms']} / {m['glance-tau4-b7']['ms']} | "
+                         f"{f['tau4_best_speedup_vs_genai']}x | {m['glance-tau8-b7']['ms']} | "
+                         f"{f['tau8_speedup_vs_genai']}x | {f['tokens_equal_genai']}/{r['new_tokens']} | "
+                         f"{r['load_avg_end']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--layers", default="8,12")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--accuracies", default="int8")
+    ap.add_argument("--genai-python", default=sys.executable)
+    ap.add_argument("--stage", choices=("build", "time"))
+    ap.add_argument("--depth", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    accuracies = args.accuracies.split(",")
+    if args.stage:
+        work = args.out / f"work-{args.depth}"
+        work.mkdir(parents=True, exist_ok=True)
+        if args.stage == "build":
+            result = build(work, args.depth, accuracies, args.genai_python)
+        else:
+            result = time_depth(work, args.depth, accuracies, args.threads, args.new_tokens, args.repeats,
+                                args.genai_python)
+        (work / f"{args.stage}.json").write_text(json.dumps(result, indent=2))
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    store = args.out / "int4_vs_genai.json"
+    rows = json.loads(store.read_text()) if store.exists() else []
+    for layers in map(int, args.layers.split(",")):
+        base = [sys.executable, __file__, str(args.out), "--depth", str(layers), "--accuracies", args.accuracies,
+                "--genai-python", args.genai_python, "--threads", str(args.threads), "--new-tokens",
+                str(args.new_tokens), "--repeats", str(args.repeats)]
+        subprocess.run([*base, "--stage", "build"], check=True, env=_env())
+        subprocess.run([*base, "--stage", "time"], check=True, env=_env())
+        work = args.out / f"work-{layers}"
+        row = json.loads((work / "time.json").read_text())
+        row["build"] = json.loads((work / "build.json").read_text())
+        rows = [r for r in rows if r["layers"] != layers] + [row]
+        store.write_text(json.dumps(rows, indent=2))
+        (args.out / "int4_vs_genai.md").write_text(render(rows))
+        print(render(rows), flush=True)
+
+
+if __name__ == "__main__":
+    main()
