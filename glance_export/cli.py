@@ -97,6 +97,9 @@ def _save_reference(args: argparse.Namespace) -> int:
     """Workstation side: the fp32 PyTorch greedy tokens and margins of --data, written to a file."""
     from .audit.reference_match import check_destination, write_reference
 
+    model = args.model or default_model()[0]
+    inputs = [args.data, model, args.head, args.artifacts]
+    check_destination(args.save_reference, inputs)  # first: an output it may not replace is refused as such
     try:
         from .audit.record_reference import record_reference
     except ImportError as exc:
@@ -104,9 +107,6 @@ def _save_reference(args: argparse.Namespace) -> int:
         raise GlanceError(f"--save-reference runs the PyTorch model and needs the export extra ({missing} is "
                           "missing): record on a workstation with `pip install 'glance-toolkit[export]'`, "
                           "then audit here with --reference FILE") from None
-    model = args.model or default_model()[0]
-    inputs = [args.data, model, args.head, args.artifacts]
-    check_destination(args.save_reference, inputs)
     _threads(args.threads)
     max_new = MEASURE_MAX_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
     ref = record_reference(model, args.data, max_new, progress=_progress)

@@ -154,20 +154,6 @@ def _stack(entry: dict[str, Any], where: str) -> Stack:
                  integer(entry, "head_dim", 1, 65536, where))
 
 
-def _axes(value: Any) -> None:
-    """Each symbolic axis spans [min, max] with 0 <= min <= max <= BIG: engine profiles and buffers are sized
-    from them, so a corrupt bound is refused here rather than allocated."""
-    if value is None:
-        return
-    if not isinstance(value, dict):
-        raise Invalid("axes must be an object {name: [min, max]}")
-    for name, span in value.items():
-        if not isinstance(span, list) or len(span) != 2:
-            raise Invalid(f"axes.{name} must be [min, max]")
-        low = check_int(span[0], f"axes.{name}[0]", 0, BIG)
-        check_int(span[1], f"axes.{name}[1]", low, BIG)
-
-
 def _kv_io(entry: dict[str, Any], stack: Stack, where: str, inputs: str, outputs: str) -> None:
     """The KV tensors a graph's recorded inputs and outputs name are one key and one value per layer of
     `stack`, each [rows, num_kv_heads, head_dim]: what the runtime allocates from the stack's numbers."""
@@ -284,7 +270,6 @@ def _parse(path: Path, raw: dict[str, Any]) -> tuple[Manifest, dict[str, str], l
               **({"vision": VISION_GRAPH} if is_vl else {})}
     names = _graph_files(raw, graphs, needed)
     target, draft, vocab = (obj(graphs, key, "graphs.") for key in ("target", "draft", "vocab"))
-    _axes(raw.get("axes"))
     target_stack = _stack(target, "graphs.target.")
     _kv_io(target, target_stack, "graphs.target.", "past_", "present_")
     _kv_io(draft, _stack(draft, "graphs.draft."), "graphs.draft.", "past_ctx_", "ctx_")

@@ -243,8 +243,9 @@ class PromptBuilder:
         if image_token_id is not None and not (self.path / "preprocessor_config.json").is_file():
             raise IntegrityError(f"{self.path} has no preprocessor_config.json; a vision model needs its image processor")
         self.template = ChatTemplate.from_dir(self.path)
+        self.tokenizer  # loaded and checked now, like the processor's values: found before any prompt
         if image_token_id is not None:
-            self.image_config  # checked now: a bad value is the model files' fault, found before any prompt
+            self.image_config
 
     @cached_property
     def tokenizer(self):

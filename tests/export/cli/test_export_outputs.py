@@ -32,6 +32,8 @@ COMMANDS = {  # command: (its arguments with OUT for the output, what may lie th
     "train-target": (["train-target", "--steps", "1", "--out", "OUT"], DIR_VICTIMS),
     "train-head": (["train-head", "--model", DEFAULT_MODEL, "--data", TASKS, "--steps", "1", "--out", "OUT"],
                    DIR_VICTIMS),
+    "prepare-head-data": (["prepare-head-data", "--model", DEFAULT_MODEL, "--data", TASKS, "--out", "OUT"],
+                          DIR_VICTIMS),
     "init-head": (["init-head", "--model", DEFAULT_MODEL, "--out", "OUT"], DIR_VICTIMS),
     "triton": (["triton", "--artifacts", DEFAULT_ARTIFACTS, "--out", "OUT"], DIR_VICTIMS),
 }
