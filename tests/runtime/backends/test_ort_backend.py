@@ -1,4 +1,4 @@
-"""OrtBackend on ort_exported tiny models: token parity with the torch greedy oracle, no torch at run time.
+"""OrtBackend on exported tiny models: token parity with the torch greedy oracle, no torch at run time.
 
 Artifacts are built with the real exporter from the shared tiny snapshots. Prompts come from the
 backend's own torch-free builder and are handed unchanged to the oracle, so any divergence is the
