@@ -52,7 +52,7 @@ def _entry(source: Path, digest: str, providers: Sequence[str], version: str) ->
     return root / f"{key}.ort"
 
 
-def open_session(ort: Any, source: Path, digest: str, providers: Sequence[str], options: Callable[[], Any]) -> Any:
+def open_cached(ort: Any, source: Path, digest: str, providers: Sequence[str], options: Callable[[], Any]) -> Any:
     """An InferenceSession of `source` (whose verified sha256 is `digest`); `options()` makes fresh
     SessionOptions (each session here sets its own fields)."""
     entry = _entry(source, digest, providers, ort.__version__)
