@@ -10,7 +10,10 @@ acceptance is high and the speed of the loop itself shows). Prints one table, th
 why. Needs only this repository and what the machine already has (CUDA PyTorch, transformers, onnx,
 onnxruntime); nothing is downloaded.
 
-    python benchmarks/gpu_check.py [--out DIR] [--prompts 6] [--max-new-tokens 48] [--skip-random]
+Then (GPU only) `train-head --device cuda` on a tiny random Qwen2.5-VL: a bf16 target, bf16 autocast with fp32
+master weights, answers generated in batches; under torchrun with NCCL when the machine has two GPUs or more.
+
+    python benchmarks/gpu_check.py [--out DIR] [--prompts 6] [--max-new-tokens 48] [--skip-random] [--skip-train]
 """
 from __future__ import annotations
 
@@ -171,7 +174,7 @@ def backends(model: Path, head: Path, artifacts: Path, work: Path, cuda: bool, s
         ("onnxruntime-cpu", "fp32", lambda: (OrtBackend(artifacts), snapshot.stop_token_ids))]
     if cuda:
         for dtype in ("float32", "float16"):
-            found.append((f"torch-cuda", dtype, lambda dtype=dtype: (
+            found.append(("torch-cuda", dtype, lambda dtype=dtype: (
                 TorchBackend(snapshot, load_head(head), dtype=dtype, device="cuda"), snapshot.stop_token_ids)))
     else:
         skipped.append("torch on CUDA: torch.cuda.is_available() is False")
@@ -234,6 +237,48 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def check_head_training(work: Path, skipped: list[str]) -> list[str]:
+    """GPU only: train a head on CUDA (bf16 target, autocast, fp32 master weights), then under torchrun + NCCL
+    where there are two GPUs; returns failures."""
+    import os
+    import subprocess
+
+    import torch
+    from safetensors.torch import load_file
+
+    from support import make_image, make_snapshot
+
+    model = make_snapshot(work / "snapshot", "qwen2_5_vl")
+    rows = []
+    for i in range(8):
+        make_image(work / f"{i}.png", 56 + 28 * (i % 3), 56 + 28 * (i // 3), seed=i)
+        rows.append(json.dumps({"image": f"{i}.png", "prompt": "What is shown?" + " Look." * i}))
+    (work / "tasks.jsonl").write_text("\n".join(rows) + "\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "runtime")]))
+    args = ["-m", "glance_export", "train-head", "--model", str(model), "--data", str(work / "tasks.jsonl"),
+            "--block-size", "4", "--steps", "20", "--batch", "2", "--anchors", "4", "--max-new-tokens", "16",
+            "--device", "cuda"]
+    runs = [("1 GPU", [sys.executable, *args, "--out", str(work / "head1")], work / "head1")]
+    gpus = torch.cuda.device_count()
+    if gpus >= 2:
+        runs.append((f"torchrun {gpus} GPUs", [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                               f"--nproc-per-node={gpus}", *args, "--out", str(work / "headN")],
+                     work / "headN"))
+    else:
+        skipped.append("train-head under torchrun with NCCL: this machine has one GPU")
+    failures = []
+    for name, cmd, out in runs:
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        state = load_file(str(out / "model.safetensors")) if done.returncode == 0 else {}
+        ok = bool(state) and all(v.dtype == torch.float32 and torch.isfinite(v).all() for v in state.values())
+        print(f"train-head {name}: {'ok' if ok else 'FAILED'} in {time.perf_counter() - t0:.1f}s; "
+              f"{(done.stdout.strip().splitlines() or [''])[-2:]}", flush=True)
+        if not ok:
+            failures.append(f"train-head {name}: {done.stderr.strip()[-400:]}")
+    return failures
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="keep the random model, exports and engines here (default: a temp dir)")
@@ -242,6 +287,7 @@ def main() -> int:
     ap.add_argument("--budget", type=int, default=31)
     ap.add_argument("--skip-random", action="store_true", help="only the embedded default model")
     ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument("--skip-train", action="store_true", help="skip the head-training check")
     args = ap.parse_args()
 
     import torch
@@ -278,6 +324,11 @@ def main() -> int:
                 rows.append(row)
             print(f"[{time.perf_counter() - started:6.1f}s] {case.name} {name} {precision}: {rows[-1].status}",
                   flush=True)
+    train_failures = []
+    if cuda and not args.skip_train:
+        train_failures = check_head_training(work / "train", skipped)
+    elif not args.skip_train:
+        skipped.append("train-head on CUDA: no CUDA device")
     print()
     print(table(rows))
     print("\nskipped:" if skipped else "\nskipped: nothing")
@@ -285,7 +336,9 @@ def main() -> int:
         print(f"  - {line}")
     if args.json:
         args.json.write_text(json.dumps([{**asdict(r), "speedup": r.speedup} for r in rows], indent=2))
-    return 0 if all(r.status == "ok" for r in rows) else 1
+    for line in train_failures:
+        print(f"FAILED {line}")
+    return 0 if all(r.status == "ok" for r in rows) and not train_failures else 1
 
 
 if __name__ == "__main__":

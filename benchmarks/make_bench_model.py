@@ -9,7 +9,6 @@ gives graph passes closer in proportion to a real target when measuring the loop
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 

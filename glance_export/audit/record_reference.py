@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 import transformers
 
+from glance_runtime.decode.limits import check_prompt
 from glance_runtime.errors import GlanceError
 from glance_runtime.store.integrity import sha256
 
@@ -19,7 +20,7 @@ from ..model.adapters import Snapshot
 from glance_runtime.formats.recorded_reference import RecordedTask, Reference
 from glance_runtime.formats.tasks import read as read_tasks
 
-from ..model.torch_backend import checked_prompts, greedy_with_margins
+from ..model.torch_backend import greedy_with_margins, snapshot_codec
 from .reference_match import array_sha256, ids_sha256, image_sha256, model_source
 
 
@@ -33,8 +34,11 @@ def record_reference(model_dir: Path, tasks_path: Path, max_new_tokens: int,
         raise GlanceError(f"{tasks_path} holds no prompts; a reference needs at least one")
     snapshot = Snapshot(model_dir)
     source = model_source(snapshot.path)
-    build = checked_prompts(snapshot)
-    prompts = [build(task.prompt, task.image) for task in tasks]  # refused by token count before the model loads
+    codec = snapshot_codec(snapshot)
+    prompts = [codec.turn(task.prompt, task.image) for task in tasks]
+    if codec.max_positions is not None:  # refused by token count before the model loads
+        for prompt in prompts:
+            check_prompt(prompt.length, codec.max_positions, flag=False)
     model = snapshot.load_model("float32")
     stops = snapshot.stop_token_ids
     recorded = []

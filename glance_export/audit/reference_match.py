@@ -14,6 +14,7 @@ from glance_runtime.errors import GlanceError
 from glance_runtime.formats import recorded_reference as reference_format
 from glance_runtime.formats.recorded_reference import Reference
 from glance_runtime.formats.tasks import Task
+from glance_runtime.store.atomic import check_output_file
 from glance_runtime.store.integrity import sha256
 
 
@@ -41,15 +42,17 @@ def image_sha256(task: Task) -> str | None:
     return sha256(Path(task.image))
 
 
-def check_destination(path: Path) -> None:
-    """Refuse, before minutes of decoding, a reference path that cannot be written."""
+def check_destination(path: Path, inputs: Sequence[Path | None] = ()) -> None:
+    """Refuse, before minutes of decoding, a reference path that cannot be written or holds a file that is
+    not a reference (a model's config.json, the task file itself): only a reference is ever replaced."""
     if path.is_dir():
         raise GlanceError(f"--save-reference {path} is a directory; give a file name such as {path}/reference.json")
+    check_output_file(path, reference_format.FORMAT, inputs)
 
 
-def write_reference(path: str | Path, ref: Reference) -> Path:
-    """A directory is refused as such; otherwise the file is written whole (`formats.recorded_reference.write`)."""
-    check_destination(Path(path))
+def write_reference(path: str | Path, ref: Reference, inputs: Sequence[Path | None] = ()) -> Path:
+    """Checked as `check_destination` again, then written whole (`formats.recorded_reference.write`)."""
+    check_destination(Path(path), inputs)
     return reference_format.write(path, ref)
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from glance_runtime.store.atomic import atomic_directory, check_output, output_format
+from glance_runtime.store.atomic import atomic_directory, check_output, check_output_file, output_format
 from glance_runtime.errors import GlanceError
 from glance_runtime.formats.graphs import MANIFEST
 from glance_runtime.formats import engines as engines_format
@@ -26,7 +26,7 @@ from .memory_plan import MemoryPlan, available_host_gib, check_build_host, check
 from .plan_bundle import BUNDLE_FORMAT, write_bundle
 from .precision import Precision, choose_precision
 from .quant_engines import engine_manifest
-from .tensorrt_build import BuildOptions, TimingCache, build_engines
+from .tensorrt_build import BuildOptions, TimingCache, build_engines, is_timing_cache
 from .toolchain import Toolchain, check_opset, check_version, load_toolchain
 
 ENGINES_FORMAT = "glance-engines"
@@ -115,6 +115,9 @@ def check_out(request: BuildRequest) -> None:
                   and Path(os.path.realpath(out)).is_relative_to(os.path.realpath(artifacts))
                   and os.path.realpath(out) != os.path.realpath(artifacts))
     check_output(out, fmt, inputs if own_bundle else [*inputs, artifacts])
+    if request.timing_cache is not None:
+        check_output_file(request.timing_cache, "TensorRT timing cache", [request.model, request.head, artifacts],
+                          recognise=is_timing_cache)
 
 
 def _identity(artifacts: Path, manifest: Manifest) -> dict[str, Any]:

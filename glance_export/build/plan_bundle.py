@@ -44,8 +44,8 @@ def _install(plan: MemoryPlan) -> str:
     return "The toolkit's edge install (`pip install glance-toolkit`; no torch or onnx needed)."
 
 
-def _readme(profile: DeviceProfile, manifest: artifacts_format.Manifest, command: str, plan: MemoryPlan, precision: Precision,
-            files: list[str]) -> str:
+def _readme(profile: DeviceProfile, manifest: artifacts_format.Manifest, command: str, plan: MemoryPlan,
+            precision: Precision, files: list[str]) -> str:
     opset = manifest.opset
     parser = (f"opset {opset} graphs parse on every accepted version" if opset <= profile.max_opset
               else f"opset {opset} (ONNX Attention) graphs need {profile.module} >= {profile.attention_op_from}")

@@ -83,6 +83,19 @@ def shape_profiles(manifest: Manifest, graph: str) -> list[ShapeProfile]:
     return [ShapeProfile("vision", {"N_patch": patches, "N_merged": tuple(p // unit for p in patches)})]
 
 
+TIMING_CACHE_MAGIC = b"ptrt"  # what TensorRT's serialized timing caches start with
+
+
+def is_timing_cache(path: Path) -> bool:
+    """An empty file (trtexec starts from one) or one with TensorRT's header: safe to read and replace."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(len(TIMING_CACHE_MAGIC))
+    except OSError:
+        return False
+    return head in (b"", TIMING_CACHE_MAGIC)
+
+
 class TimingCache:
     """One timing cache carried through every graph of a build: read from `path` when it exists, written
     back atomically after a successful build (trtexec's --timingCacheFile).

@@ -20,6 +20,7 @@ import numpy as np
 from jinja2 import TemplateError
 from PIL import Image
 
+from glance_runtime.prompt.processor_values import read_processor_config
 from glance_runtime.errors import GlanceError, InputError
 from glance_runtime.prompt.messages import split, user_turn
 from glance_runtime.prompt.prompt_builder import (IMAGE_PLACEHOLDER, Prompt, check_placeholders, expand_placeholders,
@@ -66,6 +67,8 @@ class Snapshot:
             raise GlanceError(f"{self.path} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
         if self.is_vl and not (self.path / "preprocessor_config.json").is_file():
             raise GlanceError(f"{self.path} has no preprocessor_config.json; a vision model needs its image processor")
+        if self.is_vl:
+            read_processor_config(self.path / "preprocessor_config.json")  # values in range before any image
 
     @property
     def text_config(self) -> dict[str, Any]:

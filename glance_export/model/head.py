@@ -56,11 +56,14 @@ class HeadConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 32768
+    draft_vocab_size: int | None = None  # logits over this many target tokens (draft_vocab_ids), else all
 
     def to_json(self) -> dict[str, Any]:
         """Qwen3-style config plus the DFlash fields, as published heads have it."""
         raw = asdict(self)
         dflash = {"target_layer_ids": raw.pop("target_layer_ids"), "mask_token_id": raw.pop("mask_token_id")}
+        if raw["draft_vocab_size"] is None:
+            raw.pop("draft_vocab_size")
         return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_act": "silu",
                 "tie_word_embeddings": False, **raw, "rope_parameters": {"rope_type": "default",
                                                                           "rope_theta": raw["rope_theta"]},
@@ -80,7 +83,8 @@ class HeadConfig:
                        target_layer_ids=list(dflash["target_layer_ids"]), mask_token_id=dflash["mask_token_id"],
                        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
                        rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 1_000_000.0)),
-                       max_position_embeddings=cfg.get("max_position_embeddings", 32768))
+                       max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+                       draft_vocab_size=cfg.get("draft_vocab_size"))
         except KeyError as exc:
             raise GlanceError(f"head config.json lacks {exc.args[0]!r}; expected a DFlash/GLANCE head config") from None
 
@@ -117,7 +121,8 @@ class HeadAttention(nn.Module):
         return k, v
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx_k: torch.Tensor,
-                ctx_v: torch.Tensor, ctx_mask: torch.Tensor | None = None) -> torch.Tensor:
+                ctx_v: torch.Tensor, ctx_mask: torch.Tensor | None = None,
+                block_mask: torch.Tensor | None = None) -> torch.Tensor:
         q = self.q_norm(self._split(self.q_proj(x), self.heads))
         cos, sin = rope
         q, _ = apply_rotary_pos_emb(q, q, cos, sin)
@@ -126,8 +131,8 @@ class HeadAttention(nn.Module):
         v = torch.cat([ctx_v, v_blk], dim=2).repeat_interleave(self.heads // self.kv_heads, dim=1)
         mask = None
         if ctx_mask is not None:
-            block_cols = ctx_mask.new_zeros(*ctx_mask.shape[:-1], x.shape[1])
-            mask = torch.cat([ctx_mask, block_cols], dim=-1)
+            block_cols = block_mask if block_mask is not None else ctx_mask.new_zeros(*ctx_mask.shape[:-1], x.shape[1])
+            mask = torch.cat([ctx_mask, block_cols.to(ctx_mask.dtype)], dim=-1).to(q.dtype)  # autocast: bf16 q
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
 
@@ -140,8 +145,8 @@ class HeadLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def forward(self, x, rope, ctx_k, ctx_v, ctx_mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), rope, ctx_k, ctx_v, ctx_mask)
+    def forward(self, x, rope, ctx_k, ctx_v, ctx_mask=None, block_mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), rope, ctx_k, ctx_v, ctx_mask, block_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -157,6 +162,20 @@ class DraftHead(nn.Module):
         self.layers = nn.ModuleList(HeadLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(cfg.qwen3())
+        if cfg.draft_vocab_size:
+            # ascending target ids the head drafts over; saved with the weights
+            self.register_buffer("draft_vocab_ids", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Logits through the target's LM head: over the draft vocabulary (in draft_vocab_ids order) when the head
+        has one, else over the target's whole vocabulary."""
+        if self.config.draft_vocab_size:
+            return F.linear(hidden, lm_head.weight[self.draft_vocab_ids])
+        return lm_head(hidden)
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids of indices into the head's logits."""
+        return self.draft_vocab_ids[draft_ids] if self.config.draft_vocab_size else draft_ids
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotary_emb(x, positions)
@@ -170,12 +189,15 @@ class DraftHead(nn.Module):
         return [layer.self_attn.key_value(ctx, rope) for layer in self.layers]
 
     def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor,
-                ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], ctx_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Final-normed hidden states of the block [batch, B, H]; ctx_mask (additive, optional) hides context."""
+                ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], ctx_mask: torch.Tensor | None = None,
+                block_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed hidden states of the block rows [batch, rows, H]. Additive masks (optional): ctx_mask
+        [batch, 1, rows, context] hides context; block_mask [batch, 1, rows, rows] (with ctx_mask) splits the rows
+        into several blocks that do not see each other, as training packs the anchors of one sequence."""
         rope = self.rope(block_embeds, positions)
         x = block_embeds
         for layer, (k, v) in zip(self.layers, ctx_kv):
-            x = layer(x, rope, k, v, ctx_mask)
+            x = layer(x, rope, k, v, ctx_mask, block_mask)
         return self.norm(x)
 
 
@@ -209,7 +231,7 @@ def save_head(head: DraftHead, out_dir: str | Path, also: Callable[[Path], None]
 
     with atomic_directory(out_dir, HEAD_FORMAT, made_by) as tmp:
         (tmp / "config.json").write_text(json.dumps(head.config.to_json(), indent=2))
-        state = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
+        state = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         if also is not None:
             also(tmp)

@@ -180,9 +180,9 @@ class TorchBackend:
         block[0, 0] = anchor
         pos = torch.arange(self.start, self.start + cfg.block_size, device=self.device)[None]
         hidden = self.head(self.embed(block), pos, self.head_kv)
-        logp = torch.log_softmax(self.lm_head(hidden[0, 1:]).float(), dim=-1)
+        logp = torch.log_softmax(self.head.logits(hidden[0, 1:], self.lm_head).float(), dim=-1)
         top = torch.topk(logp, k, dim=-1)
-        return top.indices.cpu().numpy().astype(np.int64), top.values.double().cpu().numpy()
+        return self.head.target_ids(top.indices).cpu().numpy().astype(np.int64), top.values.double().cpu().numpy()
 
     @torch.no_grad()
     def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray) -> Verified:

@@ -29,6 +29,10 @@ def open_sources(model_dir: str | Path, head_dir: str | Path, dtype: str) -> tup
     snapshot = Snapshot(model_dir)
     head = load_head(head_dir, getattr(torch, DTYPES[dtype]))
     check_head_matches(head, snapshot)
+    if head.config.draft_vocab_size:
+        raise GlanceError(f"{head_dir} drafts over a reduced vocabulary of {head.config.draft_vocab_size} tokens "
+                          "(draft_vocab_size), which the ONNX draft graph does not carry yet; decode it with the torch "
+                          "backend, or export a head trained without --draft-vocab")
     if head.config.vocab_size != snapshot.text_config["vocab_size"]:
         raise GlanceError(f"head vocab size {head.config.vocab_size} differs from the target's "
                           f"{snapshot.text_config['vocab_size']}; use a head trained for this target")

@@ -1,184 +1,267 @@
 """Train a GLANCE head for any supported target on its own greedy generations (the DFlash recipe).
 
-For every task the target answers greedily; one forward pass over prompt + answer gives the tapped
-hidden states of every row. A training example is an anchor inside the answer: block
-`[anchor, MASK x (B-1)]` at positions `anchor .. anchor+B-1`, context = rows strictly before the
-anchor, and offset k learns token `anchor + k` with weight `exp(-(k-1)/gamma)`. Many anchors of one
-sequence share one context projection; a mask hides the rows at or after each anchor.
+Stage 1 answers every training prompt with the target (sequences.py); stage 2 takes optimizer steps, each one
+padded forward and backward over a batch of sequences and their anchors (head_loss.py), the taps of each
+sequence computed by the target as the step needs them (online) or read from data prepared once (prepared.py,
+offline: then only the target's embedding and LM head are loaded). Under `torchrun` the processes split every
+global batch (order.py) and average their gradients (world.py); only the first writes. Held-out acceptance
+(held_out.py) and the run's metrics and card (train_log.py) are written beside the head.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-import random
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
-from transformers import DynamicCache
 
+from glance_runtime.defaults import BUDGET
 from glance_runtime.errors import GlanceError
 
-from ..model.adapters import Prompt, Snapshot
-from ..audit.greedy_audit import Task
-from ..model.head import DraftHead, check_head_out, head_config_for, init_head, load_head, pick_mask_token, save_head
-from ..model.torch_backend import TorchBackend, greedy_reference
-from glance_runtime.formats.tasks import read as read_tasks
+from ..model.adapters import Snapshot
+from ..model.head import check_head_out, head_config_for, init_head, load_head, pick_mask_token, save_head
 from .checkpoint import capture, load_state, restore, run_signature, writer
-
-
-@dataclass
-class Sequence:
-    ids: torch.Tensor  # int64 [L]: prompt + the target's own answer
-    taps: torch.Tensor  # [L, n_taps * H], detached
-    answer_start: int  # first generated row == first anchor position
-
-
-@torch.no_grad()
-def tap_rows(snapshot: Snapshot, model, prompt: Prompt, answer: list[int], layer_ids: list[int]) -> torch.Tensor:
-    """Taps of prompt + answer as decoding produces them: the prompt with its image, then the answer on
-    the prompt's cache at positions `stream + delta`. Image features go to the prompt's image-pad rows
-    only, so an answer that contains the image-pad id is embedded as the plain token, as in decoding."""
-    reference = TorchBackend(snapshot, model=model)
-    positions, delta = reference.prompt_positions(prompt)
-    ids = torch.from_numpy(prompt.input_ids)[None]
-    extra = {}
-    if prompt.pixel_values is not None:
-        extra = dict(pixel_values=torch.from_numpy(prompt.pixel_values).to(model.dtype),
-                     image_grid_thw=torch.from_numpy(prompt.image_grid_thw),
-                     mm_token_type_ids=(ids == snapshot.image_token_id).int())
-    cache = DynamicCache(config=model.config)
-    passes = [model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, output_hidden_states=True,
-                    **extra).hidden_states]
-    if answer:
-        stream = (torch.arange(prompt.length, prompt.length + len(answer)) + delta)[None]
-        passes.append(model(input_ids=torch.tensor(answer)[None], cache=cache, use_cache=True,
-                            position_ids=stream[None].expand(3, 1, -1) if snapshot.is_vl else stream,
-                            output_hidden_states=True).hidden_states)
-    return torch.cat([torch.cat([hidden[l + 1][0] for l in layer_ids], dim=-1) for hidden in passes]).float()
-
-
-@torch.no_grad()
-def collect_sequences(snapshot: Snapshot, model, tasks: list[Task], layer_ids: list[int], max_new_tokens: int,
-                      progress: Callable[[str], None]) -> list[Sequence]:
-    """Generate each task's greedy answer, then tap the target over prompt + answer."""
-    out = []
-    for i, task in enumerate(tasks, 1):
-        prompt = snapshot.build_prompt(task.prompt, task.image)
-        answer = greedy_reference(model, snapshot, prompt, max_new_tokens, snapshot.stop_token_ids)
-        ids = torch.cat([torch.from_numpy(prompt.input_ids), torch.tensor(answer, dtype=torch.long)])
-        out.append(Sequence(ids, tap_rows(snapshot, model, prompt, answer, layer_ids), prompt.length))
-        if i % 20 == 0 or i == len(tasks):
-            progress(f"generated {i}/{len(tasks)} answers")
-    return out
-
-
-def sequence_loss(head: DraftHead, embed, lm_head, seq: Sequence, anchors: torch.Tensor,
-                  gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted block loss of `anchors` (rows of seq) and their offset-1 top-1 hits."""
-    cfg = head.config
-    rows, n, block = seq.ids.shape[0], anchors.shape[0], cfg.block_size
-    ctx = head.context_kv(seq.taps[None], torch.arange(rows)[None])
-    ctx = [(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1)) for k, v in ctx]
-    offsets = torch.arange(block)
-    block_ids = torch.full((n, block), cfg.mask_token_id, dtype=torch.long)
-    block_ids[:, 0] = seq.ids[anchors]
-    positions = anchors[:, None] + offsets[None]
-    hide = torch.arange(rows)[None, :] >= anchors[:, None]  # context strictly before the anchor
-    mask = torch.zeros(n, 1, block, rows).masked_fill(hide[:, None, None, :], torch.finfo(torch.float32).min)
-    with torch.no_grad():
-        embeds = embed(block_ids).float()
-    hidden = head(embeds, positions, ctx, mask)
-    logits = lm_head(hidden[:, 1:]).float()
-    target_rows = positions[:, 1:]
-    valid = target_rows < rows
-    labels = torch.where(valid, seq.ids[target_rows.clamp(max=rows - 1)], torch.full_like(target_rows, -100))
-    weights = torch.exp(-(offsets[1:].float() - 1) / gamma)[None].expand(n, -1)
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
-                         reduction="none").view(n, -1)
-    w = weights * valid
-    hits = (logits[:, 0].argmax(-1) == labels[:, 0]).float()
-    return (ce * w).sum() / w.sum().clamp(min=1e-6), hits
-
+from .data_files import Tally, read_samples
+from .draft_vocab import check_size, frequent_tokens
+from .head_loss import batch_loss, make_batch
+from .held_out import HeldOut, measure
+from .order import anchors_for, rank_slots, step_items
+from .prepared import INDEX, PreparedData, token_layers
+from .sequences import answer_samples, prompt_of
+from .tap_source import OnlineTaps
+from .train_log import Bar, RunLog, card, data_lines
+from .world import World, join, leave
 
 MADE_BY = "glance-export train-head"
+EVAL_BUDGET = 15  # held-out tau is always reported at this tree budget, beside --eval-budget
 
 
-def train_head(model_dir: str | Path, task_file: str | Path, out_dir: str | Path, *, layers: int = 1,
-               block_size: int = 16, steps: int = 2000, lr: float = 3e-3, batch: int = 8, anchors: int = 16,
-               gamma: float = 7.0, max_new_tokens: int = 64, seed: int = 0, time_budget_s: float | None = None,
-               resume: str | Path | None = None, checkpoint_every: int = 500,
-               progress: Callable[[str], None] = print) -> Path:
+@dataclass(frozen=True)
+class HeadTraining:
+    """A training run's settings. `batch` is per process: N processes train on N * batch sequences a step."""
+    layers: int = 1
+    block_size: int = 16
+    steps: int = 2000
+    lr: float = 3e-3
+    batch: int = 8
+    anchors: int = 16
+    gamma: float = 7.0
+    max_new_tokens: int = 64
+    seed: int = 0
+    gen_batch: int = 16
+    device: str = "cpu"
+    time_budget_s: float | None = None
+    checkpoint_every: int = 500
+    resume: Path | None = None
+    log_every: int = 50
+    eval_data: Path | None = None
+    eval_every: int = 0  # 0: only at the end (with eval_data)
+    eval_budget: int = BUDGET
+    draft_vocab: int | None = None  # draft over the N tokens most frequent in the target's answers
+
+    def identity(self, world: int) -> dict:
+        """What makes two runs the same run: everything but where and how long it runs, and how the global
+        batch is split, so a run resumes on another device or number of processes."""
+        out = asdict(self)
+        for key in ("gen_batch", "device", "time_budget_s", "checkpoint_every", "log_every", "eval_data", "eval_every",
+                    "eval_budget"):
+            out.pop(key)
+        out["batch"] = self.batch * world
+        return out
+
+
+def _schedule(opt: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup over the first 5% of steps, then cosine decay to zero."""
+    warmup = max(1, steps // 20)
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+
+
+def _precision(device: torch.device):
+    """bf16 autocast on CUDA (the head's master weights stay fp32); plain fp32 on the CPU."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def train_head(model_dir: str | Path, data: list[Path], out_dir: str | Path, settings: HeadTraining = HeadTraining(),
+               progress: Callable[[str], None] = print, prepared: Path | None = None) -> Path:
     """Train (or continue) a head; returns the saved head directory.
 
     Every `checkpoint_every` steps the head and the trainer state are written to `out_dir` together;
-    the same command run again after an interruption continues from there. The finished head holds
-    no trainer state (a run stopped by its time budget keeps it, so it can be continued)."""
-    check_head_out(out_dir, (model_dir, task_file, resume))
-    tasks = read_tasks(task_file)
-    if checkpoint_every < 1:
-        raise GlanceError(f"--checkpoint-every must be at least 1, got {checkpoint_every}; pass a positive step count")
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    snapshot = Snapshot(model_dir)
-    signature = run_signature(snapshot.path, Path(task_file), layers=layers, block_size=block_size, steps=steps,
-                              lr=lr, batch=batch, anchors=anchors, gamma=gamma, max_new_tokens=max_new_tokens,
-                              seed=seed, resume=resume)
-    state = load_state(Path(out_dir), signature)
-    model = snapshot.load_model("float32")
+    the same command run again after an interruption (under any number of processes) continues from
+    there. The finished head holds no trainer state (a run stopped by its time budget keeps it)."""
+    s = settings
+    if s.checkpoint_every < 1:
+        raise GlanceError(f"--checkpoint-every must be at least 1, got {s.checkpoint_every}; pass a positive step count")
+    if bool(data) == (prepared is not None):
+        raise GlanceError("pass either --data (online: the target answers and taps as training goes) or --prepared "
+                          "DIR (from `glance-export prepare-head-data`)")
+    check_head_out(out_dir, (model_dir, *data, prepared, s.resume))
+    world = join(s.device)
+    try:
+        return _train(Snapshot(model_dir), [Path(d) for d in data], prepared, Path(out_dir), s, world,
+                      progress if world.main else (lambda line: None))
+    except torch.OutOfMemoryError:
+        raise GlanceError(f"out of memory on {world.device} at {s.batch} sequences x {s.anchors} anchors a step; "
+                          "lower --batch (or --anchors)") from None
+    finally:
+        leave()
+
+
+def _frozen_target(snapshot: Snapshot, device: torch.device):
+    """The target in bf16 on CUDA, fp32 on the CPU, without gradients."""
+    model = snapshot.load_model("bfloat16" if device.type == "cuda" else "float32").to(device)
     for p in model.parameters():
         p.requires_grad_(False)
+    return model
+
+
+def _online(snapshot: Snapshot, data: list[Path], s: HeadTraining, layer_ids: list[int], world: World,
+            progress: Callable[[str], None]):
+    """Stage 1 of an online run: the target's answers; then the target taps each sequence when a step needs it."""
+    model = _frozen_target(snapshot, world.device)
+    progress(f"stage 1/2: target answers and taps of layers {layer_ids}")
+    tally = Tally()
+    samples = read_samples(data, tally)
+    if not samples and not tally.bad:
+        raise GlanceError(f"the training data {', '.join(map(str, data))} has no tasks; write rows of prompts "
+                          "(TASKS.jsonl, LLaVA or OpenAI messages)")
+    seqs, ids = answer_samples(snapshot, model, samples, s.max_new_tokens, s.gen_batch, world, tally, progress)
+    progress(tally.summary())
+    tally.check()
+    source = OnlineTaps(snapshot, model, samples, ids, layer_ids)
+    return model, seqs, source, model.get_input_embeddings(), model.get_output_embeddings()
+
+
+def _offline(snapshot: Snapshot, prepared: Path, layer_ids: list[int], world: World, progress: Callable[[str], None]):
+    """Prepared sequences, read per step; of the target only its embedding and LM head."""
+    source = PreparedData.open(prepared, snapshot)
+    if source.index["target_layer_ids"] != layer_ids:
+        raise GlanceError(f"{prepared} holds taps of layers {source.index['target_layer_ids']} but the head reads "
+                          f"{layer_ids}; pass the --layers it was prepared with, or prepare again")
+    progress(f"stage 1/2: {len(source.sequences)} prepared sequences in {prepared}")
+    embed, lm_head = token_layers(snapshot, world.device)
+    return source.sequences, source, embed, lm_head
+
+
+def _held_out(snapshot: Snapshot, model, s: HeadTraining) -> HeldOut | None:
+    """The held-out prompts (every row of --eval-data must be usable: they are few and chosen)."""
+    if s.eval_data is None:
+        return None
+    tally = Tally()
+    samples = read_samples([s.eval_data], tally)
+    if tally.bad or not samples:
+        raise GlanceError(f"--eval-data {s.eval_data}: {tally.summary() if tally.bad else 'no rows'}; held-out "
+                          "prompts must all be usable")
+    return HeldOut([prompt_of(snapshot, x) for x in samples], tuple(sorted({EVAL_BUDGET, s.eval_budget})),
+                   s.max_new_tokens)
+
+
+def _train(snapshot: Snapshot, data: list[Path], prepared: Path | None, out_dir: Path, s: HeadTraining, world: World,
+           progress: Callable[[str], None]) -> Path:
+    torch.manual_seed(s.seed)
+    signature = run_signature(snapshot.path, data or [Path(prepared) / INDEX], **s.identity(world.size))
+    state = load_state(out_dir, signature)
     if state is not None:
-        head = load_head(out_dir).train()
-    elif resume is not None:
-        head = load_head(resume).train()
+        head = load_head(out_dir)
+    elif s.resume is not None:
+        head = load_head(s.resume)
     else:
-        head = init_head(head_config_for(snapshot, layers, block_size, pick_mask_token(snapshot)), seed).train()
+        cfg = head_config_for(snapshot, s.layers, s.block_size, pick_mask_token(snapshot))
+        check_size(s.draft_vocab, cfg.vocab_size)
+        head = init_head(replace(cfg, draft_vocab_size=s.draft_vocab), s.seed)
+    if head.config.draft_vocab_size != s.draft_vocab:
+        raise GlanceError(f"the head to continue drafts over {head.config.draft_vocab_size or 'the whole'} vocabulary "
+                          f"but --draft-vocab is {s.draft_vocab}; pass the same --draft-vocab, or start a new head")
+    head = head.to(world.device).train()
     cfg = head.config
-    progress(f"stage 1/2: target answers and taps of layers {cfg.target_layer_ids}")
-    seqs = [s for s in collect_sequences(snapshot, model, tasks, cfg.target_layer_ids, max_new_tokens,
-                                         progress) if s.ids.shape[0] - s.answer_start >= 2]
+    model = None
+    if prepared is None:
+        model, seqs, source, embed, lm_head = _online(snapshot, data, s, cfg.target_layer_ids, world, progress)
+    else:
+        seqs, source, embed, lm_head = _offline(snapshot, prepared, cfg.target_layer_ids, world, progress)
+    seqs = [q for q in seqs if q.length - q.answer_start >= 2]
     if not seqs:
         raise GlanceError("the target produced no answer longer than one token; nothing to train on")
-    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
-    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
-    warmup = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    if s.draft_vocab and state is None and s.resume is None:
+        head.draft_vocab_ids.copy_(frequent_tokens([source.ids_of(q)[q.answer_start:] for q in seqs], s.draft_vocab,
+                                                      cfg.vocab_size))
+        progress(f"drafting over the {s.draft_vocab} tokens most frequent in the target's answers")
+    held_out = _held_out(snapshot, model, s) if world.main else None
+    if held_out is not None and model is None:  # offline: the draft/verify loop needs the whole target
+        model = _frozen_target(snapshot, world.device)
+    params = list(head.parameters())
+    opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0)
+    sched = _schedule(opt, s.steps)
     done = 0
     if state is not None:
-        done = restore(state, opt, sched, rng)
+        done = restore(state, opt, sched)
         progress(f"resuming from the checkpoint in {out_dir} at step {done}")
-    progress(f"stage 2/2: {steps} steps on {len(seqs)} sequences, block {cfg.block_size}")
-    t0 = time.time()
-    for step in range(done + 1, steps + 1):
+    log = RunLog(out_dir, done)
+    data_names = data_lines(data) if data else [f"prepared `{Path(prepared).name}`"]
+
+    def save(extra: Callable[[Path], None] | None) -> None:
+        settings = {k: v for k, v in s.identity(world.size).items() if k != "resume"}
+        files = log.files(card(snapshot.path, data_names, done, s.steps, settings, len(seqs), log.last_eval(),
+                               s.eval_data))
+        save_head(head.eval(), out_dir, made_by=MADE_BY, also=lambda d: (files(d), extra and extra(d)))
+        head.train()
+
+    global_batch = s.batch * world.size
+    progress(f"stage 2/2: {s.steps} steps on {len(seqs)} sequences, {global_batch} a step"
+             + (f" over {world.size} processes" if world.size > 1 else "") + f", block {cfg.block_size}")
+    bar = Bar(s.steps, done, world.main)
+    t0 = t_log = time.time()
+    logged = done
+    for step in range(done + 1, s.steps + 1):
+        items = step_items(s.seed, step, global_batch, len(seqs))
+        slots = rank_slots(global_batch, world.rank, world.size)
+        chosen = [seqs[items[j]] for j in slots]
+        picks = [anchors_for(s.seed, step, j, q.answer_start, q.length - 2, s.anchors) for j, q in zip(slots, chosen)]
+        loaded = [source(q) for q in chosen]
+        batch = make_batch([ids for ids, _ in loaded], [taps for _, taps in loaded], picks)
         opt.zero_grad()
-        total, hits, count = 0.0, 0.0, 0
-        for seq in rng.sample(seqs, min(batch, len(seqs))):
-            lo, hi = seq.answer_start, seq.ids.shape[0] - 2
-            picks = torch.tensor(sorted(rng.sample(range(lo, hi + 1), min(anchors, hi - lo + 1))))
-            loss, hit = sequence_loss(head, embed, lm_head, seq, picks, gamma)
-            (loss / batch).backward()
-            total += loss.item()
-            hits += float(hit.sum())
-            count += len(picks)
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        with _precision(world.device):
+            stats = batch_loss(head, embed, lm_head, batch, s.gamma)
+        stats.loss.backward()
+        world.average_gradients(params)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        lr = opt.param_groups[0]["lr"]
         opt.step()
         sched.step()
         done = step
-        if step % 50 == 0 or step == steps:
-            progress(f"step {step}/{steps} loss {total / batch:.4f} offset-1 acc {hits / count:.3f} "
-                     f"({time.time() - t0:.0f}s)")
-        if step % checkpoint_every == 0 and step < steps:
-            save_head(head.eval(), out_dir, also=writer(capture(signature, step, opt, sched, rng)), made_by=MADE_BY)
-            head.train()
+        bar.update(step)
+        evaluate = held_out is not None and (step == s.steps or (s.eval_every and step % s.eval_every == 0))
+        if step % s.log_every == 0 or step == s.steps or evaluate:
+            totals = world.total(torch.cat([stats.loss.detach()[None] / world.size, stats.hits.float(),
+                                            stats.counts.float()]))
+            loss, hits, counts = totals[0].item(), totals[1:cfg.block_size], totals[cfg.block_size:]
+            record = {"step": step, "loss": round(loss, 5),
+                      "accuracy": [round(h / c, 4) if c else None for h, c in zip(hits.tolist(), counts.tolist())],
+                      "lr": lr, "samples_per_s": round(global_batch * (step - logged) / (time.time() - t_log), 3)}
+            if evaluate:
+                with torch.no_grad():
+                    record["held_out"] = measure(snapshot, model, head, held_out)
+            t_log, logged = time.time(), step
+            log.add(record)
+            progress(f"step {step}/{s.steps} loss {loss:.4f} offset-1 acc {record['accuracy'][0] or 0:.3f} "
+                     f"{record['samples_per_s']:.1f} samples/s, ETA {bar.eta(step, s.steps)}"
+                     + (f"; held-out tau {record['held_out']['tau']}" if evaluate else ""))
+        if step % s.checkpoint_every == 0 and step < s.steps:
+            if world.main:
+                save(writer(capture(signature, step, opt, sched)))
+            world.barrier()
             progress(f"checkpoint at step {step}")
-        if time_budget_s is not None and time.time() - t0 > time_budget_s:
+        if world.any(s.time_budget_s is not None and time.time() - t0 > s.time_budget_s):
             progress(f"time budget reached after {step} steps")
             break
-    unfinished = writer(capture(signature, done, opt, sched, rng)) if done < steps else None
-    out = save_head(head.eval(), out_dir, also=unfinished, made_by=MADE_BY)
-    progress(f"saved head to {out} after {done} steps")
-    return out
+    bar.close()
+    if world.main:
+        save(writer(capture(signature, done, opt, sched)) if done < s.steps else None)
+    world.barrier()
+    progress(f"saved head to {out_dir} after {done} steps")
+    return out_dir

@@ -29,12 +29,12 @@ import numpy as np
 
 from .defaults import AUTO, BRANCH_K, RUN_MAX_NEW_TOKENS as MAX_NEW_TOKENS, resolve
 from .errors import GlanceError, InputError
-from .decode.limits import check_context
+from .decode.limits import check_context, check_settings
 from .decode.loop import DecodeConfig, DecodeResult, RoundLog
 from .prompt.messages import ImageLike, VideoLike, conversation, user_turn
 from .prompt.prompt_builder import Prompt
 from .prompt.prefix_reuse import Committed, image_runs, shared_rows
-from .backends.registry import Source, open_session
+from .backends.registry import BACKENDS, Source, open_session
 from .decode.session import Session, Settings
 from .prompt.text_stream import TextStream
 
@@ -166,7 +166,9 @@ class Model:
              fix: str = ROOM_FIX) -> Output:
         self.check_room(prompt, max_new_tokens, fix=fix)
         cfg = self._config(max_new_tokens)
-        text = TextStream(self.session.codec.tokenizer, list(stop))
+        if on_piece is not None and not callable(on_piece):
+            raise InputError(f"on_text must be a callable taking each piece of text, got {type(on_piece).__name__}")
+        text = TextStream(self.session.codec.tokenizer, [stop] if isinstance(stop, str) else list(stop))
         pieces: list[str] = []
         kept: list[int] = []
         stopped_by_caller = False
@@ -358,7 +360,24 @@ def load(artifacts: str | Path | None = None, *, engines: str | Path | None = No
     """Open a model as `glance-run` would with the same flags: with nothing given, the embedded default on
     ONNX Runtime where installed. `budget`: "auto", a node count, or None for the command's default;
     `remeasure`: auto's cost profile for this device is measured again, not read."""
+    check_settings(threads=threads, budget=budget, branch_k=branch_k, max_context=max_context, max_tree=max_tree)
+    threads, branch_k, max_context, max_tree = (None if v is None else int(v)  # numpy integers as plain ints
+                                                for v in (threads, branch_k, max_context, max_tree))
+    budget = budget if budget is None or isinstance(budget, str) else int(budget)
+    if backend is not None and backend not in BACKENDS:
+        raise InputError(f"backend {backend!r:.40} is not one of {', '.join(BACKENDS)}; pass one of them or None")
+    for name, flag in (("speculative", speculative), ("remeasure", remeasure)):
+        if not isinstance(flag, bool):
+            raise InputError(f"{name} must be True or False, got {flag!r:.40}")
+    if provider is not None and not (isinstance(provider, str) or (
+            isinstance(provider, (list, tuple)) and all(isinstance(p, str) for p in provider))):
+        raise InputError("provider must be a string or a list of strings (ONNX Runtime execution providers)")
+    if progress is not None and not callable(progress):
+        raise InputError("progress must be a callable taking one line of text, or None")
     paths = {"model": model, "head": head, "artifacts": artifacts, "engines": engines}
+    for name, value in paths.items():
+        if value is not None and not isinstance(value, (str, Path)):
+            raise InputError(f"{name} must be a path (str or Path), got {type(value).__name__}")
     paths = {k: Path(v) if v is not None else None for k, v in paths.items()}
     for name, path in paths.items():
         if path is not None and not path.is_dir():
@@ -366,6 +385,9 @@ def load(artifacts: str | Path | None = None, *, engines: str | Path | None = No
             raise InputError(f"{name}={str(path)!r} {state}; pass an existing directory")
     if paths["engines"] is not None and backend is None:
         backend = "tensorrt"  # engines are only ever served by TensorRT
+    if backend != "torch" and (paths["artifacts"] or paths["engines"]) and (paths["model"] or paths["head"]):
+        raise InputError("artifacts and engines already hold the model and its head, so model= and head= would be "
+                         "ignored; pass either model=/head= (exported on first use) or artifacts/engines")
     model_dir, head_dir, artifacts_dir, backend = resolve(paths["model"], paths["head"], paths["artifacts"], backend)
     if speculative and head_dir is None and backend == "torch":
         raise InputError("speculative decoding needs head=DIR (or pass speculative=False for plain greedy decoding)")

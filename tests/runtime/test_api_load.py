@@ -76,3 +76,39 @@ def test_large_graphs_are_not_copied(tmp_path, monkeypatch):
     _run(OrtBackend(DEFAULT_ARTIFACTS))
     sizes = sorted(p.stat().st_size for p in _entries(cache))
     assert len(sizes) == 1 and sizes[0] < 1 << 20
+
+
+def test_swapped_copies_are_rebuilt(tmp_path, monkeypatch):
+    """Two entries swapped with their records (each still matching its own digest): each is rebuilt from
+    its verified source graph, and the answer is the same."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("GLANCE_CACHE", str(cache))
+    first = _run(OrtBackend(DEFAULT_ARTIFACTS))
+    a, b = sorted(_entries(cache), key=lambda p: p.stat().st_size)[-2:]
+    for suffix in ("", ".sha256"):
+        left, right = Path(f"{a}{suffix}"), Path(f"{b}{suffix}")
+        swap = left.with_name("swap")
+        left.rename(swap)
+        right.rename(left)
+        swap.rename(right)
+    again = _run(OrtBackend(DEFAULT_ARTIFACTS))
+    assert again[0] == first[0]
+    np.testing.assert_array_equal(again[1], first[1])
+
+
+def test_a_cache_entry_that_is_a_file_is_one_line(tmp_path, monkeypatch):
+    """An export cache entry replaced by a file: refused as the cache's fault, in one line."""
+    import pytest
+
+    from glance_runtime.backends import registry
+    from glance_runtime.defaults import DEFAULT_HEAD, DEFAULT_MODEL
+    from glance_runtime.errors import IntegrityError
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("GLANCE_CACHE", str(cache))
+    entry = registry.export_cache_entry(DEFAULT_MODEL, DEFAULT_HEAD)
+    entry.parent.mkdir(parents=True)
+    entry.write_text("x")
+    with pytest.raises(IntegrityError, match="cache entry .* is not a directory"):
+        registry.exported_artifacts(DEFAULT_MODEL, DEFAULT_HEAD, lambda _: None)
+    assert entry.read_text() == "x"

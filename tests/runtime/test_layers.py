@@ -104,8 +104,8 @@ def test_the_cycle_check_names_a_cycle_through_an_init_and_a_type_checking_impor
     graph = {"p": {"p.a"}, "p.a": {"p.b"}, "p.b": {"p"}, "p.c": {"p.a"}, "p.d": {"p.e"}, "p.e": {"p.d"}}
     assert code_map.cycles(graph) == [["p", "p.a", "p.b", "p"], ["p.d", "p.e", "p.d"]]
     module = tmp_path / "m.py"
-    module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from glance_runtime.decode import loop\n"
-                      "def f():\n    from .. import errors\n")
+    module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                      "    from glance_runtime.decode import loop\ndef f():\n    from .. import errors\n")
     found = code_map.imports(module, "glance_runtime.decode.m",
                              frozenset({"glance_runtime.decode.loop", "glance_runtime.errors"}))
     assert found == {"glance_runtime.decode.loop", "glance_runtime.errors"}

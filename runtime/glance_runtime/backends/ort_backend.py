@@ -21,7 +21,7 @@ from ..decode.limits import runtime_limit
 from .shape_expr import bind, evaluate
 from .graph_backend import GraphBackend
 from .host_room import check_this_machine
-from .ort_cache import open_session
+from .ort_cache import open_cached
 
 PROVIDER_ALIASES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
                     "tensorrt": "TensorrtExecutionProvider", "trt": "TensorrtExecutionProvider",
@@ -140,7 +140,7 @@ class OrtBackend(GraphBackend):
 
         def session(graph: str) -> OrtGraph:
             try:
-                opened = open_session(ort, path / graph, manifest.file_hashes[graph].sha256, chosen, options)
+                opened = open_cached(ort, path / graph, manifest.file_hashes[graph].sha256, chosen, options)
             except Exception as exc:  # onnxruntime's load errors share no base class short of Exception
                 reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 raise GlanceError(f"onnxruntime cannot load {path / graph} ({reason}); "

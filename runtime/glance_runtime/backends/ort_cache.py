@@ -6,7 +6,8 @@ work on every load of the same graph. ONNX Runtime saves the optimised graph in 
 that without optimising again: the same graph and the same kernels, so answers do not change. An entry is
 keyed by the sha256 of the source graph (the one its manifest records, verified by the load before this
 runs), the onnxruntime version, the providers and the CPU (optimised graphs are specific to it), and is
-checked against the sha256 recorded beside it when it was written: a damaged entry is rebuilt, never run.
+checked against what is recorded beside it when it was written (the source graph's sha256 and its own): a
+damaged entry, or one moved or swapped with another, is rebuilt, never run.
 Only the CPU provider is cached (compiled providers cannot be saved), and only graphs without external
 weights under MAX_BYTES: larger graphs spend their load reading weights, and a second copy of gigabytes
 in the cache is not worth it. Without a usable cache the graph is opened as usual.
@@ -51,7 +52,7 @@ def _entry(source: Path, digest: str, providers: Sequence[str], version: str) ->
     return root / f"{key}.ort"
 
 
-def open_session(ort: Any, source: Path, digest: str, providers: Sequence[str], options: Callable[[], Any]) -> Any:
+def open_cached(ort: Any, source: Path, digest: str, providers: Sequence[str], options: Callable[[], Any]) -> Any:
     """An InferenceSession of `source` (whose verified sha256 is `digest`); `options()` makes fresh
     SessionOptions (each session here sets its own fields)."""
     entry = _entry(source, digest, providers, ort.__version__)
@@ -59,16 +60,16 @@ def open_session(ort: Any, source: Path, digest: str, providers: Sequence[str], 
         return ort.InferenceSession(str(source), sess_options=options(), providers=list(providers))
     stamp = entry.with_name(f"{entry.name}.sha256")
     try:
-        if entry.is_file() and stamp.is_file() and file_digest(entry) == stamp.read_text().strip():
+        if entry.is_file() and stamp.is_file() and stamp.read_text().split() == [digest, file_digest(entry)]:
             opened = options()
             opened.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # done when saved
             return ort.InferenceSession(str(entry), sess_options=opened, providers=list(providers))
     except OSError:
         pass
-    return _build(ort, source, entry, stamp, providers, options)
+    return _build(ort, source, digest, entry, stamp, providers, options)
 
 
-def _build(ort: Any, source: Path, entry: Path, stamp: Path, providers: Sequence[str],
+def _build(ort: Any, source: Path, digest: str, entry: Path, stamp: Path, providers: Sequence[str],
            options: Callable[[], Any]) -> Any:
     """Open `source` as usual while saving its optimised graph, then publish the copy and its digest (a
     failure to write only loses the saving)."""
@@ -82,7 +83,7 @@ def _build(ort: Any, source: Path, entry: Path, stamp: Path, providers: Sequence
             session = ort.InferenceSession(str(source), sess_options=saving, providers=list(providers))
             stamp.unlink(missing_ok=True)
             os.replace(partial, entry)
-            stamp.write_text(sha256(entry))
+            stamp.write_text(f"{digest} {sha256(entry)}")
             return session
     except Exception:  # no cache, or a graph this onnxruntime cannot save: open it as usual (a bad graph fails there)
         return ort.InferenceSession(str(source), sess_options=options(), providers=list(providers))

@@ -17,7 +17,7 @@ from . import extensions
 from ..decode.session import Session, Settings
 from ..decode.loop import DecodeConfig
 from ..defaults import DEFAULT_ARTIFACTS
-from ..errors import GlanceError
+from ..errors import GlanceError, IntegrityError
 from ..formats.artifacts import VERSION as FORMAT_VERSION, Manifest, check_source, read as load_manifest
 from ..prompt.codec import exported_codec
 from ..prompt.prompt_builder import Prompt
@@ -67,13 +67,9 @@ def _graph_session(backend, model: Path | None, settings: Settings | DecodeConfi
                    calibration_dirs=places)
 
 
-def exported_artifacts(model: Path, head: Path, progress: Progress) -> Path:
-    """Artifacts for (model, head) in the cache, exported on first use.
-
-    Keyed by file names, sizes and modification times (cheap even for multi-GB weights), the
-    toolkit version and the artifacts format; the manifest's own hashes still guard against a mismatched directory.
-    A lock file beside the entry makes concurrent first uses export once (the others wait, then reuse it),
-    and an entry that fails its manifest's checks (a damaged or half-deleted one) is exported again."""
+def export_cache_entry(model: Path, head: Path) -> Path:
+    """Where the cache keeps the export of (model, head): keyed by file names, sizes and modification times
+    (cheap even for multi-GB weights), the toolkit version and the artifacts format."""
     key = hashlib.sha256(f"{__version__}:{FORMAT_VERSION}".encode())
     for root in (Path(model), Path(head)):
         if not root.is_dir():
@@ -81,8 +77,20 @@ def exported_artifacts(model: Path, head: Path, progress: Progress) -> Path:
         for f in sorted(p for p in root.iterdir() if p.is_file()):
             stat = f.stat()
             key.update(f"{f.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    out = cache_root() / "onnx" / key.hexdigest()[:20]
+    return cache_root() / "onnx" / key.hexdigest()[:20]
+
+
+def exported_artifacts(model: Path, head: Path, progress: Progress) -> Path:
+    """Artifacts for (model, head) in the cache, exported on first use.
+
+    The manifest's own hashes guard against a mismatched directory. A lock file beside the entry makes
+    concurrent first uses export once (the others wait, then reuse it), and an entry that fails its
+    manifest's checks (a damaged or half-deleted one) is exported again."""
+    out = export_cache_entry(model, head)
     with file_lock(out.with_name(f"{out.name}.lock")):
+        if out.is_symlink() or (out.exists() and not out.is_dir()):
+            raise IntegrityError(f"cache entry {out} is not a directory (an export is one); remove it and run "
+                                 "again to export afresh")
         if out.exists():
             try:
                 load_manifest(out)

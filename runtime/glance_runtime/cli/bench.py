@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 from .._version import __version__
-from ..store.atomic import check_not_input, check_output, output_directory
+from ..store.atomic import check_output, check_output_file, output_directory
 from ..decode.auto_budget import AutoBudget, auto_budget
-from ..decode.calibration import FILE as CALIBRATION_FILE, Calibration, load_calibration
+from ..decode.calibration import FILE as CALIBRATION_FILE, FORMAT as CALIBRATION_FORMAT, Calibration, load_calibration
 from .flags import OneLineParser, at_least, check_dirs, guarded, runner_flags, source
 from ..defaults import BRANCH_K, MEASURE_MAX_NEW_TOKENS, resolve
 from ..errors import GlanceError
@@ -237,6 +237,8 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
 def run_law(args: argparse.Namespace) -> int:
     if args.bootstrap < 1:
         raise GlanceError("--bootstrap must be at least 1")
+    if args.out:
+        check_output(args.out, LAW_FORMAT, [args.rounds])
     rows = read_rounds(args.rounds)
     if not select(rows, args.mode, args.cap, args.include_final):
         raise GlanceError("no rounds left to fit (every round ended its answer); pass --include-final")
@@ -276,7 +278,7 @@ def run_cost(args: argparse.Namespace) -> int:
 def run_calibrate(args: argparse.Namespace) -> int:
     out = args.out or args.rounds.with_name(CALIBRATION_FILE)
     out = out / CALIBRATION_FILE if out.is_dir() else out
-    check_not_input(out, [args.rounds])
+    check_output_file(out, CALIBRATION_FORMAT, [args.rounds])
     modes = [m.strip() for m in args.mode.split(",") if m.strip()] if args.mode else None
     rows = calibration_rows(read_rounds(args.rounds), modes, str(args.rounds))
     calibration, fit = fit_calibration(rows, source=f"{args.rounds} ({', '.join(sorted({r['mode'] for r in rows}))})")

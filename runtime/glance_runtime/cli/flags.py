@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Callable, NoReturn
 
 from .._version import __version__
 from ..defaults import AUTO, BRANCH_K
+from ..decode.limits import threads_problem
 from ..errors import GlanceError, check_stdout, machine_failure, silence_stdout
 from ..backends.registry import BACKENDS
 from ..backends.registry import Source
@@ -73,11 +73,10 @@ def integer(flag: str) -> Callable[[str], int]:
 
 
 def threads(text: str) -> int:
-    """`--threads`: 1 up to this machine's CPUs (more only oversubscribes them)."""
-    value, cpus = _integer("--threads", text), os.cpu_count() or 1
-    if not 1 <= value <= cpus:
-        raise argparse.ArgumentTypeError(f"--threads {value} is outside 1..{cpus}, the CPUs of this machine; pass "
-                                         f"--threads 1..{cpus}")
+    """`--threads`: the rule `limits.threads_problem` states for the API too."""
+    value = _integer("--threads", text)
+    if (problem := threads_problem("--threads", value)) is not None:
+        raise argparse.ArgumentTypeError(problem)
     return value
 
 
@@ -150,6 +149,11 @@ def check_applicable(args: argparse.Namespace, backend: str) -> None:
     if args.engines is not None and backend != "tensorrt":
         raise GlanceError(f"--engines is for --backend tensorrt, not {backend}; drop --engines or pass "
                           "--backend tensorrt")
+    if backend != "torch" and (args.artifacts is not None or args.engines is not None) and \
+            (args.model is not None or args.head is not None):
+        given = "--artifacts" if args.artifacts is not None else "--engines"
+        raise GlanceError(f"{given} already holds the model and its head, so --model and --head would be ignored; "
+                          f"drop --model/--head, or drop {given} to export them")
     if args.artifacts is not None and backend == "torch":
         raise GlanceError("--artifacts is for the onnxruntime and tensorrt backends; drop it or pick one of them")
     if backend == "torch" and (args.provider or args.threads is not None or args.max_context is not None

@@ -103,7 +103,11 @@ def _chat(model: api.Model, args: argparse.Namespace) -> int:
             print(f"> {text}", file=sys.stderr)
         else:
             print("> ", end="", file=sys.stderr, flush=True)
-            line = sys.stdin.readline()
+            try:
+                line = sys.stdin.readline()
+            except UnicodeDecodeError:
+                print("glance-run: error: that line is not valid UTF-8 text; type it again in UTF-8", file=sys.stderr)
+                continue
             if not line or line.strip() == "/exit":
                 return 0
             text, images, videos = line.rstrip("\n"), [], []

@@ -13,12 +13,18 @@ import socket
 import sys
 from pathlib import Path
 
-from .flags import OneLineParser, budget, check_dirs, guarded, runner_flags
+from .flags import OneLineParser, between, budget, check_dirs, guarded, positive, runner_flags
 from ..errors import GlanceError
+from ..prompt.images import MAX_IMAGE_PIXELS as MAX_PIXELS
 from ..serve.app import ServeConfig, create_app
 from ..serve.engine import ModelSpec
 
 LOOPBACK_NAMES = ("localhost",)
+MAX_QUEUE = 100_000  # upper bounds of what a flag may set, each held in memory by the server
+MAX_TOKENS = 1 << 20
+MAX_BODY_MB = 1024
+MAX_MESSAGES = 100_000
+MAX_TIMEOUT_S = 7 * 24 * 3600
 
 
 def parser() -> argparse.ArgumentParser:
@@ -27,16 +33,27 @@ def parser() -> argparse.ArgumentParser:
     runner_flags(p)
     p.add_argument("--budget", type=budget, help="tree nodes per round, or auto (default: as glance-run)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs --api-key)")
-    p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port, printed at start)")
+    p.add_argument("--port", type=between("--port", 0, 65535, "TCP ports"), default=8000,
+                   help="port to bind (0: any free port, printed at start)")
     p.add_argument("--api-key", help="required as `Authorization: Bearer KEY` on every endpoint but /health")
     p.add_argument("--media-dir", type=Path, help="directory whose files requests may name as file:// image URLs")
     p.add_argument("--served-model-name", help="the model id clients send (default: the model directory's name)")
-    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for the runner; more get 429")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds per request, queue wait included")
-    p.add_argument("--max-tokens", type=int, default=1024, help="the largest max_tokens a request may ask for")
-    p.add_argument("--max-body-mb", type=float, default=16.0, help="largest request body, in MiB")
-    p.add_argument("--max-image-pixels", type=int, default=4096 * 4096, help="largest image, in pixels")
-    p.add_argument("--max-messages", type=int, default=64, help="most messages in one request")
+    p.add_argument("--max-queue", type=between("--max-queue", 1, MAX_QUEUE, "requests held in memory"),
+                   default=64, help="requests that may wait for the runner; more get 429")
+    p.add_argument("--timeout", type=positive("--timeout"), default=120.0,
+                   help="seconds per request, queue wait included")
+    p.add_argument("--max-tokens", type=between("--max-tokens", 1, MAX_TOKENS, "tokens one answer may take"),
+                   default=1024, help="the largest max_tokens a request may ask for")
+    p.add_argument("--max-body-mb", type=positive("--max-body-mb"), default=16.0,
+                   help=f"largest request body, in MiB (at most {MAX_BODY_MB})")
+    p.add_argument("--max-image-pixels", type=between("--max-image-pixels", 1, MAX_PIXELS,
+                                                             "the largest image the runtime decodes"),
+                   default=4096 * 4096, help="largest image, in pixels")
+    p.add_argument("--max-request-pixels", type=between("--max-request-pixels", 1, 16 * MAX_PIXELS,
+                                                               "every image of one request together"),
+                   default=4 * 4096 * 4096, help="most pixels of all a request's images together")
+    p.add_argument("--max-messages", type=between("--max-messages", 1, MAX_MESSAGES, "messages one request holds"),
+                   default=64, help="most messages in one request")
     return p
 
 
@@ -59,12 +76,14 @@ def check(args: argparse.Namespace) -> None:
         raise GlanceError(f"--media-dir {args.media_dir} "
                           f"{'is not a directory' if args.media_dir.exists() else 'does not exist'}; "
                           "pass an existing directory")
-    for flag, value in (("--max-queue", args.max_queue), ("--max-tokens", args.max_tokens),
-                        ("--max-image-pixels", args.max_image_pixels), ("--max-messages", args.max_messages)):
-        if value < 1:
-            raise GlanceError(f"{flag} must be at least 1 (got {value})")
-    if args.timeout <= 0 or args.max_body_mb <= 0:
-        raise GlanceError("--timeout and --max-body-mb must be positive")
+    if args.timeout > MAX_TIMEOUT_S:
+        raise GlanceError(f"--timeout {args.timeout:g} is over {MAX_TIMEOUT_S} s (a week); pass a smaller --timeout")
+    if args.max_body_mb > MAX_BODY_MB:
+        raise GlanceError(f"--max-body-mb {args.max_body_mb:g} is over {MAX_BODY_MB} (a body is held in memory "
+                          f"whole); pass --max-body-mb up to {MAX_BODY_MB}")
+    if args.max_request_pixels < args.max_image_pixels:
+        raise GlanceError(f"--max-request-pixels {args.max_request_pixels} is below --max-image-pixels "
+                          f"{args.max_image_pixels}; a request could not hold one image of the largest size")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -95,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
     config = ServeConfig(spec=spec, served_model_name=args.served_model_name, api_key=args.api_key,
                          media_dir=args.media_dir, max_queue=args.max_queue, timeout_s=args.timeout,
                          max_body_bytes=int(args.max_body_mb * (1 << 20)), max_image_pixels=args.max_image_pixels,
+                         max_request_pixels=args.max_request_pixels,
                          max_tokens=args.max_tokens, max_messages=args.max_messages)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]

@@ -28,6 +28,7 @@ from typing import Callable
 import numpy as np
 
 from .backend import Backend
+from ..store.atomic import file_format
 from ..store.cache import cache_root, file_lock
 from ..errors import GlanceError
 from ..formats import cost as cost_format
@@ -134,11 +135,14 @@ def describe(backend: Backend) -> str:
 
 
 def profile_path(home: Path | None, identity: str, device: str) -> Path:
-    """Beside the artifacts or engines (`home`) when that directory is writable, else in the cache under
-    what is served (`identity`)."""
+    """Beside the artifacts or engines (`home`) when that directory is writable and the name is free or holds
+    a cost profile, else in the cache under what is served (`identity`): a file no glance command wrote is
+    never replaced."""
     tag = hashlib.sha256(device.encode()).hexdigest()[:12]
-    if home is not None and os.access(home, os.W_OK):
-        return home / f"cost-profile-{tag}.json"
+    beside = home / f"cost-profile-{tag}.json" if home is not None else None
+    if beside is not None and os.access(home, os.W_OK) and (not os.path.lexists(beside) or (
+            beside.is_file() and not beside.is_symlink() and file_format(beside) == cost_format.FORMAT)):
+        return beside
     place = hashlib.sha256(identity.encode()).hexdigest()[:12]
     return cache_root() / "cost" / f"{place}-{tag}.json"
 

@@ -3,13 +3,50 @@
 What a backend can serve is checked once its limits are known, before the first token: the loop would
 otherwise find out mid-answer (a tree wider than the verify graph, a top-k the draft graph does not
 return), after some of the answer had streamed. A flag's own range is checked as it is parsed
-(`cli.flags`).
+(`cli.flags`), and the same settings passed to the API here (`check_settings`), by the same rules.
 """
 from __future__ import annotations
 
+import os
+
 from .backend import ServeLimits
-from ..errors import LimitError
+from ..defaults import AUTO
+from ..errors import InputError, LimitError
 from .loop import DecodeConfig
+
+
+def threads_problem(name: str, value: int) -> str | None:
+    """Threads: 1 up to this machine's CPUs (more only oversubscribes them, and thousands exhaust it)."""
+    cpus = os.cpu_count() or 1
+    if 1 <= value <= cpus:
+        return None
+    return f"{name} {value} is outside 1..{cpus}, the CPUs of this machine; pass {name} 1..{cpus}"
+
+
+def whole(name: str, value: object, low: int) -> int:
+    """An integer setting passed in Python: an int (not a bool, float or string) of at least `low`."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise InputError(f"{name} must be an integer, got {type(value).__name__} {value!r:.40}; pass {name}={low} "
+                         "or more")
+    value = value.__index__()
+    if value < low:
+        raise InputError(f"{name} must be >= {low}, got {value}; pass {name} >= {low}")
+    return value
+
+
+def check_settings(*, threads: object = None, budget: object = None, branch_k: object = 1,
+                   max_context: object = None, max_tree: object = None) -> None:
+    """The API's settings, refused by the rules the command-line flags follow (InputError, one line each)."""
+    if threads is not None and (problem := threads_problem("threads", whole("threads", threads, 1))) is not None:
+        raise InputError(problem)
+    whole("branch_k", branch_k, 1)
+    for name, value in (("max_context", max_context), ("max_tree", max_tree)):  # ranged by `runtime_limit`
+        if value is not None and (isinstance(value, bool) or not hasattr(type(value), "__index__")):
+            raise InputError(f"{name} must be an integer or None, got {type(value).__name__} {value!r:.40}")
+    if budget is not None and budget != AUTO:
+        if isinstance(budget, str):
+            raise InputError(f"budget {budget!r:.40} is not a budget: pass \"auto\" or an integer >= 0")
+        whole("budget", budget, 0)
 
 
 def runtime_limit(flag: str, asked: int | None, built: int, source: str, command: str) -> int:

@@ -29,7 +29,7 @@ from typing import Any
 
 from .._version import __version__
 from ..store.atomic import write_file
-from ..errors import GlanceError
+from ..errors import GlanceError, IntegrityError
 from .graphs import DRAFT_GRAPH, MANIFEST, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH
 from ..store.integrity import file_digest, verify_files
 from .common import (Invalid, boolean, check_header, check_int, check_text, digest, dumps, guarded, int_list,
@@ -154,6 +154,27 @@ def _stack(entry: dict[str, Any], where: str) -> Stack:
                  integer(entry, "head_dim", 1, 65536, where))
 
 
+def _kv_io(entry: dict[str, Any], stack: Stack, where: str, inputs: str, outputs: str) -> None:
+    """The KV tensors a graph's recorded inputs and outputs name are one key and one value per layer of
+    `stack`, each [rows, num_kv_heads, head_dim]: what the runtime allocates from the stack's numbers."""
+    for side, prefix in (("inputs", inputs), ("outputs", outputs)):
+        recorded = entry.get(side)
+        if recorded is None:
+            continue
+        if not isinstance(recorded, dict):
+            raise Invalid(f"{where}{side} must be an object")
+        found = sorted(n for n in recorded if isinstance(n, str) and n.startswith((f"{prefix}key_", f"{prefix}value_")))
+        wanted = sorted(f"{prefix}{kind}_{layer}" for kind in ("key", "value") for layer in range(stack.num_layers))
+        if found != wanted:
+            raise Invalid(f"{where}num_layers is {stack.num_layers} but {where}{side} hold {len(found)} KV tensors "
+                          f"({prefix}key_*/{prefix}value_*), not {len(wanted)}")
+        for name in found:
+            shape = recorded[name].get("shape") if isinstance(recorded[name], dict) else None
+            if not isinstance(shape, list) or shape[1:] != [stack.kv_heads, stack.head_dim]:
+                raise Invalid(f"{where}{side}.{name} has shape {shape!r:.60}, not [rows, num_kv_heads "
+                              f"{stack.kv_heads}, head_dim {stack.head_dim}]")
+
+
 def _graph_files(raw: dict[str, Any], graphs: dict[str, Any], needed: dict[str, str]) -> list[str]:
     names = []
     for key, name in needed.items():
@@ -250,6 +271,8 @@ def _parse(path: Path, raw: dict[str, Any]) -> tuple[Manifest, dict[str, str], l
     names = _graph_files(raw, graphs, needed)
     target, draft, vocab = (obj(graphs, key, "graphs.") for key in ("target", "draft", "vocab"))
     target_stack = _stack(target, "graphs.target.")
+    _kv_io(target, target_stack, "graphs.target.", "past_", "present_")
+    _kv_io(draft, _stack(draft, "graphs.draft."), "graphs.draft.", "past_ctx_", "ctx_")
     hidden = integer(target, "hidden_size", 1, BIG, "graphs.target.")
     vocab_size = integer(target, "vocab_size", 2, BIG, "graphs.target.")
     if integer(vocab, "vocab_size", 2, BIG, "graphs.vocab.") != vocab_size:
@@ -296,8 +319,17 @@ def _parse(path: Path, raw: dict[str, Any]) -> tuple[Manifest, dict[str, str], l
 
 
 def read(artifacts_dir: str | Path) -> Manifest:
-    """Parse, version-, content- and range-check `artifacts_dir/manifest.json`, then every file it records."""
-    path = Path(artifacts_dir)
+    """Parse, version-, content- and range-check `artifacts_dir/manifest.json`, then every file it records; what
+    fails is the files' fault (IntegrityError)."""
+    try:
+        return _read(Path(artifacts_dir))
+    except IntegrityError:
+        raise
+    except GlanceError as exc:
+        raise IntegrityError(str(exc)) from None
+
+
+def _read(path: Path) -> Manifest:
     file = path / FILE
     if not path.is_dir():
         what = "is not a directory" if path.exists() else "does not exist"

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
-from ..errors import GlanceError
+from ..errors import GlanceError, InputError
 
-MAX_IMAGE_PIXELS = 8192 * 8192
+MAX_IMAGE_PIXELS = 8192 * 8192  # the largest image the runtime decodes at all
 
 
 def check_image_path(path: str | Path) -> Path:
@@ -23,23 +23,23 @@ def check_image_path(path: str | Path) -> Path:
         mode = path.stat().st_mode
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise GlanceError(f"image {path} is a symbolic link loop; point it at an image file") from None
+            raise InputError(f"image {path} is a symbolic link loop; point it at an image file") from None
         if exc.errno == errno.ENOENT and path.is_symlink():
-            raise GlanceError(f"image {path} is a dangling symbolic link (to {os.readlink(path)}); point it at an "
+            raise InputError(f"image {path} is a dangling symbolic link (to {os.readlink(path)}); point it at an "
                               "existing image file") from None
         if exc.errno == errno.ENOENT:
-            raise GlanceError(f"image {path} does not exist; pass an existing image file") from None
+            raise InputError(f"image {path} does not exist; pass an existing image file") from None
         if exc.errno == errno.ENOTDIR:
-            raise GlanceError(f"image {path}: a part of the path is a file, not a directory; pass an existing "
+            raise InputError(f"image {path}: a part of the path is a file, not a directory; pass an existing "
                               "image file") from None
-        raise GlanceError(f"image {path} cannot be reached ({exc.strerror}); pass a readable image file") from None
+        raise InputError(f"image {path} cannot be reached ({exc.strerror}); pass a readable image file") from None
     kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
              (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
     for test, what in kinds:
         if test(mode):
-            raise GlanceError(f"image {path} is {what}, not an image file; pass an image file")
+            raise InputError(f"image {path} is {what}, not an image file; pass an image file")
     if not os.access(path, os.R_OK):
-        raise GlanceError(f"image {path} cannot be read (permission denied); make it readable or pass another file")
+        raise InputError(f"image {path} cannot be read (permission denied); make it readable or pass another file")
     return path
 
 
@@ -75,21 +75,21 @@ def load_image(path: str | Path) -> Image.Image:
         with Image.open(path) as img:
             width, height = img.size
             if width * height > MAX_IMAGE_PIXELS:
-                raise GlanceError(f"image {path} is {width}x{height}, larger than {MAX_IMAGE_PIXELS} pixels; "
+                raise InputError(f"image {path} is {width}x{height}, larger than {MAX_IMAGE_PIXELS} pixels; "
                                   "downscale it first")
             return to_rgb(img)
     except GlanceError:
         raise
     except Image.DecompressionBombError:
-        raise GlanceError(f"image {path} is absurdly large; downscale it first") from None
+        raise InputError(f"image {path} is absurdly large; downscale it first") from None
     except (OSError, ValueError, SyntaxError) as exc:
-        raise GlanceError(f"image {path} cannot be decoded ({exc}); pass a PNG, JPEG or other Pillow format") from None
+        raise InputError(f"image {path} cannot be decoded ({exc}); pass a PNG, JPEG or other Pillow format") from None
 
 
 def check_aspect(height: int, width: int, what: str = "image", fix: str = "crop it first") -> None:
     """Refuse a picture over 200:1, which the vision processors cannot resize to whole patches."""
     if max(height, width) / min(height, width) > 200:
-        raise GlanceError(f"{what} aspect ratio {max(height, width) / min(height, width):.0f}:1 is over 200:1; {fix}")
+        raise InputError(f"{what} aspect ratio {max(height, width) / min(height, width):.0f}:1 is over 200:1; {fix}")
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:

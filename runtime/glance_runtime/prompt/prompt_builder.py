@@ -20,9 +20,11 @@ from typing import Any, Sequence
 import numpy as np
 from PIL import Image
 
-from ..errors import GlanceError, InputError
+from ..errors import GlanceError, InputError, IntegrityError
+from ..formats.common import read_json, read_text
 from .images import smart_resize
 from .messages import split
+from .processor_values import read_processor_config
 from .video import VIDEO_PLACEHOLDER, Video, VideoProcessorConfig, placeholder, process_video, seconds_per_grid
 
 IMAGE_PLACEHOLDER = "<|image_pad|>"
@@ -123,7 +125,7 @@ def process_image(image: Image.Image, cfg: ImageProcessorConfig) -> tuple[np.nda
         height, width = smart_resize(height, width, p * m, cfg.min_pixels, cfg.max_pixels)
         rgb = rgb.resize((width, height), resample=_RESAMPLE[cfg.resample])
     elif height % (p * m) or width % (p * m):
-        raise GlanceError(f"with do_resize false the image must be a multiple of {p * m} px; got {width}x{height}")
+        raise InputError(f"with do_resize false the image must be a multiple of {p * m} px; got {width}x{height}")
     pixels = np.asarray(rgb).astype(np.float64)
     pixels = (pixels * cfg.rescale_factor if cfg.do_rescale else pixels).astype(np.float32)
     if cfg.do_normalize:
@@ -150,7 +152,8 @@ def _compiled(source: str):
     try:
         import jinja2
         import jinja2.ext
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        from .template_budget import BudgetedSandbox
     except ImportError:
         raise GlanceError("rendering the chat template needs jinja2: pip install 'jinja2>=3.1'") from None
 
@@ -161,14 +164,14 @@ def _compiled(source: str):
                sort_keys: bool = False) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = BudgetedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
                        namespace=jinja2.utils.Namespace)
     try:
         return env.from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as exc:
-        raise GlanceError(f"the chat template does not parse ({exc.message} at line {exc.lineno}); restore "
+        raise IntegrityError(f"the chat template does not parse ({exc.message} at line {exc.lineno}); restore "
                           "chat_template.jinja from the model's source") from None
 
 
@@ -181,26 +184,48 @@ class ChatTemplate:
 
     @classmethod
     def from_dir(cls, path: Path) -> "ChatTemplate":
-        """`chat_template.jinja` if present, else the template inside `tokenizer_config.json`."""
+        """`chat_template.jinja` if present, else the template inside `tokenizer_config.json`; rendered once on
+        a probe conversation, so a template that fails or runs past its budget is refused when loaded."""
         tok_cfg_path = path / "tokenizer_config.json"
-        tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.is_file() else {}
+        try:
+            tok_cfg = read_json(tok_cfg_path, "tokenizer config", "restore it from the model's source") \
+                if tok_cfg_path.is_file() else {}
+            jinja_file = path / "chat_template.jinja"
+            source = read_text(jinja_file, "chat template", "restore it from the model's source") \
+                if jinja_file.is_file() else tok_cfg.get("chat_template")
+        except GlanceError as exc:
+            raise IntegrityError(str(exc)) from None
         specials = {k: s for k, v in tok_cfg.items() if k.endswith("_token") and (s := _token_text(v)) is not None}
-        jinja_file = path / "chat_template.jinja"
-        source = jinja_file.read_text() if jinja_file.is_file() else tok_cfg.get("chat_template")
         if isinstance(source, list):  # named templates: [{"name": ..., "template": ...}]
-            source = next((t["template"] for t in source if t.get("name") == "default"), None)
-        if not source:
-            raise GlanceError(f"{path} has no chat template; add chat_template.jinja to the snapshot")
-        return cls(source, specials)
+            source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"),
+                          None)
+        if not source or not isinstance(source, str):
+            raise IntegrityError(f"{path} has no chat template; add chat_template.jinja to the snapshot")
+        template = cls(source, specials)
+        try:
+            template.render([{"role": "user", "content": "probe"}])
+        except InputError:  # a template may refuse a conversation; it only has to render within its budget
+            pass
+        return template
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The rendered prompt; a template that runs past its budget or fails inside is the model files' fault."""
         from jinja2.exceptions import TemplateError
 
+        from .template_budget import OverBudget, render_on_budget
+
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        **self.special_tokens)
+            return render_on_budget(lambda: self.template.generate(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens))
         except TemplateError as exc:
-            raise GlanceError(f"the chat template rejected the prompt: {exc}") from None
+            raise InputError(f"the chat template rejected the prompt: {exc}") from None
+        except OverBudget as exc:
+            raise IntegrityError(f"the chat template ran past its budget ({exc}) rendering this prompt; restore "
+                                 "chat_template.jinja from the model's source") from None
+        except (RecursionError, MemoryError, ArithmeticError, TypeError, ValueError, LookupError,
+                AttributeError) as exc:
+            raise IntegrityError(f"the chat template failed ({type(exc).__name__}: {str(exc)[:120]}); restore "
+                                 "chat_template.jinja from the model's source") from None
 
 
 class PromptBuilder:
@@ -213,21 +238,29 @@ class PromptBuilder:
         self.path = Path(files_dir)
         self.family = family
         if not (self.path / "tokenizer.json").is_file():
-            raise GlanceError(f"{self.path} has no tokenizer.json; the torch-free runtime needs the fast tokenizer file")
+            raise IntegrityError(f"{self.path} has no tokenizer.json; the torch-free runtime needs the fast tokenizer file")
         self.image_token_id = image_token_id
         if image_token_id is not None and not (self.path / "preprocessor_config.json").is_file():
-            raise GlanceError(f"{self.path} has no preprocessor_config.json; a vision model needs its image processor")
+            raise IntegrityError(f"{self.path} has no preprocessor_config.json; a vision model needs its image processor")
         self.template = ChatTemplate.from_dir(self.path)
+        self.tokenizer  # loaded and checked now, like the processor's values: found before any prompt
+        if image_token_id is not None:
+            self.image_config
 
     @cached_property
     def tokenizer(self):
         from tokenizers import Tokenizer
 
-        return Tokenizer.from_file(str(self.path / "tokenizer.json"))
+        try:
+            return Tokenizer.from_file(str(self.path / "tokenizer.json"))
+        except Exception as exc:  # tokenizers' Rust errors share no base class short of Exception
+            reason = (str(exc).splitlines() or [type(exc).__name__])[0][:160]
+            raise IntegrityError(f"cannot load {self.path / 'tokenizer.json'} ({reason}); restore it from the "
+                                 "model's source") from None
 
     @cached_property
     def image_config(self) -> ImageProcessorConfig:
-        return ImageProcessorConfig.from_json(json.loads((self.path / "preprocessor_config.json").read_text()))
+        return ImageProcessorConfig.from_json(read_processor_config(self.path / "preprocessor_config.json"))
 
     @cached_property
     def video_config(self) -> VideoProcessorConfig:
@@ -237,11 +270,17 @@ class PromptBuilder:
     def video_token_id(self) -> int:
         token = self.tokenizer.token_to_id(VIDEO_PLACEHOLDER)
         if token is None:
-            raise GlanceError(f"the tokenizer in {self.path} has no {VIDEO_PLACEHOLDER} token; this model cannot "
+            raise InputError(f"the tokenizer in {self.path} has no {VIDEO_PLACEHOLDER} token; this model cannot "
                               "take video")
         return int(token)
 
     def encode(self, text: str) -> np.ndarray:
+        """Token ids of rendered text: every prompt passes here, so text that is not Unicode is refused here."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InputError(f"the prompt holds a lone surrogate ({text[exc.start]!a} at character {exc.start}), which "
+                             "is not text; pass valid Unicode (decode bytes as UTF-8 first)") from None
         return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
 
     def build_messages(self, messages) -> Prompt:
@@ -257,10 +296,10 @@ class PromptBuilder:
         video_fields, video_texts = processed_videos(videos, self.video_config) if videos else ({}, [])
         ids = self.encode(expand_placeholders(rendered, [IMAGE_PLACEHOLDER * n for n in counts], video_texts))
         if images and int((ids == self.image_token_id).sum()) != sum(counts):
-            raise GlanceError(f"the tokenizer in {self.path} does not map {IMAGE_PLACEHOLDER} to image_token_id "
+            raise IntegrityError(f"the tokenizer in {self.path} does not map {IMAGE_PLACEHOLDER} to image_token_id "
                               f"{self.image_token_id}")
         if videos and int((ids == self.video_token_id).sum()) != sum(t.count(VIDEO_PLACEHOLDER) for t in video_texts):
-            raise GlanceError(f"the tokenizer in {self.path} does not keep {VIDEO_PLACEHOLDER} as one token")
+            raise IntegrityError(f"the tokenizer in {self.path} does not keep {VIDEO_PLACEHOLDER} as one token")
         if videos:
             video_fields["video_token_id"] = self.video_token_id
         if not images:

@@ -11,7 +11,6 @@ written before each frame group.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,6 +20,7 @@ from PIL import Image
 
 from ..errors import GlanceError, InputError
 from .images import check_aspect, smart_resize
+from .processor_values import read_processor_config
 
 DEFAULT_FPS = 2.0  # frames per second of a frame list when the caller does not say (qwen-vl-utils' sampling rate)
 VIDEO_PLACEHOLDER = "<|video_pad|>"
@@ -69,7 +69,7 @@ class VideoProcessorConfig:
         base = cls.defaults(family)
         source = next((p for p in (path / "video_preprocessor_config.json", path / "preprocessor_config.json")
                        if p.is_file()), None)
-        raw = json.loads(source.read_text()) if source is not None else {}
+        raw = read_processor_config(source) if source is not None else {}
         size = raw.get("size") or {}
         min_pixels = size.get("shortest_edge", base.min_pixels)
         max_pixels = size.get("longest_edge", base.max_pixels)

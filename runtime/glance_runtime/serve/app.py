@@ -34,10 +34,11 @@ from starlette.routing import Route
 
 from ..defaults import RUN_MAX_NEW_TOKENS
 from ..errors import GlanceError
+from ..formats.common import MAX_DEPTH, parse
 from ..prompt.prompt_builder import Prompt
 from .engine import Cancelled, Completion, Engine, ModelSpec
 from .openai_errors import RequestError
-from .media import load_image_url
+from .media import Opened, PixelBudget, open_image_url
 from .metrics import Metrics
 from .relay import Relay
 from .schema import ChatRequest, parse_request
@@ -58,6 +59,7 @@ class ServeConfig:
     timeout_s: float = 120.0  # arrival to last token, queue wait included
     max_body_bytes: int = 16 << 20
     max_image_pixels: int = 4096 * 4096
+    max_request_pixels: int = 4 * 4096 * 4096  # all of a request's images together
     max_tokens: int = 1024  # the most a request may ask for
     default_max_tokens: int = RUN_MAX_NEW_TOKENS  # glance-run's default
     max_messages: int = 64
@@ -258,6 +260,12 @@ class Service:
                                code="invalid_api_key", type="authentication_error")
 
     async def body(self, request: Request) -> Any:
+        """The JSON body, read under the size cap. Only `application/json` is parsed: a browser may post a form
+        or text/plain to a loopback server from any page without asking, but not JSON."""
+        kind = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if kind != "application/json":
+            raise RequestError(f"the request body must be sent as Content-Type: application/json, not "
+                               f"{kind or 'none'!r}", 415, code="unsupported_media_type")
         cap = self.config.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > cap:
@@ -270,23 +278,40 @@ class Service:
                 raise RequestError(f"the request body is over this server's {cap} bytes", 413, code="body_too_large")
             chunks.append(chunk)
         try:
-            return json.loads(b"".join(chunks))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise RequestError(f"the request body is not valid JSON ({exc})", code="invalid_json") from None
+            return parse(b"".join(chunks).decode("utf-8"))
+        except UnicodeDecodeError:
+            raise RequestError("the request body is not UTF-8 text", code="invalid_json") from None
+        except ValueError as exc:
+            where = f" (over this server's {MAX_DEPTH} levels)" if "nested" in str(exc) else ""
+            raise RequestError(f"the request body is not valid JSON ({exc}{where})", code="invalid_json") from None
 
     def messages(self, req: ChatRequest) -> list[dict[str, Any]]:
-        """OpenAI messages as the engine takes them: decoded images in place of their URLs."""
+        """OpenAI messages as the engine takes them: decoded images in place of their URLs. Every image's size
+        is read from its header and counted against the request's pixel budget before any is decoded."""
+        budget = PixelBudget(self.config.max_image_pixels, self.config.max_request_pixels)
+        opened: list[Opened] = []
+
+        def image(url: str) -> Opened:
+            opened.append(open_image_url(url, self.config.media_dir, budget, self.config.max_body_bytes))
+            return opened[-1]
+
         out = []
-        for m in req.messages:
-            content = m.content if isinstance(m.content, list) else [] if m.content is None else None
-            if content is None:
-                parts = [{"type": "text", "text": m.content}]
-            else:
-                parts = [{"type": "text", "text": p.text} if p.type == "text" else
-                         {"type": "image", "image": load_image_url(p.image_url.url, self.config.media_dir,
-                                                                   self.config.max_image_pixels)}
-                         for p in content]
-            out.append({"role": "system" if m.role == "developer" else m.role, "content": parts})
+        try:
+            for m in req.messages:
+                content = m.content if isinstance(m.content, list) else [] if m.content is None else None
+                if content is None:
+                    parts = [{"type": "text", "text": m.content}]
+                else:
+                    parts = [{"type": "text", "text": p.text} if p.type == "text" else
+                             {"type": "image", "image": image(p.image_url.url)} for p in content]
+                out.append({"role": "system" if m.role == "developer" else m.role, "content": parts})
+            for message in out:
+                for part in message["content"]:
+                    if part["type"] == "image":
+                        part["image"] = part["image"].decode()
+        finally:
+            for each in opened:
+                each.close()
         return out
 
     def prompt(self, req: ChatRequest, limit: int) -> tuple[Prompt, float]:

@@ -1,7 +1,10 @@
 """Images named in chat messages: data URLs and `file://` paths under the media directory, nothing remote.
 
-Every limit is checked before pixels are decoded, so a small file that claims a huge canvas (a
-decompression bomb) is refused from its header alone.
+Every limit is checked before pixels are decoded: each image's size comes from its header, so a small
+file that claims a huge canvas (a decompression bomb) is refused from its header alone, and the images of
+one request share one pixel budget, so many images each under the per-image cap cannot add up to
+gigabytes. A file is opened as an image (its header read) before the rest of it is read, and one larger
+than a request body could be is refused from its size alone.
 """
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import base64
 import binascii
 import io
 from pathlib import Path
+from typing import BinaryIO
 from urllib.parse import unquote, urlparse
 
 from PIL import Image
@@ -16,26 +20,61 @@ from PIL import Image
 from .openai_errors import RequestError
 
 
-def _open(data: bytes, where: str, max_pixels: int) -> Image.Image:
+class PixelBudget:
+    """The pixels one request's images may still take (`--max-request-pixels`), each at most `per_image`."""
+
+    def __init__(self, per_image: int, per_request: int):
+        self.per_image, self.per_request, self.left = per_image, per_request, per_request
+
+    def take(self, where: str, width: int, height: int) -> None:
+        pixels = width * height
+        if pixels > self.per_image:
+            raise RequestError(f"{where} is {width}x{height} pixels, over this server's {self.per_image} per image "
+                               "(--max-image-pixels); downscale it first", param="messages", code="image_too_large")
+        if pixels > self.left:
+            raise RequestError(f"the request's images add up to over this server's {self.per_request} pixels per "
+                               "request (--max-request-pixels); send fewer or smaller images", param="messages",
+                               code="request_pixels_too_large")
+        self.left -= pixels
+
+
+def _open(source: BinaryIO | Path, where: str, budget: PixelBudget) -> "Opened":
+    """The image's header read and its pixels taken from the budget; the pixels are decoded later."""
     try:
-        with Image.open(io.BytesIO(data)) as img:
-            width, height = img.size
-            if width * height > max_pixels:
-                raise RequestError(f"{where} is {width}x{height} pixels, over this server's {max_pixels}; "
-                                   "downscale it first", param="messages", code="image_too_large")
-            img.load()
-            return img.convert("RGB")
-    except RequestError:
-        raise
+        img = Image.open(source)
     except Image.DecompressionBombError:
         raise RequestError(f"{where} claims an absurd size; downscale it first", param="messages",
                            code="image_too_large") from None
     except (OSError, ValueError, SyntaxError):
         raise RequestError(f"{where} is not an image Pillow can decode; send a PNG, JPEG or WebP",
                            param="messages", code="invalid_image") from None
+    try:
+        budget.take(where, *img.size)
+    except RequestError:
+        img.close()
+        raise
+    return Opened(img, where)
 
 
-def _data_url(url: str, max_pixels: int) -> Image.Image:
+class Opened:
+    """An image whose header has been read and counted, not yet decoded."""
+
+    def __init__(self, image: Image.Image, where: str):
+        self.image, self.where = image, where
+
+    def decode(self) -> Image.Image:
+        try:
+            self.image.load()
+            return self.image.convert("RGB")
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+            raise RequestError(f"{self.where} is not an image Pillow can decode; send a PNG, JPEG or WebP",
+                               param="messages", code="invalid_image") from None
+
+    def close(self) -> None:
+        self.image.close()
+
+
+def _data_url(url: str, budget: PixelBudget) -> Opened:
     header, sep, payload = url.partition(",")
     if not sep or not header.endswith(";base64"):
         raise RequestError("an image data URL must be data:image/...;base64,<data>", param="messages",
@@ -45,36 +84,58 @@ def _data_url(url: str, max_pixels: int) -> Image.Image:
     except (binascii.Error, ValueError):
         raise RequestError("the image data URL's payload is not valid base64", param="messages",
                            code="invalid_base64") from None
-    return _open(data, "the data URL's image", max_pixels)
+    return _open(io.BytesIO(data), "the data URL's image", budget)
 
 
-def _file_url(url: str, media_dir: Path | None, max_pixels: int) -> Image.Image:
-    if media_dir is None:
-        raise RequestError("file:// images are disabled; start the server with --media-dir DIR to serve files from "
-                           "DIR, or send the image as a data URL", param="messages", code="media_dir_not_set")
+def _file_path(url: str, media_dir: Path) -> Path:
+    """The file a `file://` URL names under `media_dir`; a name no file system takes is a 400, not a crash."""
     parsed = urlparse(url)
     if parsed.netloc not in ("", "localhost"):
         raise RequestError("a file:// URL must name a local path (file:///...)", param="messages",
                            code="invalid_image_url")
+    name = unquote(parsed.path)
     root = media_dir.resolve()
-    raw = Path(unquote(parsed.path))
-    path = (raw if raw.is_absolute() else root / raw).resolve()
-    if not path.is_relative_to(root):
-        raise RequestError(f"{unquote(parsed.path)} is outside the media directory; only files under --media-dir "
-                           "are served", param="messages", code="path_outside_media_dir")
-    if not path.is_file():
-        raise RequestError(f"{path.relative_to(root)} does not exist in the media directory", param="messages",
-                           code="image_not_found")
-    return _open(path.read_bytes(), f"image {path.relative_to(root)}", max_pixels)
+    try:
+        raw = Path(name)
+        path = (raw if raw.is_absolute() else root / raw).resolve()
+        inside = path.is_relative_to(root)
+        found = inside and path.is_file()
+    except (OSError, ValueError):  # a NUL byte, a name over the file system's length limit
+        raise RequestError(f"the file:// path {name[:80]!a} is not a usable file name", param="messages",
+                           code="invalid_image_url") from None
+    if not inside:
+        raise RequestError(f"{name[:200]!a} is outside the media directory; only files under --media-dir are "
+                           "served", param="messages", code="path_outside_media_dir")
+    if not found:
+        raise RequestError(f"{str(path.relative_to(root))[:200]!a} does not exist in the media directory",
+                           param="messages", code="image_not_found")
+    return path
 
 
-def load_image_url(url: str, media_dir: Path | None, max_pixels: int) -> Image.Image:
-    """The decoded image an `image_url` part names; remote URLs are refused, never fetched."""
+def _file_url(url: str, media_dir: Path | None, budget: PixelBudget, max_bytes: int) -> Opened:
+    if media_dir is None:
+        raise RequestError("file:// images are disabled; start the server with --media-dir DIR to serve files from "
+                           "DIR, or send the image as a data URL", param="messages", code="media_dir_not_set")
+    path = _file_path(url, media_dir)
+    where = f"image {str(path.relative_to(media_dir.resolve()))[:200]!a}"
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise RequestError(f"{where} cannot be read ({exc.strerror})", param="messages",
+                           code="image_not_found") from None
+    if size > max_bytes:
+        raise RequestError(f"{where} is {size} bytes, over the {max_bytes} a request body may hold "
+                           "(--max-body-mb); downscale it first", param="messages", code="image_too_large")
+    return _open(path, where, budget)
+
+
+def open_image_url(url: str, media_dir: Path | None, budget: PixelBudget, max_bytes: int) -> Opened:
+    """The image an `image_url` part names, its header read and counted; remote URLs are refused, never fetched."""
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
-        return _data_url(url, max_pixels)
+        return _data_url(url, budget)
     if scheme == "file":
-        return _file_url(url, media_dir, max_pixels)
+        return _file_url(url, media_dir, budget, max_bytes)
     if scheme in ("http", "https", "ftp"):
         raise RequestError("this server never fetches remote images; send the image as a data URL "
                            "(data:image/png;base64,...) or a file:// path under --media-dir", param="messages",

@@ -1,5 +1,6 @@
 """The chat-completions request as OpenAI defines it, validated strictly (pydantic), and what greedy
-decoding cannot honour refused by name."""
+decoding cannot honour refused by name: a field this server does not act on (tools, response formats,
+logit biases, ...) is a 400 naming it, never ignored."""
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
@@ -10,7 +11,7 @@ from .openai_errors import RequestError
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class TextPart(_Strict):
@@ -20,7 +21,7 @@ class TextPart(_Strict):
 
 class ImageURL(_Strict):
     url: str
-    detail: str | None = None
+    detail: Literal["auto"] | None = None  # the image is read as sent: "low" and "high" would be ignored
 
 
 class ImagePart(_Strict):
@@ -34,7 +35,6 @@ Part = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[Part] | None = None
-    name: str | None = None
 
 
 class StreamOptions(_Strict):
@@ -85,4 +85,8 @@ def parse_request(raw: Any) -> ChatRequest:
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
+        if first["type"] == "extra_forbidden":
+            raise RequestError(f"{where} is not supported by this server, which answers text chat with greedy, "
+                               f"lossless decoding (no tools, functions, logit biases, response formats or log-probs); "
+                               f"omit {where}", param=where, code="unsupported_field") from None
         raise RequestError(f"{where}: {first['msg']}", param=where, code="invalid_request") from None

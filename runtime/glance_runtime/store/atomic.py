@@ -1,28 +1,38 @@
 """Outputs appear whole or not at all: built in a temporary sibling, renamed into place at the end.
 
-Killed at any point (even SIGKILL, where no cleanup runs), a command leaves the previous output in
-place or, for the instant between two renames, parked in a hidden sibling; the next run into the
-same place restores a parked output and removes the half-built leftovers of processes that are gone.
+Every replacement first writes a journal next to the output (`.NAME.glance-TOKEN.json`, TOKEN 128 random
+bits) naming its two siblings, `.NAME.glance-TOKEN.new` (being built) and `.NAME.glance-TOKEN.old` (the
+output being replaced, for the instant between two renames). Killed at any point (even SIGKILL, where no
+cleanup runs), a command leaves the previous output in place or parked; the next run into the same place
+reads the journals of processes that are gone, puts a parked output back and removes the half-built
+sibling. Only what a journal names is ever moved or deleted, so a user's file that merely looks like a
+temporary name is never touched.
 
-Every output directory carries a marker naming the format and the command that made it, so a command
-replaces only an output of its own format (or an empty directory) and never a model snapshot, a task
-folder or a home directory that happens to be passed as `--out`; and no input is ever an output.
+Every output directory carries a marker naming the format and the command that made it, and every output
+file starts with its format header (`{"format": ...`), so a command replaces only an output of its own
+format (or an empty directory) and never a model snapshot, a task file or a home directory that happens to
+be passed as an output; and no input is ever an output.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
 import shutil
 import tempfile
 from contextlib import contextmanager
+from glob import escape
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from ..errors import GlanceError
 
 MARKER = ".glance-output.json"  # {"format": ..., "made_by": ...}; hidden, so bundles and listings skip it
 
-NEW, OLD = "new", "old"  # hidden siblings: .NAME.new.PID.* (being built), .NAME.old.PID.* (being replaced)
+SWAP_FORMAT = "glance-swap"  # the journal of one replacement
+HEADER_BYTES = 4096  # an output file's format header lies in its first bytes
+_HEADER = re.compile(rb'\s*\{\s*"format"\s*:\s*"([A-Za-z0-9_.-]{1,64})"')
 
 
 def _umask() -> int:
@@ -36,23 +46,69 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except (PermissionError, OverflowError):
         return True
     return True
 
 
+class _Swap:
+    """The siblings of one replacement of `out`, named by the journal written before either exists."""
+
+    def __init__(self, out: Path, token: str):
+        stem = out.parent / f".{out.name}.glance-{token}"
+        self.out, self.token = out, token
+        self.journal, self.new, self.old = (Path(f"{stem}{suffix}") for suffix in (".json", ".new", ".old"))
+
+    @classmethod
+    def begin(cls, out: Path) -> "_Swap":
+        swap = cls(out, secrets.token_hex(16))
+        body = json.dumps({"format": SWAP_FORMAT, "pid": os.getpid(), "token": swap.token, "output": out.name})
+        fd = os.open(swap.journal, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(body + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.mkdir(swap.new)
+        return swap
+
+    @classmethod
+    def found(cls, journal: Path) -> tuple["_Swap", int] | None:
+        """The swap a journal records, with its process id (None: not a journal of ours for this output)."""
+        try:
+            raw = json.loads(journal.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        if not isinstance(raw, dict) or raw.get("format") != SWAP_FORMAT or type(raw.get("pid")) is not int:
+            return None
+        out, token = journal.parent / str(raw.get("output")), raw.get("token")
+        if not isinstance(token, str) or not re.fullmatch(r"[0-9a-f]{32}", token):
+            return None
+        swap = cls(out, token)
+        return (swap, raw["pid"]) if swap.journal == journal else None
+
+    def settle(self) -> None:
+        """Finish or undo: the parked output goes back where the output is missing, then both siblings and
+        the journal go. A sibling that is a symbolic link was not made here and is left alone."""
+        if _real_dir(self.old) and not os.path.lexists(self.out):
+            os.replace(self.old, self.out)
+        for sibling in (self.new, self.old):
+            if _real_dir(sibling):
+                shutil.rmtree(sibling, ignore_errors=True)
+        self.journal.unlink(missing_ok=True)
+
+
+def _real_dir(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink()
+
+
 def recover(out: Path) -> None:
     """Put back an output parked by a process killed mid-swap; delete dead processes' partial builds."""
-    prefix = f".{out.name}."
-    for sibling in sorted(out.parent.iterdir()) if out.parent.is_dir() else []:
-        kind, _, rest = sibling.name[len(prefix):].partition(".")
-        pid = rest.partition(".")[0]
-        if not sibling.name.startswith(prefix) or kind not in (NEW, OLD) or not pid.isdigit() or _alive(int(pid)):
-            continue
-        if kind == OLD and not out.exists():
-            os.replace(sibling, out)
-        else:
-            shutil.rmtree(sibling, ignore_errors=True)
+    if not out.parent.is_dir():
+        return
+    for journal in sorted(out.parent.glob(f".{escape(out.name)}.glance-*.json")):
+        found = _Swap.found(journal)
+        if found is not None and found[0].out == out and not _alive(found[1]):
+            found[0].settle()
 
 
 def check_writable(out: str | Path) -> None:
@@ -79,6 +135,17 @@ def output_format(directory: Path) -> str | None:
     return found.get("format") if isinstance(found, dict) and isinstance(found.get("format"), str) else None
 
 
+def file_format(path: Path) -> str | None:
+    """The format an output file of this toolkit names first (None: any other file, or unreadable)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(HEADER_BYTES)
+    except OSError:
+        return None
+    found = _HEADER.match(head)
+    return found.group(1).decode() if found else None
+
+
 def check_not_input(out: str | Path, inputs: Iterable[str | Path | None]) -> None:
     """Refuse an output that is an input, holds one, or lies inside one. Compared by real path, so a
     symlink or `..` does not hide that the output is an input."""
@@ -99,13 +166,17 @@ def check_not_input(out: str | Path, inputs: Iterable[str | Path | None]) -> Non
                           "outside every input")
 
 
+def _check_not_dangling(out: Path) -> None:
+    if out.is_symlink() and not out.exists():
+        raise GlanceError(f"output {out} is a dangling symbolic link; remove it or pick another output path")
+
+
 def check_output(out: str | Path, fmt: str, inputs: Iterable[str | Path | None] = ()) -> None:
     """Refuse, before any work, an output this command may not replace: an input (or what holds one), a
     file, or a non-empty directory whose marker is not `fmt` (one no command made, or another kind)."""
     out = Path(out)
     check_not_input(out, inputs)
-    if out.is_symlink() and not out.exists():
-        raise GlanceError(f"output {out} is a dangling symbolic link; remove it or pick another output path")
+    _check_not_dangling(out)
     if out.exists():
         if not out.is_dir():
             raise GlanceError(f"output {out} exists and is not a directory; pick a new or empty directory")
@@ -119,6 +190,26 @@ def check_output(out: str | Path, fmt: str, inputs: Iterable[str | Path | None] 
             what = f"a {found} output" if found else "a directory no glance command made"
             raise GlanceError(f"output {out} is {what}, not a {fmt} output, and writing there would replace it; "
                               "pick a new or empty directory")
+    check_writable(out)
+
+
+def check_output_file(out: str | Path, fmt: str, inputs: Iterable[str | Path | None] = (),
+                      recognise: Callable[[Path], bool] | None = None) -> None:
+    """Refuse, before any work, a file output this command may not replace: an input (or what holds one), a
+    directory, or an existing file that does not start with `fmt`'s header (`recognise(path)` instead
+    says whether a file is one of ours, for formats without a JSON header)."""
+    out = Path(out)
+    check_not_input(out, inputs)
+    _check_not_dangling(out)
+    if out.is_dir():
+        raise GlanceError(f"output {out} is a directory, not a file; give a file name (in it, or elsewhere)")
+    if out.exists():
+        ours = recognise(out) if recognise is not None else file_format(out) == fmt
+        if not out.is_file() or not ours:
+            found = file_format(out) if out.is_file() else None
+            what = f"a {found} file" if found else "a file no glance command wrote"
+            raise GlanceError(f"output {out} is {what}, not a {fmt} file, and writing there would replace it; "
+                              "pick a new file name (or remove the file yourself)")
     check_writable(out)
 
 
@@ -140,8 +231,13 @@ def output_directory(out: str | Path, fmt: str, made_by: str, inputs: Iterable[s
     return out
 
 
-def _fresh(out: Path, kind: str) -> Path:
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.{kind}.{os.getpid()}.", dir=out.parent))
+def _begin(out: Path) -> _Swap:
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        recover(out)
+        return _Swap.begin(out)
+    except OSError as exc:
+        raise GlanceError(f"cannot create {out} ({exc.strerror}); pick a writable output path") from None
 
 
 @contextmanager
@@ -151,26 +247,16 @@ def atomic_directory(out: str | Path, fmt: str, made_by: str) -> Iterator[Path]:
     Writers call `check_output` (with their inputs) before their work; this checks the format again."""
     out = Path(out)
     check_output(out, fmt)
+    swap = _begin(out)
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        recover(out)
-        tmp = _fresh(out, NEW)
-    except OSError as exc:
-        raise GlanceError(f"cannot create {out} ({exc.strerror}); pick a writable output path") from None
-    try:
-        tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; the result is an ordinary directory
-        yield tmp
-        mark(tmp, fmt, made_by)
+        yield swap.new
+        mark(swap.new, fmt, made_by)
         if out.exists():
-            parked = _fresh(out, OLD)
-            os.replace(out, parked)  # onto the empty directory mkdtemp made: still one rename
-            os.replace(tmp, out)
-            shutil.rmtree(parked, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            os.mkdir(swap.old)
+            os.replace(out, swap.old)  # onto the empty directory: still one rename
+        os.replace(swap.new, out)
+    finally:
+        swap.settle()
 
 
 def write_file(path: str | Path, data: str | bytes) -> None:
@@ -178,7 +264,7 @@ def write_file(path: str | Path, data: str | bytes) -> None:
     OSError propagates (with the sibling removed), so each caller words its own refusal."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.glance-", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data.encode() if isinstance(data, str) else data)
@@ -197,12 +283,10 @@ def atomic_files(directory: str | Path) -> Iterator[Path]:
     namesake in `directory` by one rename, so every file is seen (or left by a kill) whole, old or new."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    staging = directory / "files"
-    recover(staging)
-    tmp = _fresh(staging, NEW)
+    swap = _begin(directory / "files")
     try:
-        yield tmp
-        for path in sorted(tmp.iterdir()):
+        yield swap.new
+        for path in sorted(swap.new.iterdir()):
             os.replace(path, directory / path.name)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        swap.settle()

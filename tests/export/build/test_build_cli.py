@@ -28,6 +28,7 @@ from glance_export.build.memory_plan import kv_bytes_per_row, weights_bytes
 from glance_export.build.tensorrt_build import shape_profiles
 from glance_export.build.toolchain import Toolchain
 from glance_runtime.errors import GlanceError
+from glance_runtime.formats.artifacts import read as load_manifest
 from glance_runtime.store.integrity import sha256
 from support import ALL_FAMILIES, blocking, export_once
 
@@ -64,7 +65,7 @@ def test_build_rtx_engines_for_every_family(exported, monkeypatch, capsys, tmp_p
     out = tmp_path / "engines"
     rc, stdout, _ = run_cli(monkeypatch, capsys, NO_GPU, "--target", "rtx", "--artifacts", artifacts, "--out", out)
     assert rc == 0
-    art = _manifest(artifacts / "manifest.json")
+    art, typed = _manifest(artifacts / "manifest.json"), load_manifest(artifacts)
     record = _manifest(out / "engines.json")
     assert set(record["engines"]) == set(art["graphs"])
     assert sorted(p.name for p in out.iterdir()) == sorted([MARKER, "engines.json", *(f"{g}.engine" for g in art["graphs"])])
@@ -73,7 +74,8 @@ def test_build_rtx_engines_for_every_family(exported, monkeypatch, capsys, tmp_p
         assert entry["bytes"] == engine.stat().st_size > 0 and entry["sha256"] == sha256(engine)
         assert [o["sha256"] for o in entry["onnx"]] == [sha256(artifacts / o["file"]) for o in entry["onnx"]]
         assert entry["onnx"][0]["file"] == art["graphs"][graph]["file"]
-        assert entry["profiles"] == {p.name: {a: list(r) for a, r in p.axes.items()} for p in shape_profiles(art, graph)}
+        profiles = shape_profiles(typed, graph)
+        assert entry["profiles"] == {p.name: {a: list(r) for a, r in p.axes.items()} for p in profiles}
     assert record["tensorrt"] == {"module": "tensorrt_rtx", "version": trt.__version__}
     assert record["device"]["name"] == "ahead-of-time, no GPU" and record["target"] == "rtx"
     assert record["precision"] == {"name": "fp32", "artifacts_dtype": "fp32", "how": "the graphs' own fp32 dtypes"}
@@ -167,10 +169,10 @@ def test_refusals_are_one_line_and_write_nothing(exported, monkeypatch, capsys, 
 
 def test_memory_refusal_names_the_context_that_fits(exported, monkeypatch, capsys, tmp_path):
     _, _, artifacts = exported("qwen3")
-    art = _manifest(artifacts / "manifest.json")
+    art = load_manifest(artifacts)
     rtx = load_profile("rtx")
     rows = 100  # leave room for exactly this many KV rows
-    gib = rtx.reserve_gib + 1 + (weights_bytes(artifacts, art) + rows * kv_bytes_per_row(art) + 512) / (1 << 30)
+    gib = rtx.reserve_gib + 1 + (weights_bytes(artifacts, art.graphs) + rows * kv_bytes_per_row(art) + 512) / (1 << 30)
     rc, _, stderr = run_cli(monkeypatch, capsys, NO_GPU, "--target", "rtx", "--artifacts", artifacts,
                             "--out", tmp_path / "e", "--memory-gib", f"{gib:.9f}", "--workspace-gib", 1,
                             "--max-context", 200)
@@ -242,7 +244,7 @@ def test_engines_may_be_built_inside_their_bundle_and_nowhere_else_in_it(exporte
 
 def test_device_profiles_state_the_platform_facts():
     """The files in engines/ are the ones the installed package reads, and say what the platforms are."""
-    packaged = resources.files("glance_export").joinpath("profiles")
+    packaged = resources.files("glance_export.build").joinpath("profiles")
     engines = Path(__file__).resolve().parents[3] / "engines" / "profiles"
     assert sorted(p.name for p in engines.glob("*.json")) == sorted(f"{n}.json" for n in PROFILE_NAMES)
     assert all(packaged.joinpath(f"{n}.json").read_text() == (engines / f"{n}.json").read_text() for n in PROFILE_NAMES)

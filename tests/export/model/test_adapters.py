@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from glance_export.model.adapters import Snapshot, load_image
+from glance_export.model.adapters import Snapshot
+from glance_runtime.prompt.images import load_image
 from glance_runtime.errors import GlanceError
 from support import ALL_FAMILIES, VL_FAMILIES
 

@@ -58,7 +58,7 @@ def test_the_estimate_covers_a_real_load_and_counts_the_fp32_copies(wide_fp16):
 
 def test_weight_bytes_are_the_files_the_backend_opens(wide_fp16):
     manifest = read_manifest(wide_fp16)
-    files = {entry[key] for entry in manifest.raw["graphs"].values() for key in ("file", "data_file") if entry.get(key)}
+    files = {name for entry in manifest.graphs.values() for name in (entry.file, entry.data_file) if name}
     assert {"target.onnx", "draft.onnx", "vocab.onnx"} <= files
     assert weight_bytes(manifest) == sum((wide_fp16 / f).stat().st_size for f in files)
 

@@ -1,4 +1,4 @@
-"""OrtBackend on ort_exported tiny models: token parity with the torch greedy oracle, no torch at run time.
+"""OrtBackend on exported tiny models: token parity with the torch greedy oracle, no torch at run time.
 
 Artifacts are built with the real exporter from the shared tiny snapshots. Prompts come from the
 backend's own torch-free builder and are handed unchanged to the oracle, so any divergence is the
@@ -95,7 +95,7 @@ def test_the_backend_declares_what_it_serves_and_times_its_own_graphs(images):
     backend = OrtBackend(DEFAULT_ARTIFACTS, max_tree=16, threads=1)
     info = backend.info
     assert info.home == DEFAULT_ARTIFACTS and info.manifest.path == DEFAULT_ARTIFACTS
-    assert info.limits.max_tree == 16 and info.limits.max_branch_k == info.manifest.branch_k and info.limits.ort_exported
+    assert info.limits.max_tree == 16 and info.limits.max_branch_k == info.manifest.branch_k and info.limits.exported
     assert info.precision == "fp32" and info.providers == ("CPUExecutionProvider",) and info.threads == 1
     clock = backend.time_graphs()
     assert backend.time_graphs() is clock

@@ -246,6 +246,7 @@ def test_calibrate_writes_a_calibration_auto_runs_with(bench_out, artifacts, tmp
     rounds = bench_out / "rounds.jsonl"
     assert bench_main(["calibrate", str(rounds), "--out", str(tmp_path)]) == 0
     assert "verified nodes" in capsys.readouterr().out
+    assert bench_main(["calibrate", str(rounds), "--out", str(tmp_path / "calibration.json")]) == 0  # its own file
     fitted = load_calibration(tmp_path / "calibration.json")
     assert fitted.fitted and fitted.fitted_on["modes"] == ["tree-15", "tree-7"]
     assert bench_main(["calibrate", str(rounds), "--mode", "chain-7", "--out", str(tmp_path / "chain.json")]) == 0

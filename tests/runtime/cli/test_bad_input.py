@@ -28,6 +28,8 @@ from glance_export.model.head import head_config_for, init_head, pick_mask_token
 from glance_runtime.cli.bench import main as bench_main
 from glance_runtime.cli.run import main as run_main
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
+from glance_runtime.formats.common import digest
+from glance_runtime.store.integrity import sha256
 from support import export_once, make_snapshot
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
@@ -89,6 +91,26 @@ class Inputs:
         copy = self.copy(what)
         edit(copy / name)
         return copy
+
+    def rehashed(self, name: str, edit: Callable[[Path], object]) -> Path:
+        """A copy of the export with `name` edited and every hash redone, as a deliberate editor would: only
+        the checks of the values themselves can refuse it."""
+        copy = self.copy("art")
+        if name != "manifest.json":
+            edit(copy / name)
+        manifest = json.loads((copy / "manifest.json").read_text())
+        if name == "manifest.json":
+            edit(manifest)
+        else:
+            manifest["file_hashes"][name] = {"sha256": sha256(copy / name), "size": (copy / name).stat().st_size}
+        manifest["content_sha256"] = digest(manifest, leave_out="content_sha256")
+        (copy / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        return copy
+
+    def processor(self, **values) -> Path:
+        def edit(path: Path) -> None:
+            path.write_text(json.dumps({**json.loads(path.read_text()), **values}))
+        return self.rehashed("preprocessor_config.json", edit)
 
 
 @dataclass(frozen=True)
@@ -201,6 +223,29 @@ ROWS = [
     Row("run-head-weights-corrupted", "glance-run", lambda i: torch(i, head=i.edited("head", "model.safetensors", i.truncate)),
         "cannot read"),
     Row("run-head-for-another-target", "glance-run", lambda i: torch(i, head=i.other_head), "head was made for"),
+    # glance-run: exports edited with their hashes redone, each value refused when loaded
+    Row("run-template-loops", "glance-run", lambda i: ort(i, i.rehashed("chat_template.jinja", lambda p: p.write_text(
+        "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"))), "past its budget"),
+    Row("run-template-doubles-text", "glance-run", lambda i: ort(i, i.rehashed("chat_template.jinja", lambda p: p.write_text(
+        '{% set ns = namespace(s="x") %}{% for a in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}'))),
+        "past its budget"),
+    Row("run-tokenizer-junk", "glance-run", lambda i: ort(i, i.rehashed("tokenizer.json", lambda p: p.write_text(
+        '{"version": "1.0", "model": {"type": "nonsense"}}'))), "cannot load .*tokenizer.json"),
+    Row("run-processor-patch-size-zero", "glance-run", lambda i: ort(i, i.processor(patch_size=0)), "patch_size is 0"),
+    Row("run-processor-merge-size-huge", "glance-run", lambda i: ort(i, i.processor(merge_size=10**6)), "merge_size"),
+    Row("run-processor-std-zero", "glance-run", lambda i: ort(i, i.processor(image_std=[0, 0, 0])), "image_std"),
+    Row("run-processor-resample-unknown", "glance-run", lambda i: ort(i, i.processor(resample=42)), "resample is 42"),
+    Row("run-processor-max-pixels-huge", "glance-run", lambda i: ort(i, i.processor(max_pixels=10**12)), "max_pixels"),
+    Row("run-processor-an-array", "glance-run", lambda i: ort(i, i.rehashed(
+        "preprocessor_config.json", lambda p: p.write_text("[1, 2]"))), "array, not an object"),
+    Row("run-manifest-num-layers", "glance-run", lambda i: ort(i, i.rehashed(
+        "manifest.json", lambda m: m["graphs"]["target"].update(num_layers=1))), "num_layers is 1"),
+    Row("run-manifest-axis-huge", "glance-run", lambda i: ort(i, i.rehashed(
+        "manifest.json", lambda m: m["axes"].update(T=[1, 10**9]))), r"axes\.T is 1000000000"),
+    # glance-run: flags that conflict
+    Row("run-artifacts-and-model", "glance-run", lambda i: ort(i, i.art, "--model", i.other_model), "would be ignored"),
+    Row("run-engines-and-head", "glance-run", lambda i: ["--backend", "tensorrt", "--engines", i.art, "--head", i.head,
+                                                          *run(i)], "would be ignored"),
     Row("run-engines-manifest-truncated", "glance-run", lambda i: ["--backend", "tensorrt", "--engines", i.edited(
         "art", "manifest.json", lambda p: p.rename(p.with_name("engines.json"))), *run(i)], "engine manifest"),
     # glance-export audit

@@ -11,6 +11,7 @@ from PIL import Image
 
 from glance_export.model.adapters import Snapshot
 from glance_runtime.errors import GlanceError
+from glance_runtime.prompt.codec import PromptCodec
 from glance_runtime.prompt.images import load_image, smart_resize
 from glance_runtime.prompt.messages import user_turn
 from glance_runtime.prompt.prompt_builder import ImageProcessorConfig, Prompt, PromptBuilder, process_image
@@ -47,7 +48,8 @@ def test_text_prompt_ids_match(snapshots, family, text):
 def test_image_prompt_matches_processor(snapshots, family, size, tmp_path):
     snap = snapshots[family]
     image = make_image(tmp_path / "img.png", *size, seed=sum(size))
-    ours, ref = _turn(runtime_prompt_builder(snap), "Describe the image.", image), snap.build_prompt("Describe the image.", image)
+    ours = _turn(runtime_prompt_builder(snap), "Describe the image.", image)
+    ref = snap.build_prompt("Describe the image.", image)
     np.testing.assert_array_equal(ours.input_ids, ref.input_ids)
     np.testing.assert_array_equal(ours.image_grid_thw, ref.image_grid_thw)
     assert ours.pixel_values.dtype == np.float32 and ours.pixel_values.shape == ref.pixel_values.shape
@@ -121,9 +123,10 @@ def test_rope_index_text_only():
 def test_decode_matches_tokenizer(snapshots, family):
     snap = snapshots[family]
     builder = runtime_prompt_builder(snap)
+    codec = PromptCodec(builder.build_messages, builder.tokenizer, (), None, 1)
     for text in TEXTS:
-        ids = _turn(builder, text).input_ids.tolist()
-        assert builder.decode(ids) == snap.tokenizer.decode(ids, skip_special_tokens=True)
+        ids = codec.turn(text).input_ids.tolist()
+        assert codec.decode(ids) == snap.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 # Exercises what real Qwen templates rely on: block whitespace trimming, namespace, loop controls,

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 from PIL import Image
 
 import glance_runtime as gr
@@ -216,6 +217,24 @@ REFUSALS = {
     "max_tokens over the cap": (_body(max_tokens=100_000), 400, "max_tokens_too_large"),
     "too many messages": (_body(messages=user("hi") * 9), 400, "too_many_messages"),
     "body too large": (_body(messages=user("x" * (3 << 20))), 413, "body_too_large"),
+    **{f"unsupported {field}": (_body(**{field: value}), 400, "unsupported_field") for field, value in (
+        ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]), ("tool_choice", "required"),
+        ("functions", [{"name": "f"}]), ("function_call", "auto"), ("logit_bias", {"1": 5}),
+        ("response_format", {"type": "json_object"}), ("top_logprobs", 2), ("parallel_tool_calls", True))},
+    "a message's name": (_body(messages=[{"role": "user", "content": "hi", "name": "bob"}]), 400,
+                         "unsupported_field"),
+    "image detail high": (_body(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,", "detail": "high"}}]}]), 400,
+                          "invalid_request"),
+    "JSON nested 100k deep": (b'{"model": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "invalid_json"),
+    "a lone surrogate in the prompt": (json.dumps(_body(messages=user("total? \ud800"))).encode(), 400,
+                                       "invalid_prompt"),
+    "a NUL in a file name": (_image("file:///receipt%00.png"), 400, "invalid_image_url"),
+    "a 5000-character file name": (_image("file:" + "a" * 5000 + ".png"), 400, "invalid_image_url"),
+    "images over the request's pixels": (_body(messages=[{"role": "user", "content": [
+        *({"type": "image_url", "image_url": {"url": "data:image/png;base64," + __import__("base64").b64encode(
+            _png((4096, 4096))).decode()}} for _ in range(5)), {"type": "text", "text": "hi"}]}]), 400,
+                                         "request_pixels_too_large"),
 }
 
 
@@ -231,6 +250,40 @@ def test_bad_requests_get_their_4xx_in_openais_shape_and_the_server_stays_health
     assert error["code"] == code and error["message"] and "Traceback" not in r.text
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert ask(server, "Describe this.").choices[0].message.content == expected["Describe this."]["text"]
+
+
+TEXT = st.text(alphabet=st.one_of(st.characters(codec="utf-8"), st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF),
+                                  st.characters(max_codepoint=0x1F)), max_size=30)
+VALUES = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), TEXT),
+                      lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(TEXT, inner, max_size=3)),
+                      max_leaves=8)
+FIELDS = ["stop", "stream", "temperature", "top_p", "n", "seed", "user", "logprobs", "stream_options", "tools",
+          "response_format", "max_completion_tokens", "presence_penalty", "store", "metadata", "x"]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=TEXT, role=st.sampled_from(["user", "system", "assistant", "developer", "tool"]),
+       extra=st.dictionaries(st.sampled_from(FIELDS), VALUES, max_size=3), content=st.one_of(st.none(), VALUES))
+def test_any_request_is_answered_or_refused_in_openais_shape(server, text, role, extra, content):
+    """Arbitrary fields, values and text (lone surrogates, control characters): a 200 or a 4xx with OpenAI's
+    error body; never a 500."""
+    message = {"role": role, "content": text if content is None else content}
+    body = {**extra, "model": MODEL_NAME, "messages": [message, {"role": "user", "content": text}], "max_tokens": 1}
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=json.dumps(body).encode(), timeout=CLIENT_TIMEOUT_S,
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 200 or 400 <= r.status_code < 500, (r.status_code, r.text)
+    if r.status_code != 200:
+        error = r.json()["error"]
+        assert error["message"] and "\n" not in error["message"] and error["type"]
+
+
+@pytest.mark.parametrize("kind", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data", None])
+def test_only_json_bodies_are_read(server, kind):
+    """What a web page may post cross-origin without asking (a form, text) is refused as such: 415."""
+    headers = {"Authorization": f"Bearer {KEY}", **({"Content-Type": kind} if kind else {})}
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=json.dumps(_body()).encode(), headers=headers,
+                   timeout=CLIENT_TIMEOUT_S)
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
 
 
 def test_the_openai_client_raises_on_refusals(server):
@@ -356,9 +409,18 @@ def test_a_request_over_its_timeout_is_504_and_the_server_carries_on(expected):
     (["--host", "0.0.0.0"], "--api-key"),
     (["--media-dir", "/nonexistent/dir"], "--media-dir"),
     (["--max-queue", "0"], "--max-queue"),
+    (["--port", "99999"], "--port"),
+    (["--max-body-mb", "nan"], "--max-body-mb"),
+    (["--timeout", "nan"], "--timeout"),
+    (["--timeout", "inf"], "--timeout"),
+    (["--max-request-pixels", "10", "--max-image-pixels", "100"], "--max-request-pixels"),
 ])
 def test_unsafe_or_bad_flags_are_one_line_refusals(argv, message, capsys):
-    assert serve_main([*argv, "--port", "0"]) == 2
+    try:
+        code = serve_main(["--port", "0", *argv])
+    except SystemExit as exc:  # a value argparse refuses
+        code = exc.code
+    assert code == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
 
