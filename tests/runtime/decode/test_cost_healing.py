@@ -20,6 +20,7 @@ from glance_runtime.decode.calibration import load_calibration
 from glance_runtime.decode.cost_profile import load, save
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
 
+pytestmark = pytest.mark.edge  # needs no torch: runs on the edge install too
 REPO = Path(__file__).resolve().parents[3]
 DEMO = ["--image", str(REPO / "examples/demo/receipt.png"), "--prompt", "What is the total?", "--threads", "1"]
 
