@@ -65,12 +65,15 @@ class AutoBudget:
         self.calibration, self.watch = calibration, watch
         self.max_nodes = max_nodes  # the largest tree auto may verify, anchor excluded
         self.block_size = block_size  # B: a drafted chain is at most B-1 deep
+        self._probe_round = False  # this round drafts only to time the profile's smallest tree
         self._use(cost)
 
     def _use(self, cost: CostProfile) -> None:
         self.cost = cost
         rows = np.arange(1, self.max_nodes + 2)
-        self._round_ms = cost.draft_ms + cost.verify_cost(rows)  # C(n) = D + V(n+1), n = 0..max_nodes
+        # C(n) = D + V(n+1), n = 0..max_nodes; a tree never costs less than one of its prefixes (it does their
+        # work and more), so a noisy profile or a partial correction cannot make a larger tree look cheaper
+        self._round_ms = np.maximum.accumulate(cost.draft_ms + cost.verify_cost(rows))
         self._round_list = self._round_ms.tolist()  # Python floats for the per-node loop
         slope = [min((self._round_ms[m] - self._round_ms[n]) / (m - n) for m in range(n + 1, len(self._round_ms)))
                  for n in range(len(self._round_ms) - 1)]
@@ -97,12 +100,13 @@ class AutoBudget:
 
     def should_draft(self, surprisal: float | None) -> bool:
         """Step 1: whether the law's best chain repays the draft pass (or the profile's smallest tree is
-        still to be checked against this decode's timings)."""
-        if self._probing():
-            return True
+        still to be checked against this decode's timings: then the round drafts as a probe)."""
         if self._always is not None:
-            return self._always
-        return surprisal is None or self._repays(self.calibration.offset_acceptance(surprisal))
+            wanted = self._always
+        else:
+            wanted = surprisal is None or self._repays(self.calibration.offset_acceptance(surprisal))
+        self._probe_round = not wanted and self._probing()
+        return wanted or self._probe_round
 
     def grow(self, anchor: int, topk_ids: np.ndarray, topk_logprobs: np.ndarray, branch_k: int,
              surprisal: float | None) -> Tree:
@@ -112,7 +116,7 @@ class AutoBudget:
         priority = self.calibration.node_scorer(surprisal)
         tree = build_tree(anchor, topk_ids, topk_logprobs, self.max_nodes, branch_k, priority=priority,
                           stop=cut.stop)
-        if cut.best_nodes == 0 and self._probing():
+        if self._probe_round or (cut.best_nodes == 0 and self._probing()):
             return build_tree(anchor, topk_ids, topk_logprobs, PROBE_ROWS - 1, branch_k, priority=priority)
         return tree.prefix(cut.best_nodes + 1)
 

@@ -74,7 +74,7 @@ def _small_graphs(out: Path, tied: bool) -> None:
     _save(helper.make_model(target, opset_imports=[helper.make_opsetid("", 17)]), out / "target.onnx")
 
 
-def _oracle(path: Path, name: str, bits: int, group: int) -> onnx.ModelProto:
+def _oracle(path: Path, name: str, bits: int, group: int, accuracy_level: int) -> onnx.ModelProto:
     """The whole graph through ONNX Runtime's quantizer, the LM head first as the MatMul on W^T it computes."""
     model = onnx.load(str(path))
     skip_identities(model, {t.name for t in model.graph.initializer})
@@ -89,7 +89,7 @@ def _oracle(path: Path, name: str, bits: int, group: int) -> onnx.ModelProto:
                                                   name="lm_head_matmul"))
             break
     quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=group, is_symmetric=True,
-                                     op_types_to_quantize=("MatMul",))
+                                     accuracy_level=accuracy_level or None, op_types_to_quantize=("MatMul",))
     quantizer.process()
     return quantizer.model.model
 
@@ -102,8 +102,9 @@ def _attrs(node: onnx.NodeProto) -> dict:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
-def _assert_as_the_library(ours_dir: Path, fp32_dir: Path, name: str, bits: int, group: int) -> None:
-    theirs = _oracle(fp32_dir / f"{name}.onnx", name, bits, group)
+def _assert_as_the_library(ours_dir: Path, fp32_dir: Path, name: str, bits: int, group: int,
+                           accuracy_level: int) -> None:
+    theirs = _oracle(fp32_dir / f"{name}.onnx", name, bits, group, accuracy_level)
     ours = onnx.load(str(ours_dir / f"{name}.onnx"))
     mine, lib = _arrays(ours), _arrays(theirs)
     expected = {n.name: n for n in theirs.graph.node if n.op_type == "MatMulNBits"}
@@ -178,7 +179,7 @@ def test_per_tensor_graphs_with_data_files_equal_the_library_quantizer(tmp_path,
     lines: list[str] = []
     records = {name: quantize_graph(out, name, s, lines.append, slice_bytes=7 * H * 4) for name in ("target", "vocab")}
     for name in ("target", "vocab"):  # rows of the vocabulary matrices went 7 at a time: 8 chunks, the last short
-        _assert_as_the_library(out, fp32, name, s.bits, 32)
+        _assert_as_the_library(out, fp32, name, s.bits, 32, s.accuracy_level)
         _assert_tensorrt_blocks(out, name, s.bits, 32)
         assert (out / f"{name}.onnx.data").is_file() and (out / "tensorrt" / f"{name}.onnx.data").is_file()
     _assert_embedding(out, fp32, s.bits, 32)
@@ -204,7 +205,7 @@ def test_exported_graphs_equal_the_library_quantizer(tmp_path, tied):
     scheme = check_scheme("int4", 32, 64, "fp32")
     for name in ("target", "draft", "vocab"):
         quantize_graph(out, name, scheme, lambda _: None)
-        _assert_as_the_library(out, fp32, name, 4, 32)
+        _assert_as_the_library(out, fp32, name, 4, 32, scheme.accuracy_level)
         _assert_tensorrt_blocks(out, name, 4, 32)
     _assert_embedding(out, fp32, 4, 32)
 
