@@ -54,30 +54,13 @@ def _env() -> dict[str, str]:
 
 def build(work: Path, layers: int, accuracies: list[str], genai_python: str) -> dict:
     """Snapshot, head, our exports and GenAI's build for one depth; what exists is kept."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from support import make_snapshot
+    from support import make_wide_snapshot
 
     times = {}
     snap = work / "snapshot"
     if not (snap / "model.safetensors").exists() and not list(snap.glob("model-*.safetensors")):
         t0 = time.perf_counter()
-        make_snapshot(snap, "qwen2", layers=1)
-        raw = json.loads((snap / "config.json").read_text())
-        raw.update(WIDTH, num_hidden_layers=layers)
-        raw.pop("layer_types", None)
-        (snap / "config.json").write_text(json.dumps(raw))
-        for old in snap.glob("*.safetensors"):
-            old.unlink()
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(snap))
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.ndim >= 2:
-                    p.normal_(0.0, 2.0 / WIDTH["hidden_size"] ** 0.5)
-        model.save_pretrained(snap)
-        del model
+        make_wide_snapshot(snap, "qwen2", {**WIDTH, "num_hidden_layers": layers}, tied=WIDTH["tie_word_embeddings"])
         times["snapshot_s"] = round(time.perf_counter() - t0, 1)
         print(f"[{layers} layers] snapshot in {times['snapshot_s']} s", flush=True)
     cli = [sys.executable, "-c", "import sys; from glance_export.cli import main; sys.exit(main(sys.argv[1:]))"]

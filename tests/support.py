@@ -140,26 +140,31 @@ def make_snapshot(out: Path, family: str, layers: int = 4, seed: int = 0, std: f
 
 
 def make_wide_snapshot(out: Path, family: str, text: dict, vision: dict | None = None, tied: bool = False) -> Path:
-    """A random VL snapshot at another width: `text` and `vision` override the tiny config (nested dicts such
-    as rope_parameters are merged), the tokenizer and processor stay the tiny model's, and weights are
-    re-drawn at std 2/sqrt(hidden) so greedy output still depends on the context. For benchmarks at a
+    """A random snapshot at another width: `text` and (VL families) `vision` override the tiny config (nested
+    dicts such as rope_parameters are merged), the tokenizer and processor stay the tiny model's, and weights
+    are re-drawn at std 2/sqrt(hidden) so greedy output still depends on the context. For benchmarks at a
     real model's width; depth is text's num_hidden_layers."""
     import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+    vl = family in VL_FAMILIES
     snap = make_snapshot(out, family, layers=text.get("num_hidden_layers", 4), tied=tied)
     raw = json.loads((snap / "config.json").read_text())
-    for section, overrides in (("text_config", text), ("vision_config",
-                                                       {"out_hidden_size": text["hidden_size"], **(vision or {})})):
+    sections = ((raw["text_config"], text), (raw["vision_config"], {"out_hidden_size": text["hidden_size"],
+                                                                     **(vision or {})})) if vl else ((raw, text),)
+    for section, overrides in sections:
         for key, value in overrides.items():
-            if isinstance(value, dict) and isinstance(raw[section].get(key), dict):
-                raw[section][key].update(value)
+            if isinstance(value, dict) and isinstance(section.get(key), dict):
+                section[key].update(value)
             else:
-                raw[section][key] = value
-    raw["text_config"]["tie_word_embeddings"] = raw["tie_word_embeddings"] = tied
+                section[key] = value
+    raw["tie_word_embeddings"] = tied
+    if vl:
+        raw["text_config"]["tie_word_embeddings"] = tied
     (snap / "config.json").write_text(json.dumps(raw, indent=2))
     torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(snap))
+    auto = AutoModelForImageTextToText if vl else AutoModelForCausalLM
+    model = auto.from_config(AutoConfig.from_pretrained(snap))
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim >= 2:
