@@ -285,6 +285,21 @@ def start_server(*args: str, timeout_s: float = START_TIMEOUT_S,
     raise AssertionError("glance-serve did not become ready:\n" + "\n".join(log))
 
 
+def wait_until_ok(url: str, proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Poll `url` until it answers 200 (True), or until `proc` exits or `timeout_s` passes (False)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    return False
+
+
 def data_url(path: Path, mime: str = "image/png") -> str:
     return f"data:{mime};base64,{base64.b64encode(Path(path).read_bytes()).decode()}"
 

@@ -13,12 +13,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
+
+from support import wait_until_ok
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -65,15 +65,8 @@ def _check(block: Block, output: str) -> None:
 
 
 def _wait_healthy(port: int, server: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and server.poll() is None:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    pytest.fail(f"the README's background server did not become healthy (exit code {server.poll()})")
+    if not wait_until_ok(f"http://127.0.0.1:{port}/health", server, 120):
+        pytest.fail(f"the README's background server did not become healthy (exit code {server.poll()})")
 
 
 @pytest.mark.edge

@@ -18,14 +18,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from glance_export.cli import main as export_main
-from support import RECEIPT, glance_run
+from support import RECEIPT, glance_run, wait_until_ok
 
 ENV_PACKAGES = ["numpy==1.26.4", "onnxruntime", "pillow", "tokenizers", "jinja2>=3.1.6"]
 TRITON_WHEEL = "nvidia-pytriton"  # installed without its Python client's dependencies: only the binary is used
@@ -100,15 +99,7 @@ def triton(stub_env, tmp_path_factory):
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(f"{url}/v2/health/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        else:
+        if not wait_until_ok(f"{url}/v2/health/ready", proc, START_TIMEOUT_S):
             pytest.fail("tritonserver did not become ready:\n" + (root / "tritonserver.log").read_text()[-4000:])
         yield url
     finally:
