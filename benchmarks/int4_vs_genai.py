@@ -1,8 +1,10 @@
 """int4 decoding on the CPU: this toolkit's graphs against ONNX Runtime GenAI on the same random snapshot.
 
 A random Qwen2 text model at Qwen2.5-3B width (hidden 2048, MLP 11008, 16 heads, 2 KV heads, vocabulary
-151,936, tied embeddings; depth cut to --layers), a random head (block 8), `glance-export onnx --quantize
-int4 --group-size 32` at its defaults (and, with --accuracies, other MatMulNBits compute modes), and
+151,936, tied embeddings; depth cut to --layers), random heads (block 8) drafting over the whole vocabulary
+and over a reduced draft vocabulary (--draft-vocabs: the 32,768 tokens the target answers four prompts with
+most often, then the lowest unused ids), `glance-export onnx --quantize int4 --group-size 32` at its defaults
+(and, with --accuracies, other MatMulNBits compute modes), and
 GenAI's int4 CPU build of the same snapshot (`python -m onnxruntime_genai.models.builder -p int4 -e cpu`).
 Both decode the same prompt ids greedily in ONE process, same intra-op threads, interleaved repeat by repeat:
 
@@ -19,7 +21,7 @@ over GenAI's AR. Greedy tokens of our AR and GenAI's are compared (agreement cou
 our AR (on int8 activations a tree pass may round a near tie differently).
 
     python benchmarks/int4_vs_genai.py OUT [--layers 8,12] [--threads 2] [--new-tokens 24] [--repeats 3]
-        [--accuracies int8] [--stage build|time|render]
+        [--accuracies int8] [--draft-vocabs 0,32768] [--stage build|time|render]
 
 GenAI is an optional peer (`pip install onnxruntime-genai`); `--genai-python PY` runs its side in that
 interpreter instead (a separate environment). Each depth's build runs in its own process (torch) and its
@@ -44,6 +46,9 @@ WIDTH = dict(hidden_size=2048, intermediate_size=11008, num_attention_heads=16, 
              vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1000000.0,
              rms_norm_eps=1e-6)
 PROMPT = "Describe the picture in detail, then list every object you can see and its colour."
+PROMPTS = (PROMPT, "Write a short story about a lighthouse keeper.", "Explain how a bicycle gear works.",
+           "List ten fruits and their colours.")
+DRAFT_VOCAB = 32768  # EAGLE-3's reduced draft vocabulary size
 MODES = (("ar", None, 0), ("glance-tau4-b3", "partial", 3), ("glance-tau4-b7", "partial", 7),
          ("glance-tau8-b7", "full", 7))
 
@@ -52,8 +57,17 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "runtime"), str(ROOT / "tests")])}
 
 
-def build(work: Path, layers: int, accuracies: list[str], genai_python: str) -> dict:
-    """Snapshot, head, our exports and GenAI's build for one depth; what exists is kept."""
+def forms_of(accuracies: str, draft_vocabs: str) -> list[tuple[str, int]]:
+    """(MatMulNBits accuracy, draft vocabulary size or 0 for the whole vocabulary) of each of our exports."""
+    return [(a, int(v)) for a in accuracies.split(",") for v in draft_vocabs.split(",")]
+
+
+def form_name(accuracy: str, draft_vocab: int) -> str:
+    return f"{accuracy}-dv{draft_vocab}" if draft_vocab else accuracy
+
+
+def build(work: Path, layers: int, forms: list[tuple[str, int]], genai_python: str) -> dict:
+    """Snapshot, heads, our exports and GenAI's build for one depth; what exists is kept."""
     from support import make_wide_snapshot
 
     times = {}
@@ -64,19 +78,6 @@ def build(work: Path, layers: int, accuracies: list[str], genai_python: str) -> 
         times["snapshot_s"] = round(time.perf_counter() - t0, 1)
         print(f"[{layers} layers] snapshot in {times['snapshot_s']} s", flush=True)
     cli = [sys.executable, "-c", "import sys; from glance_export.cli import main; sys.exit(main(sys.argv[1:]))"]
-    head = work / "head"
-    if not (head / "config.json").exists():
-        subprocess.run([*cli, "init-head", "--model", str(snap), "--out", str(head), "--block-size", "8",
-                        "--layers", "1"], check=True, env=_env())
-    for accuracy in accuracies:
-        art = work / f"ours-int4-{accuracy}"
-        if not (art / "manifest.json").exists():
-            t0 = time.perf_counter()
-            subprocess.run([*cli, "onnx", "--model", str(snap), "--head", str(head), "--out", str(art), "--quantize",
-                            "int4", "--group-size", "32", "--accuracy", accuracy, "--max-context", "512",
-                            "--max-tree", "16", "--quiet"], check=True, env=_env())
-            times[f"export_{accuracy}_s"] = round(time.perf_counter() - t0, 1)
-            print(f"[{layers} layers] our int4 ({accuracy}) export in {times[f'export_{accuracy}_s']} s", flush=True)
     genai = work / "genai-int4"
     if not (genai / "genai_config.json").exists():
         t0 = time.perf_counter()
@@ -87,7 +88,49 @@ def build(work: Path, layers: int, accuracies: list[str], genai_python: str) -> 
         shutil.rmtree(work / "genai-cache", ignore_errors=True)
         times["genai_build_s"] = round(time.perf_counter() - t0, 1)
         print(f"[{layers} layers] GenAI int4 build in {times['genai_build_s']} s", flush=True)
+    for accuracy, draft_vocab in forms:
+        head = work / (f"head-dv{draft_vocab}" if draft_vocab else "head")
+        if not (head / "config.json").exists() and draft_vocab:
+            _head_with_draft_vocab(snap, head, draft_vocab, GenAI(genai, 2, genai_python), work)
+        elif not (head / "config.json").exists():
+            subprocess.run([*cli, "init-head", "--model", str(snap), "--out", str(head), "--block-size", "8",
+                            "--layers", "1"], check=True, env=_env())
+        name = form_name(accuracy, draft_vocab)
+        art = work / f"ours-int4-{name}"
+        if not (art / "manifest.json").exists():
+            t0 = time.perf_counter()
+            subprocess.run([*cli, "onnx", "--model", str(snap), "--head", str(head), "--out", str(art), "--quantize",
+                            "int4", "--group-size", "32", "--accuracy", accuracy, "--max-context", "512",
+                            "--max-tree", "16", "--quiet"], check=True, env=_env())
+            times[f"export_{name}_s"] = round(time.perf_counter() - t0, 1)
+            print(f"[{layers} layers] our int4 ({name}) export in {times[f'export_{name}_s']} s", flush=True)
     return times
+
+
+def _head_with_draft_vocab(snap: Path, out: Path, size: int, genai: "GenAI", work: Path) -> None:
+    """A random block-8 head that drafts over `size` tokens: the ones the target answers the bench prompts with
+    most often (its greedy answers, from GenAI's build of the same snapshot), then the lowest unused ids, as
+    `train-head --draft-vocab` picks them from its answers."""
+    from dataclasses import replace
+
+    from glance_export.model.adapters import Snapshot
+    from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
+    from glance_export.train.draft_vocab import frequent_tokens
+    import torch
+
+    snapshot = Snapshot(snap)
+    tokenizer = snapshot.tokenizer
+    answers = []
+    for text in PROMPTS:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        answers.append(torch.tensor(genai.generate([int(t) for t in ids], 64)["tokens"]))
+    genai.close()
+    cfg = head_config_for(snapshot, 1, 8, pick_mask_token(snapshot))
+    head = init_head(replace(cfg, draft_vocab_size=size), seed=0)
+    head.draft_vocab_ids.copy_(frequent_tokens(answers, size, cfg.vocab_size))
+    save_head(head, out)
+    (work / f"{out.name}.answers.json").write_text(json.dumps([a.tolist() for a in answers]))
+    print(f"wrote a random head drafting over {size} tokens to {out}", flush=True)
 
 
 GENAI_SIDE = r'''
@@ -170,22 +213,23 @@ def seeded_truth(backend, prompt, greedy: list[int], seeding: str, budget: int, 
     return truth
 
 
-def time_depth(work: Path, layers: int, accuracies: list[str], threads: int, new: int, repeats: int,
+def time_depth(work: Path, layers: int, forms: list[tuple[str, int]], threads: int, new: int, repeats: int,
                genai_python: str) -> dict:
     """Every mode of every form, interleaved repeat by repeat, in this process (GenAI in it where it imports)."""
     from glance_runtime.backends.registry import Source, open_session
     from glance_runtime.bench.seeding import ConfidentSeeds
     from glance_runtime.decode.loop import DecodeConfig, decode
 
+    names = [form_name(*form) for form in forms]
     runners = {a: open_session(Source("onnxruntime", artifacts=work / f"ours-int4-{a}", threads=threads))
-               for a in accuracies}
+               for a in names}
     genai = GenAI(work / "genai-int4", threads, genai_python)
     prompts = {a: r.prompt(PROMPT) for a, r in runners.items()}
-    ids = [int(t) for t in prompts[accuracies[0]].input_ids.reshape(-1)]
+    ids = [int(t) for t in prompts[names[0]].input_ids.reshape(-1)]
     truth = {a: decode(r.backend, prompts[a], DecodeConfig(max_new_tokens=new, speculative=False)).tokens
              for a, r in runners.items()}
     seeds = {(a, mode): seeded_truth(runners[a].backend, prompts[a], truth[a], seeding, budget, new)
-             for a in accuracies for mode, seeding, budget in MODES[1:]}
+             for a in names for mode, seeding, budget in MODES[1:]}
     samples: dict[str, list[float]] = {}
     tokens: dict[str, list[int]] = {}
 
@@ -212,7 +256,7 @@ def time_depth(work: Path, layers: int, accuracies: list[str], threads: int, new
     genai_ar = med["genai-ar"]
     row = {"layers": layers, "threads": threads, "new_tokens": new, "repeats": repeats, "genai_ar_ms": genai_ar,
            "prompt_tokens": len(ids), "load_avg_end": round(os.getloadavg()[0], 1), "forms": {}}
-    for a in accuracies:
+    for a in names:
         ar = tokens[f"{a}:ar"]
         form = {"ar_ms": med[f"{a}:ar"], "ar_vs_genai": round(genai_ar / med[f"{a}:ar"], 3),
                 "tokens_equal_genai": sum(x == y for x, y in zip(ar, tokens["genai-ar"])),
@@ -265,11 +309,13 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--accuracies", default="int8")
+    ap.add_argument("--draft-vocabs", default=f"0,{DRAFT_VOCAB}",
+                    help="heads' draft vocabulary sizes, 0 for the whole vocabulary (default: both)")
     ap.add_argument("--genai-python", default=sys.executable)
     ap.add_argument("--stage", choices=("build", "time", "render"))
     ap.add_argument("--depth", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    accuracies = args.accuracies.split(",")
+    forms = forms_of(args.accuracies, args.draft_vocabs)
     store = args.out / "int4_vs_genai.json"
     if args.stage == "render":  # the table again from the stored rows
         (args.out / "int4_vs_genai.md").write_text(render(json.loads(store.read_text())))
@@ -278,9 +324,9 @@ def main() -> None:
         work = args.out / f"work-{args.depth}"
         work.mkdir(parents=True, exist_ok=True)
         if args.stage == "build":
-            result = build(work, args.depth, accuracies, args.genai_python)
+            result = build(work, args.depth, forms, args.genai_python)
         else:
-            result = time_depth(work, args.depth, accuracies, args.threads, args.new_tokens, args.repeats,
+            result = time_depth(work, args.depth, forms, args.threads, args.new_tokens, args.repeats,
                                 args.genai_python)
         (work / f"{args.stage}.json").write_text(json.dumps(result, indent=2))
         return
@@ -288,6 +334,7 @@ def main() -> None:
     rows = json.loads(store.read_text()) if store.exists() else []
     for layers in map(int, args.layers.split(",")):
         base = [sys.executable, __file__, str(args.out), "--depth", str(layers), "--accuracies", args.accuracies,
+                "--draft-vocabs", args.draft_vocabs,
                 "--genai-python", args.genai_python, "--threads", str(args.threads), "--new-tokens",
                 str(args.new_tokens), "--repeats", str(args.repeats)]
         subprocess.run([*base, "--stage", "build"], check=True, env=_env())

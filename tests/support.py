@@ -397,13 +397,22 @@ ORACLE_TOKENS = 24  # how long the oracle's greedy answers are in `Exported`
 SEEDS = {"full": lambda d: 0, "partial": lambda d: 0 if d <= 2 else None, "zero": lambda d: None}  # SeededDrafter's
 
 
-def tiny_head(snapshot: Path, out: Path, block_size: int = 6) -> Path:
-    """A random two-layer head for `snapshot`, saved at `out`."""
+def tiny_head(snapshot: Path, out: Path, block_size: int = 6, draft_vocab: int | None = None) -> Path:
+    """A random two-layer head for `snapshot`, saved at `out`; `draft_vocab`: drafting over that many target ids,
+    spread evenly over the vocabulary."""
+    from dataclasses import replace
+
+    import torch
+
     from glance_export.model.adapters import Snapshot
     from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
 
     snap = Snapshot(snapshot)
-    return save_head(init_head(head_config_for(snap, 2, block_size, pick_mask_token(snap)), seed=3), out)
+    cfg = replace(head_config_for(snap, 2, block_size, pick_mask_token(snap)), draft_vocab_size=draft_vocab)
+    head = init_head(cfg, seed=3)
+    if draft_vocab:
+        head.draft_vocab_ids.copy_(torch.linspace(0, cfg.vocab_size - 1, draft_vocab).long())
+    return save_head(head, out)
 
 
 def export_once(snapshot_dir, tmp_path_factory, family: str, variant: str = "fp32",

@@ -75,6 +75,8 @@ def shape_profiles(manifest: Manifest, graph: str) -> list[ShapeProfile]:
     if graph == "draft":
         return [ShapeProfile("draft", {"N": (1, _opt(1, axes["N"][1], max_tree), axes["N"][1]),
                                   "S_h": _span(axes["S_h"], axes["S_h"][1] // 2)})]
+    if graph == "draft_vocab":  # projections only: the runtime embeds through the vocab graph
+        return [ShapeProfile("project", {"E": (1, 1, 1), "R": _span(axes["R"], 32)})]
     if graph == "vocab":
         return [ShapeProfile("embed", {"E": _span(axes["E"], 256), "R": (1, 1, 1)}),
                 ShapeProfile("project", {"E": (1, 1, 1), "R": _span(axes["R"], 32)})]

@@ -165,7 +165,7 @@ class TorchBackend:
         return int(logits.argmax()), _entropy(logits)
 
     @torch.no_grad()
-    def draft(self, anchor: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def draft(self, anchor: int, k: int, depth: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         if self.head is None:
             raise RuntimeError("draft() needs a head; decode with speculative=False instead")
         if self.pending_taps:
@@ -180,7 +180,8 @@ class TorchBackend:
         block[0, 0] = anchor
         pos = torch.arange(self.start, self.start + cfg.block_size, device=self.device)[None]
         hidden = self.head(self.embed(block), pos, self.head_kv)
-        logp = torch.log_softmax(self.head.logits(hidden[0, 1:], self.lm_head).float(), dim=-1)
+        offsets = cfg.block_size - 1 if depth is None else max(1, min(depth, cfg.block_size - 1))
+        logp = torch.log_softmax(self.head.logits(hidden[0, 1:1 + offsets], self.lm_head).float(), dim=-1)
         top = torch.topk(logp, k, dim=-1)
         return self.head.target_ids(top.indices).cpu().numpy().astype(np.int64), top.values.double().cpu().numpy()
 

@@ -16,6 +16,7 @@ from glance_runtime.decode.calibration import FILE as CALIBRATION
 from glance_runtime.errors import GlanceError
 from glance_runtime.backends.hardware import available_host_bytes
 from glance_runtime.formats import artifacts as artifacts_format
+from glance_runtime.formats.graphs import VOCABULARY_GRAPHS
 
 from .depth_cut import CUT_LAYERS, FULL_VALIDATION_BYTES, validate_target
 from .export import ATTENTION_OPSET, InMemory, export_graph, weight_bytes
@@ -73,7 +74,7 @@ def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str |
     estimate = estimate_peak(checkpoint, itemsize, weight_bytes(head), dims.layers, CUT_LAYERS, FULL_VALIDATION_BYTES,
                              quantize=scheme is not None)
     check_fits(estimate, dtype, available_host_bytes(), quantize=scheme is not None)
-    graphs = build_graphs(skeleton.model, head, dims, branch_k)
+    graphs = build_graphs(skeleton, head, dims, branch_k)
     progress(f"loaded {dims.family} target's config and tensor index ({dims.layers} layers, "
              f"{checkpoint.nbytes() / 1e9:.2f} GB in "
              f"{len({e.file for e in checkpoint.entries.values()})} safetensors files) and head "
@@ -86,7 +87,8 @@ def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str |
             axes = dynamic_axes(dims, name, module.input_names, module.output_names)
             layers = dims.layers if name == "target" else 0
             path = export_graph(module, feed, tmp / f"{name}.onnx", axes, opset, output_shapes(dims, name, branch_k),
-                                InMemory() if name == "draft" else skeleton, lm_head_gemm=name == "vocab",
+                                InMemory() if name in ("draft", "draft_vocab") else skeleton,
+                                lm_head_gemm=name in VOCABULARY_GRAPHS,
                                 on_tensor=eta_reporter(f"{name}.onnx", layers, progress))
             progress(f"exported {path.name} (opset {opset}, {_graph_bytes(path) / 1e6:.1f} MB) "
                      f"in {time.perf_counter() - t0:.1f}s; checker passed")
@@ -117,7 +119,7 @@ def validate_artifacts(artifacts_dir: str | Path, model_dir: str | Path, head_di
     snapshot, checkpoint, head = open_sources(model_dir, head_dir, dtype)
     skeleton = target_skeleton(snapshot, checkpoint, dtype, _attention(opset))
     dims = dims_for(snapshot, head)
-    graphs = build_graphs(skeleton.model, head, dims, manifest.branch_k)
+    graphs = build_graphs(skeleton, head, dims, manifest.branch_k)
     return _validate(artifacts, graphs, skeleton, dims, snapshot, dtype, opset, manifest.branch_k, seed, progress)
 
 

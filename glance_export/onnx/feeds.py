@@ -65,9 +65,11 @@ def draft_feed(dims: Dims, rng: np.random.Generator, rows: int, past: int, dtype
     return feed
 
 
-def vocab_feed(dims: Dims, rng: np.random.Generator, ids: int, rows: int, dtype: str) -> dict[str, np.ndarray]:
-    """Ids to embed and hidden rows to project; rows are scaled like final-normed hidden states."""
-    return {"ids": rng.integers(0, dims.vocab, size=(ids,), dtype=np.int64),
+def vocab_feed(dims: Dims, rng: np.random.Generator, ids: int, rows: int, dtype: str,
+               vocab: int | None = None) -> dict[str, np.ndarray]:
+    """Ids to embed (below `vocab`: the draft vocabulary's size for its graph) and hidden rows to project;
+    rows are scaled like final-normed hidden states."""
+    return {"ids": rng.integers(0, vocab or dims.vocab, size=(ids,), dtype=np.int64),
             "hidden": rng.normal(size=(rows, dims.hidden)).astype(dtype)}
 
 
@@ -86,6 +88,8 @@ def trace_feeds(snapshot: Snapshot, dims: Dims, dtype: str) -> dict[str, dict[st
     feeds = {"target": target_feed(dims, rng, 6, 3, 2, dtype, tree=False),
              "draft": draft_feed(dims, rng, 5, 2, dtype),
              "vocab": vocab_feed(dims, rng, 4, 3, dtype)}
+    if dims.draft_vocab:
+        feeds["draft_vocab"] = vocab_feed(dims, rng, 4, 3, dtype, dims.draft_vocab)
     if dims.is_vl:
         feeds["vision"] = vision_feed(snapshot, dims, rng, 100, 80, dtype)
     return feeds

@@ -68,6 +68,9 @@ def build_manifest(snapshot: Snapshot, head: DraftHead, head_dir: Path, dims: Di
                   "head_dim": dims.head_head_dim, "context_width": dims.n_taps * dims.hidden},
         "vocab": {"vocab_size": dims.vocab, "hidden_size": dims.hidden, "tied": dims.tied, "branch_k": branch_k},
     }
+    if dims.draft_vocab:
+        graphs["draft_vocab"] = {"vocab_size": dims.draft_vocab, "hidden_size": dims.hidden, "tied": dims.tied,
+                                 "branch_k": branch_k}
     if dims.is_vl:
         graphs["vision"] = {"index_params": {k: dims.vision[k] for k in
                                              ("family", "merge_size", "patch_size", "window_size", "grid_per_side")},

@@ -16,6 +16,7 @@ import onnx.version_converter
 from onnx import helper, numpy_helper
 
 from glance_runtime.errors import GlanceError
+from glance_runtime.formats.graphs import VOCABULARY_GRAPHS
 
 from .quant_scheme import Scheme
 from .node_runs import reads
@@ -108,7 +109,7 @@ def onnxruntime_form(model: onnx.ModelProto, graph_name: str,
     inits = {t.name: t for t in graph.initializer}
     bits = scheme.bits
     weights: dict[str, Weight] = {}
-    head = _lm_head(graph) if graph_name == "vocab" else None
+    head = _lm_head(graph) if graph_name in VOCABULARY_GRAPHS else None
     nodes = []
     for node in graph.node:
         tensor = _matmul_weight(node, inits)
@@ -128,7 +129,8 @@ def onnxruntime_form(model: onnx.ModelProto, graph_name: str,
     graph.node.extend(nodes)
     record: dict[str, Any] = {"MatMulNBits": len(weights)}
     if head is not None:
-        tables = {n.input[0] for n in graph.node if n.op_type == "Gather"} & set(inits)
+        floats = {name for name, t in inits.items() if t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)}
+        tables = {n.input[0] for n in graph.node if n.op_type == "Gather"} & floats  # not a draft vocabulary's id map
         if len(tables) != 1:
             raise GlanceError("the vocab graph does not read one embedding table; re-export the artifacts")
         table = tables.pop()
@@ -173,9 +175,9 @@ def tensorrt_form(model: onnx.ModelProto, graph_name: str, weights: dict[str, We
     dequantized. Returns the graph, the new tensors' names by fp32 name and the names left fp32."""
     model = at_opset(model, TENSORRT_OPSET)
     graph = model.graph
-    axis = 1 if graph_name == "vocab" else 0  # vocabulary matrices are [V, H]; MatMul weights are [K, N]
+    axis = 1 if graph_name in VOCABULARY_GRAPHS else 0  # vocabulary matrices are [V, H]; MatMul weights are [K, N]
     readers = Counter(name for node in graph.node for name in node.input)
-    kept = sorted(name for name in weights if graph_name != "vocab" and readers[name] > 1)
+    kept = sorted(name for name in weights if graph_name not in VOCABULARY_GRAPHS and readers[name] > 1)
     kind = onnx.TensorProto.INT4 if scheme.bits == 4 else onnx.TensorProto.INT8
     stubs: dict[str, Dequantized] = {}
     keep, added = [], []

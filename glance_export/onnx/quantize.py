@@ -29,6 +29,7 @@ from typing import Any, Callable
 import onnx
 
 from glance_runtime.errors import GlanceError
+from glance_runtime.formats.graphs import DRAFT_VOCAB_GRAPH
 
 from .quant_nodes import TENSORRT_OPSET, onnxruntime_form, tensorrt_form
 from .quant_scheme import Scheme, check_scheme
@@ -93,10 +94,11 @@ def _bytes(path: Path) -> int:
 
 def quantize_graphs(out: Path, scheme: Scheme, progress: Callable[[str], None] = print,
                     slice_bytes: int = SLICE_BYTES) -> dict[str, Any]:
-    """Rewrite target, draft and vocab graphs in `out` to the ONNX Runtime form and write their TensorRT form
+    """Rewrite target, draft and vocab graphs (and draft_vocab, where exported) in `out` to the ONNX Runtime form and write their TensorRT form
     under `out/tensorrt/`; returns the manifest's "quantization" record. `slice_bytes` bounds the rows of a
     vocabulary matrix quantized at once and the slices copied through."""
-    graphs = {name: quantize_graph(out, name, scheme, progress, slice_bytes) for name in GRAPHS}
+    names = [*GRAPHS, *(["draft_vocab"] if (out / DRAFT_VOCAB_GRAPH).exists() else [])]
+    graphs = {name: quantize_graph(out, name, scheme, progress, slice_bytes) for name in names}
     return {
         "scheme": scheme.name, "bits": scheme.bits, "group_size": scheme.group_size, "symmetric": True,
         "method": "round-to-nearest, block-wise along the input axis, one fp32 scale per group",

@@ -17,7 +17,7 @@ from .skeleton import Skeleton, build_skeleton
 from .spec import DTYPES, Dims
 from .target import TargetGraph
 from .vision import VisionGraph
-from .vocab import VocabGraph
+from .vocab import DraftVocabGraph, VocabGraph
 
 
 def open_sources(model_dir: str | Path, head_dir: str | Path, dtype: str) -> tuple[Snapshot, Checkpoint, DraftHead]:
@@ -29,10 +29,6 @@ def open_sources(model_dir: str | Path, head_dir: str | Path, dtype: str) -> tup
     snapshot = Snapshot(model_dir)
     head = load_head(head_dir, getattr(torch, DTYPES[dtype]))
     check_head_matches(head, snapshot)
-    if head.config.draft_vocab_size:
-        raise GlanceError(f"{head_dir} drafts over a reduced vocabulary of {head.config.draft_vocab_size} tokens "
-                          "(draft_vocab_size), which the ONNX draft graph does not carry yet; decode it with the torch "
-                          "backend, or export a head trained without --draft-vocab")
     if head.config.vocab_size != snapshot.text_config["vocab_size"]:
         raise GlanceError(f"head vocab size {head.config.vocab_size} differs from the target's "
                           f"{snapshot.text_config['vocab_size']}; use a head trained for this target")
@@ -52,13 +48,29 @@ def target_graph(model: nn.Module, dims: Dims) -> TargetGraph:
     return TargetGraph(model, list(dims.tap_ids), dims.image_token_id, dims.deepstack).eval()
 
 
-def build_graphs(model: nn.Module, head: DraftHead, dims: Dims, branch_k: int) -> dict[str, nn.Module]:
-    """The wrapped graphs by name: target, draft, vocab and (VL only) vision."""
-    if not 1 <= branch_k <= dims.vocab:
-        raise GlanceError(f"branch_k must be between 1 and the vocabulary size {dims.vocab}, got {branch_k}")
+def draft_vocab_graph(model: nn.Module, head: DraftHead, weights: Skeleton, branch_k: int) -> DraftVocabGraph:
+    """The draft vocabulary's rows of the target's embedding and LM head, read from the snapshot now: small
+    (N rows), so they are held, unlike the whole matrices, which are streamed."""
+    ids = head.draft_vocab_ids.cpu()
+    embed, lm_head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    rows = weights.real(embed).to(embed.dtype)[ids].clone()
+    head_rows = None if lm_head is embed else weights.real(lm_head).to(lm_head.dtype)[ids].clone()
+    return DraftVocabGraph(rows, head_rows, ids, branch_k)
+
+
+def build_graphs(skeleton: Skeleton, head: DraftHead, dims: Dims, branch_k: int) -> dict[str, nn.Module]:
+    """The wrapped graphs by name: target, draft, vocab, (VL only) vision and (a head with a draft
+    vocabulary) draft_vocab."""
+    model = skeleton.model
+    smallest = min(dims.vocab, dims.draft_vocab or dims.vocab)
+    if not 1 <= branch_k <= smallest:
+        raise GlanceError(f"branch_k must be between 1 and the {'draft ' if dims.draft_vocab else ''}vocabulary "
+                          f"size {smallest}, got {branch_k}")
     graphs = {"target": target_graph(model, dims),
               "draft": DraftGraph(head),
               "vocab": VocabGraph(model.get_input_embeddings(), model.get_output_embeddings(), branch_k)}
+    if dims.draft_vocab:
+        graphs["draft_vocab"] = draft_vocab_graph(model, head, skeleton, branch_k)
     if dims.is_vl:
         graphs["vision"] = VisionGraph(model.model.visual, dims.family)
     return {name: g.eval() for name, g in graphs.items()}

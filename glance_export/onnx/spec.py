@@ -11,6 +11,7 @@ from typing import Any
 from glance_export.model.adapters import Snapshot
 from glance_export.model.head import DraftHead
 from glance_runtime.errors import GlanceError
+from glance_runtime.formats.graphs import VOCABULARY_GRAPHS
 
 DTYPES = {"fp32": "float32", "fp16": "float16"}
 
@@ -34,6 +35,7 @@ class Dims:
     image_token_id: int | None
     vision: dict[str, Any] | None  # index_params plus patch_dim / max_patches, VL only
     tied: bool  # the LM head is the embedding matrix (one tensor in the vocab graph)
+    draft_vocab: int | None = None  # the head drafts over this many target tokens (its draft_vocab graph)
 
     @property
     def n_taps(self) -> int:
@@ -73,7 +75,8 @@ def dims_for(snapshot: Snapshot, head: DraftHead) -> Dims:
                 block_size=hc.block_size, mask_token_id=hc.mask_token_id,
                 image_token_id=snapshot.image_token_id if snapshot.is_vl else None,
                 vision=vision_params(snapshot) if snapshot.is_vl else None,
-                tied=bool(snapshot.config.get("tie_word_embeddings", tc.get("tie_word_embeddings", False))))
+                tied=bool(snapshot.config.get("tie_word_embeddings", tc.get("tie_word_embeddings", False))),
+                draft_vocab=hc.draft_vocab_size)
 
 
 def axis_bounds(dims: Dims, max_tree: int, max_context: int) -> dict[str, list[int]]:
@@ -101,7 +104,7 @@ def dynamic_axes(dims: Dims, graph: str, input_names: list[str], output_names: l
         axes = {"context_taps": {0: "N"}, "context_positions": {0: "N"}}
         axes.update({n: {0: "S_h"} for n in input_names if n.startswith("past_ctx_")})
         axes.update({n: {0: "N"} for n in output_names if n.startswith("ctx_")})
-    elif graph == "vocab":
+    elif graph in VOCABULARY_GRAPHS:
         axes = {"ids": {0: "E"}, "embeds": {0: "E"}, "hidden": {0: "R"}, "topk_ids": {0: "R"},
                 "topk_logprobs": {0: "R"}, "topk_embeds": {0: "R"}}
     else:
@@ -125,7 +128,7 @@ def output_shapes(dims: Dims, graph: str, branch_k: int) -> dict[str, list[int |
         for j in range(dims.head_layers):
             shapes[f"ctx_key_{j}"] = shapes[f"ctx_value_{j}"] = ["N", dims.head_kv_heads, dims.head_head_dim]
         return shapes
-    if graph == "vocab":
+    if graph in VOCABULARY_GRAPHS:
         return {"embeds": ["E", dims.hidden], "topk_ids": ["R", branch_k], "topk_logprobs": ["R", branch_k],
                 "entropy": [1], "topk_embeds": ["R", branch_k, dims.hidden]}
     shapes = {"image_embeds": ["N_merged", dims.hidden]}

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from glance_runtime.errors import GlanceError
+from glance_runtime.formats.graphs import VOCABULARY_GRAPHS
 
 from .export import torch_args
 from .feeds import draft_feed, target_feed, vision_feed, vocab_feed
@@ -50,8 +51,9 @@ def validation_feeds(graph: str, dims: Dims, snapshot, dtype: str, seed: int) ->
                 target_feed(dims, rng, 1, 4, 0, np_dtype, tree=True)]
     if graph == "draft":
         return [draft_feed(dims, rng, 7, 0, np_dtype), draft_feed(dims, rng, 3, 6, np_dtype)]
-    if graph == "vocab":
-        return [vocab_feed(dims, rng, 9, 7, np_dtype), vocab_feed(dims, rng, 1, 1, np_dtype)]
+    if graph in VOCABULARY_GRAPHS:
+        size = dims.draft_vocab if graph == "draft_vocab" else dims.vocab
+        return [vocab_feed(dims, rng, 9, 7, np_dtype, size), vocab_feed(dims, rng, 1, 1, np_dtype, size)]
     return [vision_feed(snapshot, dims, rng, 150, 100, np_dtype), vision_feed(snapshot, dims, rng, 60, 220, np_dtype)]
 
 

@@ -29,4 +29,23 @@ class VocabGraph(nn.Module):
         top = torch.topk(logits, self.branch_k, dim=-1)  # on the logits: column 0 is exactly their argmax
         logp = torch.log_softmax(logits, dim=-1)
         entropy = -(logp[:1].exp() * logp[:1]).sum(-1)
-        return self.embed(ids), top.indices, logp.gather(-1, top.indices), entropy, self.embed(top.indices)
+        return self.embed(ids), self.token_ids(top.indices), logp.gather(-1, top.indices), entropy, self.embed(top.indices)
+
+    def token_ids(self, indices: torch.Tensor) -> torch.Tensor:
+        return indices
+
+
+class DraftVocabGraph(VocabGraph):
+    """The vocab graph over a head's reduced draft vocabulary: the target's embedding and LM head rows of its
+    N draft tokens (one tensor when tied), and the map from a row to its target id, applied in the graph."""
+
+    def __init__(self, embed_rows: torch.Tensor, lm_head_rows: torch.Tensor | None, target_ids: torch.Tensor,
+                 branch_k: int):
+        embed = nn.Embedding(*embed_rows.shape, _weight=embed_rows, _freeze=True)
+        lm_head = nn.Linear(embed_rows.shape[1], embed_rows.shape[0], bias=False, device="meta")
+        lm_head.weight = embed.weight if lm_head_rows is None else nn.Parameter(lm_head_rows, requires_grad=False)
+        super().__init__(embed, lm_head, branch_k)
+        self.register_buffer("target_ids", target_ids.to(torch.int64))
+
+    def token_ids(self, indices: torch.Tensor) -> torch.Tensor:
+        return self.target_ids[indices]

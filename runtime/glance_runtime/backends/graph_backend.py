@@ -5,7 +5,8 @@ It mirrors the torch reference step for step (same positions, masks, head contex
 Everything a pass reads or writes is a preallocated `Buffer`, bound by address:
 - KV caches (`kv_cache`): a pass reads the committed rows in place and writes its new rows right after
   them; a commit moves only the accepted rows, on the device.
-- The vocab graph's projections return the top-k tokens' embeddings; the next anchor and every tree
+- The vocab graph's projections (a draft's through draft_vocab where the head has a reduced vocabulary, and
+  only of the offsets the tree can reach) return the top-k tokens' embeddings; the next anchor and every tree
   node is one of them, so inputs are assembled by device copies, not by another graph run.
 - Per round the host sends the tree (ids, positions, mask: kilobytes) and reads back top-k ids,
   log-probs and one entropy (kilobytes). KV never crosses. Device calls per round, for a T-row tree
@@ -123,16 +124,17 @@ class GraphBackend:
                    "entropy": self.entropy.rows(1), "topk_embeds": self.scratch_cands.tensor((1, *self.scratch_cands.shape))}
         self.graphs["vocab"].run({"ids": self.ids.rows(count), "hidden": self.scratch_row.rows(1)}, outputs)
 
-    def project(self, hidden: Tensor, into: str, extra: dict[int, tuple[Buffer, int]] | None = None
-                ) -> tuple[np.ndarray, np.ndarray, float]:
+    def project(self, hidden: Tensor, into: str, extra: dict[int, tuple[Buffer, int]] | None = None,
+                graph: str = "vocab") -> tuple[np.ndarray, np.ndarray, float]:
         """Top-k ids and log-probs of hidden rows and the entropy of the first; their top-k embeddings land in
-        `self.cands[into]` and become where later passes copy their input embeddings from."""
+        `self.cands[into]` and become where later passes copy their input embeddings from. `graph`: vocab, or
+        draft_vocab (the head's reduced vocabulary: same outputs, target ids)."""
         rows, k = hidden.shape[0], self.manifest.branch_k
         cands = self.cands[into]
         outputs = {"embeds": self.scratch_row.rows(1), "topk_ids": self.top_ids.rows(rows),
                    "topk_logprobs": self.top_logp.rows(rows), "entropy": self.entropy.rows(1),
                    "topk_embeds": cands.tensor((rows, k, cands.shape[1]))}
-        self.graphs["vocab"].run({"ids": self.no_id.rows(1), "hidden": hidden}, outputs)
+        self.graphs[graph].run({"ids": self.no_id.rows(1), "hidden": hidden}, outputs)
         ids = self.device.download(self.top_ids.rows(rows))
         logp = self.device.download(self.top_logp.rows(rows))
         entropy = float(self.device.download(self.entropy.rows(1))[0])
@@ -314,8 +316,9 @@ class GraphBackend:
         top, _, entropy = self.project(hidden.buffer.rows(1, rows - 1), "verify")
         return int(top[0, 0]), entropy
 
-    def draft(self, anchor: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def draft(self, anchor: int, k: int, depth: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         check_branch_k(self.info.limits, k)
+        offsets = self.block_size - 1 if depth is None else max(1, min(depth, self.block_size - 1))
         rows = self.pending_rows
         self.head_kv.check_room(rows)
         self.embed_rows(np.array([anchor], np.int64), self.block, 0)
@@ -329,8 +332,8 @@ class GraphBackend:
         self.graphs["draft"].run(inputs, outputs)
         self.head_kv.appended(rows)
         self.pending_rows, self.pending_from = 0, self.start
-        ids, logp, _ = self.project(self.draft_hidden.rows(self.block_size - 1), "draft",
-                                    extra={anchor: (self.block, 0)})
+        ids, logp, _ = self.project(self.draft_hidden.rows(offsets), "draft", extra={anchor: (self.block, 0)},
+                                    graph="draft_vocab" if "draft_vocab" in self.graphs else "vocab")
         return ids[:, :k].astype(np.int64), logp[:, :k].astype(np.float64)
 
     def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray) -> Verified:

@@ -12,7 +12,9 @@ from typing import Callable
 from .device_buffers import Tensor
 from .graph import Graph
 
-GRAPH_NAMES = ("target", "draft", "vocab")  # the graphs a round runs (vision, where present, only at prefill)
+# the graphs a round runs (vision, where present, only at prefill; draft_vocab only for a head with a reduced
+# draft vocabulary, read as 0 ms elsewhere)
+GRAPH_NAMES = ("target", "draft", "vocab", "draft_vocab")
 
 
 class TimedGraph:
@@ -40,9 +42,9 @@ class GraphClock:
         self.graphs = {name: TimedGraph(graph, sync) for name, graph in graphs.items()}
 
     def reading(self) -> dict[str, float]:
-        """Cumulative ms per graph so far."""
-        return {name: g.seconds * 1e3 for name, g in self.graphs.items()}
+        """Cumulative ms per graph so far (every one of GRAPH_NAMES, 0 where the backend has no such graph)."""
+        return {**dict.fromkeys(GRAPH_NAMES, 0.0), **{name: g.seconds * 1e3 for name, g in self.graphs.items()}}
 
     def runs(self) -> dict[str, int]:
-        """Runs per graph so far."""
-        return {name: g.runs for name, g in self.graphs.items()}
+        """Runs per graph so far (as `reading`)."""
+        return {**dict.fromkeys(GRAPH_NAMES, 0), **{name: g.runs for name, g in self.graphs.items()}}

@@ -15,7 +15,7 @@ import numpy as np
 
 from .device_buffers import CudaDevice, Device, HostDevice, Tensor
 from ..errors import GlanceError
-from ..formats.graphs import DRAFT_GRAPH, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH
+from ..formats.graphs import DRAFT_GRAPH, DRAFT_VOCAB_GRAPH, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH
 from ..formats.artifacts import check_graph_io, read as load_manifest
 from ..decode.limits import runtime_limit
 from .shape_expr import bind, evaluate
@@ -152,6 +152,8 @@ class OrtBackend(GraphBackend):
         graphs = {"target": session(TARGET_GRAPH), "draft": session(DRAFT_GRAPH), "vocab": session(VOCAB_GRAPH)}
         if manifest.is_vl:
             graphs["vision"] = session(VISION_GRAPH)
+        if manifest.draft_vocab_size:
+            graphs["draft_vocab"] = session(DRAFT_VOCAB_GRAPH)
         super().__init__(manifest, device, graphs, name="onnxruntime", home=path, providers=tuple(chosen),
                          threads=threads,
                          max_context=context,

@@ -32,8 +32,8 @@ class SeededDrafter:
     def prefill(self, prompt, keep: int = 0):
         return self.inner.prefill(prompt, keep) if keep else self.inner.prefill(prompt)
 
-    def draft(self, anchor: int, k: int):
-        ids, logp = self.inner.draft(anchor, k)
+    def draft(self, anchor: int, k: int, depth: int | None = None):
+        ids, logp = self.inner.draft(anchor, k, depth)
         ids = ids.copy()
         generated = self.inner.start - self.prompt_len  # index of the anchor among generated tokens
         for d in range(1, ids.shape[0] + 1):

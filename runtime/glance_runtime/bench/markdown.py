@@ -42,10 +42,13 @@ def _speed_table(report: dict) -> list[str]:
 
 
 def _efficiency_table(report: dict) -> list[str]:
-    lines = ["| mode | tau | tokens/round | rows | target | draft | vocab | outside | outside share | ideal speedup | "
-             "achieved | achieved / ideal |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for name, e in report["pooled"]["modes"].items():
-        graphs = [_f(e.get(f"{g}_graph_ms"), 3) for g in ("target", "draft", "vocab")]
+    modes = report["pooled"]["modes"]
+    names = ["target", "draft", "vocab"] + (["draft_vocab"] if any(e.get("draft_vocab_graph_ms") for e in modes.values())
+                                            else [])
+    lines = [f"| mode | tau | tokens/round | rows | {' | '.join(names)} | outside | outside share | ideal speedup | "
+             "achieved | achieved / ideal |", "|---|---|---|---|" + "---|" * len(names) + "---|---|---|---|---|"]
+    for name, e in modes.items():
+        graphs = [_f(e.get(f"{g}_graph_ms"), 3) for g in names]
         tail = (f"{_f(e['ideal_speedup'])}x | {_f(e['speedup_decode'])}x | {_f(e['achieved_fraction'])}"
                 if e["kind"] != "ar" else "1 | 1 | n/a")
         lines.append(f"| {name} | {_f(e['tau'])} | {_f(e['tokens_per_round'])} | {_f(e['mean_tree_size'], 1)} | "

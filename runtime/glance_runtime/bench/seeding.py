@@ -25,8 +25,8 @@ class ConfidentSeeds(SeededDrafter):
         super().__init__(backend, truth, prompt_len, lambda d: 0 if d <= depth else None)
         self.depth = depth
 
-    def draft(self, anchor: int, k: int):
-        ids, logp = super().draft(anchor, k)
+    def draft(self, anchor: int, k: int, depth: int | None = None):
+        ids, logp = super().draft(anchor, k, depth)
         logp = logp.copy()
         logp[: self.depth, 0] = math.log(CONFIDENCE)
         if k > 1:

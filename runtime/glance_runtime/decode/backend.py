@@ -69,8 +69,10 @@ class Backend(Protocol):
         `keep` > 0: the prompt starts with the first `keep` committed rows (a conversation's earlier turns),
         which are kept (target and head caches) and only the rest is run, at the full prompt's positions."""
 
-    def draft(self, anchor: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """One head pass for block [anchor, MASK x (B-1)]: top-k ids and log-probs, [B-1, k] each."""
+    def draft(self, anchor: int, k: int, depth: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """One head pass for block [anchor, MASK x (B-1)]: top-k ids and log-probs of offsets 1..depth (all B-1
+        when None or larger), [rows, k] each. A tree of n nodes reaches depth n at most, so a round asks for
+        no deeper rows than its budget and the projections it would throw away are never run."""
 
     def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray) -> Verified:
         """One target pass over the packed tree [anchor] + nodes at positions start + depth, each row

@@ -104,7 +104,7 @@ def _tree(backend: Backend, anchor: int, cfg: DecodeConfig, surprisal: float | N
     if (not cfg.speculative or cfg.budget == 0 or (room is not None and room <= 1)
             or (cfg.auto and not cfg.auto.should_draft(surprisal))):
         return Tree.root(anchor), False
-    ids, logp = backend.draft(anchor, cfg.branch_k)
+    ids, logp = backend.draft(anchor, cfg.branch_k, cfg.budget)
     if cfg.auto:
         tree = cfg.auto.grow(anchor, ids, logp, cfg.branch_k, surprisal)
     else:

@@ -12,9 +12,9 @@ Document (format_version 3): format, format_version, toolkit_version, family, is
 float_io_dtype, fp32_outputs, branch_k, block_size, mask_token_id, image_token_id, stop_token_ids,
 limits {max_tree, max_context}, axes {name: [min, max]}, source {config_sha256, weights_sha256 {file: sha}},
 head {config, weights_sha256}, rope {theta, mrope_section, vision_start_token_id, spatial_merge_size},
-graphs {target|draft|vocab|vision: {file, data_file, inputs/outputs {name: {dtype, shape}}, ...sizes}}
-(vocab also records vocab_size, whether the LM head is tied to the embedding, and the top-k baked into
-it), vision.index_params (the `vision_indices` parameters), files (tokenizer/processor files copied
+graphs {target|draft|vocab|vision|draft_vocab: {file, data_file, inputs/outputs {name: {dtype, shape}},
+...sizes}} (vocab and draft_vocab also record their vocab_size, whether the LM head is tied to the
+embedding, and the top-k baked in; draft_vocab is there only for a head with a reduced draft vocabulary), vision.index_params (the `vision_indices` parameters), files (tokenizer/processor files copied
 beside), file_hashes {file: {sha256, size}} of every file written beside the manifest, quantization (null,
 or the weight-only scheme: bits, group size, accuracy_level (MatMulNBits' compute mode: 4 is int8
 activations, 0 or absent fp32), library, per-graph ops and TensorRT-form files), and
@@ -30,7 +30,7 @@ from typing import Any
 from .._version import __version__
 from ..store.atomic import write_file
 from ..errors import GlanceError, IntegrityError
-from .graphs import DRAFT_GRAPH, MANIFEST, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH
+from .graphs import DRAFT_GRAPH, DRAFT_VOCAB_GRAPH, MANIFEST, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH
 from ..store.integrity import file_digest, verify_files
 from .common import (Invalid, boolean, check_header, check_int, check_text, digest, dumps, guarded, int_list,
                      integer, obj, optional_int, read_json, stamped, text)
@@ -101,6 +101,7 @@ class Manifest:
     float_dtype: str  # numpy name of the graphs' float inputs/outputs
     hidden_size: int
     vocab_size: int
+    draft_vocab_size: int | None  # the head drafts over this many target tokens, projected by draft_vocab.onnx
     tap_width: int  # n_taps * hidden: a row of the target's `taps`, the draft's `context_taps`
     target: Stack
     head: Stack
@@ -267,7 +268,8 @@ def _parse(path: Path, raw: dict[str, Any]) -> tuple[Manifest, dict[str, str], l
     is_vl = boolean(raw, "is_vl")
     graphs = obj(raw, "graphs")
     needed = {"target": TARGET_GRAPH, "draft": DRAFT_GRAPH, "vocab": VOCAB_GRAPH,
-              **({"vision": VISION_GRAPH} if is_vl else {})}
+              **({"vision": VISION_GRAPH} if is_vl else {}),
+              **({"draft_vocab": DRAFT_VOCAB_GRAPH} if "draft_vocab" in graphs else {})}
     names = _graph_files(raw, graphs, needed)
     target, draft, vocab = (obj(graphs, key, "graphs.") for key in ("target", "draft", "vocab"))
     target_stack = _stack(target, "graphs.target.")
@@ -285,6 +287,13 @@ def _parse(path: Path, raw: dict[str, Any]) -> tuple[Manifest, dict[str, str], l
     if vocab.get("branch_k") is not None and vocab["branch_k"] != branch_k:
         raise Invalid(f"branch_k {branch_k} differs from the top-k the vocab graph was exported with "
                       f"({vocab['branch_k']!r})")
+    draft_vocab = None
+    if "draft_vocab" in graphs:
+        reduced = obj(graphs, "draft_vocab", "graphs.")
+        draft_vocab = integer(reduced, "vocab_size", branch_k, vocab_size, "graphs.draft_vocab.")
+        if reduced.get("branch_k") != branch_k:
+            raise Invalid(f"branch_k {branch_k} differs from the top-k the draft_vocab graph was exported with "
+                          f"({reduced.get('branch_k')!r})")
     token = vocab_size - 1
     limits = obj(raw, "limits")
     max_context = integer(limits, "max_context", 2, BIG, "limits.")
@@ -302,6 +311,7 @@ def _parse(path: Path, raw: dict[str, Any]) -> tuple[Manifest, dict[str, str], l
         path=path.parent, toolkit_version=text(raw, "toolkit_version"), family=text(raw, "family"), is_vl=is_vl,
         dtype=text(raw, "dtype"), opset=integer(raw, "opset", 1, 99),
         float_dtype=text(raw, "float_io_dtype", choices=FLOAT_DTYPES), hidden_size=hidden, vocab_size=vocab_size,
+        draft_vocab_size=draft_vocab,
         tap_width=tap_width, target=target_stack, head=_stack(draft, "graphs.draft."),
         deepstack_layers=optional_int(target, "deepstack_layers", 0, target_stack.num_layers, "graphs.target.") or 0,
         block_size=block, branch_k=branch_k, mask_token_id=integer(raw, "mask_token_id", 0, token),

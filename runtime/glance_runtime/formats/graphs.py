@@ -8,7 +8,7 @@ hands that view to the graph with no copy, and compaction moves only the accepte
 
 The target's embedding and LM head live in the vocab graph only, so no weight is stored twice (a
 tied matrix stays one tensor); target and draft graphs work on hidden states. A round is four runs:
-draft -> vocab (project the block) -> target (verify the tree) -> vocab (project the tree rows).
+draft -> vocab or draft_vocab (project the block) -> target (verify the tree) -> vocab (project the tree rows).
 
 vision graph (VL targets): `pixel_values` f[N_patch, C*t*p*p] and the grid-derived index tensors of
     `vision_indices` (declared in the manifest; the towers' grid loops cannot be traced)
@@ -19,6 +19,10 @@ vocab graph: `ids` i64[E] (tokens to embed), `hidden` f[R, H] (final-normed rows
     the anchor's in a verify projection, the last prompt row's in prefill),
     `topk_embeds` f[R, K, H] (embeddings of `topk_ids`, so the next pass's inputs need no extra run).
     Both axes are at least 1: a run that only embeds projects one dummy row, and vice versa.
+draft_vocab graph (heads with a reduced draft vocabulary only): the vocab graph's inputs and outputs over
+    the head's N draft tokens instead of the whole vocabulary, so a draft projection costs N/V of one:
+    `ids` index the draft vocabulary (the runtime sends one dummy), `topk_ids` are target ids (the graph maps
+    them), `topk_logprobs` and `entropy` are over the N draft tokens, as the head was trained to score them.
 target graph (prefill, plain decode and tree verify are one graph):
     `input_ids` i64[1, T] (VL only, to find image tokens); `inputs_embeds` f[T, H] (the vocab graph's
     embeddings of the pass's ids); `image_embeds` f[N_img, H] (VL only; rows replace the image tokens in
@@ -44,6 +48,8 @@ VISION_GRAPH = "vision.onnx"
 TARGET_GRAPH = "target.onnx"
 DRAFT_GRAPH = "draft.onnx"
 VOCAB_GRAPH = "vocab.onnx"
+DRAFT_VOCAB_GRAPH = "draft_vocab.onnx"
+VOCABULARY_GRAPHS = ("vocab", "draft_vocab")  # same contract: ids + hidden rows -> embeddings, top-k
 MANIFEST = "manifest.json"
 
 

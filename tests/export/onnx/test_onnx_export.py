@@ -176,7 +176,7 @@ class GraphReplay:
         _, top, _, entropy, _ = self._vocab(hidden=hidden[-1:])
         return int(top[0, 0]), float(entropy[0])
 
-    def draft(self, anchor: int, k: int):
+    def draft(self, anchor: int, k: int, depth: int | None = None):
         taps = np.concatenate(self.pending)
         block = self._vocab(ids=[anchor] + [self.m["mask_token_id"]] * (self.block_size - 1))[0]
         feed = {"context_taps": taps, "block_embeds": block, "start": np.array([self.start]),
@@ -185,7 +185,7 @@ class GraphReplay:
         out = self.sessions["draft"].run(None, feed)
         self.ctx = [np.concatenate([c, n]) for c, n in zip(self.ctx, out[1:])]
         self.pending, self.pending_from = [], self.start
-        _, ids, logp, _, _ = self._vocab(hidden=out[0])
+        _, ids, logp, _, _ = self._vocab(hidden=out[0][:depth])
         return ids[:, :k], logp[:, :k].astype(np.float64)
 
     def verify(self, tokens, depths, visible):

@@ -194,7 +194,7 @@ def test_depth_cut_checks_the_full_graphs_own_bytes(snapshot_dir, tmp_path, monk
     snapshot, checkpoint, draft = open_sources(snap, head, "fp32")  # the manifest's hashes would refuse first
     skeleton = target_skeleton(snapshot, checkpoint, "fp32")
     dims = dims_for(snapshot, draft)
-    target = build_graphs(skeleton.model, draft, dims, 8)["target"]
+    target = build_graphs(skeleton, draft, dims, 8)["target"]
     with pytest.raises(GlanceError, match="target graph: output .* max error"):
         depth_cut.validate_target(art, target, skeleton, dims, snapshot, "fp32", 17, "eager", 8, 1, lambda _: None)
 

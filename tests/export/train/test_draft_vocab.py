@@ -38,15 +38,25 @@ def test_a_head_with_a_draft_vocabulary_saves_it_and_decodes_losslessly(snapshot
     head = load_head(out)
     assert torch.equal(head.draft_vocab_ids, ids)
 
-    report = audit(open_session(Source("torch", model=model, head=out), DecodeConfig(max_new_tokens=16, budget=15)),
-                   read_tasks(tasks))
+    config = DecodeConfig(max_new_tokens=16, budget=15)
+    report = audit(open_session(Source("torch", model=model, head=out), config), read_tasks(tasks))
     assert report["identical"] == report["n"] == 2 and report["tau"] > 2.0, report
 
-    # the ONNX draft graph has no draft vocabulary yet: refused, not exported over the whole vocabulary
-    capsys.readouterr()
-    assert export_main(["onnx", "--model", str(model), "--head", str(out), "--out", str(tmp_path / "art")]) != 0
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "draft_vocab_size" in err[0] and not (tmp_path / "art").exists()
+    # exported, the draft projects through draft_vocab.onnx (the N rows and the map to target ids), and ONNX
+    # Runtime drafts the trees the torch reference drafts: same tokens, same tau, fp32 and int4 alike
+    for form, extra in (("fp32", []), ("int4", ["--quantize", "int4", "--group-size", "32"])):
+        art = tmp_path / f"art-{form}"
+        assert export_main(["onnx", "--model", str(model), "--head", str(out), "--out", str(art), "--max-tree", "16",
+                            "--max-context", "256", "--quiet", *extra]) == 0
+        graphs = json.loads((art / "manifest.json").read_text())["graphs"]
+        assert graphs["draft_vocab"]["vocab_size"] == 24 and graphs["draft_vocab"]["file"] == "draft_vocab.onnx"
+        session = open_session(Source("onnxruntime", artifacts=art), config)
+        clock = session.backend.time_graphs()
+        exported = audit(session, read_tasks(tasks))
+        assert exported["identical"] == exported["n"] == 2, (form, exported)
+        if form == "fp32":
+            assert exported["tau"] == report["tau"], (exported, report)
+        assert clock.runs()["draft_vocab"] == clock.runs()["draft"] == exported["rounds"], clock.runs()
 
 
 def test_a_draft_vocabulary_larger_than_the_target_s_is_refused(snapshot_dir, images, tmp_path, capsys):
