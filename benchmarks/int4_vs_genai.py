@@ -18,10 +18,11 @@ Both decode the same prompt ids greedily in ONE process, same intra-op threads, 
 
 ms/token exclude the prefill and the token it produced, as glance-bench reports them; GLANCE's speedups are
 over GenAI's AR. Greedy tokens of our AR and GenAI's are compared (agreement counted), and GLANCE's against
-our AR (on int8 activations a tree pass may round a near tie differently).
+our AR (on int8 activations a tree pass may round a near tie differently). Memory: each form's peak resident
+set while it decodes (AR, then GLANCE) in a fresh process, against its graphs' bytes on disk.
 
     python benchmarks/int4_vs_genai.py OUT [--layers 8,12] [--threads 2] [--new-tokens 24] [--repeats 3]
-        [--accuracies int8] [--draft-vocabs 0,32768] [--stage build|time|render]
+        [--accuracies int8] [--draft-vocabs 0,32768] [--stage build|time|memory|render]
 
 GenAI is an optional peer (`pip install onnxruntime-genai`); `--genai-python PY` runs its side in that
 interpreter instead (a separate environment). Each depth's build runs in its own process (torch) and its
@@ -122,7 +123,8 @@ def _head_with_draft_vocab(snap: Path, out: Path, size: int, genai: "GenAI", wor
     tokenizer = snapshot.tokenizer
     answers = []
     for text in PROMPTS:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            return_dict=True)["input_ids"]
         answers.append(torch.tensor(genai.generate([int(t) for t in ids], 64)["tokens"]))
     genai.close()
     cfg = head_config_for(snapshot, 1, 8, pick_mask_token(snapshot))
@@ -275,6 +277,41 @@ def time_depth(work: Path, layers: int, forms: list[tuple[str, int]], threads: i
     return row
 
 
+def memory(work: Path, forms: list[tuple[str, int]], threads: int, new: int) -> dict:
+    """Peak resident memory of decoding (AR, then GLANCE at budget 7) on each form, each in a fresh process,
+    against the bytes of the graphs ONNX Runtime loads (the artifacts directory less its TensorRT form)."""
+    out = {}
+    for form in forms:
+        art = work / f"ours-int4-{form_name(*form)}"
+        code = MEMORY_SIDE.format(runtime=str(ROOT / "runtime"), art=str(art), threads=threads, new=new)
+        peak = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                                         env=_env()).stdout.splitlines()[-1])
+        graphs = sum(f.stat().st_size for f in art.iterdir() if f.is_file() and f.suffix in (".onnx", ".data"))
+        out[form_name(*form)] = {**peak, "graph_bytes": graphs, "peak_over_graphs": round(peak["peak_rss"] / graphs, 3)}
+        print(f"[{art.name}] peak RSS {peak['peak_rss'] / 2**30:.2f} GiB for {graphs / 2**30:.2f} GiB of graphs "
+              f"({out[form_name(*form)]['peak_over_graphs']}x)", flush=True)
+    return out
+
+
+MEMORY_SIDE = r"""
+import json, resource, sys
+sys.path.insert(0, {runtime!r})
+from glance_runtime.backends.registry import Source, open_session
+from glance_runtime.decode.loop import DecodeConfig, decode
+session = open_session(Source("onnxruntime", artifacts={art!r}, threads={threads}))
+prompt = session.prompt("Describe the picture in detail, then list every object you can see and its colour.")
+loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+decode(session.backend, prompt, DecodeConfig(max_new_tokens={new}, speculative=False))
+decode(session.backend, prompt, DecodeConfig(max_new_tokens={new}, budget=7, branch_k=8))
+print(json.dumps({{"loaded_rss": loaded, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}}))
+"""
+
+
+def _memory(row: dict, form: str) -> str:
+    m = row.get("memory", {}).get(form)
+    return f"{m['peak_rss'] / 2**30:.2f} / {m['graph_bytes'] / 2**30:.2f} GiB ({m['peak_over_graphs']}x)" if m else "-"
+
+
 def _paired(samples: dict[str, list[float]], key: str) -> float:
     """The median over repeats of GenAI's AR ms over `key`'s in the same repeat: a busy moment slows both
     sides of a pair, so this moves less than a ratio of medians."""
@@ -284,8 +321,8 @@ def _paired(samples: dict[str, list[float]], key: str) -> float:
 def render(rows: list[dict]) -> str:
     """One line per depth and form: medians in ms (speedups over GenAI's AR as paired ratios, see `_paired`)."""
     lines = ["| layers | form | our AR ms (x GenAI) | GenAI AR ms | tau 4, b3 / b7 ms | tau 4 best: x GenAI | "
-             "tau 8, b7 ms | tau 8: x GenAI | AR tokens = GenAI's | GLANCE tokens = own AR | load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "tau 8, b7 ms | tau 8: x GenAI | AR tokens = GenAI's | GLANCE tokens = own AR | peak RSS / graphs | "
+             "load |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: r["layers"]):
         s = r["samples"]
         for a, f in r["forms"].items():
@@ -297,7 +334,7 @@ def render(rows: list[dict]) -> str:
                          f"{m['glance-tau4-b3']['ms']} / {m['glance-tau4-b7']['ms']} (tau {m['glance-tau4-b3']['tau']}) | "
                          f"{tau4}x | {m['glance-tau8-b7']['ms']} (tau {m['glance-tau8-b7']['tau']}) | "
                          f"{_paired(s, f'{a}:glance-tau8-b7')}x | {f['tokens_equal_genai']}/{r['new_tokens']} | "
-                         f"{same} of {r['new_tokens']} | {r['load_avg_end']} |")
+                         f"{same} of {r['new_tokens']} | {_memory(r, a)} | {r['load_avg_end']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -312,7 +349,7 @@ def main() -> None:
     ap.add_argument("--draft-vocabs", default=f"0,{DRAFT_VOCAB}",
                     help="heads' draft vocabulary sizes, 0 for the whole vocabulary (default: both)")
     ap.add_argument("--genai-python", default=sys.executable)
-    ap.add_argument("--stage", choices=("build", "time", "render"))
+    ap.add_argument("--stage", choices=("build", "time", "memory", "render"))
     ap.add_argument("--depth", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     forms = forms_of(args.accuracies, args.draft_vocabs)
@@ -325,6 +362,8 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         if args.stage == "build":
             result = build(work, args.depth, forms, args.genai_python)
+        elif args.stage == "memory":
+            result = memory(work, forms, args.threads, args.new_tokens)
         else:
             result = time_depth(work, args.depth, forms, args.threads, args.new_tokens, args.repeats,
                                 args.genai_python)
@@ -339,9 +378,11 @@ def main() -> None:
                 str(args.new_tokens), "--repeats", str(args.repeats)]
         subprocess.run([*base, "--stage", "build"], check=True, env=_env())
         subprocess.run([*base, "--stage", "time"], check=True, env=_env())
+        subprocess.run([*base, "--stage", "memory"], check=True, env=_env())
         work = args.out / f"work-{layers}"
         row = json.loads((work / "time.json").read_text())
         row["build"] = json.loads((work / "build.json").read_text())
+        row["memory"] = json.loads((work / "memory.json").read_text())
         rows = [r for r in rows if r["layers"] != layers] + [row]
         store.write_text(json.dumps(rows, indent=2))
         (args.out / "int4_vs_genai.md").write_text(render(rows))
