@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from glance_runtime.decode.backend import BackendInfo, ServeLimits, Verified
+from glance_runtime.decode.backend import BackendInfo, ServeLimits, Verified, draft_rows
 from glance_runtime.backends.hardware import host_cpu
 from glance_runtime.decode.loop import DecodeConfig
 from glance_runtime.decode.session import Session, Settings
@@ -180,8 +180,8 @@ class TorchBackend:
         block[0, 0] = anchor
         pos = torch.arange(self.start, self.start + cfg.block_size, device=self.device)[None]
         hidden = self.head(self.embed(block), pos, self.head_kv)
-        offsets = cfg.block_size - 1 if depth is None else max(1, min(depth, cfg.block_size - 1))
-        logp = torch.log_softmax(self.head.logits(hidden[0, 1:1 + offsets], self.lm_head).float(), dim=-1)
+        rows = draft_rows(cfg.block_size, depth)
+        logp = torch.log_softmax(self.head.logits(hidden[0, 1:1 + rows], self.lm_head).float(), dim=-1)
         top = torch.topk(logp, k, dim=-1)
         return self.head.target_ids(top.indices).cpu().numpy().astype(np.int64), top.values.double().cpu().numpy()
 

@@ -94,8 +94,8 @@ def _bytes(path: Path) -> int:
 
 def quantize_graphs(out: Path, scheme: Scheme, progress: Callable[[str], None] = print,
                     slice_bytes: int = SLICE_BYTES) -> dict[str, Any]:
-    """Rewrite target, draft and vocab graphs (and draft_vocab, where exported) in `out` to the ONNX Runtime form and write their TensorRT form
-    under `out/tensorrt/`; returns the manifest's "quantization" record. `slice_bytes` bounds the rows of a
+    """Rewrite target, draft and vocab graphs (and draft_vocab, where exported) in `out` to the ONNX Runtime
+    form and write their TensorRT form under `out/tensorrt/`; returns the manifest's "quantization" record. `slice_bytes` bounds the rows of a
     vocabulary matrix quantized at once and the slices copied through."""
     names = [*GRAPHS, *(["draft_vocab"] if (out / DRAFT_VOCAB_GRAPH).exists() else [])]
     graphs = {name: quantize_graph(out, name, scheme, progress, slice_bytes) for name in names}

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..decode.backend import BackendInfo, ServeLimits, Verified
+from ..decode.backend import BackendInfo, ServeLimits, Verified, draft_rows
 from .device_buffers import Buffer, CudaDevice, Device, Tensor
 from .graph_chain import ChainGraph
 from .graph import Graph
@@ -53,6 +53,7 @@ class GraphBackend:
                                 precision=precision or PRECISION_OF_DTYPE.get(m.float_dtype, m.float_dtype),
                                 hardware=hardware, providers=providers, threads=threads, home=home, manifest=m)
         self._clock: GraphClock | None = None
+        self.draft_projection = "draft_vocab" if "draft_vocab" in graphs else "vocab"  # the head's vocabulary
         self._owned: list[Buffer] = []  # what close() frees
         self._closed = False
         config = m.path / "config.json"
@@ -318,7 +319,7 @@ class GraphBackend:
 
     def draft(self, anchor: int, k: int, depth: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         check_branch_k(self.info.limits, k)
-        offsets = self.block_size - 1 if depth is None else max(1, min(depth, self.block_size - 1))
+        offsets = draft_rows(self.block_size, depth)
         rows = self.pending_rows
         self.head_kv.check_room(rows)
         self.embed_rows(np.array([anchor], np.int64), self.block, 0)
@@ -333,7 +334,7 @@ class GraphBackend:
         self.head_kv.appended(rows)
         self.pending_rows, self.pending_from = 0, self.start
         ids, logp, _ = self.project(self.draft_hidden.rows(offsets), "draft", extra={anchor: (self.block, 0)},
-                                    graph="draft_vocab" if "draft_vocab" in self.graphs else "vocab")
+                                    graph=self.draft_projection)
         return ids[:, :k].astype(np.int64), logp[:, :k].astype(np.float64)
 
     def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray) -> Verified:

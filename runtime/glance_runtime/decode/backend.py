@@ -57,6 +57,11 @@ class GraphTimes(Protocol):
         """Runs per graph so far."""
 
 
+def draft_rows(block_size: int, depth: int | None) -> int:
+    """Offsets a draft returns for `depth` (see `Backend.draft`): all B-1 when None, else 1..B-1."""
+    return block_size - 1 if depth is None else max(1, min(depth, block_size - 1))
+
+
 class Backend(Protocol):
     name: str  # torch, onnxruntime or tensorrt
     block_size: int  # B: anchor plus B-1 drafted offsets; 1 when no head is loaded

@@ -14,7 +14,8 @@ limits {max_tree, max_context}, axes {name: [min, max]}, source {config_sha256, 
 head {config, weights_sha256}, rope {theta, mrope_section, vision_start_token_id, spatial_merge_size},
 graphs {target|draft|vocab|vision|draft_vocab: {file, data_file, inputs/outputs {name: {dtype, shape}},
 ...sizes}} (vocab and draft_vocab also record their vocab_size, whether the LM head is tied to the
-embedding, and the top-k baked in; draft_vocab is there only for a head with a reduced draft vocabulary), vision.index_params (the `vision_indices` parameters), files (tokenizer/processor files copied
+embedding, and the top-k baked in; draft_vocab is there only for a head with a reduced draft
+vocabulary), vision.index_params (the `vision_indices` parameters), files (tokenizer/processor files copied
 beside), file_hashes {file: {sha256, size}} of every file written beside the manifest, quantization (null,
 or the weight-only scheme: bits, group size, accuracy_level (MatMulNBits' compute mode: 4 is int8
 activations, 0 or absent fp32), library, per-graph ops and TensorRT-form files), and
