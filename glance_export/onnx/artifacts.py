@@ -18,6 +18,7 @@ from glance_runtime.backends.hardware import available_host_bytes
 from glance_runtime.formats import artifacts as artifacts_format
 from glance_runtime.formats.graphs import VOCABULARY_GRAPHS
 
+from . import grouped_attention
 from .depth_cut import CUT_LAYERS, FULL_VALIDATION_BYTES, validate_target
 from .export import ATTENTION_OPSET, InMemory, export_graph, weight_bytes
 from .feeds import trace_feeds
@@ -52,7 +53,7 @@ def _check_args(out: Path, inputs: tuple[Path, ...], dtype: str, opset: int, max
 
 
 def _attention(opset: int) -> str:
-    return "sdpa" if opset >= ATTENTION_OPSET else "eager"
+    return "sdpa" if opset >= ATTENTION_OPSET else grouped_attention.NAME
 
 
 def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str | Path, *, dtype: str = "fp32",

@@ -1,7 +1,9 @@
 """Export one wrapped graph to ONNX with the TorchScript exporter, then prove the file well-formed.
 
 TorchScript (`dynamo=False`) traces these wrappers in about a second and emits plain opset-17 ops
-(MatMul/Softmax/Add attention) that TensorRT 10.3 parses. Opset 23 is an option for newer runtimes:
+(MatMul/Softmax/Add attention, each query head reading its KV head in place: `grouped_attention.py`)
+that TensorRT 10.3 parses; the sizes the trace reads that are fixed are folded to constants
+(`static_shapes.py`). Opset 23 is an option for newer runtimes:
 the dynamo exporter (about 20 s a graph) turns the model's sdpa attention into the ONNX Attention op.
 Graphs with more than `EXTERNAL_DATA_BYTES` of weights keep them in one external data file
 (`<graph>.onnx.data`); smaller ones stay one self-contained file.
@@ -30,6 +32,7 @@ from torch import nn
 
 from .external_data import gather_external_data, graph_tensors
 from .rewrite import gemm_for_transposed_weights, skip_identities
+from .static_shapes import fold_static_shapes
 from .weightless import meta_args, weightless
 from .stream import Progress, borrow_initializers, drop_unused, fold_transposes, inputs_to_initializers, module_tensors, write_initializers
 
@@ -143,6 +146,7 @@ def export_graph(module: nn.Module, feed: dict[str, np.ndarray], path: Path, axe
             fold_transposes(model, pending)
             drop_unused(model, pending)
             pin_outputs(model, output_shapes)
+            fold_static_shapes(model)
             if borrow is not None:
                 borrow_initializers(model, pending, borrow)
                 onnx.save_model(model, str(path))

@@ -128,9 +128,11 @@ class OrtBackend(GraphBackend):
             if threads:
                 made.intra_op_num_threads = threads
             made.log_severity_level = 3
-            # A round alternates four sessions; a session's idle workers spinning for work would steal the
-            # cores the next session's run needs (on 2 cores that doubled a step), so they sleep instead.
-            made.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            # Workers spin between the ops of a run (no wake-up per op) and stop when the run ends: a round
+            # alternates four sessions, and idle workers left spinning would steal the cores the next
+            # session's run needs (on 2 cores that doubled a step).
+            made.add_session_config_entry("session.intra_op.allow_spinning", "1")
+            made.add_session_config_entry("session.force_spinning_stop", "1")
             return made
 
         device = device_for(chosen)

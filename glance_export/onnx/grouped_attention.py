@@ -1,0 +1,36 @@
+"""The target's attention as the opset-17 graphs trace it: each query head reads its own KV head in place.
+
+transformers' eager attention repeats every KV head for the query heads that share it (an Expand and a
+Reshape of the whole cache, per layer, per pass) and sizes its reshapes from traced shapes, which the
+weightless trace cannot fold: about a hundred shape and copy nodes a layer that a runtime executes on
+every step. Here the query heads are grouped by the KV head they read (a reshape with the config's
+constant head counts), so one broadcasting MatMul scores a group against its KV head, and the only
+dimension left to the runtime is the sequence. The arithmetic is eager's: scaled scores, the additive
+mask, softmax in fp32, the weighted sum.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+
+NAME = "glance_grouped"
+
+
+def grouped_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
+                      **kwargs) -> tuple[torch.Tensor, None]:
+    """query [1, H, T, D], key and value [1, KV, S, D], mask [1, 1, T, S] additive -> [1, T, H, D]."""
+    kv_heads = module.config.num_key_value_heads
+    groups, head_dim = module.num_key_value_groups, module.head_dim
+    q = query.reshape(kv_heads, groups, -1, head_dim)  # heads h = kv * groups + g, as repeat_kv orders them
+    k = key.reshape(kv_heads, 1, -1, head_dim)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scaling  # [KV, G, T, S]
+    if attention_mask is not None:
+        scores = scores + attention_mask  # [1, 1, T, S] broadcasts
+    probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(probs, value.reshape(kv_heads, 1, -1, head_dim))  # [KV, G, T, D]
+    return out.reshape(1, kv_heads * groups, -1, head_dim).transpose(1, 2), None
+
+
+AttentionInterface.register(NAME, grouped_attention)

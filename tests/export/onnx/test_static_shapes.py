@@ -1,0 +1,88 @@
+"""Shape reads of fixed sizes become constants; reads of symbolic sizes stay; the graph computes the same."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from glance_export.onnx.static_shapes import fold_static_shapes
+
+
+def _const(name: str, value) -> onnx.NodeProto:
+    return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.asarray(value, dtype=np.int64)))
+
+
+def rotate_half_graph() -> onnx.ModelProto:
+    """x [1, T, 4, 8]: its last half negated in front of its first half (sizes read from the tensor, as a trace
+    records `x[..., : x.shape[-1] // 2]`), then flattened to [T, 32] by a shape built from the read T."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"]),
+        _const("i_last", 3), _const("i_seq", 1), _const("two", 2), _const("zero", [0]), _const("axis", [3]),
+        _const("big", [1 << 30]), _const("minus1", [-1]),
+        helper.make_node("Gather", ["shape", "i_last"], ["last"], axis=0),
+        helper.make_node("Div", ["last", "two"], ["half"]),
+        helper.make_node("Unsqueeze", ["half", "zero"], ["half_1d"]),
+        helper.make_node("Slice", ["x", "zero", "half_1d", "axis"], ["x1"]),
+        helper.make_node("Slice", ["x", "half_1d", "big", "axis"], ["x2"]),
+        helper.make_node("Neg", ["x2"], ["neg"]),
+        helper.make_node("Concat", ["neg", "x1"], ["rotated"], axis=3),
+        helper.make_node("Gather", ["shape", "i_seq"], ["seq"], axis=0),
+        helper.make_node("Unsqueeze", ["seq", "zero"], ["seq_1d"]),
+        helper.make_node("Concat", ["seq_1d", "minus1"], ["flat_shape"], axis=0),
+        helper.make_node("Reshape", ["rotated", "flat_shape"], ["y"]),
+    ]
+    graph = helper.make_graph(nodes, "rotate_half",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "T", 4, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", 32])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {"x": x})[0]
+
+
+def test_fixed_reads_fold_and_symbolic_reads_stay():
+    model = rotate_half_graph()
+    folded = onnx.ModelProto()
+    folded.CopyFrom(model)
+    assert fold_static_shapes(folded) == 1  # the last dim (8) is fixed; the sequence is not
+    onnx.checker.check_model(folded, full_check=True)
+    gathers = [n for n in folded.graph.node if n.op_type == "Gather"]
+    assert [n.output[0] for n in gathers] == ["seq"]
+    constant = {n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in folded.graph.node if n.op_type == "Constant"}
+    assert int(constant["last"]) == 8
+    assert any(n.op_type == "Shape" for n in folded.graph.node)  # still read for the sequence
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7])
+def test_folded_graph_computes_the_same(rows):
+    model = rotate_half_graph()
+    folded = onnx.ModelProto()
+    folded.CopyFrom(model)
+    fold_static_shapes(folded)
+    x = np.random.default_rng(rows).standard_normal((1, rows, 4, 8)).astype(np.float32)
+    expected = np.concatenate([-x[..., 4:], x[..., :4]], axis=-1).reshape(rows, 32)
+    np.testing.assert_array_equal(_run(model, x), expected)
+    np.testing.assert_array_equal(_run(folded, x), expected)
+
+
+def test_fully_fixed_shape_becomes_one_constant():
+    model = rotate_half_graph()
+    model.graph.input[0].type.tensor_type.shape.dim[1].dim_value = 5  # T fixed at 5
+    model.graph.output[0].type.tensor_type.shape.dim[0].dim_value = 5
+    assert fold_static_shapes(model) == 1  # the Shape itself
+    assert not [n for n in model.graph.node if n.op_type == "Shape"]  # its readers now read a constant
+    x = np.ones((1, 5, 4, 8), np.float32)
+    assert _run(model, x).shape == (5, 32)
+
+
+def test_nothing_to_fold_leaves_the_graph_alone():
+    model = rotate_half_graph()
+    model.graph.input[0].type.tensor_type.shape.dim[3].dim_param = "D"  # no fixed size is read
+    model.graph.output[0].type.tensor_type.shape.dim[1].dim_param = "F"
+    before = model.SerializeToString()
+    assert fold_static_shapes(model) == 0
+    assert model.SerializeToString() == before
