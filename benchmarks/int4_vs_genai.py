@@ -3,8 +3,8 @@
 A random Qwen2 text model at Qwen2.5-3B width (hidden 2048, MLP 11008, 16 heads, 2 KV heads, vocabulary
 151,936, tied embeddings; depth cut to --layers), random heads (block 8) drafting over the whole vocabulary
 and over a reduced draft vocabulary (--draft-vocabs: the 32,768 tokens the target answers four prompts with
-most often, then the lowest unused ids), `glance-export onnx --quantize int4 --group-size 32` at its defaults
-(and, with --accuracies, other MatMulNBits compute modes), and
+most often, then the lowest unused ids), `glance-export onnx --quantize int4` at its defaults (group 128, int8
+activations; with --group-sizes and --accuracies, other groups and MatMulNBits compute modes), and
 GenAI's int4 CPU build of the same snapshot (`python -m onnxruntime_genai.models.builder -p int4 -e cpu`).
 Both decode the same prompt ids greedily in ONE process, same intra-op threads, interleaved repeat by repeat:
 
@@ -22,7 +22,7 @@ our AR (on int8 activations a tree pass may round a near tie differently). Memor
 set while it decodes (AR, then GLANCE) in a fresh process, against its graphs' bytes on disk.
 
     python benchmarks/int4_vs_genai.py OUT [--layers 8,12] [--threads 2] [--new-tokens 24] [--repeats 3]
-        [--accuracies int8] [--draft-vocabs 0,32768] [--stage build|time|memory|render]
+        [--accuracies int8] [--group-sizes 128] [--draft-vocabs 0,32768] [--stage build|time|memory|render]
 
 GenAI is an optional peer (`pip install onnxruntime-genai`); `--genai-python PY` runs its side in that
 interpreter instead (a separate environment). Each depth's build runs in its own process (torch) and its
@@ -43,6 +43,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "runtime"), str(ROOT)]
 
+from glance_export.onnx.quant_scheme import GROUP_SIZE  # noqa: E402  (torch-free)
+
 WIDTH = dict(hidden_size=2048, intermediate_size=11008, num_attention_heads=16, num_key_value_heads=2,
              vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1000000.0,
              rms_norm_eps=1e-6)
@@ -58,16 +60,20 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "runtime"), str(ROOT / "tests")])}
 
 
-def forms_of(accuracies: str, draft_vocabs: str) -> list[tuple[str, int]]:
-    """(MatMulNBits accuracy, draft vocabulary size or 0 for the whole vocabulary) of each of our exports."""
-    return [(a, int(v)) for a in accuracies.split(",") for v in draft_vocabs.split(",")]
+def forms_of(accuracies: str, group_sizes: str, draft_vocabs: str) -> list[tuple[str, int, int]]:
+    """(MatMulNBits accuracy, group size, draft vocabulary size or 0 for the whole vocabulary) of each of our
+    exports."""
+    return [(a, int(g), int(v)) for a in accuracies.split(",") for g in group_sizes.split(",")
+            for v in draft_vocabs.split(",")]
 
 
-def form_name(accuracy: str, draft_vocab: int) -> str:
-    return f"{accuracy}-dv{draft_vocab}" if draft_vocab else accuracy
+def form_name(accuracy: str, group_size: int, draft_vocab: int) -> str:
+    """The export's accuracy, then what differs from its defaults: `int8`, `int8-g32`, `int8-dv32768`."""
+    group = f"-g{group_size}" if group_size != GROUP_SIZE else ""
+    return f"{accuracy}{group}-dv{draft_vocab}" if draft_vocab else f"{accuracy}{group}"
 
 
-def build(work: Path, layers: int, forms: list[tuple[str, int]], genai_python: str) -> dict:
+def build(work: Path, layers: int, forms: list[tuple[str, int, int]], genai_python: str) -> dict:
     """Snapshot, heads, our exports and GenAI's build for one depth; what exists is kept."""
     from support import make_wide_snapshot
 
@@ -89,19 +95,19 @@ def build(work: Path, layers: int, forms: list[tuple[str, int]], genai_python: s
         shutil.rmtree(work / "genai-cache", ignore_errors=True)
         times["genai_build_s"] = round(time.perf_counter() - t0, 1)
         print(f"[{layers} layers] GenAI int4 build in {times['genai_build_s']} s", flush=True)
-    for accuracy, draft_vocab in forms:
+    for accuracy, group_size, draft_vocab in forms:
         head = work / (f"head-dv{draft_vocab}" if draft_vocab else "head")
         if not (head / "config.json").exists() and draft_vocab:
             _head_with_draft_vocab(snap, head, draft_vocab, GenAI(genai, 2, genai_python), work)
         elif not (head / "config.json").exists():
             subprocess.run([*cli, "init-head", "--model", str(snap), "--out", str(head), "--block-size", "8",
                             "--layers", "1"], check=True, env=_env())
-        name = form_name(accuracy, draft_vocab)
+        name = form_name(accuracy, group_size, draft_vocab)
         art = work / f"ours-int4-{name}"
         if not (art / "manifest.json").exists():
             t0 = time.perf_counter()
             subprocess.run([*cli, "onnx", "--model", str(snap), "--head", str(head), "--out", str(art), "--quantize",
-                            "int4", "--group-size", "32", "--accuracy", accuracy, "--max-context", "512",
+                            "int4", "--group-size", str(group_size), "--accuracy", accuracy, "--max-context", "512",
                             "--max-tree", "16", "--quiet"], check=True, env=_env())
             times[f"export_{name}_s"] = round(time.perf_counter() - t0, 1)
             print(f"[{layers} layers] our int4 ({name}) export in {times[f'export_{name}_s']} s", flush=True)
@@ -215,7 +221,7 @@ def seeded_truth(backend, prompt, greedy: list[int], seeding: str, budget: int, 
     return truth
 
 
-def time_depth(work: Path, layers: int, forms: list[tuple[str, int]], threads: int, new: int, repeats: int,
+def time_depth(work: Path, layers: int, forms: list[tuple[str, int, int]], threads: int, new: int, repeats: int,
                genai_python: str) -> dict:
     """Every mode of every form, interleaved repeat by repeat, in this process (GenAI in it where it imports)."""
     from glance_runtime.backends.registry import Source, open_session
@@ -277,7 +283,7 @@ def time_depth(work: Path, layers: int, forms: list[tuple[str, int]], threads: i
     return row
 
 
-def memory(work: Path, forms: list[tuple[str, int]], threads: int, new: int) -> dict:
+def memory(work: Path, forms: list[tuple[str, int, int]], threads: int, new: int) -> dict:
     """Peak resident memory of decoding (AR, then GLANCE at budget 7) on each form, each in a fresh process,
     against the bytes of the graphs ONNX Runtime loads (the artifacts directory less its TensorRT form)."""
     out = {}
@@ -346,13 +352,14 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--accuracies", default="int8")
+    ap.add_argument("--group-sizes", default=str(GROUP_SIZE), help=f"int4 group sizes (default: the export's, {GROUP_SIZE})")
     ap.add_argument("--draft-vocabs", default=f"0,{DRAFT_VOCAB}",
                     help="heads' draft vocabulary sizes, 0 for the whole vocabulary (default: both)")
     ap.add_argument("--genai-python", default=sys.executable)
     ap.add_argument("--stage", choices=("build", "time", "memory", "render"))
     ap.add_argument("--depth", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    forms = forms_of(args.accuracies, args.draft_vocabs)
+    forms = forms_of(args.accuracies, args.group_sizes, args.draft_vocabs)
     store = args.out / "int4_vs_genai.json"
     if args.stage == "render":  # the table again from the stored rows
         (args.out / "int4_vs_genai.md").write_text(render(json.loads(store.read_text())))
@@ -373,7 +380,7 @@ def main() -> None:
     rows = json.loads(store.read_text()) if store.exists() else []
     for layers in map(int, args.layers.split(",")):
         base = [sys.executable, __file__, str(args.out), "--depth", str(layers), "--accuracies", args.accuracies,
-                "--draft-vocabs", args.draft_vocabs,
+                "--group-sizes", args.group_sizes, "--draft-vocabs", args.draft_vocabs,
                 "--genai-python", args.genai_python, "--threads", str(args.threads), "--new-tokens",
                 str(args.new_tokens), "--repeats", str(args.repeats)]
         subprocess.run([*base, "--stage", "build"], check=True, env=_env())

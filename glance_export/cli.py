@@ -15,7 +15,7 @@ from glance_runtime.backends.registry import open_session
 from glance_runtime.decode.session import Settings
 
 from .build.targets import PROFILE_NAMES
-from .onnx.quant_scheme import ACCURACY, ACCURACY_LEVELS
+from .onnx.quant_scheme import ACCURACY, ACCURACY_LEVELS, GROUP_SIZE
 
 # Upper bounds of sizes that would otherwise run until stopped or exhaust the machine.
 HEAD_LAYERS = flags.between("--layers", 1, 64, "a draft head has a few layers; 64 is deeper than any target")
@@ -23,7 +23,6 @@ BLOCK_SIZE = flags.between("--block-size", 2, 64, "the anchor plus up to 63 draf
 STEPS = flags.between("--steps", 1, 10_000_000, "optimizer steps")
 BATCH = flags.between("--batch", 1, 4096, "sequences held in memory at once")
 MAX_TASKS = 1_000_000
-GROUP_SIZE = 128
 from .build.precision import PRECISIONS
 
 

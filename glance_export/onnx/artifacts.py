@@ -24,7 +24,7 @@ from .export import ATTENTION_OPSET, InMemory, export_graph, weight_bytes
 from .feeds import trace_feeds
 from .memory import GIB, check_fits, estimate_peak
 from .manifest import build_manifest, copy_runtime_files
-from .quant_scheme import ACCURACY
+from .quant_scheme import ACCURACY, GROUP_SIZE
 from .quantize import check_scheme, quantize_graphs
 from .skeleton import Skeleton
 from .sources import build_graphs, open_sources, target_skeleton
@@ -58,7 +58,7 @@ def _attention(opset: int) -> str:
 
 def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
                      opset: int = 17, max_tree: int = 64, max_context: int = 2048, branch_k: int = 8,
-                     quantize: str | None = None, group_size: int = 128, accuracy: str = ACCURACY,
+                     quantize: str | None = None, group_size: int = GROUP_SIZE, accuracy: str = ACCURACY,
                      progress: Callable[[str], None] = print) -> Path:
     """Export vision (VL only), target, draft and vocab graphs, validate them, and write the manifest.
 

@@ -14,6 +14,7 @@ from glance_runtime.errors import GlanceError
 
 SCHEMES = {"int8": 8, "int4": 4}
 GROUP_SIZES = (32, 64, 128)
+GROUP_SIZE = 128  # the default: the usual int4 group (AWQ, GPTQ), and ONNX Runtime repacks it with little overhead
 ACCURACY_LEVELS = {"int8": 4, "exact": 0}  # --accuracy -> MatMulNBits accuracy_level
 ACCURACY = "int8"
 
