@@ -90,6 +90,8 @@ class GraphBackend:
         self.no_image = new((1, hidden), self.float).rows(0)
         self.no_deep = new((max(m.deepstack_layers, 1), 1, hidden), self.float).tensor((m.deepstack_layers, 0, hidden))
         self._images: dict[str, Buffer] = {}  # vision inputs and outputs, sized by the largest image so far
+        self._kept: dict[int, tuple[Buffer, int]] = {}  # token -> its row in a kept buffer (keep_embeddings)
+        self._kept_rows: Buffer | None = None
         self._reset()
         device.upload(self.no_id.rows(1), np.zeros(1, np.int64))  # device memory is not zeroed
         self.embed_rows(np.array([m.mask_token_id], np.int64), self.block, 1)
@@ -113,8 +115,8 @@ class GraphBackend:
 
     def embed_rows(self, tokens: np.ndarray, dst: Buffer, first: int) -> None:
         """Write the embeddings of `tokens` into rows first.. of dst: copied from where the last projections
-        left them, or (for tokens from elsewhere: a prompt, a seeded test draft) one vocab run."""
-        found = [self.known.get(int(t)) for t in tokens]
+        (or `keep_embeddings`) left them, or (for tokens from elsewhere: a prompt) one vocab run."""
+        found = [self.known.get(int(t)) or self._kept.get(int(t)) for t in tokens]
         if all(found):
             for i, (buf, row) in enumerate(found):
                 self.device.copy(dst.rows(1, first + i), buf.rows(1, row))
@@ -124,6 +126,24 @@ class GraphBackend:
         outputs = {"embeds": dst.rows(count, first), "topk_ids": self.top_ids.rows(1), "topk_logprobs": self.top_logp.rows(1),
                    "entropy": self.entropy.rows(1), "topk_embeds": self.scratch_cands.tensor((1, *self.scratch_cands.shape))}
         self.graphs["vocab"].run({"ids": self.ids.rows(count), "hidden": self.scratch_row.rows(1)}, outputs)
+
+    def keep_embeddings(self, tokens: list[int]) -> None:
+        """Embed `tokens` once, into a buffer kept until the next call, and copy them from there whenever a pass
+        needs them. For drafters whose tokens do not come out of this backend's projections (a seeded drafter):
+        a head's drafts arrive with their embeddings, and without this each round would pay a vocab run for
+        the seeded ones."""
+        unique = np.array(sorted(set(int(t) for t in tokens)), np.int64)
+        if self._kept_rows is not None:
+            self.device.free(self._kept_rows)
+            self._owned.remove(self._kept_rows)
+        self._kept, self._kept_rows = {}, None
+        if not len(unique):
+            return
+        self._kept_rows = self._new((len(unique), self.manifest.hidden_size), self.float)
+        step = self.ids.shape[0]
+        for first in range(0, len(unique), step):
+            self.embed_rows(unique[first:first + step], self._kept_rows, first)
+        self._kept = {int(t): (self._kept_rows, i) for i, t in enumerate(unique)}
 
     def project(self, hidden: Tensor, into: str, extra: dict[int, tuple[Buffer, int]] | None = None,
                 graph: str = "vocab") -> tuple[np.ndarray, np.ndarray, float]:

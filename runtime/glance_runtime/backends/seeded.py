@@ -20,6 +20,9 @@ class SeededDrafter:
     def __init__(self, backend: Backend, truth: list[int], prompt_len: int, column: Callable[[int], int | None]):
         self.inner, self.truth, self.prompt_len, self.column = backend, truth, prompt_len, column
         self.name, self.block_size = backend.name, backend.block_size
+        keep = getattr(backend, "keep_embeddings", None)  # graph backends: embeddings live on the device
+        if keep is not None:
+            keep(truth)  # a head's drafts arrive with their embeddings; the seeded tokens get theirs once, here
 
     @property
     def info(self) -> BackendInfo:
