@@ -64,16 +64,19 @@ def fold_static_shapes(model: onnx.ModelProto) -> int:
         if node.op_type != "Shape" or dims.get(node.input[0]) is None:
             continue
         shape = dims[node.input[0]][_shape_span(node, len(dims[node.input[0]]))]
-        if all(d is not None for d in shape):
-            fixed[node.output[0]] = np.array(shape)
-            continue
+        left = []  # readers that are not a fixed pick of it
         for reader in readers.get(node.output[0], []):
             index = constants.get(reader.input[1]) if reader.op_type == "Gather" else None
             if index is None or any(a.name == "axis" and a.i != 0 for a in reader.attribute):
+                left.append(reader)
                 continue
             picked = np.take(np.array(shape, dtype=object), index)
             if all(d is not None for d in np.ravel(picked)):
                 fixed[reader.output[0]] = np.asarray(picked, dtype=np.int64)
+            else:
+                left.append(reader)
+        if left and all(d is not None for d in shape):
+            fixed[node.output[0]] = np.array(shape)
     if not fixed:
         return 0
     nodes = []

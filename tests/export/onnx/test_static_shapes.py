@@ -73,10 +73,24 @@ def test_fully_fixed_shape_becomes_one_constant():
     model = rotate_half_graph()
     model.graph.input[0].type.tensor_type.shape.dim[1].dim_value = 5  # T fixed at 5
     model.graph.output[0].type.tensor_type.shape.dim[0].dim_value = 5
-    assert fold_static_shapes(model) == 1  # the Shape itself
-    assert not [n for n in model.graph.node if n.op_type == "Shape"]  # its readers now read a constant
+    assert fold_static_shapes(model) == 2  # both picks of it
+    assert not [n for n in model.graph.node if n.op_type in ("Shape", "Gather")]
     x = np.ones((1, 5, 4, 8), np.float32)
     assert _run(model, x).shape == (5, 32)
+
+
+def test_a_fixed_shape_read_whole_becomes_a_constant():
+    """A reader other than a fixed pick (here Concat) gets the whole shape as a constant."""
+    model = rotate_half_graph()
+    model.graph.input[0].type.tensor_type.shape.dim[1].dim_value = 5
+    model.graph.output[0].type.tensor_type.shape.dim[0].dim_value = 5
+    model.graph.node.append(helper.make_node("Concat", ["shape", "zero"], ["shape_and_zero"], axis=0))
+    model.graph.output.append(helper.make_tensor_value_info("shape_and_zero", TensorProto.INT64, [5]))
+    assert fold_static_shapes(model) == 3  # the two picks and the shape
+    assert not [n for n in model.graph.node if n.op_type == "Shape"]
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(session.run(["shape_and_zero"], {"x": np.ones((1, 5, 4, 8), np.float32)})[0],
+                                  [1, 5, 4, 8, 0])
 
 
 def test_nothing_to_fold_leaves_the_graph_alone():
