@@ -127,30 +127,48 @@ def test_refusal_names_the_shortfall_and_the_fix(snapshot_dir):
 
 PEAK_SCRIPT = """
 import sys
+import threading
 import time
 from glance_export.onnx import export_artifacts
+
+def anon_kib():
+    return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('RssAnon'))
+
+peak, done = [anon_kib()], threading.Event()
+def watch():
+    while not done.is_set():
+        peak.append(max(peak.pop(), anon_kib()))
+        time.sleep(0.002)
+watcher = threading.Thread(target=watch)
+watcher.start()
 export_artifacts(sys.argv[1], sys.argv[2], sys.argv[3], max_tree=16, max_context=64, progress=lambda _: None)
-print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')))
+done.set()
+watcher.join()
+print(max(peak[0], anon_kib()))
 """
 
 
 def _export_peak_kib(snap: Path, head: Path, out: Path) -> int:
-    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'runtime'}", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    """The export's peak anonymous memory, sampled: pages of the memory-mapped snapshot and graphs are
+    page cache the kernel can drop, and how many stay resident depends on the machine, not the exporter."""
+    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'runtime'}", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+           "MALLOC_ARENA_MAX": "1"}
     done = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(snap), str(head), str(out)], env=env,
                           capture_output=True, text=True, check=True)
     return int(done.stdout.split()[-1])
 
 
-def test_export_peak_is_flat_from_2_to_8_layers(tmp_path):
-    """Eight layers of a mid-size model (about 64 MB each in fp32) cost the exporter no more resident
-    memory than two: the weights stream through, and validation holds a 2-layer cut."""
+def test_export_peak_is_flat_from_2_to_12_layers(tmp_path):
+    """Twelve layers of a mid-size model (about 60 MB each in fp32) cost the exporter no more memory than
+    two: the weights stream through, and validation holds a 2-layer cut. Allocator noise moves a peak by
+    tens of MB, so the depths are far enough apart that holding three more layers' weights would fail."""
     peaks, weights = {}, {}
-    for layers in (2, 8):
+    for layers in (2, 12):
         snap, weights[layers] = make_mid_snapshot(tmp_path / f"s{layers}", layers)
         head = _head(snap, tmp_path / f"h{layers}")
         peaks[layers] = _export_peak_kib(snap, head, tmp_path / f"a{layers}") * 1024
-    growth = peaks[8] - peaks[2]
-    assert growth < 0.2 * (weights[8] - weights[2]), (peaks, weights)
+    growth = peaks[12] - peaks[2]
+    assert growth < 0.2 * (weights[12] - weights[2]), (peaks, weights)
 
 
 def test_progress_names_the_layer_and_an_eta_from_the_write_rate():
