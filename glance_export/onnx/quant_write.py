@@ -5,7 +5,8 @@ memory map: every touched page of a map stays resident until it is unmapped), qu
 tensors appended to both forms' data files before the next is read. A MatMul weight ([K, N], one
 layer's projection) is done whole; a vocabulary matrix [V, H] goes in chunks of rows, since its
 MatMulNBits rows and its TensorRT [V, H] integers are both contiguous in V. Tensors that are not
-quantized are copied through in slices. A small graph (no data file) keeps its tensors in the file.
+quantized are copied through in slices. A small graph (no data file) keeps its tensors in the file; in a
+graph with one, the embedding lookups then get aliases of their own (`lookup_alias`).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from onnx import numpy_helper
 from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
 from .external_data import graph_tensors
+from .lookup_alias import separate_lookups
 from .quant_blocks import block_quant, int_payload, positive
 from .quant_nodes import Dequantized, Weight
 from .quant_scheme import Scheme
@@ -125,6 +127,8 @@ def write_forms(src: Path, model: onnx.ModelProto, weights: dict[str, Weight], o
             done += weight.k * weight.n * 4
             if on_tensor is not None:
                 on_tensor(done, total, weight.name)
+    if source.external:
+        separate_lookups(ort_model)
     onnx.save_model(ort_model, str(ort_path))
     onnx.save_model(trt_model, str(trt_path))
     return source.external
