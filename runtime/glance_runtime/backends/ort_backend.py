@@ -151,11 +151,15 @@ class OrtBackend(GraphBackend):
                                                                                     opened.get_outputs())))
             return OrtGraph(opened, device)
 
-        graphs = {"target": session(TARGET_GRAPH), "draft": session(DRAFT_GRAPH), "vocab": session(VOCAB_GRAPH)}
-        if manifest.is_vl:
-            graphs["vision"] = session(VISION_GRAPH)
+        # Vocabulary graphs first: while a session starts, the CPU provider holds a quantized LM head's stored
+        # blocks beside their repacked copy, and that moment costs the least peak memory before the target loads.
+        opened = {"vocab": session(VOCAB_GRAPH)}
         if manifest.draft_vocab_size:
-            graphs["draft_vocab"] = session(DRAFT_VOCAB_GRAPH)
+            opened["draft_vocab"] = session(DRAFT_VOCAB_GRAPH)
+        opened |= {"target": session(TARGET_GRAPH), "draft": session(DRAFT_GRAPH)}
+        if manifest.is_vl:
+            opened["vision"] = session(VISION_GRAPH)
+        graphs = {name: opened[name] for name in ("target", "draft", "vocab", "vision", "draft_vocab") if name in opened}
         super().__init__(manifest, device, graphs, name="onnxruntime", home=path, providers=tuple(chosen),
                          threads=threads,
                          max_context=context,
