@@ -133,6 +133,11 @@ class OrtBackend(GraphBackend):
             # session's run needs (on 2 cores that doubled a step).
             made.add_session_config_entry("session.intra_op.allow_spinning", "1")
             made.add_session_config_entry("session.force_spinning_stop", "1")
+            # A memory pattern plans one block for a run's intermediates per set of input shapes; a decode
+            # meets a new context length every step, so each run plans anew and the arena keeps the blocks.
+            # Without it the arena reuses freed chunks: 36-layer int4 peak 1.31x -> 1.29x its graphs' bytes,
+            # steps as fast.
+            made.enable_mem_pattern = False
             return made
 
         device = device_for(chosen)
