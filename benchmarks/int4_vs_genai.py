@@ -24,6 +24,10 @@ set while it decodes (AR, then GLANCE) in a fresh process, against its graphs' b
     python benchmarks/int4_vs_genai.py OUT [--layers 8,12] [--threads 2] [--new-tokens 24] [--repeats 3]
         [--accuracies int8] [--group-sizes 128] [--draft-vocabs 0,32768] [--stage build|time|memory|render]
 
+`--accuracies fp32` (alone, or beside int8) adds our unquantized export (`glance-export onnx` at its defaults)
+held against GenAI's fp32 CPU build of the same snapshot (`-p fp32`): the same modes, each form against the
+GenAI build of its precision.
+
 GenAI is an optional peer (`pip install onnxruntime-genai`); `--genai-python PY` runs its side in that
 interpreter instead (a separate environment). Each depth's build runs in its own process (torch) and its
 timing in another (no torch). OUT/int4_vs_genai.json and .md accumulate one row per depth.
@@ -52,6 +56,7 @@ PROMPT = "Describe the picture in detail, then list every object you can see and
 PROMPTS = (PROMPT, "Write a short story about a lighthouse keeper.", "Explain how a bicycle gear works.",
            "List ten fruits and their colours.")
 DRAFT_VOCAB = 32768  # EAGLE-3's reduced draft vocabulary size
+FP32 = "fp32"  # as an accuracy: the export without --quantize, held against GenAI's fp32 build
 MODES = (("ar", None, 0), ("glance-tau4-b3", "partial", 3), ("glance-tau4-b7", "partial", 7),
          ("glance-tau8-b7", "full", 7))
 
@@ -68,9 +73,24 @@ def forms_of(accuracies: str, group_sizes: str, draft_vocabs: str) -> list[tuple
 
 
 def form_name(accuracy: str, group_size: int, draft_vocab: int) -> str:
-    """The export's accuracy, then what differs from its defaults: `int8`, `int8-g32`, `int8-dv32768`."""
-    group = f"-g{group_size}" if group_size != GROUP_SIZE else ""
+    """The export's accuracy, then what differs from its defaults: `int8`, `int8-g32`, `int8-dv32768`; `fp32`,
+    `fp32-dv32768` for the unquantized export."""
+    group = f"-g{group_size}" if group_size != GROUP_SIZE and accuracy != FP32 else ""
     return f"{accuracy}{group}-dv{draft_vocab}" if draft_vocab else f"{accuracy}{group}"
+
+
+def precision(name: str) -> str:
+    """What a form is compared with: GenAI's build of the same precision (`int4` or `fp32`)."""
+    return FP32 if name.split("-")[0] == FP32 else "int4"
+
+
+def art_dir(work: Path, name: str) -> Path:
+    return work / (f"ours-{name}" if precision(name) == FP32 else f"ours-int4-{name}")
+
+
+def genai_key(name: str) -> str:
+    """The samples' key of the GenAI decode a form is held against (`genai-ar` for int4, as stored before)."""
+    return "genai-ar" if precision(name) == "int4" else f"genai-{FP32}-ar"
 
 
 def build(work: Path, layers: int, forms: list[tuple[str, int, int]], genai_python: str) -> dict:
@@ -85,32 +105,36 @@ def build(work: Path, layers: int, forms: list[tuple[str, int, int]], genai_pyth
         times["snapshot_s"] = round(time.perf_counter() - t0, 1)
         print(f"[{layers} layers] snapshot in {times['snapshot_s']} s", flush=True)
     cli = [sys.executable, "-c", "import sys; from glance_export.cli import main; sys.exit(main(sys.argv[1:]))"]
-    genai = work / "genai-int4"
-    if not (genai / "genai_config.json").exists():
+    for kind in sorted({precision(form_name(*form)) for form in forms}):
+        genai = work / f"genai-{kind}"
+        if (genai / "genai_config.json").exists():
+            continue
         t0 = time.perf_counter()
-        with open(work / "genai-build.log", "w") as log:
+        with open(work / f"genai-build-{kind}.log", "w") as log:
             subprocess.run([genai_python, "-m", "onnxruntime_genai.models.builder", "-i", str(snap), "-o",
-                            str(genai), "-p", "int4", "-e", "cpu", "-c", str(work / "genai-cache")], check=True,
+                            str(genai), "-p", kind, "-e", "cpu", "-c", str(work / "genai-cache")], check=True,
                            stdout=log, stderr=subprocess.STDOUT)
         shutil.rmtree(work / "genai-cache", ignore_errors=True)
-        times["genai_build_s"] = round(time.perf_counter() - t0, 1)
-        print(f"[{layers} layers] GenAI int4 build in {times['genai_build_s']} s", flush=True)
+        times[f"genai_build_{kind}_s"] = round(time.perf_counter() - t0, 1)
+        print(f"[{layers} layers] GenAI {kind} build in {times[f'genai_build_{kind}_s']} s", flush=True)
     for accuracy, group_size, draft_vocab in forms:
         head = work / (f"head-dv{draft_vocab}" if draft_vocab else "head")
         if not (head / "config.json").exists() and draft_vocab:
-            _head_with_draft_vocab(snap, head, draft_vocab, GenAI(genai, 2, genai_python), work)
+            peer = GenAI(work / f"genai-{precision(form_name(accuracy, group_size, draft_vocab))}", 2, genai_python)
+            _head_with_draft_vocab(snap, head, draft_vocab, peer, work)
         elif not (head / "config.json").exists():
             subprocess.run([*cli, "init-head", "--model", str(snap), "--out", str(head), "--block-size", "8",
                             "--layers", "1"], check=True, env=_env())
         name = form_name(accuracy, group_size, draft_vocab)
-        art = work / f"ours-int4-{name}"
+        art = art_dir(work, name)
         if not (art / "manifest.json").exists():
             t0 = time.perf_counter()
-            subprocess.run([*cli, "onnx", "--model", str(snap), "--head", str(head), "--out", str(art), "--quantize",
-                            "int4", "--group-size", str(group_size), "--accuracy", accuracy, "--max-context", "512",
-                            "--max-tree", "16", "--quiet"], check=True, env=_env())
+            quantize = [] if accuracy == FP32 else ["--quantize", "int4", "--group-size", str(group_size),
+                                                    "--accuracy", accuracy]
+            subprocess.run([*cli, "onnx", "--model", str(snap), "--head", str(head), "--out", str(art), *quantize,
+                            "--max-context", "512", "--max-tree", "16", "--quiet"], check=True, env=_env())
             times[f"export_{name}_s"] = round(time.perf_counter() - t0, 1)
-            print(f"[{layers} layers] our int4 ({name}) export in {times[f'export_{name}_s']} s", flush=True)
+            print(f"[{layers} layers] our {precision(name)} ({name}) export in {times[f'export_{name}_s']} s", flush=True)
     return times
 
 
@@ -229,9 +253,8 @@ def time_depth(work: Path, layers: int, forms: list[tuple[str, int, int]], threa
     from glance_runtime.decode.loop import DecodeConfig, decode
 
     names = [form_name(*form) for form in forms]
-    runners = {a: open_session(Source("onnxruntime", artifacts=work / f"ours-int4-{a}", threads=threads))
-               for a in names}
-    genai = GenAI(work / "genai-int4", threads, genai_python)
+    runners = {a: open_session(Source("onnxruntime", artifacts=art_dir(work, a), threads=threads)) for a in names}
+    genais = {genai_key(a): GenAI(work / f"genai-{precision(a)}", threads, genai_python) for a in names}
     prompts = {a: r.prompt(PROMPT) for a, r in runners.items()}
     ids = [int(t) for t in prompts[names[0]].input_ids.reshape(-1)]
     truth = {a: decode(r.backend, prompts[a], DecodeConfig(max_new_tokens=new, speculative=False)).tokens
@@ -246,9 +269,10 @@ def time_depth(work: Path, layers: int, forms: list[tuple[str, int, int]], threa
         tokens[name] = toks
 
     for rep in range(repeats + 1):  # the first pass warms up and is not kept
-        out = genai.generate(ids, new)
-        if rep:
-            note("genai-ar", out["ms_per_token_decode"], out["tokens"])
+        for key, genai in genais.items():
+            out = genai.generate(ids, new)
+            if rep:
+                note(key, out["ms_per_token_decode"], out["tokens"])
         for a, runner in runners.items():
             backend, prompt = runner.backend, prompts[a]
             for mode, seeding, budget in MODES:
@@ -259,15 +283,16 @@ def time_depth(work: Path, layers: int, forms: list[tuple[str, int, int]], threa
                     note(f"{a}:{mode}", result.ms_per_token_decode, result.tokens)
                     samples.setdefault(f"{a}:{mode}:tau", []).append(result.tau)
         print(f"[{layers} layers] repeat {rep}/{repeats} done (load {os.getloadavg()[0]:.1f})", flush=True)
-    genai.close()
+    for genai in genais.values():
+        genai.close()
     med = {k: round(statistics.median(v), 2) for k, v in samples.items()}
-    genai_ar = med["genai-ar"]
-    row = {"layers": layers, "threads": threads, "new_tokens": new, "repeats": repeats, "genai_ar_ms": genai_ar,
+    row = {"layers": layers, "threads": threads, "new_tokens": new, "repeats": repeats,
+           **{f"{key.removesuffix('-ar').replace('-', '_')}_ar_ms": med[key] for key in genais},
            "prompt_tokens": len(ids), "load_avg_end": round(os.getloadavg()[0], 1), "forms": {}}
     for a in names:
-        ar = tokens[f"{a}:ar"]
-        form = {"ar_ms": med[f"{a}:ar"], "ar_vs_genai": round(genai_ar / med[f"{a}:ar"], 3),
-                "tokens_equal_genai": sum(x == y for x, y in zip(ar, tokens["genai-ar"])),
+        ar, genai_ar = tokens[f"{a}:ar"], med[genai_key(a)]
+        form = {"ar_ms": med[f"{a}:ar"], "genai_ar_ms": genai_ar, "ar_vs_genai": round(genai_ar / med[f"{a}:ar"], 3),
+                "tokens_equal_genai": sum(x == y for x, y in zip(ar, tokens[genai_key(a)])),
                 "modes": {}}
         for mode, _, _ in MODES[1:]:
             key = f"{a}:{mode}"
@@ -288,7 +313,7 @@ def memory(work: Path, forms: list[tuple[str, int, int]], threads: int, new: int
     against the bytes of the graphs ONNX Runtime loads (the artifacts directory less its TensorRT form)."""
     out = {}
     for form in forms:
-        art = work / f"ours-int4-{form_name(*form)}"
+        art = art_dir(work, form_name(*form))
         code = MEMORY_SIDE.format(runtime=str(ROOT / "runtime"), art=str(art), threads=threads, new=new)
         peak = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
                                          env=_env()).stdout.splitlines()[-1])
@@ -319,9 +344,10 @@ def _memory(row: dict, form: str) -> str:
 
 
 def _paired(samples: dict[str, list[float]], key: str) -> float:
-    """The median over repeats of GenAI's AR ms over `key`'s in the same repeat: a busy moment slows both
-    sides of a pair, so this moves less than a ratio of medians."""
-    return round(statistics.median(g / m for g, m in zip(samples["genai-ar"], samples[key])), 2)
+    """The median over repeats of GenAI's AR ms (of the form's precision) over `key`'s in the same repeat: a busy
+    moment slows both sides of a pair, so this moves less than a ratio of medians."""
+    genai = samples[genai_key(key.split(":")[0])]
+    return round(statistics.median(g / m for g, m in zip(genai, samples[key])), 2)
 
 
 def render(rows: list[dict]) -> str:
@@ -336,7 +362,9 @@ def render(rows: list[dict]) -> str:
             tau4 = max(_paired(s, f"{a}:glance-tau4-b3"), _paired(s, f"{a}:glance-tau4-b7"))
             same = "/".join(str(m[k]["tokens_equal_own_ar"]) for k in ("glance-tau4-b3", "glance-tau4-b7",
                                                                           "glance-tau8-b7"))
-            lines.append(f"| {r['layers']} | int4 {a} | {f['ar_ms']} ({_paired(s, f'{a}:ar')}x) | {r['genai_ar_ms']} | "
+            label = a if precision(a) == FP32 else f"int4 {a}"
+            genai_ms = f.get("genai_ar_ms", r.get("genai_ar_ms"))  # rows stored before fp32 forms: one GenAI
+            lines.append(f"| {r['layers']} | {label} | {f['ar_ms']} ({_paired(s, f'{a}:ar')}x) | {genai_ms} | "
                          f"{m['glance-tau4-b3']['ms']} / {m['glance-tau4-b7']['ms']} (tau {m['glance-tau4-b3']['tau']}) | "
                          f"{tau4}x | {m['glance-tau8-b7']['ms']} (tau {m['glance-tau8-b7']['tau']}) | "
                          f"{_paired(s, f'{a}:glance-tau8-b7')}x | {f['tokens_equal_genai']}/{r['new_tokens']} | "
@@ -351,7 +379,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--accuracies", default="int8")
+    ap.add_argument("--accuracies", default="int8",
+                    help="MatMulNBits compute modes of the int4 exports (int8, exact); fp32 adds the unquantized "
+                         "export, held against GenAI's fp32 build")
     ap.add_argument("--group-sizes", default=str(GROUP_SIZE), help=f"int4 group sizes (default: the export's, {GROUP_SIZE})")
     ap.add_argument("--draft-vocabs", default=f"0,{DRAFT_VOCAB}",
                     help="heads' draft vocabulary sizes, 0 for the whole vocabulary (default: both)")
