@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import glance_runtime.backends.ort_backend as ort_backend
 from glance_runtime.backends.seeded import SeededDrafter
 from glance_runtime.backends.ort_backend import OrtBackend
 from glance_export.model.torch_backend import TorchBackend
@@ -142,6 +143,26 @@ class _Metered(SeededDrafter):
         t = self.inner.device.traffic
         self.rounds.append((t.h2d_bytes, t.d2h_bytes, t.calls))
         t.reset()
+
+
+def test_vocabulary_graphs_open_first_and_sessions_plan_no_memory_patterns(ort_exported, monkeypatch):
+    """For the peak resident set: a quantized LM head's session holds its stored blocks beside their repacked copy
+    while it starts, so that happens before the target is resident; and a decode's shapes change every step, so
+    memory patterns would plan a block per run that the arena keeps."""
+    ex = ort_exported("qwen2_5_vl")
+    opened: list[str] = []
+    real = ort_backend.open_cached
+
+    def recording(ort, source, digest, providers, options):
+        session = real(ort, source, digest, providers, options)
+        opened.append(Path(source).stem)
+        assert session.get_session_options().enable_mem_pattern is False
+        return session
+
+    monkeypatch.setattr(ort_backend, "open_cached", recording)
+    backend = OrtBackend(ex.artifacts)
+    assert opened[0] == "vocab" and sorted(opened) == sorted(backend.graphs)
+    assert list(backend.graphs)[:3] == ["target", "draft", "vocab"]
 
 
 def test_kv_never_crosses_the_host(ort_exported):
