@@ -130,13 +130,14 @@ def _session_bytes(path: Path, hidden: int) -> int:
 
 
 def test_a_session_keeps_only_the_repacked_matrix_resident(tmp_path):
-    """32,768 x 1,024 at int4: 16 MB of packed rows. With the lookups on the shared tensor a session holds them
-    beside the LM head's repacked copy; with aliases it lets them go after repacking."""
-    vocab, hidden = 32768, 1024
+    """65,536 x 1,024 at int4: 34 MB of packed rows. With the lookups on the shared tensor a session holds them
+    beside the LM head's repacked copy; with aliases it lets them go after repacking, keeping only the pages its
+    lookups map (a kernel may map up to a large folio around each: half the matrix is left as slack)."""
+    vocab, hidden = 65536, 1024
     model = _quantized(tmp_path, "big", vocab, hidden)
     path = tmp_path / "big" / "vocab.onnx"
     shared_path = path.with_name("shared.onnx")
     onnx.save_model(_shared(model), str(shared_path))
     packed = vocab * hidden // 2
     aliased, shared = _session_bytes(path, hidden), _session_bytes(shared_path, hidden)
-    assert aliased < shared - 0.75 * packed, json.dumps({"aliased": aliased, "shared": shared, "packed": packed})
+    assert aliased < shared - 0.5 * packed, json.dumps({"aliased": aliased, "shared": shared, "packed": packed})
