@@ -7,6 +7,7 @@ import io
 import json
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -331,25 +332,33 @@ def test_a_dropped_stream_leaves_the_next_request_correct(server, expected):
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
-def _client_cancels(server) -> float:
+def _metric(server, name: str) -> float:
     text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    return sum(float(line.split()[1]) for line in text.splitlines()
-               if line.startswith('glance_cancelled_total{reason="client"}'))
+    return sum(float(line.split()[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def _client_cancels(server) -> float:
+    return _metric(server, 'glance_cancelled_total{reason="client"}')
 
 
 def test_plain_requests_whose_clients_leave_while_queued_are_cancelled(server, expected):
+    """Whole requests are sent on raw connections and left once the server has queued them: a client timing
+    out instead could give up before its request was even read (then there is nothing to cancel)."""
     before = _client_cancels(server)
-
-    def post(_):  # the client gives up long before the queue of 16 decodes reaches most of them
-        try:
-            httpx.post(f"{server.url}/v1/chat/completions", json=_image(data_url(RECEIPT)), timeout=0.1,
-                       headers={"Authorization": f"Bearer {KEY}"})
-        except httpx.TimeoutException:
-            pass
-
-    with ThreadPoolExecutor(16) as pool:
-        list(pool.map(post, range(16)))
-    deadline = time.monotonic() + 60  # the server notices a gone client when its request reaches the queue's head
+    host, port = server.url.removeprefix("http://").split(":")
+    body = json.dumps(_image(data_url(RECEIPT))).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    clients = [socket.create_connection((host, int(port)), timeout=CLIENT_TIMEOUT_S) for _ in range(48)]
+    try:
+        for sock in clients:
+            sock.sendall(head + body)
+        deadline = time.monotonic() + 60  # wait until most are queued behind the decode in progress
+        while _metric(server, "glance_queue_depth") < 24 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        for sock in clients:  # the clients leave with dozens of decodes still ahead of the last of them
+            sock.close()
     while _client_cancels(server) <= before and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _client_cancels(server) > before
