@@ -13,7 +13,7 @@ from __future__ import annotations
 import onnx
 from onnx.external_data_helper import uses_external_data
 
-from .node_runs import reads
+from .node_runs import live_nodes, reads
 
 LOOKUP = "GatherBlockQuantized"
 SUFFIX = "_lookup"
@@ -30,7 +30,8 @@ def _alias(tensor: onnx.TensorProto, dims: list[int]) -> onnx.TensorProto:
 def separate_lookups(model: onnx.ModelProto) -> int:
     """Point every lookup of a matrix another node also reads (a tied one) at its own aliases of the packed
     rows and their scales (the scales as [V, blocks, 1], so the Unsqueeze that lifted them goes too);
-    returns how many lookups now read aliases. Call after the data file is written: the aliases copy the tensors' offsets."""
+    returns how many lookups now read aliases. Call after the data file is written: the aliases copy the
+    tensors' offsets."""
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     producers = {out: node for node in graph.node for out in node.output}
@@ -54,11 +55,11 @@ def separate_lookups(model: onnx.ModelProto) -> int:
     if not count:
         return 0
     graph.initializer.extend(added.values())
-    read = {o.name for o in graph.output} | {name for node in graph.node for name in reads(node)}
-    live = [n for n in graph.node if any(out in read for out in n.output)]
+    outputs = {o.name for o in graph.output}
+    live = live_nodes(list(graph.node), outputs)  # the lifting Unsqueeze is read no more
     del graph.node[:]
     graph.node.extend(live)
-    read = {o.name for o in graph.output} | {name for node in graph.node for name in reads(node)}
+    read = outputs | {name for node in live for name in reads(node)}
     kept = [t for t in graph.initializer if t.name in read]
     del graph.initializer[:]
     graph.initializer.extend(kept)

@@ -44,6 +44,18 @@ def reads(node: onnx.NodeProto) -> list[str]:
     return names
 
 
+def live_nodes(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto]:
+    """The nodes something still reads (towards `outputs`), in their order: what a rewrite leaves after it has
+    rewired readers away from a node."""
+    needed = set(outputs)
+    keep = []
+    for node in reversed(nodes):
+        if any(o in needed for o in node.output):
+            keep.append(node)
+            needed.update(reads(node))
+    return keep[::-1]
+
+
 def split(graph: onnx.GraphProto, budget: int, can_cut: Callable[[int], bool] = lambda index: True) -> list[Segment]:
     """Consecutive nodes, a new segment whenever the next node's weights would exceed `budget`, at the latest
     node index `can_cut` accepts since the segment began (or, where it accepts none, the first one after)."""

@@ -14,6 +14,8 @@ import onnx
 from onnx import helper, numpy_helper
 from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
+from .node_runs import live_nodes
+
 
 def _dims(model: onnx.ModelProto) -> dict[str, list[int | None]]:
     """Every tensor's dims as inferred: ints where fixed, None where symbolic or unknown. The weights are
@@ -86,16 +88,5 @@ def fold_static_shapes(model: onnx.ModelProto) -> int:
         else:
             nodes.append(node)
     del graph.node[:]
-    graph.node.extend(_live(nodes, {o.name for o in graph.output}))
+    graph.node.extend(live_nodes(nodes, {o.name for o in graph.output}))
     return len(fixed)
-
-
-def _live(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto]:
-    """The nodes something still reads, in their order."""
-    needed = set(outputs)
-    keep = []
-    for node in reversed(nodes):
-        if any(o in needed for o in node.output):
-            keep.append(node)
-            needed.update(node.input)
-    return keep[::-1]
