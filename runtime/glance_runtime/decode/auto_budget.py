@@ -109,15 +109,16 @@ class AutoBudget:
         return wanted or self._probe_round
 
     def grow(self, anchor: int, topk_ids: np.ndarray, topk_logprobs: np.ndarray, branch_k: int,
-             surprisal: float | None) -> Tree:
+             surprisal: float | None, leaves: frozenset[int] = frozenset()) -> Tree:
         """Step 2: the round's tree from the draft's top-k, grown by q and cut at n* (a probe keeps the
-        anchor and the best node where n* is 0)."""
+        anchor and the best node where n* is 0); `leaves` as in `build_tree`."""
         cut = _Cut(self._round_list, self._slope_list)
         priority = self.calibration.node_scorer(surprisal)
         tree = build_tree(anchor, topk_ids, topk_logprobs, self.max_nodes, branch_k, priority=priority,
-                          stop=cut.stop)
+                          stop=cut.stop, leaves=leaves)
         if self._probe_round or (cut.best_nodes == 0 and self._probing()):
-            return build_tree(anchor, topk_ids, topk_logprobs, PROBE_ROWS - 1, branch_k, priority=priority)
+            return build_tree(anchor, topk_ids, topk_logprobs, PROBE_ROWS - 1, branch_k, priority=priority,
+                              leaves=leaves)
         return tree.prefix(cut.best_nodes + 1)
 
     def observe(self, round_log: RoundLog) -> None:

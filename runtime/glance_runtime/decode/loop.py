@@ -23,7 +23,7 @@ class BudgetPolicy(Protocol):
     def should_draft(self, surprisal: float | None) -> bool: ...
 
     def grow(self, anchor: int, topk_ids: np.ndarray, topk_logprobs: np.ndarray, branch_k: int,
-             surprisal: float | None) -> Tree: ...
+             surprisal: float | None, leaves: frozenset[int] = frozenset()) -> Tree: ...
 
     def observe(self, round_log: "RoundLog") -> None:
         """Each round's log once it is committed (its timings may correct the costs the policy weighs)."""
@@ -97,18 +97,22 @@ def room_left(backend: Backend) -> int | None:
     return None if limit is None else limit - backend.start
 
 
-def _tree(backend: Backend, anchor: int, cfg: DecodeConfig, surprisal: float | None) -> tuple[Tree, bool]:
+def _tree(backend: Backend, anchor: int, cfg: DecodeConfig, surprisal: float | None, left: int,
+          stops: frozenset[int]) -> tuple[Tree, bool]:
     """This round's tree and whether a draft pass made it; cut to the room left in the context, so a
-    round near its end is a smaller tree, then a plain greedy step, and the tokens stay greedy's."""
+    round near its end is a smaller tree, then a plain greedy step, and the tokens stay greedy's.
+    Nothing past the answer's end is verified: the tree is at most `left` - 1 deep (`left` tokens may
+    still be produced, the bonus one of them) and a stop token's node has no children."""
     room = room_left(backend)
-    if (not cfg.speculative or cfg.budget == 0 or (room is not None and room <= 1)
+    if (not cfg.speculative or cfg.budget == 0 or left <= 1 or (room is not None and room <= 1)
             or (cfg.auto and not cfg.auto.should_draft(surprisal))):
         return Tree.root(anchor), False
-    ids, logp = backend.draft(anchor, cfg.branch_k, cfg.budget)
+    ids, logp = backend.draft(anchor, cfg.branch_k, min(cfg.budget, left - 1))
+    ids, logp = ids[:left - 1], logp[:left - 1]
     if cfg.auto:
-        tree = cfg.auto.grow(anchor, ids, logp, cfg.branch_k, surprisal)
+        tree = cfg.auto.grow(anchor, ids, logp, cfg.branch_k, surprisal, leaves=stops)
     else:
-        tree = build_tree(anchor, ids, logp, cfg.budget)
+        tree = build_tree(anchor, ids, logp, cfg.budget, leaves=stops)
     return (tree if room is None else fit(tree, room)), True
 
 
@@ -127,7 +131,7 @@ def decode(backend: Backend, prompt, cfg: DecodeConfig, stop_ids: Sequence[int] 
     anchor, surprisal = first, None
     while not ended and out.stopped_on is None and len(out.tokens) < cfg.max_new_tokens:
         r0 = time.perf_counter()
-        tree, drafted = _tree(backend, anchor, cfg, surprisal)
+        tree, drafted = _tree(backend, anchor, cfg, surprisal, cfg.max_new_tokens - len(out.tokens), stops)
         r1 = time.perf_counter()
         argmax, entropy, confidence = backend.verify(tree.tokens, tree.depths, visibility(tree.parents))
         r2 = time.perf_counter()

@@ -115,6 +115,7 @@ def build_tree(
     branch_k: int | None = None,
     priority: Callable[[float, int], float] | None = None,
     stop: Callable[[int, float], bool] | None = None,
+    leaves: frozenset[int] = frozenset(),
 ) -> Tree:
     """Keep the `budget` best draft nodes, best-first on cumulative log-prob (or on `priority`).
 
@@ -126,6 +127,8 @@ def build_tree(
     `priority(score, depth)` ranks nodes instead of their score; it must not rise from a node to its
     children or its later siblings (as a score does not), or the pops stop being the best set.
     `stop(nodes, next_priority)`, asked before each pop, ends the growth early when it returns True.
+    A node whose token is in `leaves` gets no children: a stop token ends the answer, so nothing verified
+    below it could be kept, and the budget goes to the nodes that can.
     """
     if not _is_int(anchor) or anchor < 0:
         raise ValueError(f"anchor must be a non-negative integer token id, got {anchor!r}")
@@ -184,7 +187,7 @@ def build_tree(
         if col + 1 < branch_k:
             sibling = scores[parent] + lp[depth - 1][col + 1]
             heapq.heappush(heap, (-rank(sibling, depth), parent, col + 1, depth, sibling))
-        if depth < offsets:
+        if depth < offsets and tokens[index] not in leaves:
             child = score + lp[depth][0]
             heapq.heappush(heap, (-rank(child, depth + 1), index, 0, depth + 1, child))
     return Tree._trusted(tokens, parents, depths, scores)

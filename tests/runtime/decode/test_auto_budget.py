@@ -361,6 +361,18 @@ def test_grow_can_keep_no_node():
     assert tree.size == 1 and tree.tokens[0] == 5
 
 
+def test_grow_builds_nothing_below_a_stop_token():
+    """A confident chain whose third token ends the answer: auto keeps the stop token and nothing below it."""
+    ids = np.tile(np.arange(8), (15, 1))
+    sure = np.full((15, 8), -1e-4)
+    sure[:, 1:] = -12.0  # only the first column is worth a row
+    ids[2] = [7, 0, 1, 2, 3, 4, 5, 6]
+    whole = AutoBudget(GPU, PRIOR, 63, 16).grow(5, ids, sure, 8, 0.0)
+    ended = AutoBudget(GPU, PRIOR, 63, 16).grow(5, ids, sure, 8, 0.0, leaves=frozenset({7}))
+    assert whole.depths.max() > 3 and 7 in whole.tokens[whole.depths == 3]
+    assert ended.depths.max() == 3 and ended.tokens[ended.depths == 3].tolist() == [7]
+
+
 def test_grow_never_exceeds_max_nodes():
     ids = np.tile(np.arange(8), (15, 1))
     sure = np.full((15, 8), -1e-4)

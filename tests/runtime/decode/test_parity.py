@@ -139,7 +139,7 @@ def test_seeded_acceptance(backend_for, oracle_for, images, family, seed, budget
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3"])
-def test_stop_token_inside_accepted_path(backend_for, images, family):
+def test_stop_token_is_accepted_as_the_last_node_of_its_branch(backend_for, images, family):
     backend = backend_for(family, 8)
     prompt = _prompt(backend, images, "wide" if family in VL_FAMILIES else None)
     truth = _oracle(backend, prompt)
@@ -149,16 +149,20 @@ def test_stop_token_inside_accepted_path(backend_for, images, family):
     drafter = SeededDrafter(backend, truth, prompt.length, lambda d: 0)
     result = decode(drafter, prompt, DecodeConfig(max_new_tokens=MAX_NEW, budget=7, branch_k=1), stop_ids=(stop,))
     assert result.tokens == expected and result.stopped_on == stop
-    assert result.rounds[0].accepted == 8, "the stop token must have been inside an accepted block"
+    depth = len(expected) - 1  # the stop token's offset from the prefill's anchor
+    first = result.rounds[0]
+    assert depth < 7 and first.path == list(range(1, depth + 1)), "accepted within the first round's block"
+    assert first.tree_size == depth + 1, "nothing drafted below the stop token is verified"
 
 
-def test_max_new_tokens_cuts_an_accepted_block(backend_for):
+def test_no_tree_reaches_past_max_new_tokens(backend_for):
     backend = backend_for("qwen2", 8)
     prompt = backend.snapshot.build_prompt("Hello there")
     truth = _oracle(backend, prompt)
     result = decode(SeededDrafter(backend, truth, prompt.length, lambda d: 0), prompt,
                     DecodeConfig(max_new_tokens=5, budget=7, branch_k=1))
     assert result.tokens == truth[:5]
+    assert [r.tree_size for r in result.rounds] == [4], "4 tokens left after the prefill's: 3 drafted, 1 bonus"
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llama"])
@@ -171,10 +175,11 @@ def test_committed_kv_and_head_context_match_fresh_prefill(backend_for, images, 
     result = decode(drafter, prompt, DecodeConfig(max_new_tokens=MAX_NEW, budget=31, branch_k=8))
     assert result.tokens == truth and max(r.accepted for r in result.rounds) > 1
     backend.draft(result.tokens[-1], 2)  # folds the last round's rows into the head's context cache
-    # The last round may commit rows past max_new_tokens; all of them lie on the greedy path.
+    # Every token but the last is a committed row (the last is the anchor of a round that never came):
+    # no tree reaches past max_new_tokens, so no row lies beyond the answer.
     rows = backend.start
     longer = greedy_reference(backend.model, backend.snapshot, prompt, rows - prompt.length, ())
-    assert rows >= prompt.length + len(result.tokens) - 1 and longer[:MAX_NEW] == truth
+    assert rows == prompt.length + len(result.tokens) - 1 and longer == truth[:-1]
 
     fresh = TorchBackend(backend.snapshot, backend.head, model=backend.model)
     extended = type(prompt)(np.concatenate([prompt.input_ids, longer]), prompt.pixel_values,

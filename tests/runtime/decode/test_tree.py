@@ -142,6 +142,23 @@ def test_stop_ends_growth_and_sees_each_next_priority(case: tuple, after: int) -
 
 
 @FAST
+@given(drafts(), st.integers(0, 6))
+def test_a_leaf_token_gets_no_children_and_the_budget_goes_to_the_best_other_nodes(case: tuple, leaf: int) -> None:
+    """A stop token ends the answer: nodes below it are never built, and the budget buys the best of the rest."""
+    ids, logprobs, budget, branch_k = case
+    tree = build_tree(ANCHOR, ids, logprobs, budget, branch_k, leaves=frozenset({leaf}))
+    assert all(tree.tokens[p] != leaf for p in tree.parents[1:])
+    reachable = []
+    for depth in range(1, ids.shape[0] + 1):
+        for cols in itertools.product(range(branch_k), repeat=depth):
+            if all(ids[offset, col] != leaf for offset, col in enumerate(cols[:-1])):
+                reachable.append(sum(float(logprobs[offset, col]) for offset, col in enumerate(cols)))
+    expected = sorted(reachable, reverse=True)[:budget]
+    assert tree.size == len(expected) + 1
+    np.testing.assert_allclose(sorted(tree.scores[1:].tolist(), reverse=True), expected, rtol=0, atol=1e-9)
+
+
+@FAST
 @given(drafts())
 def test_node_scores_and_tokens_match_their_columns(case: tuple) -> None:
     ids, logprobs, budget, branch_k = case
