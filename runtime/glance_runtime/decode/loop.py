@@ -108,7 +108,6 @@ def _tree(backend: Backend, anchor: int, cfg: DecodeConfig, surprisal: float | N
             or (cfg.auto and not cfg.auto.should_draft(surprisal))):
         return Tree.root(anchor), False
     ids, logp = backend.draft(anchor, cfg.branch_k, min(cfg.budget, left - 1))
-    ids, logp = ids[:left - 1], logp[:left - 1]
     if cfg.auto:
         tree = cfg.auto.grow(anchor, ids, logp, cfg.branch_k, surprisal, leaves=stops)
     else:
