@@ -56,7 +56,9 @@ def test_a_head_with_a_draft_vocabulary_saves_it_and_decodes_losslessly(snapshot
         assert exported["identical"] == exported["n"] == 2, (form, exported)
         if form == "fp32":
             assert exported["tau"] == report["tau"], (exported, report)
-        assert clock.runs()["draft_vocab"] == clock.runs()["draft"] == exported["rounds"], clock.runs()
+        runs = clock.runs()  # a draft projects once; every round drafts but an answer's last with one token left
+        assert runs["draft_vocab"] == runs["draft"], runs
+        assert exported["rounds"] - exported["n"] <= runs["draft"] <= exported["rounds"], (runs, exported["rounds"])
 
 
 def test_a_draft_vocabulary_larger_than_the_target_s_is_refused(snapshot_dir, images, tmp_path, capsys):
