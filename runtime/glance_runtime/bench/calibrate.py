@@ -111,7 +111,8 @@ def _law(rows: Sequence[dict]) -> tuple[tuple[float, float] | None, dict]:
     if len(kept) < 3:
         return None, {"rounds": len(kept), "note": "too few drafted rounds with a known surprisal; no law, every round drafts"}
     u = np.array([r["surprisal"] for r in kept], float)
-    a = np.array([min(r["accepted"] - 1, r["cap"]) for r in kept], float)
+    # drafted tokens accepted: the path (a round ended by a drafted stop token commits no bonus after it)
+    a = np.array([min(len(r.get("path") or []), r["cap"]) for r in kept], float)
     cap = np.array([r["cap"] for r in kept], float)
     failure = (a < cap).astype(float)
     pooled = a.sum() / max(a.sum() + failure.sum(), 1e-12)

@@ -64,9 +64,15 @@ def _write(piece: str) -> None:
     sys.stdout.flush()
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def _stats_line(out: api.Output) -> str:
+    """tau is tokens per round; the prefill's token is no round's, so the line counts it apart."""
     s = out.stats
-    return (f"[{s['backend']}] tau {s['tau']:.2f} | {s['tokens']} tokens in {s['rounds']} rounds | "
+    return (f"[{s['backend']}] tau {s['tau']:.2f} | {_count(s['tokens'], 'token')} (1 from the prefill, "
+            f"{s['tokens'] - 1} in {_count(s['rounds'], 'round')}) | "
             f"{s['tokens_per_s']} tok/s | {s['ms_per_token']:.1f} ms/token ({s['ms_per_token_decode']:.1f} without "
             f"prefill) | prefilled {s['prefill_tokens']} of {s['prompt_tokens']} prompt tokens")
 

@@ -41,7 +41,7 @@ class DecodeConfig:
 @dataclass
 class RoundLog:
     entropy: float  # target's next-token entropy (nats) at the anchor
-    accepted: int  # tau of this round: accepted drafted tokens + the bonus
+    accepted: int  # tokens this round added to the answer: accepted drafted tokens + the bonus (none after a stop)
     tree_size: int  # packed rows verified, anchor included
     draft_ms: float
     verify_ms: float
@@ -63,7 +63,8 @@ class DecodeResult:
 
     @property
     def tau(self) -> float:
-        """Tokens per round pooled over all rounds (not a mean of per-prompt means)."""
+        """Tokens per round pooled over all rounds (not a mean of per-prompt means). The prefill's token is no
+        round's, so `tokens` is 1 + tau x rounds."""
         return sum(r.accepted for r in self.rounds) / len(self.rounds) if self.rounds else 0.0
 
     @property
@@ -139,7 +140,9 @@ def decode(backend: Backend, prompt, cfg: DecodeConfig, stop_ids: Sequence[int] 
         new, out.stopped_on = _clip([int(t) for t in tree.tokens[path]] + [int(bonus)], len(out.tokens), cfg, stops)
         out.tokens += new
         r3 = time.perf_counter()
-        out.rounds.append(RoundLog(entropy=float(entropy), accepted=len(path) + 1, tree_size=tree.size,
+        # What the round added, not len(path) + 1: after a stop token the bonus is the target's guess past the
+        # answer's end, never committed, and counting it made tau depend on whether the stop was drafted.
+        out.rounds.append(RoundLog(entropy=float(entropy), accepted=len(new), tree_size=tree.size,
                                    draft_ms=(r1 - r0) * 1e3, verify_ms=(r2 - r1) * 1e3, total_ms=(r3 - r0) * 1e3,
                                    drafted=drafted, surprisal=surprisal, node_scores=tree.scores[1:].tolist(),
                                    node_depths=tree.depths[1:].tolist(), path=path.tolist()))

@@ -153,6 +153,7 @@ def test_stop_token_is_accepted_as_the_last_node_of_its_branch(backend_for, imag
     first = result.rounds[0]
     assert depth < 7 and first.path == list(range(1, depth + 1)), "accepted within the first round's block"
     assert first.tree_size == depth + 1, "nothing drafted below the stop token is verified"
+    assert first.accepted == depth, "the target's token after the stop is no token of the answer: not counted"
 
 
 def test_no_tree_reaches_past_max_new_tokens(backend_for):
