@@ -17,11 +17,14 @@ from glance_runtime.errors import GlanceError
 from glance_runtime.formats.common import Invalid
 from glance_runtime.formats.tasks import parse_row as parse_task_row
 from glance_runtime.prompt.messages import user_turn
+from glance_runtime.store.input_files import read_bytes, regular_file
 
 IMAGE_MARK = "<image>"
 LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 MAX_BAD_FRACTION = 0.10
 SHOWN_REASONS = 3
+MAX_FILE_BYTES = 4 << 30  # a data file is parsed in memory; the largest public instruction sets are ~1 GB
+FILE_FIX = "pass a TASKS.jsonl, LLaVA JSON/JSONL or OpenAI messages JSONL file"
 
 
 @dataclass(frozen=True)
@@ -154,18 +157,43 @@ def _conversation(row: Any, base: Path) -> list[dict[str, Any]]:
     raise Invalid('a row needs "messages" (OpenAI), "conversations" (LLaVA) or "prompt" (TASKS.jsonl)')
 
 
-def _rows(path: Path) -> Iterator[tuple[str, Any]]:
-    """(file:line, parsed row or the parse error) of a JSONL file, or of a JSON file holding a list of rows."""
+def check_files(paths: list[Path], what: str) -> None:
+    """Refuse, before any work, a data file that is missing, a dangling link, a directory, a FIFO or a device."""
+    for path in paths:
+        regular_file(path, what, FILE_FIX)
+
+
+def _parse(text: str) -> Any:
+    """One JSON value whose strings are all encodable (a lone surrogate is valid JSON, but no tokenizer takes it)."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise GlanceError(f"cannot read training data {path} ({exc}); pass a readable JSON or JSONL file") from None
+        value = json.loads(text)
+    except RecursionError:
+        raise Invalid("nested too deeply to be a training row") from None
+    except json.JSONDecodeError as exc:
+        raise Invalid(f"not JSON ({exc.msg} at line {exc.lineno})") from None
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise Invalid(f"holds a lone surrogate ({exc.object[exc.start:exc.end]!r}), which is not text") from None
+    except RecursionError:
+        raise Invalid("nested too deeply to be a training row") from None
+    return value
+
+
+def _rows(path: Path, what: str) -> Iterator[tuple[str, Any]]:
+    """(file:line, parsed row or the parse error) of a JSONL file, or of a JSON file holding a list of rows."""
+    raw = read_bytes(path, what, FILE_FIX, MAX_FILE_BYTES)
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise GlanceError(f"{what} {path}:{line} is not UTF-8; save it as UTF-8") from None
     if path.suffix == ".json":
         try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise GlanceError(f"{path} is not JSON ({exc.msg} at line {exc.lineno}); pass a JSON list of rows "
-                              "or a JSONL file") from None
+            rows = _parse(text)
+        except Invalid as exc:
+            raise GlanceError(f"{what} {path} is not usable JSON ({exc}); pass a JSON list of rows or a JSONL "
+                              "file") from None
         if not isinstance(rows, list):
             raise GlanceError(f"{path} holds no list of rows; a .json data file is a list of LLaVA-style rows")
         for i, row in enumerate(rows):
@@ -174,9 +202,9 @@ def _rows(path: Path) -> Iterator[tuple[str, Any]]:
     for lineno, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
-                yield f"{path}:{lineno}", json.loads(line)
-            except json.JSONDecodeError as exc:
-                yield f"{path}:{lineno}", Invalid(f"not JSON ({exc.msg})")
+                yield f"{path}:{lineno}", _parse(line)
+            except Invalid as exc:
+                yield f"{path}:{lineno}", exc
 
 
 def samples_of(messages: list[dict[str, Any]], where: str) -> list[Sample]:
@@ -191,15 +219,12 @@ def samples_of(messages: list[dict[str, Any]], where: str) -> list[Sample]:
     return out
 
 
-def read_samples(paths: list[Path], tally: Tally) -> list[Sample]:
+def read_samples(paths: list[Path], tally: Tally, what: str = "training data") -> list[Sample]:
     """Every usable sample of `paths`, in file order; unusable rows are counted in `tally`."""
     out: list[Sample] = []
     for path in paths:
         path = Path(path)
-        if not path.is_file():
-            raise GlanceError(f"training data {path} does not exist; pass a TASKS.jsonl, LLaVA JSON/JSONL or "
-                              "OpenAI messages JSONL file")
-        for where, row in _rows(path):
+        for where, row in _rows(path, what):
             tally.rows += 1
             try:
                 if isinstance(row, Invalid):

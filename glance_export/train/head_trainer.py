@@ -24,7 +24,7 @@ from glance_runtime.errors import GlanceError
 from ..model.adapters import Snapshot
 from ..model.head import check_head_out, head_config_for, init_head, load_head, pick_mask_token, save_head
 from .checkpoint import capture, load_state, restore, run_signature, writer
-from .data_files import Tally, read_samples
+from .data_files import Tally, check_files, read_samples
 from .draft_vocab import check_size, frequent_tokens
 from .head_loss import batch_loss, make_batch
 from .held_out import HeldOut, measure
@@ -100,7 +100,10 @@ def train_head(model_dir: str | Path, data: list[Path], out_dir: str | Path, set
     if bool(data) == (prepared is not None):
         raise GlanceError("pass either --data (online: the target answers and taps as training goes) or --prepared "
                           "DIR (from `glance-export prepare-head-data`)")
-    check_head_out(out_dir, (model_dir, *data, prepared, s.resume))
+    check_files([Path(d) for d in data], "training data")
+    if s.eval_data is not None:
+        check_files([Path(s.eval_data)], "--eval-data")
+    check_head_out(out_dir, (model_dir, *data, prepared, s.resume, s.eval_data))
     world = join(s.device)
     try:
         return _train(Snapshot(model_dir), [Path(d) for d in data], prepared, Path(out_dir), s, world,
@@ -153,7 +156,7 @@ def _held_out(snapshot: Snapshot, model, s: HeadTraining) -> HeldOut | None:
     if s.eval_data is None:
         return None
     tally = Tally()
-    samples = read_samples([s.eval_data], tally)
+    samples = read_samples([s.eval_data], tally, "--eval-data")
     if tally.bad or not samples:
         raise GlanceError(f"--eval-data {s.eval_data}: {tally.summary() if tally.bad else 'no rows'}; held-out "
                           "prompts must all be usable")

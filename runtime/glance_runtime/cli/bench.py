@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from .._version import __version__
-from ..store.atomic import check_output, check_output_file, output_directory
+from ..store.atomic import check_output, check_output_file, output_directory, output_format
 from ..decode.auto_budget import AutoBudget, auto_budget
 from ..decode.calibration import FILE as CALIBRATION_FILE, FORMAT as CALIBRATION_FORMAT, Calibration, load_calibration
 from .flags import OneLineParser, at_least, check_dirs, guarded, runner_flags, source
@@ -148,7 +148,7 @@ def _check(args: argparse.Namespace) -> None:
     if args.bootstrap < 1:
         raise GlanceError("--bootstrap must be at least 1")
     check_dirs(args)
-    check_output(args.out, REPORT_FORMAT, _inputs(args))
+    check_output(args.out, REPORT_FORMAT, _inputs(args), whole=False)
 
 
 def _inputs(args: argparse.Namespace) -> list[Path | None]:
@@ -238,7 +238,7 @@ def run_law(args: argparse.Namespace) -> int:
     if args.bootstrap < 1:
         raise GlanceError("--bootstrap must be at least 1")
     if args.out:
-        check_output(args.out, LAW_FORMAT, [args.rounds])
+        check_output(args.out, LAW_FORMAT, [args.rounds], whole=False)
     rows = read_rounds(args.rounds)
     if not select(rows, args.mode, args.cap, args.include_final):
         raise GlanceError("no rounds left to fit (every round ended its answer); pass --include-final")
@@ -277,7 +277,11 @@ def run_cost(args: argparse.Namespace) -> int:
 
 def run_calibrate(args: argparse.Namespace) -> int:
     out = args.out or args.rounds.with_name(CALIBRATION_FILE)
-    out = out / CALIBRATION_FILE if out.is_dir() else out
+    if out.is_dir():
+        if output_format(out) is None:  # a folder of the user's: only a file named outright is written there
+            raise GlanceError(f"--out {out} is a folder no glance command made; name the file to write "
+                              f"(--out {out / CALIBRATION_FILE}) or pass the artifacts, engines or head directory")
+        out = out / CALIBRATION_FILE
     check_output_file(out, CALIBRATION_FORMAT, [args.rounds])
     modes = [m.strip() for m in args.mode.split(",") if m.strip()] if args.mode else None
     rows = calibration_rows(read_rounds(args.rounds), modes, str(args.rounds))

@@ -8,10 +8,11 @@ reads the journals of processes that are gone, puts a parked output back and rem
 sibling. Only what a journal names is ever moved or deleted, so a user's file that merely looks like a
 temporary name is never touched.
 
-Every output directory carries a marker naming the format and the command that made it, and every output
-file starts with its format header (`{"format": ...`), so a command replaces only an output of its own
-format (or an empty directory) and never a model snapshot, a task file or a home directory that happens to
-be passed as an output; and no input is ever an output.
+Every output directory carries a marker naming the format, the command that made it and the entries it
+wrote, and every output file starts with its format header (`{"format": ...`), so a command replaces only an
+output of its own format (or an empty directory) and never a model snapshot, a task file or a home directory
+that happens to be passed as an output; a directory replaced whole must hold nothing its maker did not write
+(a user's notes, held-out data or images put there later), and no input is ever an output.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import tempfile
 from contextlib import contextmanager
 from glob import escape
@@ -27,8 +29,13 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from ..errors import GlanceError
+from .input_files import peek
 
-MARKER = ".glance-output.json"  # {"format": ..., "made_by": ...}; hidden, so bundles and listings skip it
+MARKER = ".glance-output.json"  # {"format", "made_by", "entries"}; hidden, so bundles and listings skip it
+MARKER_BYTES = 16 << 20  # a marker lists a directory's entries: thousands of shards at most
+# Files the runtime keeps beside an output it reads (a device's measured costs, a calibration): they describe
+# that output, so replacing it drops them with it.
+COMPANION_FORMATS = ("glance-cost", "glance-calibration")
 
 SWAP_FORMAT = "glance-swap"  # the journal of one replacement
 HEADER_BYTES = 4096  # an output file's format header lies in its first bytes
@@ -74,9 +81,10 @@ class _Swap:
     @classmethod
     def found(cls, journal: Path) -> tuple["_Swap", int] | None:
         """The swap a journal records, with its process id (None: not a journal of ours for this output)."""
+        head = peek(journal, HEADER_BYTES)  # a FIFO or a huge file under a journal's name is not one
         try:
-            raw = json.loads(journal.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            raw = json.loads(head) if head is not None else None
+        except ValueError:
             return None
         if not isinstance(raw, dict) or raw.get("format") != SWAP_FORMAT or type(raw.get("pid")) is not int:
             return None
@@ -112,38 +120,84 @@ def recover(out: Path) -> None:
 
 
 def check_writable(out: str | Path) -> None:
-    """Refuse, before any work, an output whose directory cannot be created or written."""
+    """Refuse, before any work, an output whose directory cannot be created or written (an existing output
+    directory too: what it holds is written or deleted in it)."""
     out = Path(out).absolute()
     parent = out.parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
         raise GlanceError(f"cannot create {out}: {parent} is a file, not a directory; pick another output path")
-    try:  # a real probe: permission bits say nothing for root, read-only mounts or /proc
-        os.rmdir(tempfile.mkdtemp(prefix=".glance-probe.", dir=parent))
-    except OSError as exc:
-        raise GlanceError(f"cannot create {out}: {parent} is not writable ({exc.strerror}); "
-                          "pick a writable output path") from None
+    for place in (parent, out) if out.is_dir() else (parent,):
+        try:  # a real probe: permission bits say nothing for root, read-only mounts or /proc
+            os.rmdir(tempfile.mkdtemp(prefix=".glance-probe.", dir=place))
+        except OSError as exc:
+            raise GlanceError(f"cannot write {out}: {place} is not writable ({exc.strerror}); "
+                              "pick a writable output path") from None
+
+
+def _marker(directory: Path) -> dict | None:
+    body = peek(directory / MARKER, MARKER_BYTES)
+    try:
+        found = json.loads(body) if body is not None else None
+    except ValueError:
+        return None
+    return found if isinstance(found, dict) and isinstance(found.get("format"), str) else None
 
 
 def output_format(directory: Path) -> str | None:
     """The format in `directory`'s marker (None: no command made it, or the marker is unreadable)."""
-    try:
-        found = json.loads((directory / MARKER).read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
-    return found.get("format") if isinstance(found, dict) and isinstance(found.get("format"), str) else None
+    found = _marker(directory)
+    return found["format"] if found is not None else None
 
 
 def file_format(path: Path) -> str | None:
     """The format an output file of this toolkit names first (None: any other file, or unreadable)."""
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(HEADER_BYTES)
-    except OSError:
-        return None
-    found = _HEADER.match(head)
+    head = peek(path, HEADER_BYTES)
+    found = _HEADER.match(head) if head is not None else None
     return found.group(1).decode() if found else None
+
+
+def _companion(path: Path) -> bool:
+    """A file the runtime keeps beside an output (or an empty lock of one), which goes with the output."""
+    try:
+        found = path.lstat()
+    except OSError:
+        return False
+    if not stat.S_ISREG(found.st_mode):
+        return False
+    if path.name.startswith(".") and path.name.endswith(".lock") and found.st_size == 0:
+        return True
+    return file_format(path) in COMPANION_FORMATS
+
+
+def foreign_entries(directory: Path) -> list[str]:
+    """What replacing `directory` whole would delete that its maker did not write. The marker lists what its
+    maker wrote; a marker from before it did so is older than anything added since."""
+    marker = _marker(directory)
+    names = sorted(name for name in os.listdir(directory) if name != MARKER)
+    made = marker.get("entries") if marker is not None else None
+    if isinstance(made, list):
+        ours = {name for name in made if isinstance(name, str)}
+    else:
+        try:
+            since = (directory / MARKER).lstat().st_mtime
+        except OSError:
+            since = float("-inf")
+        ours = {name for name in names if (directory / name).lstat().st_mtime <= since}
+    return [name for name in names if name not in ours and not _companion(directory / name)]
+
+
+def _check_no_foreign(out: Path, fix: str) -> None:
+    try:
+        found = foreign_entries(out)
+    except OSError as exc:
+        raise GlanceError(f"cannot list output {out} ({exc.strerror}); pick a readable, writable directory") from None
+    if found:
+        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        them = "it" if len(found) == 1 else "them"
+        raise GlanceError(f"output {out} holds {shown}, which no glance command wrote there, and replacing the "
+                          f"directory would delete {them}; move {them} out of {out} {fix}")
 
 
 def check_not_input(out: str | Path, inputs: Iterable[str | Path | None]) -> None:
@@ -171,9 +225,10 @@ def _check_not_dangling(out: Path) -> None:
         raise GlanceError(f"output {out} is a dangling symbolic link; remove it or pick another output path")
 
 
-def check_output(out: str | Path, fmt: str, inputs: Iterable[str | Path | None] = ()) -> None:
+def check_output(out: str | Path, fmt: str, inputs: Iterable[str | Path | None] = (), whole: bool = True) -> None:
     """Refuse, before any work, an output this command may not replace: an input (or what holds one), a
-    file, or a non-empty directory whose marker is not `fmt` (one no command made, or another kind)."""
+    file, a non-empty directory whose marker is not `fmt` (one no command made, or another kind), or, for
+    a directory replaced `whole`, one holding anything its maker did not write."""
     out = Path(out)
     check_not_input(out, inputs)
     _check_not_dangling(out)
@@ -190,6 +245,8 @@ def check_output(out: str | Path, fmt: str, inputs: Iterable[str | Path | None] 
             what = f"a {found} output" if found else "a directory no glance command made"
             raise GlanceError(f"output {out} is {what}, not a {fmt} output, and writing there would replace it; "
                               "pick a new or empty directory")
+        if whole and not empty:
+            _check_no_foreign(out, "or pick another output path")
     check_writable(out)
 
 
@@ -213,16 +270,20 @@ def check_output_file(out: str | Path, fmt: str, inputs: Iterable[str | Path | N
     check_writable(out)
 
 
-def mark(directory: Path, fmt: str, made_by: str) -> None:
-    """Write the marker that lets the next run of `made_by` (and only a writer of `fmt`) replace `directory`."""
-    write_file(directory / MARKER, json.dumps({"format": fmt, "made_by": made_by}) + "\n")
+def mark(directory: Path, fmt: str, made_by: str, entries: Iterable[str] | None = None) -> None:
+    """Write the marker that lets the next run of `made_by` (and only a writer of `fmt`) replace `directory`,
+    listing the `entries` it wrote where it replaces the directory whole."""
+    body: dict = {"format": fmt, "made_by": made_by}
+    if entries is not None:
+        body["entries"] = sorted(entries)
+    write_file(directory / MARKER, json.dumps(body) + "\n")
 
 
 def output_directory(out: str | Path, fmt: str, made_by: str, inputs: Iterable[str | Path | None] = ()) -> Path:
     """For writers that fill their directory file by file (task folders, reports, training runs): checked
     as `check_output`, created and marked before the first file, so a rerun may replace what a stopped one left."""
     out = Path(out)
-    check_output(out, fmt, inputs)
+    check_output(out, fmt, inputs, whole=False)
     try:
         out.mkdir(parents=True, exist_ok=True)
         mark(out, fmt, made_by)
@@ -246,12 +307,15 @@ def atomic_directory(out: str | Path, fmt: str, made_by: str) -> Iterator[Path]:
     replaces `out`, on any failure (including Ctrl-C) it is removed and `out` is left as it was.
     Writers call `check_output` (with their inputs) before their work; this checks the format again."""
     out = Path(out)
+    if out.is_symlink():  # a link to an output directory: that directory is replaced, the link stays
+        out = Path(os.path.realpath(out))
     check_output(out, fmt)
     swap = _begin(out)
     try:
         yield swap.new
-        mark(swap.new, fmt, made_by)
+        mark(swap.new, fmt, made_by, os.listdir(swap.new))
         if out.exists():
+            _check_no_foreign(out, "and run the same command again")  # something may have arrived meanwhile
             os.mkdir(swap.old)
             os.replace(out, swap.old)  # onto the empty directory: still one rename
         os.replace(swap.new, out)
