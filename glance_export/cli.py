@@ -22,6 +22,9 @@ HEAD_LAYERS = flags.between("--layers", 1, 64, "a draft head has a few layers; 6
 BLOCK_SIZE = flags.between("--block-size", 2, 64, "the anchor plus up to 63 drafted offsets")
 STEPS = flags.between("--steps", 1, 10_000_000, "optimizer steps")
 BATCH = flags.between("--batch", 1, 4096, "sequences held in memory at once")
+GEN_BATCH = flags.between("--gen-batch", 1, 4096, "prompts the target answers at once")
+SEED = flags.between("--seed", 0, 2**32 - 1, "the seeds torch and numpy accept")
+ANSWER_TOKENS = flags.at_least("--max-new-tokens", 1)
 MAX_TASKS = 1_000_000
 from .build.precision import PRECISIONS
 
@@ -242,13 +245,20 @@ def _prepare_head_data(args: argparse.Namespace) -> int:
 def _train_head(args: argparse.Namespace) -> int:
     from .train.head_trainer import HeadTraining, train_head
 
+    held_out = [flag for flag, value in (("--eval-every", args.eval_every), ("--eval-budget", args.eval_budget))
+                if value is not None]
+    if held_out and args.eval_data is None:
+        raise GlanceError(f"{' and '.join(held_out)} would be ignored: they set the held-out measurement, which needs "
+                          "--eval-data; add --eval-data FILE or drop them")
     _threads(args.threads)
     settings = HeadTraining(layers=args.layers, block_size=args.block_size, steps=args.steps, lr=args.lr,
                             batch=args.batch, anchors=args.anchors, gamma=args.gamma,
                             max_new_tokens=args.max_new_tokens, seed=args.seed, gen_batch=args.gen_batch,
                             device=args.device, time_budget_s=args.time_budget, checkpoint_every=args.checkpoint_every,
                             resume=args.resume, log_every=args.log_every, eval_data=args.eval_data,
-                            eval_every=args.eval_every, eval_budget=args.eval_budget, draft_vocab=args.draft_vocab)
+                            eval_every=args.eval_every or 0,
+                            eval_budget=BUDGET if args.eval_budget is None else args.eval_budget,
+                            draft_vocab=args.draft_vocab)
     train_head(args.model, args.data or [], args.out, settings, progress=lambda line: print(line, flush=True),
                prepared=args.prepared)
     return 0
@@ -371,28 +381,30 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--layers", type=HEAD_LAYERS, default=1)
     t.add_argument("--block-size", type=BLOCK_SIZE, default=16)
     t.add_argument("--steps", type=STEPS, default=2000)
-    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--lr", type=flags.positive("--lr"), default=3e-3)
     t.add_argument("--batch", type=BATCH, default=8, help="sequences per step and process")
-    t.add_argument("--gen-batch", type=BATCH, default=16, help="prompts the target answers in one batch")
+    t.add_argument("--gen-batch", type=GEN_BATCH, default=16, help="prompts the target answers in one batch")
     t.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (under torchrun: each process its GPU)")
-    t.add_argument("--anchors", type=int, default=16, help="anchors sampled per sequence")
-    t.add_argument("--gamma", type=float, default=7.0, help="offset k is weighted exp(-(k-1)/gamma)")
-    t.add_argument("--max-new-tokens", type=int, default=64, help="length of the target's answers")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--time-budget", type=float, help="stop after this many seconds of training")
-    t.add_argument("--checkpoint-every", type=int, default=500,
+    t.add_argument("--anchors", type=flags.at_least("--anchors", 1), default=16, help="anchors sampled per sequence")
+    t.add_argument("--gamma", type=flags.positive("--gamma"), default=7.0,
+                   help="offset k is weighted exp(-(k-1)/gamma)")
+    t.add_argument("--max-new-tokens", type=ANSWER_TOKENS, default=64, help="length of the target's answers")
+    t.add_argument("--seed", type=SEED, default=0)
+    t.add_argument("--time-budget", type=flags.positive("--time-budget"),
+                   help="stop after this many seconds of training")
+    t.add_argument("--checkpoint-every", type=flags.at_least("--checkpoint-every", 1), default=500,
                    help="save head and trainer state every N steps; the same command continues from there")
-    t.add_argument("--draft-vocab", type=flags.at_least("--draft-vocab", 2), metavar="N",
-                   help="draft over the N tokens most frequent in the target's answers (a cheaper draft pass); "
-                   "default: the whole vocabulary")
+    t.add_argument("--draft-vocab", type=flags.at_least("--draft-vocab", BRANCH_K), metavar="N",
+                   help="draft over the N tokens most frequent in the target's answers (a cheaper draft pass; at "
+                   f"least the {BRANCH_K} a draft offset branches into); default: the whole vocabulary")
     t.add_argument("--log-every", type=flags.at_least("--log-every", 1), default=50,
                    help="steps between log lines and metrics.jsonl records")
     t.add_argument("--eval-data", type=Path, help="held-out prompts: tau and per-offset acceptance with the real "
                    "draft/verify loop, into metrics.jsonl and the head's card")
-    t.add_argument("--eval-every", type=flags.at_least("--eval-every", 0), default=0,
-                   help="steps between held-out measurements (default 0: at the end only)")
+    t.add_argument("--eval-every", type=flags.at_least("--eval-every", 0),
+                   help="steps between held-out measurements, with --eval-data (default 0: at the end only)")
     t.add_argument("--eval-budget", type=flags.between("--eval-budget", 1, 1024, "tree nodes a round"),
-                   default=BUDGET, help=f"tree budget of the held-out tau besides 15 (default {BUDGET})")
+                   help=f"tree budget of the held-out tau besides 15, with --eval-data (default {BUDGET})")
     t.add_argument("--threads", type=flags.threads, help="torch CPU threads (1 up to this machine's CPUs)")
     t.set_defaults(func=_train_head)
 
@@ -403,8 +415,8 @@ def parser() -> argparse.ArgumentParser:
                    help="training prompts, repeatable (the formats train-head --data takes)")
     d.add_argument("--out", type=Path, required=True)
     d.add_argument("--layers", type=HEAD_LAYERS, default=1, help="layers of the head to train (picks the taps)")
-    d.add_argument("--max-new-tokens", type=int, default=64, help="length of the target's answers")
-    d.add_argument("--gen-batch", type=BATCH, default=16, help="prompts the target answers in one batch")
+    d.add_argument("--max-new-tokens", type=ANSWER_TOKENS, default=64, help="length of the target's answers")
+    d.add_argument("--gen-batch", type=GEN_BATCH, default=16, help="prompts the target answers in one batch")
     d.add_argument("--shard-mb", type=flags.positive("--shard-mb"), default=256, help="size of one shard file")
     d.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     d.add_argument("--threads", type=flags.threads, help="torch CPU threads (1 up to this machine's CPUs)")
