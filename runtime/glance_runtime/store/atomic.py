@@ -159,11 +159,14 @@ def file_format(path: Path) -> str | None:
 
 
 def _companion(path: Path) -> bool:
-    """A file the runtime keeps beside an output (or an empty lock of one), which goes with the output."""
+    """A file the runtime keeps beside an output (or an empty lock of one), or an output a glance command
+    made inside this one (engines built in their bundle): they go with the output."""
     try:
         found = path.lstat()
     except OSError:
         return False
+    if stat.S_ISDIR(found.st_mode):
+        return output_format(path) is not None
     if not stat.S_ISREG(found.st_mode):
         return False
     if path.name.startswith(".") and path.name.endswith(".lock") and found.st_size == 0:

@@ -51,6 +51,7 @@ def test_its_own_entries_and_the_runtimes_companions_are_replaced(tmp_path):
     (out / "cost-profile-0123456789ab.json").write_text(json.dumps({"format": "glance-cost", "version": 1}))
     (out / ".cost-profile-0123456789ab.json.lock").write_bytes(b"")
     (out / "calibration.json").write_text(json.dumps({"format": "glance-calibration"}))
+    _made(out / "engines")  # an output made inside this one (engines built in their bundle)
     assert foreign_entries(out) == []
     _made(out, names=("weights.bin",))
     assert sorted(os.listdir(out)) == sorted([MARKER, "sub", "weights.bin"])
