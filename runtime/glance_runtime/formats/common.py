@@ -11,8 +11,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import GlanceError
+from ..store.input_files import read_bytes
 
 MAX_DEPTH = 64  # no format nests deeper; anything deeper is refused before it is walked
+MAX_DOCUMENT_BYTES = 1 << 30  # a manifest, profile, task file or round log is far smaller
 
 
 class Invalid(ValueError):
@@ -50,16 +52,10 @@ def _depth(value: Any) -> int:
 
 
 def read_text(path: Path, what: str, fix: str) -> str:
-    """The file as text, or one line saying why it cannot be (the real cause: a directory is a directory)."""
+    """The file as text, or one line saying why it cannot be (the real cause: a directory is a directory, a
+    FIFO a FIFO; a file larger than any document of ours is not read)."""
     path = Path(path)
-    if path.is_dir():
-        raise GlanceError(f"{what} {path} is a directory, not a file; {fix}")
-    if not path.is_file():
-        raise GlanceError(f"{what} {path} does not exist; {fix}")
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise GlanceError(f"cannot read {what} {path} ({exc.strerror}); {fix}") from None
+    raw = read_bytes(path, what, fix, MAX_DOCUMENT_BYTES)
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
