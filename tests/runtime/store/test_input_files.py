@@ -82,3 +82,11 @@ def test_a_journal_that_is_ours_is_still_read(tmp_path):
         json.dumps({"format": "glance-swap", "pid": 2 ** 22 + 1, "token": token, "output": "out"}))
     recover(out)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_task_file_that_is_a_fifo_is_named_as_one(tmp_path):
+    from glance_runtime.formats.tasks import read as read_tasks
+
+    os.mkfifo(tmp_path / "tasks.jsonl")
+    with pytest.raises(GlanceError, match="tasks.jsonl is a FIFO"):
+        read_tasks(tmp_path / "tasks.jsonl")
