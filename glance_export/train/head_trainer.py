@@ -142,7 +142,7 @@ def _online(snapshot: Snapshot, data: list[Path], s: HeadTraining, layer_ids: li
 
 def _offline(snapshot: Snapshot, prepared: Path, layer_ids: list[int], world: World, progress: Callable[[str], None]):
     """Prepared sequences, read per step; of the target only its embedding and LM head."""
-    source = PreparedData.open(prepared, snapshot)
+    source = PreparedData.open(prepared, snapshot, progress)
     if source.index["target_layer_ids"] != layer_ids:
         raise GlanceError(f"{prepared} holds taps of layers {source.index['target_layer_ids']} but the head reads "
                           f"{layer_ids}; pass the --layers it was prepared with, or prepare again")

@@ -8,8 +8,9 @@ memory map and reads only the rows of the sequences a step uses; of the target i
 embedding and the LM head.
 
 Layout: `index.json` {format, version, target (config digest), target_layer_ids, width, samples, shards:
-[{file, sequences: [[offset, length, answer_start], ...]}]} and `shard_NNNNN.safetensors` holding `taps`
-bf16 [rows, width] and `ids` int64 [rows], sequences back to back.
+[{file, sequences: [[offset, length, answer_start], ...], rows, size, sha256}]} and `shard_NNNNN.safetensors`
+holding `taps` bf16 [rows, width] and `ids` int64 [rows], sequences back to back (prepared_index.py checks
+both before training reads a row).
 """
 from __future__ import annotations
 
@@ -32,14 +33,11 @@ from ..model.head import tap_layers
 from .answers import tap_rows
 from .data_files import Tally, read_samples
 from .head_loss import Sequence
+from .prepared_index import FORMAT, INDEX, TAP_DTYPE, VERSION, check_shards, read_index, shard_entry
 from .sequences import answer_samples, prompt_of
 from .world import World
 
-FORMAT = "glance-head-data"
-VERSION = 1
-INDEX = "index.json"
 MADE_BY = "glance-export prepare-head-data"
-TAP_DTYPE = torch.bfloat16
 ROOM_MARGIN = 1.05  # index, safetensors headers and the filesystem's rounding
 
 
@@ -94,7 +92,7 @@ def prepare(model_dir: Path, data: list[Path], out: Path, *, layers: int, max_ne
             nonlocal taps, ids, entries, rows
             name = f"shard_{len(index['shards']):05d}.safetensors"
             save_file({"taps": torch.cat(taps), "ids": torch.cat(ids)}, str(tmp / name))
-            index["shards"].append({"file": name, "sequences": entries})
+            index["shards"].append(shard_entry(tmp, name, entries, rows))
             progress(f"wrote {name} ({len(entries)} sequences, {rows} rows)")
             taps, ids, entries, rows = [], [], [], 0
 
@@ -125,18 +123,17 @@ class PreparedData:
     shard_of: list[tuple[int, int]]  # per sequence: (shard number, first row)
 
     @classmethod
-    def open(cls, root: Path, snapshot: Snapshot) -> "PreparedData":
-        path = Path(root) / INDEX
-        try:
-            index = json.loads(path.read_text())
-        except (OSError, ValueError):
-            raise GlanceError(f"{root} holds no readable {INDEX}; write it with `glance-export prepare-head-data`") \
-                from None
-        if index.get("format") != FORMAT or index.get("version") != VERSION:
-            raise GlanceError(f"{path} is not a version {VERSION} {FORMAT} index; prepare the data again")
+    def open(cls, root: Path, snapshot: Snapshot, progress: Callable[[str], None] = lambda _: None) -> "PreparedData":
+        """The checked directory (prepared_index.py): every refusal comes here, before the first step."""
+        index = read_index(root)
         if index["target"] != target_digest(snapshot):
             raise GlanceError(f"{root} was prepared for another target than {snapshot.path}; pass the --model it was "
                               "prepared with, or prepare the data again")
+        tc = snapshot.text_config
+        if index["width"] != len(index["target_layer_ids"]) * tc["hidden_size"]:
+            raise GlanceError(f"{Path(root) / INDEX} records taps {index['width']} wide, not "
+                              f"{len(index['target_layer_ids'])} layers of {tc['hidden_size']}; prepare the data again")
+        check_shards(Path(root), index, tc["vocab_size"], progress)
         seqs, where = [], []
         for n, shard in enumerate(index["shards"]):
             for offset, length, start in shard["sequences"]:
