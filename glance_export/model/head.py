@@ -25,6 +25,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
+from glance_export.model.head_checks import check_config, check_draft_ids
 from glance_export.model.meta_init import parameters_on_meta
 from glance_runtime.store.atomic import atomic_directory, check_output
 from glance_runtime.errors import GlanceError
@@ -70,23 +71,32 @@ class HeadConfig:
                 "dflash_config": dflash}
 
     @classmethod
-    def from_json(cls, cfg: dict[str, Any]) -> "HeadConfig":
+    def from_json(cls, cfg: dict[str, Any], where: str = "head config.json") -> "HeadConfig":
+        """The config as published heads have it, checked (head_checks.py); `where` names it in errors."""
+        if not isinstance(cfg, dict):
+            raise GlanceError(f"{where} is not a JSON object; restore the head's config.json (or retrain the head)")
         try:
             dflash = cfg["dflash_config"]
             rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
             heads = cfg["num_attention_heads"]
-            return cls(hidden_size=cfg["hidden_size"], num_hidden_layers=cfg["num_hidden_layers"],
-                       num_attention_heads=heads, num_key_value_heads=cfg.get("num_key_value_heads", heads),
-                       head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                       intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
-                       block_size=cfg["block_size"], num_target_layers=cfg["num_target_layers"],
-                       target_layer_ids=list(dflash["target_layer_ids"]), mask_token_id=dflash["mask_token_id"],
-                       rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-                       rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 1_000_000.0)),
-                       max_position_embeddings=cfg.get("max_position_embeddings", 32768),
-                       draft_vocab_size=cfg.get("draft_vocab_size"))
+            config = cls(hidden_size=cfg["hidden_size"], num_hidden_layers=cfg["num_hidden_layers"],
+                         num_attention_heads=heads, num_key_value_heads=cfg.get("num_key_value_heads", heads),
+                         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                         intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
+                         block_size=cfg["block_size"], num_target_layers=cfg["num_target_layers"],
+                         target_layer_ids=list(dflash["target_layer_ids"]), mask_token_id=dflash["mask_token_id"],
+                         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+                         rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 1_000_000.0)),
+                         max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+                         draft_vocab_size=cfg.get("draft_vocab_size"))
         except KeyError as exc:
-            raise GlanceError(f"head config.json lacks {exc.args[0]!r}; expected a DFlash/GLANCE head config") from None
+            raise GlanceError(f"{where} lacks {exc.args[0]!r}; expected a DFlash/GLANCE head config") from None
+        except (TypeError, AttributeError, ZeroDivisionError):
+            raise GlanceError(f"{where} holds a field of the wrong type (dflash_config and rope_parameters are "
+                              "objects, sizes positive integers); restore the head's config.json (or retrain the "
+                              "head)") from None
+        check_config(config, where)
+        return config
 
     def qwen3(self) -> Qwen3Config:
         return Qwen3Config(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
@@ -247,13 +257,18 @@ def load_head(head_dir: str | Path, dtype: torch.dtype = torch.float32) -> Draft
     if not cfg_path.is_file() or not weights.is_file():
         raise GlanceError(f"{head_dir} is not a head directory (needs config.json and {WEIGHTS_FILE}); "
                           "create one with `glance-export init-head`")
-    cfg = HeadConfig.from_json(json.loads(cfg_path.read_text()))
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except (OSError, ValueError, RecursionError) as exc:
+        raise GlanceError(f"cannot read {cfg_path} ({exc}); restore the head's files or retrain it") from None
+    cfg = HeadConfig.from_json(raw, str(cfg_path))
     with parameters_on_meta():  # the checkpoint's tensors become the parameters: no random init, no second copy
         head = DraftHead(cfg)
     try:
         state = load_file(str(weights))
     except (SafetensorError, OSError) as exc:
         raise GlanceError(f"cannot read {weights} ({exc}); restore the head's files or retrain it") from None
+    check_draft_ids(state.get("draft_vocab_ids"), cfg, weights, cfg_path)
     missing, unexpected = head.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
         raise GlanceError(f"{weights} does not match its config (missing {sorted(missing)[:3]}, "

@@ -68,8 +68,9 @@ class TorchBackend:
             check_head_matches(head, snapshot)
             self.head = head.to(self.device, self.model.dtype)
         self.block_size = head.config.block_size if head is not None else 1
-        # any top-k of the vocabulary, any tree size: the reference has no export-time bounds
-        limits = ServeLimits(self.block_size, snapshot.text_config["vocab_size"])
+        # any top-k of the head's vocabulary, any tree size: the reference has no export-time bounds
+        drafted = head.config.draft_vocab_size if head is not None else None
+        limits = ServeLimits(self.block_size, drafted or snapshot.text_config["vocab_size"])
         self.info = BackendInfo(limits=limits, precision=_PRECISION.get(self.model.dtype, str(self.model.dtype)),
                                 hardware=f"torch {self.device}" if self.device.type == "cuda" else host_cpu())
         self.embed = self.model.get_input_embeddings()

@@ -32,6 +32,7 @@ from .._version import __version__
 from ..store.atomic import write_file
 from ..errors import GlanceError, IntegrityError
 from .graphs import DRAFT_GRAPH, DRAFT_VOCAB_GRAPH, MANIFEST, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH
+from .draft_ids import check_graph
 from ..store.integrity import file_digest, verify_files
 from .common import (Invalid, boolean, check_header, check_int, check_text, digest, dumps, guarded, int_list,
                      integer, obj, optional_int, read_json, stamped, text)
@@ -366,6 +367,8 @@ def _read(path: Path) -> Manifest:
     if unrecorded:
         raise GlanceError(f"{file} records no hash for {unrecorded[0]}; {REEXPORT}")
     verify_files(path, hashes, f"copy the directory again or {REEXPORT}")
+    if manifest.draft_vocab_size:
+        check_graph(path / DRAFT_VOCAB_GRAPH, manifest.draft_vocab_size, manifest.vocab_size, REEXPORT)
     return manifest
 
 
