@@ -390,8 +390,8 @@ def parser() -> argparse.ArgumentParser:
                    help="offset k is weighted exp(-(k-1)/gamma)")
     t.add_argument("--max-new-tokens", type=ANSWER_TOKENS, default=64, help="length of the target's answers")
     t.add_argument("--seed", type=SEED, default=0)
-    t.add_argument("--time-budget", type=flags.positive("--time-budget"),
-                   help="stop after this many seconds of training")
+    t.add_argument("--time-budget", type=flags.finite("--time-budget", 0),
+                   help="stop after this many seconds of training (0: after the first step)")
     t.add_argument("--checkpoint-every", type=flags.at_least("--checkpoint-every", 1), default=500,
                    help="save head and trainer state every N steps; the same command continues from there")
     t.add_argument("--draft-vocab", type=flags.at_least("--draft-vocab", BRANCH_K), metavar="N",

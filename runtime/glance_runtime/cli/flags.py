@@ -67,6 +67,21 @@ def positive(flag: str) -> Callable[[str], float]:
     return parse
 
 
+def finite(flag: str, minimum: float) -> Callable[[str], float]:
+    """A finite number at or above `minimum` (nan and inf are no setting; 0 can be one, as a time budget
+    that stops after the first step)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text.strip())
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < minimum:
+            raise argparse.ArgumentTypeError(f"{flag} {text!r} is not a finite number >= {minimum:g}; pass a finite "
+                                             f"{flag} >= {minimum:g}")
+        return value
+    return parse
+
+
 def integer(flag: str) -> Callable[[str], int]:
     """An integer flag whose range is a backend's (--max-context, --max-tree: `decode.limits.runtime_limit`)."""
     return lambda text: _integer(flag, text)

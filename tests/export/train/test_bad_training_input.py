@@ -34,7 +34,7 @@ def tasks(tmp_path):
 
 TRAIN_ONLY = [("--lr", "nan"), ("--lr", "-1"), ("--lr", "inf"), ("--lr", "0"), ("--anchors", "0"),
               ("--seed", "1" * 20), ("--seed", "-1"), ("--gamma", "0"), ("--gamma", "nan"), ("--time-budget", "-1"),
-              ("--time-budget", "nan"), ("--checkpoint-every", "0"), ("--draft-vocab", str(BRANCH_K - 1))]
+              ("--time-budget", "nan"), ("--time-budget", "inf"), ("--checkpoint-every", "0"), ("--draft-vocab", str(BRANCH_K - 1))]
 BOTH = [("--max-new-tokens", "0"), ("--gen-batch", "0"), ("--gen-batch", "99999")]
 CASES = [("train-head", *case) for case in TRAIN_ONLY + BOTH] + [("prepare-head-data", *case) for case in BOTH]
 
@@ -58,9 +58,9 @@ def test_held_out_settings_without_held_out_data_are_refused(given, tasks, tmp_p
 
 def test_the_ranges_keep_every_setting_that_trains(tmp_path):
     args = parser().parse_args(["train-head", "--model", "m", "--out", "o", "--seed", str(2**32 - 1), "--lr", "1e-4",
-                                "--gen-batch", "1", "--draft-vocab", str(BRANCH_K), "--time-budget", "0.5"])
+                                "--gen-batch", "1", "--draft-vocab", str(BRANCH_K), "--time-budget", "0"])
     assert (args.seed, args.lr, args.gen_batch, args.draft_vocab, args.time_budget) == (2**32 - 1, 1e-4, 1,
-                                                                                        BRANCH_K, 0.5)
+                                                                                        BRANCH_K, 0)  # 0: one step
     assert args.eval_every is None and args.eval_budget is None  # unset: the library's defaults apply
 
 
