@@ -15,6 +15,7 @@ import os
 import platform
 import shlex
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -54,9 +55,18 @@ def _runner_args(p: argparse.ArgumentParser) -> None:
 
 
 def bench_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="glance-bench", description="Speed, acceptance and the draftability law of "
-                                "GLANCE against AR greedy decoding, measured side by side (see also "
-                                "`glance-bench law|cost|calibrate`).")
+    """The measurement's flags; its usage line and --help name the subcommands too, which main dispatches on
+    the first argument before this parser sees it."""
+    subcommands = {"law": law_parser, "cost": cost_parser, "calibrate": calibrate_parser}
+    p = OneLineParser(prog="glance-bench",
+                      usage="%(prog)s --data TASKS.jsonl [TASKS.jsonl ...] --out DIR [options]\n"
+                            f"       %(prog)s {{{','.join(subcommands)}}} ...   (each answers --help)",
+                      description="Speed, acceptance and the draftability law of GLANCE against AR greedy\n"
+                                  "decoding, measured side by side.",
+                      epilog="subcommands:\n" + "\n".join(
+                          textwrap.fill(parser().description, 78, initial_indent=f"  {name:<11}",
+                                        subsequent_indent=" " * 13) for name, parser in subcommands.items()),
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", type=Path, action="extend", nargs="+", required=True,
                    help="TASKS.jsonl (repeatable); a row's \"kind\", else the file's directory, names its task kind")
     p.add_argument("--out", type=Path, required=True, help="directory for report.json, report.md, rounds.jsonl, PNGs")
