@@ -248,8 +248,9 @@ def _train_head(args: argparse.Namespace) -> int:
     held_out = [flag for flag, value in (("--eval-every", args.eval_every), ("--eval-budget", args.eval_budget))
                 if value is not None]
     if held_out and args.eval_data is None:
-        raise GlanceError(f"{' and '.join(held_out)} would be ignored: they set the held-out measurement, which needs "
-                          "--eval-data; add --eval-data FILE or drop them")
+        given = " and ".join(held_out)
+        raise GlanceError(f"{given} would be ignored: held-out measurement needs --eval-data; add --eval-data FILE or "
+                          f"drop {given}")
     _threads(args.threads)
     settings = HeadTraining(layers=args.layers, block_size=args.block_size, steps=args.steps, lr=args.lr,
                             batch=args.batch, anchors=args.anchors, gamma=args.gamma,
