@@ -227,6 +227,26 @@ BLOCK_TRAINING_STACK = blocking("torch", "transformers", "glance_export", "safet
 BLOCK_EXPORT_STACK = blocking("torch", "transformers", "safetensors", "onnx", "onnxscript", "polygraphy")
 
 
+# ---- What this machine lacks ----
+# Skip reasons that say what is missing and how to get it.
+
+TENSORRT_RTX_MISSING = ("needs TensorRT-RTX's builder, which is not installed: the dev install has it "
+                        "(pip install -e '.[dev]', or pip install tensorrt-rtx)")
+
+
+def cuda_unavailable() -> str | None:
+    """Why CUDA buffers cannot be made here (the device layer's own one-line refusal: what is missing and how
+    to get it), or None where they can."""
+    from glance_runtime.backends.device_buffers import CudaDevice
+    from glance_runtime.errors import GlanceError
+
+    try:
+        CudaDevice()
+    except GlanceError as exc:
+        return str(exc)
+    return None
+
+
 # ---- Live servers ----
 # Live `glance-serve` processes on loopback ports for the server tests, and `glance-run`'s answers.
 

@@ -209,7 +209,8 @@ class CudaDevice(Device):
         try:
             from polygraphy import cuda
         except ImportError:
-            raise GlanceError("GPU buffers need polygraphy: pip install polygraphy") from None
+            raise GlanceError("CUDA buffers need polygraphy's CUDA wrapper, which is not installed; add the gpu "
+                              "extra (pip install -e '.[gpu]' in the clone, or pip install polygraphy)") from None
         self.device_id = device_id
         self._cuda = cuda
         try:

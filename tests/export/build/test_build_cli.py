@@ -30,9 +30,9 @@ from glance_export.build.toolchain import Toolchain
 from glance_runtime.errors import GlanceError
 from glance_runtime.formats.artifacts import read as load_manifest
 from glance_runtime.store.integrity import sha256
-from support import ALL_FAMILIES, blocking, export_once
+from support import ALL_FAMILIES, TENSORRT_RTX_MISSING, blocking, export_once
 
-trt = pytest.importorskip("tensorrt_rtx")
+trt = pytest.importorskip("tensorrt_rtx", reason=TENSORRT_RTX_MISSING)
 
 NO_GPU = BuildGpu(None)
 H100 = BuildGpu("NVIDIA H100 80GB HBM3", "9.0", 79.6)

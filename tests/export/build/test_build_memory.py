@@ -21,9 +21,9 @@ from glance_runtime.formats.artifacts import GraphFile
 from glance_export.build.precision import choose_precision
 from glance_export.build.tensorrt_build import BuildOptions, ShapeProfile, graph_job, run_job
 from glance_runtime.errors import GlanceError
-from support import export_once
+from support import TENSORRT_RTX_MISSING, export_once
 
-pytest.importorskip("tensorrt_rtx")
+pytest.importorskip("tensorrt_rtx", reason=TENSORRT_RTX_MISSING)
 RTX = load_profile("rtx")
 PROFILES = [ShapeProfile("prefill", {"T": (1, 256, 256)}), ShapeProfile("verify", {"T": (1, 32, 64)})]
 

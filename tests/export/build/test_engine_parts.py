@@ -25,7 +25,7 @@ from glance_runtime.backends.graph_chain import ChainGraph, Part
 from glance_runtime.store.integrity import verify_engines
 from glance_runtime.decode.loop import DecodeConfig, decode
 from glance_runtime.prompt.codec import exported_codec
-from support import export_once
+from support import TENSORRT_RTX_MISSING, export_once
 
 MAX_NEW = 20
 RTX = load_profile("rtx")
@@ -115,7 +115,7 @@ def test_a_forced_part_budget_builds_a_chain_of_engines(exported, tmp_path):
     """TensorRT-RTX builds every part; engines.json lists them in order with what each reads and writes, the
     integrity check covers each file, the plan estimated the largest part, and no part protobuf is left in
     the artifacts or the engines."""
-    pytest.importorskip("tensorrt_rtx")
+    pytest.importorskip("tensorrt_rtx", reason=TENSORRT_RTX_MISSING)
     artifacts = exported("qwen2_5_vl")
     before = sorted(p.name for p in artifacts.iterdir())
     target_gib = graph_bytes(artifacts, load_manifest(artifacts).graphs)["target"] / GIB
@@ -148,7 +148,7 @@ def test_a_forced_part_budget_builds_a_chain_of_engines(exported, tmp_path):
 
 @pytest.fixture(scope="module")
 def chained_engines(exported, tmp_path_factory):
-    pytest.importorskip("tensorrt_rtx")
+    pytest.importorskip("tensorrt_rtx", reason=TENSORRT_RTX_MISSING)
     artifacts = exported("qwen3")
     size = graph_bytes(artifacts, load_manifest(artifacts).graphs)["target"]
     out = tmp_path_factory.mktemp("chained") / "engines"

@@ -25,9 +25,9 @@ from glance_export.build.toolchain import Toolchain, check_opset, load_toolchain
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
 from glance_runtime.errors import GlanceError
 from glance_runtime.formats.artifacts import GraphFile, Manifest, Stack, read as load_manifest
-from support import export_once
+from support import TENSORRT_RTX_MISSING, export_once
 
-trt = pytest.importorskip("tensorrt_rtx")
+trt = pytest.importorskip("tensorrt_rtx", reason=TENSORRT_RTX_MISSING)
 RTX = load_profile("rtx")
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from glance_export.onnx import export_artifacts
 from glance_runtime.backends.registry import Source, open_session
-from support import make_snapshot, tiny_head
+from support import TENSORRT_RTX_MISSING, make_snapshot, tiny_head
 
 N = 40
 
@@ -79,7 +79,7 @@ def test_int4_quantizes_it_like_the_vocab_graph(exported, tmp_path):
 
 
 def test_tensorrt_builds_it(exported, tmp_path):
-    pytest.importorskip("tensorrt_rtx")
+    pytest.importorskip("tensorrt_rtx", reason=TENSORRT_RTX_MISSING)
     from glance_export.build.local_gpu import BuildGpu
     from glance_export.build.precision import choose_precision
     from glance_export.build.targets import load_profile

@@ -31,7 +31,7 @@ from glance_runtime.errors import GlanceError
 from glance_runtime.decode.loop import DecodeConfig, decode
 from glance_runtime.formats.artifacts import read as load_manifest
 from glance_runtime.prompt.codec import exported_codec
-from support import ALL_FAMILIES, make_snapshot
+from support import ALL_FAMILIES, TENSORRT_RTX_MISSING, make_snapshot
 
 GROUP = 32  # divides the tiny models' hidden size (64)
 PROMPTS = ["Describe the image.", "What colour is the square? The quick brown fox"]
@@ -201,7 +201,7 @@ def test_build_refuses_a_scheme_the_target_cannot_run(export, tmp_path, capsys):
 
 
 def test_rtx_builds_quantized_engines(export, tmp_path):
-    pytest.importorskip("tensorrt_rtx")
+    pytest.importorskip("tensorrt_rtx", reason=TENSORRT_RTX_MISSING)
     _, artifacts = export("qwen3", "int4")
     assert export_main(["build", "--target", "rtx", "--artifacts", str(artifacts), "--out", str(tmp_path / "e")]) == 0
     record = json.loads((tmp_path / "e" / "engines.json").read_text())

@@ -2,25 +2,19 @@
 CUDA where a GPU is present (the same tests, so the CPU path CI runs is the GPU path's model)."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 from glance_runtime.backends.device_buffers import CudaDevice, HostDevice
-from glance_runtime.errors import GlanceError
+from support import blocking, cuda_unavailable
 
-
-def _cuda_or_reason() -> str | None:
-    try:
-        CudaDevice()
-    except GlanceError as exc:
-        return str(exc)
-    return None
-
-
-NO_CUDA = _cuda_or_reason()
+NO_CUDA = cuda_unavailable()
 DEVICES = [pytest.param(HostDevice, id="host"),
            pytest.param(CudaDevice, id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-               NO_CUDA is not None, reason=f"needs an NVIDIA GPU: {NO_CUDA}")])]
+               NO_CUDA is not None, reason=f"no CUDA buffers here: {NO_CUDA}")])]
 
 
 @pytest.mark.edge
@@ -75,3 +69,19 @@ def test_views_refuse_to_leave_their_buffer():
 @pytest.mark.skipif(NO_CUDA is None, reason="checks the refusal on a machine without a usable GPU")
 def test_no_gpu_is_one_line():
     assert NO_CUDA is not None and "\n" not in NO_CUDA and ("CUDA" in NO_CUDA)
+
+
+@pytest.mark.edge
+def test_without_polygraphy_the_refusal_names_it_and_the_gpu_extra():
+    """An edge install without the gpu extra: the refusal (and so a GPU test's skip reason) says what is missing
+    and how to get it, not that there is no GPU."""
+    code = blocking("polygraphy") + """
+from glance_runtime.backends.device_buffers import CudaDevice
+from glance_runtime.errors import GlanceError
+try:
+    CudaDevice()
+except GlanceError as exc:
+    print(exc)
+"""
+    refusal = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout.strip()
+    assert "polygraphy" in refusal and "'.[gpu]'" in refusal and "\n" not in refusal

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from support import check_mixed, config, cutting, median_surprisal, skipping
+from support import TENSORRT_RTX_MISSING, check_mixed, config, cutting, cuda_unavailable, median_surprisal, skipping
 from glance_export.cli import main as export_main
 from glance_runtime.decode.auto_budget import auto_budget
 from glance_runtime.backends.trt_backend import check_engines, pick_profile
@@ -90,23 +90,16 @@ def test_engine_manifest_errors(tmp_path):
 @pytest.fixture(scope="module")
 def rtx_engines(tmp_path_factory):
     """The embedded default model built with TensorRT-RTX's CPU builder (what `--target rtx` ships)."""
-    pytest.importorskip("tensorrt_rtx")
+    pytest.importorskip("tensorrt_rtx", reason=TENSORRT_RTX_MISSING)
     out = tmp_path_factory.mktemp("rtx") / "engines"
     assert export_main(["build", "--target", "rtx", "--artifacts", str(DEFAULT_ARTIFACTS), "--out", str(out)]) == 0
     return out
 
 
-def _has_gpu() -> bool:
-    try:
-        from glance_runtime.backends.device_buffers import CudaDevice
-
-        CudaDevice()
-    except GlanceError:
-        return False
-    return True
+NO_CUDA = cuda_unavailable()
 
 
-@pytest.mark.skipif(_has_gpu(), reason="checks the refusal on a machine without a GPU")
+@pytest.mark.skipif(NO_CUDA is None, reason="checks the refusal on a machine without a GPU")
 def test_run_on_engines_without_a_gpu_is_one_line(rtx_engines, capsys):
     code = run_main(["--backend", "tensorrt", "--engines", str(rtx_engines), "--prompt", "What is the total?"])
     err = capsys.readouterr().err.strip().splitlines()
@@ -127,7 +120,7 @@ def test_a_damaged_engine_is_named_before_anything_loads(rtx_engines, tmp_path, 
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _has_gpu(), reason="running TensorRT engines needs an NVIDIA GPU")
+@pytest.mark.skipif(NO_CUDA is not None, reason=f"running TensorRT engines needs CUDA buffers: {NO_CUDA}")
 def test_engines_answer_like_onnxruntime(rtx_engines):
     """The same loop on TensorRT engines and on ONNX Runtime gives the same tokens (fp32 engines), with fixed
     budgets and with auto: as `glance-run` builds it (a profile measured on these engines), and with policies

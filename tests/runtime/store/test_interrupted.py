@@ -22,6 +22,7 @@ from glance_export.train.checkpoint import STATE_FILE
 from glance_runtime.formats import engines as engines_format
 from glance_runtime.store.integrity import verify_engines
 from glance_runtime.formats.artifacts import read as load_manifest
+from support import TENSORRT_RTX_MISSING
 
 CLI = "import sys; from glance_export.cli import main; sys.exit(main(sys.argv[1:]))"
 TRAIN_TARGET = """import sys
@@ -96,7 +97,7 @@ def test_killed_onnx_export_leaves_the_previous_export(sources, tmp_path):
 
 
 def test_killed_build_leaves_the_previous_engines(sources, tmp_path):
-    pytest.importorskip("tensorrt_rtx")
+    pytest.importorskip("tensorrt_rtx", reason=TENSORRT_RTX_MISSING)
     model, head = sources
     art = export_artifacts(model, head, tmp_path / "art", max_tree=16, max_context=128, progress=lambda _: None)
     out = tmp_path / "engines"
