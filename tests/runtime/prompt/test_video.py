@@ -115,7 +115,8 @@ def generate(backend: TorchBackend, prompt) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
-@pytest.mark.skipif(not HAS_TORCHVISION, reason="transformers' video processors need torchvision")
+@pytest.mark.skipif(not HAS_TORCHVISION, reason="transformers' video processors need torchvision, which is not installed: "
+                    "pip install the torchvision release built for this torch")
 @pytest.mark.parametrize("family", VL_FAMILIES)
 def test_processor_matches_transformers(snaps, images, family):
     """Pixels, grid and prompt ids bit for bit as transformers' own processor gives them, resize included."""
