@@ -31,7 +31,7 @@ from glance_runtime.store.atomic import atomic_directory, check_output
 from ..model.adapters import Snapshot
 from ..model.head import tap_layers
 from .answers import tap_rows
-from .data_files import Tally, read_samples
+from .data_files import Tally, check_files, read_samples
 from .head_loss import Sequence
 from .prepared_index import FORMAT, INDEX, TAP_DTYPE, VERSION, check_shards, read_index, shard_entry
 from .sequences import answer_samples, prompt_of
@@ -63,6 +63,7 @@ def check_room(out: Path, need: int) -> None:
 def prepare(model_dir: Path, data: list[Path], out: Path, *, layers: int, max_new_tokens: int, gen_batch: int,
             shard_mb: float, world: World, progress: Callable[[str], None] = print) -> Path:
     """Answer and tap every sample of `data` into `out` (see the module's docstring)."""
+    check_files(data, "training data")
     check_output(out, FORMAT, (model_dir, *data))
     snapshot = Snapshot(model_dir)
     layer_ids = tap_layers(snapshot.text_config["num_hidden_layers"], layers)
