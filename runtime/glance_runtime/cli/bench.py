@@ -26,6 +26,7 @@ from ..decode.calibration import FILE as CALIBRATION_FILE, FORMAT as CALIBRATION
 from .flags import OneLineParser, at_least, check_dirs, guarded, runner_flags, source
 from ..defaults import BRANCH_K, MEASURE_MAX_NEW_TOKENS, resolve
 from ..errors import GlanceError
+from ..formats.cost import REMEDY
 from ..decode.limits import check_decode
 from ..backends.registry import open_session
 from ..decode.session import Session
@@ -277,9 +278,12 @@ def run_cost(args: argparse.Namespace) -> int:
     session = _open(args)
     policy, path, calibration = auto_budget(session, args.branch_k, remeasure=args.remeasure, progress=_progress)
     print(policy.cost.table())
-    print(f"stored in {path}")
-    for doubt in policy.cost.doubts():
-        print(f"implausible: {doubt}; a noisy moment while measuring? run again with --remeasure")
+    print(f"stored in {path}" if path is not None else "kept in memory for this run only (not stored)")
+    problems = policy.cost.problems()
+    for problem in problems:
+        print(f"doubtful: {problem}")
+    if problems:
+        print(REMEDY)
     where = calibration or f"the prior (no {CALIBRATION_FILE} beside the artifacts, engines or head)"
     print(f"auto verifies at most {policy.max_nodes} nodes a round; calibration: {where}")
     return 0

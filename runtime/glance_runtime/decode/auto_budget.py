@@ -17,6 +17,10 @@ anchor's surprisal, unknown in the first round; p, q: `Calibration`'s law and no
    has q <= q_next, so if q_next <= R* S(n) no larger tree reaches R*:
    E(n) + k q_next <= R* C(n) + k R* S(n) <= R* C(n + k).
 
+D and V are the costs `cost_watch.CostWatch` learns from the decode's own rounds (the stored profile's where
+a row count has not been timed yet), monotone in rows; one round in a few, while a row count's cost is
+unconfirmed, verifies up to one such count more than the rule picks, to time it.
+
 The rate counts D even once the draft has run, so every round is judged as a whole, as the long-run
 rate counts it. Any cut verifies a prefix-closed tree and the walk keeps the target's own choices, so
 the tokens are those of greedy decoding whatever the rule picks; only the time changes.
@@ -30,7 +34,7 @@ import numpy as np
 
 from .calibration import Calibration, find_calibration
 from .cost_profile import CostProfile, load, profile_path, describe, save, stored_or_measured, PROBE_PROMPT
-from .cost_watch import PROBE_ROWS, CostWatch
+from .cost_watch import CostWatch
 from ..defaults import AUTO, AUTO_MAX_NODES, BUDGET
 from ..errors import GlanceError
 from .limits import check_branch_k, check_decode, reachable_nodes
@@ -56,80 +60,109 @@ class _Cut:
         return False
 
 
+class _Rates:
+    """What the rule reads of one set of costs, computed once: C(n) = D + V(n + 1) for n = 0..max_nodes, S(n),
+    V(1), and step 1's answer where the law does not depend on the anchor."""
+
+    def __init__(self, cost: CostProfile, calibration: Calibration, max_nodes: int, block_size: int):
+        # a tree never costs less than one of its prefixes (it does their work and more), so no cost a round reads
+        # makes a larger tree look cheaper
+        round_ms = np.maximum.accumulate(cost.draft_ms + cost.verify_cost(np.arange(1, max_nodes + 2)))
+        self.round_ms = round_ms.tolist()  # Python floats for the per-node loop
+        n = np.arange(len(round_ms))
+        apart = n[None, :] - n[:, None]
+        per_row = np.where(apart > 0, (round_ms[None, :] - round_ms[:, None]) / np.maximum(apart, 1), np.inf)
+        self.slope = np.maximum(per_row.min(axis=1)[:-1], 0.0).tolist()  # S(n)
+        self.plain_ms = float(cost.verify_cost(1))
+        self.depth = min(block_size - 1, max_nodes)
+        law = calibration.law
+        constant = law is None or law[1] == 0  # the same answer every round: decided once
+        self.always = self.repays(calibration.offset_acceptance(1.0)) if constant else None
+
+    def repays(self, p: float | None) -> bool:
+        if p is None:
+            return True
+        if self.depth < 1:  # no room for a drafted node: a draft can never pay
+            return False
+        expected = 1 + np.cumsum(p ** np.arange(1, self.depth + 1))
+        return bool(np.max(expected / np.array(self.round_ms[1:self.depth + 1])) > 1 / self.plain_ms)
+
+    def wants(self, calibration: Calibration, surprisal: float | None) -> bool:
+        if self.always is not None:
+            return self.always
+        return surprisal is None or self.repays(calibration.offset_acceptance(surprisal))
+
+
 class AutoBudget:
     """The policy for one cost profile and calibration; everything a round reads is computed here once (and
-    again when `watch`, the decode's own timings, corrects the profile)."""
+    again when `watch`, which learns costs from the decode's own rounds, changes them)."""
 
     def __init__(self, cost: CostProfile, calibration: Calibration, max_nodes: int, block_size: int,
                  watch: CostWatch | None = None):
-        self.calibration, self.watch = calibration, watch
+        self.cost, self.calibration, self.watch = cost, calibration, watch
         self.max_nodes = max_nodes  # the largest tree auto may verify, anchor excluded
         self.block_size = block_size  # B: a drafted chain is at most B-1 deep
-        self._probe_round = False  # this round drafts only to time the profile's smallest tree
-        self._use(cost)
+        self._exploring = False  # this round may verify more than the rule picks, to time an unconfirmed cost
+        self._depth: int | None = None  # offsets of this round's draft
+        self._use()
 
-    def _use(self, cost: CostProfile) -> None:
-        self.cost = cost
-        rows = np.arange(1, self.max_nodes + 2)
-        # C(n) = D + V(n+1), n = 0..max_nodes; a tree never costs less than one of its prefixes (it does their
-        # work and more), so a noisy profile or a partial correction cannot make a larger tree look cheaper
-        self._round_ms = np.maximum.accumulate(cost.draft_ms + cost.verify_cost(rows))
-        self._round_list = self._round_ms.tolist()  # Python floats for the per-node loop
-        slope = [min((self._round_ms[m] - self._round_ms[n]) / (m - n) for m in range(n + 1, len(self._round_ms)))
-                 for n in range(len(self._round_ms) - 1)]
-        self._slope_list = [max(float(v), 0.0) for v in slope]  # S(n)
-        self._plain_ms = float(cost.verify_cost(1))
-        law = self.calibration.law
-        constant = law is None or law[1] == 0  # the same answer every round: decided once
-        self._always = self._repays(self.calibration.offset_acceptance(1.0)) if constant else None
+    def _use(self) -> None:
+        args = (self.calibration, self.max_nodes, self.block_size)
+        self._plan = _Rates(self.cost if self.watch is None else self.watch.used, *args)
+        self._hope = None if self.watch is None else _Rates(self.watch.hope, *args)
 
     def with_calibration(self, calibration: Calibration) -> "AutoBudget":
         return AutoBudget(self.cost, calibration, self.max_nodes, self.block_size, self.watch)
 
-    def _repays(self, p: float | None) -> bool:
-        if p is None:
-            return True
-        depth = min(self.block_size - 1, self.max_nodes)
-        if depth < 1:  # no room for a drafted node: a draft can never pay
-            return False
-        expected = 1 + np.cumsum(p ** np.arange(1, depth + 1))
-        return bool(np.max(expected / self._round_ms[1:depth + 1]) > 1 / self._plain_ms)
-
-    def _probing(self) -> bool:
-        return self.watch is not None and self.max_nodes >= PROBE_ROWS - 1 and self.watch.probing()
-
     def should_draft(self, surprisal: float | None) -> bool:
-        """Step 1: whether the law's best chain repays the draft pass (or the profile's smallest tree is
-        still to be checked against this decode's timings: then the round drafts as a probe)."""
-        if self._always is not None:
-            wanted = self._always
-        else:
-            wanted = surprisal is None or self._repays(self.calibration.offset_acceptance(surprisal))
-        self._probe_round = not wanted and self._probing()
-        return wanted or self._probe_round
+        """Step 1: whether the law's best chain repays the draft pass (or, in a round that explores, whether it
+        would with the unconfirmed costs at their most hopeful)."""
+        wanted = self._plan.wants(self.calibration, surprisal)
+        self._exploring = self._hope is not None and self.max_nodes > 0 and self.watch.exploring() and (
+            wanted or (self._hope.wants(self.calibration, surprisal)
+                       and (bool(self.watch.targets(1)) or not self.watch.draft_confirmed)))
+        return wanted or self._exploring
 
     def grow(self, anchor: int, topk_ids: np.ndarray, topk_logprobs: np.ndarray, branch_k: int,
              surprisal: float | None, leaves: frozenset[int] = frozenset()) -> Tree:
-        """Step 2: the round's tree from the draft's top-k, grown by q and cut at n* (a probe keeps the
-        anchor and the best node where n* is 0); `leaves` as in `build_tree`."""
-        cut = _Cut(self._round_list, self._slope_list)
+        """Step 2: the round's tree from the draft's top-k, grown by q and cut at n*; in a round that explores,
+        cut at the count `_explore` names instead, if any; `leaves` as in `build_tree`."""
+        self._depth = int(np.shape(topk_ids)[0])
+        cut = _Cut(self._plan.round_ms, self._plan.slope)
         priority = self.calibration.node_scorer(surprisal)
         tree = build_tree(anchor, topk_ids, topk_logprobs, self.max_nodes, branch_k, priority=priority,
                           stop=cut.stop, leaves=leaves)
-        if self._probe_round or (cut.best_nodes == 0 and self._probing()):
-            return build_tree(anchor, topk_ids, topk_logprobs, PROBE_ROWS - 1, branch_k, priority=priority,
-                              leaves=leaves)
-        return tree.prefix(cut.best_nodes + 1)
+        pick = cut.best_nodes + 1
+        if self._exploring:
+            explored = self._explore(pick, cut.best_rate, lambda nodes: build_tree(
+                anchor, topk_ids, topk_logprobs, nodes, branch_k, priority=priority, leaves=leaves), priority)
+            if explored is not None:
+                return explored
+        return tree.prefix(pick)
+
+    def _explore(self, pick: int, rate: float, grown: Callable[[int], Tree],
+                 priority: Callable[[float, int], float]) -> Tree | None:
+        """The tree of the unconfirmed count nearest to the pick whose expected tokens, at the hopeful cost, beat
+        the pick's rate `rate` (None where no count would): a count that could not pay however cheap is left."""
+        counts = [g for g in self.watch.targets(pick) if g <= self.max_nodes + 1]
+        if not counts:
+            return None
+        wide = grown(max(counts) - 1)
+        q = [priority(s, d) for s, d in zip(wide.scores[1:].tolist(), wide.depths[1:].tolist())]
+        expected = np.concatenate([[1.0], 1.0 + np.cumsum(q)])
+        for rows in counts:
+            if rows <= wide.size and expected[rows - 1] / self._hope.round_ms[rows - 1] > rate:
+                return wide.prefix(rows)
+        return None
 
     def observe(self, round_log: RoundLog) -> None:
-        """The round's own timings: where they contradict the cost profile, it is corrected from them."""
+        """The round's own timings: the costs of its shape are learned from them (see `cost_watch`)."""
         if self.watch is None:
             return
-        verify_ms = round_log.total_ms - round_log.draft_ms
-        corrected = self.watch.observe(round_log.tree_size, verify_ms,
-                                       round_log.draft_ms if round_log.drafted else None)
-        if corrected is not None:
-            self._use(corrected)
+        drafted = round_log.drafted
+        if self.watch.observe(round_log.tree_size, round_log.total_ms - round_log.draft_ms,
+                              round_log.draft_ms if drafted else None, self._depth if drafted else None):
+            self._use()
 
 
 def has_profile(runner) -> bool:
@@ -144,9 +177,10 @@ def default_budget(runner) -> int | str:
 
 
 def auto_budget(runner, branch_k: int, remeasure: bool = False,
-                progress: Callable[[str], None] = lambda _: None) -> tuple[AutoBudget, Path, Path | None]:
+                progress: Callable[[str], None] = lambda _: None) -> tuple[AutoBudget, Path | None, Path | None]:
     """The policy for this runner: its cost profile (stored or measured now) and the calibration found
-    beside its artifacts, engines or head (else the prior). Returns the profile's and calibration's paths too."""
+    beside its artifacts, engines or head (else the prior). Returns the profile's path (None: kept in memory
+    for this run) and the calibration's too."""
     backend, limits = runner.backend, runner.limits
     if backend.block_size < 2:
         raise GlanceError("--budget auto needs a draft head; pass --head (or a fixed --budget with --no-spec)")
@@ -158,19 +192,32 @@ def auto_budget(runner, branch_k: int, remeasure: bool = False,
     cost, cost_path = stored_or_measured(backend, runner.home, runner.identity, probe, largest + 1, branch_k,
                                          remeasure=remeasure, progress=progress)
     calibration, calibration_path = find_calibration(list(runner.calibration_dirs))
-    watch = CostWatch(cost, lambda corrected: _store(corrected, cost_path, progress))
-    policy = AutoBudget(cost, calibration, min(largest, cost.max_rows - 1), backend.block_size, watch)
+    max_nodes = min(largest, cost.max_rows - 1)
+    watch = CostWatch(cost, _keeper(cost_path, progress), max_nodes + 1, backend.block_size - 1)
+    policy = AutoBudget(cost, calibration, max_nodes, backend.block_size, watch)
     return policy, cost_path, calibration_path
 
 
-def _store(profile: CostProfile, path: Path, progress: Callable[[str], None]) -> None:
-    """A profile the decode corrected or checked, stored for later runs (a failed write costs only that)."""
-    try:
-        save(profile, path)
-    except GlanceError as exc:
-        progress(f"cost profile not updated: {exc}")
-        return
-    progress(f"cost profile updated from this decode's round timings in {path}")
+def _keeper(path: Path | None, progress: Callable[[str], None]) -> Callable[[CostProfile], None]:
+    """How refined profiles are stored for later runs: at `path`; nowhere where the profile is kept in memory
+    (said once already) or once a write has failed (a failed write costs only that). Each is said once."""
+    failed, said = path is None, False
+
+    def keep(profile: CostProfile) -> None:
+        nonlocal failed, said
+        if failed:
+            return
+        try:
+            save(profile, path)
+        except GlanceError as exc:
+            failed = True
+            progress(f"cost profile not updated: {exc}")
+            return
+        if not said:
+            said = True
+            progress(f"cost profile refined from this decode's round timings in {path}")
+
+    return keep
 
 
 def decode_config(runner, budget: int | str | None, *, max_new_tokens: int, branch_k: int,

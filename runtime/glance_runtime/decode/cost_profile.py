@@ -6,14 +6,16 @@ Python around the graphs counts as much as the graphs on a tiny model. So a meas
 rounds through the Backend protocol, split the way the loop splits them:
 - draft: the draft pass plus building the tree from it (what a round skips by not drafting);
 - verify(T): mask, verify pass, walk and commit of a T-row tree (a plain greedy step is verify(1)).
-Each row count is timed several times, interleaved, and the medians kept; counts implausible against the
-one-row cost are timed again. The measurement commits one row per round (a plain greedy step), so it needs
-a short prompt and a few dozen rows of context.
+Each row count is timed several times, interleaved, and the fastest kept (other processes only ever add
+time); counts implausible against the one-row cost, wide in spread or dearer than a larger count are timed
+again, and a profile still in doubt is kept provisional, with the spread and load average it was measured
+at. The measurement commits one row per round (a plain greedy step), so it needs a short prompt and a few
+dozen rows of context.
 
 A profile is stored beside the artifacts or engines it was measured with (a file per backend, provider,
 thread count and processor or GPU, since the same graphs cost differently elsewhere), or in the cache
 when that directory is read-only, and measured again only when missing or unreadable (or asked to:
-`--remeasure`); the decode corrects a stored profile its own rounds contradict (`cost_watch`).
+`--remeasure`); the decode's own rounds refine a stored profile (`cost_watch`).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import hashlib
 import os
 import statistics
 import time
+from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -32,14 +35,14 @@ from ..store.atomic import file_format
 from ..store.cache import cache_root, file_lock
 from ..errors import GlanceError
 from ..formats import cost as cost_format
-from ..formats.cost import CostProfile
+from ..formats.cost import LARGE_SPREAD, MONOTONE_SLACK, CostProfile
 from .limits import reachable_nodes
 from .loop import room_left
 from .tree import build_tree, visibility, walk
 
 PROBE_PROMPT = "Describe what you see in one sentence."
 MIN_REPEATS, MAX_REPEATS = 3, 9  # timed rounds per row count: at least, and at most within `seconds`
-RETIMES = 2  # times implausible row counts are timed again before they are kept at the plausible bound
+RETIMES = 2  # times doubtful row counts are timed again before the profile is kept as provisional
 
 
 def row_grid(max_rows: int) -> list[int]:
@@ -88,12 +91,41 @@ def _time_rounds(backend: Backend, prompt, grid: list[int], branch_k: int, secon
     return verify, draft, repeat - 1
 
 
+def load_average() -> float | None:
+    """The 1-minute load average, where this system reports one: how busy the machine was while measuring."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
+
+
+def _profile(backend: Backend, grid: list[int], verify: dict[int, list[float]], latest: dict[int, list[float]],
+             draft: list[float], repeats: int, load: float | None) -> CostProfile:
+    """The fastest of every row count's rounds (other processes only ever add time, so the fastest is the least
+    disturbed), with how far the latest batch's median lay above it."""
+    fastest = {r: min(verify[r]) for r in grid}
+    return CostProfile(device=describe(backend), rows=tuple(grid),
+                       verify_ms=tuple(round(fastest[r], 4) for r in grid), draft_ms=round(min(draft), 4),
+                       repeats=repeats, measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                       spread=tuple(round(statistics.median(latest[r]) / fastest[r] - 1, 3) for r in grid),
+                       load_average=load)
+
+
+def _doubtful(found: CostProfile) -> list[int]:
+    """Row counts to time again: implausible against one row, wide in spread, or dearer than a larger count."""
+    rows = found.rows
+    dearer = {r for i, r in enumerate(rows)
+              if any(found.verify_ms[i] > later * MONOTONE_SLACK for later in found.verify_ms[i + 1:])}
+    return [r for r, ms, s in zip(rows, found.verify_ms, found.spread)
+            if (r > 1 and ms > found.plausible_ms(r)) or s > LARGE_SPREAD or r in dearer]
+
+
 def measure(backend: Backend, prompt, max_rows: int, branch_k: int, seconds: float = 2.0,
             progress: Callable[[str], None] = lambda _: None) -> CostProfile:
-    """Time real rounds of every row count in `row_grid(max_rows)` (capped by what one draft can fill), and
-    keep the medians. Counts whose medians are implausible against the one-row cost (`CostProfile.doubts`:
-    a noisy moment) are timed again with one row, RETIMES times at most; what is still implausible then is
-    kept at the plausible bound, and the decode's own timings correct it (`cost_watch`)."""
+    """Time real rounds of every row count in `row_grid(max_rows)` (capped by what one draft can fill), keeping
+    the fastest of each. Counts in doubt (`_doubtful`: a busy moment) are timed again with one row, RETIMES
+    times at most; a profile still in doubt then is kept provisional, implausible counts at the plausible
+    bound, and the decode's own rounds refine it (`cost_watch`)."""
     if backend.block_size < 2:
         raise GlanceError("a cost profile needs a draft head (block size 1 here); pass --head or artifacts "
                           "exported with one")
@@ -104,28 +136,24 @@ def measure(backend: Backend, prompt, max_rows: int, branch_k: int, seconds: flo
     room = room_left(backend)  # a small --max-context bounds the passes that can be timed, after the prompt
     grid = row_grid(measurable_rows(backend.block_size, branch_k, max_rows if room is None else min(max_rows, room)))
     progress(f"measuring round costs for {', '.join(map(str, grid))} verify rows")
+    load = load_average()
     verify, draft, repeats = _time_rounds(backend, prompt, grid, branch_k, seconds)
-
-    def profile() -> CostProfile:
-        return CostProfile(device=describe(backend), rows=tuple(grid),
-                           verify_ms=tuple(round(statistics.median(verify[r]), 4) for r in grid),
-                           draft_ms=round(statistics.median(draft), 4), repeats=repeats,
-                           measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
-
-    found = profile()
+    latest = dict(verify)
+    found = _profile(backend, grid, verify, latest, draft, repeats, load)
     for _ in range(RETIMES):
-        doubtful = [r for r, ms in zip(found.rows[1:], found.verify_ms[1:]) if ms > found.plausible_ms(r)]
+        doubtful = _doubtful(found)
         if not doubtful:
             return found
-        progress(f"{'; '.join(found.doubts())}: timing {', '.join(map(str, [1, *doubtful]))} rows again")
-        again, _, _ = _time_rounds(backend, prompt, [1, *doubtful], branch_k, seconds / 2)
-        verify.update(again)
-        found = profile()
-    if not found.doubts():
+        progress(f"{'; '.join(found.problems())}: timing {', '.join(map(str, sorted({1, *doubtful})))} rows again")
+        again, more, _ = _time_rounds(backend, prompt, sorted({1, *doubtful}), branch_k, seconds / 2)
+        for r, times in again.items():
+            verify[r], latest[r] = verify[r] + times, times
+        found = _profile(backend, grid, verify, latest, draft + more, repeats, load)
+    if not _doubtful(found):
         return found
-    progress(f"{'; '.join(found.doubts())} again: kept at that bound (decoding corrects it from its own timings)")
-    return replace(found, verify_ms=tuple(min(ms, round(found.plausible_ms(r), 4))
-                                          for r, ms in zip(found.rows, found.verify_ms)))
+    progress(f"{'; '.join(found.problems())} again: kept as provisional (decoding refines it from its own rounds)")
+    return replace(found, provisional=True, verify_ms=tuple(min(ms, round(found.plausible_ms(r), 4))
+                                                            for r, ms in zip(found.rows, found.verify_ms)))
 
 
 def describe(backend: Backend) -> str:
@@ -159,23 +187,47 @@ def save(profile: CostProfile, path: Path) -> None:
     cost_format.write(path, profile)
 
 
+def _blocked(path: Path) -> str | None:
+    """Why `path` cannot hold a file of ours (something else sits there), or None."""
+    if os.path.lexists(path) and not path.is_file():
+        return f"{path} is {'a directory' if path.is_dir() else 'not a regular file'}"
+    return None
+
+
 def stored_or_measured(backend: Backend, home: Path | None, identity: str, prompt_for: Callable[[], object],
                        max_rows: int, branch_k: int, remeasure: bool = False,
-                       progress: Callable[[str], None] = lambda _: None) -> tuple[CostProfile, Path]:
-    """The profile for this backend and device: loaded, or measured once and stored (under a lock, so two
-    first uses measure once and never time each other's passes). A stored one that covers fewer rows
-    than `max_rows` is measured again."""
+                       progress: Callable[[str], None] = lambda _: None) -> tuple[CostProfile, Path | None]:
+    """The profile for this backend and device and where it is stored: loaded, or measured once and stored (under
+    a lock, so two first uses measure once and never time each other's passes). A stored one that covers fewer
+    rows than `max_rows` is measured again. Where something other than a file sits at the profile's or its
+    lock's place, or neither can be written, the profile is measured and kept in memory for this run (path
+    None), said in one line: decoding goes on."""
     path = profile_path(home, identity, describe(backend))
     max_rows = measurable_rows(backend.block_size, branch_k, max_rows)
     found = None if remeasure else load(path)
     if found is not None and found.max_rows >= max_rows:
         return found, path
-    with file_lock(path.with_name(f".{path.name}.lock")):
-        found = None if remeasure else load(path)
-        if found is None or found.max_rows < max_rows:
-            found = measure(backend, prompt_for(), max_rows, branch_k, progress=progress)
-            if found.max_rows < max_rows:  # cut short by a small --max-context: good for this run only
-                return found, path
-            save(found, path)
-            progress(f"cost profile stored in {path}")
+    lock = path.with_name(f".{path.name}.lock")
+    with ExitStack() as held:
+        reason = _blocked(path) or _blocked(lock)
+        if reason is None:
+            try:
+                held.enter_context(file_lock(lock))
+            except GlanceError as exc:
+                reason = str(exc)
+        found = None if remeasure or reason else load(path)
+        if found is not None and found.max_rows >= max_rows:
+            return found, path
+        found = measure(backend, prompt_for(), max_rows, branch_k, progress=progress)
+        if found.max_rows < max_rows:  # cut short by a small --max-context: good for this run only
+            return found, None
+        if reason is None:
+            try:
+                save(found, path)
+            except GlanceError as exc:
+                reason = str(exc)
+        if reason is not None:
+            progress(f"cost profile kept in memory for this run only: {reason}")
+            return found, None
+        progress(f"cost profile stored in {path}")
     return found, path

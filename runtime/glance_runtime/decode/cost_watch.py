@@ -1,86 +1,178 @@
-"""The decode's own round timings, held against the cost profile `--budget auto` weighs, which they correct.
+"""The costs `--budget auto` weighs, learned from the decode's own rounds, and the stored profile they refine.
 
-A profile is measured once per device and stored. One noisy moment while it was measured (another process
-busy on the same cores) can make trees look several times dearer than they are, and a profile that says
-drafting never pays would never be contradicted by a decode that therefore never drafts. So:
-- every round's verify-side time (mask, verify, walk, commit) is kept per measured row count (a round of
-  rows between two is counted at the one below, scaled along the profile), and a drafted round's draft time
-  too (the last WINDOW of each; the very first round is a warm-up in a fresh process and is not kept);
-- auto's choices depend only on how costs compare, not on their scale (a machine uniformly slower now than
-  when it was measured needs no new profile), so rounds are compared by shape: once two row counts (or one
-  and the draft) have MIN_SEEN rounds, their fastest rounds (other processes only ever add time, so the
-  fastest is the least disturbed), relative to the smallest such count's, are held against the profile's;
-  off by more than `CONTRADICTS` either way, the profile is corrected to the observed shape at its own scale
-  (`CostProfile.corrected`), the policy takes it at once, and it is stored;
-- while the profile's smallest tree (the anchor and one node, PROBE_ROWS) is unchecked, every other round
-  that would verify the anchor alone drafts and verifies the anchor and the best node instead (a probe: the
-  tokens are greedy's all the same), so plain steps and probes are timed side by side and a profile that
-  says drafting never pays is tried within a few rounds. Once CONFIRM probes and plain steps bear it out, it
-  is stored as checked and later runs do not probe; fewer leave it to the next run to try again.
+A profile is measured once per device and stored; one busy moment while it was measured can make trees look
+many times dearer than they are, and a tree auto therefore never verifies would never be timed again. So the
+costs a round is decided with are the decode's own wherever it has them:
+- Observed: every round's verify-side time (mask, verify, walk, commit) is kept under its exact row count, and
+  a drafted round's draft time under its draft depth (the last WINDOW of each); the fastest counts, since other
+  processes only ever add time. The first round of a process pays first runs and is not kept.
+- Used (`used`): an observed row count at its fastest time, the moment it is timed (but a count between
+  measured ones timed once only lowers its cost: one slow round is more likely another process than the
+  device, and such a count is never explored, while a measured one is until confirmed); a measured count not
+  observed yet at the profile's cost scaled as the nearest observed count below it came out (so a machine
+  uniformly slower than when measured changes no choice), unless that count came out more than CONTRADICTS
+  times cheaper than the profile says relative to the smallest observed one: then the profile's growth above
+  it is suspect and those counts cost what it does (erring cheap is safe: a tree dearer than thought is
+  verified, timed and corrected in that round; one thought too dear would never be tried). Then made monotone
+  in rows by the running minimum from above.
+- Confirmed: a measured count timed in CONFIRM rounds of exactly its rows whose fastest two agree within AGREE
+  (one slow round cannot confirm a cost, two rounds slowed alike rarely happen), in this process or, stored as
+  checked_rows, in an earlier one; the draft likewise, at its full depth (draft_checked).
+- Explored: while a count is unconfirmed, one round in EVERY verifies exactly the first unconfirmed count above
+  or below auto's pick (`targets`, the nearer first) that would beat the pick's rate were every unconfirmed
+  count as cheap as the confirmed count below it and an unconfirmed draft free (`hope`), if either does; and
+  while the draft's cost is unconfirmed, such a round drafts where that hope says a draft could pay. A count
+  thought dear is thus timed again until two rounds agree on it, and one that could not pay however cheap is
+  never tried. The tokens are greedy's whatever is verified; docs/auto-budget.md bounds the time this costs.
+- Stored: the used costs, at the profile's own scale, whenever a count is newly confirmed or a measured count's
+  cost (or the draft's) moved by more than RESTORE; a provisional profile stays marked so until every count
+  above the smallest the decode verified is confirmed.
 """
 from __future__ import annotations
 
-import time
-from collections import defaultdict
+import math
 from dataclasses import replace
 from typing import Callable
 
+import numpy as np
+
 from ..formats.cost import CostProfile
 
-PROBE_ROWS = 2
-MIN_SEEN = 3  # rounds of one kind before they may contradict the profile
-CONFIRM = 5  # probes and plain steps before they may confirm it (noise makes a small sample look either way)
-WINDOW = 9  # the latest rounds of one kind that count
+EVERY = 2  # at most one round in EVERY explores
+CONFIRM = 2  # rounds of exactly a measured count's rows before its cost may count as confirmed
+AGREE = 1.5  # ... and how close their fastest two must be
+WINDOW = 9  # the latest rounds of one row count (or draft depth) that count
+CONTRADICTS = 2.0  # a count this many times cheaper than the profile says makes the profile's growth above it suspect
+RESTORE = 1.25  # a learned cost this far off the stored one (either way) is stored
+NOTICE = 0.02  # a fastest time that moved less than this changes no used cost
+
+
+def _keep(windows: dict[int, list[float]], key: int, value: float) -> bool:
+    """Add `value` to `key`'s window; whether its fastest moved (or is new)."""
+    kept = windows.setdefault(key, [])
+    before = min(kept) if kept else None
+    kept.append(value)
+    del kept[:-WINDOW]
+    return before is None or abs(min(kept) - before) > NOTICE * before
 
 
 class CostWatch:
-    """One decoding process's view of how its rounds cost against `profile`; `store` saves a changed profile."""
+    """One decoding process's costs: `used` and `hope` (see the module), learned from the rounds it is shown;
+    `store` saves a refined profile. `max_rows`: the largest tree auto may verify; `full_depth`: the deepest
+    draft, whose cost is the profile's draft cost."""
 
-    def __init__(self, profile: CostProfile, store: Callable[[CostProfile], None]):
-        self.profile, self.store = profile, store
-        self._verify: dict[int, list[float]] = defaultdict(list)
-        self._draft: list[float] = []
-        self._rounds: dict[int, int] = defaultdict(int)  # rounds seen per measured row count
-        self._warm = False
+    def __init__(self, profile: CostProfile, store: Callable[[CostProfile], None], max_rows: int, full_depth: int):
+        self.base = self.written = profile
+        self.store, self.full_depth = store, full_depth
+        self.grid = [g for g in profile.rows if g <= max_rows] or [1]
+        self._verify: dict[int, list[float]] = {}
+        self._draft: dict[int, list[float]] = {}
+        self._confirmed = {g for g in self.grid if g in profile.checked_rows}
+        self.draft_confirmed = profile.draft_checked
+        self._rounds = 0
+        self.scale = 1.0  # live ms per profile ms
+        self._refresh()
 
-    def probing(self) -> bool:
-        """Whether a round that would verify the anchor alone should verify PROBE_ROWS rows instead: every other
-        such round, until CONFIRM probes are kept."""
-        if self.profile.max_rows < PROBE_ROWS or PROBE_ROWS in self.profile.checked_rows:
+    def _bucket(self, rows: int) -> int:
+        """The measured count whose cost a round of `rows` rows leans on: the first at or above it."""
+        return next((g for g in self.grid if g >= rows), self.grid[-1])
+
+    @staticmethod
+    def _agreed(kept: list[float]) -> bool:
+        fastest = sorted(kept)[:CONFIRM]
+        return len(fastest) == CONFIRM and fastest[-1] <= AGREE * fastest[0]
+
+    def exploring(self) -> bool:
+        """Whether the coming round is one that may explore (one in EVERY, while a count is unconfirmed)."""
+        return self._rounds % EVERY == 1 and (len(self._confirmed) < len(self.grid) or not self.draft_confirmed)
+
+    def targets(self, pick: int) -> list[int]:
+        """The counts to explore beside a pick of `pick` rows: the first unconfirmed one above it and the first
+        below it, the nearer (in ratio) first, the larger on a tie. Every count between the pick and either is
+        confirmed, so an explored tree is at most twice the rows of a count whose cost is known or the pick."""
+        left = [g for g in self.grid if g != pick and g not in self._confirmed]
+        above = [g for g in left if g > pick][:1]
+        below = [g for g in left if g < pick][-1:]
+        return sorted(above + below, key=lambda g: (abs(math.log(g / pick)), -g))
+
+    def observe(self, rows: int, verify_ms: float, draft_ms: float | None, depth: int | None) -> bool:
+        """Count one round (`draft_ms` None: it did not draft; `depth`: its draft's offsets); whether the used
+        costs changed."""
+        self._rounds += 1
+        if self._rounds == 1:  # the first round in a fresh process pays for first runs
             return False
-        probes, plain = self._rounds[PROBE_ROWS], self._rounds[1]
-        return len(self._verify[PROBE_ROWS]) < CONFIRM and probes <= plain
+        moved = _keep(self._verify, rows, verify_ms)
+        if draft_ms is not None and depth is not None:
+            moved = _keep(self._draft, depth, draft_ms) or moved
+        confirmed = rows in self.grid and rows not in self._confirmed and self._agreed(self._verify[rows])
+        if confirmed:
+            self._confirmed.add(rows)
+        if not self.draft_confirmed and self._agreed(self._draft.get(self.full_depth, [])):
+            self.draft_confirmed = confirmed = True
+        if not (moved or confirmed):
+            return False
+        self._refresh()
+        self._restore()
+        return True
 
-    def _keep(self, kind: int | str, value: float) -> None:
-        kept = self._draft if kind == "draft" else self._verify[kind]
-        kept.append(value)
-        del kept[:-WINDOW]
+    def _refresh(self) -> None:
+        """`used` and `hope` from the base profile and the rounds kept so far."""
+        base = self.base
+        several = {r: min(v) for r, v in self._verify.items() if len(v) >= CONFIRM}
+        self.scale = 1.0
+        if self._verify:
+            first = min(self._verify)
+            self.scale = min(self._verify[first]) / float(base.verify_cost(first))
+        prior = self._curve(several)
+        once = {r: v[0] if r in self.grid else min(v[0], float(np.interp(r, *prior)))
+                for r, v in self._verify.items() if len(v) < CONFIRM}
+        rows, ms = self._curve({**several, **once})
+        drafts = self._draft.get(self.full_depth, [])
+        stored_draft = base.draft_ms * self.scale
+        draft_ms = min(drafts) if len(drafts) >= CONFIRM else min(drafts + [stored_draft])
+        self.used = replace(base, rows=tuple(rows), verify_ms=tuple(ms), spread=(), draft_ms=draft_ms)
+        floor = {g: float(self.used.verify_cost(max([c for c in self._confirmed if c < g], default=1)))
+                 for g in self.grid}
+        hope = [ms_r if self._bucket(r) in self._confirmed else min(ms_r, floor[self._bucket(r)])
+                for r, ms_r in zip(rows, ms)]
+        self.hope = replace(self.used, verify_ms=tuple(hope), draft_ms=draft_ms if self.draft_confirmed else 0.0)
 
-    def observe(self, rows: int, verify_ms: float, draft_ms: float | None) -> CostProfile | None:
-        """Count one round (`draft_ms` None: it did not draft); the profile, changed and stored, where these
-        rounds contradict its shape or have just checked its probe size; else None."""
-        profile = self.profile
-        measured = max(r for r in profile.rows if r <= rows)
-        self._rounds[measured] += 1
-        if not self._warm:  # the first round in a fresh process pays for first runs
-            self._warm = True
-            return None
-        self._keep(measured, verify_ms * float(profile.verify_cost(measured)) / float(profile.verify_cost(rows)))
-        if draft_ms is not None:
-            self._keep("draft", draft_ms)
-        sizes = sorted(r for r, v in self._verify.items() if len(v) >= MIN_SEEN)
-        if not sizes:
-            return None
-        scale = float(profile.verify_cost(sizes[0])) / min(self._verify[sizes[0]])
-        verify = {r: min(self._verify[r]) * scale for r in sizes}
-        draft = min(self._draft) * scale if len(self._draft) >= MIN_SEEN else None
-        confirmed = min(len(self._verify[1]), len(self._verify[PROBE_ROWS])) >= CONFIRM
-        if profile.contradicted_by(verify, draft):
-            profile = profile.corrected(verify, draft, time.strftime("%Y-%m-%dT%H:%M:%S"))
-        elif confirmed and PROBE_ROWS not in profile.checked_rows:
-            profile = replace(profile, checked_rows=tuple(sorted({*profile.checked_rows, 1, PROBE_ROWS})))
-        else:
-            return None
-        self.profile = profile
-        self.store(profile)
-        return profile
+    def _curve(self, seen: dict[int, float]) -> tuple[list[int], list[float]]:
+        """Rows and monotone ms through the observed `seen` and the base profile's counts not observed (see the
+        module: scaled as the nearest observed count below, or at its cost where that came out much cheaper)."""
+        base = self.base
+        keys = sorted(set(seen) | set(base.rows))
+        stored = dict(zip(keys, base.verify_cost(np.array(keys)).tolist()))
+        points = dict(seen)
+        for g in base.rows:
+            below = [r for r in seen if r < g]
+            if g in seen:
+                continue
+            if not below:
+                points[g] = stored[g] * self.scale
+                continue
+            near = max(below)
+            ratio = seen[near] / stored[near]
+            points[g] = seen[near] if ratio * CONTRADICTS < self.scale else stored[g] * ratio
+        rows = sorted(points)
+        ms = np.minimum.accumulate(np.array([points[r] for r in rows])[::-1])[::-1]
+        return rows, ms.tolist()
+
+    def _restore(self) -> None:
+        """Store the used costs at the profile's scale where they moved by more than RESTORE or a count was
+        newly confirmed."""
+        written, grid = self.written, np.array(self.base.rows)
+        checked = tuple(sorted(set(written.checked_rows) | self._confirmed))
+        learned = self.used.verify_cost(grid) / self.scale
+        draft = self.used.draft_ms / self.scale
+        before = np.append(written.verify_cost(grid), written.draft_ms)
+        now = np.append(learned, draft)
+        if (checked, self.draft_confirmed) == (written.checked_rows, written.draft_checked) and np.all(
+                np.maximum(now / before, before / now) <= RESTORE):
+            return
+        settled = all(g in checked for g in self.grid if g > min(self._verify))
+        self.written = replace(written, verify_ms=tuple(round(float(v), 4) for v in learned),
+                               draft_ms=round(float(draft), 4), checked_rows=checked,
+                               draft_checked=self.draft_confirmed,
+                               provisional=written.provisional and not settled)
+        self.store(self.written)

@@ -1,49 +1,68 @@
 """A cost profile (`cost-profile-<device>.json`, beside the artifacts or engines or in the cache): what a round
 costs on one device, as `glance_runtime.decode.cost_profile` measures it and `--budget auto` weighs it.
 
-Document (format_version 1): format, format_version, device (backend, provider, threads, processor or GPU),
-rows (verify row counts measured, ascending from 1), verify_ms (the median ms of each), draft_ms (the median
-ms of a draft pass and its tree), repeats, measured_at, and, optionally, checked_rows (row counts whose costs
-the decode's own round timings have borne out; absent in profiles written before it). A profile
-that cannot be read is measured again (`cost_profile.load`), so `read` refuses anything else in one line and
-the caller decides.
+Document (format_version 2): format, format_version, device (backend, provider, threads, processor or GPU),
+rows (verify row counts measured, ascending from 1), verify_ms (the least disturbed ms of each: the fastest of
+its repeats), draft_ms (likewise, a draft pass and its tree), repeats, measured_at; how it was measured:
+spread (per row count, how far the median repeat lay above the fastest, as a fraction of it), load_average
+(the 1-minute load average when measured, null where unreadable), provisional (measured under doubt: large
+spread, not monotone or implausible, so decoding refines it rather than trusting it); and checked_rows (row
+counts whose costs the decode's own rounds have confirmed or set) and draft_checked (the draft's, likewise).
+Version 1 documents (medians; no spread, load, provisional or draft_checked) are still read: as measured on a
+machine of unknown load, not provisional. A profile that cannot be read is measured again
+(`cost_profile.load`), so `read` refuses anything else in one line and the caller decides.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..store.atomic import write_file
 from ..errors import GlanceError
-from .common import Invalid, check_header, dumps, guarded, read_json, stamped
+from .common import Invalid, dumps, guarded, read_json, stamped
 
 FORMAT = "glance-cost"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)  # versions `read` accepts: version 1 lacks the measurement's spread, load and provisional flag
 WHAT = "GLANCE cost profile"
-FIX = "delete it to have it measured again (or run `glance-bench cost`)"
+FIX = "delete it to have it measured again (or run `glance-bench cost --remeasure`)"
 MAX_ROWS = 1 << 16
 PLAUSIBLE_PER_ROW = 1.5  # an n-row verify costing more than this many times n one-row verifies is a noisy timing
-CONTRADICTS = 2.0  # how far off (either way) an observed cost must be to correct a profile
+LARGE_SPREAD = 0.5  # repeats whose median lies this far above their fastest were timed on a busy machine
+MONOTONE_SLACK = 1.1  # a larger tree timed cheaper than a smaller one by more than this is noise, not the device
+REMEDY = ("fix: run `glance-bench cost --remeasure` on a quiet machine (decoding meanwhile re-times the row "
+          "counts auto uses)")
 
 
 @dataclass(frozen=True)
 class CostProfile:
     device: str  # what it was measured on: backend, provider, threads, processor or GPU
     rows: tuple[int, ...]  # verify rows measured, ascending, starting at 1
-    verify_ms: tuple[float, ...]  # median verify-side ms of a round with that many rows
-    draft_ms: float  # median ms of a draft pass and the tree built from it
+    verify_ms: tuple[float, ...]  # verify-side ms of a round with that many rows
+    draft_ms: float  # ms of a draft pass and the tree built from it
     repeats: int
     measured_at: str
-    checked_rows: tuple[int, ...] = ()  # row counts the decode's own timings have borne out
+    checked_rows: tuple[int, ...] = ()  # row counts the decode's own rounds have confirmed or set
+    draft_checked: bool = False  # whether they have confirmed or set the draft's cost
+    spread: tuple[float, ...] = ()  # per row count: (median - fastest) / fastest of its repeats; () unknown
+    load_average: float | None = None  # 1-minute load average while measured; None where unknown
+    provisional: bool = False  # measured under doubt: decoding refines it rather than taking it as fact
+
+    def monotone_ms(self) -> np.ndarray:
+        """verify_ms made non-decreasing by the running minimum from above: a tree never costs less than one of
+        its prefixes, and other processes only ever add time, so of two inconsistent timings the cheaper is
+        the likelier; a noisy row count is thereby never thought dearer than a larger one."""
+        cost = np.asarray(self.verify_ms, dtype=float)
+        return np.minimum.accumulate(cost[::-1])[::-1]
 
     def verify_cost(self, rows: np.ndarray | int) -> np.ndarray:
-        """ms of a round's verify side for `rows` rows: linear between measured counts (made non-decreasing,
-        so timing noise never makes a bigger tree look cheaper), extended past the last at its last slope."""
+        """ms of a round's verify side for `rows` rows: linear between measured counts (made monotone, see
+        `monotone_ms`), extended past the last at its last slope."""
         grid = np.asarray(self.rows, dtype=float)
-        cost = np.maximum.accumulate(np.asarray(self.verify_ms, dtype=float))
+        cost = self.monotone_ms()
         rows_f = np.asarray(rows, dtype=float)
         inside = np.interp(rows_f, grid, cost)
         if len(grid) < 2:
@@ -66,30 +85,25 @@ class CostProfile:
         return [f"a {r}-row verify timed at {ms / one:.1f}x one row, more than {PLAUSIBLE_PER_ROW:g} x {r} rows' worth"
                 for r, ms in zip(self.rows[1:], self.verify_ms[1:]) if ms > self.plausible_ms(r)]
 
-    def corrected(self, verify: dict[int, float], draft_ms: float | None, at: str) -> "CostProfile":
-        """These costs corrected by observed ones (`verify`: ms by row count; `draft_ms`: None keeps the draft's).
-        Observed counts take their observed ms and are interpolated between; measured counts below them stay;
-        above them, a measured count is scaled as the largest observed one was, unless that one came out
-        cheaper than measured by more than `CONTRADICTS`: then the measurement's growth above it is suspect too
-        and they cost what it does. Erring cheap is safe: a tree that costs more than thought is drafted,
-        timed and corrected; one thought too dear would never be tried."""
-        observed = sorted(verify)
-        points = dict(verify)
-        points.update((r, ms) for r, ms in zip(self.rows, self.verify_ms) if not observed or r < observed[0])
-        if observed:
-            last = observed[-1]
-            ratio = verify[last] / float(self.verify_cost(last))
-            points.update((r, ms * ratio if ratio * CONTRADICTS >= 1 else verify[last])
-                          for r, ms in zip(self.rows, self.verify_ms) if r > last)
-        rows = tuple(sorted(points))
-        return replace(self, rows=rows, verify_ms=tuple(round(points[r], 4) for r in rows),
-                       draft_ms=round(draft_ms, 4) if draft_ms is not None else self.draft_ms, measured_at=at)
+    def disorder(self) -> list[str]:
+        """Where a larger tree was timed cheaper than a smaller one (beyond MONOTONE_SLACK): noise, one line each."""
+        dearest = [max(self.verify_ms[:i + 1]) for i in range(len(self.rows))]
+        return [f"{r} rows timed at {ms:.2f} ms, cheaper than {self.rows[self.verify_ms.index(before)]} rows' "
+                f"{before:.2f} ms" for r, ms, before in zip(self.rows[1:], self.verify_ms[1:], dearest)
+                if ms * MONOTONE_SLACK < before]
 
-    def contradicted_by(self, verify: dict[int, float], draft_ms: float | None) -> bool:
-        """Whether observed costs (as `corrected` takes them) are off these by more than CONTRADICTS either way."""
-        pairs = [(ms, float(self.verify_cost(r))) for r, ms in verify.items()]
-        pairs += [(draft_ms, self.draft_ms)] if draft_ms is not None else []
-        return any(not expected / CONTRADICTS <= seen <= expected * CONTRADICTS for seen, expected in pairs)
+    def wide(self) -> list[str]:
+        """The row counts whose repeats spread more than LARGE_SPREAD (a busy machine while measuring), one line."""
+        wide = [f"{r} rows {s:.0%}" for r, s in zip(self.rows, self.spread) if s > LARGE_SPREAD]
+        load = "" if self.load_average is None else f", load average {self.load_average:.2f}"
+        return [f"repeats spread widely above their fastest ({', '.join(wide)}{load})"] if wide else []
+
+    def problems(self) -> list[str]:
+        """Everything that makes these costs doubtful, one line each (empty: a profile to take as measured)."""
+        lines = self.doubts() + self.disorder() + self.wide()
+        if self.provisional and not lines:
+            lines.append("measured under doubt (provisional): decoding refines it from its own rounds")
+        return lines
 
     def as_dict(self) -> dict:
         return stamped(asdict(self), FORMAT, VERSION)
@@ -97,7 +111,7 @@ class CostProfile:
     @classmethod
     def from_dict(cls, raw: dict) -> "CostProfile":
         """The profile a document holds; ValueError (Invalid) naming the first field that is not a cost."""
-        if not isinstance(raw, dict) or raw.get("format") != FORMAT or raw.get("format_version") != VERSION:
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT or raw.get("format_version") not in READS:
             raise Invalid(f"not a {FORMAT} v{VERSION} file")
         try:
             rows, verify = raw["rows"], raw["verify_ms"]
@@ -117,27 +131,48 @@ class CostProfile:
             if not isinstance(checked, (list, tuple)) or any(type(r) is not int or not 1 <= r <= MAX_ROWS
                                                              for r in checked):
                 raise Invalid("checked_rows must be a list of row counts")
+            spread = raw.get("spread", [])
+            if not isinstance(spread, (list, tuple)) or len(spread) not in (0, len(rows)) or any(
+                    type(s) not in (int, float) or not math.isfinite(s) or s < 0 for s in spread):
+                raise Invalid("spread must be a non-negative number per row count")
+            load = raw.get("load_average")
+            if load is not None and (type(load) not in (int, float) or not math.isfinite(load) or load < 0):
+                raise Invalid("load_average must be a non-negative number or null")
+            provisional, draft_checked = raw.get("provisional", False), raw.get("draft_checked", False)
+            if type(provisional) is not bool or type(draft_checked) is not bool:
+                raise Invalid("provisional and draft_checked must be true or false")
         except KeyError as exc:
             raise Invalid(f"{exc.args[0]} is missing") from None
         return cls(device=raw["device"], rows=tuple(rows), verify_ms=tuple(float(v) for v in verify),
                    draft_ms=float(raw["draft_ms"]), repeats=raw["repeats"], measured_at=raw["measured_at"],
-                   checked_rows=tuple(sorted(set(checked))))
+                   checked_rows=tuple(sorted(set(checked))), draft_checked=draft_checked,
+                   spread=tuple(float(s) for s in spread),
+                   load_average=None if load is None else float(load), provisional=provisional)
 
     def table(self) -> str:
         """The profile as a few readable lines (what `glance-bench cost` prints)."""
-        lines = [f"measured on: {self.device} ({self.measured_at}, median of {self.repeats} rounds each)",
+        load = "load average unknown" if self.load_average is None else f"load average {self.load_average:.2f}"
+        how = "median" if not self.spread else "fastest"
+        lines = [f"measured on: {self.device} ({self.measured_at}, {how} of {self.repeats} rounds each, {load}"
+                 f"{', provisional' if self.provisional else ''})",
                  f"draft pass + tree: {self.draft_ms:.2f} ms",
-                 "verify rows    ms   ms/row  x one row"]
+                 "verify rows    ms   ms/row  x one row" + ("  spread" if self.spread else "")]
         one = self.verify_ms[0]
-        lines += [f"{r:>11} {ms:>6.2f} {ms / r:>7.3f} {ms / one:>9.2f}" for r, ms in zip(self.rows, self.verify_ms)]
-        if self.checked_rows:
-            lines.append(f"checked against decoding at {', '.join(map(str, self.checked_rows))} rows")
+        spread = [f" {s:>6.0%}" for s in self.spread] or [""] * len(self.rows)
+        lines += [f"{r:>11} {ms:>6.2f} {ms / r:>7.3f} {ms / one:>9.2f}{s}"
+                  for r, ms, s in zip(self.rows, self.verify_ms, spread)]
+        if self.checked_rows or self.draft_checked:
+            checked = [f"{', '.join(map(str, self.checked_rows))} rows"] if self.checked_rows else []
+            lines.append(f"checked against decoding: {', '.join(checked + ['the draft'] * self.draft_checked)}")
         return "\n".join(lines)
 
 
 def read(path: Path) -> CostProfile:
     raw = read_json(path, WHAT, FIX)
-    check_header(raw, path, WHAT, FORMAT, VERSION, FIX)
+    found, version = raw.get("format"), raw.get("format_version")
+    if found != FORMAT or version not in READS:
+        raise GlanceError(f"{path} is not a {WHAT} this toolkit reads (format {found!r} v{version!r}, it reads "
+                          f"{FORMAT} v{READS[0]}-v{READS[-1]}); {FIX}")
     return guarded(path, FIX, lambda: CostProfile.from_dict(raw))
 
 

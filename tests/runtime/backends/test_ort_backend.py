@@ -213,8 +213,9 @@ def test_seeded_acceptance_matches_oracle(ort_exported, images, family, seed, bu
 @pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_auto_matches_oracle(ort_exported, images, family):
     """Lossless whatever auto decides, on the graphs: rounds that skip the draft and cuts of any size (random
-    head and seeded drafts), then a profile measured here with the prior, as `--budget auto` runs by default,
-    and with a law that makes some of its rounds skip."""
+    head and seeded drafts, on constructed costs, so what each policy forces is checked), then a profile measured
+    here with the prior, as `--budget auto` runs by default, and with a law that makes some of its rounds skip:
+    those choices come from timings taken during the test, so only their tokens and bounds are checked."""
     ex = ort_exported(family)
     prompt = ex.prompt(images["wide"] if family in VL_FAMILIES else None)
     truth = ex.oracle(prompt)
@@ -227,11 +228,11 @@ def test_auto_matches_oracle(ort_exported, images, family):
             check_mixed(result, policy.__name__, seeded=drafter is seeded)
     measured = measure(ex.backend, prompt, max_rows=64, branch_k=8, seconds=0.2)
     assert measured.rows == (1, 2, 4, 8, 16, 32, 64) and measured.draft_ms > 0
-    default = decode(seeded, prompt, config(AutoBudget(measured, PRIOR, 63, 8), MAX_NEW))
-    assert default.tokens == truth and all(r.drafted for r in default.rounds)
-    result = decode(ex.backend, prompt, config(skipping(split, 8, cost=measured), MAX_NEW))
-    assert result.tokens == truth
-    check_mixed(result, "skipping", seeded=False)
+    for drafter, policy in ((seeded, AutoBudget(measured, PRIOR, 63, 8)),
+                            (ex.backend, skipping(split, 8, cost=measured))):
+        result = decode(drafter, prompt, config(policy, MAX_NEW))
+        assert result.tokens == truth
+        assert all(1 <= r.tree_size <= 64 and r.accepted <= r.tree_size for r in result.rounds)
 
 
 @pytest.mark.parametrize("family", VL_FAMILIES)
