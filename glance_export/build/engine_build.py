@@ -233,7 +233,7 @@ def record(target: Target, planned: Planned, built: Built, build_s: float) -> di
                    "max_image_tokens": limits.max_image_tokens},
         "memory_plan": planned.memory.record(), "timing_cache": built.cache_record,
         "artifacts": _identity(planned.artifacts, planned.manifest), "engines": built.engines,
-        "build_s": round(build_s, 2), "target_profile": target.profile.raw}
+        "build_s": round(build_s, 2), "target_profile": target.profile.as_shipped()}
 
 
 def build(request: BuildRequest, device: BuildGpu, toolchain: Toolchain | None = None, *,

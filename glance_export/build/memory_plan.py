@@ -217,7 +217,7 @@ def _workspace(profile: DeviceProfile, workspace_gib: float | None) -> float:
     ws = profile.workspace_gib if workspace_gib is None else workspace_gib
     if not 0 < ws <= profile.max_workspace_gib:
         raise GlanceError(f"--workspace-gib {ws:g} is outside {profile.name}'s 0 < workspace <= "
-                          f"{profile.max_workspace_gib:g} GiB ({profile.raw['workspace_gib']['note']})")
+                          f"{profile.max_workspace_gib:g} GiB ({profile.workspace_note})")
     return ws
 
 

@@ -23,7 +23,7 @@ def engine_manifest(profile: DeviceProfile, manifest: Manifest) -> Manifest:
     artifacts, each quantized graph pointed at its TensorRT form and the opset raised to that form's."""
     scheme = scheme_of(manifest)
     if scheme not in profile.quant_schemes:
-        raise GlanceError(f"{profile.name} does not run {scheme} weights ({profile.raw['quantization']['note']}); "
+        raise GlanceError(f"{profile.name} does not run {scheme} weights ({profile.quant_note}); "
                           f"it runs {', '.join(profile.quant_schemes)}: re-export without --quantize or build for rtx")
     q = manifest.quantization
     if q is None:

@@ -35,6 +35,7 @@ class DeviceProfile:
     precision_note: str
     workspace_gib: float
     max_workspace_gib: float
+    workspace_note: str  # why the workspace is bounded where it is (shared memory, the desktop's)
     max_opset: int  # highest opset the oldest accepted parser takes
     attention: str
     attention_op_from: str | None  # TensorRT version from which opset-23 Attention parses
@@ -43,7 +44,11 @@ class DeviceProfile:
     memory_note: str
     max_tree: int
     quant_schemes: tuple[str, ...]  # weight-only schemes its TensorRT builds: "none", "int8", "int4"
-    raw: dict[str, Any]  # the file as read, copied into plan-only bundles and engine manifests
+    quant_note: str  # why those schemes and no others (the parser's opset)
+
+    def as_shipped(self) -> dict[str, Any]:
+        """The profile's file as shipped, which engine manifests record whole."""
+        return json.loads(profile_text(self.name))
 
 
 def profile_text(name: str) -> str:
@@ -62,10 +67,12 @@ def load_profile(name: str) -> DeviceProfile:
         ahead_of_time=trt["ahead_of_time"], timing_cache=trt["timing_cache"], precisions=tuple(prec["allowed"]),
         default_precision=prec["default"], precision_min_cc=dict(prec["min_compute_capability"]),
         precision_note=prec["note"], workspace_gib=float(raw["workspace_gib"]["default"]),
-        max_workspace_gib=float(raw["workspace_gib"]["max"]), max_opset=int(parser["max_opset"]),
+        max_workspace_gib=float(raw["workspace_gib"]["max"]), workspace_note=raw["workspace_gib"]["note"],
+        max_opset=int(parser["max_opset"]),
         attention=parser["attention"], attention_op_from=parser["attention_op_from"],
         memory_gib=float(memory["memory_gib"]), reserve_gib=float(memory["reserve_gib"]), memory_note=memory["note"],
-        max_tree=int(raw["max_tree"]), quant_schemes=tuple(raw["quantization"]["schemes"]), raw=raw)
+        max_tree=int(raw["max_tree"]), quant_schemes=tuple(raw["quantization"]["schemes"]),
+        quant_note=raw["quantization"]["note"])
 
 
 def version_tuple(text: str) -> tuple[int, ...]:

@@ -78,6 +78,7 @@ def test_build_rtx_engines_for_every_family(exported, monkeypatch, capsys, tmp_p
         assert entry["profiles"] == {p.name: {a: list(r) for a, r in p.axes.items()} for p in profiles}
     assert record["tensorrt"] == {"module": "tensorrt_rtx", "version": trt.__version__}
     assert record["device"]["name"] == "ahead-of-time, no GPU" and record["target"] == "rtx"
+    assert record["target_profile"] == json.loads(profile_text("rtx")), "the profile's file, recorded whole"
     assert record["precision"] == {"name": "fp32", "artifacts_dtype": "fp32", "how": "the graphs' own fp32 dtypes"}
     assert record["artifacts"]["manifest_sha256"] == sha256(artifacts / "manifest.json")
     assert record["artifacts"]["source"] == art["source"]
@@ -258,6 +259,7 @@ def test_device_profiles_state_the_platform_facts():
     for p in (orin, thor, dc, rtx):
         assert p.default_precision in p.precisions and 0 < p.workspace_gib <= p.max_workspace_gib
         assert p.reserve_gib < p.memory_gib and p.module in ("tensorrt", "tensorrt_rtx")
+        assert p.workspace_note and p.quant_note, "the refusals quote why a bound is where it is"
     assert orin.max_workspace_gib <= 4 and thor.max_workspace_gib <= 4  # shared memory on Jetson
 
 
