@@ -19,6 +19,7 @@ before, and can be stopped between rounds.
 from __future__ import annotations
 
 import queue
+import reprlib
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -29,10 +30,10 @@ import numpy as np
 
 from .defaults import AUTO, BRANCH_K, RUN_MAX_NEW_TOKENS as MAX_NEW_TOKENS, resolve
 from .errors import GlanceError, InputError
-from .decode.limits import check_context, check_settings
+from .decode.limits import check_context, check_settings, check_speculation, whole
 from .decode.loop import DecodeConfig, DecodeResult, RoundLog
 from .prompt.messages import ImageLike, VideoLike, conversation, user_turn
-from .prompt.prompt_builder import Prompt
+from .prompt.prompt_builder import Prompt, check_unicode
 from .prompt.prefix_reuse import Committed, image_runs, shared_rows
 from .backends.registry import BACKENDS, Source, open_session
 from .decode.session import Session, Settings
@@ -43,9 +44,30 @@ ROOM_FIX = "shorten the prompt, lower max_new_tokens, or load with a larger max_
 
 
 def _answer_length(max_new_tokens: int) -> int:
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    return max_new_tokens
+    """An int (numpy's integers included, as for `load`'s settings) of at least 1."""
+    return whole("max_new_tokens", max_new_tokens, 1)
+
+
+def _stops(stop: str | Sequence[str]) -> list[str]:
+    """`stop` as a list of non-empty strings of valid Unicode (one string is one stop string)."""
+    if not isinstance(stop, (str, list, tuple)):
+        raise InputError(f"stop must be a string or a list of strings, got {type(stop).__name__}; pass "
+                         "stop=[\"\\n\\n\"] or stop=()")
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    for s in stops:
+        if not isinstance(s, str) or not s:
+            raise InputError(f"every stop string must be a non-empty string, got {type(s).__name__} "
+                             f"{reprlib.repr(s)}; drop it or pass text")
+        check_unicode(s, "a stop string")
+    return stops
+
+
+def _prompt(prompt: object) -> Prompt:
+    """A Prompt as `Model.build` makes it; anything else is refused before it is measured or decoded."""
+    if not isinstance(prompt, Prompt):
+        raise InputError(f"expected a Prompt from model.build(...), got {type(prompt).__name__}; build the prompt "
+                         "first: model.build(text, images=[...])")
+    return prompt
 
 
 @dataclass(frozen=True)
@@ -107,9 +129,10 @@ class Model:
                  messages: Sequence[dict[str, Any]] | None = None, system: str | None = None,
                  max_new_tokens: int = MAX_NEW_TOKENS, stop: Sequence[str] = (),
                  on_text: Callable[[str], None] | None = None, videos: Sequence[VideoLike] | None = None) -> Output:
-        """Answer one prompt (with any number of images and videos: a video is its frames, taken at 2 per
-        second unless given as {"video": frames, "fps": rate}) or one OpenAI-style conversation; `on_text`
-        sees the text in pieces as rounds commit, on this thread (what `stream` yields)."""
+        """Answer one prompt (with any number of images and videos, each a list even for one: images=["a.png"];
+        a video is its frames, taken at 2 per second unless given as {"video": frames, "fps": rate}) or one
+        OpenAI-style conversation; `stop` is one string or a list of them; `on_text` sees the text in pieces as
+        rounds commit, on this thread (what `stream` yields)."""
         with self._busy():
             built = self.build(prompt, images=images, messages=messages, system=system, videos=videos)
             return self._run(built, max_new_tokens, stop, on_piece=on_text)
@@ -147,7 +170,7 @@ class Model:
     def check_room(self, prompt: Prompt, max_new_tokens: int = MAX_NEW_TOKENS, *, fix: str = ROOM_FIX) -> None:
         """Refuse (LimitError, ending with `fix`: what the caller's user can change) a prompt whose answer could
         overflow the context, before any work is queued for it."""
-        check_context(prompt.length, _answer_length(max_new_tokens), self.session.max_context, fix)
+        check_context(_prompt(prompt).length, _answer_length(max_new_tokens), self.session.max_context, fix)
 
     @property
     def budget(self) -> int | str:
@@ -164,11 +187,12 @@ class Model:
     def _run(self, prompt: Prompt, max_new_tokens: int, stop: Sequence[str], keep: int = 0,
              on_piece: Callable[[str], None] | None = None, cancelled: Callable[[], bool] | None = None,
              fix: str = ROOM_FIX) -> Output:
+        stops = _stops(stop)
         self.check_room(prompt, max_new_tokens, fix=fix)
         cfg = self._config(max_new_tokens)
         if on_piece is not None and not callable(on_piece):
             raise InputError(f"on_text must be a callable taking each piece of text, got {type(on_piece).__name__}")
-        text = TextStream(self.session.codec.tokenizer, [stop] if isinstance(stop, str) else list(stop))
+        text = TextStream(self.session.codec.tokenizer, stops)
         pieces: list[str] = []
         kept: list[int] = []
         stopped_by_caller = False
@@ -203,6 +227,7 @@ class Model:
         """`_run`, keeping the rows `prompt` shares with `committed` while `owner`'s rows are the backend's; the
         answer, and what the backend then holds."""
         codec = self.session.codec
+        prompt = _prompt(prompt)
         keep = shared_rows(committed if self._owner is owner else None, prompt, codec.image_token_id, codec.merge_size)
         out = self._run(prompt, max_new_tokens, stop, keep=keep, on_piece=on_piece, cancelled=cancelled, fix=fix)
         rows = self.session.backend.start
@@ -315,7 +340,7 @@ class Chat:
               videos: Sequence[VideoLike] | None) -> tuple[dict[str, Any], Prompt]:
         if not isinstance(text, str):
             raise InputError(f"the message must be a string, got {type(text).__name__}")
-        turn = user_turn(text, list(images or ()), list(videos or ()))
+        turn = user_turn(text, images, videos)
         return turn, self._model.build(messages=[*self._messages, turn])
 
     def _answer(self, prompt: Prompt, max_new_tokens: int, stop: Sequence[str], on_text: Callable[[str], None] | None,
@@ -359,16 +384,19 @@ def load(artifacts: str | Path | None = None, *, engines: str | Path | None = No
          remeasure: bool = False, progress: Callable[[str], None] | None = None) -> Model:
     """Open a model as `glance-run` would with the same flags: with nothing given, the embedded default on
     ONNX Runtime where installed. `budget`: "auto", a node count, or None for the command's default;
-    `remeasure`: auto's cost profile for this device is measured again, not read."""
+    `remeasure`: auto's cost profile for this device is measured again, not read. Both are for speculative
+    decoding, and `remeasure` for auto's budget only: a contradiction is refused, as the command refuses it."""
     check_settings(threads=threads, budget=budget, branch_k=branch_k, max_context=max_context, max_tree=max_tree)
     threads, branch_k, max_context, max_tree = (None if v is None else int(v)  # numpy integers as plain ints
                                                 for v in (threads, branch_k, max_context, max_tree))
     budget = budget if budget is None or isinstance(budget, str) else int(budget)
     if backend is not None and backend not in BACKENDS:
-        raise InputError(f"backend {backend!r:.40} is not one of {', '.join(BACKENDS)}; pass one of them or None")
+        raise InputError(f"backend {reprlib.repr(backend)} is not one of {', '.join(BACKENDS)}; pass one of them or "
+                         "None")
     for name, flag in (("speculative", speculative), ("remeasure", remeasure)):
         if not isinstance(flag, bool):
-            raise InputError(f"{name} must be True or False, got {flag!r:.40}")
+            raise InputError(f"{name} must be True or False, got {reprlib.repr(flag)}")
+    check_speculation(budget, speculative, remeasure)
     if provider is not None and not (isinstance(provider, str) or (
             isinstance(provider, (list, tuple)) and all(isinstance(p, str) for p in provider))):
         raise InputError("provider must be a string or a list of strings (ONNX Runtime execution providers)")

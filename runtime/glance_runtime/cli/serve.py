@@ -67,7 +67,19 @@ def _is_loopback(host: str) -> bool:
 
 
 def check(args: argparse.Namespace) -> None:
-    """Refusals that need no model: an exposed port without a key, missing directories, bad limits."""
+    """Refusals that need no model: an exposed port without a key, a key or name no client could send, missing
+    directories, bad limits."""
+    key = args.api_key
+    if key is not None and not key.strip():
+        raise GlanceError("--api-key is blank, so it would guard nothing; pass a real key, or drop --api-key to "
+                          "serve this machine's clients without one")
+    if key is not None and (key != key.strip() or not (key.isascii() and key.isprintable())):
+        raise GlanceError("--api-key must be printable ASCII without spaces around it (clients send it in an "
+                          "Authorization header); pass such a key")
+    if args.served_model_name is not None and (not args.served_model_name.strip()
+                                               or args.served_model_name != args.served_model_name.strip()):
+        raise GlanceError("--served-model-name is blank or has spaces around it, which clients would have to send "
+                          "as the model; pass a name such as glance-vl-tiny, or drop it for the model directory's")
     if not _is_loopback(args.host) and not args.api_key:
         raise GlanceError(f"binding {args.host} exposes the server beyond this machine; pass --api-key KEY too "
                           "(clients then send Authorization: Bearer KEY), or bind 127.0.0.1")
@@ -120,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     fatal: list[Exception] = []
+    stopped: list[bool] = []  # the server stopped after answering every request it had
     server: uvicorn.Server | None = None
 
     def progress(line: str) -> None:
@@ -132,18 +145,38 @@ def run(args: argparse.Namespace) -> int:
     def on_ready(name: str, backend: str) -> None:
         progress(f"ready: {name} ({backend}) on {url}")
 
-    app = create_app(config, progress, on_fatal, on_ready)
+    def on_stop() -> None:  # printed here, before uvicorn re-raises the signal it stopped on (SIGTERM ends us)
+        if not fatal:
+            stopped.append(True)
+            progress("stopped")
+
+    app = create_app(config, progress, on_fatal, on_ready, on_stop)
+    service = app.state.service
     progress(f"listening on {url}; loading the model")
     # uvicorn picks httptools (the serve extra's C parser) where installed: it parses a request and writes its
     # answer about 0.3 ms sooner than h11, which uvicorn falls back to. Proxy headers off: nothing here reads
     # the client's address, so the middleware uvicorn would wrap around every request to rewrite it is skipped.
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                                           proxy_headers=False))
-    server.run(sockets=[sock])
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:
+            """A first Ctrl-C lets the requests in flight finish: say so, since nothing else shows until then."""
+            if not self.should_exit and service.in_flight:
+                progress(f"stopping after answering the requests in flight ({service.in_flight}); Ctrl-C again "
+                         "cancels them")
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", proxy_headers=False))
+    interrupted = False
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it stopped on
+        interrupted = True
     if fatal:
         exc = fatal[0]
         raise exc if isinstance(exc, GlanceError) else GlanceError(f"the model failed to load: {exc}")
-    return 0
+    if not stopped:  # a second Ctrl-C stopped it without waiting for the requests in flight
+        dropped = service.dropped
+        progress("stopped" + (f"; cancelled {dropped} request{'s' * (dropped != 1)} in flight" if dropped else ""))
+    return 130 if interrupted else 0
 
 
 def main(argv: list[str] | None = None) -> int:

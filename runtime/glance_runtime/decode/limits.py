@@ -8,6 +8,7 @@ return), after some of the answer had streamed. A flag's own range is checked as
 from __future__ import annotations
 
 import os
+import reprlib
 
 from .backend import ServeLimits
 from ..defaults import AUTO
@@ -26,8 +27,8 @@ def threads_problem(name: str, value: int) -> str | None:
 def whole(name: str, value: object, low: int) -> int:
     """An integer setting passed in Python: an int (not a bool, float or string) of at least `low`."""
     if isinstance(value, bool) or not hasattr(type(value), "__index__"):
-        raise InputError(f"{name} must be an integer, got {type(value).__name__} {value!r:.40}; pass {name}={low} "
-                         "or more")
+        raise InputError(f"{name} must be an integer, got {type(value).__name__} {reprlib.repr(value)}; pass "
+                         f"{name}={low} or more")
     value = value.__index__()
     if value < low:
         raise InputError(f"{name} must be >= {low}, got {value}; pass {name} >= {low}")
@@ -42,11 +43,24 @@ def check_settings(*, threads: object = None, budget: object = None, branch_k: o
     whole("branch_k", branch_k, 1)
     for name, value in (("max_context", max_context), ("max_tree", max_tree)):  # ranged by `runtime_limit`
         if value is not None and (isinstance(value, bool) or not hasattr(type(value), "__index__")):
-            raise InputError(f"{name} must be an integer or None, got {type(value).__name__} {value!r:.40}")
+            raise InputError(f"{name} must be an integer or None, got {type(value).__name__} {reprlib.repr(value)}")
     if budget is not None and budget != AUTO:
         if isinstance(budget, str):
             raise InputError(f"budget {budget!r:.40} is not a budget: pass \"auto\" or an integer >= 0")
         whole("budget", budget, 0)
+
+
+def check_speculation(budget: object, speculative: bool, remeasure: bool, *, cli: bool = False) -> None:
+    """Settings that contradict each other are refused, not dropped: a budget sizes the trees plain decoding
+    never builds, and remeasuring measures the costs only auto's budget weighs (`cli`: worded as flags)."""
+    budget_, plain, again, auto = (("--budget", "--no-spec", "--remeasure", "--budget auto") if cli else
+                                   ("budget=", "speculative=False", "remeasure=True", 'budget="auto"'))
+    if not speculative and budget is not None:
+        raise InputError(f"{budget_} sizes GLANCE's trees and {plain} decodes without them; drop one")
+    if remeasure and not speculative:
+        raise InputError(f"{again} measures the costs {auto} weighs and {plain} decodes without trees; drop one")
+    if remeasure and budget not in (None, AUTO):
+        raise InputError(f"{again} measures the costs {auto} weighs, not a fixed budget; drop {again} or pass {auto}")
 
 
 def runtime_limit(flag: str, asked: int | None, built: int, source: str, command: str) -> int:

@@ -16,6 +16,14 @@ from ..errors import GlanceError, InputError
 MAX_IMAGE_PIXELS = 8192 * 8192  # the largest image the runtime decodes at all
 
 
+def not_a_file(mode: int) -> str | None:
+    """What a path's `st_mode` names when it is not a regular file (None when it is one): opening a FIFO or a
+    device as an image would block or read forever, so a path is refused by its mode before it is opened."""
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((what for test, what in kinds if test(mode)), None if stat.S_ISREG(mode) else "a special file")
+
+
 def check_image_path(path: str | Path) -> Path:
     """The file an image path names, or a refusal that says what the path really is."""
     path = Path(path)
@@ -33,11 +41,8 @@ def check_image_path(path: str | Path) -> Path:
             raise InputError(f"image {path}: a part of the path is a file, not a directory; pass an existing "
                               "image file") from None
         raise InputError(f"image {path} cannot be reached ({exc.strerror}); pass a readable image file") from None
-    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
-             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-    for test, what in kinds:
-        if test(mode):
-            raise InputError(f"image {path} is {what}, not an image file; pass an image file")
+    if (what := not_a_file(mode)) is not None:
+        raise InputError(f"image {path} is {what}, not an image file; pass an image file")
     if not os.access(path, os.R_OK):
         raise InputError(f"image {path} cannot be read (permission denied); make it readable or pass another file")
     return path
@@ -86,8 +91,16 @@ def load_image(path: str | Path) -> Image.Image:
         raise InputError(f"image {path} cannot be decoded ({exc}); pass a PNG, JPEG or other Pillow format") from None
 
 
+def check_pixels(height: int, width: int, what: str = "image") -> None:
+    """Refuse a picture without pixels (an empty array, a 0-wide image): every resize divides by its sides."""
+    if min(height, width) < 1:
+        raise InputError(f"{what} is {width}x{height} pixels, so it has nothing to see; pass a non-empty {what}")
+
+
 def check_aspect(height: int, width: int, what: str = "image", fix: str = "crop it first") -> None:
-    """Refuse a picture over 200:1, which the vision processors cannot resize to whole patches."""
+    """Refuse a picture without pixels, or over 200:1, which the vision processors cannot resize to whole
+    patches."""
+    check_pixels(height, width, what)
     if max(height, width) / min(height, width) > 200:
         raise InputError(f"{what} aspect ratio {max(height, width) / min(height, width):.0f}:1 is over 200:1; {fix}")
 

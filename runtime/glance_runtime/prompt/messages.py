@@ -11,6 +11,7 @@ order, so this module splits the one into the other and refuses what no template
 from __future__ import annotations
 
 import io
+import reprlib
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -18,17 +19,31 @@ import numpy as np
 from PIL import Image
 
 from ..errors import InputError
-from .images import load_image, to_rgb
+from .images import check_pixels, load_image, to_rgb
 from .video import DEFAULT_FPS, Video
 
 ROLES = ("system", "user", "assistant")
 ImageLike = str | Path | Image.Image | np.ndarray | bytes
 # frames in order, or a uint8 [T, H, W, 3] array, or {"video": either, "fps": the rate they were taken at}
 VideoLike = Sequence[ImageLike] | np.ndarray | dict[str, Any]
+IMAGE_EXAMPLE, VIDEO_EXAMPLE = "'photo.png'", "['frame1.png', 'frame2.png']"  # one of each, as refusals show
 
 
-def user_turn(text: str, images: Sequence[ImageLike] = (), videos: Sequence[VideoLike] = ()) -> dict[str, Any]:
+def listed(name: str, value: Any, example: str) -> list[Any]:
+    """`images=`/`videos=`/`messages=` as a list: a list or tuple (None: none). One image or video passed
+    bare (a path string, an array, a dict) would otherwise be iterated as characters, rows or keys."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise InputError(f"{name} must be a list, got {type(value).__name__}; pass a list even for one: "
+                         f"{name}=[{example}]")
+    return list(value)
+
+
+def user_turn(text: str, images: Sequence[ImageLike] | None = (),
+              videos: Sequence[VideoLike] | None = ()) -> dict[str, Any]:
     """One user message: its images, then its videos, then the text (the order the processors' examples use)."""
+    images, videos = listed("images", images, IMAGE_EXAMPLE), listed("videos", videos, VIDEO_EXAMPLE)
     return {"role": "user", "content": [*({"type": "image", "image": im} for im in images),
                                         *({"type": "video", **v} if isinstance(v, dict) else {"type": "video", "video": v}
                                           for v in videos),
@@ -44,24 +59,37 @@ def conversation(prompt: str | None = None, images: Sequence[ImageLike] | None =
     if messages is None:
         if not isinstance(prompt, str):
             raise InputError(f"the prompt must be a string, got {type(prompt).__name__}")
-        msgs = [user_turn(prompt, list(images or ()), list(videos or ()))]
+        msgs = [user_turn(prompt, images, videos)]
     else:
-        if images or videos:
+        if listed("images", images, IMAGE_EXAMPLE) or listed("videos", videos, VIDEO_EXAMPLE):
             raise InputError("with messages=[...], put the images and videos inside them as {'type': 'image', "
                              "'image': ...} and {'type': 'video', 'video': [frames]} parts")
-        msgs = list(messages)
+        msgs = listed("messages", messages, "{'role': 'user', 'content': 'What is shown?'}")
     if system is not None:
-        if msgs and msgs[0].get("role") == "system":
+        if not isinstance(system, str):
+            raise InputError(f"system must be a string, got {type(system).__name__}")
+        if msgs and isinstance(msgs[0], dict) and msgs[0].get("role") == "system":
             raise InputError("the messages already start with a system message; drop system=...")
         msgs.insert(0, {"role": "system", "content": system})
     return msgs
 
 
 def _image(value: Any) -> Image.Image:
-    """An RGB image from a path, PIL image, HxW(x3|4) uint8 array or encoded bytes."""
+    """An RGB image with pixels, from a path, PIL image, HxW(x3|4) uint8 array or encoded bytes."""
+    image = _decoded(value)
+    check_pixels(image.height, image.width)
+    return image
+
+
+def _decoded(value: Any) -> Image.Image:
     if isinstance(value, (str, Path)):
         return load_image(value)
     if isinstance(value, Image.Image):
+        try:
+            value.load()  # a closed image, or a lazily opened one whose file has gone, fails here
+        except (OSError, ValueError, SyntaxError) as exc:
+            raise InputError(f"a PIL image cannot be read ({exc}); pass an open image (load() or copy() it before "
+                             "closing its file)") from None
         return to_rgb(value)
     if isinstance(value, np.ndarray):
         if value.dtype != np.uint8 or value.ndim not in (2, 3) or (value.ndim == 3 and value.shape[2] not in (3, 4)):
@@ -81,7 +109,8 @@ def _video(part: dict[str, Any]) -> Video:
     """A video part's frames (each as an image is given, or rows of one [T, H, W, 3] array) and its fps."""
     value, fps = part["video"], part.get("fps", DEFAULT_FPS)
     if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not np.isfinite(fps) or fps <= 0:
-        raise InputError(f"a video's fps must be a positive number (the rate its frames were taken at); got {fps!r}")
+        raise InputError(f"a video's fps must be a positive number (the rate its frames were taken at); got "
+                         f"{reprlib.repr(fps)}")
     if isinstance(value, np.ndarray):
         if value.ndim != 4:
             raise InputError(f"a video array must be uint8 [T, H, W, 3]; got {value.dtype} {value.shape}")
@@ -102,7 +131,7 @@ def split(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], lis
     videos: list[Video] = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or msg.get("role") not in ROLES:
-            raise InputError(f"message {i} must be a dict with role one of {', '.join(ROLES)}; got {msg!r:.80}")
+            raise InputError(f"message {i} must be a dict with role one of {', '.join(ROLES)}; got {reprlib.repr(msg)}")
         content = msg.get("content")
         if isinstance(content, str):
             rendered.append({"role": msg["role"], "content": content})
@@ -121,8 +150,8 @@ def split(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], lis
                 videos.append(_video(part))
                 parts.append({"type": "video"})
             else:
-                raise InputError(f"message {i} has a part {part!r:.80}; parts are {{'type': 'text', 'text': str}}, "
-                                 "{'type': 'image', 'image': path | PIL.Image | array | bytes} or "
+                raise InputError(f"message {i} has a part {reprlib.repr(part)}; parts are {{'type': 'text', 'text': "
+                                 "str}, {'type': 'image', 'image': path | PIL.Image | array | bytes} or "
                                  "{'type': 'video', 'video': [frames], 'fps': number}")
         rendered.append({"role": msg["role"], "content": parts})
     if not any(m["role"] == "user" for m in rendered):

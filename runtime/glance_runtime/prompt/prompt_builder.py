@@ -49,6 +49,29 @@ class Prompt:
         return int(self.input_ids.shape[0])
 
 
+def check_unicode(text: str, what: str) -> None:
+    """Refuse text holding a lone surrogate: it has no UTF-8 form, so no tokenizer or client can carry it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InputError(f"{what} holds a lone surrogate ({text[exc.start]!a} at character {exc.start}), which is not "
+                         "text; pass valid Unicode (decode bytes as UTF-8 first)") from None
+
+
+def check_text_placeholders(messages: Sequence[dict[str, Any]]) -> None:
+    """Refuse message text holding an image or video placeholder token: the token stands for pixels the prompt
+    does not carry there, so the prompt's images and their placeholders would no longer pair up."""
+    for i, msg in enumerate(messages):
+        content = msg["content"]
+        texts = [content] if isinstance(content, str) else [p["text"] for p in content if p["type"] == "text"]
+        for token, kind, article in ((IMAGE_PLACEHOLDER, "image", "an"), (VIDEO_PLACEHOLDER, "video", "a")):
+            if any(token in text for text in texts):
+                raise InputError(f"the prompt text (message {i}) holds {token}, the model's {kind} placeholder token, "
+                                 f"which stands for {article} {kind}'s pixels and is placed only for {article} {kind} "
+                                 f"given; remove it from the text and pass the {kind} itself as {kind}s=[...] or a "
+                                 f"{{'type': '{kind}', ...}} part")
+
+
 def check_placeholders(rendered: str, images: int, videos: int, where: str) -> None:
     """Refuse, before any pixels are processed, a template that did not emit one placeholder per image and video."""
     for token, count, kind in ((IMAGE_PLACEHOLDER, images, "image"), (VIDEO_PLACEHOLDER, videos, "video")):
@@ -276,17 +299,14 @@ class PromptBuilder:
 
     def encode(self, text: str) -> np.ndarray:
         """Token ids of rendered text: every prompt passes here, so text that is not Unicode is refused here."""
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise InputError(f"the prompt holds a lone surrogate ({text[exc.start]!a} at character {exc.start}), which "
-                             "is not text; pass valid Unicode (decode bytes as UTF-8 first)") from None
+        check_unicode(text, "the prompt")
         return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
 
     def build_messages(self, messages) -> Prompt:
         """Render a conversation (OpenAI-style messages, any number of images and videos) with the snapshot's
         template; each image and video gets its own grid and its own run of placeholder tokens, in prompt order."""
         rendered_msgs, images, videos = split(messages)
+        check_text_placeholders(rendered_msgs)
         if (images or videos) and self.image_token_id is None:
             raise InputError(f"the model in {self.path} is text-only; drop the {'images' if images else 'videos'}")
         rendered = self.template.render(rendered_msgs)

@@ -28,7 +28,7 @@ from typing import Any, AsyncIterator, Callable
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -47,6 +47,7 @@ log = logging.getLogger("glance.serve")
 CLIENT_CLOSED = 499  # the status logged for a request whose client left before the answer (no reply is sent)
 PREPARED = object()  # a stream's first event: its prompt was accepted
 ARRIVED = "glance.arrived"  # the scope key of a request's arrival (perf_counter), stamped before routing
+CHAT_PATH = "/v1/chat/completions"
 
 
 @dataclass(frozen=True)
@@ -224,6 +225,9 @@ class Service:
         self.runner = DecodeQueue(config, self.metrics, progress)
         self.watchdog = Watchdog(self.metrics, self._timeout)
         self.ready = False
+        self.in_flight = 0  # chat requests being read or answered now (what a stopping server waits for)
+        self.dropped = 0  # chat requests cut off unanswered because the server stopped without waiting for them
+        self.metrics.in_flight.set_function(lambda: self.in_flight)
 
     @property
     def name(self) -> str:
@@ -488,31 +492,87 @@ class Service:
 
 
 class Arrival:
-    """Stamps each request's arrival before routing (a pure ASGI wrapper: one timestamp, nothing else)."""
+    """Stamps each request's arrival before routing, and counts the chat requests in flight (a pure ASGI
+    wrapper).
 
-    def __init__(self, app):
-        self.app = app
+    A server stopped without waiting for its requests (a second Ctrl-C) cancels their tasks: each is answered
+    503 here (or its started answer ended) and counted, rather than logged as uvicorn's traceback of
+    CancelledError."""
+
+    def __init__(self, app, service: Service):
+        self.app, self.service = app, service
 
     async def __call__(self, scope, receive, send) -> None:
         scope[ARRIVED] = time.perf_counter()
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        chat = int(scope["path"] == CHAT_PATH)
+        started = answered = False
+
+        def done() -> None:
+            nonlocal answered
+            if chat and not answered:
+                self.service.in_flight -= 1
+            answered = True
+
+        async def sending(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                done()  # before the client can see its answer end: it is no longer in flight
+            await send(message)
+
+        if chat:
+            self.service.in_flight += 1
+        try:
+            await self.app(scope, receive, sending)
+        except asyncio.CancelledError:
+            if not answered:
+                self.service.dropped += chat
+                await self._abandon(send, started)
+        finally:
+            done()
+
+    @staticmethod
+    async def _abandon(send, started: bool) -> None:
+        """End a request the stopping server will not answer: a 503 in OpenAI's shape, or the end of its body."""
+        try:
+            if not started:
+                error = RequestError("the server stopped before answering this request; retry once it is back", 503,
+                                     code="server_stopped", type="server_error")
+                body = json.dumps(error.body()).encode()
+                await send({"type": "http.response.start", "status": 503,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+            else:
+                await send({"type": "http.response.body", "body": b""})
+        except (OSError, RuntimeError):  # the connection is already gone: nothing left to end
+            pass
 
 
 def create_app(config: ServeConfig, progress: Callable[[str], None] = lambda _: None,
                on_fatal: Callable[[Exception], None] = lambda exc: None,
-               on_ready: Callable[[str, str], None] = lambda name, backend: None) -> Starlette:
-    """The ASGI app; the model loads (and warms) in the background once the server starts."""
+               on_ready: Callable[[str, str], None] = lambda name, backend: None,
+               on_stop: Callable[[], None] = lambda: None) -> Starlette:
+    """The ASGI app; the model loads (and warms) in the background once the server starts. `on_stop` is called
+    once the server has stopped after answering every request it had (not when it was forced to stop sooner)."""
     service = Service(config, progress, on_fatal, on_ready)
     tasks: set[asyncio.Task] = set()
 
     @asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
         tasks.add(asyncio.create_task(service.start()))
-        yield
+        try:
+            yield
+        except asyncio.CancelledError:  # a forced stop skips the shutdown: the command reports what it cut off
+            service.runner.close()
+            return
         service.runner.close()
+        on_stop()
 
     async def refused(request: Request, exc: RequestError) -> JSONResponse:
-        if request.url.path == "/v1/chat/completions":
+        if request.url.path == CHAT_PATH:
             service.metrics.requests.labels(str(exc.status)).inc()
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
@@ -520,9 +580,16 @@ def create_app(config: ServeConfig, progress: Callable[[str], None] = lambda _: 
         return JSONResponse(RequestError(str(exc.detail), exc.status_code, code=str(exc.status_code)).body(),
                             status_code=exc.status_code)
 
+    async def gone(request: Request, _exc: ClientDisconnect) -> Response:
+        """A client that closed its connection mid-body: nothing to answer, and no fault of the server's."""
+        log.warning("client went away before its request to %s was read", request.url.path)
+        if request.url.path == CHAT_PATH:
+            service.metrics.requests.labels(str(CLIENT_CLOSED)).inc()
+        return Response(status_code=CLIENT_CLOSED)
+
     async def internal(request: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error on %s", request.url.path)
-        if request.url.path == "/v1/chat/completions":
+        if request.url.path == CHAT_PATH:
             service.metrics.requests.labels("500").inc()
         return JSONResponse(RequestError("internal server error; the server's log has the details", 500,
                                          code="internal_error", type="server_error").body(), status_code=500)
@@ -545,11 +612,12 @@ def create_app(config: ServeConfig, progress: Callable[[str], None] = lambda _: 
         service.authorize(request)
         return Response(service.metrics.text(), media_type="text/plain; version=0.0.4")
 
-    routes = [Route("/v1/chat/completions", service.chat, methods=["POST"]),
+    routes = [Route(CHAT_PATH, service.chat, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]), Route("/v1/models/{model:path}", model, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"])]
-    app = Starlette(routes=routes, middleware=[Middleware(Arrival)], lifespan=lifespan,
-                    exception_handlers={RequestError: refused, HTTPException: http_error, Exception: internal})
+    app = Starlette(routes=routes, middleware=[Middleware(Arrival, service=service)], lifespan=lifespan,
+                    exception_handlers={RequestError: refused, HTTPException: http_error, ClientDisconnect: gone,
+                                        Exception: internal})
     app.state.service = service
     return app

@@ -16,6 +16,8 @@ class Metrics:
         self.requests = Counter("glance_requests", "Chat-completion requests by HTTP status", ["status"], registry=r)
         self.queue_depth = Gauge("glance_queue_depth", "Requests waiting for the runner", registry=r)
         self.busy = Gauge("glance_decoding", "1 while the runner decodes a request", registry=r)
+        self.in_flight = Gauge("glance_requests_in_flight", "Chat-completion requests being read or answered",
+                               registry=r)
         self.prompt_tokens = Counter("glance_prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.completion_tokens = Counter("glance_completion_tokens", "Tokens generated", registry=r)
         self.tau = Histogram("glance_tau", "Tokens committed per round, per request",
