@@ -10,7 +10,8 @@ from pathlib import Path
 from .. import api
 from ..store.cache import cache_root
 from .flags import OneLineParser, check_applicable, check_dirs, decode_flags, guarded, positive, runner_flags
-from ..defaults import AUTO, BUDGET, RUN_MAX_NEW_TOKENS, resolve
+from ..decode.limits import check_speculation
+from ..defaults import BUDGET, RUN_MAX_NEW_TOKENS, resolve
 from ..errors import GlanceError
 from ..prompt.images import check_image_path
 from ..prompt.video import DEFAULT_FPS
@@ -82,11 +83,7 @@ def _load(args: argparse.Namespace) -> api.Model:
     asked = args.backend or ("tensorrt" if args.engines is not None else None)
     _, head, _, backend = resolve(args.model, args.head, args.artifacts, asked)  # as api.load resolves them
     check_applicable(args, backend)
-    if args.no_spec and args.budget is not None:
-        raise GlanceError("--budget sizes GLANCE's trees and --no-spec decodes without them; drop one")
-    if args.remeasure and (args.no_spec or args.budget not in (None, AUTO)):
-        raise GlanceError("--remeasure measures the costs --budget auto weighs; drop it, or --no-spec and a "
-                          "fixed --budget")
+    check_speculation(args.budget, not args.no_spec, args.remeasure, cli=True)
     if not args.no_spec and head is None and backend == "torch":
         raise GlanceError("speculative decoding needs --head (or pass --no-spec for plain greedy decoding)")
     return api.load(args.artifacts, engines=args.engines, model=args.model, head=args.head, backend=args.backend,
