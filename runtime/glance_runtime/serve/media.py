@@ -17,6 +17,7 @@ from urllib.parse import unquote, urlparse
 
 from PIL import Image
 
+from ..prompt.images import not_a_file
 from .openai_errors import RequestError
 
 
@@ -99,16 +100,20 @@ def _file_path(url: str, media_dir: Path) -> Path:
         raw = Path(name)
         path = (raw if raw.is_absolute() else root / raw).resolve()
         inside = path.is_relative_to(root)
-        found = inside and path.is_file()
+        mode = path.stat().st_mode if inside and path.exists() else None
     except (OSError, ValueError):  # a NUL byte, a name over the file system's length limit
         raise RequestError(f"the file:// path {name[:80]!a} is not a usable file name", param="messages",
                            code="invalid_image_url") from None
     if not inside:
         raise RequestError(f"{name[:200]!a} is outside the media directory; only files under --media-dir are "
                            "served", param="messages", code="path_outside_media_dir")
-    if not found:
-        raise RequestError(f"{str(path.relative_to(root))[:200]!a} does not exist in the media directory",
-                           param="messages", code="image_not_found")
+    where = str(path.relative_to(root))[:200]
+    if mode is None:
+        raise RequestError(f"{where!a} does not exist in the media directory", param="messages",
+                           code="image_not_found")
+    if (what := not_a_file(mode)) is not None:  # never opened: a FIFO would block the server's request
+        raise RequestError(f"{where!a} in the media directory is {what}, not an image file; name an image file",
+                           param="messages", code="not_an_image_file")
     return path
 
 

@@ -1,9 +1,11 @@
 """`glance-serve` at its edges: flags no client could use are refused at start-up in one line; a client that
 leaves mid-body is one log line, not an internal error; stopping says so in one line, with or without the
-requests in flight. Each server is live on a loopback port, answered by real clients and real signals."""
+requests in flight; a directory or FIFO named as an image is called what it is, never opened. Each server is
+live on a loopback port, answered by real clients and real signals."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import selectors
 import signal
@@ -168,3 +170,22 @@ def test_a_second_ctrl_c_cancels_the_request_in_flight_with_a_503_and_says_so():
         server.stop()
     assert status.startswith(b"HTTP/1.1 503") and answer["error"]["code"] == "server_stopped"
     assert code == 130 and lines[-1] == "glance-serve: stopped; cancelled 1 request in flight" and _stops(lines) == 1
+
+
+def test_a_directory_or_fifo_under_the_media_dir_is_named_for_what_it_is(tmp_path):
+    (tmp_path / "folder.png").mkdir()
+    os.mkfifo(tmp_path / "pipe.png")
+    server = start_server("--media-dir", str(tmp_path))
+    try:
+        for name, what in (("folder.png", "a directory"), ("pipe.png", "a named pipe")):
+            messages = [{"role": "user", "content": [{"type": "image_url",
+                                                      "image_url": {"url": (tmp_path / name).as_uri()}},
+                                                     {"type": "text", "text": "What is shown?"}]}]
+            reply = httpx.post(f"{server.url}/v1/chat/completions", timeout=WAIT_S,
+                               json={"model": MODEL_NAME, "max_tokens": 4, "messages": messages})
+            error = reply.json()["error"]
+            assert reply.status_code == 400 and error["code"] == "not_an_image_file"
+            assert what in error["message"] and "does not exist" not in error["message"]
+        assert _ask(server)["choices"][0]["message"]["content"]
+    finally:
+        server.stop()
