@@ -93,7 +93,8 @@ def test_outputs_carry_their_marker(tmp_path_factory, state):
     out = _make(root, state)
     with atomic_directory(out, "fmt-a", "glance-test write") as tmp:
         (tmp / "data.txt").write_text("new")
-    assert json.loads((out / MARKER).read_text()) == {"format": "fmt-a", "made_by": "glance-test write"}
+    assert json.loads((out / MARKER).read_text()) == {"format": "fmt-a", "made_by": "glance-test write",
+                                                      "entries": ["data.txt"]}
     assert sorted(p.name for p in out.iterdir()) == sorted([MARKER, "data.txt"])
     with pytest.raises(GlanceError, match="is a fmt-a output, not a fmt-b"):
         output_directory(out, "fmt-b", "glance-test other")

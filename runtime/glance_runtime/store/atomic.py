@@ -132,8 +132,8 @@ def check_writable(out: str | Path) -> None:
         try:  # a real probe: permission bits say nothing for root, read-only mounts or /proc
             os.rmdir(tempfile.mkdtemp(prefix=".glance-probe.", dir=place))
         except OSError as exc:
-            raise GlanceError(f"cannot write {out}: {place} is not writable ({exc.strerror}); "
-                              "pick a writable output path") from None
+            raise GlanceError(f"cannot {'write' if place == out else 'create'} {out}: {place} is not writable "
+                              f"({exc.strerror}); pick a writable output path") from None
 
 
 def _marker(directory: Path) -> dict | None:
