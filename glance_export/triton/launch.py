@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 WHEEL = "nvidia-pytriton"
+STUB_EXTRAS = ("onnxruntime", "triton")  # pyproject's extras the stubs' environment installs
 HOST = "127.0.0.1"
 
 
@@ -44,11 +45,27 @@ def find_wheel(python_env: Path | None) -> Wheel | None:
     return Wheel(site, f"{sys.version_info.major}.{sys.version_info.minor}")
 
 
+def stub_requirement() -> list[str]:
+    """pip's arguments for the stubs' environment: the `triton` extra (nvidia-pytriton, numpy < 2, which Triton's
+    stub needs for string tensors) with `onnxruntime`; from this clone where there is one, editable, so the
+    runtime the stubs import and the embedded default's models are the clone's."""
+    root = Path(__file__).resolve().parents[2]
+    extras = f"[{','.join(STUB_EXTRAS)}]"
+    return ["-e", f"{root}{extras}"] if (root / "pyproject.toml").is_file() else [f"glance-toolkit{extras}"]
+
+
 def install_hint(python_env: Path | None) -> str:
-    python = Path(python_env) / "bin" / "python" if python_env is not None else Path(sys.executable)
-    return (f"{WHEEL} is not installed in {python.parents[1]}, so there is no tritonserver to launch the repository "
-            f"with; install it (Linux x86-64) with `{shlex.quote(str(python))} -m pip install --no-deps {WHEEL}` and "
-            "run this command again for the launch commands")
+    """How to get a tritonserver: the stubs' own environment with the `triton` extra (never this interpreter's
+    when no --python-env is given: the export's environment has numpy 2, which the stub cannot run with)."""
+    requirement = shlex.join(stub_requirement())
+    if python_env is None:
+        return (f"{WHEEL} is not installed here, so there is no tritonserver to launch the repository with; make "
+                f"the stubs' environment (Linux x86-64) with `python3 -m venv ENV && ENV/bin/pip install {requirement}`"
+                " and run this command again with --python-env ENV")
+    python = shlex.quote(str(Path(python_env) / "bin" / "python"))
+    return (f"{WHEEL} is not installed in {python_env}, so there is no tritonserver to launch the repository with; "
+            f"install the stubs' requirements there (Linux x86-64) with `{python} -m pip install {requirement}` and "
+            "run this command again")
 
 
 def launch_commands(repo: Path, wheel: Wheel, port: int) -> list[str]:

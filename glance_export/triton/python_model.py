@@ -64,7 +64,10 @@ class TritonPythonModel:
         prompt = _text(_input(request, "prompt"))
         content = []
         image = _input(request, "image")
-        if image is not None and len(image):
+        if image is not None:  # present but empty is refused: answering without the image would be a wrong answer
+            if not len(image):
+                raise ValueError("image is empty; send the image file's bytes base64-encoded, or leave the image "
+                                 "field out for a text-only prompt")
             try:
                 data = base64.b64decode(image, validate=True)
             except (binascii.Error, ValueError):
@@ -72,8 +75,9 @@ class TritonPythonModel:
             try:
                 with Image.open(io.BytesIO(data)) as img:
                     content.append({"type": "image", "image": img.convert("RGB")})
-            except (OSError, Image.DecompressionBombError):
-                raise ValueError("image is not an image Pillow can decode; send a PNG, JPEG or WebP")
+            except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+                raise ValueError("image is not an image Pillow can decode; send a PNG, JPEG or WebP file's bytes "
+                                 "base64-encoded")
         content.append({"type": "text", "text": prompt})
         return [{"role": "user", "content": content}]
 

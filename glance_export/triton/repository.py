@@ -5,11 +5,12 @@ rounds commit while `generate` gets the whole text in one response. Each model i
 stub process holding one runner (batch 1); `instance_group` sets how many run per GPU, and replicas of
 the repository on more machines sit behind a load balancer. The repository names the model by absolute
 paths and the Python environment the stubs run in (`EXECUTION_ENV_PATH`: a virtual environment with the
-runtime's dependencies and numpy 1.26, which Triton 2.51's stub needs for string tensors).
+runtime's dependencies and numpy < 2, which Triton 2.51's stub needs for string tensors: the `triton` extra).
 """
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Callable
 
 from glance_runtime.store.atomic import atomic_directory, check_output
 from glance_runtime.errors import GlanceError
+from .launch import stub_requirement
 
 REPOSITORY_FORMAT = "glance-triton-repository"
 MODEL_NAME = "glance"
@@ -76,7 +78,7 @@ def check(repo: TritonRepo) -> None:
             raise GlanceError(f"{flag} {path} does not exist or is not a directory; pass an existing directory")
     if repo.python_env is not None and not (Path(repo.python_env) / "bin" / "python").exists():
         raise GlanceError(f"--python-env {repo.python_env} is not a virtual environment (no bin/python); make one "
-                          "with python -m venv and install the runtime's dependencies with numpy 1.26 into it")
+                          f"with python3 -m venv and pip install {shlex.join(stub_requirement())} into it")
     check_output(repo.out, REPOSITORY_FORMAT, [repo.artifacts, repo.engines, repo.model, repo.head, repo.python_env])
 
 

@@ -13,22 +13,27 @@ import io
 import json
 import os
 import platform
+import re
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+from importlib.metadata import metadata
 from pathlib import Path
 
 import httpx
 import pytest
 
 from glance_export.cli import main as export_main
+from glance_export.triton.launch import install_hint
 from support import RECEIPT, glance_run, wait_until_ok
 
 ENV_PACKAGES = ["numpy==1.26.4", "onnxruntime", "pillow", "tokenizers", "jinja2>=3.1.6"]
 TRITON_WHEEL = "nvidia-pytriton"  # installed without its Python client's dependencies: only the binary is used
 PYVER = f"{sys.version_info.major}.{sys.version_info.minor}"
+ROOT = Path(__file__).resolve().parents[3]
 START_TIMEOUT_S = 180
 REQUEST_TIMEOUT_S = 120
 
@@ -103,7 +108,8 @@ def triton(stub_env, tmp_path_factory):
             pytest.fail("tritonserver did not become ready:\n" + (root / "tritonserver.log").read_text()[-4000:])
         yield url
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the shell and the server it started
+        with contextlib.suppress(ProcessLookupError):  # a server that failed to start has exited already
+            os.killpg(proc.pid, signal.SIGTERM)  # the shell and the server it started
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -131,10 +137,14 @@ def test_generate_and_generate_stream_answer_with_glance_runs_text(triton):
     assert text_only.json()["text"] == glance_run("Describe this.")["text"]
 
 
-def test_bad_input_is_an_error_and_the_model_keeps_serving(triton):
-    bad = httpx.post(f"{triton}/v2/models/glance/generate", json={"prompt": "What?", "image": "@@not base64@@"},
+@pytest.mark.parametrize("image", ["@@not base64@@", "", base64.b64encode(b"not an image file").decode(),
+                                   base64.b64encode(RECEIPT.read_bytes()[:200]).decode()],
+                         ids=["not-base64", "empty", "not-an-image", "truncated"])
+def test_an_image_that_is_not_one_is_a_400_and_the_model_keeps_serving(triton, image):
+    """An image field that is present must be an image: answering without it would answer another question."""
+    bad = httpx.post(f"{triton}/v2/models/glance/generate", json={"prompt": "What is the total?", "image": image},
                      timeout=REQUEST_TIMEOUT_S)
-    assert bad.status_code == 400 and "base64" in bad.json()["error"]
+    assert bad.status_code == 400 and "image" in bad.json()["error"], bad.text
     short = glance_run("What is the total?", RECEIPT, max_new_tokens=3)["text"]
     body = {"prompt": "What is the total?", "image": base64.b64encode(RECEIPT.read_bytes()).decode(), "max_tokens": 3}
     assert httpx.post(f"{triton}/v2/models/glance/generate", json=body,
@@ -153,10 +163,26 @@ def test_repository_layout_and_instance_groups(tmp_path, capsys):
     assert "--instances-per-gpu" in err and "--python-env" in err and not (tmp_path / "bad").exists()
 
 
-def test_without_the_wheel_it_says_how_to_install_it(tmp_path, capsys):
+def test_without_the_wheel_it_says_to_install_the_triton_extra(tmp_path, capsys):
+    """The hint installs what pyproject's `triton` extra declares (the wheel and numpy < 2, as the stub needs)
+    into the stubs' environment, never into this interpreter's (the export's, with numpy 2)."""
     env = tmp_path / "env"
     (env / "bin").mkdir(parents=True)
     (env / "bin" / "python").symlink_to(sys.executable)
     assert export_main(["triton", "--out", str(tmp_path / "repo"), "--python-env", str(env)]) == 0
     out, err = capsys.readouterr()
-    assert out == "" and f"{env / 'bin' / 'python'} -m pip install --no-deps nvidia-pytriton" in err
+    command = shlex.split(re.search(r"`([^`]+)`", err)[1])
+    assert out == "" and command[:4] == [str(env / "bin" / "python"), "-m", "pip", "install"]
+    assert command[4] == "-e", "editable: the stubs import the clone's runtime and find its shipped model"
+    source, extras = re.fullmatch(r"(.+)\[(.+)\]", command[5]).groups()
+    assert Path(source) == ROOT and set(extras.split(",")) == {"onnxruntime", "triton"}
+    declared = {}
+    for requirement in metadata("glance-toolkit").get_all("Requires-Dist"):
+        name, _, marker = requirement.partition(";")
+        extra = re.search(r"extra == \"(.+?)\"", marker)
+        if extra:
+            declared.setdefault(extra[1], []).append(name.replace(" ", ""))
+    assert "numpy<2" in declared["triton"] and "onnxruntime" in declared
+    assert any(r.startswith("nvidia-pytriton") for r in declared["triton"])
+    without_env = install_hint(None)
+    assert "--python-env" in without_env and sys.executable not in without_env and "[onnxruntime,triton]" in without_env
