@@ -106,6 +106,16 @@ def test_readme_blocks_run_as_written(tmp_path):
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(timeout=60)
     assert ran >= 5
+    written = [str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file() and not p.is_symlink()]
+    assert written, "the README's build example wrote nothing"
+    assert not _tracked_if_written_in_the_clone(written), "run from the clone, the README would leave files git sees"
+
+
+def _tracked_if_written_in_the_clone(paths: list[str]) -> list[str]:
+    """Of these paths relative to the clone's root, those its .gitignore does not ignore (`git status` would list)."""
+    ignored = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "--no-index", "--stdin"], input="\n".join(paths),
+                             capture_output=True, text=True, timeout=60).stdout.splitlines()
+    return sorted(set(paths) - set(ignored))
 
 
 @pytest.mark.edge
