@@ -49,8 +49,10 @@ class _Cut:
     def __init__(self, round_ms: list[float], slope: list[float]):
         self.round_ms, self.slope = round_ms, slope
         self.expected, self.best_rate, self.best_nodes = 1.0, 1.0 / round_ms[0], 0
+        self.grown, self.q_next = 0, 0.0  # nodes grown, and q of the node growth stopped at (none: 0)
 
     def stop(self, nodes: int, q_next: float) -> bool:
+        self.grown, self.q_next = nodes, q_next
         if q_next <= self.best_rate * self.slope[nodes]:
             return True
         self.expected += q_next
@@ -104,12 +106,20 @@ class AutoBudget:
         self.block_size = block_size  # B: a drafted chain is at most B-1 deep
         self._exploring = False  # this round may verify more than the rule picks, to time an unconfirmed cost
         self._depth: int | None = None  # offsets of this round's draft
+        self._futile: dict[int, list[int]] = {}  # picks whose neighbouring counts could not pay, and those counts
         self._use()
 
     def _use(self) -> None:
-        args = (self.calibration, self.max_nodes, self.block_size)
-        self._plan = _Rates(self.cost if self.watch is None else self.watch.used, *args)
-        self._hope = None if self.watch is None else _Rates(self.watch.hope, *args)
+        self._plan = _Rates(self.cost if self.watch is None else self.watch.used, self.calibration, self.max_nodes,
+                            self.block_size)
+        self._hoped: _Rates | None = None
+
+    @property
+    def _hope(self) -> _Rates:
+        """The rates at the hopeful costs, computed when a round that explores first asks for them."""
+        if self._hoped is None:
+            self._hoped = _Rates(self.watch.hope, self.calibration, self.max_nodes, self.block_size)
+        return self._hoped
 
     def with_calibration(self, calibration: Calibration) -> "AutoBudget":
         return AutoBudget(self.cost, calibration, self.max_nodes, self.block_size, self.watch)
@@ -118,7 +128,7 @@ class AutoBudget:
         """Step 1: whether the law's best chain repays the draft pass (or, in a round that explores, whether it
         would with the unconfirmed costs at their most hopeful)."""
         wanted = self._plan.wants(self.calibration, surprisal)
-        self._exploring = self._hope is not None and self.max_nodes > 0 and self.watch.exploring() and (
+        self._exploring = self.watch is not None and self.max_nodes > 0 and self.watch.exploring() and (
             wanted or (self._hope.wants(self.calibration, surprisal)
                        and (bool(self.watch.targets(1)) or not self.watch.draft_confirmed)))
         return wanted or self._exploring
@@ -134,25 +144,30 @@ class AutoBudget:
                           stop=cut.stop, leaves=leaves)
         pick = cut.best_nodes + 1
         if self._exploring:
-            explored = self._explore(pick, cut.best_rate, lambda nodes: build_tree(
+            explored = self._explore(pick, cut, lambda nodes: build_tree(
                 anchor, topk_ids, topk_logprobs, nodes, branch_k, priority=priority, leaves=leaves), priority)
             if explored is not None:
                 return explored
         return tree.prefix(pick)
 
-    def _explore(self, pick: int, rate: float, grown: Callable[[int], Tree],
+    def _explore(self, pick: int, cut: _Cut, grown: Callable[[int], Tree],
                  priority: Callable[[float, int], float]) -> Tree | None:
         """The tree of the unconfirmed count nearest to the pick whose expected tokens, at the hopeful cost, beat
-        the pick's rate `rate` (None where no count would): a count that could not pay however cheap is left."""
-        counts = [g for g in self.watch.targets(pick) if g <= self.max_nodes + 1]
-        if not counts:
+        the pick's rate (None where no count would): a count that could not pay however cheap is left. Counts
+        that could not beat it even with every node past those grown at the q growth stopped at are left at
+        once (q never rises in growth order), and so are those judged in vain for the same pick before."""
+        rate, hope = cut.best_rate, self._hope.round_ms
+        counts = [g for g in self.watch.targets(pick) if g <= self.max_nodes + 1
+                  and (cut.expected + max(g - 1 - cut.grown, 0) * cut.q_next) / hope[g - 1] > rate]
+        if not counts or self._futile.get(pick) == counts:
             return None
         wide = grown(max(counts) - 1)
         q = [priority(s, d) for s, d in zip(wide.scores[1:].tolist(), wide.depths[1:].tolist())]
         expected = np.concatenate([[1.0], 1.0 + np.cumsum(q)])
         for rows in counts:
-            if rows <= wide.size and expected[rows - 1] / self._hope.round_ms[rows - 1] > rate:
+            if rows <= wide.size and expected[rows - 1] / hope[rows - 1] > rate:
                 return wide.prefix(rows)
+        self._futile[pick] = counts
         return None
 
     def observe(self, round_log: RoundLog) -> None:

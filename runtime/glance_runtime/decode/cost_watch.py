@@ -25,11 +25,12 @@ costs a round is decided with are the decode's own wherever it has them:
   thought dear is thus timed again until two rounds agree on it, and one that could not pay however cheap is
   never tried. The tokens are greedy's whatever is verified; docs/auto-budget.md bounds the time this costs.
 - Stored: the used costs, at the profile's own scale, whenever a count is newly confirmed or a measured count's
-  cost (or the draft's) moved by more than RESTORE; a provisional profile stays marked so until every count
-  above the smallest the decode verified is confirmed.
+  cost (or the draft's) moved by more than RESTORE (after FREE_STORES, at most once in STORE_GAP rounds); a
+  provisional profile stays marked so until every count above the smallest the decode verified is confirmed.
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import replace
 from typing import Callable
@@ -44,7 +45,9 @@ AGREE = 1.5  # ... and how close their fastest two must be
 WINDOW = 9  # the latest rounds of one row count (or draft depth) that count
 CONTRADICTS = 2.0  # a count this many times cheaper than the profile says makes the profile's growth above it suspect
 RESTORE = 1.25  # a learned cost this far off the stored one (either way) is stored
-NOTICE = 0.02  # a fastest time that moved less than this changes no used cost
+NOTICE = 0.1  # a fastest time that moved less than this (relatively) changes no used cost
+FREE_STORES, STORE_GAP = 8, 32  # stores at once in one process, then at most one in STORE_GAP rounds (a write
+# waits for the disk: a long decode need not pay for every small refinement)
 
 
 def _keep(windows: dict[int, list[float]], key: int, value: float) -> bool:
@@ -70,6 +73,7 @@ class CostWatch:
         self._confirmed = {g for g in self.grid if g in profile.checked_rows}
         self.draft_confirmed = profile.draft_checked
         self._rounds = 0
+        self._stores, self._stored_at = 0, 0  # this process's stores, and the round of the last
         self.scale = 1.0  # live ms per profile ms
         self._refresh()
 
@@ -101,7 +105,11 @@ class CostWatch:
         self._rounds += 1
         if self._rounds == 1:  # the first round in a fresh process pays for first runs
             return False
+        fresh = rows not in self._verify
         moved = _keep(self._verify, rows, verify_ms)
+        if fresh:  # a count timed for the first time moves nothing where the costs already say about as much
+            said = float(self.used.verify_cost(rows))
+            moved = abs(verify_ms - said) > NOTICE * said and (rows in self.grid or verify_ms < said)
         if draft_ms is not None and depth is not None:
             moved = _keep(self._draft, depth, draft_ms) or moved
         confirmed = rows in self.grid and rows not in self._confirmed and self._agreed(self._verify[rows])
@@ -124,18 +132,22 @@ class CostWatch:
             first = min(self._verify)
             self.scale = min(self._verify[first]) / float(base.verify_cost(first))
         prior = self._curve(several)
-        once = {r: v[0] if r in self.grid else min(v[0], float(np.interp(r, *prior)))
-                for r, v in self._verify.items() if len(v) < CONFIRM}
+        once = {r: v[0] for r, v in self._verify.items() if len(v) < CONFIRM}
+        between = [r for r in once if r not in self.grid]
+        once.update(zip(between, np.minimum([once[r] for r in between], np.interp(between, *prior)).tolist()))
         rows, ms = self._curve({**several, **once})
         drafts = self._draft.get(self.full_depth, [])
         stored_draft = base.draft_ms * self.scale
         draft_ms = min(drafts) if len(drafts) >= CONFIRM else min(drafts + [stored_draft])
         self.used = replace(base, rows=tuple(rows), verify_ms=tuple(ms), spread=(), draft_ms=draft_ms)
-        floor = {g: float(self.used.verify_cost(max([c for c in self._confirmed if c < g], default=1)))
-                 for g in self.grid}
-        hope = [ms_r if self._bucket(r) in self._confirmed else min(ms_r, floor[self._bucket(r)])
-                for r, ms_r in zip(rows, ms)]
-        self.hope = replace(self.used, verify_ms=tuple(hope), draft_ms=draft_ms if self.draft_confirmed else 0.0)
+        grid = np.array(self.grid)
+        below = [max([c for c in self._confirmed if c < g], default=1) for g in self.grid]
+        floor = np.interp(below, rows, ms)  # per measured count: the cost of the confirmed count below it
+        bucket = np.minimum(np.searchsorted(grid, rows), len(grid) - 1)
+        sure = np.isin(grid[bucket], list(self._confirmed))
+        hope = np.where(sure, ms, np.minimum(ms, floor[bucket]))
+        self.hope = replace(self.used, verify_ms=tuple(hope.tolist()),
+                            draft_ms=draft_ms if self.draft_confirmed else 0.0)
 
     def _curve(self, seen: dict[int, float]) -> tuple[list[int], list[float]]:
         """Rows and monotone ms through the observed `seen` and the base profile's counts not observed (see the
@@ -144,14 +156,15 @@ class CostWatch:
         keys = sorted(set(seen) | set(base.rows))
         stored = dict(zip(keys, base.verify_cost(np.array(keys)).tolist()))
         points = dict(seen)
+        timed = sorted(seen)
         for g in base.rows:
-            below = [r for r in seen if r < g]
             if g in seen:
                 continue
-            if not below:
+            at = bisect.bisect_left(timed, g)
+            if not at:
                 points[g] = stored[g] * self.scale
                 continue
-            near = max(below)
+            near = timed[at - 1]
             ratio = seen[near] / stored[near]
             points[g] = seen[near] if ratio * CONTRADICTS < self.scale else stored[g] * ratio
         rows = sorted(points)
@@ -161,6 +174,8 @@ class CostWatch:
     def _restore(self) -> None:
         """Store the used costs at the profile's scale where they moved by more than RESTORE or a count was
         newly confirmed."""
+        if self._stores >= FREE_STORES and self._rounds - self._stored_at < STORE_GAP:
+            return
         written, grid = self.written, np.array(self.base.rows)
         checked = tuple(sorted(set(written.checked_rows) | self._confirmed))
         learned = self.used.verify_cost(grid) / self.scale
@@ -175,4 +190,5 @@ class CostWatch:
                                draft_ms=round(float(draft), 4), checked_rows=checked,
                                draft_checked=self.draft_confirmed,
                                provisional=written.provisional and not settled)
+        self._stores, self._stored_at = self._stores + 1, self._rounds
         self.store(self.written)
