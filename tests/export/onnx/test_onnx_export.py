@@ -257,9 +257,13 @@ def test_reexport_replaces_previous_artifacts(exported, tmp_path):
     model_dir, head_dir, _ = exported("qwen3")
     out = tmp_path / "again"
     export_artifacts(model_dir, head_dir, out, max_tree=8, max_context=64, progress=lambda _: None)
-    (out / "stale.txt").write_text("x")
+    (out / "notes.txt").write_text("a user's")  # not the export's: replacing the directory would delete it
+    with pytest.raises(GlanceError, match="notes.txt"):
+        export_artifacts(model_dir, head_dir, out, max_tree=8, max_context=64, branch_k=4, progress=lambda _: None)
+    assert (out / "notes.txt").read_text() == "a user's"
+    (out / "notes.txt").unlink()
     export_artifacts(model_dir, head_dir, out, max_tree=8, max_context=64, branch_k=4, progress=lambda _: None)
-    assert not (out / "stale.txt").exists() and json.loads((out / "manifest.json").read_text())["branch_k"] == 4
+    assert json.loads((out / "manifest.json").read_text())["branch_k"] == 4
 
 
 @pytest.mark.parametrize("change,message", [

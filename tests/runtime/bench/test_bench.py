@@ -246,7 +246,9 @@ def test_cost_prints_the_stored_profile(bench_out, artifacts, capsys):
 
 def test_calibrate_writes_a_calibration_auto_runs_with(bench_out, artifacts, tmp_path, capsys):
     rounds = bench_out / "rounds.jsonl"
-    assert bench_main(["calibrate", str(rounds), "--out", str(tmp_path)]) == 0
+    assert bench_main(["calibrate", str(rounds), "--out", str(tmp_path)]) == 2  # a folder of the user's
+    assert "no glance command made" in capsys.readouterr().err
+    assert bench_main(["calibrate", str(rounds), "--out", str(tmp_path / "calibration.json")]) == 0
     assert "verified nodes" in capsys.readouterr().out
     assert bench_main(["calibrate", str(rounds), "--out", str(tmp_path / "calibration.json")]) == 0  # its own file
     fitted = load_calibration(tmp_path / "calibration.json")
