@@ -43,6 +43,9 @@ from .tree import Tree, build_tree
 from ..prompt.messages import user_turn
 
 
+EXPLORE_GAIN = 1.05  # an unconfirmed cost is explored only where its hopeful rate beats the pick's by this much
+
+
 class _Cut:
     """Step 2's running state while the tree grows: E(n), and the best rate so far with its node count."""
 
@@ -81,18 +84,20 @@ class _Rates:
         constant = law is None or law[1] == 0  # the same answer every round: decided once
         self.always = self.repays(calibration.offset_acceptance(1.0)) if constant else None
 
-    def repays(self, p: float | None) -> bool:
+    def repays(self, p: float | None, gain: float = 1.0) -> bool:
+        """Whether some chain beats a plain step's rate by more than `gain` times."""
         if p is None:
             return True
         if self.depth < 1:  # no room for a drafted node: a draft can never pay
             return False
         expected = 1 + np.cumsum(p ** np.arange(1, self.depth + 1))
-        return bool(np.max(expected / np.array(self.round_ms[1:self.depth + 1])) > 1 / self.plain_ms)
+        return bool(np.max(expected / np.array(self.round_ms[1:self.depth + 1])) > gain / self.plain_ms)
 
-    def wants(self, calibration: Calibration, surprisal: float | None) -> bool:
-        if self.always is not None:
+    def wants(self, calibration: Calibration, surprisal: float | None, gain: float = 1.0) -> bool:
+        if self.always is not None and gain == 1.0:
             return self.always
-        return surprisal is None or self.repays(calibration.offset_acceptance(surprisal))
+        p = calibration.offset_acceptance(1.0 if self.always is not None else surprisal)
+        return (surprisal is None and self.always is None) or self.repays(p, gain)
 
 
 class AutoBudget:
@@ -129,7 +134,7 @@ class AutoBudget:
         would with the unconfirmed costs at their most hopeful)."""
         wanted = self._plan.wants(self.calibration, surprisal)
         self._exploring = self.watch is not None and self.max_nodes > 0 and self.watch.exploring() and (
-            wanted or (self._hope.wants(self.calibration, surprisal)
+            wanted or (self._hope.wants(self.calibration, surprisal, EXPLORE_GAIN)
                        and (bool(self.watch.targets(1)) or not self.watch.draft_confirmed)))
         return wanted or self._exploring
 
@@ -158,14 +163,14 @@ class AutoBudget:
         once (q never rises in growth order), and so are those judged in vain for the same pick before."""
         rate, hope = cut.best_rate, self._hope.round_ms
         counts = [g for g in self.watch.targets(pick) if g <= self.max_nodes + 1
-                  and (cut.expected + max(g - 1 - cut.grown, 0) * cut.q_next) / hope[g - 1] > rate]
+                  and (cut.expected + max(g - 1 - cut.grown, 0) * cut.q_next) / hope[g - 1] > rate * EXPLORE_GAIN]
         if not counts or self._futile.get(pick) == counts:
             return None
         wide = grown(max(counts) - 1)
         q = [priority(s, d) for s, d in zip(wide.scores[1:].tolist(), wide.depths[1:].tolist())]
         expected = np.concatenate([[1.0], 1.0 + np.cumsum(q)])
         for rows in counts:
-            if rows <= wide.size and expected[rows - 1] / hope[rows - 1] > rate:
+            if rows <= wide.size and expected[rows - 1] / hope[rows - 1] > rate * EXPLORE_GAIN:
                 return wide.prefix(rows)
         self._futile[pick] = counts
         return None
