@@ -210,6 +210,7 @@ print(json.dumps({"rss_mb": list(marks.values()),
 
 
 @pytest.mark.edge
+@pytest.mark.slow  # a thousand load + generate + close cycles
 def test_close_frees_buffers():
     """A thousand load + generate + close cycles (every other one with an image, so the vision graph and its
     buffers come and go too) in a fresh process keep its resident memory flat: from cycle 50 to 1000 it may

@@ -58,6 +58,7 @@ def test_examples_are_the_generator_output():
     assert PROMPTS == {f"{k}.png": corpus.demo_sample(k).prompt for k in corpus.KINDS}
 
 
+@pytest.mark.slow  # audits every held-out set
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
 def test_heldout_sets_audit_identical_to_greedy(backend, capsys):
     for kind in corpus.KINDS:

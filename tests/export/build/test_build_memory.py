@@ -66,6 +66,7 @@ def test_external_initializers_are_read_as_onnx_reads_them(snapshot_dir, tmp_pat
         assert expected and [(t.name, t.location, t.offset, t.length) for t in found] == expected
 
 
+@pytest.mark.slow
 def test_mid_size_build_maps_its_weights_within_the_bound(tmp_path):
     """A 0.38 GiB graph with two profiles: referenced from the map, its worker stays within the estimate and
     under 1.5x the weights + 1 GiB, below the parser reading them itself, and

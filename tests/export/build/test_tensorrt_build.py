@@ -116,6 +116,7 @@ def test_memory_plan_counts_weights_at_the_built_precision(tmp_path):
         plan_memory(load_profile("jetson-orin"), manifest, tmp_path, "fp32", BuildGpu(None), max_part_gib=WHOLE)
 
 
+@pytest.mark.slow
 def test_opset23_attention_graphs_validate_and_build(snapshot_dir, tmp_path):
     """The optional opset-23 export (dynamo, ONNX Attention op) passes ORT validation and TensorRT builds."""
     snap = Snapshot(snapshot_dir("qwen3"))

@@ -67,7 +67,8 @@ def _tensors(path: Path) -> list[onnx.TensorProto]:
 
 
 @pytest.mark.parametrize("scheme", ["int4", "int8"])
-@pytest.mark.parametrize("family", ALL_FAMILIES)
+@pytest.mark.parametrize("family", [f if f in ("qwen2_5_vl", "qwen3") else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in ALL_FAMILIES])
 def test_glance_is_identical_to_the_quantized_greedy(export, family, scheme):
     _, artifacts = export(family, scheme)
     backend = OrtBackend(artifacts)

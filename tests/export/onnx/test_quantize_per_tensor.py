@@ -219,6 +219,7 @@ print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHW
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["int4"])
 def test_quantize_peak_is_flat_from_2_to_8_layers(tmp_path, scheme):
     """The quantize step of eight layers of a mid-size model holds no more than that of two: one tensor at a

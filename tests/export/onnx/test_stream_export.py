@@ -159,6 +159,7 @@ def _export_peak_kib(snap: Path, head: Path, out: Path) -> int:
     return int(done.stdout.split()[-1])
 
 
+@pytest.mark.slow
 def test_export_peak_is_flat_from_2_to_12_layers(tmp_path):
     """Twelve layers of a mid-size model (about 60 MB each in fp32) cost the exporter no more memory than
     two: the weights stream through, and validation holds a 2-layer cut. Allocator noise moves a peak by

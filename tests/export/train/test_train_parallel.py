@@ -17,6 +17,8 @@ from glance_export.model.head import head_config_for, init_head, pick_mask_token
 from glance_export.train.checkpoint import STATE_FILE
 from support import make_image
 
+pytestmark = pytest.mark.slow  # training runs under torchrun
+
 REPO = Path(__file__).resolve().parents[3]
 COMMON = ["--block-size", "4", "--anchors", "4", "--max-new-tokens", "8", "--threads", "1", "--lr", "1e-2"]
 

@@ -122,6 +122,7 @@ def _events(response: httpx.Response) -> list[dict]:
     return [json.loads(line[len("data: "):]) for line in response.iter_lines() if line.startswith("data: ")]
 
 
+@pytest.mark.slow  # a real tritonserver
 def test_generate_and_generate_stream_answer_with_glance_runs_text(triton):
     ref = glance_run("What is the total?", RECEIPT)["text"]
     body = {"prompt": "What is the total?", "image": base64.b64encode(RECEIPT.read_bytes()).decode(), "max_tokens": 256}
@@ -137,6 +138,7 @@ def test_generate_and_generate_stream_answer_with_glance_runs_text(triton):
     assert text_only.json()["text"] == glance_run("Describe this.")["text"]
 
 
+@pytest.mark.slow  # a real tritonserver
 @pytest.mark.parametrize("image", ["@@not base64@@", "", base64.b64encode(b"not an image file").decode(),
                                    base64.b64encode(RECEIPT.read_bytes()[:200]).decode()],
                          ids=["not-base64", "empty", "not-an-image", "truncated"])

@@ -65,6 +65,7 @@ def test_block_16_head(ort_exported, images):
         assert decode(ex.backend, prompt, _cfg(budget, 16)).tokens == truth
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_vl", "llama"])
 def test_opset_23_attention_graphs(ort_exported, images, family):
     """Graphs using the ONNX Attention op (opset 23) run through the same backend, token for token."""
@@ -374,7 +375,8 @@ def _outcome(drafter, prompt, cfg: DecodeConfig) -> tuple[list[int], str | None]
     return streamed, None
 
 
-@pytest.mark.parametrize("family", ALL_FAMILIES)
+@pytest.mark.parametrize("family", [f if f == "qwen2_vl" else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in ALL_FAMILIES])
 def test_context_end_matches_greedy(ort_exported, images, family):
     """At every --max-context from the prompt length to past the answer, GLANCE streams exactly what greedy
     streams and stops (or is refused) where greedy is: each round's tree is cut to the rows left."""

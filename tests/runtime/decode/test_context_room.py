@@ -56,6 +56,7 @@ def _answer(artifacts: Path, name: str, context: int, answer: int, **options) ->
         return out.text, out.token_ids, out.stats["finish"]
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(name=st.sampled_from(sorted(PROMPTS)), answer=st.integers(1, LONGEST), over=st.integers(-2, 80),
        budget=st.one_of(st.just("auto"), st.integers(0, 63)), branch_k=st.integers(1, 8))

@@ -18,6 +18,8 @@ from glance_runtime.prompt.prefix_reuse import Committed, image_runs, shared_row
 from support import ALL_FAMILIES, SEEDS, VL_FAMILIES, converse
 
 MAX_NEW = 16
+# One vision and one text family in the default run; the other four in the slow run.
+FAMILIES = [f if f in ("qwen2_5_vl", "qwen3") else pytest.param(f, marks=pytest.mark.slow) for f in ALL_FAMILIES]
 
 
 def _turns(images, family: str) -> list[dict]:
@@ -41,7 +43,7 @@ def torch_backend(snapshot_dir):
     return get
 
 
-@pytest.mark.parametrize("family", ALL_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("seed", list(SEEDS))
 def test_torch_follow_ups_equal_fresh_decodes(torch_backend, images, family, seed):
     backend = torch_backend(family)
@@ -54,7 +56,7 @@ def test_torch_follow_ups_equal_fresh_decodes(torch_backend, images, family, see
     assert kept[0] == 0 and all(k > 10 for k in kept[1:])
 
 
-@pytest.mark.parametrize("family", ALL_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("seed", list(SEEDS))
 def test_onnxruntime_follow_ups_equal_fresh_decodes(ort_exported, images, family, seed):
     ex = ort_exported(family)
@@ -109,7 +111,7 @@ def _draft_after_reuse_equals_fresh(backend, build, detokenize, oracle, turns, i
         np.testing.assert_allclose(reused[1], fresh[1], atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ALL_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_head_context_after_reuse(torch_backend, ort_exported, images, family):
     backend = torch_backend(family)
     snap = backend.snapshot

@@ -68,7 +68,8 @@ def _cases():
 
 @pytest.mark.parametrize("family,image", list(_cases()))
 @pytest.mark.parametrize("budget", list(BUDGETS))
-@pytest.mark.parametrize("block_size", [4, 8, 16])
+@pytest.mark.parametrize("block_size", [pytest.param(4, marks=pytest.mark.slow), 8,
+                                        pytest.param(16, marks=pytest.mark.slow)])
 def test_random_head_matches_oracle(backend_for, oracle_for, images, family, image, budget, block_size):
     backend = backend_for(family, block_size)
     prompt = _prompt(backend, images, image)
@@ -204,7 +205,8 @@ def _context_end_runs(backend, truth, prompt, split: float):
     yield "auto", seeded, config(cutting(split, backend.block_size), MAX_NEW)
 
 
-@pytest.mark.parametrize("family", ALL_FAMILIES)
+@pytest.mark.parametrize("family", [f if f == "qwen2_5_vl" else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in ALL_FAMILIES])
 def test_context_end_trees_fit_the_room_left(backend_for, oracle_for, images, family):
     """With a context limit anywhere from the prompt length to past the answer, every round's tree fits the
     rows left (down to the anchor alone, a plain greedy step) and the tokens stay the oracle's."""

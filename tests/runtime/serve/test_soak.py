@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # 30 prompts per backend, each against a fresh runner
+
 SOAK = Path(__file__).resolve().parents[3] / "benchmarks" / "soak.py"
 GROWTH_MB = 10.0  # after the first pass; measured +0.3 (onnxruntime) and +0.6 MB (torch) over 1,000 prompts
 

@@ -24,6 +24,8 @@ from glance_runtime.store.integrity import verify_engines
 from glance_runtime.formats.artifacts import read as load_manifest
 from support import TENSORRT_RTX_MISSING
 
+pytestmark = pytest.mark.slow  # each test runs real exports, builds or training and kills them
+
 CLI = "import sys; from glance_export.cli import main; sys.exit(main(sys.argv[1:]))"
 TRAIN_TARGET = """import sys
 from pathlib import Path
