@@ -78,6 +78,17 @@ def test_the_set_up_lines_come_first_and_every_marker_is_known():
         assert block.markers <= MARKERS, f"README line {block.line}: unknown marker {set(block.markers - MARKERS)}"
 
 
+@pytest.mark.edge
+def test_ci_runs_the_readmes_set_up_and_test_commands_in_order():
+    """CI must run what a new user is told to run: the commands of .ci/run are the README's first no-ci
+    set-up and test lines, in the same order."""
+    ci = [line for line in (README.parent / ".ci" / "run").read_text().splitlines()
+          if line.strip() and not line.startswith(("#", "set ", "cd "))]
+    readme = [line for block in blocks(README.read_text()) if "no-ci" in block.markers and block.language == "bash"
+              for line in block.code.splitlines() if line.startswith((".venv", "python3 -m venv"))]
+    assert ci == readme[:len(ci)] and len(ci) >= 2, (ci, readme)
+
+
 def test_readme_blocks_run_as_written(tmp_path):
     for name in ("examples", "models"):
         (tmp_path / name).symlink_to(ROOT / name)
