@@ -19,7 +19,10 @@ anchor's surprisal, unknown in the first round; p, q: `Calibration`'s law and no
 
 D and V are the costs `cost_watch.CostWatch` learns from the decode's own rounds (the stored profile's where
 a row count has not been timed yet), monotone in rows; one round in a few, while a row count's cost is
-unconfirmed, verifies up to one such count more than the rule picks, to time it.
+unconfirmed, verifies up to one such count more than the rule picks, to time it (from the same growth: it grows
+on past the cut only as far as that count needs). q is the calibration's node model, refitted whenever a decode
+ends after LEARN_NODES more verified nodes, to this process's own acceptance (`settle`; pulled toward the stored
+calibration, with b >= 0 and d <= 0 kept, so the growth order above stays exact).
 
 The rate counts D even once the draft has run, so every round is judged as a whole, as the long-run
 rate counts it. Any cut verifies a prefix-closed tree and the walk keeps the target's own choices, so
@@ -44,23 +47,35 @@ from ..prompt.messages import user_turn
 
 
 EXPLORE_GAIN = 1.05  # an unconfirmed cost is explored only where its hopeful rate beats the pick's by this much
+LEARN_NODES = 256  # verified nodes between refits of the node model to the decode's own acceptance
+KEEP_NODES = 4096  # the latest verified nodes a refit sees
+LEARN_PRIOR = 4.0  # how firmly a refit holds to the stored calibration (precision of its Gaussian prior)
 
 
 class _Cut:
-    """Step 2's running state while the tree grows: E(n), and the best rate so far with its node count."""
+    """Step 2's running state while the tree grows: E(n) for every n grown, and the best rate so far with its node
+    count. `extend`, asked once where the rule's cut is settled, names how many nodes to grow past it (an exploring
+    round's larger count, timed from the same growth), or None to stop there."""
 
-    def __init__(self, round_ms: list[float], slope: list[float]):
-        self.round_ms, self.slope = round_ms, slope
-        self.expected, self.best_rate, self.best_nodes = 1.0, 1.0 / round_ms[0], 0
-        self.grown, self.q_next = 0, 0.0  # nodes grown, and q of the node growth stopped at (none: 0)
+    def __init__(self, round_ms: list[float], slope: list[float],
+                 extend: Callable[["_Cut"], int | None] | None = None):
+        self.round_ms, self.slope, self.extend = round_ms, slope, extend
+        self.expected = [1.0]  # E(n), n = 0..nodes grown
+        self.best_rate, self.best_nodes = 1.0 / round_ms[0], 0
+        self.q_next = 0.0  # q of the node growth last stopped at or popped (none: 0)
+        self.until: int | None = None  # set where the rule's cut is settled: the nodes to grow in all
 
     def stop(self, nodes: int, q_next: float) -> bool:
-        self.grown, self.q_next = nodes, q_next
-        if q_next <= self.best_rate * self.slope[nodes]:
+        self.q_next = q_next
+        if self.until is None and q_next <= self.best_rate * self.slope[nodes]:
+            further = self.extend(self) if self.extend is not None else None
+            self.until = nodes if further is None else max(nodes, further)
+        if self.until is not None and nodes >= self.until:
             return True
-        self.expected += q_next
-        rate = self.expected / self.round_ms[nodes + 1]
-        if rate > self.best_rate:
+        expected = self.expected[-1] + q_next
+        self.expected.append(expected)
+        rate = expected / self.round_ms[nodes + 1]
+        if rate > self.best_rate:  # never past the settled cut: no larger tree reaches its rate
             self.best_rate, self.best_nodes = rate, nodes + 1
         return False
 
@@ -110,8 +125,12 @@ class AutoBudget:
         self.max_nodes = max_nodes  # the largest tree auto may verify, anchor excluded
         self.block_size = block_size  # B: a drafted chain is at most B-1 deep
         self._exploring = False  # this round may verify more than the rule picks, to time an unconfirmed cost
+        self._counts: list[int] = []  # the counts this round may explore, nearest first
         self._depth: int | None = None  # offsets of this round's draft
         self._futile: dict[int, list[int]] = {}  # picks whose neighbouring counts could not pay, and those counts
+        self.stored_calibration = calibration  # what refits are pulled toward (`settle`)
+        self._verified: list[RoundLog] = []  # drafted rounds not yet refitted from, and the nodes they verified
+        self._fresh_nodes = 0
         self._use()
 
     def _use(self) -> None:
@@ -133,56 +152,88 @@ class AutoBudget:
         """Step 1: whether the law's best chain repays the draft pass (or, in a round that explores, whether it
         would with the unconfirmed costs at their most hopeful)."""
         wanted = self._plan.wants(self.calibration, surprisal)
-        self._exploring = self.watch is not None and self.max_nodes > 0 and self.watch.exploring() and (
-            wanted or (self._hope.wants(self.calibration, surprisal, EXPLORE_GAIN)
-                       and (bool(self.watch.targets(1)) or not self.watch.draft_confirmed)))
+        scheduled = self.watch is not None and self.max_nodes > 0 and self.watch.exploring()
+        self._exploring = scheduled and (wanted or (self._hope.wants(self.calibration, surprisal, EXPLORE_GAIN) and (
+            bool(self.watch.targets(1)) or not self.watch.draft_confirmed)))
         return wanted or self._exploring
 
     def grow(self, anchor: int, topk_ids: np.ndarray, topk_logprobs: np.ndarray, branch_k: int,
              surprisal: float | None, leaves: frozenset[int] = frozenset()) -> Tree:
         """Step 2: the round's tree from the draft's top-k, grown by q and cut at n*; in a round that explores,
-        cut at the count `_explore` names instead, if any; `leaves` as in `build_tree`."""
+        cut at the count `_explore` names instead, if any; `leaves` as in `build_tree`. One growth serves both:
+        an exploring round grows on past the rule's cut only as far as a count worth timing needs."""
         self._depth = int(np.shape(topk_ids)[0])
-        cut = _Cut(self._plan.round_ms, self._plan.slope)
-        priority = self.calibration.node_scorer(surprisal)
-        tree = build_tree(anchor, topk_ids, topk_logprobs, self.max_nodes, branch_k, priority=priority,
-                          stop=cut.stop, leaves=leaves)
+        self._counts = []
+        cut = _Cut(self._plan.round_ms, self._plan.slope, self._worth if self._exploring else None)
+        tree = build_tree(anchor, topk_ids, topk_logprobs, self.max_nodes, branch_k,
+                          priority=self.calibration.node_scorer(surprisal), stop=cut.stop, leaves=leaves)
         pick = cut.best_nodes + 1
         if self._exploring:
-            explored = self._explore(pick, cut, lambda nodes: build_tree(
-                anchor, topk_ids, topk_logprobs, nodes, branch_k, priority=priority, leaves=leaves), priority)
+            if cut.until is None:  # growth ran out before the cut settled: judge the counts on what grew
+                self._worth(cut)
+            explored = self._explore(pick, cut, tree)
             if explored is not None:
                 return explored
         return tree.prefix(pick)
 
-    def _explore(self, pick: int, cut: _Cut, grown: Callable[[int], Tree],
-                 priority: Callable[[float, int], float]) -> Tree | None:
-        """The tree of the unconfirmed count nearest to the pick whose expected tokens, at the hopeful cost, beat
-        the pick's rate (None where no count would): a count that could not pay however cheap is left. Counts
-        that could not beat it even with every node past those grown at the q growth stopped at are left at
-        once (q never rises in growth order), and so are those judged in vain for the same pick before."""
-        rate, hope = cut.best_rate, self._hope.round_ms
-        counts = [g for g in self.watch.targets(pick) if g <= self.max_nodes + 1
-                  and (cut.expected + max(g - 1 - cut.grown, 0) * cut.q_next) / hope[g - 1] > rate * EXPLORE_GAIN]
-        if not counts or self._futile.get(pick) == counts:
-            return None
-        wide = grown(max(counts) - 1)
-        q = [priority(s, d) for s, d in zip(wide.scores[1:].tolist(), wide.depths[1:].tolist())]
-        expected = np.concatenate([[1.0], 1.0 + np.cumsum(q)])
-        for rows in counts:
-            if rows <= wide.size and expected[rows - 1] / hope[rows - 1] > rate * EXPLORE_GAIN:
-                return wide.prefix(rows)
-        self._futile[pick] = counts
+    def _worth(self, cut: _Cut) -> int | None:
+        """The unconfirmed counts beside the rule's pick that could beat its rate at the hopeful costs, kept for
+        `_explore`, and the nodes to grow for the largest (None: none needs more). A node not grown yet is
+        bounded by the q growth stopped at (q never rises in growth order); counts judged in vain for the same
+        pick before are left."""
+        pick, rate, hope = cut.best_nodes + 1, cut.best_rate * EXPLORE_GAIN, self._hope.round_ms
+        grown = len(cut.expected) - 1
+        counts = [g for g in self.watch.targets(pick) if g <= self.max_nodes + 1 and (
+            cut.expected[min(g - 1, grown)] + max(g - 1 - grown, 0) * cut.q_next) / hope[g - 1] > rate]
+        self._counts = [] if self._futile.get(pick) == counts else counts
+        return max(self._counts) - 1 if self._counts else None
+
+    def _explore(self, pick: int, cut: _Cut, tree: Tree) -> Tree | None:
+        """The tree of the first count `_worth` kept whose expected tokens, at the hopeful cost, beat the pick's
+        rate (None where none does: those counts are then left for this pick)."""
+        rate, hope = cut.best_rate * EXPLORE_GAIN, self._hope.round_ms
+        for rows in self._counts:
+            if rows <= tree.size and cut.expected[rows - 1] / hope[rows - 1] > rate:
+                return tree.prefix(rows)
+        if self._counts:
+            self._futile[pick] = self._counts
         return None
 
     def observe(self, round_log: RoundLog) -> None:
-        """The round's own timings: the costs of its shape are learned from them (see `cost_watch`)."""
+        """The round's own timings: the costs of its shape are learned from them (see `cost_watch`); its verified
+        nodes are kept for the next refit of acceptance (`settle`)."""
+        if round_log.drafted and round_log.node_scores:
+            self._verified.append(round_log)
+            self._fresh_nodes += len(round_log.node_scores)
         if self.watch is None:
             return
         drafted = round_log.drafted
         if self.watch.observe(round_log.tree_size, round_log.total_ms - round_log.draft_ms,
                               round_log.draft_ms if drafted else None, self._depth if drafted else None):
             self._use()
+
+    def settle(self) -> None:
+        """The decode has ended (off its clock): what its rounds taught about the costs is stored for later runs
+        (see `cost_watch`), and once LEARN_NODES more nodes have been verified, the node model is refitted to the
+        latest KEEP_NODES of them: how often this device's drafts of these prompts are accepted, where the stored
+        calibration was fitted on others (a tree's end cut by the answer's end counts, as it costs)."""
+        if self.watch is not None:
+            self.watch.settle()
+        if self._fresh_nodes < LEARN_NODES:
+            return
+        kept, nodes = [], 0
+        for round_log in reversed(self._verified):
+            if nodes >= KEEP_NODES:
+                break
+            kept.append(round_log)
+            nodes += len(round_log.node_scores)
+        self._verified, self._fresh_nodes = kept[::-1], 0
+        scores = np.concatenate([r.node_scores for r in self._verified])
+        depths = np.concatenate([r.node_depths for r in self._verified])
+        surprisals = np.concatenate([np.full(len(r.node_scores), np.nan if r.surprisal is None else r.surprisal)
+                                     for r in self._verified])
+        accepted = np.concatenate([np.isin(np.arange(1, len(r.node_scores) + 1), r.path) for r in self._verified])
+        self.calibration = self.stored_calibration.refitted(scores, depths, surprisals, accepted, LEARN_PRIOR)
 
 
 def has_profile(runner) -> bool:

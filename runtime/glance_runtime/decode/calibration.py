@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -28,6 +28,7 @@ from ..errors import GlanceError
 from ..formats.common import parse
 
 FILE = "calibration.json"
+NEWTON_STEPS = 12  # Newton steps of a refit at most (from the calibration's own coefficients: a few suffice)
 FORMAT = "glance-calibration"
 FORMAT_VERSION = 1
 
@@ -41,6 +42,35 @@ def path_logit(scores: np.ndarray) -> np.ndarray:
 def _sigmoid(z: np.ndarray | float) -> np.ndarray:
     """1 / (1 + e^-z) without overflow at large |z|."""
     return np.exp(-np.logaddexp(0.0, -np.asarray(z, dtype=float)))
+
+
+def _map_logistic(x: np.ndarray, y: np.ndarray, offset: np.ndarray, centre: np.ndarray, free: np.ndarray,
+                  prior: float) -> np.ndarray:
+    """The coefficients maximising the log-likelihood of y under sigmoid(x @ theta + offset) less
+    prior / 2 * |theta - centre|^2, the coefficients not `free` held at the centre: Newton steps from the centre,
+    halved until they gain (a step from far away may overshoot)."""
+    theta = centre.copy()
+
+    def objective(t: np.ndarray) -> float:
+        z = x @ t + offset
+        return float(np.sum(y * z - np.logaddexp(0.0, z)) - prior / 2 * np.sum((t - centre) ** 2))
+
+    best = objective(theta)
+    for _ in range(NEWTON_STEPS):
+        p = _sigmoid(x @ theta + offset)
+        gradient = (x.T @ (y - p) - prior * (theta - centre))[free]
+        hessian = ((x * (p * (1 - p))[:, None]).T @ x)[np.ix_(free, free)] + prior * np.eye(int(free.sum()))
+        step = np.zeros_like(theta)
+        step[free] = np.linalg.solve(hessian, gradient)
+        for _ in range(20):
+            gained = objective(theta + step)
+            if gained >= best:
+                theta, best = theta + step, gained
+                break
+            step /= 2
+        else:
+            break
+    return theta
 
 
 @dataclass(frozen=True)
@@ -70,13 +100,37 @@ class Calibration:
         """node_probability for one node at a time, in plain floats: what a tree grown node by node calls."""
         base = self.a + self.c * (self.surprisal_mean if surprisal is None else surprisal)
         b, d = self.b, self.d
+        log, expm1, exp = math.log, math.expm1, math.exp  # locals: called for every node a tree grows
 
         def q(score: float, depth: int) -> float:
-            s = min(score, -1e-9)
-            z = base + b * (s - math.log(-math.expm1(s))) + d * depth
-            return 1.0 / (1.0 + math.exp(-z)) if z > -700 else 0.0
+            s = score if score < -1e-9 else -1e-9
+            z = base + b * (s - log(-expm1(s))) + d * depth
+            return 1.0 / (1.0 + exp(-z)) if z > -700 else 0.0
 
         return q
+
+    def refitted(self, scores: np.ndarray, depths: np.ndarray, surprisals: np.ndarray, accepted: np.ndarray,
+                 prior: float) -> "Calibration":
+        """The node model's a, b and d refitted to verified nodes (their path scores, depths, anchors' surprisals,
+        NaN where unknown, and whether each was accepted), by maximum likelihood pulled toward this calibration's
+        own coefficients with a Gaussian prior of precision `prior` (a few dozen nodes then outweigh it, a handful
+        do not); c and the law are kept. b >= 0 and d <= 0 hold (growing a tree in falling q needs them): a fit
+        past either bound is fitted again with that coefficient at the bound."""
+        x = np.column_stack([np.ones(len(scores)), path_logit(scores), np.asarray(depths, dtype=float)])
+        u = np.asarray(surprisals, dtype=float)
+        offset = self.c * np.where(np.isnan(u), self.surprisal_mean, u)
+        y = np.asarray(accepted, dtype=float)
+        centre = np.array([self.a, max(self.b, 0.0), min(self.d, 0.0)])
+        free = np.ones(3, dtype=bool)
+        while True:
+            theta = _map_logistic(x, y, offset, centre, free, prior)
+            bad = free & ((np.arange(3) == 1) & (theta < 0) | (np.arange(3) == 2) & (theta > 0))
+            if not bad.any():
+                break
+            free &= ~bad
+            centre = np.where(bad, 0.0, centre)
+        a, b, d = theta.tolist()
+        return replace(self, a=a, b=b, d=d)
 
     def offset_acceptance(self, surprisal: float | None) -> float | None:
         """The law's per-offset acceptance p before drafting; None where no law is fitted or nothing is known."""

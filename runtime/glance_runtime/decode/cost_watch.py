@@ -24,9 +24,14 @@ costs a round is decided with are the decode's own wherever it has them:
   while the draft's cost is unconfirmed, such a round drafts where that hope says a draft could pay. A count
   thought dear is thus timed again until two rounds agree on it, and one that could not pay however cheap is
   never tried. The tokens are greedy's whatever is verified; docs/auto-budget.md bounds the time this costs.
-- Stored: the used costs, at the profile's own scale, whenever a count is newly confirmed or a measured count's
-  cost (or the draft's) moved by more than RESTORE (after FREE_STORES, at most once in STORE_GAP rounds); a
-  provisional profile stays marked so until every count above the smallest the decode verified is confirmed.
+- Refitted: `used` and `hope` are recomputed at once where a count is newly confirmed or a cost moved by
+  CONTRADICTS or more; a smaller move (more than NOTICE) waits until REFIT_GAP rounds have passed since the last
+  refit, and is then applied with whatever else was learned meanwhile (a refit costs several rounds' tree growth,
+  and so small a move changes few choices).
+- Stored: when a decode ends (`settle`, after its clock has stopped, so no round pays for the write), the used
+  costs at the profile's own scale, where a count was newly confirmed or a measured count's cost (or the draft's)
+  moved by more than RESTORE (after FREE_STORES, at most once in STORE_GAP rounds); a provisional profile stays
+  marked so until every count above the smallest the decode verified is confirmed.
 """
 from __future__ import annotations
 
@@ -46,17 +51,24 @@ WINDOW = 9  # the latest rounds of one row count (or draft depth) that count
 CONTRADICTS = 2.0  # a count this many times cheaper than the profile says makes the profile's growth above it suspect
 RESTORE = 1.25  # a learned cost this far off the stored one (either way) is stored
 NOTICE = 0.1  # a fastest time that moved less than this (relatively) changes no used cost
-FREE_STORES, STORE_GAP = 8, 32  # stores at once in one process, then at most one in STORE_GAP rounds (a write
-# waits for the disk: a long decode need not pay for every small refinement)
+REFIT_GAP = 16  # a move of less than CONTRADICTS is applied once this many rounds have passed since the last refit
+# (a refit costs a few rounds' tree growth; confirmations and larger moves are applied at once)
+FREE_STORES, STORE_GAP = 8, 32  # stores in one process as often as asked, then at most one in STORE_GAP rounds (a
+# write waits for the disk, after the decode's answer)
 
 
-def _keep(windows: dict[int, list[float]], key: int, value: float) -> bool:
-    """Add `value` to `key`'s window; whether its fastest moved (or is new)."""
+def _moved(before: float, after: float) -> float:
+    """How far a cost moved, as a ratio >= 1 (1: not at all)."""
+    return max(after / before, before / after)
+
+
+def _keep(windows: dict[int, list[float]], key: int, value: float) -> float:
+    """Add `value` to `key`'s window; how far its fastest moved (`math.inf` where it is new)."""
     kept = windows.setdefault(key, [])
     before = min(kept) if kept else None
     kept.append(value)
     del kept[:-WINDOW]
-    return before is None or abs(min(kept) - before) > NOTICE * before
+    return math.inf if before is None else _moved(before, min(kept))
 
 
 class CostWatch:
@@ -74,6 +86,7 @@ class CostWatch:
         self.draft_confirmed = profile.draft_checked
         self._rounds = 0
         self._stores, self._stored_at = 0, 0  # this process's stores, and the round of the last
+        self._stale, self._refit_at = False, 0  # a smaller move not applied yet, and the round of the last refit
         self.scale = 1.0  # live ms per profile ms
         self._refresh()
 
@@ -108,20 +121,30 @@ class CostWatch:
         fresh = rows not in self._verify
         moved = _keep(self._verify, rows, verify_ms)
         if fresh:  # a count timed for the first time moves nothing where the costs already say about as much
-            said = float(self.used.verify_cost(rows))
-            moved = abs(verify_ms - said) > NOTICE * said and (rows in self.grid or verify_ms < said)
+            said = self._used_ms[rows] if rows < len(self._used_ms) else float(self.used.verify_cost(rows))
+            moved = _moved(said, verify_ms) if rows in self.grid or verify_ms < said else 1.0
         if draft_ms is not None and depth is not None:
-            moved = _keep(self._draft, depth, draft_ms) or moved
+            draft_moved = _keep(self._draft, depth, draft_ms)
+            if depth == self.full_depth:  # the only draft whose cost is used
+                moved = max(moved, draft_moved)
         confirmed = rows in self.grid and rows not in self._confirmed and self._agreed(self._verify[rows])
         if confirmed:
             self._confirmed.add(rows)
         if not self.draft_confirmed and self._agreed(self._draft.get(self.full_depth, [])):
             self.draft_confirmed = confirmed = True
-        if not (moved or confirmed):
+        self._stale = self._stale or moved > 1 + NOTICE
+        due = self._rounds - self._refit_at >= REFIT_GAP
+        if not (confirmed or moved >= CONTRADICTS or (self._stale and due)):
             return False
+        self._stale, self._refit_at = False, self._rounds
         self._refresh()
-        self._restore()
         return True
+
+    def settle(self) -> None:
+        """Store what was learned, where it is worth a write (`_restore`): asked once a decode has ended, so the
+        write (a flush to disk) is never paid inside a round."""
+        if self._verify:
+            self._restore()
 
     def _refresh(self) -> None:
         """`used` and `hope` from the base profile and the rounds kept so far."""
@@ -140,6 +163,7 @@ class CostWatch:
         stored_draft = base.draft_ms * self.scale
         draft_ms = min(drafts) if len(drafts) >= CONFIRM else min(drafts + [stored_draft])
         self.used = replace(base, rows=tuple(rows), verify_ms=tuple(ms), spread=(), draft_ms=draft_ms)
+        self._used_ms = self.used.verify_cost(np.arange(self.grid[-1] + 1)).tolist()  # by row count, for `observe`
         grid = np.array(self.grid)
         below = [max([c for c in self._confirmed if c < g], default=1) for g in self.grid]
         floor = np.interp(below, rows, ms)  # per measured count: the cost of the confirmed count below it

@@ -28,6 +28,9 @@ class BudgetPolicy(Protocol):
     def observe(self, round_log: "RoundLog") -> None:
         """Each round's log once it is committed (its timings may correct the costs the policy weighs)."""
 
+    def settle(self) -> None:
+        """The decode has ended, its time taken: the policy may store what it learned (a write no round pays)."""
+
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -151,4 +154,6 @@ def decode(backend: Backend, prompt, cfg: DecodeConfig, stop_ids: Sequence[int] 
         anchor, surprisal = int(bonus), -float(confidence[path[-1] if len(path) else 0])
         ended = bool(on_commit and on_commit(new))
     out.total_ms = (time.perf_counter() - t0) * 1e3
+    if cfg.auto:
+        cfg.auto.settle()
     return out

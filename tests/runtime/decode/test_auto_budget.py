@@ -460,8 +460,11 @@ def test_problems_name_disorder_spread_and_doubt():
 
 class Rounds:
     """Feeds a policy rounds whose verify costs follow `ms(rows)` (and a draft of `draft_ms`), as the loop does,
-    times `noise(round)` (at least 1: other processes only add time); records each round's tree size, the size
-    the rule picked from the costs it held at the time, and every profile stored."""
+    times `noise(round)` (at least 1: other processes only add time), in decodes of DECODE rounds (each ended as
+    the loop ends one: the policy settles); records each round's tree size, the size the rule picked from the
+    costs it held at the time, and every profile stored."""
+
+    DECODE = 8
 
     def __init__(self, stored: CostProfile, ms, draft_ms: float, law: tuple[float, float] = (3.0, 0.0),
                  noise=lambda _: 1.0):
@@ -485,6 +488,9 @@ class Rounds:
             self.policy.observe(RoundLog(entropy=0.1, accepted=1, tree_size=tree.size, draft_ms=draft_ms,
                                          verify_ms=verify_ms, total_ms=draft_ms + verify_ms, drafted=drafted))
             self.sizes.append(tree.size)
+            if len(self.sizes) % self.DECODE == 0:
+                self.policy.settle()
+        self.policy.settle()
         return self.sizes
 
 
@@ -569,3 +575,116 @@ def test_a_provisional_profile_is_stored_provisional_until_every_count_is_confir
     assert len(rounds.saved) > 1 and all(p.provisional for p in rounds.saved[:-1])
     last = rounds.saved[-1]  # every count above the smallest tree decoded (8 rows) confirmed: settled
     assert not last.provisional and {8, 16, 32, 64} <= set(last.checked_rows) and not last.problems()
+
+
+def test_rounds_store_nothing_until_the_decode_settles():
+    """A store is a write to disk: rounds that confirm counts only change the used costs; the store waits for the
+    decode's end (`settle`, off its clock)."""
+    saved: list[CostProfile] = []
+    good = profile([true_ms(r) for r in GRID], draft_ms=0.98)
+    watch = CostWatch(good, saved.append, 64, 15)
+    for _ in range(6):
+        watch.observe(8, true_ms(8), 0.98, 15)
+    assert 8 in watch._confirmed and saved == []
+    watch.settle()
+    assert len(saved) == 1 and 8 in saved[0].checked_rows
+
+
+def test_a_small_move_waits_for_the_refit_gap_and_a_large_one_does_not():
+    """A fastest time that moved by less than CONTRADICTS is applied once REFIT_GAP rounds have passed since the
+    last refit (a refit costs more than it changes); a move of CONTRADICTS or more, and a confirmation, at once."""
+    from glance_runtime.decode.cost_watch import CONTRADICTS, REFIT_GAP
+    good = profile([true_ms(r) for r in GRID], draft_ms=0.98)
+    watch = CostWatch(good, lambda _: None, 64, 15)
+    changed = [watch.observe(16, true_ms(16), 0.98, 15) for _ in range(4)]  # the first draft timed, then 16
+    assert changed == [False, True, True, False]  # rows confirmed
+    before = watch.used.verify_cost(16)
+    assert not watch.observe(16, 0.8 * true_ms(16), 0.98, 15)  # 20% faster: waits
+    assert watch.used.verify_cost(16) == before
+    waited = [watch.observe(16, 0.8 * true_ms(16), 0.98, 15) for _ in range(REFIT_GAP)]
+    assert waited.count(True) == 1 and watch.used.verify_cost(16) == pytest.approx(0.8 * before)
+    assert watch.observe(16, true_ms(16) / (2 * CONTRADICTS), 0.98, 15)  # much faster: at once
+
+
+def _explore_reference(policy: AutoBudget, ids: np.ndarray, logp: np.ndarray, surprisal: float | None) -> Tree:
+    """An exploring round's tree the long way: the rule's pick from a full growth, then the first target count
+    whose expected tokens at the hopeful costs beat the pick's rate by EXPLORE_GAIN, from a second growth."""
+    from glance_runtime.decode.auto_budget import EXPLORE_GAIN
+    q = policy.calibration.node_scorer(surprisal)
+    full = build_tree(5, ids, logp, policy.max_nodes, 8, priority=q)
+    expected = 1 + np.concatenate([[0.0], np.cumsum([q(s, d) for s, d in zip(full.scores[1:], full.depths[1:])])])
+    used, hope = policy._plan.round_ms, policy._hope.round_ms
+    rates = expected / np.array(used[:full.size])
+    pick = int(np.argmax(rates)) + 1
+    for rows in policy.watch.targets(pick):
+        if rows <= full.size and expected[rows - 1] / hope[rows - 1] > rates[pick - 1] * EXPLORE_GAIN:
+            return full.prefix(rows)
+    return full.prefix(pick)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_an_exploring_round_grows_one_tree_and_picks_as_two_growths_would(seed):
+    """An exploring round grows past the rule's cut only as far as a count worth timing needs, in the same growth:
+    the tree it verifies is the one a full growth and a second, wider one would give."""
+    busy = replace(BUSY, checked_rows=(1, 2))
+    for stored in (busy, profile([true_ms(r) for r in GRID], draft_ms=0.98)):
+        policy = AutoBudget(stored, Calibration(a=1.0, b=0.9, d=-0.2), 63, 16,
+                            CostWatch(stored, lambda _: None, 64, 15))
+        policy.watch._rounds = 1  # the coming round is one that may explore
+        ids, logp = random_draft(seed, offsets=15, spread=1.0 + seed)
+        if not policy.should_draft(0.5):
+            continue
+        tree = policy.grow(5, ids, logp, 8, 0.5)
+        want = _explore_reference(policy, ids, logp, 0.5)
+        for name in ("tokens", "parents", "depths", "scores"):
+            np.testing.assert_array_equal(getattr(tree, name), getattr(want, name))
+
+
+# --- acceptance learned from the decode's own rounds -----------------------------------------------------------
+
+def _nodes(n: int, seed: int, truth: Calibration) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """n nodes with random path scores and depths, accepted with `truth`'s probabilities (seeded)."""
+    rng = np.random.default_rng(seed)
+    scores = -rng.exponential(1.5, n)
+    depths = rng.integers(1, 10, n)
+    surprisals = np.full(n, np.nan)
+    accepted = rng.random(n) < truth.node_probability(scores, None, depths)
+    return scores, depths, surprisals, accepted
+
+
+def test_a_refit_finds_the_acceptance_the_nodes_follow_and_keeps_growth_valid():
+    truth = Calibration(a=0.8, b=1.6, d=0.0)
+    shipped = Calibration(a=0.33, b=0.49, d=-0.3)
+    refit = shipped.refitted(*_nodes(20000, 0, truth), prior=4.0)
+    assert (refit.a, refit.b, refit.d) == pytest.approx((0.8, 1.6, 0.0), abs=0.12)
+    rising = shipped.refitted(*_nodes(20000, 1, Calibration(a=-1.0, b=1.0, d=0.4)), prior=4.0)
+    assert rising.d == 0.0 and rising.b >= 0  # q never rises with depth: growth in falling q stays exact
+    few = shipped.refitted(*_nodes(3, 2, truth), prior=4.0)
+    assert (few.a, few.b, few.d) == pytest.approx((shipped.a, shipped.b, shipped.d), abs=0.3)
+    assert (refit.c, refit.law, refit.surprisal_mean) == (shipped.c, shipped.law, shipped.surprisal_mean)
+
+
+def test_acceptance_is_learned_when_a_decode_settles_never_within_one():
+    """The node model is refitted from the verified nodes once LEARN_NODES have been seen, when a decode ends;
+    rounds themselves change nothing, and each refit is pulled toward the stored calibration, not the last."""
+    from glance_runtime.decode.auto_budget import LEARN_NODES
+    shipped = Calibration(a=0.33, b=0.49, d=-0.3)
+    policy = AutoBudget(profile([true_ms(r) for r in GRID], draft_ms=0.98), shipped, 63, 16)
+    truth = Calibration(a=0.8, b=1.6, d=0.0)
+    rng = np.random.default_rng(0)
+    seen = 0
+    for seed in range(200):
+        ids, logp = random_draft(seed, offsets=15, spread=1.0)
+        tree = build_tree(5, ids, logp, 15, 8)
+        scores, depths = tree.scores[1:], tree.depths[1:]
+        drawn = rng.random(len(scores)) < truth.node_probability(scores, None, depths)
+        path = (np.flatnonzero(drawn) + 1).tolist()
+        policy.observe(RoundLog(entropy=0.1, accepted=1, tree_size=tree.size, draft_ms=0.98, verify_ms=1.0,
+                                total_ms=2.0, node_scores=scores.tolist(), node_depths=depths.tolist(), path=path))
+        seen += len(scores)
+        assert policy.calibration is shipped
+        if seen >= LEARN_NODES:
+            break
+    policy.settle()
+    assert abs(policy.calibration.b - truth.b) < abs(shipped.b - truth.b) / 2
+    assert policy.stored_calibration is shipped
