@@ -72,24 +72,19 @@ IDS = {"duplicate": lambda ids: torch.cat([ids[:1], ids[:-1]]),
        "longer": lambda ids: torch.cat([ids, ids[-1:] - 1])}
 
 
-@pytest.mark.parametrize("case", SIZES)
-def test_a_bad_draft_vocab_size_is_refused_naming_the_config(case, made, tmp_path):
+EDITS = {**{f"size-{case}": (edited_config, value, "config.json", "draft_vocab_size") for case, value in SIZES.items()},
+         **{f"ids-{case}": (edited_ids, edit, "model.safetensors", "draft_vocab_ids") for case, edit in IDS.items()}}
+
+
+@pytest.mark.parametrize("case", EDITS)
+def test_a_bad_draft_vocabulary_is_refused_naming_its_file_and_key(case, made, tmp_path):
     _, head, _ = made
-    bad = edited_config(head, tmp_path, SIZES[case])
+    edit, value, file, key = EDITS[case]
+    bad = edit(head, tmp_path, value)
     with pytest.raises(GlanceError) as refused:
         load_head(bad)
     line = str(refused.value)
-    assert str(bad / "config.json") in line and "draft_vocab_size" in line and "\n" not in line, line
-
-
-@pytest.mark.parametrize("case", IDS)
-def test_bad_draft_vocab_ids_are_refused_naming_the_weights(case, made, tmp_path):
-    _, head, _ = made
-    bad = edited_ids(head, tmp_path, IDS[case])
-    with pytest.raises(GlanceError) as refused:
-        load_head(bad)
-    line = str(refused.value)
-    assert str(bad / "model.safetensors") in line and "draft_vocab_ids" in line and "\n" not in line, line
+    assert str(bad / file) in line and key in line and "\n" not in line, line
 
 
 def test_the_torch_backend_and_the_export_refuse_a_bad_head_in_one_line(made, tmp_path, capsys):
