@@ -106,6 +106,7 @@ def law_parser() -> argparse.ArgumentParser:
     p.add_argument("--bootstrap", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="also write law.json, law.md and law.png here")
+    p.add_argument("--no-plots", action="store_true", help="skip law.png (no matplotlib needed)")
     p.add_argument("--json", action="store_true", help="print the fits as JSON")
     return p
 
@@ -264,7 +265,8 @@ def run_law(args: argparse.Namespace) -> int:
         output_directory(args.out, LAW_FORMAT, "glance-bench law", [args.rounds])
         (args.out / "law.json").write_text(json.dumps({"mode": mode, "law": dicts}, indent=2) + "\n")
         (args.out / "law.md").write_text("\n".join([f"# Draftability law ({mode})", "", *law_table(dicts), ""]))
-        plot_law(args.out / "law.png", fits, chosen, str(mode))
+        if not args.no_plots:
+            plot_law(args.out / "law.png", fits, chosen, str(mode))
     if args.json:
         print(json.dumps({"mode": mode, "law": dicts}, indent=2))
     else:

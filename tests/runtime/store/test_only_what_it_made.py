@@ -94,7 +94,7 @@ def test_a_folder_filled_file_by_file_keeps_what_a_user_added(tmp_path, capsys):
     rounds.write_text("".join(json.dumps({"mode": "tree-7", "entropy": h / 4, "accepted": 8 - h}) + "\n"
                               for h in range(8)))
     out = tmp_path / "law"
-    argv = ["law", str(rounds), "--cap", "15", "--bootstrap", "2", "--out", str(out)]
+    argv = ["law", str(rounds), "--cap", "15", "--bootstrap", "2", "--no-plots", "--out", str(out)]
     assert bench_main(argv) == 0, capsys.readouterr().err
     (out / "notes.md").write_text("mine\n")
     assert bench_main(argv) == 0
