@@ -213,12 +213,12 @@ class AutoBudget:
             self._use()
 
     def settle(self) -> None:
-        """The decode has ended (off its clock): what its rounds taught about the costs is stored for later runs
-        (see `cost_watch`), and once LEARN_NODES more nodes have been verified, the node model is refitted to the
+        """The decode has ended (off its clock): what its rounds taught about the costs is refitted and stored for
+        later runs (see `cost_watch`), and once LEARN_NODES more nodes have been verified, the node model is refitted to the
         latest KEEP_NODES of them: how often this device's drafts of these prompts are accepted, where the stored
         calibration was fitted on others (a tree's end cut by the answer's end counts, as it costs)."""
-        if self.watch is not None:
-            self.watch.settle()
+        if self.watch is not None and self.watch.settle():
+            self._use()
         if self._fresh_nodes < LEARN_NODES:
             return
         kept, nodes = [], 0

@@ -16,8 +16,11 @@ costs a round is decided with are the decode's own wherever it has them:
   verified, timed and corrected in that round; one thought too dear would never be tried). Then made monotone
   in rows by the running minimum from above.
 - Confirmed: a measured count timed in CONFIRM rounds of exactly its rows whose fastest two agree within AGREE
-  (one slow round cannot confirm a cost, two rounds slowed alike rarely happen), in this process or, stored as
-  checked_rows, in an earlier one; the draft likewise, at its full depth (draft_checked).
+  (one slow round cannot confirm a cost), in this process or, stored as checked_rows, in an earlier one; the
+  draft likewise, at its full depth (draft_checked). A cost whose fastest came out CONTRADICTS times dearer than
+  stored (at the live scale), or a count dearer than PLAUSIBLE_PER_ROW one-row verifies per row, needs
+  CONFIRM_DEAR rounds: on a crowded machine two rounds slowed alike do happen, and a cost confirmed too dear would
+  never be timed again.
 - Explored: while a count is unconfirmed, one round in EVERY verifies exactly the first unconfirmed count above
   or below auto's pick (`targets`, the nearer first) that would beat the pick's rate were every unconfirmed
   count as cheap as the confirmed count below it and an unconfirmed draft free (`hope`), if either does; and
@@ -28,10 +31,13 @@ costs a round is decided with are the decode's own wherever it has them:
   CONTRADICTS or more; a smaller move (more than NOTICE) waits until REFIT_GAP rounds have passed since the last
   refit, and is then applied with whatever else was learned meanwhile (a refit costs several rounds' tree growth,
   and so small a move changes few choices).
-- Stored: when a decode ends (`settle`, after its clock has stopped, so no round pays for the write), the used
-  costs at the profile's own scale, where a count was newly confirmed or a measured count's cost (or the draft's)
-  moved by more than RESTORE (after FREE_STORES, at most once in STORE_GAP rounds); a provisional profile stays
-  marked so until every count above the smallest the decode verified is confirmed.
+- Stored: the used costs, at the profile's own scale, after a refit and when a decode ends (`settle`, off its
+  clock, with any smaller move still waiting), where a count was newly confirmed or a measured count's cost (or
+  the draft's) moved by more than RESTORE (after FREE_STORES, at most once in STORE_GAP rounds); a provisional
+  profile stays marked so until every count above the smallest the decode verified is confirmed. (Writing only
+  when a decode ends was tried: beside 4 CPU burners the demo's recovery from a poisoned profile then failed
+  more often, 2 of 10 tries against 0 of 10, as if the rounds' timings fared better for the process's pauses
+  on the disk.)
 """
 from __future__ import annotations
 
@@ -42,10 +48,11 @@ from typing import Callable
 
 import numpy as np
 
-from ..formats.cost import CostProfile
+from ..formats.cost import PLAUSIBLE_PER_ROW, CostProfile
 
 EVERY = 2  # at most one round in EVERY explores
 CONFIRM = 2  # rounds of exactly a measured count's rows before its cost may count as confirmed
+CONFIRM_DEAR = 4  # ... where they came out CONTRADICTS times dearer than stored (at the live scale) or implausibly dear
 AGREE = 1.5  # ... and how close their fastest two must be
 WINDOW = 9  # the latest rounds of one row count (or draft depth) that count
 CONTRADICTS = 2.0  # a count this many times cheaper than the profile says makes the profile's growth above it suspect
@@ -53,8 +60,8 @@ RESTORE = 1.25  # a learned cost this far off the stored one (either way) is sto
 NOTICE = 0.1  # a fastest time that moved less than this (relatively) changes no used cost
 REFIT_GAP = 16  # a move of less than CONTRADICTS is applied once this many rounds have passed since the last refit
 # (a refit costs a few rounds' tree growth; confirmations and larger moves are applied at once)
-FREE_STORES, STORE_GAP = 8, 32  # stores in one process as often as asked, then at most one in STORE_GAP rounds (a
-# write waits for the disk, after the decode's answer)
+FREE_STORES, STORE_GAP = 8, 32  # stores at once in one process, then at most one in STORE_GAP rounds (a write
+# waits for the disk: a long decode need not pay for every small refinement)
 
 
 def _moved(before: float, after: float) -> float:
@@ -94,10 +101,17 @@ class CostWatch:
         """The measured count whose cost a round of `rows` rows leans on: the first at or above it."""
         return next((g for g in self.grid if g >= rows), self.grid[-1])
 
-    @staticmethod
-    def _agreed(kept: list[float]) -> bool:
-        fastest = sorted(kept)[:CONFIRM]
-        return len(fastest) == CONFIRM and fastest[-1] <= AGREE * fastest[0]
+    def _agreed(self, kept: list[float], stored_ms: float, rows: int = 0) -> bool:
+        """Whether `kept` confirms a cost: its fastest two agree within AGREE, among CONFIRM timings, or CONFIRM_DEAR
+        where the fastest came out CONTRADICTS times dearer than the stored cost at the live scale, or (a verify of
+        `rows` rows) dearer than that many one-row verifies could plausibly be: on a crowded machine two slowed
+        rounds can agree, and a cost confirmed too dear is never timed again."""
+        fastest = sorted(kept)[:2]
+        if not fastest:
+            return False
+        one = min(self._verify[1]) if 1 in self._verify else self.base.verify_ms[0] * self.scale
+        dear = fastest[0] > CONTRADICTS * stored_ms * self.scale or fastest[0] > PLAUSIBLE_PER_ROW * rows * one > 0
+        return len(kept) >= (CONFIRM_DEAR if dear else CONFIRM) and fastest[-1] <= AGREE * fastest[0]
 
     def exploring(self) -> bool:
         """Whether the coming round is one that may explore (one in EVERY, while a count is unconfirmed)."""
@@ -127,10 +141,11 @@ class CostWatch:
             draft_moved = _keep(self._draft, depth, draft_ms)
             if depth == self.full_depth:  # the only draft whose cost is used
                 moved = max(moved, draft_moved)
-        confirmed = rows in self.grid and rows not in self._confirmed and self._agreed(self._verify[rows])
+        confirmed = rows in self.grid and rows not in self._confirmed and self._agreed(
+            self._verify[rows], float(self.base.verify_cost(rows)), rows if rows > 1 else 0)
         if confirmed:
             self._confirmed.add(rows)
-        if not self.draft_confirmed and self._agreed(self._draft.get(self.full_depth, [])):
+        if not self.draft_confirmed and self._agreed(self._draft.get(self.full_depth, []), self.base.draft_ms):
             self.draft_confirmed = confirmed = True
         self._stale = self._stale or moved > 1 + NOTICE
         due = self._rounds - self._refit_at >= REFIT_GAP
@@ -138,13 +153,20 @@ class CostWatch:
             return False
         self._stale, self._refit_at = False, self._rounds
         self._refresh()
+        self._restore()
         return True
 
-    def settle(self) -> None:
-        """Store what was learned, where it is worth a write (`_restore`): asked once a decode has ended, so the
-        write (a flush to disk) is never paid inside a round."""
+    def settle(self) -> bool:
+        """Asked once a decode has ended, off its clock: a smaller move still waiting for its refit is applied, and
+        what was learned is stored where it is worth a write (`_restore`), so the store holds all of it. Whether
+        the used costs changed."""
+        stale = self._stale
+        if stale:
+            self._stale, self._refit_at = False, self._rounds
+            self._refresh()
         if self._verify:
             self._restore()
+        return stale
 
     def _refresh(self) -> None:
         """`used` and `hope` from the base profile and the rounds kept so far."""

@@ -29,7 +29,7 @@ class BudgetPolicy(Protocol):
         """Each round's log once it is committed (its timings may correct the costs the policy weighs)."""
 
     def settle(self) -> None:
-        """The decode has ended, its time taken: the policy may store what it learned (a write no round pays)."""
+        """The decode has ended, its time taken: the policy may refit and store what it learned, off the clock."""
 
 
 @dataclass(frozen=True)

@@ -558,12 +558,15 @@ def test_a_uniformly_slower_machine_changes_no_choice():
 
 
 def test_a_profile_that_is_right_about_a_dear_device_stops_exploring():
-    """Where every drafted row costs three one-row verifies, timing 2 rows twice confirms that drafting never
-    pays even were 4 rows as cheap as 2, so the decode settles on plain steps."""
+    """Where every drafted row costs three one-row verifies, timing 2 rows confirms that drafting never pays even
+    were 4 rows as cheap as 2, so the decode settles on plain steps: after CONFIRM_DEAR timings, since 2 rows at 6x
+    one row is dearer than two one-row verifies could plausibly be (what two slowed rounds could also show)."""
+    from glance_runtime.decode.cost_watch import CONFIRM_DEAR
     dear = profile([1.0] + [3.0 * r for r in GRID[1:]], draft_ms=0.2)
     rounds = Rounds(dear, lambda r: 1.0 if r == 1 else 3.0 * r, draft_ms=0.2)
     sizes = rounds.run(30)
-    assert sizes[:5] == [1, 2, 1, 2, 1] and set(sizes[5:]) == {1}, sizes
+    explored = 2 * CONFIRM_DEAR
+    assert sizes[:explored + 1] == [1, 2] * CONFIRM_DEAR + [1] and set(sizes[explored + 1:]) == {1}, sizes
     assert rounds.saved and rounds.saved[-1].checked_rows[:2] == (1, 2)
     assert rounds.saved[-1].verify_ms == pytest.approx(dear.verify_ms, rel=1e-3)
 
@@ -577,17 +580,21 @@ def test_a_provisional_profile_is_stored_provisional_until_every_count_is_confir
     assert not last.provisional and {8, 16, 32, 64} <= set(last.checked_rows) and not last.problems()
 
 
-def test_rounds_store_nothing_until_the_decode_settles():
-    """A store is a write to disk: rounds that confirm counts only change the used costs; the store waits for the
-    decode's end (`settle`, off its clock)."""
+def test_a_confirmation_is_stored_at_once_and_a_waiting_move_when_the_decode_settles():
+    """A newly confirmed count is stored with the refit it brings; a smaller move still waiting for its refit is
+    applied and stored when the decode ends (`settle`), so what is stored is all that was learned."""
     saved: list[CostProfile] = []
     good = profile([true_ms(r) for r in GRID], draft_ms=0.98)
     watch = CostWatch(good, saved.append, 64, 15)
-    for _ in range(6):
+    for _ in range(4):
         watch.observe(8, true_ms(8), 0.98, 15)
-    assert 8 in watch._confirmed and saved == []
-    watch.settle()
-    assert len(saved) == 1 and 8 in saved[0].checked_rows
+    assert 8 in watch._confirmed and saved and 8 in saved[-1].checked_rows
+    stores = len(saved)
+    watch.observe(1, true_ms(1), None, None)
+    watch.observe(8, 0.7 * true_ms(8), 0.98, 15)  # 30% faster than 8 rows were: waits for its refit
+    assert len(saved) == stores and watch.used.verify_cost(8) == pytest.approx(true_ms(8))
+    assert watch.settle() and watch.used.verify_cost(8) == pytest.approx(0.7 * true_ms(8))
+    assert len(saved) == stores + 1 and saved[-1].verify_cost(8) == pytest.approx(0.7 * true_ms(8), rel=1e-3)
 
 
 def test_a_small_move_waits_for_the_refit_gap_and_a_large_one_does_not():
@@ -604,6 +611,9 @@ def test_a_small_move_waits_for_the_refit_gap_and_a_large_one_does_not():
     waited = [watch.observe(16, 0.8 * true_ms(16), 0.98, 15) for _ in range(REFIT_GAP)]
     assert waited.count(True) == 1 and watch.used.verify_cost(16) == pytest.approx(0.8 * before)
     assert watch.observe(16, true_ms(16) / (2 * CONTRADICTS), 0.98, 15)  # much faster: at once
+    assert not watch.observe(16, true_ms(16) / (2.4 * CONTRADICTS), 0.98, 15)  # a little faster again: waits...
+    assert watch.settle() and watch.used.verify_cost(16) == pytest.approx(true_ms(16) / (2.4 * CONTRADICTS))
+    assert not watch.settle()  # ... for the decode's end at most: what is stored is all that was learned
 
 
 def _explore_reference(policy: AutoBudget, ids: np.ndarray, logp: np.ndarray, surprisal: float | None) -> Tree:
@@ -688,3 +698,24 @@ def test_acceptance_is_learned_when_a_decode_settles_never_within_one():
     policy.settle()
     assert abs(policy.calibration.b - truth.b) < abs(shipped.b - truth.b) / 2
     assert policy.stored_calibration is shipped
+
+
+def test_two_slowed_rounds_cannot_confirm_a_cost_too_dear():
+    """On a crowded machine two rounds can be slowed alike: a draft timed twice at 10x the stored one, or 2 rows
+    twice at 8x one row (more than two one-row verifies could plausibly cost), is not confirmed until CONFIRM_DEAR
+    rounds agree; the draft and the 2 rows stay explored, and a fast round then lowers them."""
+    from glance_runtime.decode.cost_watch import CONFIRM_DEAR
+    dear = profile([1.0] + [3.0 * r for r in GRID[1:]], draft_ms=1.0)
+    watch = CostWatch(dear, lambda _: None, 64, 15)
+    watch.observe(1, 1.0, None, None)  # the process's first round
+    for _ in range(2):
+        watch.observe(1, 1.0, None, None)
+        watch.observe(2, 8.0, 10.0, 15)
+    assert 2 not in watch._confirmed and not watch.draft_confirmed
+    assert 2 in watch.targets(1)
+    watch.observe(1, 1.0, None, None)
+    watch.observe(2, 1.1, 0.9, 15)
+    assert watch.used.verify_cost(2) == pytest.approx(1.1) and watch.used.draft_ms == pytest.approx(0.9)
+    for _ in range(CONFIRM_DEAR):
+        watch.observe(2, 1.2, 0.9, 15)
+    assert 2 in watch._confirmed and watch.draft_confirmed
