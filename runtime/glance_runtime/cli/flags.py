@@ -118,6 +118,8 @@ class OneLineParser(argparse.ArgumentParser):
                           help="print the toolkit's version and exit")
 
     def error(self, message: str) -> NoReturn:
+        if message.endswith("expected one argument"):  # argparse reads a value starting with '-' as a flag
+            message += " (a value that starts with '-' goes after an '=': --flag=-value)"
         print(f"{self.prog}: error: {message}; see {self.prog} --help", file=sys.stderr)
         sys.exit(2)
 

@@ -86,7 +86,11 @@ def test_any_prompt_text_answers_or_is_one_line(first, typed, capsys, monkeypatc
     line and the chat carries on to the next)."""
     monkeypatch.setattr(sys, "stdin", io.StringIO("".join(f"{line}\n" for line in typed) + "/exit\n"))
     capsys.readouterr()
-    code = run_main(["--prompt", first or "hi", "--chat", "--max-new-tokens", "2", "--budget", "7", "--threads", "1"])
+    try:
+        code = run_main(["--prompt", first or "hi", "--chat", "--max-new-tokens", "2", "--budget", "7", "--threads",
+                         "1"])
+    except SystemExit as exc:  # argparse's own refusal (a prompt starting with '-' reads as a flag)
+        code = exc.code
     err = capsys.readouterr().err
     assert "Traceback" not in err, err
     if code == 2:
@@ -95,3 +99,10 @@ def test_any_prompt_text_answers_or_is_one_line(first, typed, capsys, monkeypatc
     assert code == 0
     errors = [line for line in err.splitlines() if "error:" in line]
     assert len(errors) <= len(typed) + 1 and all("surrogate" in line or "context" in line for line in errors), err
+
+
+def test_a_prompt_starting_with_a_dash_is_refused_with_the_way_to_pass_it(capsys):
+    with pytest.raises(SystemExit) as refused:
+        run_main(["--prompt", "-:", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert refused.value.code == 2 and len(err) == 1 and "--prompt" in err[0] and "--flag=-value" in err[0], err
