@@ -5,23 +5,15 @@ from __future__ import annotations
 import errno
 import math
 import os
-import stat
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageOps
 
 from ..errors import GlanceError, InputError
+from ..store.input_files import not_regular
 
 MAX_IMAGE_PIXELS = 8192 * 8192  # the largest image the runtime decodes at all
-
-
-def not_a_file(mode: int) -> str | None:
-    """What a path's `st_mode` names when it is not a regular file (None when it is one): opening a FIFO or a
-    device as an image would block or read forever, so a path is refused by its mode before it is opened."""
-    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
-             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-    return next((what for test, what in kinds if test(mode)), None if stat.S_ISREG(mode) else "a special file")
 
 
 def check_image_path(path: str | Path) -> Path:
@@ -41,7 +33,7 @@ def check_image_path(path: str | Path) -> Path:
             raise InputError(f"image {path}: a part of the path is a file, not a directory; pass an existing "
                               "image file") from None
         raise InputError(f"image {path} cannot be reached ({exc.strerror}); pass a readable image file") from None
-    if (what := not_a_file(mode)) is not None:
+    if (what := not_regular(mode)) is not None:
         raise InputError(f"image {path} is {what}, not an image file; pass an image file")
     if not os.access(path, os.R_OK):
         raise InputError(f"image {path} cannot be read (permission denied); make it readable or pass another file")

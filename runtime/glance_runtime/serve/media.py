@@ -17,7 +17,7 @@ from urllib.parse import unquote, urlparse
 
 from PIL import Image
 
-from ..prompt.images import not_a_file
+from ..store.input_files import not_regular
 from .openai_errors import RequestError
 
 
@@ -111,7 +111,7 @@ def _file_path(url: str, media_dir: Path) -> Path:
     if mode is None:
         raise RequestError(f"{where!a} does not exist in the media directory", param="messages",
                            code="image_not_found")
-    if (what := not_a_file(mode)) is not None:  # never opened: a FIFO would block the server's request
+    if (what := not_regular(mode)) is not None:  # never opened: a FIFO would block the server's request
         raise RequestError(f"{where!a} in the media directory is {what}, not an image file; name an image file",
                            param="messages", code="not_an_image_file")
     return path

@@ -13,13 +13,16 @@ from pathlib import Path
 
 from ..errors import GlanceError
 
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
-def kind(mode: int) -> str:
-    """What a non-regular file is, in words."""
-    return next((words for test, words in _KINDS if test(mode)), "not a regular file")
+def not_regular(mode: int) -> str | None:
+    """What a path's `st_mode` names when it is not a regular file, in words (None when it is one): such a
+    path is refused by its mode, before it is opened."""
+    if stat.S_ISREG(mode):
+        return None
+    return next((words for test, words in _KINDS if test(mode)), "a special file")
 
 
 def size_words(n: int) -> str:
@@ -43,8 +46,9 @@ def regular_file(path: str | Path, what: str, fix: str) -> os.stat_result:
 
 
 def _regular(path: Path, found: os.stat_result, what: str, fix: str) -> os.stat_result:
-    if not stat.S_ISREG(found.st_mode):
-        words = "a directory, not a file" if stat.S_ISDIR(found.st_mode) else f"{kind(found.st_mode)}, not a regular file"
+    words = not_regular(found.st_mode)
+    if words is not None:
+        words += ", not a file" if stat.S_ISDIR(found.st_mode) else ", not a regular file"
         raise GlanceError(f"{what} {path} is {words}; {fix}")
     return found
 

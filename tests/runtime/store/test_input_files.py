@@ -87,5 +87,5 @@ def test_a_task_file_that_is_a_fifo_is_named_as_one(tmp_path):
     from glance_runtime.formats.tasks import read as read_tasks
 
     os.mkfifo(tmp_path / "tasks.jsonl")
-    with pytest.raises(GlanceError, match="tasks.jsonl is a FIFO"):
+    with pytest.raises(GlanceError, match=r"tasks.jsonl is a named pipe \(FIFO\)"):
         read_tasks(tmp_path / "tasks.jsonl")
