@@ -19,9 +19,9 @@ from typing import Iterator
 import numpy as np
 
 from glance_runtime.errors import GlanceError
+from glance_runtime.formats.protobuf import LENGTH, VARINT, fields
 
-# Protobuf wire types and the onnx.proto field numbers read here.
-VARINT, FIXED64, LENGTH, FIXED32 = 0, 1, 2, 5
+# The onnx.proto field numbers read here.
 MODEL_GRAPH, GRAPH_INITIALIZER = 7, 5
 TENSOR_NAME, TENSOR_EXTERNAL_DATA, TENSOR_DATA_LOCATION = 8, 13, 14
 ENTRY_KEY, ENTRY_VALUE = 1, 2
@@ -37,45 +37,15 @@ class ExternalTensor:
     length: int
 
 
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = buf[pos]
-        value |= (byte & 0x7F) << shift
-        pos += 1
-        if byte < 0x80:
-            return value, pos
-        shift += 7
-
-
-def _fields(buf: bytes, start: int, end: int) -> Iterator[tuple[int, int, int, int]]:
-    """(field number, wire type, value or payload start, payload end) of each field of one message."""
-    pos = start
-    while pos < end:
-        key, pos = _varint(buf, pos)
-        field, wire = key >> 3, key & 7
-        if wire == VARINT:
-            value, pos = _varint(buf, pos)
-            yield field, wire, value, pos
-        elif wire == LENGTH:
-            size, pos = _varint(buf, pos)
-            yield field, wire, pos, pos + size
-            pos += size
-        elif wire in (FIXED64, FIXED32):
-            pos += 8 if wire == FIXED64 else 4
-        else:
-            raise ValueError(f"wire type {wire}")
-
-
-def _tensor(buf: bytes, start: int, end: int) -> ExternalTensor | None:
+def _tensor(message: memoryview) -> ExternalTensor | None:
     name, location, entries = "", None, {}
-    for field, wire, a, b in _fields(buf, start, end):
+    for field, wire, value in fields(message):
         if field == TENSOR_NAME and wire == LENGTH:
-            name = buf[a:b].decode()
+            name = bytes(value).decode()
         elif field == TENSOR_DATA_LOCATION and wire == VARINT:
-            location = a
+            location = value
         elif field == TENSOR_EXTERNAL_DATA and wire == LENGTH:
-            kv = {f: buf[x:y].decode() for f, w, x, y in _fields(buf, a, b) if w == LENGTH}
+            kv = {f: bytes(v).decode() for f, w, v in fields(value) if w == LENGTH}
             entries[kv.get(ENTRY_KEY)] = kv.get(ENTRY_VALUE)
     if location != LOCATION_EXTERNAL or "location" not in entries or "length" not in entries:
         return None  # inline, or a layout the parser resolves itself
@@ -85,10 +55,10 @@ def _tensor(buf: bytes, start: int, end: int) -> ExternalTensor | None:
 def external_initializers(model: bytes) -> list[ExternalTensor]:
     """The graph's initializers whose data lies in external files (data location EXTERNAL with a length)."""
     found = []
-    for field, wire, a, b in _fields(model, 0, len(model)):
+    for field, wire, graph in fields(memoryview(model)):
         if field == MODEL_GRAPH and wire == LENGTH:
-            found += [t for f, w, x, y in _fields(model, a, b) if f == GRAPH_INITIALIZER and w == LENGTH
-                      for t in [_tensor(model, x, y)] if t is not None]
+            found += [t for f, w, message in fields(graph) if f == GRAPH_INITIALIZER and w == LENGTH
+                      for t in [_tensor(message)] if t is not None]
     return found
 
 

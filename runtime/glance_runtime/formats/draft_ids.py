@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import mmap
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
 from ..errors import IntegrityError
+from .protobuf import fields, ints
 
 INT64 = 7  # onnx.TensorProto.INT64
 EXTERNAL = 1  # onnx.TensorProto.EXTERNAL
@@ -77,18 +77,18 @@ def _find(model: memoryview) -> tuple[str | None, tuple | None]:
     """(name, parsed tensor) of the initializer `topk_ids` is gathered from: the first inputs of the nodes
     before it, followed back to an initializer (a Gather under the TorchScript exporter, Transpose, GatherND and
     Transpose under dynamo's); copies only."""
-    graph = next((v for n, w, v in _fields(model) if n == 7 and w == 2), None)
+    graph = next((v for n, w, v in fields(model) if n == 7 and w == 2), None)
     if graph is None:
         raise ValueError("no graph")
     first_input: dict[str, str] = {}
-    for number, wire, value in _fields(graph):
+    for number, wire, value in fields(graph):
         if number == 1 and wire == 2:
-            inputs = [bytes(v).decode() for n, w, v in _fields(value) if n == 1 and w == 2]
-            for output in (bytes(v).decode() for n, w, v in _fields(value) if n == 2 and w == 2):
+            inputs = [bytes(v).decode() for n, w, v in fields(value) if n == 1 and w == 2]
+            for output in (bytes(v).decode() for n, w, v in fields(value) if n == 2 and w == 2):
                 if inputs:
                     first_input[output] = inputs[0]
     tensors = {}
-    for number, wire, value in _fields(graph):
+    for number, wire, value in fields(graph):
         if number == 5 and wire == 2:
             tensor = _tensor(value)
             tensors[tensor[0]] = tensor[1:]
@@ -104,19 +104,19 @@ def _tensor(message: memoryview) -> tuple:
     """(name, dims, data_type, raw_data copy or None, int64_data, external_data dict or None) of a TensorProto;
     raw_data is copied only for int64 tensors, so weight rows are never read."""
     name, dims, data_type, raw, values, external, location = None, [], 0, None, [], {}, 0
-    for number, wire, value in _fields(message):
+    for number, wire, value in fields(message):
         if number == 1:
-            dims += _ints(wire, value)
+            dims += ints(wire, value)
         elif number == 2 and wire == 0:
             data_type = value
         elif number == 7:
-            values += _ints(wire, value)
+            values += ints(wire, value)
         elif number == 8 and wire == 2:
             name = bytes(value).decode()
         elif number == 9 and wire == 2:
             raw = value
         elif number == 13 and wire == 2:
-            entry = {n: bytes(v).decode() for n, w, v in _fields(value) if w == 2}
+            entry = {n: bytes(v).decode() for n, w, v in fields(value) if w == 2}
             external[entry.get(1, "")] = entry.get(2, "")
         elif number == 14 and wire == 0:
             location = value
@@ -137,52 +137,3 @@ def _external(directory: Path, info: dict[str, str]) -> bytes:
     if length is not None and len(data) != int(length):
         raise ValueError(f"external data {location} is shorter than recorded")
     return data
-
-
-def _ints(wire: int, value) -> list[int]:
-    """A repeated int64 field's values, packed (wire 2) or one at a time (wire 0)."""
-    if wire == 0:
-        return [_signed(value)]
-    out, pos = [], 0
-    while pos < len(value):
-        raw, pos = _varint(value, pos)
-        out.append(_signed(raw))
-    return out
-
-
-def _signed(value: int) -> int:
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        if pos >= len(buf) or shift >= 70:
-            raise ValueError("truncated or malformed protobuf")
-        byte = buf[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return result, pos
-        shift += 7
-
-
-def _fields(buf: memoryview) -> Iterator[tuple[int, int, object]]:
-    """(field number, wire type, value) of a protobuf message: an int for a varint, a view for the rest."""
-    pos, end = 0, len(buf)
-    while pos < end:
-        key, pos = _varint(buf, pos)
-        wire = key & 7
-        if wire == 0:
-            value, pos = _varint(buf, pos)
-        else:
-            if wire == 2:
-                width, pos = _varint(buf, pos)
-            elif wire in (1, 5):
-                width = 8 if wire == 1 else 4
-            else:
-                raise ValueError(f"unsupported protobuf wire type {wire}")
-            if pos + width > end:
-                raise ValueError("truncated protobuf")
-            value, pos = buf[pos:pos + width], pos + width
-        yield key >> 3, wire, value
