@@ -14,6 +14,7 @@ from .formats.graphs import MANIFEST
 AUTO = "auto"  # --budget auto: each round's tree sized from the draft's confidence and this device's costs
 BUDGET = 63  # tree nodes per round besides the anchor where auto does not apply (and an audit's trees)
 AUTO_MAX_NODES = 63  # auto's largest tree where the graphs set no smaller bound
+EAGLE3_DEPTH = 7  # head passes (tree depth) an EAGLE-3 round drafts at most; its backends' block size is one more
 BRANCH_K = 8  # top-k per draft offset (and the export's: what a draft graph returns)
 RUN_MAX_NEW_TOKENS = 256  # glance-run's answer length
 MEASURE_MAX_NEW_TOKENS = 64  # glance-bench's and glance-export audit's answer length

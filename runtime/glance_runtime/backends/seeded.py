@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
+
 from ..decode.backend import Backend, BackendInfo, GraphTimes, Verified
 
 
@@ -35,19 +37,45 @@ class SeededDrafter:
     def prefill(self, prompt, keep: int = 0):
         return self.inner.prefill(prompt, keep) if keep else self.inner.prefill(prompt)
 
+    def _true(self, depth: int) -> int | None:
+        """The oracle's token `depth` places after the anchor (None past its end)."""
+        at = self.inner.start - self.prompt_len + depth  # the anchor is generated token start - prompt_len
+        return self.truth[at] if at < len(self.truth) else None
+
+    def _seed(self, row: list[int], depth: int, k: int) -> list[int]:
+        """A top-k row with the true token of `depth` at its column (or absent)."""
+        true = self._true(depth)
+        row = [t for t in row if t != true]
+        col = self.column(depth)
+        if true is not None and col is not None:
+            row.insert(min(col, k - 1), true)
+        else:
+            row.append(next(t for t in range(len(row) + k + 1) if t not in row and t != true))
+        return row[:k]
+
     def draft(self, anchor: int, k: int, depth: int | None = None):
         ids, logp = self.inner.draft(anchor, k, depth)
         ids = ids.copy()
-        generated = self.inner.start - self.prompt_len  # index of the anchor among generated tokens
         for d in range(1, ids.shape[0] + 1):
-            true = self.truth[generated + d] if generated + d < len(self.truth) else None
-            row = [t for t in ids[d - 1].tolist() if t != true]
-            col = self.column(d)
-            if true is not None and col is not None:
-                row.insert(min(col, k - 1), true)
-            else:
-                row.append(next(t for t in range(len(row) + k + 1) if t not in row and t != true))
-            ids[d - 1] = row[:k]
+            ids[d - 1] = self._seed(ids[d - 1].tolist(), d, k)
+        return ids, logp
+
+    def draft_root(self, anchor: int, k: int):
+        """A step drafter's first depth, seeded like a block draft's first offset; the round's nodes are followed
+        from here, so each node's children are seeded only where its whole path is the oracle's."""
+        ids, logp = self.inner.draft_root(anchor, k)
+        self._nodes: list[tuple[int, bool]] = []  # per step node: its depth and whether its path is the oracle's
+        return np.array(self._seed(np.asarray(ids).tolist(), 1, k), np.int64), logp
+
+    def draft_step(self, tokens, parents, k: int):
+        ids, logp = self.inner.draft_step(tokens, parents, k)
+        ids = np.array(ids, copy=True)
+        for i, (token, parent) in enumerate(zip(np.asarray(tokens).tolist(), np.asarray(parents).tolist())):
+            depth, on_path = (1, True) if parent < 0 else (self._nodes[parent][0] + 1, self._nodes[parent][1])
+            on_path = on_path and token == self._true(depth)
+            self._nodes.append((depth, on_path))
+            if on_path:
+                ids[i] = self._seed(ids[i].tolist(), depth + 1, k)
         return ids, logp
 
     def verify(self, tokens, depths, visible) -> Verified:

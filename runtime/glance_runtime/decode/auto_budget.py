@@ -176,6 +176,22 @@ class AutoBudget:
                 return explored
         return tree.prefix(pick)
 
+    def cut(self, tree: Tree, surprisal: float | None) -> Tree:
+        """Step 2 for a tree a step drafter (EAGLE-3) grew whole: its prefix n* = argmax E(n) / (D + V(n + 1)) with
+        q from each node's path score and depth (its prefixes are its best trees by score). Its draft is spent,
+        whatever the cut, so no round explores a larger count for its cost: the costs are learned from the counts
+        the rule picks."""
+        self._depth = int(tree.depths.max()) if tree.size > 1 else None
+        self._counts = []
+        q = self.calibration.node_scorer(surprisal)
+        round_ms = self._plan.round_ms
+        expected, best_rate, best = 1.0, 1.0 / round_ms[0], 0
+        for n in range(1, min(tree.size, len(round_ms))):
+            expected += q(float(tree.scores[n]), int(tree.depths[n]))
+            if expected / round_ms[n] > best_rate:
+                best_rate, best = expected / round_ms[n], n
+        return tree.prefix(best + 1)
+
     def _worth(self, cut: _Cut) -> int | None:
         """The unconfirmed counts beside the rule's pick that could beat its rate at the hopeful costs, kept for
         `_explore`, and the nodes to grow for the largest (None: none needs more). A node not grown yet is

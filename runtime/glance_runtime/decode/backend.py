@@ -33,6 +33,8 @@ class ServeLimits:
     max_tree: int | None = None  # largest verify pass, anchor included; None where unbounded
     max_context: int | None = None  # KV rows allocated (committed prefix plus a pass); None where unbounded
     exported: bool = False  # graphs sized at export time: a re-export lifts the limits
+    drafter: str = "block"  # "block": one head pass drafts every offset (GLANCE/DFlash); "steps": one pass per
+    # tree depth over the nodes expanded there (EAGLE-3; the backend is then also a `StepDrafter`)
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,24 @@ class GraphTimes(Protocol):
 def draft_rows(block_size: int, depth: int | None) -> int:
     """Offsets a draft returns for `depth` (see `Backend.draft`): all B-1 when None, else 1..B-1."""
     return block_size - 1 if depth is None else max(1, min(depth, block_size - 1))
+
+
+STEP_DRAFTERS = ("steps",)
+
+
+class StepDrafter(Protocol):
+    """What a backend with an autoregressive head (EAGLE-3) adds: the tree grows a depth per head pass
+    (`decode.dynamic_tree`). A round's nodes are numbered 0, 1, ... in the order `draft_step` receives them;
+    the head's rows for them are the round's own and are dropped when the next round starts."""
+
+    def draft_root(self, anchor: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Bring the head's cache up to the committed rows (the anchor is the token after the last) and return the
+        top-k ids and log-probs [k] of the token after the anchor."""
+
+    def draft_step(self, tokens: np.ndarray, parents: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """One head pass over n new nodes: node i carries `tokens[i]` below `parents[i]` (an earlier node of this
+        round, or -1: the anchor) and sees the committed rows and its ancestors. Returns the top-k ids and log-probs
+        [n, k] of each node's next token."""
 
 
 class Backend(Protocol):

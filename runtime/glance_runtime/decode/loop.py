@@ -12,7 +12,8 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
-from .backend import Backend
+from .backend import STEP_DRAFTERS, Backend
+from .dynamic_tree import grow_dynamic
 from ..defaults import BRANCH_K, BUDGET, DECODE_MAX_NEW_TOKENS
 from .tree import Tree, build_tree, fit, visibility, walk
 
@@ -24,6 +25,9 @@ class BudgetPolicy(Protocol):
 
     def grow(self, anchor: int, topk_ids: np.ndarray, topk_logprobs: np.ndarray, branch_k: int,
              surprisal: float | None, leaves: frozenset[int] = frozenset()) -> Tree: ...
+
+    def cut(self, tree: Tree, surprisal: float | None) -> Tree:
+        """The best prefix of a tree a step drafter grew whole (its draft already spent)."""
 
     def observe(self, round_log: "RoundLog") -> None:
         """Each round's log once it is committed (its timings may correct the costs the policy weighs)."""
@@ -111,6 +115,12 @@ def _tree(backend: Backend, anchor: int, cfg: DecodeConfig, surprisal: float | N
     if (not cfg.speculative or cfg.budget == 0 or left <= 1 or (room is not None and room <= 1)
             or (cfg.auto and not cfg.auto.should_draft(surprisal))):
         return Tree.root(anchor), False
+    if backend.info.limits.drafter in STEP_DRAFTERS:
+        tree = grow_dynamic(anchor, backend, cfg.budget, cfg.branch_k,
+                            min(backend.block_size - 1, cfg.budget, left - 1), leaves=stops)
+        if cfg.auto:
+            tree = cfg.auto.cut(tree, surprisal)
+        return (tree if room is None else fit(tree, room)), True
     ids, logp = backend.draft(anchor, cfg.branch_k, min(cfg.budget, left - 1))
     if cfg.auto:
         tree = cfg.auto.grow(anchor, ids, logp, cfg.branch_k, surprisal, leaves=stops)
