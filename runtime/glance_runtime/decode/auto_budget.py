@@ -272,7 +272,7 @@ def auto_budget(runner, branch_k: int, remeasure: bool = False,
     if backend.block_size < 2:
         raise GlanceError("--budget auto needs a draft head; pass --head (or a fixed --budget with --no-spec)")
     check_branch_k(limits, branch_k)
-    largest = min(AUTO_MAX_NODES, reachable_nodes(backend.block_size, branch_k))
+    largest = min(AUTO_MAX_NODES, reachable_nodes(backend.block_size, branch_k, backend.info.limits.drafter))
     if limits.max_tree is not None:
         largest = min(largest, limits.max_tree - 1)
     probe = lambda: runner.build([user_turn(PROBE_PROMPT)])  # noqa: E731 (not length-checked: cut to fit)

@@ -30,7 +30,8 @@ from typing import Callable
 
 import numpy as np
 
-from .backend import Backend
+from .backend import STEP_DRAFTERS, Backend
+from .dynamic_tree import grow_dynamic
 from ..store.atomic import file_format
 from ..store.cache import cache_root, file_lock
 from ..errors import GlanceError
@@ -38,7 +39,7 @@ from ..formats import cost as cost_format
 from ..formats.cost import LARGE_SPREAD, MONOTONE_SLACK, CostProfile
 from .limits import reachable_nodes
 from .loop import room_left
-from .tree import build_tree, visibility, walk
+from .tree import Tree, build_tree, fit, visibility, walk
 
 PROBE_PROMPT = "Describe what you see in one sentence."
 MIN_REPEATS, MAX_REPEATS = 3, 9  # timed rounds per row count: at least, and at most within `seconds`
@@ -54,9 +55,19 @@ def row_grid(max_rows: int) -> list[int]:
     return grid + [max_rows]
 
 
-def measurable_rows(block_size: int, branch_k: int, max_rows: int) -> int:
+def measurable_rows(block_size: int, branch_k: int, max_rows: int, drafter: str = "block") -> int:
     """The largest verify a draft can fill: the anchor and every node its top-k can reach, up to max_rows."""
-    return max(1, min(max_rows, 1 + reachable_nodes(block_size, branch_k)))
+    return max(1, min(max_rows, 1 + reachable_nodes(block_size, branch_k, drafter)))
+
+
+def _drafted(backend: Backend, anchor: int, branch_k: int, nodes: int, most: int) -> Tree:
+    """A round's tree of `nodes` nodes as decoding drafts it: a block draft's best `nodes`, or, from a step
+    drafter, the prefix of the largest tree the profile times (auto grows the whole tree and then cuts it, so
+    that is the draft cost auto pays)."""
+    if backend.info.limits.drafter in STEP_DRAFTERS:
+        return fit(grow_dynamic(anchor, backend, most, branch_k, min(backend.block_size - 1, most)), nodes + 1)
+    ids, logp = backend.draft(anchor, branch_k)
+    return build_tree(anchor, ids, logp, nodes)
 
 
 def _time_rounds(backend: Backend, prompt, grid: list[int], branch_k: int, seconds: float
@@ -76,8 +87,7 @@ def _time_rounds(backend: Backend, prompt, grid: list[int], branch_k: int, secon
             if room is not None and room_left(backend) < rows:  # each round commits a row: start over
                 anchor, _ = backend.prefill(prompt)
             t0 = time.perf_counter()
-            ids, logp = backend.draft(anchor, branch_k)
-            tree = build_tree(anchor, ids, logp, rows - 1)
+            tree = _drafted(backend, anchor, branch_k, rows - 1, grid[-1] - 1)
             t1 = time.perf_counter()
             argmax, _, _ = backend.verify(tree.tokens, tree.depths, visibility(tree.parents))
             walk(tree, argmax)
@@ -134,7 +144,8 @@ def measure(backend: Backend, prompt, max_rows: int, branch_k: int, seconds: flo
         prompt = replace(prompt, input_ids=prompt.input_ids[:max(1, limit - 1)])
     backend.prefill(prompt)
     room = room_left(backend)  # a small --max-context bounds the passes that can be timed, after the prompt
-    grid = row_grid(measurable_rows(backend.block_size, branch_k, max_rows if room is None else min(max_rows, room)))
+    grid = row_grid(measurable_rows(backend.block_size, branch_k, max_rows if room is None else min(max_rows, room),
+                                    backend.info.limits.drafter))
     progress(f"measuring round costs for {', '.join(map(str, grid))} verify rows")
     load = load_average()
     verify, draft, repeats = _time_rounds(backend, prompt, grid, branch_k, seconds)
@@ -203,7 +214,7 @@ def stored_or_measured(backend: Backend, home: Path | None, identity: str, promp
     lock's place, or neither can be written, the profile is measured and kept in memory for this run (path
     None), said in one line: decoding goes on."""
     path = profile_path(home, identity, describe(backend))
-    max_rows = measurable_rows(backend.block_size, branch_k, max_rows)
+    max_rows = measurable_rows(backend.block_size, branch_k, max_rows, backend.info.limits.drafter)
     found = None if remeasure else load(path)
     if found is not None and found.max_rows >= max_rows:
         return found, path

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import reprlib
 
-from .backend import ServeLimits
+from .backend import STEP_DRAFTERS, ServeLimits
 from ..defaults import AUTO
 from ..errors import InputError, LimitError
 from .loop import DecodeConfig
@@ -85,8 +85,11 @@ def check_prompt(rows: int, max_context: int, flag: bool = True) -> None:
                          "shorten the prompt")
 
 
-def reachable_nodes(block_size: int, branch_k: int) -> int:
-    """Most tree nodes a draft of B-1 offsets with top-k each can give (the budget is capped by it)."""
+def reachable_nodes(block_size: int, branch_k: int, drafter: str = "block") -> int:
+    """Most tree nodes a draft of B-1 offsets with top-k each can give (the budget is capped by it). A step drafter
+    (EAGLE-3) expands `branch_k` nodes a depth into `branch_k` children each: k at depth 1, k^2 at each further one."""
+    if drafter in STEP_DRAFTERS:
+        return branch_k + (block_size - 2) * branch_k ** 2 if block_size > 1 else 0
     return sum(branch_k ** depth for depth in range(1, block_size))
 
 
@@ -132,4 +135,5 @@ def check_decode(limits: ServeLimits, cfg: DecodeConfig) -> None:
     if not cfg.speculative or cfg.budget == 0:
         return
     check_branch_k(limits, cfg.branch_k)
-    check_tree(limits, min(cfg.budget, reachable_nodes(limits.block_size, cfg.branch_k)) + 1, cfg.budget)
+    check_tree(limits, min(cfg.budget, reachable_nodes(limits.block_size, cfg.branch_k, limits.drafter)) + 1,
+               cfg.budget)
