@@ -70,12 +70,14 @@ class SeededDrafter:
     def draft_step(self, tokens, parents, k: int):
         ids, logp = self.inner.draft_step(tokens, parents, k)
         ids = np.array(ids, copy=True)
+        self.seeded_rows: list[tuple[int, int]] = []  # (row, the depth of its children) where the truth was seeded
         for i, (token, parent) in enumerate(zip(np.asarray(tokens).tolist(), np.asarray(parents).tolist())):
             depth, on_path = (1, True) if parent < 0 else (self._nodes[parent][0] + 1, self._nodes[parent][1])
             on_path = on_path and token == self._true(depth)
             self._nodes.append((depth, on_path))
             if on_path:
                 ids[i] = self._seed(ids[i].tolist(), depth + 1, k)
+                self.seeded_rows.append((i, depth + 1))
         return ids, logp
 
     def verify(self, tokens, depths, visible) -> Verified:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from ..backends.seeded import SeededDrafter
 
 CONFIDENCE = 0.9
@@ -25,10 +27,23 @@ class ConfidentSeeds(SeededDrafter):
         super().__init__(backend, truth, prompt_len, lambda d: 0 if d <= depth else None)
         self.depth = depth
 
+    def _confident(self, logp: np.ndarray, rows) -> np.ndarray:
+        logp = np.array(logp, dtype=np.float64, copy=True)
+        logp[rows, 0] = math.log(CONFIDENCE)
+        if logp.shape[-1] > 1:
+            logp[rows, 1:] = math.log((1 - CONFIDENCE) / (logp.shape[-1] - 1))
+        return logp
+
     def draft(self, anchor: int, k: int, depth: int | None = None):
         ids, logp = super().draft(anchor, k, depth)
-        logp = logp.copy()
-        logp[: self.depth, 0] = math.log(CONFIDENCE)
-        if k > 1:
-            logp[: self.depth, 1:] = math.log((1 - CONFIDENCE) / (k - 1))
-        return ids, logp
+        return ids, self._confident(logp, slice(0, self.depth))
+
+    def draft_root(self, anchor: int, k: int):
+        """A step drafter's rounds: the anchor's children and every node on the true path to `depth`."""
+        ids, logp = super().draft_root(anchor, k)
+        return ids, self._confident(np.asarray(logp)[None], 0)[0]
+
+    def draft_step(self, tokens, parents, k: int):
+        ids, logp = super().draft_step(tokens, parents, k)
+        rows = [row for row, depth in self.seeded_rows if depth <= self.depth]
+        return ids, self._confident(logp, rows) if rows else logp
