@@ -130,7 +130,8 @@ def runner_flags(p: argparse.ArgumentParser, *, backend_help: str = BACKEND_DEFA
     p.add_argument("--backend", choices=BACKENDS, help=backend_help)
     p.add_argument("--model", type=Path, help="target model: a HF snapshot directory (default: the embedded "
                    "glance-vl-tiny with its head)")
-    p.add_argument("--head", type=Path, help="GLANCE/DFlash draft head directory")
+    p.add_argument("--head", type=Path, help="draft head directory: a GLANCE/DFlash head, or an EAGLE-3 head as "
+                   "published")
     p.add_argument("--artifacts", type=Path, help="exported graphs for --backend onnxruntime (glance-export onnx)")
     p.add_argument("--engines", type=Path, help="TensorRT engines for --backend tensorrt (glance-export build)")
     p.add_argument("--provider", action="append", help="ONNX Runtime execution provider (cpu, cuda, tensorrt or a "
