@@ -5,6 +5,10 @@ tree mask over a DynamicCache; the oracle drives the same model the ordinary way
 positions, causal mask and cache growth), so the two share no position or mask code. Both need
 torch, so they live on the exporter side, which registers `open_reference` for the runtime (the
 `glance_runtime.extensions` entry points in pyproject.toml).
+
+The backend takes either kind of head: a GLANCE/DFlash head drafts a whole block per pass (`draft`), an
+EAGLE-3 head one tree depth per pass (`draft_root`/`draft_step`, the loop's step drafter), with its own KV
+cache over the committed rows kept across rounds.
 """
 from __future__ import annotations
 
@@ -16,12 +20,14 @@ import torch
 
 from glance_runtime.decode.backend import BackendInfo, ServeLimits, Verified, draft_rows
 from glance_runtime.backends.hardware import host_cpu
+from glance_runtime.defaults import EAGLE3_DEPTH
 from glance_runtime.decode.loop import DecodeConfig
 from glance_runtime.decode.session import Session, Settings
 from glance_runtime.prompt.codec import PromptCodec
 from glance_runtime.prompt.prefix_reuse import images_after
 
 from .adapters import Prompt, Snapshot
+from .eagle3 import Eagle3Head, check_eagle3_matches, head_kind, load_eagle3, log_softmax_top, rows_mask
 from .head import DraftHead, check_head_matches, load_head
 
 
@@ -55,26 +61,125 @@ def _entropy(logits: torch.Tensor) -> float:
 _PRECISION = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
+class StepHead:
+    """An EAGLE-3 head's state beside the target: the committed stream (tokens, fused-tap inputs, head positions),
+    the head's K/V of the committed rows, and the current round's rows.
+
+    Row i takes (embed(x_{i+1}), fc(taps_i)) and predicts x_{i+2}. Row i is cached for later rounds only once
+    x_{i+1} is committed, so the last committed row, whose token is the anchor, is run again each round, beside the
+    round's node rows: a re-drafted round or a conversation that keeps fewer rows never reuses a row computed with
+    a token that is not the stream's."""
+
+    def __init__(self, head: Eagle3Head, embed: torch.nn.Module, place: Callable[[torch.Tensor], torch.Tensor]):
+        self.head, self.embed, self.place = head, embed, place  # place: stream positions [r] -> head's [3, r]
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens: list[int] = []  # committed x_0..x_{s-1}
+        self.inputs: torch.Tensor | None = None  # fc(taps) of each committed row [s, H]
+        self.positions: torch.Tensor | None = None  # each committed row's head positions [3, s]
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # head K/V of rows 0..cached-1
+        self.cached = 0
+        self.round_kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # the anchor row, then the round's nodes
+        self.round_out: list[torch.Tensor] = []  # pre-norm output [H] per round row (a child's hidden input)
+        self.round_seen: list[list[int]] = []  # per round row: the round rows it attends to (itself included)
+        self.round_depth: list[int] = []
+
+    def commit(self, tokens: Sequence[int], taps: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append committed rows: their tokens, target taps [r, 3W] and head positions [3, r]."""
+        inputs = self.head.fuse(taps)
+        self.tokens += [int(t) for t in tokens]
+        self.inputs = inputs if self.inputs is None else torch.cat([self.inputs, inputs])
+        self.positions = positions if self.positions is None else torch.cat([self.positions, positions], dim=1)
+
+    def truncate(self, keep: int) -> None:
+        """Keep the first `keep` committed rows; the head's cache keeps rows whose next token is among them."""
+        self.tokens, self.inputs, self.positions = self.tokens[:keep], self.inputs[:keep], self.positions[:, :keep]
+        self.cached = min(self.cached, keep - 1)
+        self.kv = [(k[:, :, :self.cached], v[:, :, :self.cached]) for k, v in self.kv] if self.kv else None
+        self.round_kv, self.round_out, self.round_seen, self.round_depth = [], [], [], []
+
+    def _top(self, normed: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+        ids, logp = log_softmax_top(self.head.logits(normed), k)
+        return self.head.target_ids(ids).cpu().numpy().astype(np.int64), logp.double().cpu().numpy()
+
+    def root(self, anchor: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Run the committed rows the cache lacks (the last with the anchor as its token); top-k after the anchor."""
+        start, end = self.cached, len(self.tokens)
+        ids = torch.tensor(self.tokens[start + 1:] + [int(anchor)], device=self.inputs.device)
+        normed, prenorm, new = self.head(self.embed(ids)[None], self.inputs[None, start:],
+                                         self.positions[:, None, start:], self.kv)
+        self.kv = [(k0[:, :, :0], v0[:, :, :0]) for k0, v0 in new] if self.kv is None else self.kv
+        self.kv = [(torch.cat([k0, k1[:, :, :-1]], 2), torch.cat([v0, v1[:, :, :-1]], 2))
+                   for (k0, v0), (k1, v1) in zip(self.kv, new)]
+        self.cached = end - 1
+        self.round_kv = [(k1[:, :, -1:], v1[:, :, -1:]) for k1, v1 in new]
+        self.round_out, self.round_seen, self.round_depth = [prenorm[0, -1]], [[0]], [0]
+        return tuple(a[0] for a in self._top(normed[0, -1:], k))
+
+    def step(self, tokens: np.ndarray, parents: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """One pass over new nodes; node j of the round is round row j + 1 (row 0: the anchor's)."""
+        known = len(self.round_out) - 1
+        if not self.round_out:
+            raise RuntimeError("draft_step() before draft_root(): a round starts at its root")
+        rows = [int(p) + 1 for p in np.asarray(parents).reshape(-1)]
+        if len(rows) != len(tokens) or not all(0 <= r <= known for r in rows):
+            raise ValueError(f"draft_step parents must name nodes drafted before this step (0..{known - 1}) or -1")
+        n, before = len(rows), len(self.round_out)
+        device = self.inputs.device
+        depths = [self.round_depth[r] + 1 for r in rows]
+        visible = torch.zeros(n, self.cached + before + n, dtype=torch.bool, device=device)
+        visible[:, :self.cached] = True
+        for j, r in enumerate(rows):
+            visible[j, [self.cached + c for c in self.round_seen[r]]] = True
+            visible[j, self.cached + before + j] = True
+        stream = len(self.tokens) - 1 + torch.tensor(depths, device=device)
+        past = [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(self.kv, self.round_kv)]
+        ids = torch.as_tensor(np.asarray(tokens, np.int64), device=device)
+        hidden = torch.stack([self.round_out[r] for r in rows])[None]
+        normed, prenorm, new = self.head(self.embed(ids)[None], hidden, self.place(stream)[:, None], past,
+                                         rows_mask(visible, hidden.dtype))
+        self.round_kv = [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
+                         for (k0, v0), (k1, v1) in zip(self.round_kv, new)]
+        for j, r in enumerate(rows):
+            self.round_out.append(prenorm[0, j])
+            self.round_seen.append(self.round_seen[r] + [before + j])
+            self.round_depth.append(depths[j])
+        return self._top(normed[0], k)
+
+
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, snapshot: Snapshot, head: DraftHead | None = None, dtype: str = "float32",
+    def __init__(self, snapshot: Snapshot, head: DraftHead | Eagle3Head | None = None, dtype: str = "float32",
                  model: torch.nn.Module | None = None, device: str = "cpu"):
         self.snapshot = snapshot
         self.device = torch.device(device)
         self.model = (model if model is not None else snapshot.load_model(dtype)).to(self.device)
-        self.head = head
-        if head is not None:
-            check_head_matches(head, snapshot)
-            self.head = head.to(self.device, self.model.dtype)
-        self.block_size = head.config.block_size if head is not None else 1
-        # any top-k of the head's vocabulary, any tree size: the reference has no export-time bounds
-        drafted = head.config.draft_vocab_size if head is not None else None
-        limits = ServeLimits(self.block_size, drafted or snapshot.text_config["vocab_size"])
-        self.info = BackendInfo(limits=limits, precision=_PRECISION.get(self.model.dtype, str(self.model.dtype)),
-                                hardware=f"torch {self.device}" if self.device.type == "cuda" else host_cpu())
         self.embed = self.model.get_input_embeddings()
         self.lm_head = self.model.get_output_embeddings()
+        self.head = head
+        self.steps: StepHead | None = None
+        drafter = "block"
+        if isinstance(head, Eagle3Head):
+            check_eagle3_matches(head, snapshot)
+            self.head = head.to(self.device, self.model.dtype)
+            self.tap_layers = head.config.taps(snapshot.text_config["num_hidden_layers"])
+            self.block_size, drafter = EAGLE3_DEPTH + 1, "steps"
+            drafted = head.config.drafted_vocab
+            own = self.head.embed_tokens
+            self.steps = StepHead(self.head, own if own is not None else self.embed, self._head_positions)
+        elif head is not None:
+            check_head_matches(head, snapshot)
+            self.head = head.to(self.device, self.model.dtype)
+            self.tap_layers = head.config.target_layer_ids
+            self.block_size, drafted = head.config.block_size, head.config.draft_vocab_size
+        else:
+            self.block_size, drafted = 1, None
+        # any top-k of the head's vocabulary, any tree size: the reference has no export-time bounds
+        limits = ServeLimits(self.block_size, drafted or snapshot.text_config["vocab_size"], drafter=drafter)
+        self.info = BackendInfo(limits=limits, precision=_PRECISION.get(self.model.dtype, str(self.model.dtype)),
+                                hardware=f"torch {self.device}" if self.device.type == "cuda" else host_cpu())
         self._reset()
 
     def _reset(self) -> None:
@@ -87,11 +192,33 @@ class TorchBackend:
         self.pending_taps: list[torch.Tensor] = []  # committed rows not yet projected into head_kv
         self.pending_from = 0  # stream position of the first pending row
         self.verify_taps: torch.Tensor | None = None
+        self.verify_tokens: np.ndarray | None = None
+        if self.steps is not None:
+            self.steps.reset()
 
     def _taps(self, hidden_states: Sequence[torch.Tensor]) -> torch.Tensor | None:
         if self.head is None:
             return None
-        return torch.cat([hidden_states[i + 1] for i in self.head.config.target_layer_ids], dim=-1)
+        return torch.cat([hidden_states[i + 1] for i in self.tap_layers], dim=-1)
+
+    def _head_positions(self, stream: torch.Tensor, prompt: torch.Tensor | None = None) -> torch.Tensor:
+        """An EAGLE-3 head's positions [3, r] for stream positions [r]: a head rotating with M-RoPE takes the
+        target's three axes (`prompt`: the prompt rows' own, from the rope index; later rows stream + delta), any
+        other head the plain stream position."""
+        if self.head.config.mrope_section is None:
+            return stream[None].expand(3, -1)
+        if prompt is not None:
+            return prompt.reshape(-1, prompt.shape[-1]).expand(3, -1)
+        return (stream + self.delta)[None].expand(3, -1)
+
+    def _keep_rows(self, tokens: Sequence[int], taps: torch.Tensor, first: int,
+                   prompt_positions: torch.Tensor | None = None) -> None:
+        """Hand newly committed rows (stream positions first..) to the head's state."""
+        if self.steps is None:
+            self.pending_taps.append(taps)
+            return
+        stream = torch.arange(first, first + len(taps), device=self.device)
+        self.steps.commit(tokens, taps, self._head_positions(stream, prompt_positions))
 
     def _t(self, array) -> torch.Tensor:
         """A numpy array (or list) copied into a tensor on the model's device (tree arrays are read-only)."""
@@ -128,7 +255,7 @@ class TorchBackend:
                          output_hidden_states=self.head is not None, **extra)
         self.start = ids.shape[1]
         if self.head is not None:
-            self.pending_taps = [self._taps(out.hidden_states)[0]]
+            self._keep_rows(prompt.input_ids.tolist(), self._taps(out.hidden_states)[0], 0, positions)
         logits = out.logits[0, -1]
         return int(logits.argmax()), _entropy(logits)
 
@@ -140,7 +267,9 @@ class TorchBackend:
             layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
         if self.head is None:
             return
-        if keep <= self.pending_from:
+        if self.steps is not None:
+            self.steps.truncate(keep)
+        elif keep <= self.pending_from:
             self.head_kv = [(k[:, :, :keep], v[:, :, :keep]) for k, v in self.head_kv] if self.head_kv else None
             self.pending_taps, self.pending_from = [], keep
         else:
@@ -161,7 +290,8 @@ class TorchBackend:
                          output_hidden_states=self.head is not None, **extra)
         self.start = ids.shape[1]
         if self.head is not None:
-            self.pending_taps.append(self._taps(out.hidden_states)[0])
+            self._keep_rows(prompt.input_ids[keep:].tolist(), self._taps(out.hidden_states)[0], keep,
+                            positions[..., keep:])
         logits = out.logits[0, -1]
         return int(logits.argmax()), _entropy(logits)
 
@@ -169,6 +299,9 @@ class TorchBackend:
     def draft(self, anchor: int, k: int, depth: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         if self.head is None:
             raise RuntimeError("draft() needs a head; decode with speculative=False instead")
+        if self.steps is not None:
+            raise RuntimeError("draft() drafts a block, which an EAGLE-3 head does not: it drafts a depth per pass "
+                               "through draft_root() and draft_step() (the loop does so for drafter 'steps')")
         if self.pending_taps:
             taps = torch.cat(self.pending_taps)[None]
             pos = torch.arange(self.pending_from, self.pending_from + taps.shape[1], device=self.device)[None]
@@ -196,6 +329,7 @@ class TorchBackend:
                          cache=self.cache, use_cache=True, output_hidden_states=self.head is not None)
         if self.head is not None:
             self.verify_taps = self._taps(out.hidden_states)[0]
+            self.verify_tokens = np.asarray(tokens, np.int64)
         logits = out.logits[0].float()
         confidence = torch.log_softmax(logits, dim=-1).max(-1).values
         return Verified(logits.argmax(-1).cpu().numpy().astype(np.int64), _entropy(logits[0]),
@@ -210,8 +344,26 @@ class TorchBackend:
             layer.values[:, :, dst] = layer.values[:, :, keep]
             layer.keys, layer.values = layer.keys[:, :, :dst.stop], layer.values[:, :, :dst.stop]
         if self.head is not None:
-            self.pending_taps.append(self.verify_taps[self._t(rows)])
+            self._keep_rows(self.verify_tokens[np.asarray(rows)].tolist(), self.verify_taps[self._t(rows)],
+                            self.start)
         self.start += len(rows)
+
+    def _steps(self) -> StepHead:
+        if self.steps is None:
+            raise RuntimeError("draft_root() and draft_step() need an EAGLE-3 head; this backend drafts blocks "
+                               "with draft()" if self.head is not None else "draft_root() needs a head")
+        return self.steps
+
+    @torch.no_grad()
+    def draft_root(self, anchor: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The head's cache brought up to the committed rows, the last round's rows dropped; top-k after the
+        anchor (see `decode.backend.StepDrafter`)."""
+        return self._steps().root(anchor, k)
+
+    @torch.no_grad()
+    def draft_step(self, tokens: np.ndarray, parents: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """One head pass over the round's new nodes (see `decode.backend.StepDrafter`)."""
+        return self._steps().step(tokens, parents, k)
 
     def time_graphs(self) -> None:
         """None: one eager model, no separate graphs to time."""
@@ -280,12 +432,17 @@ def snapshot_codec(snapshot: Snapshot) -> PromptCodec:
                        positions if isinstance(positions, int) else None)
 
 
+def load_any_head(head_dir: Path) -> DraftHead | Eagle3Head:
+    """A head directory of either kind, told apart by its config.json (`eagle3.head_kind`)."""
+    return load_eagle3(head_dir) if head_kind(head_dir) == "eagle3" else load_head(head_dir)
+
+
 def open_reference(model: Path, head: Path | None, dtype: str = "float32", device: str = "cpu", *,
                    settings: Settings | DecodeConfig = Settings(),
                    progress: Callable[[str], None] = lambda _: None) -> Session:
     """The torch backend on a snapshot (on `device`: "cpu", "cuda"), with its codec and the greedy oracle."""
     snapshot = Snapshot(model)
-    backend = TorchBackend(snapshot, load_head(head) if head is not None else None, dtype=dtype, device=device)
+    backend = TorchBackend(snapshot, load_any_head(head) if head is not None else None, dtype=dtype, device=device)
     stops = snapshot.stop_token_ids
     return Session(backend, snapshot_codec(snapshot), settings, progress,
                    oracle=lambda prompt, n: greedy_reference(backend.model, snapshot, prompt, n, stops),
