@@ -23,6 +23,7 @@ BLOCK_SIZE = flags.between("--block-size", 2, 64, "the anchor plus up to 63 draf
 STEPS = flags.between("--steps", 1, 10_000_000, "optimizer steps")
 BATCH = flags.between("--batch", 1, 4096, "sequences held in memory at once")
 GEN_BATCH = flags.between("--gen-batch", 1, 4096, "prompts the target answers at once")
+DRAFT_VOCAB = flags.at_least("--draft-vocab", 1)
 SEED = flags.between("--seed", 0, 2**32 - 1, "the seeds torch and numpy accept")
 ANSWER_TOKENS = flags.at_least("--max-new-tokens", 1)
 MAX_TASKS = 1_000_000
@@ -37,18 +38,47 @@ def _init_head(args: argparse.Namespace) -> int:
     from .model.adapters import Snapshot
     from .model.head import check_head_out, head_config_for, init_head, pick_mask_token, save_head
 
+    if args.arch == "eagle3":
+        return _init_eagle3(args)
+    if args.draft_vocab is not None:
+        raise GlanceError("--draft-vocab is for --arch eagle3 heads; drop it or pass --arch eagle3")
     check_head_out(args.out, [args.model])
     snapshot = Snapshot(args.model)
-    if args.layers < 1 or args.block_size < 2:
+    block_size = args.block_size if args.block_size is not None else 16
+    if args.layers < 1 or block_size < 2:
         raise GlanceError("--layers must be >= 1 and --block-size >= 2")
     mask = args.mask_token_id if args.mask_token_id is not None else pick_mask_token(snapshot)
     if not 0 <= mask < snapshot.text_config["vocab_size"]:
         raise GlanceError(f"--mask-token-id {mask} is outside the target's vocabulary; pass an id below "
                           f"{snapshot.text_config['vocab_size']}")
-    cfg = head_config_for(snapshot, args.layers, args.block_size, mask)
+    cfg = head_config_for(snapshot, args.layers, block_size, mask)
     out = save_head(init_head(cfg, args.seed), args.out)
     print(f"wrote untrained head to {out} (layers {cfg.num_hidden_layers}, block {cfg.block_size}, "
           f"taps {cfg.target_layer_ids}, mask token {mask})")
+    return 0
+
+
+def _init_eagle3(args: argparse.Namespace) -> int:
+    """An untrained EAGLE-3 head in the published layout; its draft vocabulary (--draft-vocab N) is the target's
+    first N ids, since an untrained head has no token counts to choose the frequent ones by."""
+    from .model.adapters import Snapshot
+    from .model.eagle3 import check_eagle3_out, eagle3_config_for, init_eagle3, save_eagle3
+
+    for flag, value in (("--block-size", args.block_size), ("--mask-token-id", args.mask_token_id)):
+        if value is not None:
+            raise GlanceError(f"{flag} is for GLANCE heads; an EAGLE-3 head drafts one token per pass with no mask "
+                              f"token: drop {flag} or pass --arch glance")
+    check_eagle3_out(args.out, [args.model])
+    snapshot = Snapshot(args.model)
+    vocab = snapshot.text_config["vocab_size"]
+    if args.draft_vocab is not None and args.draft_vocab > vocab:
+        raise GlanceError(f"--draft-vocab {args.draft_vocab} exceeds the target's vocabulary of {vocab}; pass at "
+                          f"most {vocab}")
+    drafted = None if args.draft_vocab in (None, vocab) else args.draft_vocab
+    cfg = eagle3_config_for(snapshot, drafted, args.layers)
+    out = save_eagle3(init_eagle3(cfg, args.seed), args.out)
+    print(f"wrote untrained EAGLE-3 head to {out} (layers {cfg.num_hidden_layers}, taps {cfg.aux_layer_ids}, "
+          f"draft vocabulary {cfg.drafted_vocab})")
     return 0
 
 
@@ -336,9 +366,13 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("--model", type=Path, required=True)
     h.add_argument("--out", type=Path, required=True)
     h.add_argument("--layers", type=HEAD_LAYERS, default=1)
-    h.add_argument("--block-size", type=BLOCK_SIZE, default=16)
+    h.add_argument("--arch", choices=("glance", "eagle3"), default="glance",
+                   help="glance: a block head (default); eagle3: an EAGLE-3 head in its published layout")
+    h.add_argument("--block-size", type=BLOCK_SIZE, help="GLANCE heads only (default 16)")
     h.add_argument("--seed", type=int, default=0)
-    h.add_argument("--mask-token-id", type=int)
+    h.add_argument("--mask-token-id", type=int, help="GLANCE heads only (default: an id the tokenizer never emits)")
+    h.add_argument("--draft-vocab", type=DRAFT_VOCAB,
+                   help="EAGLE-3 heads only: draft over the target's first N ids (default: its whole vocabulary)")
     h.set_defaults(func=_init_head)
 
     c = sub.add_parser("corpus", help="write a synthetic task file (held-out kinds, or training prompts)")
