@@ -104,7 +104,7 @@ def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str |
         progress(f"copied {files_note}; hashing the source weights for the manifest")
         manifest = build_manifest(snapshot, head, Path(head_dir), dims, tmp, dtype=dtype, opset=opset,
                                   branch_k=branch_k, max_tree=max_tree, max_context=max_context,
-                                  axes=axis_bounds(dims, max_tree, max_context), files=files,
+                                  axes=axis_bounds(dims, max_tree, max_context, branch_k), files=files,
                                   quantization=quantization)
         artifacts_format.write(tmp, manifest)
     progress(f"wrote {out} in {time.perf_counter() - started:.1f}s")

@@ -12,6 +12,7 @@ from glance_export.model.adapters import Snapshot
 from glance_runtime.formats.graphs import draft_kv_names, target_kv_names
 from glance_runtime.decode.tree import visibility
 
+from . import eagle3_draft
 from .spec import Dims
 from glance_runtime.prompt.vision_indices import vision_index_inputs
 
@@ -86,7 +87,8 @@ def trace_feeds(snapshot: Snapshot, dims: Dims, dtype: str) -> dict[str, dict[st
     """Inputs to trace with: sizes distinct from each other and from 1, so no axis gets frozen."""
     rng = np.random.default_rng(0)
     feeds = {"target": target_feed(dims, rng, 6, 3, 2, dtype, tree=False),
-             "draft": draft_feed(dims, rng, 5, 2, dtype),
+             "draft": (eagle3_draft.trace_feed(dims, rng, dtype) if dims.head_kind == "eagle3"
+                       else draft_feed(dims, rng, 5, 2, dtype)),
              "vocab": vocab_feed(dims, rng, 4, 3, dtype)}
     if dims.draft_vocab:
         feeds["draft_vocab"] = vocab_feed(dims, rng, 4, 3, dtype, dims.draft_vocab)

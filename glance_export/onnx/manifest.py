@@ -11,7 +11,9 @@ from typing import Any
 import onnx
 
 from glance_export.model.adapters import Snapshot
+from glance_export.model.eagle3 import LEGACY_WEIGHTS_FILE, Eagle3Head
 from glance_export.model.head import WEIGHTS_FILE, DraftHead
+from glance_runtime.defaults import EAGLE3_DEPTH
 from glance_runtime._version import __version__
 from glance_runtime.store.integrity import record, sha256
 
@@ -55,7 +57,19 @@ def io_spec(path: Path) -> dict[str, dict[str, dict[str, Any]]]:
     return {"inputs": describe(graph.input), "outputs": describe(graph.output)}
 
 
-def build_manifest(snapshot: Snapshot, head: DraftHead, head_dir: Path, dims: Dims, out: Path, *, dtype: str,
+def _eagle3_fields(head: Eagle3Head, dims: Dims) -> dict[str, Any]:
+    """What a runtime needs to drive an EAGLE-3 draft graph besides its KV geometry."""
+    return {"kind": "eagle3", "max_depth": EAGLE3_DEPTH, "mrope": dims.head_mrope, "tap_layer_ids": list(dims.tap_ids),
+            "hidden_size": head.config.hidden_size, "draft_vocab_size": head.config.draft_vocab_size}
+
+
+def _weights_file(head_dir: Path) -> Path:
+    """The head's weights as written (an EAGLE-3 head may still carry the older pytorch_model.bin)."""
+    legacy = head_dir / LEGACY_WEIGHTS_FILE
+    return legacy if not (head_dir / WEIGHTS_FILE).is_file() and legacy.is_file() else head_dir / WEIGHTS_FILE
+
+
+def build_manifest(snapshot: Snapshot, head: DraftHead | Eagle3Head, head_dir: Path, dims: Dims, out: Path, *, dtype: str,
                    opset: int, branch_k: int, max_tree: int, max_context: int, axes: dict[str, list[int]],
                    files: list[str], quantization: dict[str, Any] | None = None) -> dict[str, Any]:
     """The manifest's fields (all but the header and content hash `formats.artifacts.write` adds)."""
@@ -65,7 +79,8 @@ def build_manifest(snapshot: Snapshot, head: DraftHead, head_dir: Path, dims: Di
                    "hidden_size": dims.hidden, "vocab_size": dims.vocab, "tap_layer_ids": list(dims.tap_ids),
                    "position_axes": dims.position_axes, "deepstack_layers": dims.deepstack},
         "draft": {"num_layers": dims.head_layers, "num_kv_heads": dims.head_kv_heads,
-                  "head_dim": dims.head_head_dim, "context_width": dims.n_taps * dims.hidden},
+                  "head_dim": dims.head_head_dim, "context_width": dims.n_taps * dims.hidden,
+                  **(_eagle3_fields(head, dims) if dims.head_kind == "eagle3" else {})},
         "vocab": {"vocab_size": dims.vocab, "hidden_size": dims.hidden, "tied": dims.tied, "branch_k": branch_k},
     }
     if dims.draft_vocab:
@@ -96,6 +111,7 @@ def build_manifest(snapshot: Snapshot, head: DraftHead, head_dir: Path, dims: Di
                  "spatial_merge_size": dims.vision["merge_size"] if dims.is_vl else None},
         "source": {"config_sha256": sha256(snapshot.path / "config.json"),
                    "weights_sha256": {p.name: sha256(p) for p in sorted(snapshot.path.glob("*.safetensors"))}},
-        "head": {"config": head.config.to_json(), "weights_sha256": sha256(Path(head_dir) / WEIGHTS_FILE)},
+        "head_kind": dims.head_kind,
+        "head": {"config": head.config.to_json(), "weights_sha256": sha256(_weights_file(Path(head_dir)))},
         "graphs": graphs, "files": files, "quantization": quantization, "file_hashes": record(out, written),
     }

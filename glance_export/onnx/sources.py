@@ -8,9 +8,11 @@ import torch
 from torch import nn
 
 from glance_export.model.adapters import Snapshot
+from glance_export.model.eagle3 import Eagle3Head, check_eagle3_matches, head_kind, load_eagle3
 from glance_export.model.head import DraftHead, check_head_matches, load_head
 from glance_runtime.errors import GlanceError
 
+from . import eagle3_draft
 from .checkpoint import Checkpoint
 from .draft import DraftGraph
 from .skeleton import Skeleton, build_skeleton
@@ -20,13 +22,20 @@ from .vision import VisionGraph
 from .vocab import DraftVocabGraph, VocabGraph
 
 
-def open_sources(model_dir: str | Path, head_dir: str | Path, dtype: str) -> tuple[Snapshot, Checkpoint, DraftHead]:
-    """Snapshot, its tensor index and the matching head (small: loaded whole)."""
+def open_sources(model_dir: str | Path, head_dir: str | Path,
+                 dtype: str) -> tuple[Snapshot, Checkpoint, DraftHead | Eagle3Head]:
+    """Snapshot, its tensor index and the matching head (small: loaded whole): a GLANCE/DFlash head, or an
+    EAGLE-3 head where its config.json says so."""
     if dtype not in DTYPES:
         raise GlanceError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     if not Path(head_dir).is_dir():
         raise GlanceError(f"head directory {head_dir} does not exist; create one with `glance-export init-head`")
     snapshot = Snapshot(model_dir)
+    if head_kind(head_dir) == "eagle3":
+        eagle = load_eagle3(head_dir, getattr(torch, DTYPES[dtype]))
+        check_eagle3_matches(eagle, snapshot)
+        eagle3_draft.check_exportable(eagle)
+        return snapshot, Checkpoint(snapshot.path), eagle
     head = load_head(head_dir, getattr(torch, DTYPES[dtype]))
     check_head_matches(head, snapshot)
     if head.config.vocab_size != snapshot.text_config["vocab_size"]:
@@ -58,16 +67,27 @@ def draft_vocab_graph(model: nn.Module, head: DraftHead, weights: Skeleton, bran
     return DraftVocabGraph(rows, head_rows, ids, branch_k)
 
 
-def build_graphs(skeleton: Skeleton, head: DraftHead, dims: Dims, branch_k: int) -> dict[str, nn.Module]:
-    """The wrapped graphs by name: target, draft, vocab, (VL only) vision and (a head with a draft
-    vocabulary) draft_vocab."""
+def eagle3_step_graph(model: nn.Module, head: Eagle3Head, weights: Skeleton, branch_k: int) -> nn.Module:
+    """The EAGLE-3 draft graph, with the target's embedding rows of the tokens the head drafts (read now: held
+    beside the head, see `eagle3_draft`)."""
+    embed = model.get_input_embeddings().weight
+    rows = weights.real(embed).to(embed.dtype)[eagle3_draft.draft_token_ids(head)].clone()
+    return eagle3_draft.Eagle3StepGraph(head, rows, branch_k)
+
+
+def build_graphs(skeleton: Skeleton, head: DraftHead | Eagle3Head, dims: Dims, branch_k: int) -> dict[str, nn.Module]:
+    """The wrapped graphs by name: target, draft (GLANCE's block pass or EAGLE-3's step), vocab, (VL only) vision
+    and (a GLANCE head with a draft vocabulary) draft_vocab."""
     model = skeleton.model
-    smallest = min(dims.vocab, dims.draft_vocab or dims.vocab)
+    drafted = head.config.drafted_vocab if isinstance(head, Eagle3Head) else dims.draft_vocab
+    smallest = min(dims.vocab, drafted or dims.vocab)
     if not 1 <= branch_k <= smallest:
-        raise GlanceError(f"branch_k must be between 1 and the {'draft ' if dims.draft_vocab else ''}vocabulary "
+        raise GlanceError(f"branch_k must be between 1 and the {'draft ' if drafted else ''}vocabulary "
                           f"size {smallest}, got {branch_k}")
+    draft = (eagle3_step_graph(model, head, skeleton, branch_k) if isinstance(head, Eagle3Head)
+             else DraftGraph(head))
     graphs = {"target": target_graph(model, dims),
-              "draft": DraftGraph(head),
+              "draft": draft,
               "vocab": VocabGraph(model.get_input_embeddings(), model.get_output_embeddings(), branch_k)}
     if dims.draft_vocab:
         graphs["draft_vocab"] = draft_vocab_graph(model, head, skeleton, branch_k)

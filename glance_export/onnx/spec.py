@@ -9,9 +9,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from glance_export.model.adapters import Snapshot
+from glance_export.model.eagle3 import Eagle3Head
 from glance_export.model.head import DraftHead
+from glance_runtime.defaults import EAGLE3_DEPTH
 from glance_runtime.errors import GlanceError
 from glance_runtime.formats.graphs import VOCABULARY_GRAPHS
+
+from . import eagle3_draft
 
 DTYPES = {"fp32": "float32", "fp16": "float16"}
 
@@ -36,6 +40,8 @@ class Dims:
     vision: dict[str, Any] | None  # index_params plus patch_dim / max_patches, VL only
     tied: bool  # the LM head is the embedding matrix (one tensor in the vocab graph)
     draft_vocab: int | None = None  # the head drafts over this many target tokens (its draft_vocab graph)
+    head_kind: str = "glance"  # "eagle3": an autoregressive head, its draft graph run once per depth
+    head_mrope: bool = False  # the EAGLE-3 head rotates with the target's three M-RoPE axes
 
     @property
     def n_taps(self) -> int:
@@ -60,29 +66,35 @@ def vision_params(snapshot: Snapshot) -> dict[str, Any]:
             "min_patches": min_pixels // (patch * patch), "max_patches": max_pixels // (patch * patch)}
 
 
-def dims_for(snapshot: Snapshot, head: DraftHead) -> Dims:
+def dims_for(snapshot: Snapshot, head: DraftHead | Eagle3Head) -> Dims:
     tc, hc = snapshot.text_config, head.config
     deep = snapshot.config.get("vision_config", {}).get("deepstack_visual_indexes") or []
     if snapshot.family == "qwen3_vl" and len(deep) > tc["num_hidden_layers"]:
         raise GlanceError(f"{snapshot.path} has {tc['num_hidden_layers']} text layers but Qwen3-VL adds its "
                           f"{len(deep)} deepstack features to the first {len(deep)}; a model cut that short cannot be "
                           f"exported: keep at least {len(deep)} text layers")
+    eagle3 = isinstance(head, Eagle3Head)
+    head_fields = (dict(tap_ids=tuple(hc.taps(tc["num_hidden_layers"])), block_size=EAGLE3_DEPTH + 1, mask_token_id=0,
+                        draft_vocab=None, head_kind="eagle3", head_mrope=hc.mrope_section is not None) if eagle3 else
+                   dict(tap_ids=tuple(hc.target_layer_ids), block_size=hc.block_size, mask_token_id=hc.mask_token_id,
+                        draft_vocab=hc.draft_vocab_size))
     return Dims(family=snapshot.family, is_vl=snapshot.is_vl, hidden=tc["hidden_size"], vocab=tc["vocab_size"],
                 layers=tc["num_hidden_layers"], kv_heads=tc.get("num_key_value_heads") or tc["num_attention_heads"],
                 head_dim=tc.get("head_dim") or tc["hidden_size"] // tc["num_attention_heads"],
-                tap_ids=tuple(hc.target_layer_ids), deepstack=len(deep) if snapshot.family == "qwen3_vl" else 0,
+                deepstack=len(deep) if snapshot.family == "qwen3_vl" else 0,
                 head_layers=hc.num_hidden_layers, head_kv_heads=hc.num_key_value_heads, head_head_dim=hc.head_dim,
-                block_size=hc.block_size, mask_token_id=hc.mask_token_id,
                 image_token_id=snapshot.image_token_id if snapshot.is_vl else None,
                 vision=vision_params(snapshot) if snapshot.is_vl else None,
                 tied=bool(snapshot.config.get("tie_word_embeddings", tc.get("tie_word_embeddings", False))),
-                draft_vocab=hc.draft_vocab_size)
+                **head_fields)
 
 
-def axis_bounds(dims: Dims, max_tree: int, max_context: int) -> dict[str, list[int]]:
+def axis_bounds(dims: Dims, max_tree: int, max_context: int, branch_k: int = 8) -> dict[str, list[int]]:
     """[min, max] of every symbolic axis; the runtime sizes buffers and TensorRT profiles from these."""
     bounds = {"T": [1, max_context], "S": [0, max_context - 1], "N": [1, max_context], "S_h": [0, max_context - 1],
               "T_verify": [1, max_tree], "E": [1, max_context], "R": [1, max(max_tree, dims.block_size - 1)]}
+    if dims.head_kind == "eagle3":
+        bounds.update(eagle3_draft.axis_bounds(max_context, branch_k))
     if dims.is_vl:
         v = dims.vision
         unit = v["merge_size"] ** 2
@@ -100,6 +112,8 @@ def dynamic_axes(dims: Dims, graph: str, input_names: list[str], output_names: l
                 "tree_mask": {0: "T", 1: "T"}, "hidden": {0: "T"}, "taps": {0: "T"}}
         axes.update({n: {0: "S"} for n in input_names if n.startswith("past_")})
         axes.update({n: {0: "T"} for n in output_names if n.startswith("present_")})
+    elif graph == "draft" and dims.head_kind == "eagle3":
+        axes = eagle3_draft.dynamic_axes(set(input_names) | set(output_names))
     elif graph == "draft":
         axes = {"context_taps": {0: "N"}, "context_positions": {0: "N"}}
         axes.update({n: {0: "S_h"} for n in input_names if n.startswith("past_ctx_")})
@@ -123,6 +137,8 @@ def output_shapes(dims: Dims, graph: str, branch_k: int) -> dict[str, list[int |
         for l in range(dims.layers):
             shapes[f"present_key_{l}"] = shapes[f"present_value_{l}"] = ["T", dims.kv_heads, dims.head_dim]
         return shapes
+    if graph == "draft" and dims.head_kind == "eagle3":
+        return eagle3_draft.output_shapes(dims, branch_k)
     if graph == "draft":
         shapes = {"hidden": [dims.block_size - 1, dims.hidden]}
         for j in range(dims.head_layers):

@@ -23,6 +23,7 @@ from torch import nn
 from glance_runtime.errors import GlanceError
 from glance_runtime.formats.graphs import VOCABULARY_GRAPHS
 
+from . import eagle3_draft
 from .export import torch_args
 from .feeds import draft_feed, target_feed, vision_feed, vocab_feed
 from .node_runs import weight_bytes
@@ -49,6 +50,8 @@ def validation_feeds(graph: str, dims: Dims, snapshot, dtype: str, seed: int) ->
         return [target_feed(dims, rng, 9, 0, 3, np_dtype, tree=False),
                 target_feed(dims, rng, 11, 5, 1, np_dtype, tree=True),
                 target_feed(dims, rng, 1, 4, 0, np_dtype, tree=True)]
+    if graph == "draft" and dims.head_kind == "eagle3":
+        return eagle3_draft.validation_feeds(dims, rng, np_dtype)
     if graph == "draft":
         return [draft_feed(dims, rng, 7, 0, np_dtype), draft_feed(dims, rng, 3, 6, np_dtype)]
     if graph in VOCABULARY_GRAPHS:

@@ -11,7 +11,8 @@ only sizes and ids that fit together); `file_hashes` covers every file beside it
 Document (format_version 3): format, format_version, toolkit_version, family, is_vl, dtype, opset,
 float_io_dtype, fp32_outputs, branch_k, block_size, mask_token_id, image_token_id, stop_token_ids,
 limits {max_tree, max_context}, axes {name: [min, max]}, source {config_sha256, weights_sha256 {file: sha}},
-head {config, weights_sha256}, rope {theta, mrope_section, vision_start_token_id, spatial_merge_size},
+head {config, weights_sha256}, head_kind ("glance" where absent, or "eagle3": the draft graph is an EAGLE-3
+step, graphs.draft then also records kind, max_depth, mrope, tap_layer_ids, hidden_size, draft_vocab_size), rope {theta, mrope_section, vision_start_token_id, spatial_merge_size},
 graphs {target|draft|vocab|vision|draft_vocab: {file, data_file, inputs/outputs {name: {dtype, shape}},
 ...sizes}} (vocab and draft_vocab also record their vocab_size, whether the LM head is tied to the
 embedding, and the top-k baked in; draft_vocab is there only for a head with a reduced draft
@@ -46,6 +47,7 @@ HASH_FIELD = "content_sha256"
 BIG = 1 << 24  # above any real vocabulary, context or layer count: a value past it is corrupt, not large
 FLOAT_DTYPES = ("float16", "float32")
 INT8_ACCURACY_LEVEL = 4  # MatMulNBits accuracy_level: int8 activations
+HEAD_KINDS = ("glance", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,8 @@ class Manifest:
     quantization: Quantization | None
     file_hashes: dict[str, FileHash]  # every file beside the manifest
     raw: dict[str, Any]  # the whole checked document, for the graph I/O and file-hash checks
+    head_kind: str = "glance"  # "eagle3": the draft graph is an autoregressive head's step (drafter "steps")
+    head_mrope: bool = False  # the EAGLE-3 head rotates with the target's three M-RoPE axes
 
 
 def _version(value: str) -> tuple[int, int]:
@@ -276,7 +280,11 @@ def _parse(path: Path, raw: dict[str, Any]) -> tuple[Manifest, dict[str, str], l
     target, draft, vocab = (obj(graphs, key, "graphs.") for key in ("target", "draft", "vocab"))
     target_stack = _stack(target, "graphs.target.")
     _kv_io(target, target_stack, "graphs.target.", "past_", "present_")
-    _kv_io(draft, _stack(draft, "graphs.draft."), "graphs.draft.", "past_ctx_", "ctx_")
+    head_kind = text(raw, "head_kind", choices=HEAD_KINDS) if "head_kind" in raw else "glance"
+    if draft.get("kind", "glance") != head_kind:
+        raise Invalid(f"graphs.draft.kind is {draft.get('kind')!r} but head_kind is {head_kind!r}")
+    _kv_io(draft, _stack(draft, "graphs.draft."), "graphs.draft.",
+           *(("past_", "present_") if head_kind == "eagle3" else ("past_ctx_", "ctx_")))
     hidden = integer(target, "hidden_size", 1, BIG, "graphs.target.")
     vocab_size = integer(target, "vocab_size", 2, BIG, "graphs.target.")
     if integer(vocab, "vocab_size", 2, BIG, "graphs.vocab.") != vocab_size:
@@ -326,7 +334,8 @@ def _parse(path: Path, raw: dict[str, Any]) -> tuple[Manifest, dict[str, str], l
         graphs={name: _graph_file(obj(graphs, name, "graphs."), "file", "data_file", f"graphs.{name}.")
                 for name in graphs},
         head_weights_sha256=_head_weights(raw), quantization=_quantization(raw),
-        file_hashes={name: FileHash(e["sha256"], e["size"]) for name, e in raw["file_hashes"].items()}, raw=raw)
+        file_hashes={name: FileHash(e["sha256"], e["size"]) for name, e in raw["file_hashes"].items()}, raw=raw,
+        head_kind=head_kind, head_mrope=head_kind == "eagle3" and boolean(draft, "mrope", "graphs.draft."))
     return manifest, needed, names
 
 

@@ -41,6 +41,18 @@ draft graph: `context_taps` f[N, n_taps*H] (newly committed rows), `context_posi
     f[S_h, kvh, D] per head layer j
     -> `hidden` f[B-1, H] (final-normed rows of offsets 1..B-1: the vocab graph's input),
     `ctx_key_{j}` / `ctx_value_{j}` f[N, kvh, D] (the new context rows' K/V, to append to the cache).
+draft graph of an EAGLE-3 head (manifest `head_kind` "eagle3"; one run per tree depth, the root run also over the
+    committed rows not yet in the head's cache): `context_taps` f[N_taps, n_taps*H] (committed rows' taps: their
+    hidden inputs are `fc` over them), `hidden` f[M, H] (hidden inputs given as they are: each drafted node's
+    parent's `prenorm`), the rows being R_h = N_taps + M in that order; `embeds` f[R_h, H] (the target's
+    embedding of each row's next token), `position_ids` i64[3, R_h] (the three M-RoPE axes for a head rotating
+    with them, else the stream position on all three), `attention_mask` bool[R_h, S_h + R_h] (row i sees column
+    j: the S_h cached rows, then this run's), `logit_rows` i64[Q] (the rows to project: the root run's last,
+    a step's every row), `past_key_{j}` / `past_value_{j}` f[S_h, kvh, D] per head layer j
+    -> `topk_ids` i64[Q, K] (target ids: the draft vocabulary's map applied), `topk_logprobs` f32[Q, K]
+    (log-softmax over the draft vocabulary), `topk_embeds` f[Q, K, H] (the target's embeddings of `topk_ids`),
+    `prenorm` f[R_h, H] (the rows' output before the final norm), `present_key_{j}` / `present_value_{j}`
+    f[R_h, kvh, D] (this run's rows, to write after the cached ones).
 """
 from __future__ import annotations
 
@@ -51,6 +63,8 @@ VOCAB_GRAPH = "vocab.onnx"
 DRAFT_VOCAB_GRAPH = "draft_vocab.onnx"
 VOCABULARY_GRAPHS = ("vocab", "draft_vocab")  # same contract: ids + hidden rows -> embeddings, top-k
 MANIFEST = "manifest.json"
+EAGLE3_INPUTS = ("context_taps", "hidden", "embeds", "position_ids", "attention_mask", "logit_rows")  # then past K/V
+EAGLE3_OUTPUTS = ("topk_ids", "topk_logprobs", "topk_embeds", "prenorm")  # then present K/V
 
 
 def target_kv_names(num_layers: int) -> tuple[list[str], list[str]]:
