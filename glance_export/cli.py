@@ -8,7 +8,7 @@ from pathlib import Path
 
 from glance_runtime.cli import flags
 from glance_runtime.cli.flags import OneLineParser, decode_flags, guarded, runner_flags, source
-from glance_runtime.defaults import BRANCH_K, BUDGET, MEASURE_MAX_NEW_TOKENS, default_model, resolve
+from glance_runtime.defaults import BRANCH_K, BUDGET, EAGLE3_DEPTH, MEASURE_MAX_NEW_TOKENS, default_model, resolve
 from glance_runtime.errors import GlanceError
 from glance_runtime.backends.registry import BACKENDS
 from glance_runtime.backends.registry import open_session
@@ -265,11 +265,28 @@ def _prepare_head_data(args: argparse.Namespace) -> int:
     from .train.prepared import prepare
     from .train.world import World, parse_device
 
+    if args.arch == "eagle3" and args.layers is not None:
+        raise GlanceError("--layers picks a GLANCE head's taps; an EAGLE-3 head (--arch eagle3) reads its three "
+                          "default aux layers, so drop --layers")
     _threads(args.threads)
-    prepare(args.model, args.data, args.out, layers=args.layers, max_new_tokens=args.max_new_tokens,
+    prepare(args.model, args.data, args.out, layers=args.layers or 1, max_new_tokens=args.max_new_tokens,
             gen_batch=args.gen_batch, shard_mb=args.shard_mb, world=World(0, 1, parse_device(args.device)),
-            progress=lambda line: print(line, flush=True))
+            progress=lambda line: print(line, flush=True), arch=args.arch)
     return 0
+
+
+def _arch_flags(args: argparse.Namespace) -> None:
+    """Refuse the flags of the other head kind: they would be silently ignored."""
+    other = {"glance": (("--ttt-steps", args.ttt_steps), ("--ttt-decay", args.ttt_decay)),
+             "eagle3": (("--block-size", args.block_size), ("--anchors", args.anchors), ("--gamma", args.gamma))}
+    given = [flag for flag, value in other[args.arch] if value is not None]
+    if given:
+        kind = "an EAGLE-3 head (--arch eagle3)" if args.arch == "eagle3" else "a GLANCE head"
+        named = " and ".join(given)
+        raise GlanceError(f"{named} would be ignored: {kind} does not use {'them' if len(given) > 1 else 'it'}; "
+                          f"drop {named}")
+    if args.ttt_decay is not None and args.ttt_decay > 1:
+        raise GlanceError(f"--ttt-decay {args.ttt_decay:g}: pass a weight in (0, 1] (later steps count less)")
 
 
 def _train_head(args: argparse.Namespace) -> int:
@@ -281,15 +298,19 @@ def _train_head(args: argparse.Namespace) -> int:
         given = " and ".join(held_out)
         raise GlanceError(f"{given} would be ignored: held-out measurement needs --eval-data; add --eval-data FILE or "
                           f"drop {given}")
+    _arch_flags(args)
     _threads(args.threads)
-    settings = HeadTraining(layers=args.layers, block_size=args.block_size, steps=args.steps, lr=args.lr,
-                            batch=args.batch, anchors=args.anchors, gamma=args.gamma,
+    glance = HeadTraining()
+    settings = HeadTraining(layers=args.layers, block_size=args.block_size or glance.block_size, steps=args.steps,
+                            lr=args.lr, batch=args.batch, anchors=args.anchors or glance.anchors,
+                            gamma=args.gamma or glance.gamma,
                             max_new_tokens=args.max_new_tokens, seed=args.seed, gen_batch=args.gen_batch,
                             device=args.device, time_budget_s=args.time_budget, checkpoint_every=args.checkpoint_every,
                             resume=args.resume, log_every=args.log_every, eval_data=args.eval_data,
                             eval_every=args.eval_every or 0,
                             eval_budget=BUDGET if args.eval_budget is None else args.eval_budget,
-                            draft_vocab=args.draft_vocab)
+                            draft_vocab=args.draft_vocab, arch=args.arch,
+                            ttt_steps=args.ttt_steps or glance.ttt_steps, ttt_decay=args.ttt_decay or glance.ttt_decay)
     train_head(args.model, args.data or [], args.out, settings, progress=lambda line: print(line, flush=True),
                prepared=args.prepared)
     return 0
@@ -403,9 +424,13 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--threads", type=flags.threads, help="torch CPU threads (1 up to this machine's CPUs)")
     e.set_defaults(func=_eval)
 
-    t = sub.add_parser("train-head", help="train a GLANCE head on the target's own answers to training prompts "
-                       "(runs under torchrun for several processes)")
+    t = sub.add_parser("train-head", help="train a GLANCE (or EAGLE-3) head on the target's own answers to training "
+                       "prompts (runs under torchrun for several processes)")
     t.add_argument("--model", type=Path, required=True)
+    t.add_argument("--arch", choices=("glance", "eagle3"), default="glance",
+                   help="glance: a block-diffusion head (the DFlash recipe); eagle3: an EAGLE-3 head in the published "
+                   "layout, trained by its training-time test (borrows the target's embedding, drafts over "
+                   "--draft-vocab tokens, default 32000 or the whole vocabulary if smaller)")
     t.add_argument("--data", type=Path, action="append",
                    help="training prompts, repeatable: TASKS.jsonl, LLaVA-style JSON/JSONL or OpenAI-style messages "
                    "JSONL (image paths relative to the file); every assistant turn is regenerated by the target")
@@ -414,15 +439,21 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--out", type=Path, required=True)
     t.add_argument("--resume", type=Path, help="continue from this head directory")
     t.add_argument("--layers", type=HEAD_LAYERS, default=1)
-    t.add_argument("--block-size", type=BLOCK_SIZE, default=16)
+    t.add_argument("--block-size", type=BLOCK_SIZE, help="GLANCE: the anchor and the offsets drafted (default 16)")
     t.add_argument("--steps", type=STEPS, default=2000)
     t.add_argument("--lr", type=flags.positive("--lr"), default=3e-3)
     t.add_argument("--batch", type=BATCH, default=8, help="sequences per step and process")
     t.add_argument("--gen-batch", type=GEN_BATCH, default=16, help="prompts the target answers in one batch")
     t.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (under torchrun: each process its GPU)")
-    t.add_argument("--anchors", type=flags.at_least("--anchors", 1), default=16, help="anchors sampled per sequence")
-    t.add_argument("--gamma", type=flags.positive("--gamma"), default=7.0,
-                   help="offset k is weighted exp(-(k-1)/gamma)")
+    t.add_argument("--anchors", type=flags.at_least("--anchors", 1),
+                   help="GLANCE: anchors sampled per sequence (default 16)")
+    t.add_argument("--gamma", type=flags.positive("--gamma"), help="GLANCE: offset k is weighted exp(-(k-1)/gamma) "
+                   "(default 7)")
+    t.add_argument("--ttt-steps", type=flags.between("--ttt-steps", 1, EAGLE3_DEPTH, "the deepest tree an EAGLE-3 "
+                   "round drafts"), help=f"EAGLE-3: steps the head is unrolled over its own guesses (default "
+                   f"{EAGLE3_DEPTH})")
+    t.add_argument("--ttt-decay", type=flags.positive("--ttt-decay"),
+                   help="EAGLE-3: unrolled step j's loss is weighted DECAY**j (default 0.8)")
     t.add_argument("--max-new-tokens", type=ANSWER_TOKENS, default=64, help="length of the target's answers")
     t.add_argument("--seed", type=SEED, default=0)
     t.add_argument("--time-budget", type=flags.finite("--time-budget", 0),
@@ -431,7 +462,8 @@ def parser() -> argparse.ArgumentParser:
                    help="save head and trainer state every N steps; the same command continues from there")
     t.add_argument("--draft-vocab", type=flags.at_least("--draft-vocab", BRANCH_K), metavar="N",
                    help="draft over the N tokens most frequent in the target's answers (a cheaper draft pass; at "
-                   f"least the {BRANCH_K} a draft offset branches into); default: the whole vocabulary")
+                   f"least the {BRANCH_K} a draft offset branches into); default: the whole vocabulary (EAGLE-3: 32000, "
+                   "or the whole vocabulary if smaller)")
     t.add_argument("--log-every", type=flags.at_least("--log-every", 1), default=50,
                    help="steps between log lines and metrics.jsonl records")
     t.add_argument("--eval-data", type=Path, help="held-out prompts: tau and per-offset acceptance with the real "
@@ -449,7 +481,9 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--data", type=Path, required=True, action="append",
                    help="training prompts, repeatable (the formats train-head --data takes)")
     d.add_argument("--out", type=Path, required=True)
-    d.add_argument("--layers", type=HEAD_LAYERS, default=1, help="layers of the head to train (picks the taps)")
+    d.add_argument("--arch", choices=("glance", "eagle3"), default="glance",
+                   help="the head kind the data is for: eagle3 taps the three default aux layers")
+    d.add_argument("--layers", type=HEAD_LAYERS, help="layers of the GLANCE head to train (picks the taps; default 1)")
     d.add_argument("--max-new-tokens", type=ANSWER_TOKENS, default=64, help="length of the target's answers")
     d.add_argument("--gen-batch", type=GEN_BATCH, default=16, help="prompts the target answers in one batch")
     d.add_argument("--shard-mb", type=flags.positive("--shard-mb"), default=256, help="size of one shard file")

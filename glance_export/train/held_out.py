@@ -2,7 +2,8 @@
 torch reference, over held-out prompts, at a few tree budgets.
 
 tau pools rounds (accepted tokens, bonus included, over rounds). Acceptance at offset k is the share of
-drafted rounds whose accepted path reaches depth k, so it falls with k and shows how far blocks carry.
+drafted rounds whose accepted path reaches depth k, so it falls with k and shows how far blocks carry (for an
+EAGLE-3 head, depth k of its drafted tree, up to the backend's block size less one).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from glance_runtime.decode.loop import DecodeConfig, decode
 
 from ..model.adapters import Prompt, Snapshot
+from ..model.eagle3 import Eagle3Head
 from ..model.head import DraftHead
 from ..model.torch_backend import TorchBackend
 
@@ -23,10 +25,10 @@ class HeldOut:
     max_new_tokens: int
 
 
-def measure(snapshot: Snapshot, model, head: DraftHead, held_out: HeldOut) -> dict:
+def measure(snapshot: Snapshot, model, head: DraftHead | Eagle3Head, held_out: HeldOut) -> dict:
     """{"tau": {budget: tau}, "accept": [share reaching offset k, k = 1..B-1] at the largest budget}."""
     backend = TorchBackend(snapshot, copy.deepcopy(head).eval(), model=model, device=str(model.device))
-    block = head.config.block_size
+    block = backend.block_size
     out: dict = {"tau": {}}
     for budget in held_out.budgets:
         accepted = rounds = 0

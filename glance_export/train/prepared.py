@@ -29,6 +29,7 @@ from glance_runtime.errors import GlanceError
 from glance_runtime.store.atomic import atomic_directory, check_output
 
 from ..model.adapters import Snapshot
+from ..model.eagle3 import default_aux_layers
 from ..model.head import tap_layers
 from .answers import tap_rows
 from .data_files import Tally, check_files, read_samples
@@ -61,12 +62,14 @@ def check_room(out: Path, need: int) -> None:
 
 
 def prepare(model_dir: Path, data: list[Path], out: Path, *, layers: int, max_new_tokens: int, gen_batch: int,
-            shard_mb: float, world: World, progress: Callable[[str], None] = print) -> Path:
-    """Answer and tap every sample of `data` into `out` (see the module's docstring)."""
+            shard_mb: float, world: World, progress: Callable[[str], None] = print, arch: str = "glance") -> Path:
+    """Answer and tap every sample of `data` into `out` (see the module's docstring); the taps are the layers a
+    GLANCE head of `layers` layers reads, or with `arch` "eagle3" an EAGLE-3 head's three default aux layers."""
     check_files(data, "training data")
     check_output(out, FORMAT, (model_dir, *data))
     snapshot = Snapshot(model_dir)
-    layer_ids = tap_layers(snapshot.text_config["num_hidden_layers"], layers)
+    depth = snapshot.text_config["num_hidden_layers"]
+    layer_ids = default_aux_layers(depth) if arch == "eagle3" else tap_layers(depth, layers)
     model = snapshot.load_model("bfloat16" if world.device.type == "cuda" else "float32").to(world.device)
     tally = Tally()
     samples = read_samples(data, tally)

@@ -52,8 +52,8 @@ def data_lines(paths: list[Path]) -> list[str]:
 
 
 def card(target: Path, data: list[str], done: int, steps: int, settings: dict[str, Any], sequences: int,
-         held_out: dict[str, Any] | None, eval_data: Path | None) -> str:
-    lines = [f"# GLANCE draft head for `{Path(target).name}`", "",
+         held_out: dict[str, Any] | None, eval_data: Path | None, kind: str = "GLANCE") -> str:
+    lines = [f"# {kind} draft head for `{Path(target).name}`", "",
              f"Trained with `glance-export train-head` on the target's own greedy answers to {sequences} sequences.",
              "", "## Data", "", *(f"- {d}" for d in data), "", "## Training", "",
              f"- steps: {done} of {steps}", *(f"- {k}: {v}" for k, v in sorted(settings.items()) if v is not None), ""]
