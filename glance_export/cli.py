@@ -462,8 +462,8 @@ def parser() -> argparse.ArgumentParser:
                    help="save head and trainer state every N steps; the same command continues from there")
     t.add_argument("--draft-vocab", type=flags.at_least("--draft-vocab", BRANCH_K), metavar="N",
                    help="draft over the N tokens most frequent in the target's answers (a cheaper draft pass; at "
-                   f"least the {BRANCH_K} a draft offset branches into); default: the whole vocabulary (EAGLE-3: 32000, "
-                   "or the whole vocabulary if smaller)")
+                   f"least the {BRANCH_K} a draft offset branches into); default: the whole vocabulary (EAGLE-3: "
+                   "32000, or the whole vocabulary if smaller)")
     t.add_argument("--log-every", type=flags.at_least("--log-every", 1), default=50,
                    help="steps between log lines and metrics.jsonl records")
     t.add_argument("--eval-data", type=Path, help="held-out prompts: tau and per-offset acceptance with the real "

@@ -9,10 +9,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from glance_export.audit.greedy_audit import audit
 from glance_export.cli import main as export_main
 from glance_export.model.adapters import Snapshot
 from glance_export.model.eagle3 import default_aux_layers, eagle3_config_for, init_eagle3, load_eagle3
 from glance_export.train.eagle3_loss import make_eagle3_batch, ttt_logits, ttt_loss, ttt_visibility
+from glance_runtime.backends.registry import Source, open_session
+from glance_runtime.decode.loop import DecodeConfig
+from glance_runtime.defaults import EAGLE3_DEPTH
+from glance_runtime.formats.tasks import read as read_tasks
 
 STEPS = 3
 
@@ -105,12 +110,19 @@ def test_training_lowers_the_loss_and_writes_the_published_layout(snapshot_dir, 
     out = tmp_path / "head"
     assert cli(["train-head", "--arch", "eagle3", "--model", model, "--data", task_file, "--out", out,
                         "--steps", "40", "--lr", "1e-2", "--batch", "3", "--max-new-tokens", "16",
-                        "--draft-vocab", "24", "--log-every", "10", "--threads", "1"]) == 0
+                        "--draft-vocab", "24", "--log-every", "10", "--eval-data", task_file, "--eval-budget", "31",
+                        "--threads", "1"]) == 0
     log = capsys.readouterr().out
     assert "unrolled 7 steps" in log and "step 40/40" in log and "drafting over the 24 tokens" in log
     records = metrics(out)
     assert [r["step"] for r in records] == [10, 20, 30, 40]
     assert records[-1]["loss"] < 0.5 * records[0]["loss"] and len(records[-1]["accuracy"]) == 7
+    # held-out acceptance is the real loop on the torch reference's step drafter: the audit finds the same tau
+    held_out = records[-1]["held_out"]
+    report = audit(open_session(Source("torch", model=model, head=out), DecodeConfig(max_new_tokens=16, budget=31)),
+                   read_tasks(task_file))
+    assert report["identical"] == report["n"] == 3 and held_out["tau"]["31"] == pytest.approx(report["tau"], abs=1e-3)
+    assert len(held_out["accept"]) == EAGLE3_DEPTH and held_out["accept"][0] > 0
 
     config = json.loads((out / "config.json").read_text())
     depth = Snapshot(model).text_config["num_hidden_layers"]
