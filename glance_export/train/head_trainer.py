@@ -228,7 +228,7 @@ def _train(snapshot: Snapshot, data: list[Path], prepared: Path | None, out_dir:
     if draft_vocab and state is None and s.resume is None:
         frequent = frequent_tokens([source.ids_of(q)[q.answer_start:] for q in seqs], draft_vocab, cfg.vocab_size)
         if eagle3:
-            set_draft_vocab(head, frequent.to(world.device))
+            set_draft_vocab(head, frequent)
         else:
             head.draft_vocab_ids.copy_(frequent)
         progress(f"drafting over the {draft_vocab} tokens most frequent in the target's answers")
