@@ -29,6 +29,8 @@ from .graph_clock import GraphClock
 from ..formats.graphs import draft_kv_names, target_kv_names
 from .hardware import cuda_gpu, host_cpu
 from .kv_cache import KVCache
+from .step_drafts import StepDrafts, head_rows
+from ..errors import GlanceError
 from ..formats.artifacts import Manifest
 from ..decode.limits import check_branch_k, check_tree
 from ..prompt.prefix_reuse import image_runs
@@ -49,7 +51,9 @@ class GraphBackend:
         m = manifest
         hardware = cuda_gpu(device.device_id, device.compute_capability()) if isinstance(device, CudaDevice) \
             else host_cpu()
-        self.info = BackendInfo(limits=ServeLimits(m.block_size, m.branch_k, max_tree, max_context, exported=True),
+        steps = m.head_kind == "eagle3"
+        self.info = BackendInfo(limits=ServeLimits(m.block_size, m.branch_k, max_tree, max_context, exported=True,
+                                                   drafter="steps" if steps else "block"),
                                 precision=precision or PRECISION_OF_DTYPE.get(m.float_dtype, m.float_dtype),
                                 hardware=hardware, providers=providers, threads=threads, home=home, manifest=m)
         self._clock: GraphClock | None = None
@@ -64,7 +68,8 @@ class GraphBackend:
         hidden, k, width = m.hidden_size, m.branch_k, m.tap_width
         rows = max(max_tree, m.block_size - 1)
         self.kv = KVCache(device, m.target.num_layers, m.target.kv_heads, m.target.head_dim, max_context, self.float)
-        self.head_kv = KVCache(device, m.head.num_layers, m.head.kv_heads, m.head.head_dim, max_context, self.float)
+        self.head_kv = KVCache(device, m.head.num_layers, m.head.kv_heads, m.head.head_dim,
+                               head_rows(max_context, k) if steps else max_context, self.float)
         self.kv_in, self.kv_out = target_kv_names(m.target.num_layers)
         self.head_in, self.head_out = draft_kv_names(m.head.num_layers)
         new = self._new
@@ -92,6 +97,8 @@ class GraphBackend:
         self._images: dict[str, Buffer] = {}  # vision inputs and outputs, sized by the largest image so far
         self._kept: dict[int, tuple[Buffer, int]] = {}  # token -> its row in a kept buffer (keep_embeddings)
         self._kept_rows: Buffer | None = None
+        self._verified = np.zeros(0, np.int64)  # the last verify pass's tokens (a commit records the kept ones)
+        self.steps = StepDrafts(self) if steps else None  # an EAGLE-3 head's draft_root / draft_step
         self._reset()
         device.upload(self.no_id.rows(1), np.zeros(1, np.int64))  # device memory is not zeroed
         self.embed_rows(np.array([m.mask_token_id], np.int64), self.block, 1)
@@ -110,6 +117,8 @@ class GraphBackend:
         self.delta = 0  # M-RoPE offset: text position = stream position + delta
         self.pending_rows, self.pending_from = 0, 0
         self.known: dict[int, tuple[Buffer, int]] = {}  # token -> where its embedding row is on the device
+        if self.steps is not None:
+            self.steps.cached = 0
 
     # -- the vocab graph ------------------------------------------------------------------------------
 
@@ -306,6 +315,8 @@ class GraphBackend:
         hidden = self._run_target(ids, pos, np.tri(length, dtype=bool), self.pending, image, deep)
         self.start = length
         self.pending_rows, self.pending_from = length, 0
+        if self.steps is not None:
+            self.steps.prompt(np.asarray(prompt.input_ids, np.int64), pos, 0, self.delta)
         top, _, entropy = self.project(hidden.buffer.rows(1, length - 1), "verify")
         return int(top[0, 0]), entropy
 
@@ -334,10 +345,14 @@ class GraphBackend:
         hidden = self._run_target(ids[keep:], pos, np.tri(rows, dtype=bool), self.pending.after(kept_taps), image, deep)
         self.start = length
         self.pending_rows = kept_taps + rows
+        if self.steps is not None:
+            self.steps.prompt(np.asarray(prompt.input_ids, np.int64), pos, keep, self.delta)
         top, _, entropy = self.project(hidden.buffer.rows(1, rows - 1), "verify")
         return int(top[0, 0]), entropy
 
     def draft(self, anchor: int, k: int, depth: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        if self.steps is not None:
+            raise GlanceError("this EAGLE-3 head drafts one depth per pass: use draft_root and draft_step")
         check_branch_k(self.info.limits, k)
         offsets = draft_rows(self.block_size, depth)
         rows = self.pending_rows
@@ -357,8 +372,21 @@ class GraphBackend:
                                     graph=self.draft_projection)
         return ids[:, :k].astype(np.int64), logp[:, :k].astype(np.float64)
 
+    def draft_root(self, anchor: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """An EAGLE-3 round's first depth (`decode.backend.StepDrafter`)."""
+        if self.steps is None:
+            raise GlanceError("this head drafts a whole block per pass (GLANCE): use draft")
+        return self.steps.draft_root(anchor, k)
+
+    def draft_step(self, tokens: np.ndarray, parents: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """One more depth of an EAGLE-3 round (`decode.backend.StepDrafter`)."""
+        if self.steps is None:
+            raise GlanceError("this head drafts a whole block per pass (GLANCE): use draft")
+        return self.steps.draft_step(tokens, parents, k)
+
     def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray) -> Verified:
         check_tree(self.info.limits, len(tokens))
+        self._verified = np.asarray(tokens, dtype=np.int64)
         positions = self._positions(self.start + np.asarray(depths, dtype=np.int64))
         hidden = self._run_target(np.asarray(tokens, dtype=np.int64), positions, visible, self.taps,
                                   self.no_image, self.no_deep)
@@ -375,6 +403,8 @@ class GraphBackend:
         """Compact the pack's KV on the device (kept rows move down after the prefix); queue their taps."""
         rows = np.asarray(rows, dtype=np.int64)
         self.kv.compact(rows)
+        if self.steps is not None:
+            self.steps.committed(self.start, self._verified[rows], self.delta)
         for i, row in enumerate(rows):
             self.device.copy(self.pending.rows(1, self.pending_rows + i), self.taps.rows(1, int(row)))
         self.pending_rows += len(rows)
