@@ -612,3 +612,28 @@ def assert_kept(run: Callable[[Path], tuple[int, str]], root: Path, victims: tup
         assert rc != 0, (victim, err)
         assert lines and "Traceback" not in err and str(out) in lines[-1], (victim, err)
         assert tree(out.parent) == before, victim
+
+
+# ---- EAGLE-3 heads ----
+
+def tiny_eagle3_head(snapshot: Path, out: Path, draft_vocab: int | None = None, own_embeddings: bool = False,
+                     mrope: bool = False, layers: int = 1, seed: int = 5, std: float = 0.2) -> Path:
+    """A random EAGLE-3 head for `snapshot`, written in the published layout at `out`. `draft_vocab`: drafting over
+    that many target ids spread evenly over the vocabulary; `own_embeddings`: an `embed_tokens` of its own; `mrope`:
+    rotating with the target's M-RoPE sections (a VL target's). `std` well above an untrained head's makes the
+    drafts peaked, so the dynamic tree grows deep."""
+    from dataclasses import replace
+
+    import torch
+
+    from glance_export.model.adapters import Snapshot
+    from glance_export.model.eagle3 import eagle3_config_for, init_eagle3, save_eagle3
+
+    snap = Snapshot(snapshot)
+    cfg = replace(eagle3_config_for(snap, draft_vocab, layers))
+    if mrope:
+        rope = snap.text_config.get("rope_parameters") or snap.text_config.get("rope_scaling") or {}
+        cfg = replace(cfg, rope={**cfg.rope, "mrope_section": list(rope["mrope_section"])})
+    ids = torch.linspace(0, cfg.vocab_size - 1, draft_vocab).long() if draft_vocab else None
+    head = init_eagle3(cfg, seed, draft_ids=ids, own_embeddings=own_embeddings, std=std)
+    return save_eagle3(head, out, made_by="tests")
