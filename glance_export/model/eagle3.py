@@ -405,6 +405,11 @@ def _published_key(key: str) -> str:
     return key
 
 
+def _file_key(key: str) -> str:
+    """A key in the published spelling (layer 0 as `midlayer.`), for errors about keys a file lacks."""
+    return "midlayer." + key[len("layers.0."):] if key.startswith("layers.0.") else key
+
+
 def load_eagle3(head_dir: str | Path, dtype: torch.dtype = torch.float32) -> Eagle3Head:
     """An EAGLE-3 head directory as published; a malformed one is refused in one line naming the key or field."""
     head_dir = Path(head_dir)
@@ -415,6 +420,7 @@ def load_eagle3(head_dir: str | Path, dtype: torch.dtype = torch.float32) -> Eag
         raise GlanceError(f"cannot read {cfg_path} ({exc}); {RESTORE}") from None
     cfg = Eagle3Config.from_json(raw, str(cfg_path))
     state, weights = _read_weights(head_dir)
+    spelled = {_published_key(k): k for k in state}  # errors name a key as the file spells it
     state = {_published_key(k): v for k, v in state.items()}
     with parameters_on_meta():
         head = Eagle3Head(cfg)
@@ -431,18 +437,18 @@ def load_eagle3(head_dir: str | Path, dtype: torch.dtype = torch.float32) -> Eag
         state.pop("d2t", None)
         state.pop("t2d", None)
     expected = {k: v for k, v in head.state_dict().items() if not k.startswith("rotary_emb.")}
-    missing = sorted(set(expected) - set(state))
+    missing = sorted(_file_key(k) for k in set(expected) - set(state))
     if missing:
         raise GlanceError(f"{weights} lacks {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1
                           else "") + f" for the config in {cfg_path}; {RESTORE}")
-    unexpected = sorted(set(state) - set(expected))
+    unexpected = sorted(spelled.get(k, k) for k in set(state) - set(expected))
     if unexpected:
         raise GlanceError(f"{weights} holds {unexpected[0]!r}, which the config in {cfg_path} has no place for "
                           f"(num_hidden_layers {cfg.num_hidden_layers}?); {RESTORE}")
     for key, value in state.items():
         if tuple(value.shape) != tuple(expected[key].shape):
-            raise GlanceError(f"{weights}: {key} has shape {tuple(value.shape)}, expected {tuple(expected[key].shape)} "
-                              f"from {cfg_path}; {RESTORE}")
+            raise GlanceError(f"{weights}: {spelled.get(key, key)} has shape {tuple(value.shape)}, expected "
+                              f"{tuple(expected[key].shape)} from {cfg_path}; {RESTORE}")
     _check_vocab_maps(state, cfg, weights)
     state = {k: (v.to(torch.long) if k == "d2t" else v.to(torch.bool) if k == "t2d" else v) for k, v in state.items()}
     head.load_state_dict(state, strict=False, assign=True)
