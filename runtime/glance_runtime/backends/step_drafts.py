@@ -13,7 +13,7 @@ step graph returns the embeddings of its own top-k.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
@@ -21,9 +21,6 @@ from ..decode.limits import check_branch_k
 from ..defaults import EAGLE3_DEPTH
 from ..errors import GlanceError
 from ..formats.graphs import target_kv_names
-
-if TYPE_CHECKING:
-    from .graph_backend import GraphBackend
 
 
 def head_rows(max_context: int, branch_k: int) -> int:
@@ -35,7 +32,8 @@ def head_rows(max_context: int, branch_k: int) -> int:
 class StepDrafts:
     """The step-drafter state of one GraphBackend whose manifest's head_kind is eagle3."""
 
-    def __init__(self, backend: "GraphBackend"):
+    def __init__(self, backend: Any):
+        """`backend`: the GraphBackend it drafts for (typed loosely: graph_backend imports this module)."""
         self.backend = backend
         m = backend.manifest
         self.k, self.mrope = m.branch_k, m.head_mrope
