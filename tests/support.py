@@ -630,7 +630,7 @@ def tiny_eagle3_head(snapshot: Path, out: Path, draft_vocab: int | None = None, 
     from glance_export.model.eagle3 import eagle3_config_for, init_eagle3, save_eagle3
 
     snap = Snapshot(snapshot)
-    cfg = replace(eagle3_config_for(snap, draft_vocab, layers))
+    cfg = eagle3_config_for(snap, draft_vocab, layers)
     if mrope:
         rope = snap.text_config.get("rope_parameters") or snap.text_config.get("rope_scaling") or {}
         cfg = replace(cfg, rope={**cfg.rope, "mrope_section": list(rope["mrope_section"])})

@@ -84,7 +84,8 @@ def test_tied_embeddings_give_the_draft_rows_of_the_embedding(published, tmp_pat
         cfg["tie_word_embeddings"] = True
 
     tied = load_eagle3(_copy(published, tmp_path / "tied", tie, lambda s: s.pop("lm_head.weight")))
-    torch.testing.assert_close(tied.lm_head.weight, tied.embed_tokens.weight[tied.target_ids(torch.arange(DRAFT_VOCAB))])
+    rows = tied.target_ids(torch.arange(DRAFT_VOCAB))
+    torch.testing.assert_close(tied.lm_head.weight, tied.embed_tokens.weight[rows])
     with pytest.raises(GlanceError, match="embed_tokens.weight"):
         load_eagle3(_copy(published, tmp_path / "bare", tie,
                           lambda s: [s.pop("lm_head.weight"), s.pop("embed_tokens.weight")]))
