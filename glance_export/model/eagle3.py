@@ -84,6 +84,20 @@ class Eagle3Config:
         section = self.rope.get("mrope_section")
         return list(section) if section else None
 
+    def mrope_axes(self) -> list[int] | None:
+        """The M-RoPE axis (0 time, 1 height, 2 width) each rotary column takes its angle from: contiguous
+        sections (Qwen2-VL, Qwen2.5-VL) or, with `mrope_interleaved`, every third column (Qwen3-VL); None without
+        M-RoPE."""
+        section = self.mrope_section
+        if section is None:
+            return None
+        half = self.head_dim // 2
+        if self.rope.get("mrope_interleaved"):
+            axes = [next((a for a in (1, 2) if j % 3 == a and j < 3 * section[a]), 0) for j in range(half)]
+        else:
+            axes = [a for a, width in enumerate(section) for _ in range(width)]
+        return axes + axes
+
     def taps(self, num_target_layers: int) -> list[int]:
         return list(self.aux_layer_ids) if self.aux_layer_ids is not None else default_aux_layers(num_target_layers)
 
@@ -290,9 +304,9 @@ class Eagle3Head(nn.Module):
         axes, batch, rows = positions.shape
         cos, sin = self.rotary_emb(x, positions.reshape(axes * batch, rows))
         cos, sin = cos.view(axes, batch, rows, -1), sin.view(axes, batch, rows, -1)
-        chunks = section * 2  # the rotary halves repeat the section
-        pick = lambda t: torch.cat([part[i % 3] for i, part in enumerate(t.split(chunks, dim=-1))], dim=-1)
-        return pick(cos)[:, None], pick(sin)[:, None]
+        # one-hot [3, head_dim] of each column's axis: a product and a sum, which every exporter takes as it is
+        pick = F.one_hot(torch.tensor(self.config.mrope_axes(), device=x.device), 3).T.to(cos.dtype)[:, None, None]
+        return (cos * pick).sum(0)[:, None], (sin * pick).sum(0)[:, None]
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 past: list[tuple[torch.Tensor, torch.Tensor]] | None = None, mask: torch.Tensor | None = None

@@ -209,3 +209,29 @@ def test_init_head_refuses_flags_of_the_other_kind(target, tmp_path, capsys, arg
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and error in lines[0] and "Traceback" not in lines[0], lines
     assert not out.exists()
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_m_rope_angles_are_the_targets_own(interleaved):
+    """A head with `mrope_section` rotates as its Qwen-VL target does: contiguous sections (Qwen2-VL, Qwen2.5-VL)
+    or every third column (`mrope_interleaved`, Qwen3-VL), checked against transformers' own rotary classes."""
+    import torch
+    from transformers import Qwen2VLTextConfig, Qwen3VLTextConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
+    from glance_export.model.eagle3 import Eagle3Config, init_eagle3
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}
+    if interleaved:
+        rope["mrope_interleaved"] = True
+    shape = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    head = init_eagle3(Eagle3Config(**shape, intermediate_size=96, vocab_size=300, rope=rope), seed=0)
+    positions = torch.stack([torch.arange(5), torch.arange(5) * 2 + 1, torch.arange(5) * 3 + 2])[:, None]
+    cos, sin = head.rope(torch.zeros(1, 5, 64), positions)
+    reference = (Qwen3VLTextRotaryEmbedding(Qwen3VLTextConfig(**shape, rope_parameters=rope)) if interleaved
+                 else Qwen2VLRotaryEmbedding(Qwen2VLTextConfig(**shape, rope_parameters=rope)))
+    want_cos, want_sin = reference(torch.zeros(1), positions)
+    assert torch.equal(cos[:, 0], want_cos) and torch.equal(sin[:, 0], want_sin)
+    flat = head.rope(torch.zeros(1, 5, 64), positions[:1].expand(3, 1, 5))
+    assert not torch.equal(flat[0], cos)  # the height and width axes do move the angles
