@@ -12,7 +12,8 @@ Document (format_version 3): format, format_version, toolkit_version, family, is
 float_io_dtype, fp32_outputs, branch_k, block_size, mask_token_id, image_token_id, stop_token_ids,
 limits {max_tree, max_context}, axes {name: [min, max]}, source {config_sha256, weights_sha256 {file: sha}},
 head {config, weights_sha256}, head_kind ("glance" where absent, or "eagle3": the draft graph is an EAGLE-3
-step, graphs.draft then also records kind, max_depth, mrope, tap_layer_ids, hidden_size, draft_vocab_size), rope {theta, mrope_section, vision_start_token_id, spatial_merge_size},
+step, graphs.draft then also records kind, max_depth, mrope, tap_layer_ids, hidden_size, draft_vocab_size; its
+block_size is max_depth + 1 and its mask_token_id 0, unused: the head has no mask token), rope {theta, mrope_section, vision_start_token_id, spatial_merge_size},
 graphs {target|draft|vocab|vision|draft_vocab: {file, data_file, inputs/outputs {name: {dtype, shape}},
 ...sizes}} (vocab and draft_vocab also record their vocab_size, whether the LM head is tied to the
 embedding, and the top-k baked in; draft_vocab is there only for a head with a reduced draft
