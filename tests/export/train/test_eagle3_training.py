@@ -4,6 +4,7 @@ prepared data of its own taps only, and settings of the other head kind are refu
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from glance_runtime.defaults import EAGLE3_DEPTH
 from glance_runtime.formats.tasks import read as read_tasks
 
 STEPS = 3
+MODELS = Path(__file__).resolve().parents[3] / "models"
 
 
 def cli(argv: list) -> int:
@@ -201,3 +203,14 @@ def test_a_head_of_the_other_kind_is_not_resumed(snapshot_dir, task_file, tmp_pa
     assert cli(["prepare-head-data", "--arch", "eagle3", "--layers", "2", "--model", model, "--data",
                         task_file, "--out", tmp_path / "prep"]) == 2
     assert "drop --layers" in capsys.readouterr().err
+
+
+def test_the_shipped_head_drafts_for_the_embedded_target_losslessly():
+    """models/glance-vl-tiny-eagle3 loads as published, fits the embedded target and accepts long drafts."""
+    head = load_eagle3(MODELS / "glance-vl-tiny-eagle3")
+    assert head.embed_tokens is None and head.config.aux_layer_ids == default_aux_layers(4)
+    tasks = read_tasks(MODELS.parent / "examples" / "receipt" / "tasks.jsonl")[:3]
+    session = open_session(Source("torch", model=MODELS / "glance-vl-tiny", head=MODELS / "glance-vl-tiny-eagle3"),
+                           DecodeConfig(max_new_tokens=32, budget=15))
+    report = audit(session, tasks)
+    assert report["identical"] == report["n"] == 3 and report["tau"] > 2.5, report
