@@ -279,6 +279,10 @@ class Eagle3Head(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.drafted_vocab, bias=False)
         self.embed_tokens: nn.Embedding | None = None
         self.rotary_emb = LlamaRotaryEmbedding(cfg.llama())
+        axes = cfg.mrope_axes()
+        if axes is not None:  # a buffer, not a constant made in forward: an export's meta-device trace has no values
+            self.register_buffer("mrope_pick", F.one_hot(torch.tensor(axes), 3).T[:, None, None].float(),
+                                 persistent=False)
         if cfg.draft_vocab_size is not None:
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
             self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
@@ -305,7 +309,7 @@ class Eagle3Head(nn.Module):
         cos, sin = self.rotary_emb(x, positions.reshape(axes * batch, rows))
         cos, sin = cos.view(axes, batch, rows, -1), sin.view(axes, batch, rows, -1)
         # one-hot [3, head_dim] of each column's axis: a product and a sum, which every exporter takes as it is
-        pick = F.one_hot(torch.tensor(self.config.mrope_axes(), device=x.device), 3).T.to(cos.dtype)[:, None, None]
+        pick = self.mrope_pick.to(cos.dtype)
         return (cos * pick).sum(0)[:, None], (sin * pick).sum(0)[:, None]
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
