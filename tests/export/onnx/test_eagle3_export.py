@@ -30,9 +30,9 @@ DRAFTED = 80  # a reduced draft vocabulary: every fourth target id
 def _head(snapshot: Path, out: Path, mrope: bool = False, drafted: int | None = None, own_embeddings: bool = False):
     snap = Snapshot(snapshot)
     cfg = eagle3_config_for(snap, draft_vocab_size=drafted)
-    if mrope:
-        section = snap.text_config["rope_parameters"]["mrope_section"]
-        cfg = replace(cfg, rope={**cfg.rope, "mrope_section": section})
+    if mrope:  # the target's own M-RoPE layout (contiguous sections, or Qwen3-VL's interleaved columns)
+        target = snap.text_config["rope_parameters"]
+        cfg = replace(cfg, rope={**cfg.rope, **{k: v for k, v in target.items() if k.startswith("mrope_")}})
     ids = torch.arange(drafted) * 4 if drafted else None
     head = init_eagle3(cfg, seed=2, draft_ids=ids, own_embeddings=own_embeddings, std=0.3)
     save_eagle3(head, out)
@@ -99,7 +99,23 @@ def test_step_graph_equals_the_torch_head(mrope_export):
 
 
 def test_mrope_head_decodes_an_image_prompt_losslessly(mrope_export, images):
-    snapshot, _, out = mrope_export
+    _, _, out = mrope_export
+    _check_image_decode(out, images)
+
+
+def test_interleaved_mrope_head_exports_and_decodes(snapshot_dir, tmp_path, images):
+    """Qwen3-VL's interleaved layout: the export's validation compares the graph with the torch head on three
+    distinct axes, then an image prompt decodes losslessly."""
+    snapshot = snapshot_dir("qwen3_vl")
+    head = _head(snapshot, tmp_path / "head", mrope=True)
+    assert head.config.rope.get("mrope_interleaved")
+    out = export_artifacts(snapshot, tmp_path / "head", tmp_path / "out", max_tree=32, max_context=256,
+                           progress=lambda _: None)
+    assert read_manifest(out).head_mrope
+    _check_image_decode(out, images)
+
+
+def _check_image_decode(out: Path, images) -> None:
     backend = OrtBackend(out)
     codec = exported_codec(backend.manifest)
     prompt = codec.turn("What colour is the square?", images["tall"])
