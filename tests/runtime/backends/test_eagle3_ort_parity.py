@@ -193,3 +193,34 @@ def test_kept_rows_recompute_the_row_before_them(exported):
     assert keep > 10
     anchor, _ = ex.backend.prefill(follow, keep)
     _check_round(ex, follow.input_ids.tolist(), anchor)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_steps_equal_the_torch_reference_on_image_prompts(snapshot_dir, tmp_path, images, family):
+    """A two-layer head rotating with the target's M-RoPE axes, on an image prompt (positions from the rope index)
+    and after rounds that committed several rows: the ONNX Runtime steps equal the torch reference backend's."""
+    from glance_export.model.eagle3 import load_eagle3
+    from glance_export.model.torch_backend import TorchBackend
+    from support import tiny_eagle3_head
+
+    snapshot = snapshot_dir(family)
+    head_dir = tiny_eagle3_head(snapshot, tmp_path / "head", mrope=True, layers=2, draft_vocab=64)
+    ort_backend = OrtBackend(export_artifacts(snapshot, head_dir, tmp_path / "out", max_tree=32, max_context=256,
+                                              progress=lambda _: None))
+    assert ort_backend.manifest.head_mrope and ort_backend.manifest.head.num_layers == 2
+    reference = TorchBackend(Snapshot(snapshot), load_eagle3(head_dir))
+    prompt = exported_codec(ort_backend.manifest).turn(TEXT, images["tall"])
+    truth = decode(ort_backend, prompt, DecodeConfig(max_new_tokens=12, speculative=False)).tokens
+    cfg = DecodeConfig(max_new_tokens=9, budget=31, branch_k=8)
+    results = [decode(SeededDrafter(b, truth, prompt.length, SEEDS["full"]), prompt, cfg) for b in (ort_backend, reference)]
+    assert results[0].tokens == results[1].tokens == truth[:9] and results[0].tau > 1
+    assert ort_backend.start == reference.start
+    anchor, k = results[0].tokens[-1], 8
+    (ids, logp), (t_ids, t_logp) = (b.draft_root(anchor, k) for b in (ort_backend, reference))
+    assert np.array_equal(ids, t_ids) and np.abs(logp - t_logp).max() < 1e-4
+    nodes, parents = ids[:4], np.array([-1, -1, -1, -1])
+    (ids, logp), (t_ids, t_logp) = (b.draft_step(nodes, parents, k) for b in (ort_backend, reference))
+    assert np.array_equal(ids, t_ids) and np.abs(logp - t_logp).max() < 1e-4
+    nodes, parents = np.array([ids[1, 0], ids[3, 2], ids[3, 0]]), np.array([1, 3, 3])
+    (ids, logp), (t_ids, t_logp) = (b.draft_step(nodes, parents, k) for b in (ort_backend, reference))
+    assert np.array_equal(ids, t_ids) and np.abs(logp - t_logp).max() < 1e-4
