@@ -5,7 +5,8 @@ or TensorRT-RTX engines built here, and the same engines with the target built a
 ONNX Runtime on the CPU as the baseline row), in fp32 and in half precision: GLANCE at the fixed --budget and at auto (this backend's round costs measured here, the
 shipped calibration) and the backend's own greedy decode against the torch fp32 oracle (the oracle runs
 with TF32 off), and AR vs GLANCE vs auto ms/token without prefill. Two models: the embedded default (its
-held-out prompts, real draft head) and a mid-size random Qwen2.5-VL written here (seeded drafts, so
+held-out prompts, real draft head; then the same with its EAGLE-3 head, one head pass per tree depth) and a
+mid-size random Qwen2.5-VL written here (seeded drafts, so
 acceptance is high and the speed of the loop itself shows). Prints one table, then what it skipped and
 why. Needs only this repository and what the machine already has (CUDA PyTorch, transformers, onnx,
 onnxruntime); nothing is downloaded.
@@ -13,7 +14,8 @@ onnxruntime); nothing is downloaded.
 Then (GPU only) `train-head --device cuda` on a tiny random Qwen2.5-VL: a bf16 target, bf16 autocast with fp32
 master weights, answers generated in batches; under torchrun with NCCL when the machine has two GPUs or more.
 
-    python benchmarks/gpu_check.py [--out DIR] [--prompts 6] [--max-new-tokens 48] [--skip-random] [--skip-train]
+    python benchmarks/gpu_check.py [--out DIR] [--prompts 6] [--max-new-tokens 48] [--skip-random] [--skip-eagle3]
+        [--skip-train]
 """
 from __future__ import annotations
 
@@ -84,7 +86,7 @@ class Case:
 def auto_config(backend, prompt, cfg: DecodeConfig, places: list[Path]) -> DecodeConfig:
     """`--budget auto` as glance-run builds it: this backend's round costs, measured here (not stored), and
     the calibration shipped beside the model's artifacts or head (else the prior)."""
-    largest = min(AUTO_MAX_NODES, reachable_nodes(backend.block_size, cfg.branch_k),
+    largest = min(AUTO_MAX_NODES, reachable_nodes(backend.block_size, cfg.branch_k, backend.info.limits.drafter),
                   (backend.info.limits.max_tree or AUTO_MAX_NODES + 1) - 1)
     cost = measure_costs(backend, prompt, largest + 1, cfg.branch_k)
     policy = AutoBudget(cost, find_calibration(places)[0], min(largest, cost.max_rows - 1), backend.block_size)
@@ -279,6 +281,19 @@ def check_head_training(work: Path, skipped: list[str]) -> list[str]:
     return failures
 
 
+def eagle3_case(n: int, max_new: int, device: str, work: Path) -> tuple[Case, Path, Path, Path]:
+    """The embedded default with its EAGLE-3 head (one head pass per tree depth), exported here: the same prompts
+    and oracle as the default case."""
+    from glance_export.onnx import export_artifacts
+
+    case, model, _, _ = default_case(n, max_new, device)
+    head = ROOT / "models" / "glance-vl-tiny-eagle3"
+    artifacts = work / "eagle3-onnx"
+    if not (artifacts / "manifest.json").exists():
+        export_artifacts(model, head, artifacts, max_tree=64, max_context=2048, progress=lambda _: None)
+    return Case("default-eagle3", case.prompts, case.oracle, seeded=False), model, head, artifacts
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="keep the random model, exports and engines here (default: a temp dir)")
@@ -286,6 +301,7 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--budget", type=int, default=31)
     ap.add_argument("--skip-random", action="store_true", help="only the embedded default model")
+    ap.add_argument("--skip-eagle3", action="store_true", help="leave out the default model's EAGLE-3 head")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     ap.add_argument("--skip-train", action="store_true", help="skip the head-training check")
     args = ap.parse_args()
@@ -303,6 +319,10 @@ def main() -> int:
     skipped: list[str] = []
     rows: list[Row] = []
     makers = [lambda: default_case(args.prompts, args.max_new_tokens, device)]
+    if args.skip_eagle3:
+        skipped.append("the default model's EAGLE-3 head: --skip-eagle3")
+    else:
+        makers.append(lambda: eagle3_case(args.prompts, args.max_new_tokens, device, work))
     if args.skip_random:
         skipped.append("the mid-size random model: --skip-random")
     else:

@@ -58,12 +58,12 @@ def export(model: Path, head: Path, out: Path, **kw) -> Path:
 def bench(artifacts: Path, out: Path, args: argparse.Namespace, extra: tuple[str, ...] = ()) -> dict:
     """glance-bench on one export, its cost profile in a fresh cache; returns report.json."""
     if not (out / "report.json").exists():
-        cmd = [sys.executable, "-m", "glance_runtime.cli.bench", "--artifacts", str(artifacts),
+        cmd = [str(Path(sys.executable).parent / "glance-bench"), "--artifacts", str(artifacts),
                "--data", *map(str, TASKS), "--budgets", args.budgets, "--samples", str(args.samples),
                "--threads", str(args.threads), "--no-plots", "--out", str(out), *extra]
         if args.n:
             cmd += ["--n", str(args.n)]
-        log(" ".join(cmd[1:]))
+        log(" ".join(["glance-bench", *cmd[1:]]))
         env = {**os.environ, "GLANCE_CACHE": tempfile.mkdtemp(prefix="heads-cache-")}
         subprocess.run(cmd, check=True, env=env)
     return json.loads((out / "report.json").read_text())

@@ -61,7 +61,10 @@ class Limits:
     def apply(self, manifest: Manifest) -> Manifest:
         """The artifacts manifest with its axis bounds lowered to these limits (never raised)."""
         axes, ctx = dict(manifest.axes), self.max_context
-        lowered = {"T": ctx, "S": ctx - 1, "N": ctx, "S_h": ctx - 1, "E": ctx, "T_verify": self.max_tree}
+        # S_h and C run past the context by what a head caches beyond it (an EAGLE-3 round's node rows)
+        beyond = {axis: axes[axis][1] - manifest.max_context for axis in ("S_h", "C") if axis in axes}
+        lowered = {"T": ctx, "S": ctx - 1, "N": ctx, "E": ctx, "T_verify": self.max_tree, "N_taps": ctx, "R_h": ctx,
+                   **{axis: ctx + extra for axis, extra in beyond.items()}}
         if self.max_image_tokens is not None and "N_img" in axes:
             unit = manifest.spatial_merge_size ** 2
             lowered.update(N_img=self.max_image_tokens, N_merged=max(axes["N_merged"][0], self.max_image_tokens),

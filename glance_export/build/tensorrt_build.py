@@ -72,6 +72,8 @@ def shape_profiles(manifest: Manifest, graph: str) -> list[ShapeProfile]:
             prefill["N_img"] = _span(axes["N_img"], axes["N_img"][1] // 4)
             verify["N_img"] = (0, 1, 1)
         return [ShapeProfile("prefill", prefill), ShapeProfile("verify", verify)]
+    if graph == "draft" and manifest.head_kind == "eagle3":
+        return _step_profiles(axes)
     if graph == "draft":
         return [ShapeProfile("draft", {"N": (1, _opt(1, axes["N"][1], max_tree), axes["N"][1]),
                                   "S_h": _span(axes["S_h"], axes["S_h"][1] // 2)})]
@@ -83,6 +85,21 @@ def shape_profiles(manifest: Manifest, graph: str) -> list[ShapeProfile]:
     patches = _span(axes["N_patch"], axes["N_patch"][1] // 4)
     unit = manifest.spatial_merge_size ** 2
     return [ShapeProfile("vision", {"N_patch": patches, "N_merged": tuple(p // unit for p in patches)})]
+
+
+def _step_profiles(axes: dict[str, list[int]]) -> list[ShapeProfile]:
+    """An EAGLE-3 draft graph runs two ways: the root run over the committed rows new to the head's cache
+    (N_taps rows through fc, no drafted rows, the last row projected) and a step over one depth's expanded nodes
+    (M rows from their parents' outputs, no committed rows, every row projected). Cached rows S_h span the
+    committed context and the round's earlier nodes; a run's columns C are S_h + its rows."""
+    cached = _span(axes["S_h"], axes["S_h"][1] // 2)
+    nodes = axes["M"][1]
+    root_rows = _span([1, axes["N_taps"][1]], 8)
+    root = {"N_taps": root_rows, "M": (0, 0, 0), "R_h": root_rows, "Q": (1, 1, 1),
+            "C": (1, cached[1] + root_rows[1], axes["C"][1]), "S_h": cached}
+    step = {"N_taps": (0, 0, 0), "M": (1, nodes, nodes), "R_h": (1, nodes, nodes), "Q": (1, nodes, nodes),
+            "C": (1, cached[1] + nodes, axes["C"][1]), "S_h": cached}
+    return [ShapeProfile("root", root), ShapeProfile("step", step)]
 
 
 TIMING_CACHE_MAGIC = b"ptrt"  # what TensorRT's serialized timing caches start with
