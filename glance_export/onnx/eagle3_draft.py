@@ -28,10 +28,23 @@ from .target import head_major, seq_major
 
 
 def check_exportable(head: Eagle3Head) -> None:
-    """Heads with an input embedding of their own would need the ids and their own table in the graph."""
+    """Heads with an input embedding of their own (other than the target's, see `borrow_embeddings`) would need
+    the ids and their own table in the graph."""
     if head.embed_tokens is not None:
-        raise GlanceError("this EAGLE-3 head has its own embed_tokens; only heads that borrow the target's embedding "
-                          "can be exported to ONNX so far: drop embed_tokens from the head if it equals the target's")
+        raise GlanceError("this EAGLE-3 head has an embed_tokens of its own that differs from the target's input "
+                          "embedding; only heads whose embedding is the target's can be exported to ONNX so far")
+
+
+def borrow_embeddings(head: Eagle3Head, target_embedding: torch.Tensor) -> None:
+    """Published heads often carry a copy of the target's input embedding (trained frozen, saved beside the head):
+    where the head's equals the target's to within half precision's rounding, the graph borrows the target's
+    (the head's table is dropped here). A draft only proposes, so a last-bit difference can change which tokens
+    are drafted, never the output."""
+    own = head.embed_tokens
+    if own is None or own.weight.shape != target_embedding.shape:
+        return
+    if torch.allclose(own.weight.float(), target_embedding.float(), rtol=1e-3, atol=1e-6):
+        head.embed_tokens = None
 
 
 def draft_token_ids(head: Eagle3Head) -> torch.Tensor:

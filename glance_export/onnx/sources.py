@@ -34,8 +34,13 @@ def open_sources(model_dir: str | Path, head_dir: str | Path,
     if head_kind(head_dir) == "eagle3":
         eagle = load_eagle3(head_dir, getattr(torch, DTYPES[dtype]))
         check_eagle3_matches(eagle, snapshot)
+        checkpoint = Checkpoint(snapshot.path)
+        if eagle.embed_tokens is not None:
+            keys = [k for k in checkpoint.entries if k.endswith("embed_tokens.weight") and "visual" not in k]
+            if len(keys) == 1:
+                eagle3_draft.borrow_embeddings(eagle, checkpoint.read(keys[0]))
         eagle3_draft.check_exportable(eagle)
-        return snapshot, Checkpoint(snapshot.path), eagle
+        return snapshot, checkpoint, eagle
     head = load_head(head_dir, getattr(torch, DTYPES[dtype]))
     check_head_matches(head, snapshot)
     if head.config.vocab_size != snapshot.text_config["vocab_size"]:

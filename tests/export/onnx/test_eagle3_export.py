@@ -162,3 +162,25 @@ def test_a_head_with_its_own_embeddings_is_refused_in_one_line(snapshot_dir, tmp
     err = capsys.readouterr().err.strip()
     assert code != 0 and "embed_tokens" in err and len(err.splitlines()) == 1 and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_head_carrying_the_targets_own_embedding_borrows_it(snapshot_dir, tmp_path):
+    """Published heads often save a copy of the target's input embedding: such a head exports (the graph borrows the
+    target's table) and decodes as greedy does, with the torch reference's drafts on its own copy."""
+    from glance_export.model.eagle3 import load_eagle3
+    from glance_export.model.torch_backend import TorchBackend
+
+    snapshot = snapshot_dir("qwen3")
+    head = _head(snapshot, tmp_path / "head", own_embeddings=True)
+    snap = Snapshot(snapshot)
+    model = TorchBackend(snap).model
+    with torch.no_grad():
+        head.embed_tokens.weight.copy_(model.get_input_embeddings().weight)
+    save_eagle3(head, tmp_path / "head")
+    out = export_artifacts(snapshot, tmp_path / "head", tmp_path / "out", max_tree=32, max_context=256,
+                           progress=lambda _: None)
+    prompt = snap.build_prompt("What colour is the square?", None)
+    truth = decode(TorchBackend(snap, None, model=model), prompt, DecodeConfig(max_new_tokens=12, speculative=False))
+    for backend in (OrtBackend(out), TorchBackend(snap, load_eagle3(tmp_path / "head"), model=model)):
+        result = decode(backend, prompt, DecodeConfig(max_new_tokens=12, budget=15))
+        assert result.tokens == truth.tokens and np.isfinite(result.tau)
