@@ -6,9 +6,10 @@ Two parts:
   tau per task kind, ms/token, speedup over AR, and whether every answer equals greedy. Beside it, the draft cost
   per round against tree depth: a GLANCE round is one head pass whose projections grow with depth; an EAGLE-3 round
   is one head pass per depth.
-- wide: the published Qwen2.5-VL-3B text width (2048 wide, 16 heads, 2 KV heads, 151,936 tokens; depth cut to
-  `--wide-layers`) with a random GLANCE head and a random EAGLE-3 head, drafts seeded with the target's own greedy
-  continuation (confident, as a good head's would be). Draft cost per round against tree depth, and
+- wide: the published Qwen2.5-VL-3B configuration (2048 wide, 16 heads, 2 KV heads, 151,936 tokens, tied; text
+  depth cut to `--wide-layers`, vision to 2 blocks; `benchmarks/real_width.py`'s) with a random GLANCE head and a
+  random EAGLE-3 head, both drafting over the same 32,000-token vocabulary, drafts seeded with the target's own
+  greedy continuation (confident, as a good head's would be). Draft cost per round against tree depth, and
   ms/token at one budget for each.
 
     python benchmarks/heads_compare.py OUT [--eagle3-head models/glance-vl-tiny-eagle3] [--samples 3]
@@ -35,9 +36,7 @@ DEFAULT_MODEL = ROOT / "models" / "glance-vl-tiny"
 GLANCE_ARTIFACTS = ROOT / "models" / "glance-vl-tiny-onnx"
 TASKS = [ROOT / "examples" / kind / "tasks.jsonl" for kind in ("receipt", "chart", "scene", "caption")]
 DEPTHS = range(1, 8)
-WIDE_TEXT = dict(hidden_size=2048, intermediate_size=11008, num_attention_heads=16, num_key_value_heads=2,
-                 vocab_size=151936, max_position_embeddings=128000, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                 rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+DRAFT_VOCAB = 32000  # the wide heads' draft vocabulary: the target's first 32,000 ids
 
 
 def log(line: str) -> None:
@@ -71,7 +70,7 @@ def bench(artifacts: Path, out: Path, args: argparse.Namespace, extra: tuple[str
 
 def summary(report: dict) -> dict:
     """Per task kind and pooled: tau and decode ms/token of each mode, AR's, and the lossless count."""
-    keep = ("tau", "ms_per_token_decode", "draft_ms", "round_ms", "mean_tree_size")
+    keep = ("tau", "ms_per_token_decode", "speedup_decode", "draft_ms", "verify_ms", "round_ms", "mean_tree_size")
 
     def modes(block: dict) -> dict:
         return {name: {k: round(m[k], 4) for k in keep if m.get(k) is not None} for name, m in block["modes"].items()}
@@ -136,21 +135,30 @@ def part_default(out: Path, args: argparse.Namespace) -> dict:
 
 
 def part_wide(out: Path, args: argparse.Namespace) -> dict:
+    from dataclasses import replace
+
+    import torch
+
     from glance_export.model.adapters import Snapshot
     from glance_export.model.eagle3 import eagle3_config_for, init_eagle3, save_eagle3
     from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
+    from real_width import PUBLISHED, cut
     from support import make_wide_snapshot
 
-    text = {**WIDE_TEXT, "num_hidden_layers": args.wide_layers}
+    published = PUBLISHED["qwen2.5-vl-3b"]
+    text, vision = cut(published, args.wide_layers, 2)
     snap = out / "wide-snapshot"
     if not (snap / "config.json").exists():
-        make_wide_snapshot(snap, "qwen2", text)
+        make_wide_snapshot(snap, published["family"], text, vision, tied=True)
     snapshot = Snapshot(snap)
     heads = {"glance": out / "wide-glance-head", "eagle3": out / "wide-eagle3-head"}
-    if not heads["glance"].exists():
-        save_head(init_head(head_config_for(snapshot, 1, 16, pick_mask_token(snapshot)), seed=0), heads["glance"])
+    if not heads["glance"].exists():  # both heads draft over the same 32,000 ids, so their projections cost alike
+        cfg = replace(head_config_for(snapshot, 1, 16, pick_mask_token(snapshot)), draft_vocab_size=DRAFT_VOCAB)
+        glance = init_head(cfg, seed=0)
+        glance.draft_vocab_ids.copy_(torch.arange(DRAFT_VOCAB))
+        save_head(glance, heads["glance"])
     if not heads["eagle3"].exists():
-        save_eagle3(init_eagle3(eagle3_config_for(snapshot, draft_vocab_size=32000), seed=0), heads["eagle3"])
+        save_eagle3(init_eagle3(eagle3_config_for(snapshot, draft_vocab_size=DRAFT_VOCAB), seed=0), heads["eagle3"])
     result = {"text_config": text, "draft_ms_by_depth": {}, "bench": {}}
     for kind, head in heads.items():
         artifacts = export(snap, head, out / f"wide-{kind}-onnx", max_tree=64, max_context=512)
@@ -176,14 +184,20 @@ def markdown(result: dict) -> str:
             lines.append(f"| {depth} | " + " | ".join(str(costs[depth] if depth in costs else costs[str(depth)])
                                                       for costs in data["draft_ms_by_depth"].values()) + " |")
         for kind, bench_summary in data.get("bench", {}).items():
-            lines += ["", f"### {kind}: tau / decode ms per token (lossless {bench_summary['lossless']['identical']}"
-                      f" of {bench_summary['lossless']['runs']})", ""]
+            lossless = bench_summary["lossless"]
+            lines += ["", f"### {kind} head: tau, decode ms/token and speedup over AR per task kind; pooled tau, draft "
+                      f"and verify ms per round (every answer identical to AR's: {lossless['identical']} of "
+                      f"{lossless['runs']} runs)", ""]
             modes = list(bench_summary["pooled"])
             lines += ["| task | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
-            for task, block in [*bench_summary["kinds"].items(), ("pooled", bench_summary["pooled"])]:
-                cells = [f"{block[m]['tau']:.2f} / {block[m]['ms_per_token_decode']:.3f}" if m in block else "-"
-                         for m in modes]
-                lines.append(f"| {task} | " + " | ".join(cells) + " |")
+            for task, block in bench_summary["kinds"].items():
+                lines.append(f"| {task} | " + " | ".join(
+                    f"{block[m]['tau']:.2f}, {block[m]['ms_per_token_decode']:.3f} ms, "
+                    f"{block[m].get('speedup_decode', 1.0):.2f}x" if m in block else "-" for m in modes) + " |")
+            pooled = bench_summary["pooled"]
+            lines.append("| pooled | " + " | ".join(
+                f"{pooled[m]['tau']:.2f}, {pooled[m].get('speedup_decode', 1.0):.2f}x; draft {pooled[m]['draft_ms']:.2f}, "
+                f"verify {pooled[m]['verify_ms']:.2f}" for m in modes) + " |")
         lines.append("")
     return "\n".join(lines)
 
