@@ -637,3 +637,11 @@ def tiny_eagle3_head(snapshot: Path, out: Path, draft_vocab: int | None = None, 
     ids = torch.linspace(0, cfg.vocab_size - 1, draft_vocab).long() if draft_vocab else None
     head = init_eagle3(cfg, seed, draft_ids=ids, own_embeddings=own_embeddings, std=std)
     return save_eagle3(head, out, made_by="tests")
+
+
+def image_tasks(images: dict[str, Path], root: Path) -> Path:
+    """A task file at root/tasks.jsonl asking "What is shown?" of the wide, tall and square test images."""
+    path = root / "tasks.jsonl"
+    path.write_text("".join(json.dumps({"image": str(images[name]), "prompt": "What is shown?"}) + "\n"
+                            for name in ("wide", "tall", "square")))
+    return path

@@ -19,6 +19,7 @@ from glance_runtime.backends.registry import Source, open_session
 from glance_runtime.decode.loop import DecodeConfig
 from glance_runtime.defaults import EAGLE3_DEPTH
 from glance_runtime.formats.tasks import read as read_tasks
+from support import image_tasks
 
 STEPS = 3
 MODELS = Path(__file__).resolve().parents[3] / "models"
@@ -30,11 +31,7 @@ def cli(argv: list) -> int:
 
 @pytest.fixture(scope="module")
 def task_file(images, tmp_path_factory):
-    root = tmp_path_factory.mktemp("eagle3_train")
-    path = root / "tasks.jsonl"
-    path.write_text("".join(json.dumps({"image": str(images[name]), "prompt": "What is shown?"}) + "\n"
-                            for name in ("wide", "tall", "square")))
-    return path
+    return image_tasks(images, tmp_path_factory.mktemp("eagle3_train"))
 
 
 def small_head(model, draft_vocab: int | None = None, layers: int = 1):

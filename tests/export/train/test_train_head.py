@@ -12,15 +12,12 @@ from glance_export.cli import main as export_main
 from glance_export.model.head import load_head
 from glance_runtime.decode.loop import DecodeConfig
 from glance_runtime.backends.registry import Source, open_session
+from support import image_tasks
 
 
 @pytest.fixture(scope="module")
 def task_file(images, tmp_path_factory):
-    root = tmp_path_factory.mktemp("train")
-    path = root / "tasks.jsonl"
-    path.write_text("".join(json.dumps({"image": str(images[name]), "prompt": "What is shown?"}) + "\n"
-                            for name in ("wide", "tall", "square")))
-    return path
+    return image_tasks(images, tmp_path_factory.mktemp("train"))
 
 
 def test_trained_head_accepts_long_blocks_and_stays_lossless(snapshot_dir, task_file, tmp_path, capsys):
