@@ -164,8 +164,9 @@ def part_wide(out: Path, args: argparse.Namespace) -> dict:
         artifacts = export(snap, head, out / f"wide-{kind}-onnx", max_tree=64, max_context=512)
         result["draft_ms_by_depth"][kind] = draft_costs(artifacts, args.threads, args.rounds, seeded=True)
         if not args.skip_bench:
-            report = bench(artifacts, out / f"bench-wide-{kind}", argparse.Namespace(**{
-                **vars(args), "budgets": args.wide_budget, "n": 2}), ("--seed-drafts", "full", "--max-new-tokens", "24"))
+            wide_args = argparse.Namespace(**{**vars(args), "budgets": args.wide_budget, "n": 2})
+            report = bench(artifacts, out / f"bench-wide-{kind}", wide_args,
+                           ("--seed-drafts", "full", "--max-new-tokens", "24"))
             result["bench"][kind] = summary(report)
     return result
 
@@ -196,8 +197,8 @@ def markdown(result: dict) -> str:
                     f"{block[m].get('speedup_decode', 1.0):.2f}x" if m in block else "-" for m in modes) + " |")
             pooled = bench_summary["pooled"]
             lines.append("| pooled | " + " | ".join(
-                f"{pooled[m]['tau']:.2f}, {pooled[m].get('speedup_decode', 1.0):.2f}x; draft {pooled[m]['draft_ms']:.2f}, "
-                f"verify {pooled[m]['verify_ms']:.2f}" for m in modes) + " |")
+                f"{pooled[m]['tau']:.2f}, {pooled[m].get('speedup_decode', 1.0):.2f}x; "
+                f"draft {pooled[m]['draft_ms']:.2f}, verify {pooled[m]['verify_ms']:.2f}" for m in modes) + " |")
         lines.append("")
     return "\n".join(lines)
 

@@ -130,8 +130,8 @@ class Eagle3Config:
         if self.norm_before_residual:
             out["norm_before_residual"] = True
         if self.aux_layer_ids is not None:
-            out["eagle_config"] = {**out.get("eagle_config", {}), "eagle_aux_hidden_state_layer_ids": self.aux_layer_ids,
-                                   "use_aux_hidden_state": True}
+            out["eagle_config"] = {**out.get("eagle_config", {}), "use_aux_hidden_state": True,
+                                   "eagle_aux_hidden_state_layer_ids": self.aux_layer_ids}
         return out
 
     @classmethod

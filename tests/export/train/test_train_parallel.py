@@ -1,5 +1,6 @@
 """train-head under torchrun (gloo on the CPU): N processes split each global batch, so 2 processes at batch 2
-train the head 1 process at batch 4 does, and a run stopped under 2 processes continues under 1."""
+train the head 1 process at batch 4 does (a GLANCE head and an EAGLE-3 head), and a run stopped under 2
+processes continues under 1."""
 from __future__ import annotations
 
 import json
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.slow  # training runs under torchrun
 
 REPO = Path(__file__).resolve().parents[3]
 COMMON = ["--block-size", "4", "--anchors", "4", "--max-new-tokens", "8", "--threads", "1", "--lr", "1e-2"]
+EAGLE3 = ["--arch", "eagle3", "--ttt-steps", "3", "--max-new-tokens", "8", "--threads", "1", "--lr", "1e-2"]
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +36,12 @@ def tasks(tmp_path_factory):
     return root / "tasks.jsonl"
 
 
-def train(model, tasks, out, processes: int, *flags: str) -> str:
+def train(model, tasks, out, processes: int, *flags: str, common: list[str] = COMMON) -> str:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "runtime")]), OMP_NUM_THREADS="1")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"] \
         if processes > 1 else [sys.executable]
     done = subprocess.run([*launcher, "-m", "glance_export", "train-head", "--model", str(model), "--data", str(tasks),
-                           "--out", str(out), *COMMON, *flags], capture_output=True, text=True, env=env, timeout=180)
+                           "--out", str(out), *common, *flags], capture_output=True, text=True, env=env, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
@@ -83,3 +85,15 @@ def test_a_run_stopped_under_two_processes_continues_under_one(snapshot_dir, tas
     assert "resuming from the checkpoint" in log and "at step 1" in log and "step 4/4" in log
     assert not (resumed / STATE_FILE).exists()
     assert relative(weights(resumed), one_process) < 1e-5
+
+
+def test_two_processes_train_an_eagle3_head_as_one_does(snapshot_dir, tasks, tmp_path):
+    """The same split for EAGLE-3's training-time test: every process drafts over the same vocabulary (counted
+    over all the answers), and the two half batches move the weights as the whole one does."""
+    model = snapshot_dir("qwen2_5_vl")
+    train(model, tasks, tmp_path / "one", 1, "--steps", "4", "--batch", "4", common=EAGLE3)
+    log = train(model, tasks, tmp_path / "two", 2, "--steps", "4", "--batch", "2", common=EAGLE3)
+    assert "4 a step over 2 processes" in log
+    one, two = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("one", "two"))
+    assert torch.equal(one["d2t"], two["d2t"])
+    assert relative(flat(two), flat(one)) < 1e-5
