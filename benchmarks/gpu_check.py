@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "runtime"), str(ROOT)]
 
 from glance_runtime.decode.auto_budget import AUTO_MAX_NODES, AutoBudget  # noqa: E402
+from glance_runtime.decode.backend import STEP_DRAFTERS  # noqa: E402
 from glance_runtime.backends.seeded import SeededDrafter  # noqa: E402
 from glance_runtime.decode.calibration import find_calibration  # noqa: E402
 from glance_runtime.decode.cost_profile import measure as measure_costs  # noqa: E402
@@ -89,7 +90,8 @@ def auto_config(backend, prompt, cfg: DecodeConfig, places: list[Path]) -> Decod
     largest = min(AUTO_MAX_NODES, reachable_nodes(backend.block_size, cfg.branch_k, backend.info.limits.drafter),
                   (backend.info.limits.max_tree or AUTO_MAX_NODES + 1) - 1)
     cost = measure_costs(backend, prompt, largest + 1, cfg.branch_k)
-    policy = AutoBudget(cost, find_calibration(places)[0], min(largest, cost.max_rows - 1), backend.block_size)
+    policy = AutoBudget(cost, find_calibration(places)[0], min(largest, cost.max_rows - 1), backend.block_size,
+                        steps=backend.info.limits.drafter in STEP_DRAFTERS)
     return DecodeConfig(max_new_tokens=cfg.max_new_tokens, budget=policy.max_nodes, branch_k=cfg.branch_k, auto=policy)
 
 

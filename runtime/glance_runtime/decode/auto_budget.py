@@ -30,6 +30,7 @@ the tokens are those of greedy decoding whatever the rule picks; only the time c
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Callable
 
@@ -40,6 +41,7 @@ from .cost_profile import CostProfile, load, profile_path, describe, save, store
 from .cost_watch import CostWatch
 from ..defaults import AUTO, AUTO_MAX_NODES, BUDGET
 from ..errors import GlanceError
+from .backend import STEP_DRAFTERS
 from .limits import check_branch_k, check_decode, reachable_nodes
 from .loop import DecodeConfig, RoundLog
 from .tree import Tree, build_tree
@@ -84,15 +86,23 @@ class _Rates:
     """What the rule reads of one set of costs, computed once: C(n) = D + V(n + 1) for n = 0..max_nodes, S(n),
     V(1), and step 1's answer where the law does not depend on the anchor."""
 
-    def __init__(self, cost: CostProfile, calibration: Calibration, max_nodes: int, block_size: int):
+    def __init__(self, cost: CostProfile, calibration: Calibration, max_nodes: int, block_size: int,
+                 steps: bool = False):
         # a tree never costs less than one of its prefixes (it does their work and more), so no cost a round reads
         # makes a larger tree look cheaper
-        round_ms = np.maximum.accumulate(cost.draft_ms + cost.verify_cost(np.arange(1, max_nodes + 2)))
+        verify_ms = np.maximum.accumulate(cost.verify_cost(np.arange(1, max_nodes + 2)))
+        round_ms = np.maximum.accumulate(cost.draft_ms + verify_ms)
+        self.verify_ms = verify_ms.tolist()  # V(n + 1) for n nodes
         self.round_ms = round_ms.tolist()  # Python floats for the per-node loop
+        # a step drafter (EAGLE-3) pays a head pass a depth: the profile's draft is its deepest tree's, so one
+        # depth costs that over the depths it grew, and a chain of m nodes costs m of them
+        self.step_ms = cost.draft_ms / max(block_size - 1, 1) if steps else None
+        chain = (self.step_ms * np.arange(len(verify_ms)) + verify_ms) if steps else round_ms
         n = np.arange(len(round_ms))
         apart = n[None, :] - n[:, None]
         per_row = np.where(apart > 0, (round_ms[None, :] - round_ms[:, None]) / np.maximum(apart, 1), np.inf)
         self.slope = np.maximum(per_row.min(axis=1)[:-1], 0.0).tolist()  # S(n)
+        self.chain_ms = chain.tolist()  # what a drafted chain of m nodes costs, m = 0..max_nodes
         self.plain_ms = float(cost.verify_cost(1))
         self.depth = min(block_size - 1, max_nodes)
         law = calibration.law
@@ -106,7 +116,7 @@ class _Rates:
         if self.depth < 1:  # no room for a drafted node: a draft can never pay
             return False
         expected = 1 + np.cumsum(p ** np.arange(1, self.depth + 1))
-        return bool(np.max(expected / np.array(self.round_ms[1:self.depth + 1])) > gain / self.plain_ms)
+        return bool(np.max(expected / np.array(self.chain_ms[1:self.depth + 1])) > gain / self.plain_ms)
 
     def wants(self, calibration: Calibration, surprisal: float | None, gain: float = 1.0) -> bool:
         if self.always is not None and gain == 1.0:
@@ -120,8 +130,10 @@ class AutoBudget:
     again when `watch`, which learns costs from the decode's own rounds, changes them)."""
 
     def __init__(self, cost: CostProfile, calibration: Calibration, max_nodes: int, block_size: int,
-                 watch: CostWatch | None = None):
+                 watch: CostWatch | None = None, steps: bool = False):
         self.cost, self.calibration, self.watch = cost, calibration, watch
+        self.steps = steps  # the backend is a step drafter (EAGLE-3): a head pass per depth
+        self._grown = 0  # head passes the last step-drafted round ran
         self.max_nodes = max_nodes  # the largest tree auto may verify, anchor excluded
         self.block_size = block_size  # B: a drafted chain is at most B-1 deep
         self._exploring = False  # this round may verify more than the rule picks, to time an unconfirmed cost
@@ -135,18 +147,18 @@ class AutoBudget:
 
     def _use(self) -> None:
         self._plan = _Rates(self.cost if self.watch is None else self.watch.used, self.calibration, self.max_nodes,
-                            self.block_size)
+                            self.block_size, self.steps)
         self._hoped: _Rates | None = None
 
     @property
     def _hope(self) -> _Rates:
         """The rates at the hopeful costs, computed when a round that explores first asks for them."""
         if self._hoped is None:
-            self._hoped = _Rates(self.watch.hope, self.calibration, self.max_nodes, self.block_size)
+            self._hoped = _Rates(self.watch.hope, self.calibration, self.max_nodes, self.block_size, self.steps)
         return self._hoped
 
     def with_calibration(self, calibration: Calibration) -> "AutoBudget":
-        return AutoBudget(self.cost, calibration, self.max_nodes, self.block_size, self.watch)
+        return AutoBudget(self.cost, calibration, self.max_nodes, self.block_size, self.watch, self.steps)
 
     def should_draft(self, surprisal: float | None) -> bool:
         """Step 1: whether the law's best chain repays the draft pass (or, in a round that explores, whether it
@@ -176,20 +188,47 @@ class AutoBudget:
                 return explored
         return tree.prefix(pick)
 
+    def deeper(self, surprisal: float | None) -> Callable[[list[float], list[int], list[int]], bool]:
+        """Step 2 for a step drafter (EAGLE-3), before each further head pass: whether that pass is expected to pay
+        for itself. With R* the best rate of the nodes drafted so far (E(n) over the draft spent plus V(n + 1)), a
+        pass expanding nodes N is expected to add sum over N of q(n) times m: a child is accepted only where its
+        parent is, and then with the draft's probability of the child, whose top-k mass m this round's first pass
+        measured (the anchor's top-k). The pass runs where that beats R* times its cost."""
+        q = self.calibration.node_scorer(surprisal)
+        plan = self._plan
+        step = plan.step_ms or 0.0
+        self._grown = 1
+
+        def more(scores: list[float], depths: list[int], chosen: list[int]) -> bool:
+            spent = step * self._grown
+            expected, best = 1.0, 1.0 / (spent + plan.verify_ms[0])
+            order = sorted(range(len(scores)), key=lambda n: (-scores[n], n))[:len(plan.verify_ms) - 1]
+            for i, n in enumerate(order, start=1):
+                expected += q(scores[n], depths[n])
+                best = max(best, expected / (spent + plan.verify_ms[i]))
+            mass = sum(math.exp(score) for score, depth in zip(scores, depths) if depth == 1)
+            if mass * sum(q(scores[n], depths[n]) for n in chosen) <= best * step:
+                return False
+            self._grown += 1
+            return True
+
+        return more
+
     def cut(self, tree: Tree, surprisal: float | None) -> Tree:
-        """Step 2 for a tree a step drafter (EAGLE-3) grew whole: its prefix n* = argmax E(n) / (D + V(n + 1)) with
-        q from each node's path score and depth (its prefixes are its best trees by score). Its draft is spent,
-        whatever the cut, so no round explores a larger count for its cost: the costs are learned from the counts
-        the rule picks."""
-        self._depth = int(tree.depths.max()) if tree.size > 1 else None
+        """Step 2 for a tree a step drafter (EAGLE-3) grew: its prefix n* = argmax E(n) / (D + V(n + 1)), D the draft
+        it spent (a head pass a depth), q from each node's path score and depth (its prefixes are its best trees by
+        score). The draft is spent whatever the cut, so no round explores a larger count for its cost: the costs
+        are learned from the counts the rule picks."""
+        self._depth = self.block_size - 1 if tree.size > 1 else None
         self._counts = []
         q = self.calibration.node_scorer(surprisal)
-        round_ms = self._plan.round_ms
-        expected, best_rate, best = 1.0, 1.0 / round_ms[0], 0
-        for n in range(1, min(tree.size, len(round_ms))):
+        verify = self._plan.verify_ms
+        spent = (self._plan.step_ms or 0.0) * max(self._grown, 1)
+        expected, best_rate, best = 1.0, 1.0 / (spent + verify[0]), 0
+        for n in range(1, min(tree.size, len(verify))):
             expected += q(float(tree.scores[n]), int(tree.depths[n]))
-            if expected / round_ms[n] > best_rate:
-                best_rate, best = expected / round_ms[n], n
+            if expected / (spent + verify[n]) > best_rate:
+                best_rate, best = expected / (spent + verify[n]), n
         return tree.prefix(best + 1)
 
     def _worth(self, cut: _Cut) -> int | None:
@@ -224,8 +263,11 @@ class AutoBudget:
         if self.watch is None:
             return
         drafted = round_log.drafted
+        draft_ms = round_log.draft_ms
+        if drafted and self.steps and self._grown:  # a step drafter's draft, per pass, as if it had grown full depth
+            draft_ms *= (self.block_size - 1) / self._grown
         if self.watch.observe(round_log.tree_size, round_log.total_ms - round_log.draft_ms,
-                              round_log.draft_ms if drafted else None, self._depth if drafted else None):
+                              draft_ms if drafted else None, self._depth if drafted else None):
             self._use()
 
     def settle(self) -> None:
@@ -281,7 +323,8 @@ def auto_budget(runner, branch_k: int, remeasure: bool = False,
     calibration, calibration_path = find_calibration(list(runner.calibration_dirs))
     max_nodes = min(largest, cost.max_rows - 1)
     watch = CostWatch(cost, _keeper(cost_path, progress), max_nodes + 1, backend.block_size - 1)
-    policy = AutoBudget(cost, calibration, max_nodes, backend.block_size, watch)
+    policy = AutoBudget(cost, calibration, max_nodes, backend.block_size, watch,
+                        steps=backend.info.limits.drafter in STEP_DRAFTERS)
     return policy, cost_path, calibration_path
 
 

@@ -13,6 +13,8 @@ could be kept); the next best node of its depth is expanded instead.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from .backend import StepDrafter
@@ -32,10 +34,15 @@ def _checked(ids: np.ndarray, logp: np.ndarray, rows: int, k: int) -> tuple[list
     return ids.astype(np.int64).tolist(), logp.astype(np.float64).tolist()
 
 
+Deeper = Callable[[list[float], list[int], list[int]], bool]
+
+
 def grow_dynamic(anchor: int, drafter: StepDrafter, budget: int, branch_k: int, depth: int,
-                 leaves: frozenset[int] = frozenset()) -> Tree:
+                 leaves: frozenset[int] = frozenset(), deeper: Deeper | None = None) -> Tree:
     """The round's tree: at most `budget` nodes, `depth` deep, `branch_k` expanded per depth (and each into its
-    top `branch_k`), from `depth` head passes at most."""
+    top `branch_k`), from `depth` head passes at most. `deeper(scores, depths, chosen)`, asked before each further
+    pass with every node drafted so far and the ones that pass would expand, ends the growth when it returns
+    False (`--budget auto`: where the pass cannot pay for itself); the tree is then the best of what was drafted."""
     if budget < 1 or depth < 1 or branch_k < 1:
         return Tree.root(anchor)
     tokens: list[int] = []
@@ -62,7 +69,7 @@ def grow_dynamic(anchor: int, drafter: StepDrafter, budget: int, branch_k: int, 
             bar = -np.partition(-np.asarray(scores), budget - 1)[budget - 1]
         ranked = sorted((n for n in frontier if tokens[n] not in leaves), key=lambda n: (-scores[n], n))
         chosen = [n for n in ranked[:branch_k] if scores[n] > bar]
-        if not chosen:
+        if not chosen or (deeper is not None and not deeper(scores, depths, chosen)):
             break
         step_parents = np.array([rows.get(parents[n], -1) for n in chosen], np.int64)
         for n in chosen:

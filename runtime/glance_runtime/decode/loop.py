@@ -26,8 +26,11 @@ class BudgetPolicy(Protocol):
     def grow(self, anchor: int, topk_ids: np.ndarray, topk_logprobs: np.ndarray, branch_k: int,
              surprisal: float | None, leaves: frozenset[int] = frozenset()) -> Tree: ...
 
+    def deeper(self, surprisal: float | None) -> Callable[[list[float], list[int], list[int]], bool]:
+        """For a step drafter's growth: whether one more head pass is worth its cost (see `grow_dynamic`)."""
+
     def cut(self, tree: Tree, surprisal: float | None) -> Tree:
-        """The best prefix of a tree a step drafter grew whole (its draft already spent)."""
+        """The best prefix of a tree a step drafter grew (its draft already spent)."""
 
     def observe(self, round_log: "RoundLog") -> None:
         """Each round's log once it is committed (its timings may correct the costs the policy weighs)."""
@@ -117,7 +120,8 @@ def _tree(backend: Backend, anchor: int, cfg: DecodeConfig, surprisal: float | N
         return Tree.root(anchor), False
     if backend.info.limits.drafter in STEP_DRAFTERS:
         tree = grow_dynamic(anchor, backend, cfg.budget, cfg.branch_k,
-                            min(backend.block_size - 1, cfg.budget, left - 1), leaves=stops)
+                            min(backend.block_size - 1, cfg.budget, left - 1), leaves=stops,
+                            deeper=cfg.auto.deeper(surprisal) if cfg.auto else None)
         if cfg.auto:
             tree = cfg.auto.cut(tree, surprisal)
         return (tree if room is None else fit(tree, room)), True

@@ -719,3 +719,33 @@ def test_two_slowed_rounds_cannot_confirm_a_cost_too_dear():
     for _ in range(CONFIRM_DEAR):
         watch.observe(2, 1.2, 0.9, 15)
     assert 2 in watch._confirmed and watch.draft_confirmed
+
+
+def _step_policy(draft_ms: float) -> AutoBudget:
+    """auto for a step drafter 8 deep (block size 8), over the prior's q (a node's draft path probability), with a
+    verify of 1 ms plus 0.01 ms a row and a full-depth draft of `draft_ms` (7 head passes)."""
+    grid = row_grid(64)
+    cost = CostProfile(device="constructed", rows=grid, verify_ms=tuple(1.0 + 0.01 * r for r in grid),
+                       draft_ms=draft_ms, repeats=1, measured_at="2026-01-01T00:00:00")
+    return AutoBudget(cost, PRIOR, 63, 8, steps=True)
+
+
+def test_a_step_drafter_deepens_while_the_next_pass_is_expected_to_pay():
+    """A confident path (each node the draft's 0.9) is followed while a pass costs little next to what it adds, and
+    not when the pass is dear; a step drafter's chain costs a pass a node, so should_draft weighs passes."""
+    chain = [math.log(0.9 ** d) for d in range(1, 8)]
+
+    def passes(policy: AutoBudget) -> int:
+        more = policy.deeper(None)
+        done = 1
+        for depth in range(2, 8):
+            scores = [*chain[:depth - 1], math.log(0.05)]
+            if not more(scores, [*range(1, depth), 1], [depth - 2]):
+                break
+            done += 1
+        return done
+
+    cheap, dear = _step_policy(0.7), _step_policy(21.0)
+    assert passes(cheap) == 7 and passes(dear) == 1
+    assert cheap._plan.chain_ms[3] == pytest.approx(3 * 0.1 + 1.0 + 0.04)
+    assert dear._plan.chain_ms[1] == pytest.approx(3.0 + 1.02)

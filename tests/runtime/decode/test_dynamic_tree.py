@@ -104,3 +104,16 @@ def test_nodes_that_cannot_be_kept_are_not_expanded():
     full = PathDrafter(11)
     grow_dynamic(0, full, 64, 4, 6)
     assert drafter.rows < full.rows
+
+
+def test_growth_ends_where_deeper_says_and_keeps_the_best_of_what_was_drafted():
+    asked = []
+
+    def deeper(scores, depths, chosen):
+        asked.append((len(scores), max(depths)))
+        return len(asked) < 2
+
+    drafter = PathDrafter(5)
+    tree = grow_dynamic(0, drafter, 63, 4, 7, deeper=deeper)
+    assert drafter.passes == 2 and asked == [(4, 1), (20, 2)]  # the second pass expanded 4 nodes into 4 each
+    assert tree.size == 1 + 20 and paths(tree) == blind(5, 63, 4, 2, frozenset())
