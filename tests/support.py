@@ -277,12 +277,15 @@ SERVE = BLOCK_TRAINING_STACK + "from glance_runtime.cli.serve import main; sys.e
 
 
 def start_server(*args: str, timeout_s: float = START_TIMEOUT_S,
-                 on_listening: Callable[[str], None] | None = None) -> Server:
+                 on_listening: Callable[[str], None] | None = None, ignore_sigint: bool = False) -> Server:
     """`glance-serve --port 0 ARGS` as an edge install runs it (no torch, transformers or glance_export),
-    returned once it prints that it is ready."""
+    returned once it prints that it is ready. `ignore_sigint`: started as a shell's background job is (SIGINT
+    ignored from the start)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    preexec = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
     proc = subprocess.Popen([sys.executable, "-c", SERVE, "--port", "0", "--threads", "1", *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=preexec)
     log: list[str] = []
     sel = selectors.DefaultSelector()
     sel.register(proc.stderr, selectors.EVENT_READ)

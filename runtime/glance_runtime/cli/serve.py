@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -156,9 +157,12 @@ def run(args: argparse.Namespace) -> int:
     # uvicorn picks httptools (the serve extra's C parser) where installed: it parses a request and writes its
     # answer about 0.3 ms sooner than h11, which uvicorn falls back to. Proxy headers off: nothing here reads
     # the client's address, so the middleware uvicorn would wrap around every request to rewrite it is skipped.
+    signals: list[int] = []  # the stop signals the server took
+
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:
             """A first Ctrl-C lets the requests in flight finish: say so, since nothing else shows until then."""
+            signals.append(sig)
             if not self.should_exit and service.in_flight:
                 progress(f"stopping after answering the requests in flight ({service.in_flight}); Ctrl-C again "
                          "cancels them")
@@ -176,7 +180,9 @@ def run(args: argparse.Namespace) -> int:
     if not stopped:  # a second Ctrl-C stopped it without waiting for the requests in flight
         dropped = service.dropped
         progress("stopped" + (f"; cancelled {dropped} request{'s' * (dropped != 1)} in flight" if dropped else ""))
-    return 130 if interrupted else 0
+    # uvicorn re-raises the signal it stopped on once it has shut down, but a Ctrl-C re-raised as the event loop
+    # closes can be swallowed there; the exit code follows the signal taken, not whether the re-raise came through
+    return 130 if interrupted or signal.SIGINT in signals else 0
 
 
 def main(argv: list[str] | None = None) -> int:

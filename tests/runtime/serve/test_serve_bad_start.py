@@ -129,6 +129,19 @@ def test_a_client_that_leaves_mid_body_is_one_log_line_and_ctrl_c_says_stopped()
     assert lines.count("glance-serve: client went away before its request to /v1/chat/completions was read") == 2
 
 
+def test_ctrl_c_ends_with_130_also_where_the_server_started_with_it_ignored():
+    """A background job starts with SIGINT ignored; a SIGINT sent to it still stops the server as Ctrl-C does, and
+    the exit code says so (uvicorn's re-raise of the signal is then ignored)."""
+    server = start_server(ignore_sigint=True)
+    try:
+        assert _ask(server)["choices"][0]["message"]["content"]
+        server.proc.send_signal(signal.SIGINT)
+        code, lines = _ended(server)
+    finally:
+        server.stop()
+    assert code == 130 and lines[-1] == "glance-serve: stopped" and _stops(lines) == 1
+
+
 def test_sigterm_says_stopped_in_one_line():
     server = start_server()
     try:
