@@ -129,28 +129,20 @@ def test_a_client_that_leaves_mid_body_is_one_log_line_and_ctrl_c_says_stopped()
     assert lines.count("glance-serve: client went away before its request to /v1/chat/completions was read") == 2
 
 
-def test_ctrl_c_ends_with_130_also_where_the_server_started_with_it_ignored():
-    """A background job starts with SIGINT ignored; a SIGINT sent to it still stops the server as Ctrl-C does, and
-    the exit code says so (uvicorn's re-raise of the signal is then ignored)."""
-    server = start_server(ignore_sigint=True)
+@pytest.mark.parametrize("sig, ignore_sigint, exit_code", [(signal.SIGTERM, False, -signal.SIGTERM),
+                                                          (signal.SIGINT, True, 130)],
+                         ids=["sigterm", "sigint-to-a-background-job"])
+def test_a_stop_signal_says_stopped_in_one_line(sig, ignore_sigint, exit_code):
+    """SIGTERM ends the server by that signal; SIGINT with 130 (as Ctrl-C), also where it started with SIGINT
+    ignored, as a shell's background job does (uvicorn's re-raise of the signal is then ignored)."""
+    server = start_server(ignore_sigint=ignore_sigint)
     try:
         assert _ask(server)["choices"][0]["message"]["content"]
-        server.proc.send_signal(signal.SIGINT)
+        server.proc.send_signal(sig)
         code, lines = _ended(server)
     finally:
         server.stop()
-    assert code == 130 and lines[-1] == "glance-serve: stopped" and _stops(lines) == 1
-
-
-def test_sigterm_says_stopped_in_one_line():
-    server = start_server()
-    try:
-        assert _ask(server)["choices"][0]["message"]["content"]
-        server.proc.send_signal(signal.SIGTERM)
-        code, lines = _ended(server)
-    finally:
-        server.stop()
-    assert code == -signal.SIGTERM and lines[-1] == "glance-serve: stopped" and _stops(lines) == 1
+    assert code == exit_code and lines[-1] == "glance-serve: stopped" and _stops(lines) == 1
 
 
 def test_ctrl_c_waits_for_the_request_in_flight_and_then_says_stopped():
