@@ -470,8 +470,7 @@ def load_eagle3(head_dir: str | Path, dtype: torch.dtype = torch.float32) -> Eag
     _check_vocab_maps(state, cfg, weights)
     state = {k: (v.to(torch.long) if k == "d2t" else v.to(torch.bool) if k == "t2d" else v) for k, v in state.items()}
     head.load_state_dict(state, strict=False, assign=True)
-    floats = head.to(dtype)
-    return floats.eval()
+    return head.to(dtype).eval()
 
 
 def _check_vocab_maps(state: dict[str, torch.Tensor], cfg: Eagle3Config, weights: Path) -> None:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -125,6 +125,19 @@ class _Rates:
         return (surprisal is None and self.always is None) or self.repays(p, gain)
 
 
+def _best_prefix(accepted: Iterable[float], spent_ms: float, verify_ms: list[float]) -> tuple[float, int]:
+    """The best rate E(n) / (spent + V(n + 1)) over the prefixes of nodes accepted with the given probabilities (in
+    packed order, as many as `verify_ms` has counts for), and its node count (the smallest on ties)."""
+    expected, best_rate, best = 1.0, 1.0 / (spent_ms + verify_ms[0]), 0
+    for n, q in enumerate(accepted, start=1):
+        if n >= len(verify_ms):
+            break
+        expected += q
+        if expected / (spent_ms + verify_ms[n]) > best_rate:
+            best_rate, best = expected / (spent_ms + verify_ms[n]), n
+    return best_rate, best
+
+
 class AutoBudget:
     """The policy for one cost profile and calibration; everything a round reads is computed here once (and
     again when `watch`, which learns costs from the decode's own rounds, changes them)."""
@@ -200,12 +213,8 @@ class AutoBudget:
         self._grown = 1
 
         def more(scores: list[float], depths: list[int], chosen: list[int]) -> bool:
-            spent = step * self._grown
-            expected, best = 1.0, 1.0 / (spent + plan.verify_ms[0])
-            order = sorted(range(len(scores)), key=lambda n: (-scores[n], n))[:len(plan.verify_ms) - 1]
-            for i, n in enumerate(order, start=1):
-                expected += q(scores[n], depths[n])
-                best = max(best, expected / (spent + plan.verify_ms[i]))
+            order = sorted(range(len(scores)), key=lambda n: (-scores[n], n))  # the tree's packed order
+            best, _ = _best_prefix((q(scores[n], depths[n]) for n in order), step * self._grown, plan.verify_ms)
             mass = sum(math.exp(score) for score, depth in zip(scores, depths) if depth == 1)
             if mass * sum(q(scores[n], depths[n]) for n in chosen) <= best * step:
                 return False
@@ -222,13 +231,8 @@ class AutoBudget:
         self._depth = self.block_size - 1 if tree.size > 1 else None
         self._counts = []
         q = self.calibration.node_scorer(surprisal)
-        verify = self._plan.verify_ms
-        spent = (self._plan.step_ms or 0.0) * max(self._grown, 1)
-        expected, best_rate, best = 1.0, 1.0 / (spent + verify[0]), 0
-        for n in range(1, min(tree.size, len(verify))):
-            expected += q(float(tree.scores[n]), int(tree.depths[n]))
-            if expected / (spent + verify[n]) > best_rate:
-                best_rate, best = expected / (spent + verify[n]), n
+        nodes = (q(s, d) for s, d in zip(tree.scores[1:].tolist(), tree.depths[1:].tolist()))
+        _, best = _best_prefix(nodes, (self._plan.step_ms or 0.0) * max(self._grown, 1), self._plan.verify_ms)
         return tree.prefix(best + 1)
 
     def _worth(self, cut: _Cut) -> int | None:
