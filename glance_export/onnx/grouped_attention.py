@@ -23,6 +23,8 @@ def grouped_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     """query [1, H, T, D], key and value [1, KV, S, D], mask [1, 1, T, S] additive -> [1, T, H, D]."""
     kv_heads = module.config.num_key_value_heads
     groups, head_dim = module.num_key_value_groups, module.head_dim
+    if query.shape[0] != 1:
+        return _batched(query, key, value, attention_mask, scaling, kv_heads, groups), None
     q = query.reshape(kv_heads, groups, -1, head_dim)  # heads h = kv * groups + g, as repeat_kv orders them
     k = key.reshape(kv_heads, 1, -1, head_dim)
     scores = torch.matmul(q, k.transpose(2, 3)) * scaling  # [KV, G, T, S]
@@ -31,6 +33,19 @@ def grouped_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     out = torch.matmul(probs, value.reshape(kv_heads, 1, -1, head_dim))  # [KV, G, T, D]
     return out.reshape(1, kv_heads * groups, -1, head_dim).transpose(1, 2), None
+
+
+
+def _batched(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+             scaling: float, kv_heads: int, groups: int) -> torch.Tensor:
+    """The same for a batch (the batched round's graph, traced with B > 1): [B, H, T, D] -> [B, T, H, D], the
+    batch and sequence axes left to the runtime."""
+    q = query.unflatten(1, (kv_heads, groups))  # [B, KV, G, T, D]
+    scores = torch.matmul(q, key.unsqueeze(2).transpose(3, 4)) * scaling  # [B, KV, G, T, S]
+    if mask is not None:
+        scores = scores + mask.unsqueeze(1)  # [B, 1, 1, T, S]
+    probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, value.unsqueeze(2)).flatten(1, 2).transpose(1, 2)
 
 
 AttentionInterface.register(NAME, grouped_attention)

@@ -1,7 +1,7 @@
 """The contract between the exporters and the graph backends (ONNX Runtime, TensorRT): graph file
 names, input/output names, shapes and layouts. Stated once here; both sides import it.
 
-Batch is 1 throughout. `S` = committed rows already in a cache, `T` = rows in this pass, `H` = hidden
+Batch is 1 except in the batched graphs at the end. `S` = committed rows already in a cache, `T` = rows in this pass, `H` = hidden
 size, `kvh`/`D` = KV heads / head dim. KV tensors are **sequence-major** `[rows, kvh, D]` so that the
 first S rows of a preallocated `[max_context, kvh, D]` buffer are one contiguous block: the runtime
 hands that view to the graph with no copy, and compaction moves only the accepted rows.
@@ -53,6 +53,19 @@ draft graph of an EAGLE-3 head (manifest `head_kind` "eagle3"; one run per tree 
     (log-softmax over the draft vocabulary), `topk_embeds` f[Q, K, H] (the target's embeddings of `topk_ids`),
     `prenorm` f[R_h, H] (the rows' output before the final norm), `present_key_{j}` / `present_value_{j}`
     f[R_h, kvh, D] (this run's rows, to write after the cached ones).
+
+The batched graphs (`target_batch`, `draft_batch`; GLANCE heads) run one decode round for B sequences at once.
+Their past is the KV pool: `P` slots of `C` rows, one tensor per layer `[P, C, kvh, D]`, read in place; `slots`
+i64[B] names each sequence's slot and `past_lengths` i64[B] its committed rows (S = the longest; each sequence
+sees only its own). Every sequence carries the same number of rows (T or N, padded; a padded row is never read).
+target_batch graph: `inputs_embeds` f[B, T, H]; `position_ids` i64[3, B, T] (M-RoPE) or i64[B, T]; `tree_mask`
+    bool[B, T, T]; `slots`; `past_lengths`; `pool_key_{l}` / `pool_value_{l}` f[P, C, kvh, D]
+    -> `hidden` f[B, T, H], `present_key_{l}` / `present_value_{l}` f[B, T, kvh, D], `taps` f[B, T, n_taps*H].
+draft_batch graph: `context_taps` f[B, N, n_taps*H] (each sequence's newly committed rows, the first
+    `context_lengths` i64[B] of them real), `context_positions` i64[B, N], `context_lengths`, `block_embeds`
+    f[B, Bk, H], `start` i64[B], `slots`, `past_lengths` (rows in each slot's head cache),
+    `pool_ctx_key_{j}` / `pool_ctx_value_{j}` f[P, C, kvh, D]
+    -> `hidden` f[B, Bk-1, H], `ctx_key_{j}` / `ctx_value_{j}` f[B, N, kvh, D].
 """
 from __future__ import annotations
 
@@ -61,6 +74,7 @@ TARGET_GRAPH = "target.onnx"
 DRAFT_GRAPH = "draft.onnx"
 VOCAB_GRAPH = "vocab.onnx"
 DRAFT_VOCAB_GRAPH = "draft_vocab.onnx"
+BATCH_GRAPHS = ("target_batch", "draft_batch")  # the batched round's graphs (artifacts exported for batching)
 VOCABULARY_GRAPHS = ("vocab", "draft_vocab")  # same contract: ids + hidden rows -> embeddings, top-k
 MANIFEST = "manifest.json"
 EAGLE3_INPUTS = ("context_taps", "hidden", "embeds", "position_ids", "attention_mask", "logit_rows")  # then past K/V
@@ -79,3 +93,15 @@ def draft_kv_names(num_layers: int) -> tuple[list[str], list[str]]:
     ins = [f"past_ctx_{kind}_{j}" for j in range(num_layers) for kind in ("key", "value")]
     outs = [f"ctx_{kind}_{j}" for j in range(num_layers) for kind in ("key", "value")]
     return ins, outs
+
+
+def batch_target_kv_names(num_layers: int) -> tuple[list[str], list[str]]:
+    """(pool inputs, outputs) KV names of the batched target graph, keys and values interleaved per layer."""
+    ins = [f"pool_{kind}_{l}" for l in range(num_layers) for kind in ("key", "value")]
+    return ins, target_kv_names(num_layers)[1]
+
+
+def batch_draft_kv_names(num_layers: int) -> tuple[list[str], list[str]]:
+    """(pool inputs, outputs) context-KV names of the batched draft graph."""
+    ins = [f"pool_ctx_{kind}_{j}" for j in range(num_layers) for kind in ("key", "value")]
+    return ins, draft_kv_names(num_layers)[1]
