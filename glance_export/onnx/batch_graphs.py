@@ -3,8 +3,9 @@ pass drafts every sequence's block.
 
 A batch is padded: B sequences of T rows each (a shorter tree repeats rows its mask hides), each with its own
 past. The past is the KV pool itself (every slot's rows of one layer, `[P, C, kvh, D]`), read in place: the
-graph gathers the rows of the `slots` it serves up to the longest past, and masks each sequence's columns past
-its own length. Measured on ONNX Runtime CPU, a padded batch with per-sequence attention is faster than packing
+graph gathers the rows of the `slots` it serves up to the longest past (`past_rows`, 0..S-1: a size given as an
+input, which TensorRT takes as a shape, where one computed from `past_lengths` would depend on data), and masks
+each sequence's columns past its own length. Measured on ONNX Runtime CPU, a padded batch with per-sequence attention is faster than packing
 every row under one mask, where each row attends over the union of the contexts (docs/benchmarks.md).
 Prefill stays the single-sequence graphs' (with its images), run on the slot's rows in the pool.
 """
@@ -19,17 +20,15 @@ from glance_runtime.formats.graphs import batch_draft_kv_names, batch_target_kv_
 from .target import language_model
 
 
-def gather_past(pool: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """pool [P, C, kvh, D] -> head-major [B, kvh, S, D]: slot `slots[b]`'s first S = max(lengths) rows."""
-    rows = torch.arange(lengths.max(), dtype=torch.int64)
+def gather_past(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """pool [P, C, kvh, D] -> head-major [B, kvh, S, D]: rows `rows` ([S]: 0..S-1) of slot `slots[b]`."""
     index = (slots[:, None] * pool.shape[1] + rows[None]).reshape(-1)
     picked = pool.reshape(-1, pool.shape[2], pool.shape[3]).index_select(0, index)
     return picked.reshape(slots.shape[0], -1, pool.shape[2], pool.shape[3]).transpose(1, 2)
 
 
-def columns(lengths: torch.Tensor, count: torch.Tensor, rows: int | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive [B, 1, rows, count]: column j of sequence b is visible iff j < lengths[b]."""
-    cols = torch.arange(count, dtype=torch.int64)
+def columns(lengths: torch.Tensor, cols: torch.Tensor, rows: int | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive [B, 1, rows, len(cols)]: column cols[j] of sequence b is visible iff cols[j] < lengths[b]."""
     seen = (cols[None, :] < lengths[:, None])[:, None, None, :]
     blocked = torch.full((), torch.finfo(dtype).min, dtype=dtype)
     mask = torch.where(seen, torch.zeros((), dtype=dtype), blocked)
@@ -58,16 +57,16 @@ class BatchTargetGraph(nn.Module):
         self.tap_ids = list(tap_ids)
         self.num_layers = len(self.lm.layers)
         past, present = batch_target_kv_names(self.num_layers)
-        self.input_names = ["inputs_embeds", "position_ids", "tree_mask", "slots", "past_lengths", *past]
+        self.input_names = ["inputs_embeds", "position_ids", "tree_mask", "slots", "past_lengths", "past_rows", *past]
         self.output_names = ["hidden", *present, "taps"]
 
-    def forward(self, inputs_embeds, position_ids, tree_mask, slots, past_lengths, *pool):
-        cache = PoolCache([(gather_past(pool[2 * l], slots, past_lengths),
-                            gather_past(pool[2 * l + 1], slots, past_lengths)) for l in range(self.num_layers)])
+    def forward(self, inputs_embeds, position_ids, tree_mask, slots, past_lengths, past_rows, *pool):
+        cache = PoolCache([(gather_past(pool[2 * l], slots, past_rows),
+                            gather_past(pool[2 * l + 1], slots, past_rows)) for l in range(self.num_layers)])
         hidden = inputs_embeds
         blocked = torch.full((), torch.finfo(hidden.dtype).min, dtype=hidden.dtype)
         inner = torch.where(tree_mask, torch.zeros((), dtype=hidden.dtype), blocked)[:, None]
-        mask = torch.cat([columns(past_lengths, past_lengths.max(), tree_mask.shape[1], hidden.dtype), inner], dim=-1)
+        mask = torch.cat([columns(past_lengths, past_rows, tree_mask.shape[1], hidden.dtype), inner], dim=-1)
         rope = self.lm.rotary_emb(hidden, position_ids)
         taps = {}
         for idx, layer in enumerate(self.lm.layers):
@@ -93,23 +92,23 @@ class BatchDraftGraph(nn.Module):
         self.register_buffer("offsets", torch.arange(cfg.block_size, dtype=torch.int64), persistent=False)
         past, new = batch_draft_kv_names(cfg.num_hidden_layers)
         self.input_names = ["context_taps", "context_positions", "context_lengths", "block_embeds", "start",
-                            "slots", "past_lengths", *past]
+                            "slots", "past_lengths", "past_rows", *past]
         self.output_names = ["hidden", *new]
 
     def forward(self, context_taps, context_positions, context_lengths, block_embeds, start, slots, past_lengths,
-                *pool):
+                past_rows, *pool):
         new = self.head.context_kv(context_taps, context_positions)
         ctx = []
         for j, (k, v) in enumerate(new):
-            ctx.append((torch.cat([gather_past(pool[2 * j], slots, past_lengths), k], dim=2),
-                        torch.cat([gather_past(pool[2 * j + 1], slots, past_lengths), v], dim=2)))
+            ctx.append((torch.cat([gather_past(pool[2 * j], slots, past_rows), k], dim=2),
+                        torch.cat([gather_past(pool[2 * j + 1], slots, past_rows), v], dim=2)))
         rows = block_embeds.shape[1]
         dtype = block_embeds.dtype
-        count = torch.ones_like(context_positions[0]).sum()  # N, kept symbolic in the trace
-        mask = torch.cat([columns(past_lengths, past_lengths.max(), rows, dtype),
-                          columns(context_lengths, count, rows, dtype)], dim=-1)
+        new_rows = torch.cumsum(torch.ones_like(context_positions[0]), 0) - 1  # 0..N-1, symbolic in the trace
+        mask = torch.cat([columns(past_lengths, past_rows, rows, dtype),
+                          columns(context_lengths, new_rows, rows, dtype)], dim=-1)
         hidden = self.head(block_embeds, start[:, None] + self.offsets[None], ctx, mask,
-                           torch.zeros((), dtype=dtype).expand(block_embeds.shape[0], 1, rows, rows))
+                           block_embeds.new_zeros(()).expand(block_embeds.shape[0], 1, rows, rows))
         out = []
         for k, v in new:
             out += [k.transpose(1, 2), v.transpose(1, 2)]

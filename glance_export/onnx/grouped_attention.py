@@ -40,12 +40,14 @@ def _batched(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: 
              scaling: float, kv_heads: int, groups: int) -> torch.Tensor:
     """The same for a batch (the batched round's graph, traced with B > 1): [B, H, T, D] -> [B, T, H, D], the
     batch and sequence axes left to the runtime."""
-    q = query.unflatten(1, (kv_heads, groups))  # [B, KV, G, T, D]
+    batch, _, rows, head_dim = query.shape
+    q = query.reshape(batch, kv_heads, groups, rows, head_dim)
     scores = torch.matmul(q, key.unsqueeze(2).transpose(3, 4)) * scaling  # [B, KV, G, T, S]
     if mask is not None:
         scores = scores + mask.unsqueeze(1)  # [B, 1, 1, T, S]
     probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    return torch.matmul(probs, value.unsqueeze(2)).flatten(1, 2).transpose(1, 2)
+    out = torch.matmul(probs, value.unsqueeze(2))  # [B, KV, G, T, D]
+    return out.reshape(batch, kv_heads * groups, rows, head_dim).transpose(1, 2)
 
 
 AttentionInterface.register(NAME, grouped_attention)
