@@ -39,14 +39,16 @@ def grouped_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
 def _batched(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
              scaling: float, kv_heads: int, groups: int) -> torch.Tensor:
     """The same for a batch (the batched round's graph, traced with B > 1): [B, H, T, D] -> [B, T, H, D], the
-    batch and sequence axes left to the runtime."""
+    batch and sequence axes left to the runtime. A KV head's query heads are stacked along the rows, so each
+    MatMul pairs equal batch axes: a broadcast over the groups made the runtime expand the keys."""
     batch, _, rows, head_dim = query.shape
-    q = query.reshape(batch, kv_heads, groups, rows, head_dim)
-    scores = torch.matmul(q, key.unsqueeze(2).transpose(3, 4)) * scaling  # [B, KV, G, T, S]
+    q = query.reshape(batch, kv_heads, groups * rows, head_dim)
+    scores = torch.matmul(q, key.transpose(2, 3)) * scaling  # [B, KV, G*T, S]
     if mask is not None:
-        scores = scores + mask.unsqueeze(1)  # [B, 1, 1, T, S]
+        scores = (scores.reshape(batch, kv_heads, groups, rows, -1) + mask.unsqueeze(1)).reshape(
+            batch, kv_heads, groups * rows, -1)
     probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    out = torch.matmul(probs, value.unsqueeze(2))  # [B, KV, G, T, D]
+    out = torch.matmul(probs, value)  # [B, KV, G*T, D]
     return out.reshape(batch, kv_heads * groups, rows, head_dim).transpose(1, 2)
 
 
