@@ -146,8 +146,31 @@ class Device:
         self.traffic.calls += 1
         self._d2d_2d(buffer, dst, src, width, height, pitch)
 
+    def copy_strided(self, dst: Buffer, dst_offset: int, dst_pitch: int, src: Buffer, src_offset: int,
+                     src_pitch: int, width: int, height: int) -> None:
+        """Between buffers: `height` blocks of `width` bytes, each buffer with its own pitch (one call on CUDA): a
+        run of rows moved into a KV pool slot in every layer at once, from a pass's output laid out otherwise."""
+        if height and (src_offset + (height - 1) * src_pitch + width > src.nbytes
+                       or dst_offset + (height - 1) * dst_pitch + width > dst.nbytes):
+            raise ValueError(f"a strided copy of {height} x {width} bytes runs past its buffers")
+        self.traffic.d2d_bytes += width * height
+        self.traffic.calls += 1
+        self._d2d_strided(dst, dst_offset, dst_pitch, src, src_offset, src_pitch, width, height)
+
+    def zero(self, buffer: Buffer) -> None:
+        """Fill a buffer with zeros (a KV pool: rows a batched pass reads but masks must never hold NaN)."""
+        self.traffic.calls += 1
+        self._zero(buffer)
+
     def synchronize(self) -> None:
         self.traffic.calls += 1
+
+    def _d2d_strided(self, dst: Buffer, dst_offset: int, dst_pitch: int, src: Buffer, src_offset: int,
+                     src_pitch: int, width: int, height: int) -> None:
+        raise NotImplementedError
+
+    def _zero(self, buffer: Buffer) -> None:
+        raise NotImplementedError
 
     def _h2d(self, dst: Tensor, array: np.ndarray) -> None:
         raise NotImplementedError
@@ -195,6 +218,16 @@ class HostDevice(Device):
         blocks = np.arange(height) * pitch
         cols = np.arange(width)
         raw[(blocks + dst)[:, None] + cols] = raw[(blocks + src)[:, None] + cols]
+
+    def _d2d_strided(self, dst: Buffer, dst_offset: int, dst_pitch: int, src: Buffer, src_offset: int,
+                     src_pitch: int, width: int, height: int) -> None:
+        def blocks(buffer: Buffer, offset: int, pitch: int) -> np.ndarray:
+            raw = buffer.host.reshape(-1).view(np.uint8)[offset:]
+            return np.lib.stride_tricks.as_strided(raw, shape=(height, width), strides=(pitch, 1))
+        blocks(dst, dst_offset, dst_pitch)[:] = blocks(src, src_offset, src_pitch)
+
+    def _zero(self, buffer: Buffer) -> None:
+        buffer.host[...] = 0
 
 
 class CudaDevice(Device):
@@ -270,6 +303,19 @@ class CudaDevice(Device):
             ctypes.c_void_p(buffer.ptr + dst), size(pitch), ctypes.c_void_p(buffer.ptr + src), size(pitch),
             size(width), size(height),
             ctypes.c_int(self._DEVICE_TO_DEVICE), ctypes.c_void_p(self.stream.ptr)), "cudaMemcpy2DAsync")
+
+    def _d2d_strided(self, dst: Buffer, dst_offset: int, dst_pitch: int, src: Buffer, src_offset: int,
+                     src_pitch: int, width: int, height: int) -> None:
+        size = ctypes.c_size_t
+        self._check(self._runtime.handle.cudaMemcpy2DAsync(
+            ctypes.c_void_p(dst.ptr + dst_offset), size(dst_pitch), ctypes.c_void_p(src.ptr + src_offset),
+            size(src_pitch), size(width), size(height),
+            ctypes.c_int(self._DEVICE_TO_DEVICE), ctypes.c_void_p(self.stream.ptr)), "cudaMemcpy2DAsync")
+
+    def _zero(self, buffer: Buffer) -> None:
+        self._check(self._runtime.handle.cudaMemsetAsync(ctypes.c_void_p(buffer.ptr), ctypes.c_int(0),
+                                                         ctypes.c_size_t(buffer.nbytes),
+                                                         ctypes.c_void_p(self.stream.ptr)), "cudaMemsetAsync")
 
     def synchronize(self) -> None:
         super().synchronize()

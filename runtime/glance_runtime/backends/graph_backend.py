@@ -16,6 +16,7 @@ Everything a pass reads or writes is a preallocated `Buffer`, bound by address:
 """
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from .graph_clock import GraphClock
 from ..formats.graphs import draft_kv_names, target_kv_names
 from .hardware import cuda_gpu, host_cpu
 from .kv_cache import KVCache
+from .kv_pool import KVPool
 from .step_drafts import StepDrafts, head_rows
 from ..errors import GlanceError
 from ..formats.artifacts import Manifest
@@ -46,7 +48,9 @@ class GraphBackend:
 
     def __init__(self, manifest: Manifest, device: Device, graphs: dict[str, Graph], *, max_context: int,
                  max_tree: int, name: str, home: Path, precision: str | None = None,
-                 providers: tuple[str, ...] = (), threads: int | None = None):
+                 providers: tuple[str, ...] = (), threads: int | None = None, max_batch: int = 1):
+        """`max_batch` > 1: the KV caches are slot 0 of pools for that many sequences (`kv_pool`); `sibling`
+        gives the other slots, and `batch_rounds.BatchRounds` runs a round for several at once."""
         self.name, self.manifest, self.device, self.graphs = name, manifest, device, graphs
         m = manifest
         hardware = cuda_gpu(device.device_id, device.compute_capability()) if isinstance(device, CudaDevice) \
@@ -67,9 +71,19 @@ class GraphBackend:
         self.float = np.dtype(m.float_dtype)
         hidden, k, width = m.hidden_size, m.branch_k, m.tap_width
         rows = max(max_tree, m.block_size - 1)
-        self.kv = KVCache(device, m.target.num_layers, m.target.kv_heads, m.target.head_dim, max_context, self.float)
-        self.head_kv = KVCache(device, m.head.num_layers, m.head.kv_heads, m.head.head_dim,
-                               head_rows(max_context, k) if steps else max_context, self.float)
+        self.max_batch = max_batch
+        self.pools: tuple[KVPool, KVPool] | None = None
+        if max_batch > 1:
+            self.pools = (KVPool(device, m.target.num_layers, m.target.kv_heads, m.target.head_dim, max_batch,
+                                 max_context, self.float),
+                          KVPool(device, m.head.num_layers, m.head.kv_heads, m.head.head_dim, max_batch, max_context,
+                                 self.float))
+            self.kv, self.head_kv = self.pools[0].cache(0), self.pools[1].cache(0)
+        else:
+            self.kv = KVCache(device, m.target.num_layers, m.target.kv_heads, m.target.head_dim, max_context,
+                              self.float)
+            self.head_kv = KVCache(device, m.head.num_layers, m.head.kv_heads, m.head.head_dim,
+                                   head_rows(max_context, k) if steps else max_context, self.float)
         self.kv_in, self.kv_out = target_kv_names(m.target.num_layers)
         self.head_in, self.head_out = draft_kv_names(m.head.num_layers)
         new = self._new
@@ -104,6 +118,19 @@ class GraphBackend:
         self.embed_rows(np.array([m.mask_token_id], np.int64), self.block, 1)
         for row in range(2, m.block_size):
             device.copy(self.block.rows(1, row), self.block.rows(1, 1))
+
+    def sibling(self, slot: int) -> "GraphBackend":
+        """Slot `slot` of the pools as a backend of its own: its caches, committed rows and queued taps are the
+        slot's; graphs and every per-pass buffer are shared with this backend (one pass runs at a time), which
+        owns and frees them all."""
+        if self.pools is None:
+            raise GlanceError("this backend was opened for one sequence; open it with --max-batch 2 or more")
+        other = copy.copy(self)
+        other.kv, other.head_kv = self.pools[0].cache(slot), self.pools[1].cache(slot)
+        other.pending = self._new(self.pending.shape, self.float)
+        other._closed = True  # closing is the owner's
+        other._reset()
+        return other
 
     def _new(self, shape: tuple[int, ...], dtype) -> Buffer:
         buffer = self.device.empty(shape, dtype)
@@ -421,7 +448,8 @@ class GraphBackend:
         if self._closed:
             return
         self._closed = True
-        for buffer in [*self._owned, *self._images.values(), self.kv.buffer, self.head_kv.buffer]:
+        caches = [p.buffer for p in self.pools] if self.pools else [self.kv.buffer, self.head_kv.buffer]
+        for buffer in [*self._owned, *self._images.values(), *caches]:
             self.device.free(buffer)
         for graph in self.graphs.values():
             graph = getattr(graph, "graph", graph)  # a timed graph's own

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .device_buffers import Device, Tensor
+from .device_buffers import Buffer, Device, Tensor
 from ..decode.limits import check_prompt
 from ..errors import GlanceError, LimitError
 
@@ -20,19 +20,26 @@ class KVCache:
     """Keys and values of `layers` layers, listed as [key_0, value_0, key_1, ...] like the graphs."""
 
     def __init__(self, device: Device, layers: int, kv_heads: int, head_dim: int, max_context: int,
-                 dtype=np.float32):
+                 dtype=np.float32, pool: "tuple[Buffer, int, int] | None" = None):
+        """`pool`: (buffer, byte offset, layer pitch) of rows in a KV pool to use instead of an allocation of
+        its own (`kv_pool.KVPool.cache`): one sequence's rows there, every layer `pitch` bytes after the last."""
         if max_context < 1:
             raise GlanceError(f"--max-context must be at least 1, got {max_context}")
         self.device = device
         self.slots, self.max_context = 2 * layers, int(max_context)
         self.row_shape = (kv_heads, head_dim)
-        self.buffer = device.empty((self.slots, self.max_context, kv_heads, head_dim), dtype)
-        self.row_bytes = kv_heads * head_dim * self.buffer.dtype.itemsize
+        self.row_bytes = kv_heads * head_dim * np.dtype(dtype).itemsize
+        self.owned = pool is None  # whether close() frees the buffer
+        if pool is None:
+            self.buffer = device.empty((self.slots, self.max_context, kv_heads, head_dim), dtype)
+            self.base, self.pitch = 0, self.max_context * self.row_bytes
+        else:
+            self.buffer, self.base, self.pitch = pool
         self.length = 0  # committed rows
         self._block_start = 0  # where the last appended block begins (what compact() selects from)
 
     def _rows(self, slot: int, first: int, count: int) -> Tensor:
-        return self.buffer.tensor((count, *self.row_shape), (slot * self.max_context + first) * self.row_bytes)
+        return self.buffer.tensor((count, *self.row_shape), self.base + slot * self.pitch + first * self.row_bytes)
 
     def past(self) -> list[Tensor]:
         """The committed rows of every slot, read in place by the next pass."""
@@ -71,12 +78,11 @@ class KVCache:
         block = self.length - self._block_start
         if keep and (keep[0] < 0 or keep[-1] >= block or any(b <= a for a, b in zip(keep, keep[1:]))):
             raise ValueError(f"compact rows must be ascending indices into the last block, got {keep}")
-        pitch = self.max_context * self.row_bytes
-        base = self._block_start * self.row_bytes
+        base = self.base + self._block_start * self.row_bytes
         for i, r in enumerate(keep):
             if r != i:
                 self.device.copy_2d(self.buffer, base + i * self.row_bytes, base + r * self.row_bytes,
-                                    self.row_bytes, self.slots, pitch)
+                                    self.row_bytes, self.slots, self.pitch)
         self.length = self._block_start + len(keep)
 
     def truncate(self, rows: int) -> None:

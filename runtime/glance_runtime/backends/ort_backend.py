@@ -15,10 +15,11 @@ import numpy as np
 
 from .device_buffers import CudaDevice, Device, HostDevice, Tensor
 from ..errors import GlanceError
-from ..formats.graphs import DRAFT_GRAPH, DRAFT_VOCAB_GRAPH, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH
+from ..formats.graphs import BATCH_GRAPHS, DRAFT_GRAPH, DRAFT_VOCAB_GRAPH, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH
 from ..formats.artifacts import check_graph_io, read as load_manifest
 from ..decode.limits import runtime_limit
 from .shape_expr import bind, evaluate
+from .batch_rounds import check_batch
 from .graph_backend import GraphBackend
 from .host_room import check_this_machine
 from .ort_cache import open_cached
@@ -117,7 +118,9 @@ class OrtBackend(GraphBackend):
     """Exported graphs in `artifacts_dir` (see glance_runtime.formats.graphs) driven by ONNX Runtime."""
 
     def __init__(self, artifacts_dir: str | Path, providers: Sequence[str] | str | None = None,
-                 max_context: int | None = None, max_tree: int | None = None, threads: int | None = None):
+                 max_context: int | None = None, max_tree: int | None = None, threads: int | None = None,
+                 max_batch: int = 1):
+        """`max_batch` > 1: a KV pool for that many sequences and the batched graphs (`batch_rounds`)."""
         ort = _onnxruntime()
         path = Path(artifacts_dir)
         manifest = load_manifest(path)
@@ -164,8 +167,13 @@ class OrtBackend(GraphBackend):
         opened |= {"target": session(TARGET_GRAPH), "draft": session(DRAFT_GRAPH)}
         if manifest.is_vl:
             opened["vision"] = session(VISION_GRAPH)
-        graphs = {name: opened[name] for name in ("target", "draft", "vocab", "vision", "draft_vocab") if name in opened}
+        if max_batch > 1:
+            check_batch(manifest, max_batch)
+            opened |= {name: session(f"{name}.onnx") for name in BATCH_GRAPHS}
+        graphs = {name: opened[name] for name in ("target", "draft", "vocab", "vision", "draft_vocab", *BATCH_GRAPHS)
+                  if name in opened}
         super().__init__(manifest, device, graphs, name="onnxruntime", home=path, providers=tuple(chosen),
                          threads=threads,
                          max_context=context,
-                         max_tree=runtime_limit("--max-tree", max_tree, manifest.max_tree, *_EXPORTED))
+                         max_tree=runtime_limit("--max-tree", max_tree, manifest.max_tree, *_EXPORTED),
+                         max_batch=max_batch)

@@ -12,7 +12,7 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
-from .backend import STEP_DRAFTERS, Backend
+from .backend import STEP_DRAFTERS, Backend, Verified
 from .dynamic_tree import grow_dynamic
 from ..defaults import BRANCH_K, BUDGET, DECODE_MAX_NEW_TOKENS
 from .tree import Tree, build_tree, fit, visibility, walk
@@ -108,29 +108,71 @@ def room_left(backend: Backend) -> int | None:
     return None if limit is None else limit - backend.start
 
 
-def _tree(backend: Backend, anchor: int, cfg: DecodeConfig, surprisal: float | None, left: int,
-          stops: frozenset[int]) -> tuple[Tree, bool]:
-    """This round's tree and whether a draft pass made it; cut to the room left in the context, so a
-    round near its end is a smaller tree, then a plain greedy step, and the tokens stay greedy's.
-    Nothing past the answer's end is verified: the tree is at most `left` - 1 deep (`left` tokens may
-    still be produced, the bonus one of them) and a stop token's node has no children."""
+def draft_depth(backend: Backend, cfg: DecodeConfig, surprisal: float | None, left: int) -> int | None:
+    """How deep this round's draft goes, or None for a plain greedy step: no draft where speculation is off,
+    where at most one token is left to produce or one row to fill, or where auto skips it. Nothing past the
+    answer's end is drafted: `left` tokens may still be produced, the bonus one of them."""
     room = room_left(backend)
     if (not cfg.speculative or cfg.budget == 0 or left <= 1 or (room is not None and room <= 1)
             or (cfg.auto and not cfg.auto.should_draft(surprisal))):
-        return Tree.root(anchor), False
-    if backend.info.limits.drafter in STEP_DRAFTERS:
-        tree = grow_dynamic(anchor, backend, cfg.budget, cfg.branch_k,
-                            min(backend.block_size - 1, cfg.budget, left - 1), leaves=stops,
-                            deeper=cfg.auto.deeper(surprisal) if cfg.auto else None)
-        if cfg.auto:
-            tree = cfg.auto.cut(tree, surprisal)
-        return (tree if room is None else fit(tree, room)), True
-    ids, logp = backend.draft(anchor, cfg.branch_k, min(cfg.budget, left - 1))
+        return None
+    return min(cfg.budget, left - 1)
+
+
+def block_tree(backend: Backend, anchor: int, cfg: DecodeConfig, surprisal: float | None, ids: np.ndarray,
+               logp: np.ndarray, stops: frozenset[int]) -> Tree:
+    """The tree a block draft gives (auto may cut it), cut to the room left in the context, so a round near its
+    end is a smaller tree, then a plain greedy step, and the tokens stay greedy's. A stop token's node has no
+    children."""
     if cfg.auto:
         tree = cfg.auto.grow(anchor, ids, logp, cfg.branch_k, surprisal, leaves=stops)
     else:
         tree = build_tree(anchor, ids, logp, cfg.budget, leaves=stops)
-    return (tree if room is None else fit(tree, room)), True
+    room = room_left(backend)
+    return tree if room is None else fit(tree, room)
+
+
+def _tree(backend: Backend, anchor: int, cfg: DecodeConfig, surprisal: float | None, left: int,
+          stops: frozenset[int]) -> tuple[Tree, bool]:
+    """This round's tree and whether a draft pass made it."""
+    depth = draft_depth(backend, cfg, surprisal, left)
+    if depth is None:
+        return Tree.root(anchor), False
+    if backend.info.limits.drafter in STEP_DRAFTERS:
+        tree = grow_dynamic(anchor, backend, cfg.budget, cfg.branch_k, min(backend.block_size - 1, depth),
+                            leaves=stops, deeper=cfg.auto.deeper(surprisal) if cfg.auto else None)
+        if cfg.auto:
+            tree = cfg.auto.cut(tree, surprisal)
+        room = room_left(backend)
+        return (tree if room is None else fit(tree, room)), True
+    ids, logp = backend.draft(anchor, cfg.branch_k, depth)
+    return block_tree(backend, anchor, cfg, surprisal, ids, logp, stops), True
+
+
+def record_round(out: DecodeResult, cfg: DecodeConfig, stops: frozenset[int], tree: Tree, drafted: bool,
+                 path: np.ndarray, bonus: int, verified: Verified, surprisal: float | None,
+                 times: tuple[float, float, float]) -> tuple[list[int], int, float]:
+    """A committed round into `out` (tokens cut at a stop or the limit, its log, auto told); returns the new
+    tokens, the next anchor and its surprisal."""
+    new, out.stopped_on = _clip([int(t) for t in tree.tokens[path]] + [int(bonus)], len(out.tokens), cfg, stops)
+    out.tokens += new
+    draft_ms, verify_ms, total_ms = times
+    # What the round added, not len(path) + 1: after a stop token the bonus is the target's guess past the
+    # answer's end, never committed, and counting it made tau depend on whether the stop was drafted.
+    out.rounds.append(RoundLog(entropy=float(verified.entropy), accepted=len(new), tree_size=tree.size,
+                               draft_ms=draft_ms, verify_ms=verify_ms, total_ms=total_ms, drafted=drafted,
+                               surprisal=surprisal, node_scores=tree.scores[1:].tolist(),
+                               node_depths=tree.depths[1:].tolist(), path=path.tolist()))
+    if cfg.auto:
+        cfg.auto.observe(out.rounds[-1])
+    return new, int(bonus), -float(verified.confidence[path[-1] if len(path) else 0])
+
+
+def first_tokens(out: DecodeResult, first: int, cfg: DecodeConfig, stops: frozenset[int]) -> list[int]:
+    """The prefill's token into `out` (cut by a stop token or a limit of zero new tokens)."""
+    new, out.stopped_on = _clip([first], 0, cfg, stops)
+    out.tokens += new
+    return new
 
 
 def decode(backend: Backend, prompt, cfg: DecodeConfig, stop_ids: Sequence[int] = (),
@@ -142,30 +184,20 @@ def decode(backend: Backend, prompt, cfg: DecodeConfig, stop_ids: Sequence[int] 
     t0 = time.perf_counter()
     first, _ = backend.prefill(prompt, keep) if keep else backend.prefill(prompt)
     out = DecodeResult(tokens=[], prefill_ms=(time.perf_counter() - t0) * 1e3)
-    new, out.stopped_on = _clip([first], 0, cfg, stops)
-    out.tokens += new
+    new = first_tokens(out, first, cfg, stops)
     ended = bool(on_commit and on_commit(new))
     anchor, surprisal = first, None
     while not ended and out.stopped_on is None and len(out.tokens) < cfg.max_new_tokens:
         r0 = time.perf_counter()
         tree, drafted = _tree(backend, anchor, cfg, surprisal, cfg.max_new_tokens - len(out.tokens), stops)
         r1 = time.perf_counter()
-        argmax, entropy, confidence = backend.verify(tree.tokens, tree.depths, visibility(tree.parents))
+        verified = backend.verify(tree.tokens, tree.depths, visibility(tree.parents))
         r2 = time.perf_counter()
-        path, bonus = walk(tree, argmax)
+        path, bonus = walk(tree, verified.argmax)
         backend.commit(np.concatenate([[0], path]).astype(np.int64))
-        new, out.stopped_on = _clip([int(t) for t in tree.tokens[path]] + [int(bonus)], len(out.tokens), cfg, stops)
-        out.tokens += new
         r3 = time.perf_counter()
-        # What the round added, not len(path) + 1: after a stop token the bonus is the target's guess past the
-        # answer's end, never committed, and counting it made tau depend on whether the stop was drafted.
-        out.rounds.append(RoundLog(entropy=float(entropy), accepted=len(new), tree_size=tree.size,
-                                   draft_ms=(r1 - r0) * 1e3, verify_ms=(r2 - r1) * 1e3, total_ms=(r3 - r0) * 1e3,
-                                   drafted=drafted, surprisal=surprisal, node_scores=tree.scores[1:].tolist(),
-                                   node_depths=tree.depths[1:].tolist(), path=path.tolist()))
-        if cfg.auto:
-            cfg.auto.observe(out.rounds[-1])
-        anchor, surprisal = int(bonus), -float(confidence[path[-1] if len(path) else 0])
+        new, anchor, surprisal = record_round(out, cfg, stops, tree, drafted, path, bonus, verified, surprisal,
+                                              ((r1 - r0) * 1e3, (r2 - r1) * 1e3, (r3 - r0) * 1e3))
         ended = bool(on_commit and on_commit(new))
     out.total_ms = (time.perf_counter() - t0) * 1e3
     if cfg.auto:

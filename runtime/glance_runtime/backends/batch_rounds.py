@@ -1,0 +1,286 @@
+"""A decode round for several sequences at once: one draft pass, one verify pass, commits per sequence.
+
+Sequences live in the slots of a graph backend opened with `max_batch` > 1 (`GraphBackend.sibling`): each slot
+prefills through the single-sequence graphs, in place in the KV pool, and every round after that runs the
+batched graphs (`formats.graphs`: target_batch, draft_batch) over the sequences taking part. Per round the host
+sends each sequence's tree (ids, positions, mask) and reads back top-k ids and log-probs; KV never crosses:
+a pass's new rows land in a staging buffer and the accepted ones are copied into their slots, one strided copy
+per kept row across every layer. Embeddings are copied from where the last projections left them, as the
+single-sequence backend does, per slot.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..decode.backend import Verified, draft_rows
+from ..decode.limits import check_branch_k, check_tree
+from ..errors import GlanceError
+from ..formats.graphs import BATCH_GRAPHS, batch_draft_kv_names, batch_target_kv_names
+from .device_buffers import Buffer, Tensor
+from .graph_backend import GraphBackend
+
+
+def check_batch(manifest, max_batch: int) -> None:
+    """Refuse, in one line naming the fix, a batch the artifacts cannot serve."""
+    if manifest.head_kind == "eagle3":
+        raise GlanceError("an EAGLE-3 head drafts a depth per pass and decodes one request at a time; "
+                          "use --max-batch 1")
+    exported = int(manifest.raw["limits"].get("max_batch", 1))
+    if exported < 2 or not all(f"{g}.onnx" in manifest.file_hashes for g in BATCH_GRAPHS):
+        raise GlanceError(f"{manifest.path} was exported without batched graphs; re-export with "
+                          "`glance-export onnx` to serve several requests at once, or use --max-batch 1")
+    if max_batch > exported:
+        raise GlanceError(f"--max-batch {max_batch} is above the {exported} these artifacts were exported for; "
+                          f"lower it or re-export with `glance-export onnx --max-batch {max_batch}`")
+
+
+class BatchRounds:
+    """Batched draft, verify and commit over the slots of `base` (slot 0 is `base` itself)."""
+
+    def __init__(self, base: GraphBackend):
+        if base.pools is None or any(g not in base.graphs for g in BATCH_GRAPHS):
+            raise GlanceError("this backend was opened for one sequence; open it with --max-batch 2 or more")
+        self.base, m = base, base.manifest
+        self.slots = [base] + [base.sibling(i) for i in range(1, base.max_batch)]
+        self.pool, self.head_pool = base.pools
+        self.device = dev = base.device
+        P, T, k = base.max_batch, base.max_tree, m.branch_k
+        self.block_size, hidden, width = m.block_size, m.hidden_size, m.tap_width
+        drafted = self.block_size - 1
+        new = base._new
+        f = base.float
+        self.embeds = new((P * T, hidden), f)
+        self.positions = new((3 * P * T,), np.int64)
+        self.mask = new((P * T * T,), np.bool_)
+        self.slot_ids = new((P,), np.int64)
+        self.lengths = new((P,), np.int64)
+        self.rows = new((base.max_context,), np.int64)
+        dev.upload(self.rows.rows(base.max_context), np.arange(base.max_context, dtype=np.int64))
+        self.hidden = new((P * T, hidden), f)
+        self.packed = new((P * max(T, drafted), hidden), f)
+        self.taps = new((P * T, width), f)
+        self.present = new((2 * m.target.num_layers, P * T, m.target.kv_heads, m.target.head_dim), f)
+        self.ctx_taps = new((P * self.block_size, width), f)  # a round adds at most B rows a sequence
+        self.ctx_positions = new((P * self.block_size,), np.int64)
+        self.ctx_lengths = new((P,), np.int64)
+        self.starts = new((P,), np.int64)
+        self.ctx_out = new((2 * m.head.num_layers, P * self.block_size, m.head.kv_heads, m.head.head_dim), f)
+        self.block = new((P * self.block_size, hidden), f)
+        self.draft_hidden = new((P * drafted, hidden), f)
+        rows = P * max(T, drafted)
+        self.top_ids, self.top_logp = new((rows, k), np.int64), new((rows, k), np.float32)
+        self.entropy = new((1,), np.float32)
+        self.cands = {"draft": new((P * drafted * k, hidden), f), "verify": new((P * T * k, hidden), f)}
+        self.anchor_rows = new((P, hidden), f)  # a joiner's first anchor, safe from the next joiner's prefill
+        self.scratch_row = new((1, hidden), f)
+        self.known: list[dict[int, tuple[Buffer, int]]] = [{} for _ in range(P)]
+        mask_row = new((1, hidden), f)
+        base.embed_rows(np.array([m.mask_token_id], np.int64), mask_row, 0)
+        for row in range(P * self.block_size):
+            if row % self.block_size:
+                dev.copy(self.block.rows(1, row), mask_row.rows(1))
+        self.target_pool_in, _ = batch_target_kv_names(m.target.num_layers)
+        self.head_pool_in, _ = batch_draft_kv_names(m.head.num_layers)
+        self.target_out = [f"present_{kind}_{l}" for l in range(m.target.num_layers) for kind in ("key", "value")]
+        self.head_out = [f"ctx_{kind}_{j}" for j in range(m.head.num_layers) for kind in ("key", "value")]
+
+    @property
+    def capacity(self) -> int:
+        return len(self.slots)
+
+    # -- joining --------------------------------------------------------------------------------------
+
+    def prefill(self, slot: int, prompt, keep: int = 0) -> tuple[int, float]:
+        """Prefill `prompt` into `slot` with the single-sequence graphs; the prompt's taps go into the slot's head
+        cache at once (so a round's draft adds only that round's rows) and the first anchor's embedding is kept
+        where the next prefill cannot overwrite it."""
+        backend = self.slots[slot]
+        backend.known = {}  # the shared projections' rows belong to whichever slot ran last
+        first, entropy = backend.prefill(prompt, keep) if keep else backend.prefill(prompt)
+        self._keep_anchor(slot, first)
+        self._absorb(slot, first)
+        return first, entropy
+
+    def _absorb(self, slot: int, anchor: int) -> None:
+        """The slot's queued taps into its head cache through the single-sequence draft graph (its draft is not
+        used): a prompt's, or those of more rounds without a draft than a batched draft takes rows."""
+        backend = self.slots[slot]
+        found = self.known[slot].get(anchor)
+        backend.known = {anchor: found} if found else {}
+        backend.draft(anchor, 1, 1)
+
+    def _keep_anchor(self, slot: int, token: int) -> None:
+        backend = self.slots[slot]
+        found = backend.known.get(token) or self.known[slot].get(token)
+        if found is None:
+            backend.embed_rows(np.array([token], np.int64), self.anchor_rows, slot)
+        elif found != (self.anchor_rows, slot):
+            self.device.copy(self.anchor_rows.rows(1, slot), found[0].rows(1, found[1]))
+        self.known[slot] = {token: (self.anchor_rows, slot)}
+
+    # -- embeddings -----------------------------------------------------------------------------------
+
+    def _embed(self, slot: int, tokens: np.ndarray, dst: Buffer, first: int) -> None:
+        """Rows first.. of dst: the embeddings of `tokens`, copied from the slot's last projections (or kept
+        embeddings), else one vocab run."""
+        kept = self.base._kept
+        found = [self.known[slot].get(int(t)) or kept.get(int(t)) for t in tokens]
+        if all(found):
+            for i, (buf, row) in enumerate(found):
+                self.device.copy(dst.rows(1, first + i), buf.rows(1, row))
+            return
+        self.base.embed_rows(np.asarray(tokens, np.int64), dst, first)
+
+    def _project(self, hidden: Tensor, rows: int, into: str, graph: str) -> tuple[np.ndarray, np.ndarray]:
+        k, cands = self.base.manifest.branch_k, self.cands[into]
+        outputs = {"embeds": self.scratch_row.rows(1), "topk_ids": self.top_ids.rows(rows),
+                   "topk_logprobs": self.top_logp.rows(rows), "entropy": self.entropy.rows(1),
+                   "topk_embeds": cands.tensor((rows, k, cands.shape[1]))}
+        self.base.graphs[graph].run({"ids": self.base.no_id.rows(1), "hidden": hidden}, outputs)
+        return self.device.download(self.top_ids.rows(rows)), self.device.download(self.top_logp.rows(rows))
+
+    def _pack(self, src: Buffer, stride: int, counts: list[int]) -> Tensor:
+        """The first counts[b] of each sequence's `stride` rows of src, consecutive in `packed`; src itself
+        where every sequence uses all its rows."""
+        total = sum(counts)
+        if all(c == stride for c in counts):
+            return src.rows(total)
+        at = 0
+        for b, count in enumerate(counts):
+            self.device.copy(self.packed.rows(count, at), src.rows(count, b * stride))
+            at += count
+        return self.packed.rows(total)
+
+    def _remember(self, slots: list[int], ids: np.ndarray, counts: list[int], into: str) -> None:
+        k = ids.shape[1]
+        at = 0
+        for slot, count in zip(slots, counts):
+            flat = ids[at:at + count].reshape(-1)
+            self.known[slot] = {int(t): (self.cands[into], at * k + i) for i, t in enumerate(flat)}
+            at += count
+
+    # -- the round ------------------------------------------------------------------------------------
+
+    def draft(self, asks: list[tuple[int, int, int, int | None]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """One head pass for every (slot, anchor, k, depth): each slot's new context rows join its head cache
+        and its block [anchor, MASK x (B-1)] is drafted; returns per ask the top-k ids and log-probs of offsets
+        1..depth, as `Backend.draft` does for one."""
+        if not asks:
+            return []
+        base, dev, bs = self.base, self.device, self.block_size
+        for _, _, k, _ in asks:
+            check_branch_k(base.info.limits, k)
+        slots = [a[0] for a in asks]
+        backends = [self.slots[s] for s in slots]
+        for slot, anchor, _, _ in asks:
+            if self.slots[slot].pending_rows > bs:
+                self._absorb(slot, anchor)
+        n = max(1, max(b.pending_rows for b in backends))
+        count = len(asks)
+        positions = np.zeros((count, n), np.int64)
+        for i, ((slot, anchor, _, _), backend) in enumerate(zip(asks, backends)):
+            rows = backend.pending_rows
+            if rows:
+                dev.copy(self.ctx_taps.rows(rows, i * n), backend.pending.rows(rows))
+            positions[i, :rows] = np.arange(backend.pending_from, backend.pending_from + rows)
+            self._embed(slot, np.array([anchor], np.int64), self.block, i * bs)
+        past = [b.head_kv.length for b in backends]
+        dev.upload(self.ctx_positions.rows(count * n), positions.reshape(-1))
+        dev.upload(self.ctx_lengths.rows(count), np.array([b.pending_rows for b in backends], np.int64))
+        dev.upload(self.starts.rows(count), np.array([b.start for b in backends], np.int64))
+        dev.upload(self.slot_ids.rows(count), np.array(slots, np.int64))
+        dev.upload(self.lengths.rows(count), np.array(past, np.int64))
+        width, hidden = self.ctx_taps.shape[1], self.block.shape[1]
+        inputs = {"context_taps": self.ctx_taps.tensor((count, n, width)),
+                  "context_positions": self.ctx_positions.tensor((count, n)),
+                  "context_lengths": self.ctx_lengths.rows(count),
+                  "block_embeds": self.block.tensor((count, bs, hidden)), "start": self.starts.rows(count),
+                  "slots": self.slot_ids.rows(count), "past_lengths": self.lengths.rows(count),
+                  "past_rows": self.rows.rows(max(past)), **dict(zip(self.head_pool_in, self.head_pool.tensors()))}
+        layer = self.ctx_out.row_bytes
+        kv_shape = self.ctx_out.shape[2:]
+        outputs = {"hidden": self.draft_hidden.tensor((count, bs - 1, hidden)),
+                   **{name: self.ctx_out.tensor((count, n, *kv_shape), i * layer)
+                      for i, name in enumerate(self.head_out)}}
+        base.graphs["draft_batch"].run(inputs, outputs)
+        row = self.head_pool.row_bytes
+        for i, backend in enumerate(backends):
+            rows = backend.pending_rows
+            self.head_pool.write(slots[i], backend.head_kv.length, self.ctx_out, i * n * row, layer, rows)
+            backend.head_kv.length += rows
+            backend.pending_rows, backend.pending_from = 0, backend.start
+        depths = [draft_rows(bs, a[3]) for a in asks]
+        ids, logp = self._project(self._pack(self.draft_hidden, bs - 1, depths), sum(depths), "draft",
+                                  base.draft_projection)
+        self._remember(slots, ids, depths, "draft")
+        out, at = [], 0
+        for i, ((slot, anchor, k, _), depth) in enumerate(zip(asks, depths)):
+            self.known[slot][anchor] = (self.block, i * bs)
+            out.append((ids[at:at + depth, :k].astype(np.int64), logp[at:at + depth, :k].astype(np.float64)))
+            at += depth
+        return out
+
+    def verify(self, trees: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]) -> list[Verified]:
+        """One target pass over every (slot, tokens, depths, visible): each slot's packed tree, as
+        `Backend.verify` takes one, seeing its own slot's committed rows."""
+        base, dev = self.base, self.device
+        for _, tokens, _, _ in trees:
+            check_tree(base.info.limits, len(tokens))
+        slots = [tree[0] for tree in trees]
+        backends = [self.slots[s] for s in slots]
+        sizes = [len(tree[1]) for tree in trees]
+        count, t = len(trees), max(sizes)
+        for backend, size in zip(backends, sizes):
+            backend.kv.check_room(size)
+        mask = np.zeros((count, t, t), bool)
+        mask[:] = np.eye(t, dtype=bool)  # a padded row sees itself only and is never read
+        positions = np.zeros((count, t), np.int64)
+        for i, (backend, (slot, tokens, depths, visible)) in enumerate(zip(backends, trees)):
+            size = sizes[i]
+            self._embed(slot, np.asarray(tokens, np.int64), self.embeds, i * t)
+            mask[i, :size, :size] = visible
+            positions[i] = backend.start + backend.delta
+            positions[i, :size] += np.asarray(depths, np.int64)
+        past = [b.kv.length for b in backends]
+        vl = base.manifest.is_vl
+        pos_shape = (3, count, t) if vl else (count, t)
+        dev.upload(self.positions.tensor(pos_shape), np.broadcast_to(positions, pos_shape))
+        dev.upload(self.mask.tensor((count, t, t)), mask)
+        dev.upload(self.slot_ids.rows(count), np.array(slots, np.int64))
+        dev.upload(self.lengths.rows(count), np.array(past, np.int64))
+        hidden_size = self.embeds.shape[1]
+        layer = self.present.row_bytes
+        kv_shape = self.present.shape[2:]
+        inputs = {"inputs_embeds": self.embeds.tensor((count, t, hidden_size)),
+                  "position_ids": self.positions.tensor(pos_shape), "tree_mask": self.mask.tensor((count, t, t)),
+                  "slots": self.slot_ids.rows(count), "past_lengths": self.lengths.rows(count),
+                  "past_rows": self.rows.rows(max(past)), **dict(zip(self.target_pool_in, self.pool.tensors()))}
+        outputs = {"hidden": self.hidden.tensor((count, t, hidden_size)),
+                   "taps": self.taps.tensor((count, t, self.taps.shape[1])),
+                   **{name: self.present.tensor((count, t, *kv_shape), i * layer)
+                      for i, name in enumerate(self.target_out)}}
+        base.graphs["target_batch"].run(inputs, outputs)
+        ids, logp = self._project(self._pack(self.hidden, t, sizes), sum(sizes), "verify", "vocab")
+        self._remember(slots, ids, sizes, "verify")
+        self._width = t
+        out, at = [], 0
+        for size in sizes:
+            out.append(Verified(ids[at:at + size, 0].astype(np.int64), float("nan"),
+                                logp[at:at + size, 0].astype(np.float64)))
+            at += size
+        return out
+
+    def commit(self, kept: list[tuple[int, np.ndarray]]) -> None:
+        """Per (slot, rows) of the last verify, in its order: the K/V of rows `rows` ([0] + accepted path) join the
+        slot's committed rows and their taps wait for the head."""
+        dev, t = self.device, self._width
+        row, layer = self.pool.row_bytes, self.present.row_bytes
+        for i, (slot, rows) in enumerate(kept):
+            backend = self.slots[slot]
+            for j, r in enumerate(np.asarray(rows, np.int64)):
+                source = i * t + int(r)
+                self.pool.write(slot, backend.kv.length + j, self.present, source * row, layer, 1)
+                dev.copy(backend.pending.rows(1, backend.pending_rows + j), self.taps.rows(1, source))
+            backend.kv.length += len(rows)
+            backend.pending_rows += len(rows)
+            backend.start += len(rows)
