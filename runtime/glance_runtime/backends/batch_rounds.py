@@ -10,14 +10,20 @@ single-sequence backend does, per slot.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from ..decode.backend import Verified, draft_rows
+from ..decode.batch_loop import BatchLoop
 from ..decode.limits import check_branch_k, check_tree
 from ..errors import GlanceError
 from ..formats.graphs import BATCH_GRAPHS, batch_draft_kv_names, batch_target_kv_names
 from .device_buffers import Buffer, Tensor
 from .graph_backend import GraphBackend
+
+if TYPE_CHECKING:
+    from ..decode.session import Session
 
 
 def check_batch(manifest, max_batch: int) -> None:
@@ -284,3 +290,8 @@ class BatchRounds:
             backend.kv.length += len(rows)
             backend.pending_rows += len(rows)
             backend.start += len(rows)
+
+
+def open_batch(session: "Session") -> BatchLoop:
+    """The batched loop over a session opened with max_batch > 1 (`registry.Source.max_batch`)."""
+    return BatchLoop(BatchRounds(session.backend))

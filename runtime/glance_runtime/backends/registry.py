@@ -38,6 +38,7 @@ class Source:
     threads: int | None = None  # ONNX Runtime intra-op threads
     max_context: int | None = None  # below the export's or build's bound (graph backends)
     max_tree: int | None = None
+    max_batch: int = 1  # sequences decoded together (graph backends: a KV pool and the batched graphs)
 
 
 class _TorchOracle:
@@ -103,6 +104,9 @@ def exported_artifacts(model: Path, head: Path, progress: Progress) -> Path:
 
 def _open_torch(source: Source, settings: Settings | DecodeConfig, progress: Progress) -> Session:
     """The torch reference (the export package's), on a snapshot; it has none of the graph backends' bounds."""
+    if source.max_batch > 1:
+        raise GlanceError("the torch reference decodes one request at a time; use --max-batch 1, or the "
+                          "onnxruntime or tensorrt backend to batch")
     if source.model is None:
         raise GlanceError("the torch backend needs --model (a HF snapshot directory)")
     return extensions.torch_session(source.model, source.head, settings=settings, progress=progress)
@@ -119,7 +123,7 @@ def _open_onnxruntime(source: Source, settings: Settings | DecodeConfig, progres
                               "or --model and --head to export them once into the cache")
         artifacts = exported_artifacts(source.model, source.head, progress)
     backend = OrtBackend(artifacts, providers=source.providers, threads=source.threads,
-                         max_context=source.max_context, max_tree=source.max_tree)
+                         max_context=source.max_context, max_tree=source.max_tree, max_batch=source.max_batch)
     return _graph_session(backend, source.model, settings, progress)
 
 
@@ -129,7 +133,8 @@ def _open_tensorrt(source: Source, settings: Settings | DecodeConfig, progress: 
 
     if source.engines is None:
         raise GlanceError("the tensorrt backend needs --engines DIR (from `glance-export build`)")
-    backend = TrtBackend(source.engines, source.artifacts, max_context=source.max_context, max_tree=source.max_tree)
+    backend = TrtBackend(source.engines, source.artifacts, max_context=source.max_context, max_tree=source.max_tree,
+                         max_batch=source.max_batch)
     return _graph_session(backend, source.model, settings, progress)
 
 

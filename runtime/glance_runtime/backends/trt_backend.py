@@ -25,8 +25,10 @@ from .graph_chain import chain
 from ..store.integrity import verify_engines
 from ..formats import engines as engines_format
 from ..formats.artifacts import read as load_manifest
+from ..formats.graphs import BATCH_GRAPHS
 from ..store.integrity import sha256
 from ..decode.limits import runtime_limit
+from .batch_rounds import check_batch
 from .graph_backend import GraphBackend
 
 REBUILD = "rebuild them on this device with `glance-export build --artifacts ART --target T --out DIR`"
@@ -122,7 +124,7 @@ class TrtBackend(GraphBackend):
     engines.json, or `artifacts_dir`), whose manifest must be the one built from."""
 
     def __init__(self, engines_dir: str | Path, artifacts_dir: str | Path | None = None,
-                 max_context: int | None = None, max_tree: int | None = None):
+                 max_context: int | None = None, max_tree: int | None = None, max_batch: int = 1):
         engines = Path(engines_dir)
         record = engines_format.read(engines)
         verify_engines(engines, record.files)  # first: a damaged copy is named as such on any machine
@@ -146,9 +148,18 @@ class TrtBackend(GraphBackend):
                 return TrtGraph(trt, self.runtime, engines / files[0].file, device)
             return chain(files, lambda part: TrtGraph(trt, self.runtime, engines / part.file, device), device)
 
-        graphs = {name: graph(files) for name, files in record.engines.items()}
+        if max_batch > 1:
+            check_batch(manifest, max_batch)
+            missing = [name for name in BATCH_GRAPHS if name not in record.engines]
+            if missing:
+                raise GlanceError(f"{engines} has no {' or '.join(missing)} engine; rebuild with "
+                                  "`glance-export build --max-batch N` to serve several requests at once, "
+                                  "or use --max-batch 1")
+        graphs = {name: graph(files) for name, files in record.engines.items()
+                  if max_batch > 1 or name not in BATCH_GRAPHS}
         built = ("engines were built for", "rebuild them with `glance-export build`")
         super().__init__(manifest, device, graphs, name="tensorrt", home=engines,
                          precision=record.precision,  # fp16 engines from fp32 graphs
                          max_context=runtime_limit("--max-context", max_context, record.max_context, *built),
-                         max_tree=runtime_limit("--max-tree", max_tree, record.max_tree, *built))
+                         max_tree=runtime_limit("--max-tree", max_tree, record.max_tree, *built),
+                         max_batch=max_batch)
