@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..decode.backend import Verified, draft_rows
+from ..decode.batch_budget import BatchBudget, BatchCost, start_from_profile
 from ..decode.batch_loop import BatchLoop
 from ..decode.limits import check_branch_k, check_tree
 from ..errors import GlanceError
@@ -97,14 +98,13 @@ class BatchRounds:
     # -- joining --------------------------------------------------------------------------------------
 
     def prefill(self, slot: int, prompt, keep: int = 0) -> tuple[int, float]:
-        """Prefill `prompt` into `slot` with the single-sequence graphs; the prompt's taps go into the slot's head
-        cache at once (so a round's draft adds only that round's rows) and the first anchor's embedding is kept
-        where the next prefill cannot overwrite it."""
+        """Prefill `prompt` into `slot` with the single-sequence graphs; the first anchor's embedding is kept where
+        the next prefill cannot overwrite it. The prompt's taps wait for the slot's first draft (a batched draft
+        hands more rows than a round commits to the single draft graph first: `_absorb`)."""
         backend = self.slots[slot]
         backend.known = {}  # the shared projections' rows belong to whichever slot ran last
         first, entropy = backend.prefill(prompt, keep) if keep else backend.prefill(prompt)
-        self._keep_anchor(slot, first)
-        self._absorb(slot, first)
+        self.keep_anchor(slot, first)
         return first, entropy
 
     def _absorb(self, slot: int, anchor: int) -> None:
@@ -115,7 +115,15 @@ class BatchRounds:
         backend.known = {anchor: found} if found else {}
         backend.draft(anchor, 1, 1)
 
-    def _keep_anchor(self, slot: int, token: int) -> None:
+    def alone(self, slot: int, anchor: int) -> GraphBackend:
+        """The slot's backend for a round of its own (one sequence in the batch): the single-sequence graphs,
+        seeing the anchor's embedding where this class keeps it. `keep_anchor` after its commit."""
+        backend = self.slots[slot]
+        backend.known = {anchor: self.known[slot][anchor]}
+        return backend
+
+    def keep_anchor(self, slot: int, token: int) -> None:
+        """The slot's next anchor embedding, copied where no other slot's pass overwrites it."""
         backend = self.slots[slot]
         found = backend.known.get(token) or self.known[slot].get(token)
         if found is None:
@@ -293,5 +301,12 @@ class BatchRounds:
 
 
 def open_batch(session: "Session") -> BatchLoop:
-    """The batched loop over a session opened with max_batch > 1 (`registry.Source.max_batch`)."""
-    return BatchLoop(BatchRounds(session.backend))
+    """The batched loop over a session opened with max_batch > 1 (`registry.Source.max_batch`); with auto, the
+    batch's policy starts from the session's single-sequence costs and calibration."""
+    auto = session.config.auto
+    policy = None
+    if auto is not None:
+        verify_ms = auto.cost.verify_cost(np.arange(1, auto.max_nodes + 2))
+        policy = BatchBudget(BatchCost(start_from_profile(verify_ms, auto.cost.draft_ms)), auto.calibration,
+                             auto.max_nodes)
+    return BatchLoop(BatchRounds(session.backend), policy)

@@ -2,21 +2,24 @@
 
 A request joins between rounds: its prefill runs in a free slot of the KV pool (the others wait for that
 prefill, never for each other's answers) and from the next round on it takes part in every round. A round
-plans each sequence's draft as `loop.decode` would (`draft_depth`), drafts all of them in one head pass, builds
-each tree, verifies every tree in one target pass, then walks, commits and records per sequence with the single
-loop's own functions. A sequence leaves at a round boundary (stop token, token limit, its caller's stop, a
-cancellation) and frees its slot; the others' rows stay where they are.
+plans each sequence's draft as `loop.decode` would (`draft_depth`; with auto, the batch's policy decides,
+`batch_budget`), drafts all of them in one head pass, builds each tree, verifies every tree in one target pass,
+then walks, commits and records per sequence with the single loop's own functions. A sequence leaves at a round
+boundary (stop token, token limit, its caller's stop, a cancellation) and frees its slot; the others' rows stay
+where they are. While one sequence is alone, its rounds are the single loop's, on its slot (`round_tree`):
+the single-sequence graphs and, with auto, its own policy, so one request at a time runs as it always has.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from .loop import DecodeConfig, DecodeResult, block_tree, draft_depth, first_tokens, record_round
-from .tree import Tree, visibility, walk
+from .batch_budget import BatchBudget
+from .loop import DecodeConfig, DecodeResult, draft_depth, first_tokens, record_round, round_tree
+from .tree import Tree, build_tree, fit, visibility, walk
 from ..errors import GlanceError
 
 if TYPE_CHECKING:
@@ -49,8 +52,9 @@ class Request:
 class BatchLoop:
     """Requests decoded together over a `BatchRounds`; `step` runs one round for every sequence in it."""
 
-    def __init__(self, rounds: "BatchRounds"):
-        self.rounds = rounds
+    def __init__(self, rounds: "BatchRounds", policy: BatchBudget | None = None):
+        """`policy`: the batch's auto (requests with auto then follow it in batched rounds)."""
+        self.rounds, self.policy = rounds, policy
         self.active: dict[int, Request] = {}
 
     @property
@@ -99,19 +103,20 @@ class BatchLoop:
         requests = list(self.active.values())
         if not requests:
             return []
+        if len(requests) == 1:
+            return self._alone(requests[0])
         rounds = self.rounds
         r0 = time.perf_counter()
-        depths = {r.slot: draft_depth(rounds.slots[r.slot], r.cfg, r.surprisal, r._left()) for r in requests}
-        drafting = [r for r in requests if depths[r.slot] is not None]
-        drafts = rounds.draft([(r.slot, r.anchor, r.cfg.branch_k, depths[r.slot]) for r in drafting])
-        drafted = {r.slot: d for r, d in zip(drafting, drafts)}
-        trees: list[Tree] = []
-        for r in requests:
-            if r.slot in drafted:
-                ids, logp = drafted[r.slot]
-                trees.append(block_tree(rounds.slots[r.slot], r.anchor, r.cfg, r.surprisal, ids, logp, r.stops))
-            else:
-                trees.append(Tree.root(r.anchor))
+        fixed = [replace(r.cfg, auto=None) for r in requests]  # a request's own auto does not see batched rounds
+        caps = [draft_depth(rounds.slots[r.slot], c, r.surprisal, r._left()) for r, c in zip(requests, fixed)]
+        batched = self.policy is not None and all(r.cfg.auto for r in requests)
+        depths = self.policy.plan([r.surprisal for r in requests], caps) if batched else caps
+        drafting = [i for i, d in enumerate(depths) if d is not None]
+        drafts = dict(zip(drafting, rounds.draft([(requests[i].slot, requests[i].anchor, requests[i].cfg.branch_k,
+                                                   depths[i]) for i in drafting])))
+        trees = [self._tree(r, drafts.get(i), batched) for i, r in enumerate(requests)]
+        if batched:
+            trees = self.policy.cut(trees, [r.surprisal for r in requests], len(drafting))
         r1 = time.perf_counter()
         verified = rounds.verify([(r.slot, t.tokens, t.depths, visibility(t.parents)) for r, t in zip(requests, trees)])
         r2 = time.perf_counter()
@@ -119,15 +124,52 @@ class BatchLoop:
         rounds.commit([(r.slot, np.concatenate([[0], path]).astype(np.int64)) for r, (path, _) in zip(requests, walks)])
         r3 = time.perf_counter()
         times = ((r1 - r0) * 1e3, (r2 - r1) * 1e3, (r3 - r0) * 1e3)
+        if batched:
+            self.policy.observe(sum(t.size for t in trees), len(drafting), times[2])
         finished = []
-        for r, tree, v, (path, bonus) in zip(requests, trees, verified, walks):
-            new, r.anchor, r.surprisal = record_round(r.result, r.cfg, r.stops, tree, r.slot in drafted, path,
-                                                      bonus, v, r.surprisal, times)
-            ended = bool(r.on_commit and r.on_commit(new))
-            if ended or r.result.stopped_on is not None or r._left() <= 0:
-                self._finish(r)
-                finished.append(r)
+        for i, (r, tree, v, (path, bonus)) in enumerate(zip(requests, trees, verified, walks)):
+            new, r.anchor, r.surprisal = record_round(r.result, fixed[i], r.stops, tree, i in drafts, path, bonus, v,
+                                                      r.surprisal, times)
+            finished += self._after(r, new)
         return finished
+
+    def _tree(self, request: Request, draft: tuple[np.ndarray, np.ndarray] | None, batched: bool) -> Tree:
+        """A sequence's tree from its draft (the anchor alone without one), cut to its slot's room; under the
+        batch's auto, grown in the calibration's order for the policy's cut."""
+        if draft is None:
+            return Tree.root(request.anchor)
+        ids, logp = draft
+        cfg = request.cfg
+        priority = self.policy.calibration.node_scorer(request.surprisal) if batched else None
+        tree = build_tree(request.anchor, ids, logp, cfg.budget, priority=priority, leaves=request.stops)
+        room = self.rounds.slots[request.slot].info.limits.max_context
+        return tree if room is None else fit(tree, room - self.rounds.slots[request.slot].start)
+
+    def _alone(self, request: Request) -> list[Request]:
+        """A round of the single loop on the sequence's slot, its draft, verify and commit the slot's own."""
+        backend = self.rounds.alone(request.slot, request.anchor)
+        r0 = time.perf_counter()
+        tree, drafted = round_tree(backend, request.anchor, request.cfg, request.surprisal, request._left(),
+                                   request.stops)
+        r1 = time.perf_counter()
+        verified = backend.verify(tree.tokens, tree.depths, visibility(tree.parents))
+        r2 = time.perf_counter()
+        path, bonus = walk(tree, verified.argmax)
+        backend.commit(np.concatenate([[0], path]).astype(np.int64))
+        r3 = time.perf_counter()
+        new, request.anchor, request.surprisal = record_round(
+            request.result, request.cfg, request.stops, tree, drafted, path, bonus, verified, request.surprisal,
+            ((r1 - r0) * 1e3, (r2 - r1) * 1e3, (r3 - r0) * 1e3))
+        self.rounds.keep_anchor(request.slot, request.anchor)
+        return self._after(request, new)
+
+    def _after(self, request: Request, new: list[int]) -> list[Request]:
+        """The caller sees the round's tokens; the request leaves where they end it."""
+        ended = bool(request.on_commit and request.on_commit(new))
+        if ended or request.result.stopped_on is not None or request._left() <= 0:
+            self._finish(request)
+            return [request]
+        return []
 
     def run(self, requests: list[Request]) -> list[DecodeResult]:
         """Decode `requests` as one batch, joining each as a slot frees; results in the given order."""

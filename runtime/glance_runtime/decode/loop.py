@@ -132,7 +132,7 @@ def block_tree(backend: Backend, anchor: int, cfg: DecodeConfig, surprisal: floa
     return tree if room is None else fit(tree, room)
 
 
-def _tree(backend: Backend, anchor: int, cfg: DecodeConfig, surprisal: float | None, left: int,
+def round_tree(backend: Backend, anchor: int, cfg: DecodeConfig, surprisal: float | None, left: int,
           stops: frozenset[int]) -> tuple[Tree, bool]:
     """This round's tree and whether a draft pass made it."""
     depth = draft_depth(backend, cfg, surprisal, left)
@@ -189,7 +189,7 @@ def decode(backend: Backend, prompt, cfg: DecodeConfig, stop_ids: Sequence[int] 
     anchor, surprisal = first, None
     while not ended and out.stopped_on is None and len(out.tokens) < cfg.max_new_tokens:
         r0 = time.perf_counter()
-        tree, drafted = _tree(backend, anchor, cfg, surprisal, cfg.max_new_tokens - len(out.tokens), stops)
+        tree, drafted = round_tree(backend, anchor, cfg, surprisal, cfg.max_new_tokens - len(out.tokens), stops)
         r1 = time.perf_counter()
         verified = backend.verify(tree.tokens, tree.depths, visibility(tree.parents))
         r2 = time.perf_counter()

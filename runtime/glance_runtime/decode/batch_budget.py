@@ -1,0 +1,134 @@
+"""`--budget auto` for a batch: each round's trees chosen for the batch's tokens per second.
+
+One sequence's auto (`auto_budget`) weighs a tree against its own round; in a batch every sequence shares the
+round, and what a drafted node costs is what it adds to the batch's pass. The round's cost is modelled as
+
+    ms(rows, drafted) = A + R * rows + K * drafted + K0 * [drafted > 0]
+
+(rows: every sequence's tree, anchors included; drafted: sequences whose block the head drafts), fitted by least
+squares to the batch's own rounds (recent ones weigh more), pulled toward a start taken from the single-sequence
+cost profile. Each sequence yields at least its bonus token, so a round of B plain steps yields B tokens.
+
+1. Draft or not (before the head runs). From the law's per-offset acceptance p(u) of a sequence's anchor, a
+   chain of m nodes is expected to add p + ... + p^m tokens. Sequences are taken in falling p; one is drafted
+   when the batch's expected rate with its best chain beats the rate without it. Where p is unknown (no law)
+   the sequence drafts, as one sequence's auto does.
+2. Grow and cut (after). Every drafted sequence's tree is grown best-first on the calibration's node probability
+   q, which never rises along a sequence's growth order, so taking nodes of all sequences in falling q takes, for
+   each total, the likeliest nodes; the round keeps nodes while the next one's q beats the rate it would lower
+   (q > rate * R), the drafts already paid counted in the rate as the single rule counts them.
+As B grows, R * rows and K * drafted grow against a fixed gain per node, so trees shrink toward plain steps
+exactly where the batched pass stops being nearly free. Only the time changes: every tree is verified whole
+and the walk keeps the target's own choices.
+"""
+from __future__ import annotations
+
+import heapq
+from typing import Sequence
+
+import numpy as np
+
+from .calibration import Calibration
+from .tree import Tree
+
+DECAY = 0.97  # weight of a round's timing, per later round: about the last 30 rounds count
+PRIOR_WEIGHT = 4.0  # how many rounds' worth the start holds against the batch's own timings
+EXPLORE_EVERY = 32  # a round that drafted nothing drafts the likeliest sequence once in this many, to time it
+
+
+class BatchCost:
+    """The round-cost model, refitted after every round."""
+
+    def __init__(self, start: Sequence[float]):
+        self.start = np.maximum(np.asarray(start, dtype=float), 0.0)
+        self.xtx = np.zeros((4, 4))
+        self.xty = np.zeros(4)
+        self.theta = self.start.copy()
+
+    @staticmethod
+    def _x(rows: int, drafted: int) -> np.ndarray:
+        return np.array([1.0, rows, drafted, float(drafted > 0)])
+
+    def ms(self, rows: int, drafted: int) -> float:
+        return float(self._x(rows, drafted) @ self.theta)
+
+    def observe(self, rows: int, drafted: int, ms: float) -> None:
+        x = self._x(rows, drafted)
+        self.xtx = DECAY * self.xtx + np.outer(x, x)
+        self.xty = DECAY * self.xty + x * ms
+        scale = PRIOR_WEIGHT * np.diag([1.0, 16.0, 4.0, 1.0])  # rows vary most, so their prior is weighed like it
+        theta = np.linalg.solve(self.xtx + scale, self.xty + scale @ self.start)
+        self.theta = np.maximum(theta, 0.0)
+
+
+def start_from_profile(verify_ms: Sequence[float], draft_ms: float) -> tuple[float, float, float, float]:
+    """A, R, K, K0 from one sequence's costs (V(T) for T = 1.., D): a row costs V's mean slope, a drafted
+    sequence one draft."""
+    v = np.asarray(verify_ms, dtype=float)
+    per_row = float(max((v[-1] - v[0]) / max(len(v) - 1, 1), 0.0))
+    return max(float(v[0]) - per_row, 0.0), per_row, float(draft_ms), 0.0
+
+
+class BatchBudget:
+    """The batch's policy: which sequences draft, then how much of each tree to verify."""
+
+    def __init__(self, cost: BatchCost, calibration: Calibration, max_nodes: int):
+        self.cost, self.calibration, self.max_nodes = cost, calibration, max_nodes
+        self._idle = 0  # rounds in a row without a draft
+
+    def plan(self, surprisals: Sequence[float | None], caps: Sequence[int | None]) -> list[int | None]:
+        """Per sequence, the depth to draft (its cap) or None for a plain step; `caps` None: no draft possible."""
+        count = len(caps)
+        out: list[int | None] = [None] * count
+        expected, rows, drafted = float(count), count, 0
+        likely = []
+        for i, (u, cap) in enumerate(zip(surprisals, caps)):
+            if cap is None or cap < 1:
+                continue
+            p = self.calibration.offset_acceptance(u)
+            if p is None:  # unknown: drafted, its worth left to the cut
+                out[i], drafted = cap, drafted + 1
+                continue
+            likely.append((-p, i, cap))
+        for negative_p, i, cap in sorted(likely):
+            p = -negative_p
+            gains = np.cumsum(p ** np.arange(1, cap + 1))
+            rates = [(expected + g) / self.cost.ms(rows + m, drafted + 1) for m, g in enumerate(gains, start=1)]
+            best = int(np.argmax(rates))
+            if rates[best] > expected / self.cost.ms(rows, drafted):
+                out[i] = cap
+                expected, rows, drafted = expected + float(gains[best]), rows + best + 1, drafted + 1
+        if drafted or not likely:
+            self._idle = 0
+        else:
+            self._idle += 1
+            if self._idle >= EXPLORE_EVERY:
+                _, i, cap = min(likely)
+                out[i], self._idle = cap, 0
+        return out
+
+    def cut(self, trees: Sequence[Tree], surprisals: Sequence[float | None], drafted: int) -> list[Tree]:
+        """Each tree cut to the prefix the batch's rate picks (a plain step's tree stays the anchor alone)."""
+        rows = len(trees)
+        expected = float(rows)
+        queues = []
+        for i, (tree, u) in enumerate(zip(trees, surprisals)):
+            if tree.size > 1:
+                q = self.calibration.node_probability(tree.scores[1:], u, tree.depths[1:])
+                queues.append((q.tolist(), i))
+        kept = [0] * len(trees)
+        heap = [(-q[0], i, 0, q) for q, i in queues]
+        heapq.heapify(heap)
+        per_row = self.cost.theta[1]
+        while heap:
+            negative_q, i, at, q = heapq.heappop(heap)
+            rate = expected / self.cost.ms(rows, drafted)
+            if -negative_q <= rate * per_row or -negative_q <= 0.0:
+                break
+            expected, rows, kept[i] = expected - negative_q, rows + 1, at + 1
+            if at + 1 < len(q):
+                heapq.heappush(heap, (-q[at + 1], i, at + 1, q))
+        return [tree.prefix(1 + kept[i]) if tree.size > 1 else tree for i, tree in enumerate(trees)]
+
+    def observe(self, rows: int, drafted: int, ms: float) -> None:
+        self.cost.observe(rows, drafted, ms)
