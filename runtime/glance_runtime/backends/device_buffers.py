@@ -157,10 +157,12 @@ class Device:
         self.traffic.calls += 1
         self._d2d_strided(dst, dst_offset, dst_pitch, src, src_offset, src_pitch, width, height)
 
-    def zero(self, buffer: Buffer) -> None:
-        """Fill a buffer with zeros (a KV pool: rows a batched pass reads but masks must never hold NaN)."""
+    def zeros(self, shape: tuple[int, ...], dtype) -> Buffer:
+        """A new buffer of zeros (a KV pool: rows a batched pass reads but masks must never hold NaN)."""
+        buffer = self.empty(shape, dtype)
         self.traffic.calls += 1
         self._zero(buffer)
+        return buffer
 
     def synchronize(self) -> None:
         self.traffic.calls += 1
@@ -226,8 +228,8 @@ class HostDevice(Device):
             return np.lib.stride_tricks.as_strided(raw, shape=(height, width), strides=(pitch, 1))
         blocks(dst, dst_offset, dst_pitch)[:] = blocks(src, src_offset, src_pitch)
 
-    def _zero(self, buffer: Buffer) -> None:
-        buffer.host[...] = 0
+    def zeros(self, shape: tuple[int, ...], dtype) -> Buffer:
+        return self.empty(shape, dtype)  # host buffers start zeroed (their pages are touched only when written)
 
 
 class CudaDevice(Device):

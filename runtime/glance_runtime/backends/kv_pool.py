@@ -24,8 +24,8 @@ class KVPool:
             raise GlanceError(f"--max-batch must be at least 1, got {slots}")
         self.device, self.layers, self.slots, self.max_context = device, layers, slots, int(max_context)
         self.row_shape = (kv_heads, head_dim)
-        self.buffer: Buffer = device.empty((2 * layers, slots, self.max_context, kv_heads, head_dim), dtype)
-        device.zero(self.buffer)  # a batched pass reads rows past a sequence's end (masked): never NaN
+        # a batched pass reads rows past a sequence's end (masked out), which must never hold NaN
+        self.buffer: Buffer = device.zeros((2 * layers, slots, self.max_context, kv_heads, head_dim), dtype)
         self.row_bytes = kv_heads * head_dim * self.buffer.dtype.itemsize
         self.slot_bytes = self.max_context * self.row_bytes
         self.layer_bytes = slots * self.slot_bytes

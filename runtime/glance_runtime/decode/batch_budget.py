@@ -18,8 +18,15 @@ cost profile. Each sequence yields at least its bonus token, so a round of B pla
    each total, the likeliest nodes; the round keeps nodes while the next one's q beats the rate it would lower
    (q > rate * R), the drafts already paid counted in the rate as the single rule counts them.
 As B grows, R * rows and K * drafted grow against a fixed gain per node, so trees shrink toward plain steps
-exactly where the batched pass stops being nearly free. Only the time changes: every tree is verified whole
-and the walk keeps the target's own choices.
+exactly where the batched pass stops being nearly free.
+
+3. Drafting at all. A round's rate is not the whole story: requests join between rounds, each with a prefill the
+   others wait for, so where joins are what limits the batch, shorter rounds serve more requests and fewer rounds
+   a request buy nothing. `ModeSwitch` therefore measures what rounds with drafts and rounds of plain steps give
+   in tokens per second of wall time (the joins between them included), over windows of rounds, and keeps the
+   better, trying the other one window in `EXPLORE_WINDOWS` (so a batch loses at most that share of the gap to
+   the better choice while it checks whether the load changed). It starts with plain steps.
+Only the time changes: every tree is verified whole and the walk keeps the target's own choices.
 """
 from __future__ import annotations
 
@@ -34,6 +41,8 @@ from .tree import Tree
 DECAY = 0.97  # weight of a round's timing, per later round: about the last 30 rounds count
 PRIOR_WEIGHT = 4.0  # how many rounds' worth the start holds against the batch's own timings
 EXPLORE_EVERY = 32  # a round that drafted nothing drafts the likeliest sequence once in this many, to time it
+WINDOW_ROUNDS = 16  # rounds a drafting-or-not choice is measured over
+EXPLORE_WINDOWS = 12  # one window in this many tries the choice that measured worse
 
 
 class BatchCost:
@@ -69,17 +78,47 @@ def start_from_profile(verify_ms: Sequence[float], draft_ms: float) -> tuple[flo
     return max(float(v[0]) - per_row, 0.0), per_row, float(draft_ms), 0.0
 
 
+class ModeSwitch:
+    """Whether the batch drafts at all, from the tokens per second each choice gave over its latest windows."""
+
+    def __init__(self) -> None:
+        self.drafting = False  # plain steps first: the batch is never slower than them while it measures drafts
+        self.rates: dict[bool, float | None] = {False: None, True: None}
+        self.windows = 0
+        self._tokens, self._ms, self._rounds = 0, 0.0, 0
+
+    def observe(self, tokens: int, ms: float) -> None:
+        """A round's tokens (and its joins') over the wall time since the last round ended."""
+        self._tokens, self._ms, self._rounds = self._tokens + tokens, self._ms + ms, self._rounds + 1
+        if self._rounds < WINDOW_ROUNDS:
+            return
+        rate = self._tokens / max(self._ms, 1e-9)
+        old = self.rates[self.drafting]
+        self.rates[self.drafting] = rate if old is None else (old + rate) / 2
+        self._tokens, self._ms, self._rounds = 0, 0.0, 0
+        self.windows += 1
+        untried = [mode for mode, measured in self.rates.items() if measured is None]
+        if untried:
+            self.drafting = untried[0]
+            return
+        best = self.rates[True] >= self.rates[False]
+        self.drafting = (not best) if self.windows % EXPLORE_WINDOWS == 0 else best
+
+
 class BatchBudget:
     """The batch's policy: which sequences draft, then how much of each tree to verify."""
 
     def __init__(self, cost: BatchCost, calibration: Calibration, max_nodes: int):
         self.cost, self.calibration, self.max_nodes = cost, calibration, max_nodes
+        self.switch = ModeSwitch()
         self._idle = 0  # rounds in a row without a draft
 
     def plan(self, surprisals: Sequence[float | None], caps: Sequence[int | None]) -> list[int | None]:
         """Per sequence, the depth to draft (its cap) or None for a plain step; `caps` None: no draft possible."""
         count = len(caps)
         out: list[int | None] = [None] * count
+        if not self.switch.drafting:
+            return out
         expected, rows, drafted = float(count), count, 0
         likely = []
         for i, (u, cap) in enumerate(zip(surprisals, caps)):

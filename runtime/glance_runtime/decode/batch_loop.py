@@ -56,6 +56,8 @@ class BatchLoop:
         """`policy`: the batch's auto (requests with auto then follow it in batched rounds)."""
         self.rounds, self.policy = rounds, policy
         self.active: dict[int, Request] = {}
+        self._ended: float | None = None  # when the last batched round ended, while sequences stayed in the batch
+        self._joined = 0  # tokens the prefills since then produced
 
     @property
     def capacity(self) -> int:
@@ -79,6 +81,7 @@ class BatchLoop:
         out = request.result
         out.prefill_ms = (time.perf_counter() - request.started) * 1e3
         new = first_tokens(out, first, request.cfg, request.stops)
+        self._joined += len(new)
         request.anchor, request.surprisal = first, None
         ended = bool(request.on_commit and request.on_commit(new))
         self.active[slot] = request
@@ -104,8 +107,10 @@ class BatchLoop:
         if not requests:
             return []
         if len(requests) == 1:
+            self._ended = None  # the wall time of batched rounds only
             return self._alone(requests[0])
         rounds = self.rounds
+        finished: list[Request] = []
         r0 = time.perf_counter()
         fixed = [replace(r.cfg, auto=None) for r in requests]  # a request's own auto does not see batched rounds
         caps = [draft_depth(rounds.slots[r.slot], c, r.surprisal, r._left()) for r, c in zip(requests, fixed)]
@@ -126,11 +131,16 @@ class BatchLoop:
         times = ((r1 - r0) * 1e3, (r2 - r1) * 1e3, (r3 - r0) * 1e3)
         if batched:
             self.policy.observe(sum(t.size for t in trees), len(drafting), times[2])
-        finished = []
+        produced = self._joined
         for i, (r, tree, v, (path, bonus)) in enumerate(zip(requests, trees, verified, walks)):
             new, r.anchor, r.surprisal = record_round(r.result, fixed[i], r.stops, tree, i in drafts, path, bonus, v,
                                                       r.surprisal, times)
+            produced += len(new)
             finished += self._after(r, new)
+        ended = time.perf_counter()
+        if batched and self._ended is not None:
+            self.policy.switch.observe(produced, (ended - self._ended) * 1e3)
+        self._ended, self._joined = (ended if self.active else None), 0
         return finished
 
     def _tree(self, request: Request, draft: tuple[np.ndarray, np.ndarray] | None, batched: bool) -> Tree:
