@@ -1,0 +1,173 @@
+"""glance-serve under N concurrent clients: batched GLANCE against batched plain decoding and one request at a time.
+
+Three servers on the embedded default (ONNX Runtime CPU, `--threads`), started one after another on loopback:
+`glance` (`--max-batch B`, the default budget: auto), `plain` (`--max-batch B --budget 0`) and `serial`
+(`--max-batch 1`, what every server did before batching). For each concurrency, N clients (the official `openai`
+client, streamed) each send their next request when their last answer is complete, cycling through the example
+tasks (image as a data URL); per request: time to first token (the first streamed text), latency (the last one)
+and completion tokens; per level: tokens per second over the wall time, p50/p99 of both times. Every answer's text
+is compared with the same task's answer from the serial server at concurrency 1 (the request sent alone).
+
+    python benchmarks/batch_serve.py OUT [--concurrency 1,2,4,8,16] [--requests 64] [--max-batch 8] [--threads 1]
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KINDS = ("receipt", "chart", "scene", "caption")
+READY = re.compile(r"ready: .* on (http://\S+)")
+MODES = {"serial": ("--max-batch", "1"), "plain": ("--budget", "0"), "glance": ()}
+
+
+def tasks() -> list[tuple[str, str]]:
+    out = []
+    for kind in KINDS:
+        for line in (ROOT / "examples" / kind / "tasks.jsonl").read_text().splitlines():
+            task = json.loads(line)
+            image = (ROOT / "examples" / kind / task["image"]).read_bytes()
+            out.append((task["prompt"], f"data:image/png;base64,{base64.b64encode(image).decode()}"))
+    return out
+
+
+def start(mode: str, max_batch: int, threads: int) -> tuple[subprocess.Popen, str]:
+    args = ["--max-batch", str(max_batch), *MODES[mode]] if mode != "serial" else list(MODES[mode])
+    proc = subprocess.Popen([sys.executable, "-m", "glance_runtime.serve", "--port", "0", "--threads", str(threads),
+                             "--max-queue", "1024", *args], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    for line in proc.stderr:
+        if match := READY.search(line):
+            threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+            return proc, match.group(1)
+    raise SystemExit(f"glance-serve ({mode}) exited before it was ready")
+
+
+def ask(client, model: str, prompt: str, image: str) -> tuple[str, float, float, int]:
+    """(text, ms to the first text, ms to the end, completion tokens) of one streamed request."""
+    t0 = time.perf_counter()
+    first, pieces, tokens = None, [], 0
+    stream = client.chat.completions.create(model=model, stream=True, stream_options={"include_usage": True},
+                                            messages=[{"role": "user", "content": [
+                                                {"type": "image_url", "image_url": {"url": image}},
+                                                {"type": "text", "text": prompt}]}])
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first or time.perf_counter()
+            pieces.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    end = time.perf_counter()
+    return "".join(pieces), ((first or end) - t0) * 1e3, (end - t0) * 1e3, tokens
+
+
+def level(url: str, work: list[tuple[str, str]], clients: int, requests: int) -> tuple[dict, dict[int, str]]:
+    from openai import OpenAI
+
+    model = OpenAI(base_url=f"{url}/v1", api_key="none").models.list().data[0].id
+    texts: dict[int, str] = {}
+    ttft, latency, tokens = [], [], []
+    lock = threading.Lock()
+    counter = iter(range(requests))
+    barrier = threading.Barrier(clients + 1)
+
+    def client() -> None:
+        api = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
+        barrier.wait()
+        for i in counter:
+            text, first, last, count = ask(api, model, *work[i % len(work)])
+            with lock:
+                texts[i] = text
+                ttft.append(first)
+                latency.append(last)
+                tokens.append(count)
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    return {"clients": clients, "requests": requests, "tokens_per_s": round(sum(tokens) / wall, 1),
+            "latency_ms_p50": round(statistics.median(latency), 1), "latency_ms_p99": round(pct(latency, 0.99), 1),
+            "ttft_ms_p50": round(statistics.median(ttft), 1), "ttft_ms_p99": round(pct(ttft, 0.99), 1)}, texts
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--concurrency", default="1,2,4,8,16")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--max-batch", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    work = tasks()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    rows, alone = [], None
+    for mode in ("serial", "plain", "glance"):
+        proc, url = start(mode, args.max_batch, args.threads)
+        try:
+            if alone is None:
+                _, alone = level(url, work, 1, len(work))
+            level(url, work, 2, 8)  # warm: sessions, arenas, auto's first windows
+            for clients in levels:
+                row, texts = level(url, work, clients, args.requests)
+                row["mode"] = mode
+                row["same_as_alone"] = sum(texts[i] == alone[i % len(work)] for i in texts)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = {"max_batch": args.max_batch, "threads": args.threads, "requests": args.requests,
+              "load_before": os.getloadavg()[0], "rows": rows}
+    (args.out / "batch_serve.json").write_text(json.dumps(report, indent=1) + "\n")
+    lines = [f"# glance-serve, embedded default, ONNX Runtime CPU ({args.threads} thread), --max-batch {args.max_batch}",
+             "", "| clients | mode | tokens/s | latency p50 / p99 ms | TTFT p50 / p99 ms | same as alone |",
+             "|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["clients"], list(MODES).index(r["mode"]))):
+        lines.append(f"| {r['clients']} | {r['mode']} | {r['tokens_per_s']} | {r['latency_ms_p50']} / "
+                     f"{r['latency_ms_p99']} | {r['ttft_ms_p50']} / {r['ttft_ms_p99']} | "
+                     f"{r['same_as_alone']}/{r['requests']} |")
+    (args.out / "batch_serve.md").write_text("\n".join(lines) + "\n")
+    _plot(args.out, rows)
+    return 0
+
+
+def _plot(out: Path, rows: list[dict]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in MODES:
+        mine = [r for r in rows if r["mode"] == mode]
+        ax.plot([r["clients"] for r in mine], [r["tokens_per_s"] for r in mine], marker="o", label=mode)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("completion tokens / s")
+    ax.set_title("glance-serve, embedded default, CPU")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "batch_serve.png", dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
