@@ -1,7 +1,10 @@
 """GLANCE in Triton's Python backend; `glance-export triton` copies this file to REPO/glance/1/model.py.
 
-One instance is one stub process with one runner: it decodes one request at a time, greedily. The model
-is decoupled: a request with the parameter `"stream": true` gets its text as pieces while rounds commit
+One instance is one stub process with one runner. Where the graphs were exported with batched graphs it
+decodes requests together (parameter `max_batch`; unset: glance-serve's default for what is served): each
+request of an `execute` call is handed to the runtime's batch thread and answered from there as it finishes,
+so requests of later calls join the running batch; each answer is the one decoded alone. At max_batch 1 it
+decodes one request at a time. The model is decoupled: a request with the parameter `"stream": true` gets its text as pieces while rounds commit
 (for `generate_stream`), any other request one response with the whole text (what `generate` requires:
 Triton's generate endpoint refuses a model that answers with more than one response).
 Parameters in config.pbtxt name what to serve (artifacts, engines or model and head; none: the embedded
@@ -45,7 +48,9 @@ class TritonPythonModel:
         from pathlib import Path
 
         from glance_runtime.errors import GlanceError
-        from glance_runtime.serve.engine import Cancelled, Engine, ModelSpec
+        from dataclasses import replace
+
+        from glance_runtime.serve.engine import Cancelled, Engine, ModelSpec, default_batch
 
         def path(key):
             return Path(params[key]) if params.get(key) else None
@@ -53,8 +58,10 @@ class TritonPythonModel:
         providers = params.get("providers")
         spec = ModelSpec(model=path("model"), head=path("head"), artifacts=path("artifacts"), engines=path("engines"),
                          backend=params.get("backend") or None, providers=providers.split(",") if providers else None)
+        spec = replace(spec, max_batch=int(params["max_batch"]) if params.get("max_batch") else default_batch(spec))
         self.max_tokens = int(params.get("max_tokens", "1024"))
         self.errors = (GlanceError, Cancelled)
+        self.batched = spec.max_batch > 1
         self.engine = Engine(spec)
         self.engine.warm()
 
@@ -94,14 +101,30 @@ class TritonPythonModel:
             def emit(piece):
                 sender.send(_response(piece))
 
-            done = self.engine.complete(prompt, limit, emit=emit if stream else None, cancelled=sender.is_cancelled)
-            if stream:
-                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            decode = (prompt, limit, (), emit if stream else None, sender.is_cancelled)
+            if self.batched:  # answered from the batch thread once it finishes; execute() moves on at once
+                self.engine.start(*decode).add_done_callback(lambda done: self._finish(sender, stream, done.result))
             else:
-                sender.send(_response(done.text), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                self._finish(sender, stream, lambda: self.engine.complete(*decode))
         except (ValueError, *self.errors) as exc:
-            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
-                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            self._fail(sender, exc)
+
+    def _finish(self, sender, stream, completion):
+        """The final response: the whole text, or the end of a stream; or the decode's error."""
+        try:
+            done = completion()
+        except self.errors as exc:
+            self._fail(sender, exc)
+            return
+        if stream:
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        else:
+            sender.send(_response(done.text), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    @staticmethod
+    def _fail(sender, exc):
+        sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def execute(self, requests):
         for request in requests:

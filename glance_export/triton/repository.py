@@ -2,7 +2,8 @@
 
 The model `glance` is decoupled (one request, many responses), so `generate_stream` streams pieces as
 rounds commit while `generate` gets the whole text in one response. Each model instance is one Triton
-stub process holding one runner (batch 1); `instance_group` sets how many run per GPU, and replicas of
+stub process holding one runner, which decodes concurrent requests together where the graphs hold batched
+graphs (`max_batch`; unset: glance-serve's default); `instance_group` sets how many run per GPU, and replicas of
 the repository on more machines sit behind a load balancer. The repository names the model by absolute
 paths and the Python environment the stubs run in (`EXECUTION_ENV_PATH`: a virtual environment with the
 runtime's dependencies and numpy < 2, which Triton 2.51's stub needs for string tensors: the `triton` extra).
@@ -39,6 +40,7 @@ class TritonRepo:
     gpus: bool = False  # KIND_GPU instances (one group per visible GPU) instead of KIND_CPU
     python_env: Path | None = None
     max_tokens: int = 1024
+    max_batch: int | None = None  # requests one instance decodes together (None: glance-serve's default)
 
 
 def _param(key: str, value: str) -> str:
@@ -53,6 +55,8 @@ def config_pbtxt(repo: TritonRepo) -> str:
     params.update(runtime_root=str(RUNTIME_ROOT), max_tokens=str(repo.max_tokens))
     if repo.backend:
         params["backend"] = repo.backend
+    if repo.max_batch is not None:
+        params["max_batch"] = str(repo.max_batch)
     if repo.providers:
         params["providers"] = ",".join(repo.providers)
     if repo.python_env is not None:
@@ -72,6 +76,8 @@ def config_pbtxt(repo: TritonRepo) -> str:
 def check(repo: TritonRepo) -> None:
     if repo.instances_per_gpu < 1:
         raise GlanceError(f"--instances-per-gpu must be at least 1 (got {repo.instances_per_gpu})")
+    if repo.max_batch is not None and repo.max_batch < 1:
+        raise GlanceError(f"--max-batch must be at least 1 (got {repo.max_batch})")
     for flag, path in (("--artifacts", repo.artifacts), ("--engines", repo.engines), ("--model", repo.model),
                        ("--head", repo.head), ("--python-env", repo.python_env)):
         if path is not None and not Path(path).is_dir():

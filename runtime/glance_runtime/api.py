@@ -15,12 +15,16 @@ rows a fresh prefill would compute and the loop is lossless.
 A server whose clients resend the whole conversation each turn (OpenAI's HTTP API) uses `Model.reuse`
 instead: a handle that decodes prompts made with `build`, keeps whatever rows each shares with the one
 before, and can be stopped between rounds.
+A Model loaded with `max_batch` > 1 decodes the calls of several threads together: each call is a request
+to one batch thread (`batching.Scheduler`) and waits for its answer, which is token for token the answer
+decoded alone; each slot of the batch keeps its last request's rows for whichever prompt shares most of them.
 """
 from __future__ import annotations
 
 import queue
 import reprlib
 import threading
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -35,11 +39,13 @@ from .decode.loop import DecodeConfig, DecodeResult, RoundLog
 from .prompt.messages import ImageLike, VideoLike, conversation, user_turn
 from .prompt.prompt_builder import Prompt, check_unicode
 from .prompt.prefix_reuse import Committed, image_runs, shared_rows
+from .backends.batch_rounds import open_batch
 from .backends.registry import BACKENDS, Source, open_session
+from .batching import Answer, Done, Scheduler, Ticket
 from .decode.session import Session, Settings
-from .prompt.text_stream import TextStream
 
 T = TypeVar("T")
+PROMPT_KEYS = ("prompt", "images", "messages", "system", "videos")  # what one item of a list of prompts may name
 ROOM_FIX = "shorten the prompt, lower max_new_tokens, or load with a larger max_context"
 
 
@@ -83,14 +89,29 @@ class Output:
 
 
 class Model:
-    """A loaded model. Not thread-safe: its backend holds one KV cache and one set of device buffers, so
-    a call made while another thread's call runs is refused (GlanceError). Use one Model per thread,
-    or hold a lock around every call; conversations of one Model take turns on its cache."""
+    """A loaded model. Loaded with max_batch 1 (the default) it is not thread-safe: its backend holds one KV
+    cache and one set of device buffers, so a call made while another thread's call runs is refused
+    (GlanceError); use one Model per thread, or hold a lock around every call. Loaded with max_batch > 1,
+    calls from any number of threads are decoded together, up to max_batch at once (the rest wait for a slot)."""
 
-    def __init__(self, session: Session):
+    def __init__(self, session: Session, max_batch: int = 1):
         self._session: Session | None = session
         self._lock = threading.Lock()
-        self._owner: Chat | None = None  # the conversation whose rows the backend holds now
+        self._owner: Chat | None = None  # the conversation whose rows the backend holds now (max_batch 1)
+        self._scheduler: Scheduler | None = None
+        if max_batch > 1:
+            session.config  # resolved now: once the batch thread runs, it alone uses the backend
+            self._scheduler = Scheduler(open_batch(session), session.codec)
+
+    @property
+    def max_batch(self) -> int:
+        """Requests decoded together at most."""
+        return self._scheduler.capacity if self._scheduler is not None else 1
+
+    @property
+    def scheduler(self) -> Scheduler | None:
+        """The batch thread of a model loaded with max_batch > 1 (its occupancy, for servers), else None."""
+        return self._scheduler
 
     @property
     def session(self) -> Session:
@@ -103,9 +124,11 @@ class Model:
     def close(self) -> None:
         """Free the backend's device buffers and graphs now rather than at garbage collection."""
         with self._busy():
+            if self._scheduler is not None:
+                self._scheduler.close()  # requests still waiting or decoding fail
             if self._session is not None:
                 self._session.close()
-            self._session = self._owner = None
+            self._session = self._owner = self._scheduler = None
 
     def __enter__(self) -> "Model":
         return self
@@ -115,6 +138,9 @@ class Model:
 
     @contextmanager
     def _busy(self) -> Iterator[None]:
+        if self._scheduler is not None:  # the batch thread serialises the backend's use
+            yield
+            return
         if not self._lock.acquire(blocking=False):
             raise GlanceError("this model is already decoding in another call (a Model is not thread-safe); use "
                               "one Model per thread, or hold a lock around its calls")
@@ -125,14 +151,25 @@ class Model:
 
     # -- the public calls ------------------------------------------------------------------------
 
-    def generate(self, prompt: str | None = None, *, images: Sequence[ImageLike] | None = None,
+    def generate(self, prompt: str | Sequence[str | dict[str, Any]] | None = None, *,
+                 images: Sequence[ImageLike] | None = None,
                  messages: Sequence[dict[str, Any]] | None = None, system: str | None = None,
                  max_new_tokens: int = MAX_NEW_TOKENS, stop: Sequence[str] = (),
-                 on_text: Callable[[str], None] | None = None, videos: Sequence[VideoLike] | None = None) -> Output:
+                 on_text: Callable[[str], None] | None = None,
+                 videos: Sequence[VideoLike] | None = None) -> Output | list[Output]:
         """Answer one prompt (with any number of images and videos, each a list even for one: images=["a.png"];
         a video is its frames, taken at 2 per second unless given as {"video": frames, "fps": rate}) or one
         OpenAI-style conversation; `stop` is one string or a list of them; `on_text` sees the text in pieces as
-        rounds commit, on this thread (what `stream` yields)."""
+        rounds commit, on this thread (what `stream` yields).
+
+        A list of prompts is answered as one batch, one Output per prompt in order: each item is a string, or a
+        dict of this call's prompt arguments ({"prompt": ..., "images": [...]}, or {"messages": [...]});
+        `max_new_tokens` and `stop` apply to each. At max_batch 1 they are decoded one after another."""
+        if isinstance(prompt, (list, tuple)):
+            if any(v is not None for v in (images, messages, system, videos, on_text)):
+                raise InputError("with a list of prompts, give each one's images, messages, system or videos in its "
+                                 "own dict ({\"prompt\": ..., \"images\": [...]}), and no on_text")
+            return self._many(prompt, max_new_tokens, stop)
         with self._busy():
             built = self.build(prompt, images=images, messages=messages, system=system, videos=videos)
             return self._run(built, max_new_tokens, stop, on_piece=on_text)
@@ -180,54 +217,116 @@ class Model:
 
     # -- the one internal path -------------------------------------------------------------------
 
+    def submit(self, prompt: Prompt, *, max_new_tokens: int = MAX_NEW_TOKENS, stop: Sequence[str] = (),
+               on_text: Callable[[str], None] | None = None,
+               cancelled: Callable[[], bool] | None = None) -> "Future[Output]":
+        """Queue a prompt made with `build` and return at once: the future settles with its Output. For servers
+        on a model loaded with max_batch > 1: `on_text` and `cancelled` (asked each round; True ends the answer
+        there, finish "cancelled") run on the batch thread. At max_batch 1 the answer is decoded now, on this
+        thread, and the future is already settled."""
+        if self._scheduler is None:
+            future: Future = Future()
+            try:
+                with self._busy():
+                    future.set_result(self._run(_prompt(prompt), max_new_tokens, stop, on_piece=on_text,
+                                                cancelled=cancelled))
+            except Exception as exc:
+                future.set_exception(exc)
+            return future
+        prompt, stops, cfg = self._checked(_prompt(prompt), max_new_tokens, stop, ROOM_FIX)
+        ticket = self._scheduler.submit(prompt, cfg, stops, on_text, cancelled)
+        out: Future = Future()
+
+        def settle(done: Future) -> None:
+            try:
+                out.set_result(self._finished(done.result(), cfg, prompt))
+            except Exception as exc:
+                out.set_exception(exc)
+
+        ticket.future.add_done_callback(settle)
+        return out
+
+    def _many(self, items: Sequence[str | dict[str, Any]], max_new_tokens: int, stop: Sequence[str]) -> list[Output]:
+        """`generate` over a list: every prompt built and checked before any is decoded."""
+        built = []
+        for i, item in enumerate(items):
+            if isinstance(item, str):
+                item = {"prompt": item}
+            if not isinstance(item, dict) or not set(item) <= set(PROMPT_KEYS):
+                raise InputError(f"prompt {i} of the list must be a string or a dict with keys among "
+                                 f"{', '.join(PROMPT_KEYS)}, got {reprlib.repr(item)}")
+            built.append(self.build(**item))
+        if self._scheduler is None:
+            with self._busy():
+                for b in built:
+                    self.check_room(b, max_new_tokens)
+                return [self._run(b, max_new_tokens, stop) for b in built]
+        checked = [self._checked(b, max_new_tokens, stop, ROOM_FIX) for b in built]
+        tickets = [self._scheduler.submit(b, cfg, stops) for b, stops, cfg in checked]
+        try:
+            return [self._finished(t.future.result(), cfg, b) for t, (b, _, cfg) in zip(tickets, checked)]
+        except BaseException:
+            for t in tickets:
+                t.cancel()
+            raise
+
     def _config(self, max_new_tokens: int) -> DecodeConfig:
         """glance-run's DecodeConfig (the session resolves auto's policy once, then it is reused)."""
         return replace(self.session.config, max_new_tokens=_answer_length(max_new_tokens))
 
+    def _checked(self, prompt: Prompt, max_new_tokens: int, stop: Sequence[str],
+                 fix: str) -> tuple[Prompt, list[str], DecodeConfig]:
+        """The prompt, its stop strings and its config, once the prompt is known to fit."""
+        stops = _stops(stop)
+        self.check_room(prompt, max_new_tokens, fix=fix)
+        return prompt, stops, self._config(max_new_tokens)
+
     def _run(self, prompt: Prompt, max_new_tokens: int, stop: Sequence[str], keep: int = 0,
              on_piece: Callable[[str], None] | None = None, cancelled: Callable[[], bool] | None = None,
              fix: str = ROOM_FIX) -> Output:
-        stops = _stops(stop)
-        self.check_room(prompt, max_new_tokens, fix=fix)
-        cfg = self._config(max_new_tokens)
+        prompt, stops, cfg = self._checked(prompt, max_new_tokens, stop, fix)
         if on_piece is not None and not callable(on_piece):
             raise InputError(f"on_text must be a callable taking each piece of text, got {type(on_piece).__name__}")
-        text = TextStream(self.session.codec.tokenizer, stops)
-        pieces: list[str] = []
-        kept: list[int] = []
-        stopped_by_caller = False
-
-        def emit(piece: str) -> None:
-            if piece:
-                pieces.append(piece)
-                if on_piece is not None:
-                    on_piece(piece)
-
-        def on_commit(new: list[int]) -> bool:
-            nonlocal stopped_by_caller
-            for token in new:
-                kept.append(token)
-                emit(text.push(token))
-                if text.stopped:
-                    return True
-            stopped_by_caller = cancelled is not None and cancelled()
-            return stopped_by_caller
-
+        if self._scheduler is not None:
+            return self._batched(prompt, cfg, stops, on_piece, cancelled)
+        answer = Answer(self.session.codec.tokenizer, stops, on_piece, cancelled)
         self._owner = None  # the backend's rows are about to change
-        result = self.session.decode(prompt, on_commit, config=cfg, keep=keep)
-        emit(text.finish())
-        reason = "stop" if text.stopped else "cancelled" if stopped_by_caller else \
-            "eos" if result.stopped_on is not None else "length"
-        return Output("".join(pieces), kept, result.tau, self._stats(result, cfg, prompt, keep, kept, reason),
+        result = self.session.decode(prompt, answer.on_commit, config=cfg, keep=keep)
+        reason = answer.finish(result)
+        return Output(answer.joined, answer.kept, result.tau,
+                      self._stats(result, cfg, prompt, keep, answer.kept, reason), result.rounds)
+
+    def _batched(self, prompt: Prompt, cfg: DecodeConfig, stops: list[str], on_piece: Callable[[str], None] | None,
+                 cancelled: Callable[[], bool] | None) -> Output:
+        """One request through the batch thread; its pieces reach `on_piece` on this thread."""
+        pieces: queue.SimpleQueue = queue.SimpleQueue()
+        ticket: Ticket = self._scheduler.submit(prompt, cfg, stops, None if on_piece is None else pieces.put,
+                                                cancelled)
+        try:
+            if on_piece is not None:
+                ticket.future.add_done_callback(lambda _: pieces.put(None))
+                while (piece := pieces.get()) is not None:
+                    on_piece(piece)
+            return self._finished(ticket.future.result(), cfg, prompt)
+        except BaseException:  # the caller's callback failed or it was interrupted: the request leaves the batch
+            ticket.cancel()
+            raise
+
+    def _finished(self, done: Done, cfg: DecodeConfig, prompt: Prompt) -> Output:
+        answer, result = done.answer, done.result
+        stats = self._stats(result, cfg, prompt, done.keep, answer.kept, done.reason)
+        return Output(answer.joined, answer.kept, result.tau, {**stats, "queue_ms": round(done.queue_ms, 3)},
                       result.rounds)
 
     def _kept(self, owner: object, committed: Committed | None, prompt: Prompt, max_new_tokens: int,
               stop: Sequence[str], on_piece: Callable[[str], None] | None, cancelled: Callable[[], bool] | None,
-              fix: str) -> tuple[Output, Committed]:
+              fix: str) -> tuple[Output, Committed | None]:
         """`_run`, keeping the rows `prompt` shares with `committed` while `owner`'s rows are the backend's; the
         answer, and what the backend then holds."""
         codec = self.session.codec
         prompt = _prompt(prompt)
+        if self._scheduler is not None:  # each batch slot keeps its rows for the prompt sharing most of them
+            return self._run(prompt, max_new_tokens, stop, on_piece=on_piece, cancelled=cancelled, fix=fix), None
         keep = shared_rows(committed if self._owner is owner else None, prompt, codec.image_token_id, codec.merge_size)
         out = self._run(prompt, max_new_tokens, stop, keep=keep, on_piece=on_piece, cancelled=cancelled, fix=fix)
         rows = self.session.backend.start
@@ -381,11 +480,14 @@ def load(artifacts: str | Path | None = None, *, engines: str | Path | None = No
          head: str | Path | None = None, backend: str | None = None, provider: str | Sequence[str] | None = None,
          budget: int | str | None = None, branch_k: int = BRANCH_K, speculative: bool = True,
          max_context: int | None = None, max_tree: int | None = None, threads: int | None = None,
-         remeasure: bool = False, progress: Callable[[str], None] | None = None) -> Model:
+         remeasure: bool = False, progress: Callable[[str], None] | None = None, max_batch: int = 1) -> Model:
     """Open a model as `glance-run` would with the same flags: with nothing given, the embedded default on
     ONNX Runtime where installed. `budget`: "auto", a node count, or None for the command's default;
     `remeasure`: auto's cost profile for this device is measured again, not read. Both are for speculative
-    decoding, and `remeasure` for auto's budget only: a contradiction is refused, as the command refuses it."""
+    decoding, and `remeasure` for auto's budget only: a contradiction is refused, as the command refuses it.
+    `max_batch`: requests decoded together (ONNX Runtime or TensorRT, from graphs exported with batched
+    graphs); 1 decodes one call at a time."""
+    max_batch = whole("max_batch", max_batch, 1)
     check_settings(threads=threads, budget=budget, branch_k=branch_k, max_context=max_context, max_tree=max_tree)
     threads, branch_k, max_context, max_tree = (None if v is None else int(v)  # numpy integers as plain ints
                                                 for v in (threads, branch_k, max_context, max_tree))
@@ -421,6 +523,6 @@ def load(artifacts: str | Path | None = None, *, engines: str | Path | None = No
         raise InputError("speculative decoding needs head=DIR (or pass speculative=False for plain greedy decoding)")
     source = Source(backend, model=model_dir, head=head_dir, artifacts=artifacts_dir, engines=paths["engines"],
                     providers=[provider] if isinstance(provider, str) else provider, threads=threads,
-                    max_context=max_context, max_tree=max_tree)
+                    max_context=max_context, max_tree=max_tree, max_batch=max_batch)
     settings = Settings(budget=budget, branch_k=branch_k, speculative=speculative, remeasure=remeasure)
-    return Model(open_session(source, settings, progress or (lambda _: None)))
+    return Model(open_session(source, settings, progress or (lambda _: None)), max_batch)

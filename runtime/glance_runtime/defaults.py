@@ -58,3 +58,4 @@ def resolve(model: Path | None, head: Path | None, artifacts: Path | None,
     if embedded and backend == "onnxruntime" and head == DEFAULT_HEAD:
         artifacts = default_artifacts()
     return model, head, artifacts, backend
+SERVE_MAX_BATCH = 8  # glance-serve's requests decoded together (--max-batch); 1 decodes one request at a time

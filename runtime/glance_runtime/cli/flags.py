@@ -143,6 +143,13 @@ def runner_flags(p: argparse.ArgumentParser, *, backend_help: str = BACKEND_DEFA
                    help="largest verify pass (default: the export's or build's bound)")
 
 
+def batch_flag(p: argparse.ArgumentParser, default: int) -> None:
+    """--max-batch: requests decoded together (None when not given, so a command can tell a default apart)."""
+    p.add_argument("--max-batch", type=at_least("--max-batch", 1), default=None,
+                   help=f"requests decoded together (default {default} where the graphs were exported with batched "
+                   "graphs, else 1; 1 decodes one request at a time)")
+
+
 def decode_flags(p: argparse.ArgumentParser, *, max_new_tokens: int | None, budget_help: str,
                  budget_default: int | None = None, max_new_tokens_help: str | None = None) -> None:
     """--budget, --branch-k and --max-new-tokens, each with its one range rule."""

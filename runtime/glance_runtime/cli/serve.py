@@ -1,8 +1,9 @@
 """`glance-serve`: one model on one device behind OpenAI's HTTP API.
 
-One process holds one runner and decodes one request at a time (batch 1, arrival order); more throughput
-means more processes, one per device, each on its own port, behind a load balancer (or Triton's model
-repository from `glance-export triton` for many GPUs and machines).
+One process holds one runner. With graphs exported with batched graphs it decodes up to --max-batch requests
+together (default SERVE_MAX_BATCH, at most what the graphs were exported for), each answered exactly as alone;
+--max-batch 1 decodes one request at a time, in arrival order. More devices mean more processes, one per
+device, each on its own port, behind a load balancer (or Triton's model repository from `glance-export triton`).
 """
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ import logging
 import signal
 import socket
 import sys
+from dataclasses import replace
 from pathlib import Path
 
-from .flags import OneLineParser, between, budget, check_dirs, guarded, positive, runner_flags
+from .flags import OneLineParser, batch_flag, between, budget, check_dirs, guarded, positive, runner_flags
+from ..defaults import SERVE_MAX_BATCH
 from ..errors import GlanceError
 from ..prompt.images import MAX_IMAGE_PIXELS as MAX_PIXELS
 from ..serve.app import ServeConfig, create_app
-from ..serve.engine import ModelSpec
+from ..serve.engine import ModelSpec, default_batch
 
 LOOPBACK_NAMES = ("localhost",)
 MAX_QUEUE = 100_000  # upper bounds of what a flag may set, each held in memory by the server
@@ -30,8 +33,9 @@ MAX_TIMEOUT_S = 7 * 24 * 3600
 
 def parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="glance-serve", description="OpenAI-compatible server for one GLANCE model "
-                      "(greedy, lossless; one request decodes at a time)")
+                      "(greedy, lossless; requests decoded together, each as alone)")
     runner_flags(p)
+    batch_flag(p, SERVE_MAX_BATCH)
     p.add_argument("--budget", type=budget, help="tree nodes per round, or auto (default: as glance-run)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs --api-key)")
     p.add_argument("--port", type=between("--port", 0, 65535, "TCP ports"), default=8000,
@@ -40,7 +44,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--media-dir", type=Path, help="directory whose files requests may name as file:// image URLs")
     p.add_argument("--served-model-name", help="the model id clients send (default: the model directory's name)")
     p.add_argument("--max-queue", type=between("--max-queue", 1, MAX_QUEUE, "requests held in memory"),
-                   default=64, help="requests that may wait for the runner; more get 429")
+                   default=64, help="requests that may wait for a slot of the runner; more get 429")
     p.add_argument("--timeout", type=positive("--timeout"), default=120.0,
                    help="seconds per request, queue wait included")
     p.add_argument("--max-tokens", type=between("--max-tokens", 1, MAX_TOKENS, "tokens one answer may take"),
@@ -99,6 +103,17 @@ def check(args: argparse.Namespace) -> None:
                           f"{args.max_image_pixels}; a request could not hold one image of the largest size")
 
 
+def max_batch(args: argparse.Namespace, spec: ModelSpec) -> int:
+    """--max-batch as given (torch refused above 1: it decodes one request at a time); unset, the default for
+    what is served (`engine.default_batch`)."""
+    if args.max_batch is None:
+        return default_batch(spec)
+    if args.max_batch > 1 and (spec.backend or "") == "torch":
+        raise GlanceError(f"--max-batch {args.max_batch}: the torch reference decodes one request at a time; "
+                          "pass --max-batch 1, or serve with --backend onnxruntime or tensorrt")
+    return args.max_batch
+
+
 def bind(host: str, port: int) -> socket.socket:
     """The listening socket, bound before the model loads so the port is known (and printed) at once, and
     clients can already ask /health."""
@@ -124,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
     spec = ModelSpec(model=args.model, head=args.head, artifacts=args.artifacts, engines=args.engines,
                      backend=args.backend, providers=args.provider, threads=args.threads, budget=args.budget,
                      max_context=args.max_context, max_tree=args.max_tree)
+    batch = max_batch(args, spec)
+    spec = replace(spec, max_batch=batch)
     config = ServeConfig(spec=spec, served_model_name=args.served_model_name, api_key=args.api_key,
                          media_dir=args.media_dir, max_queue=args.max_queue, timeout_s=args.timeout,
                          max_body_bytes=int(args.max_body_mb * (1 << 20)), max_image_pixels=args.max_image_pixels,
@@ -144,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     def on_ready(name: str, backend: str) -> None:
-        progress(f"ready: {name} ({backend}) on {url}")
+        progress(f"ready: {name} ({backend}, {batch} request{'s' * (batch != 1)} at once) on {url}")
 
     def on_stop() -> None:  # printed here, before uvicorn re-raises the signal it stopped on (SIGTERM ends us)
         if not fatal:

@@ -5,8 +5,9 @@ disconnects, and whose streaming response notices a client leaving, which is wha
 cancel its decode. Plain Starlette routes rather than FastAPI's: FastAPI's per-request dependency and
 response machinery cost about 0.14 ms a request here and this app uses none of it. Requests are
 validated by pydantic, from a body read under a size cap, so every refusal is OpenAI's error shape.
-The model runs on one thread: one device, batch 1, requests served in arrival order while the event
-loop keeps answering health and metrics.
+The model runs on one thread while the event loop keeps answering health and metrics: at --max-batch 1 one
+request at a time, in arrival order (`DecodeQueue`); above it, requests join a running batch as slots free
+(`BatchQueue` over the API's batch thread), each answered exactly as alone.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import queue
 import threading
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +38,7 @@ from ..defaults import RUN_MAX_NEW_TOKENS
 from ..errors import GlanceError
 from ..formats.common import MAX_DEPTH, parse
 from ..prompt.prompt_builder import Prompt
-from .engine import Cancelled, Completion, Engine, ModelSpec
+from .engine import Cancelled, Completion, Engine, Job, ModelSpec
 from .openai_errors import RequestError
 from .media import Opened, PixelBudget, open_image_url
 from .metrics import Metrics
@@ -56,7 +58,7 @@ class ServeConfig:
     served_model_name: str | None = None
     api_key: str | None = None
     media_dir: Path | None = None
-    max_queue: int = 64  # requests waiting for the runner (the one decoding not counted)
+    max_queue: int = 64  # requests waiting for the runner (those decoding not counted)
     timeout_s: float = 120.0  # arrival to last token, queue wait included
     max_body_bytes: int = 16 << 20
     max_image_pixels: int = 4096 * 4096
@@ -120,7 +122,7 @@ class DecodeQueue:
         threading.Thread(target=self._serve, name="glance-decode").start()  # stopped by close()
         return self._put(load)
 
-    def submit(self, job: Callable[[Engine], Completion]) -> "asyncio.Future[Completion]":
+    def submit(self, job: Job) -> "asyncio.Future[Completion]":
         submitted = time.monotonic()
         with self.lock:
             if self.waiting >= self.config.max_queue:
@@ -138,18 +140,125 @@ class DecodeQueue:
                 self.metrics.queue_depth.set(self.waiting)
             self.metrics.queue_wait.observe(started - submitted)
             self.metrics.busy.set(1)
+            self.metrics.batch_active.set(1)
             try:
-                return job(self.engine)
+                return self._decode(job, (started - submitted) * 1e3)
             finally:
                 self.metrics.busy.set(0)
+                self.metrics.batch_active.set(0)
                 self.decode_s = 0.8 * self.decode_s + 0.2 * (time.monotonic() - started)
 
         return self._put(run)
+
+    def _decode(self, job: Job, queue_ms: float) -> Completion:
+        """On the decode thread, at the head of the queue: the prompt is built only now, and the request costs
+        two thread hand-offs in all."""
+        if job.cancelled():  # the client left, or the time ran out, while the request waited
+            raise Cancelled
+        t0 = time.perf_counter()
+        prompt = job.prepare()
+        prepare_ms = (time.perf_counter() - t0) * 1e3
+        completion = self.engine.complete(prompt, job.max_tokens, job.stops, emit=job.emit, cancelled=job.cancelled)
+        completion.prepare_ms, completion.queue_ms = prepare_ms, queue_ms
+        return completion
 
     def close(self) -> None:
         """Jobs still queued are cancelled; the one decoding finishes (the interpreter waits for it at exit)."""
         self.closed = True
         self.jobs.put(None)
+
+
+class BatchQueue:
+    """Requests decoded together (--max-batch above 1): each prompt is built on a small pool of threads
+    (images decoded there, off the event loop and off the batch), then waits for a slot of the batch, which
+    the API's batch thread fills at round boundaries."""
+
+    PREPARE_THREADS = 2  # prompts built at once: enough to keep slots filled, few enough to bound pixel memory
+
+    def __init__(self, config: ServeConfig, metrics: Metrics, progress: Callable[[str], None]):
+        self.config, self.metrics, self.progress = config, metrics, progress
+        self.engine: Engine | None = None
+        self.preparing = 0
+        self.lock = threading.Lock()
+        self.decode_s = 0.1  # running mean of a request's decode, for Retry-After
+        self.pool = ThreadPoolExecutor(self.PREPARE_THREADS, thread_name_prefix="glance-prepare")
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a prompt thread or for a slot (those being built now are not waiting)."""
+        scheduler = self.engine.model.scheduler if self.engine else None
+        return max(self.preparing - self.PREPARE_THREADS, 0) + (scheduler.queued if scheduler else 0)
+
+    def load(self) -> "asyncio.Future[None]":
+        def load() -> None:
+            engine = Engine(self.config.spec, self.progress)
+            engine.warm()
+            gc.freeze()  # as DecodeQueue.load: what loading made is skipped by full collections
+            scheduler, m = engine.model.scheduler, self.metrics
+            m.batch_slots.set(scheduler.capacity)
+            m.batch_active.set_function(lambda: scheduler.active)
+            m.busy.set_function(lambda: int(scheduler.active > 0))
+            m.queue_depth.set_function(lambda: self.waiting)
+            scheduler.on_round = m.batch_sequences.observe
+            scheduler.on_prefill = lambda ms: m.batch_prefill.observe(ms / 1e3)
+            self.engine = engine
+
+        return asyncio.wrap_future(self.pool.submit(load))
+
+    def submit(self, job: Job) -> "asyncio.Future[Completion]":
+        with self.lock:
+            waiting = self.waiting
+            if waiting >= self.config.max_queue:
+                retry = max(1, math.ceil(waiting * self.decode_s / self.engine.model.max_batch))
+                raise RequestError(f"the queue is full ({waiting} requests waiting for a slot); retry in {retry} s",
+                                   429, code="queue_full", type="rate_limit_error",
+                                   headers={"Retry-After": str(retry)})
+            self.preparing += 1
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # an abandoned request's end is not an error
+
+        def settle(result: Completion | None, exc: BaseException | None) -> None:
+            try:
+                loop.call_soon_threadsafe(_settle, future, result, exc)
+            except RuntimeError:  # the event loop has closed: nobody is left waiting
+                pass
+
+        def finished(started: Future, prepare_ms: float) -> None:
+            try:
+                completion = started.result()
+            except BaseException as exc:  # the awaiting request turns it into its answer
+                settle(None, exc)
+                return
+            completion.prepare_ms = prepare_ms
+            self.metrics.queue_wait.observe(completion.queue_ms / 1e3)
+            self.decode_s = 0.8 * self.decode_s + 0.2 * completion.ms / 1e3
+            settle(completion, None)
+
+        def prepare() -> None:
+            try:
+                if job.cancelled():  # the client left, or the time ran out, while the request waited
+                    raise Cancelled
+                t0 = time.perf_counter()
+                prompt = job.prepare()
+                prepare_ms = (time.perf_counter() - t0) * 1e3
+                started = self.engine.start(prompt, job.max_tokens, job.stops, job.emit, job.cancelled)
+            except BaseException as exc:
+                settle(None, exc)
+                return
+            finally:
+                with self.lock:
+                    self.preparing -= 1
+            started.add_done_callback(lambda f: finished(f, prepare_ms))
+
+        self.pool.submit(prepare)
+        return future
+
+    def close(self) -> None:
+        """Prompts not yet built are dropped; the batch thread stops after its round, failing what it holds."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.engine is not None:
+            self.engine.close()
 
 
 def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
@@ -222,7 +331,7 @@ class Service:
                  on_ready: Callable[[str, str], None]):
         self.config, self.on_fatal, self.on_ready = config, on_fatal, on_ready
         self.metrics = Metrics()
-        self.runner = DecodeQueue(config, self.metrics, progress)
+        self.runner = (BatchQueue if config.spec.max_batch > 1 else DecodeQueue)(config, self.metrics, progress)
         self.watchdog = Watchdog(self.metrics, self._timeout)
         self.ready = False
         self.in_flight = 0  # chat requests being read or answered now (what a stopping server waits for)
@@ -318,11 +427,10 @@ class Service:
                 each.close()
         return out
 
-    def prompt(self, req: ChatRequest, limit: int) -> tuple[Prompt, float]:
-        """The prompt and the milliseconds its images and tokens took (an in-process caller's share)."""
-        t0 = time.perf_counter()
+    def prompt(self, req: ChatRequest, limit: int) -> Prompt:
+        """The prompt (the runner times it: an in-process caller's share)."""
         try:
-            return self.runner.engine.prepare(self.messages(req), limit), (time.perf_counter() - t0) * 1e3
+            return self.runner.engine.prepare(self.messages(req), limit)
         except GlanceError as exc:
             raise RequestError(str(exc), param="messages", code="invalid_prompt") from None
 
@@ -354,22 +462,14 @@ class Service:
         events = Relay(asyncio.get_running_loop())  # stream: PREPARED, then text pieces, then None
         put = events.put
 
-        def job(engine: Engine) -> Completion:
-            """On the decode thread, at the head of the queue: images are decoded only now (a deep queue holds
-            no pixels), and the request costs two thread hand-offs in all."""
-            queue_ms = (time.monotonic() - submitted) * 1e3
-            if cancelled():  # the client left, or the time ran out, while the request waited
-                raise Cancelled
-            prompt, prepare_ms = self.prompt(req, limit)
+        def prepare() -> Prompt:
+            """On the runner's thread, once the request's turn comes: images are decoded only now."""
+            prompt = self.prompt(req, limit)
             if req.stream:
                 put(PREPARED)
-            completion = engine.complete(prompt, limit, req.stops, emit=put if req.stream else None,
-                                         cancelled=cancelled)
-            completion.prepare_ms, completion.queue_ms = prepare_ms, queue_ms
-            return completion
+            return prompt
 
-        submitted = time.monotonic()
-        future = self.runner.submit(job)
+        future = self.runner.submit(Job(prepare, limit, req.stops, put if req.stream else None, cancelled))
         if not req.stream:
             try:
                 if not await self.watchdog.until(request, future, deadline):

@@ -4,16 +4,22 @@ OpenAI clients resend the whole conversation each turn. Each request here is dec
 `Reuse` handle, which keeps the rows its prompt shares with what the previous request committed (a
 conversation that extends the last one prefills only its new turn). The answer is token-identical to a
 fresh decode (the API's guarantee), and for a single user turn it is `glance-run`'s text.
+With max_batch > 1 requests are decoded together (`Model.submit`), each slot of the batch keeping its last
+request's rows for the prompt that shares most of them; every answer is still the one decoded alone.
 """
 from __future__ import annotations
 
+import json
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..api import Model, load
-from ..defaults import resolve
+from ..api import Model, Output, load
+from ..defaults import SERVE_MAX_BATCH, resolve
+from ..errors import GlanceError
+from ..formats.graphs import MANIFEST
 from ..prompt.prompt_builder import Prompt
 
 WARMUP_PROMPT = "Hello"
@@ -38,6 +44,7 @@ class ModelSpec:
     budget: int | str | None = None
     max_context: int | None = None
     max_tree: int | None = None
+    max_batch: int = 1  # requests decoded together; 1: one at a time, in arrival order
 
 
 @dataclass
@@ -55,14 +62,44 @@ class Completion:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
+def default_batch(spec: ModelSpec) -> int:
+    """Requests to decode together where none was asked for: SERVE_MAX_BATCH where the artifacts served hold
+    batched graphs (at most as many as they were exported for), else 1 (torch, engines, an EAGLE-3 head, older
+    exports). Read from the manifest's JSON alone: the backend checks the files as it loads."""
+    backend = "tensorrt" if spec.engines is not None else spec.backend
+    try:
+        _, _, artifacts, backend = resolve(spec.model, spec.head, spec.artifacts, backend)
+        manifest = json.loads((artifacts / MANIFEST).read_text()) if artifacts is not None else {}
+        exported = manifest["limits"].get("max_batch", 1) if manifest else 1
+    except (GlanceError, OSError, ValueError, KeyError, AttributeError, TypeError):  # refused, with its reason, at load
+        return 1
+    if backend == "torch" or manifest.get("head_kind") == "eagle3" or not isinstance(exported, int) or exported < 2:
+        return 1
+    return min(SERVE_MAX_BATCH, exported)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request as a runner takes it: `prepare` builds its prompt (images are decoded only then, so a deep
+    queue holds no pixels), then it decodes with these settings."""
+
+    prepare: Callable[[], Prompt]
+    max_tokens: int
+    stops: Sequence[str] = ()
+    emit: Callable[[str], None] | None = None
+    cancelled: Callable[[], bool] = lambda: False
+
+
 class Engine:
-    """A loaded model; not thread-safe (as the API's Model): the server calls it from one thread only."""
+    """A loaded model. At max_batch 1 it is not thread-safe (as the API's Model): the server calls it from one
+    thread only; with max_batch > 1, `start` may be called from any thread."""
 
     def __init__(self, spec: ModelSpec, progress: Callable[[str], None] = lambda _: None):
         backend = "tensorrt" if spec.engines is not None else spec.backend
         self.model: Model = load(spec.artifacts, engines=spec.engines, model=spec.model, head=spec.head,
                                  backend=backend, provider=spec.providers, threads=spec.threads, budget=spec.budget,
-                                 max_context=spec.max_context, max_tree=spec.max_tree, progress=progress)
+                                 max_context=spec.max_context, max_tree=spec.max_tree, progress=progress,
+                                 max_batch=spec.max_batch)
         named = spec.engines or resolve(spec.model, spec.head, spec.artifacts, spec.backend)[0] or spec.artifacts
         self.name = Path(named).name
         self.rows = self.model.reuse()  # every request decodes through it, so each keeps what it shares
@@ -93,12 +130,33 @@ class Engine:
         commit, `cancelled` is polled each round (Cancelled is raised once the rows are consistent)."""
         t0 = time.perf_counter()
         out = self.rows.decode(prompt, max_new_tokens=max_tokens, stop=stop, on_text=emit, cancelled=cancelled)
-        s = out.stats
-        if s["finish"] == "cancelled":
-            raise Cancelled
-        return Completion(out.text, s["prompt_tokens"], s["prefill_tokens"], out.token_ids, out.tau, s["rounds"],
-                          "length" if s["finish"] == "length" else "stop", (time.perf_counter() - t0) * 1e3,
-                          stats=s)
+        return _completion(out, (time.perf_counter() - t0) * 1e3)
+
+    def start(self, prompt: Prompt, max_tokens: int, stop: Sequence[str] = (),
+              emit: Callable[[str], None] | None = None,
+              cancelled: Callable[[], bool] = lambda: False) -> "Future[Completion]":
+        """`complete` through the batch (max_batch > 1): returns at once; the future settles with the Completion
+        (or Cancelled). `emit` and `cancelled` run on the batch thread."""
+        done: Future = Future()
+
+        def settle(out: Future) -> None:
+            try:
+                output = out.result()
+                done.set_result(_completion(output, output.stats["ms"], output.stats.get("queue_ms", 0.0)))
+            except Exception as exc:
+                done.set_exception(exc)
+
+        self.model.submit(prompt, max_new_tokens=max_tokens, stop=stop, on_text=emit,
+                          cancelled=cancelled).add_done_callback(settle)
+        return done
 
     def close(self) -> None:
         self.model.close()
+
+
+def _completion(out: Output, ms: float, queue_ms: float = 0.0) -> Completion:
+    s = out.stats
+    if s["finish"] == "cancelled":
+        raise Cancelled
+    return Completion(out.text, s["prompt_tokens"], s["prefill_tokens"], out.token_ids, out.tau, s["rounds"],
+                      "length" if s["finish"] == "length" else "stop", ms, queue_ms=queue_ms, stats=s)

@@ -26,6 +26,14 @@ class Metrics:
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.queue_wait = Histogram("glance_queue_wait_seconds", "Queued (request parsed) to the start of decoding",
                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_slots = Gauge("glance_batch_slots", "Requests the runner decodes together at most (--max-batch)",
+                                 registry=r)
+        self.batch_slots.set(1)
+        self.batch_active = Gauge("glance_batch_active", "Requests in the batch now", registry=r)
+        self.batch_sequences = Histogram("glance_batch_sequences", "Sequences decoded per round",
+                                         buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r)
+        self.batch_prefill = Histogram("glance_batch_prefill_seconds", "Prefills that held a running batch up",
+                                       buckets=LATENCY_BUCKETS, registry=r)
         self.cancelled = Counter("glance_cancelled", "Decodes stopped early", ["reason"], registry=r)
 
     def text(self) -> bytes:

@@ -1,5 +1,6 @@
 """`glance-export triton` writes a model repository that the real `tritonserver` (from the nvidia-pytriton
-wheel) serves on a loopback port: `generate` and `generate_stream` answer with `glance-run`'s text.
+wheel) serves on a loopback port: `generate` and `generate_stream` answer with `glance-run`'s text, concurrent
+requests too (decoded together).
 
 The Python-backend stubs run in a virtual environment with numpy 1.26 (Triton 2.51's stub crashes on
 string tensors under numpy 2) and the runtime's dependencies; the test builds it once with pip into
@@ -20,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import metadata
 from pathlib import Path
 
@@ -136,6 +138,22 @@ def test_generate_and_generate_stream_answer_with_glance_runs_text(triton):
     text_only = httpx.post(f"{triton}/v2/models/glance/generate", json={"prompt": "Describe this."},
                            timeout=REQUEST_TIMEOUT_S)
     assert text_only.json()["text"] == glance_run("Describe this.")["text"]
+
+
+@pytest.mark.slow  # a real tritonserver
+def test_concurrent_requests_are_decoded_together_each_with_its_answer_alone(triton):
+    """The shipped model's graphs are batched, so the instance decodes these requests in one running batch."""
+    image = base64.b64encode(RECEIPT.read_bytes()).decode()
+    asks = [("What is the total?", image), ("Describe this.", None), ("What is the date?", image), ("Hello", None)]
+    refs = [glance_run(q, RECEIPT if i else None, max_new_tokens=48)["text"] for q, i in asks]
+
+    def generate(ask):
+        prompt, img = ask
+        body = {"prompt": prompt, "max_tokens": 48, **({"image": img} if img else {})}
+        return httpx.post(f"{triton}/v2/models/glance/generate", json=body, timeout=REQUEST_TIMEOUT_S).json()["text"]
+
+    with ThreadPoolExecutor(len(asks)) as pool:
+        assert list(pool.map(generate, asks)) == refs
 
 
 @pytest.mark.slow  # a real tritonserver
