@@ -17,6 +17,7 @@ AUTO_MAX_NODES = 63  # auto's largest tree where the graphs set no smaller bound
 EAGLE3_DEPTH = 7  # head passes (tree depth) an EAGLE-3 round drafts at most; its backends' block size is one more
 BRANCH_K = 8  # top-k per draft offset (and the export's: what a draft graph returns)
 RUN_MAX_NEW_TOKENS = 256  # glance-run's answer length
+SERVE_MAX_BATCH = 8  # glance-serve's requests decoded together (--max-batch); 1 decodes one request at a time
 MEASURE_MAX_NEW_TOKENS = 64  # glance-bench's and glance-export audit's answer length
 DECODE_MAX_NEW_TOKENS = 128  # a DecodeConfig's answer length where its caller names none (library use, tests)
 
@@ -58,4 +59,3 @@ def resolve(model: Path | None, head: Path | None, artifacts: Path | None,
     if embedded and backend == "onnxruntime" and head == DEFAULT_HEAD:
         artifacts = default_artifacts()
     return model, head, artifacts, backend
-SERVE_MAX_BATCH = 8  # glance-serve's requests decoded together (--max-batch); 1 decodes one request at a time
