@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..errors import GlanceError
 from ..formats.artifacts import Manifest
+from ..formats.graphs import BATCH_GRAPHS
 from .hardware import available_host_bytes
 
 GIB = float(1 << 30)
@@ -19,37 +20,42 @@ PROCESS_BYTES = 5 << 28
 HALF_PRECISION = ("fp16", "bf16")
 
 
-def weight_bytes(manifest: Manifest) -> int:
-    """Bytes of every graph file and data file the backend opens (not the TensorRT forms beside them)."""
-    return sum(manifest.file_hashes[name].size for entry in manifest.graphs.values()
-               for name in (entry.file, entry.data_file) if name)
+def weight_bytes(manifest: Manifest, max_batch: int = 1) -> int:
+    """Bytes of every graph file and data file the backend opens (not the TensorRT forms beside them); the batched
+    graphs where it batches, each counted whole: a session holds its own copy of the weights, even of a data
+    file another graph's session reads too."""
+    return sum(manifest.file_hashes[name].size for graph, entry in manifest.graphs.items()
+               if max_batch > 1 or graph not in BATCH_GRAPHS for name in (entry.file, entry.data_file) if name)
 
 
-def buffer_bytes(manifest: Manifest, max_context: int) -> int:
-    """The backend's context-sized host buffers: both KV caches and the tree mask dominate."""
+def buffer_bytes(manifest: Manifest, max_context: int, max_batch: int = 1) -> int:
+    """The backend's context-sized host buffers: both KV caches (a pool of `max_batch` of each) and the tree
+    mask dominate."""
     itemsize = 2 if manifest.float_dtype == "float16" else 4
     kv = sum(2 * s.num_layers * s.kv_heads * s.head_dim for s in (manifest.target, manifest.head))
-    return max_context * (kv * itemsize + 2 * manifest.hidden_size * itemsize) + max_context * max_context
+    return max_context * (max_batch * kv * itemsize + 2 * manifest.hidden_size * itemsize) + max_context * max_context
 
 
-def cpu_load_bytes(manifest: Manifest, max_context: int) -> int:
+def cpu_load_bytes(manifest: Manifest, max_context: int, max_batch: int = 1) -> int:
     """Host bytes a CPU-provider backend needs at load: the weights (as fp32 when exported in half
     precision), its buffers and the process."""
     scale = 2 if manifest.dtype in HALF_PRECISION else 1
-    return scale * weight_bytes(manifest) + buffer_bytes(manifest, max_context) + PROCESS_BYTES
+    return (scale * weight_bytes(manifest, max_batch) + buffer_bytes(manifest, max_context, max_batch)
+            + PROCESS_BYTES)
 
 
-def check_cpu_room(manifest: Manifest, max_context: int, available: int | None) -> None:
+def check_cpu_room(manifest: Manifest, max_context: int, available: int | None, max_batch: int = 1) -> None:
     """Refuse, before any session opens, a CPU load this machine's available memory cannot hold."""
-    need = cpu_load_bytes(manifest, max_context)
+    need = cpu_load_bytes(manifest, max_context, max_batch)
     if available is None or need <= available:
         return
     half = (f" (ONNX Runtime's CPU provider holds {manifest.dtype} weights as fp32 copies)"
             if manifest.dtype in HALF_PRECISION else "")
     raise GlanceError(f"loading {manifest.path} on the CPU needs about {need / GIB:.1f} GiB{half} and this machine "
                       f"has {available / GIB:.1f} GiB available ({(need - available) / GIB:.1f} GiB short); close "
-                      "other programs, run it on a GPU provider, or export it with --dtype fp32 --quantize int4")
+                      "other programs, lower --max-batch or --max-context, run it on a GPU provider, or export it "
+                      "with --dtype fp32 --quantize int4")
 
 
-def check_this_machine(manifest: Manifest, max_context: int) -> None:
-    check_cpu_room(manifest, max_context, available_host_bytes())
+def check_this_machine(manifest: Manifest, max_context: int, max_batch: int = 1) -> None:
+    check_cpu_room(manifest, max_context, available_host_bytes(), max_batch)

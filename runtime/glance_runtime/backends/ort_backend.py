@@ -146,7 +146,7 @@ class OrtBackend(GraphBackend):
         device = device_for(chosen)
         context = runtime_limit("--max-context", max_context, manifest.max_context, *_EXPORTED)
         if isinstance(device, HostDevice):
-            check_this_machine(manifest, context)
+            check_this_machine(manifest, context, max_batch)
 
         def session(graph: str) -> OrtGraph:
             try:

@@ -10,9 +10,10 @@ import pytest
 from glance_export.model.adapters import Snapshot
 from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
 from glance_export.onnx import export_artifacts
-from glance_runtime.backends.host_room import PROCESS_BYTES, check_cpu_room, cpu_load_bytes, weight_bytes
+from glance_runtime.backends.host_room import PROCESS_BYTES, buffer_bytes, check_cpu_room, cpu_load_bytes, weight_bytes
 from glance_runtime.errors import GlanceError
 from glance_runtime.formats.artifacts import read as read_manifest
+from glance_runtime.formats.graphs import BATCH_GRAPHS
 from support import make_mid_snapshot
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -57,10 +58,17 @@ def test_the_estimate_covers_a_real_load_and_counts_the_fp32_copies(wide_fp16):
 
 
 def test_weight_bytes_are_the_files_the_backend_opens(wide_fp16):
+    """One sequence opens the single-sequence graphs; a batching backend the batched ones too, each session holding
+    its own weights; its KV pool grows with the batch."""
     manifest = read_manifest(wide_fp16)
-    files = {name for entry in manifest.graphs.values() for name in (entry.file, entry.data_file) if name}
-    assert {"target.onnx", "draft.onnx", "vocab.onnx"} <= files
-    assert weight_bytes(manifest) == sum((wide_fp16 / f).stat().st_size for f in files)
+    single = {n for g, e in manifest.graphs.items() if g not in BATCH_GRAPHS for n in (e.file, e.data_file) if n}
+    assert {"target.onnx", "draft.onnx", "vocab.onnx"} <= single
+    assert weight_bytes(manifest) == sum((wide_fp16 / f).stat().st_size for f in single)
+    batched = sum((wide_fp16 / n).stat().st_size for g in BATCH_GRAPHS for n in
+                  (manifest.graphs[g].file, manifest.graphs[g].data_file) if n)
+    assert weight_bytes(manifest, 4) == weight_bytes(manifest) + batched
+    kv = sum(2 * s.num_layers * s.kv_heads * s.head_dim for s in (manifest.target, manifest.head)) * 2
+    assert buffer_bytes(manifest, CONTEXT, 4) - buffer_bytes(manifest, CONTEXT) == 3 * kv * CONTEXT
 
 
 def test_a_load_that_cannot_fit_is_refused_in_one_line_before_any_session(wide_fp16):
