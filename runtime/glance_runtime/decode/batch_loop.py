@@ -13,17 +13,35 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
+from .backend import Backend, Verified
 from .batch_budget import BatchBudget
 from .loop import DecodeConfig, DecodeResult, draft_depth, first_tokens, record_round, round_tree
 from .tree import Tree, build_tree, fit, visibility, walk
 from ..errors import GlanceError
 
-if TYPE_CHECKING:
-    from ..backends.batch_rounds import BatchRounds
+class Rounds(Protocol):
+    """What the loop asks of the batched passes (`backends.batch_rounds.BatchRounds`)."""
+
+    slots: list[Backend]  # each slot as a backend of its own (its start, limits; a round alone on it)
+
+    @property
+    def capacity(self) -> int: ...
+
+    def prefill(self, slot: int, prompt, keep: int = 0) -> tuple[int, float]: ...
+
+    def draft(self, asks: list[tuple[int, int, int, int | None]]) -> list[tuple[np.ndarray, np.ndarray]]: ...
+
+    def verify(self, trees: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]) -> list[Verified]: ...
+
+    def commit(self, kept: list[tuple[int, np.ndarray]]) -> None: ...
+
+    def alone(self, slot: int, anchor: int) -> Backend: ...
+
+    def keep_anchor(self, slot: int, token: int) -> None: ...
 
 
 @dataclass(eq=False)
@@ -52,7 +70,7 @@ class Request:
 class BatchLoop:
     """Requests decoded together over a `BatchRounds`; `step` runs one round for every sequence in it."""
 
-    def __init__(self, rounds: "BatchRounds", policy: BatchBudget | None = None):
+    def __init__(self, rounds: Rounds, policy: BatchBudget | None = None):
         """`policy`: the batch's auto (requests with auto then follow it in batched rounds)."""
         self.rounds, self.policy = rounds, policy
         self.active: dict[int, Request] = {}
