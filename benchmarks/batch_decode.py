@@ -91,7 +91,7 @@ class Workload:
         else:
             turns = [user_turn(p, []) for p in WIDE_PROMPTS]
         self.prompts = [self.codec.encode([turns[i % len(turns)]]) for i in range(requests)]
-        self.stops = self.codec.stop_ids if model == "default" else ()
+        self.stops = self.codec.stop_ids
         self.max_new = max_new
         self.truth: dict[int, list[int]] = {}
 
@@ -125,34 +125,42 @@ class Workload:
         return self.truth[key]
 
 
-class SeededBatch:
-    """The wide model's batched drafts with the seeded chain: each ask's real batched draft is run (its time paid),
-    then its rows seeded as `ConfidentSeeds` seeds a single sequence's."""
+class Seeded:
+    """The wide model's drafts with the seeded chain, in a batched model: each batched draft is run (its time paid),
+    then each sequence's rows are seeded as `ConfidentSeeds` seeds one sequence's; a sequence alone in the batch
+    is seeded the same way on its slot."""
 
-    def __init__(self, rounds, workload: Workload):
-        self.rounds, self.workload = rounds, workload
-        self.owner: dict[int, int] = {}  # slot -> request index
-        real = rounds.draft
+    def __init__(self, model, workload: Workload):
+        from glance_runtime.bench.seeding import ConfidentSeeds
+
+        loop = model.scheduler.loop
+        rounds = loop.rounds
+        truths = {workload.prompts[i].input_ids.tobytes(): (workload.seeds(i) + [0] * 8, workload.prompts[i].length)
+                  for i in range(len(WIDE_PROMPTS))}
+        rounds.base.keep_embeddings(sorted({t for truth, _ in truths.values() for t in truth}))
+        batched, alone = rounds.draft, rounds.alone
+
+        def seeds(slot: int, backend) -> ConfidentSeeds:
+            truth, length = truths[loop.active[slot].prompt.input_ids.tobytes()]
+            return ConfidentSeeds(backend, truth, length, "partial")
 
         def draft(asks):
-            from glance_runtime.bench.seeding import ConfidentSeeds
+            return [seeds(slot, _Slot(rounds.slots[slot], drafted)).draft(anchor, k, depth)
+                    for (slot, anchor, k, depth), drafted in zip(asks, batched(asks))]
 
-            out = []
-            for (slot, anchor, k, depth), drafted in zip(asks, real(asks)):
-                index = self.owner[slot]
-                view = _Drafted(rounds.slots[slot], drafted)
-                seeded = ConfidentSeeds(view, workload.seeds(index) + [0] * 8, workload.prompts[index].length,
-                                        "partial")
-                out.append(seeded.draft(anchor, k, depth))
-            return out
+        def alone_seeded(slot, anchor):
+            backend = alone(slot, anchor)
+            backend._kept = rounds.base._kept  # the seeded tokens' embeddings, kept once for every slot
+            return seeds(slot, _Slot(backend))
 
-        rounds.draft = draft
+        rounds.draft, rounds.alone = draft, alone_seeded
 
 
-class _Drafted:
-    """A slot's backend whose `draft` is the batched draft already run for it (what ConfidentSeeds wraps)."""
+class _Slot:
+    """A slot's backend as `ConfidentSeeds` wraps it, its draft the batched one already run where given; without
+    `keep_embeddings`, which the seeding would call every round."""
 
-    def __init__(self, backend, drafted):
+    def __init__(self, backend, drafted=None):
         self.backend, self.drafted = backend, drafted
         self.name, self.block_size, self.info = backend.name, backend.block_size, backend.info
 
@@ -161,108 +169,82 @@ class _Drafted:
         return self.backend.start
 
     def draft(self, anchor, k, depth=None):
-        return self.drafted
+        return self.drafted if self.drafted is not None else self.backend.draft(anchor, k, depth)
 
+    def verify(self, tokens, depths, visible):
+        return self.backend.verify(tokens, depths, visible)
 
-def _closed_loop(concurrency: int, count: int, join, step, busy) -> tuple[dict[int, float], float]:
-    """Clients send requests 0..count-1 in turn; each client's next arrives when its last is answered. `join(i)`
-    starts request i (its prefill), `step()` runs a round and returns the indices it finished, `busy()` says whether
-    any request is decoding. Returns each request's arrival time and the run's start."""
-    start = time.perf_counter()
-    arrivals = {i: start for i in range(min(concurrency, count))}
-    waiting = sorted(arrivals)
-    following = min(concurrency, count)
-    while waiting or busy():
-        if waiting:  # one prefill a round boundary while others decode; all at once when none does
-            for _ in range(1 if busy() else len(waiting)):
-                join(waiting.pop(0))
-        for _ in step():
-            if following < count:
-                arrivals[following] = time.perf_counter()
-                waiting.append(following)
-                following += 1
-    return arrivals, start
+    def commit(self, rows):
+        self.backend.commit(rows)
 
 
 def run_mode(workload: Workload, mode: str, concurrency: int, count: int) -> dict:
-    from glance_runtime.backends.batch_rounds import open_batch
-    from glance_runtime.backends.registry import Source, open_session
-    from glance_runtime.bench.seeding import ConfidentSeeds
-    from glance_runtime.decode.batch_loop import Request
-    from glance_runtime.decode.loop import decode
+    """Clients on threads, each submitting its next request when its last is answered, through the public API:
+    `serial` one request at a time (max_batch 1, the calls serialised), the others batched (max_batch 16)."""
+    import threading
 
-    done_at, first_at, tokens = {}, {}, {}
-    if mode == "serial":
-        session = open_session(Source("onnxruntime", artifacts=workload.artifacts, threads=1))
-        cfg = workload.config("glance", session)
-        queue: list[int] = []
+    import glance_runtime as gr
 
-        def join(i: int) -> None:
-            queue.append(i)
+    wide = workload.model == "wide"
+    budget = 0 if mode == "plain" else SEED_DEPTH if wide else None  # 0: plain steps (glance-serve's --budget 0)
+    model = gr.load(workload.artifacts, threads=1, max_batch=1 if mode == "serial" else 16, budget=budget,
+                    branch_k=1 if wide and mode != "plain" else 8)
+    if wide and mode == "glance":
+        Seeded(model, workload)
+    elif wide and mode == "serial":
+        model.session.backend.keep_embeddings(sorted({t for i in range(len(WIDE_PROMPTS)) for t in workload.seeds(i)}))
+    serial = threading.Lock()
+    counter = iter(range(count))
+    arrived, first, done, tokens = {}, {}, {}, {}
+    barrier = threading.Barrier(concurrency + 1)
 
-        def step() -> list[int]:
-            if not queue:
-                return []
-            i = queue.pop(0)
-            prompt = workload.prompts[i]
-            backend = session.backend
-            if workload.model == "wide":
-                backend = ConfidentSeeds(backend, workload.seeds(i) + [0] * 8, prompt.length, "partial")
+    def client() -> None:
+        barrier.wait()
+        for i in counter:
+            arrived[i] = time.perf_counter()
 
-            def seen(new, i=i):
-                first_at.setdefault(i, time.perf_counter())
+            def seen(_piece, i=i):
+                first.setdefault(i, time.perf_counter())
 
-            tokens[i] = decode(backend, prompt, cfg, workload.stops, on_commit=seen).tokens
-            done_at[i] = time.perf_counter()
-            return [i]
+            if mode == "serial":
+                with serial:
+                    out = _serial(model, workload, i, seen)
+            else:
+                out = model.submit(workload.prompts[i], max_new_tokens=workload.max_new, on_text=seen).result()
+            done[i] = time.perf_counter()
+            tokens[i] = out.token_ids
 
-        arrivals, start = _closed_loop(concurrency, count, join, step, lambda: bool(queue))
-    else:
-        session = open_session(Source("onnxruntime", artifacts=workload.artifacts, threads=1, max_batch=16))
-        loop = open_batch(session)
-        if mode == "plain":
-            loop.policy = None
-        seeded = SeededBatch(loop.rounds, workload) if workload.model == "wide" and mode == "glance" else None
-        if seeded is not None:
-            session.backend.keep_embeddings(sorted({t for i in range(len(WIDE_PROMPTS)) for t in workload.seeds(i)}))
-        cfg = workload.config(mode, session)
-        requests: dict[int, Request] = {}
-
-        def join(i: int) -> None:
-            def seen(new, i=i):
-                first_at.setdefault(i, time.perf_counter())
-
-            requests[i] = Request(workload.prompts[i], cfg, workload.stops, on_commit=seen)
-            slot = loop.free_slots()[0]
-            if seeded is not None:
-                seeded.owner[slot] = i
-            loop.join(requests[i], slot)
-            if requests[i].done:
-                done_at[i] = time.perf_counter()
-
-        def step() -> list[int]:
-            finished = loop.step()
-            now = time.perf_counter()
-            out = []
-            for i, r in requests.items():
-                if r.done and i not in done_at:
-                    done_at[i] = now
-                if r in finished:
-                    out.append(i)
-            return out
-
-        arrivals, start = _closed_loop(concurrency, count, join, step, lambda: bool(loop.active))
-        for i, r in requests.items():
-            tokens[i] = r.result.tokens
-    wall = max(done_at.values()) - start
-    latency = [(done_at[i] - arrivals[i]) * 1e3 for i in range(count)]
-    ttft = [(first_at[i] - arrivals[i]) * 1e3 for i in range(count)]
-    session.backend.close()
-    return {"mode": mode, "concurrency": concurrency, "requests": count, "tokens": sum(len(t) for t in tokens.values()),
-            "tokens_per_s": round(sum(len(t) for t in tokens.values()) / wall, 1),
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = max(done.values()) - start
+    model.close()
+    latency = [(done[i] - arrived[i]) * 1e3 for i in range(count)]
+    ttft = [(first.get(i, done[i]) - arrived[i]) * 1e3 for i in range(count)]
+    total = sum(len(t) for t in tokens.values())
+    return {"mode": mode, "concurrency": concurrency, "requests": count, "tokens": total,
+            "tokens_per_s": round(total / wall, 1),
             "latency_ms_p50": round(statistics.median(latency), 2), "latency_ms_p99": round(_p99(latency), 2),
             "ttft_ms_p50": round(statistics.median(ttft), 2), "ttft_ms_p99": round(_p99(ttft), 2),
             "answers": {i: tokens[i] for i in range(count)}}
+
+
+def _serial(model, workload: Workload, index: int, seen):
+    """One request decoded alone on a max_batch 1 model (the wide model's drafts seeded on its backend)."""
+    if workload.model != "wide":
+        return model.submit(workload.prompts[index], max_new_tokens=workload.max_new, on_text=seen).result()
+    from glance_runtime.bench.seeding import ConfidentSeeds
+    from glance_runtime.decode.loop import decode
+
+    session = model.session
+    prompt = workload.prompts[index]
+    backend = ConfidentSeeds(_Slot(session.backend), workload.seeds(index) + [0] * 8, prompt.length, "partial")
+    result = decode(backend, prompt, workload.config("glance"), workload.stops, on_commit=lambda new: seen(new))
+    return type("Out", (), {"token_ids": result.tokens})()
 
 
 def _p99(values: list[float]) -> float:
