@@ -14,7 +14,7 @@ from glance_runtime.backends.device_buffers import HostDevice
 from glance_runtime.backends.kv_pool import KVPool
 from glance_runtime.backends.ort_backend import OrtBackend
 from glance_runtime.backends.registry import Source, open_session
-from glance_runtime.decode.batch_budget import BatchBudget, BatchCost
+from glance_runtime.decode.batch_budget import EXPLORE_WINDOWS, WINDOW_ROUNDS, BatchBudget, BatchCost, ModeSwitch
 from glance_runtime.decode.batch_loop import BatchLoop, Request
 from glance_runtime.decode.calibration import Calibration
 from glance_runtime.decode.loop import DecodeConfig, decode
@@ -195,8 +195,9 @@ def test_batched_auto_gives_each_request_its_alone_answer(shipped):
 
 
 def _policy(theta, law=(2.0, 0.5)) -> BatchBudget:
-    cost = BatchCost(theta)
-    return BatchBudget(cost, Calibration(law=law), max_nodes=15)
+    policy = BatchBudget(BatchCost(theta), Calibration(law=law), max_nodes=15)
+    policy.switch.drafting = True  # past the windows that measure whether drafting pays at all
+    return policy
 
 
 def test_batched_auto_drafts_only_where_the_batch_gains():
@@ -222,3 +223,23 @@ def test_batched_auto_cuts_trees_as_rows_get_dear():
     assert sum(t.size for t in dear) < sum(t.size for t in cheap)
     assert all(1 <= t.size <= s.size for t, s in zip(dear, trees))
     assert all(np.array_equal(t.tokens, s.tokens[:t.size]) for t, s in zip(cheap, trees))
+
+
+def test_batched_auto_keeps_drafting_only_while_it_gives_more_tokens_per_second():
+    """Constructed windows, no timing: plain steps first, then drafts; the faster choice is kept, the other tried
+    one window in EXPLORE_WINDOWS; a changed load turns it back."""
+    switch = ModeSwitch()
+    seen = []
+
+    def window(rate_when_drafting: float, rate_plain: float) -> None:
+        seen.append(switch.drafting)
+        for _ in range(WINDOW_ROUNDS):
+            switch.observe(10, 10 / (rate_when_drafting if switch.drafting else rate_plain))
+
+    for _ in range(2 * EXPLORE_WINDOWS):
+        window(1.5, 1.0)
+    assert [i for i, drafting in enumerate(seen) if not drafting] == [0, EXPLORE_WINDOWS]
+    seen.clear()
+    for _ in range(3 * EXPLORE_WINDOWS):
+        window(0.5, 1.0)  # drafting now loses: after the next look at it, plain steps
+    assert seen[-EXPLORE_WINDOWS:].count(True) == 1
