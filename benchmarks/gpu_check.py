@@ -7,7 +7,9 @@ shipped calibration) and the backend's own greedy decode against the torch fp32 
 with TF32 off), and AR vs GLANCE vs auto ms/token without prefill. Two models: the embedded default (its
 held-out prompts, real draft head; then the same with its EAGLE-3 head, one head pass per tree depth) and a
 mid-size random Qwen2.5-VL written here (seeded drafts, so
-acceptance is high and the speed of the loop itself shows). Prints one table, then what it skipped and
+acceptance is high and the speed of the loop itself shows). For the default model, the graph backends on the GPU
+are also opened with a KV pool of 4 and every prompt decoded in one batch (fixed budget, plain steps, the batch's
+auto), each answer against the oracle, and the batch's ms per token against one prompt at a time. Prints one table, then what it skipped and
 why. Needs only this repository and what the machine already has (CUDA PyTorch, transformers, onnx,
 onnxruntime); nothing is downloaded.
 
@@ -15,7 +17,7 @@ Then (GPU only) `train-head --device cuda` on a tiny random Qwen2.5-VL: a bf16 t
 master weights, answers generated in batches; under torchrun with NCCL when the machine has two GPUs or more.
 
     python benchmarks/gpu_check.py [--out DIR] [--prompts 6] [--max-new-tokens 48] [--skip-random] [--skip-eagle3]
-        [--skip-train]
+        [--skip-batch] [--skip-train]
 """
 from __future__ import annotations
 
@@ -122,6 +124,53 @@ def measure(backend, stop_ids, case: Case, cfg: DecodeConfig, auto: DecodeConfig
     return row
 
 
+BATCH = 4  # sequences the batched rows decode together
+
+
+def measure_batched(backend, stop_ids, case: Case, cfg: DecodeConfig, places: list[Path], row: Row) -> Row:
+    """In-flight batching on a graph backend opened with max_batch BATCH: every prompt of the case decoded in one
+    batch (more prompts than slots wait for one) at the fixed budget, with plain steps and with the batch's auto,
+    each against the oracle; ms per token over the batch's wall time against one prompt at a time."""
+    from glance_runtime.backends.batch_rounds import BatchRounds
+    from glance_runtime.decode.batch_budget import BatchBudget, BatchCost
+    from glance_runtime.decode.batch_loop import BatchLoop, Request
+
+    from glance_runtime.decode.batch_budget import start_from_profile
+
+    plain = DecodeConfig(max_new_tokens=cfg.max_new_tokens, speculative=False)
+    rounds = BatchRounds(backend)
+    sized = auto_config(backend, case.prompts[0], cfg, places)  # each request's own auto, as a session resolves it
+    single = sized.auto
+    verify_ms = single.cost.verify_cost(list(range(1, single.max_nodes + 2)))
+    policy = BatchBudget(BatchCost(start_from_profile(verify_ms, single.cost.draft_ms)), single.calibration,
+                         single.max_nodes)
+    policy.switch.drafting = True  # this check is about the drafted batch's tokens
+
+    def batch(config: DecodeConfig, auto: bool = False) -> tuple[list[list[int]], float]:
+        loop = BatchLoop(rounds, policy if auto else None)
+        requests = [Request(p, config, stop_ids) for p in case.prompts]
+        t0 = time.perf_counter()
+        loop.run(requests)
+        ms = (time.perf_counter() - t0) * 1e3
+        tokens = [r.result.tokens for r in requests]
+        return tokens, ms / max(sum(len(t) for t in tokens), 1)
+
+    batch(cfg)  # warm-up
+    spec, row.glance_ms = batch(cfg)
+    steps, _ = batch(plain)
+    auto, row.auto_ms = batch(sized, auto=True)
+    t0 = time.perf_counter()
+    alone = [decode(rounds.slots[0], p, cfg, stop_ids).tokens for p in case.prompts]
+    row.ar_ms = (time.perf_counter() - t0) * 1e3 / max(sum(len(t) for t in alone), 1)  # one prompt at a time
+    row.n = len(case.prompts)
+    row.glance_identical = sum(a == b for a, b in zip(spec, case.oracle))
+    row.greedy_identical = sum(a == b for a, b in zip(steps, case.oracle))
+    row.auto_identical = sum(a == b for a, b in zip(auto, case.oracle))
+    row.notes.append(f"batch {BATCH}: ms/token batched vs one at a time in ar_ms/glance_ms")
+    row.status = "ok" if row.passed() else "FAIL"
+    return row
+
+
 def default_case(n: int, max_new: int, device: str) -> tuple[Case, Path, Path, Path]:
     """The embedded default on its held-out prompts (n spread over the four kinds), oracle on `device`."""
     from glance_runtime.formats.tasks import read as read_tasks
@@ -164,7 +213,8 @@ def half_artifacts(model: Path, head: Path, out: Path) -> Path:
     return out
 
 
-def backends(model: Path, head: Path, artifacts: Path, work: Path, cuda: bool, skipped: list[str]):
+def backends(model: Path, head: Path, artifacts: Path, work: Path, cuda: bool, skipped: list[str],
+             batched: bool = True):
     """(backend name, precision, opener) for everything this machine can run; skipped gets the rest."""
     import onnxruntime
 
@@ -187,6 +237,9 @@ def backends(model: Path, head: Path, artifacts: Path, work: Path, cuda: bool, s
                                                             snapshot.stop_token_ids)))
         found.append(("onnxruntime-cuda", "fp16", lambda: (
             OrtBackend(half_artifacts(model, head, work / "fp16"), providers="cuda"), snapshot.stop_token_ids)))
+        if batched:
+            found.append((f"onnxruntime-cuda-batch{BATCH}", "fp32", lambda: (
+                OrtBackend(artifacts, providers="cuda", max_batch=BATCH), snapshot.stop_token_ids)))
     else:
         skipped.append(f"ONNX Runtime on CUDA: this onnxruntime has {', '.join(onnxruntime.get_available_providers())}"
                        " (install onnxruntime-gpu)")
@@ -201,12 +254,16 @@ def backends(model: Path, head: Path, artifacts: Path, work: Path, cuda: bool, s
         found.append((f"{module}-chained", "fp16", lambda: (
             tensorrt_backend(module, half_artifacts(model, head, work / "fp16"), work / "engines-fp16-chained", parts=3),
             snapshot.stop_token_ids)))
+        if batched:
+            found.append((f"{module}-batch{BATCH}", "fp32", lambda: (
+                tensorrt_backend(module, artifacts, work / "engines-fp32-batch", max_batch=BATCH),
+                snapshot.stop_token_ids)))
     else:
         skipped.append("TensorRT: " + ("no GPU" if module else "neither tensorrt nor tensorrt_rtx is installed"))
     return found
 
 
-def tensorrt_backend(module: str, artifacts: Path, out: Path, parts: int = 1):
+def tensorrt_backend(module: str, artifacts: Path, out: Path, parts: int = 1, max_batch: int = 1):
     """Engines built here for this GPU (rtx for TensorRT-RTX, datacenter for TensorRT), then the backend; with
     `parts` > 1 the target is built as a chain of that many part engines (its decode must equal the whole one's:
     both rows are checked against the same oracle)."""
@@ -221,9 +278,9 @@ def tensorrt_backend(module: str, artifacts: Path, out: Path, parts: int = 1):
         part_gib = None
         if parts > 1:
             part_gib = graph_bytes(artifacts, load_manifest(artifacts).graphs)["target"] / parts / GIB
-        build(BuildRequest(target, out, artifacts=artifacts, max_part_gib=part_gib), probe_device(),
-              progress=lambda _: None)
-    backend = TrtBackend(out, artifacts)
+        build(BuildRequest(target, out, artifacts=artifacts, max_part_gib=part_gib,
+                           max_batch=max_batch if max_batch > 1 else None), probe_device(), progress=lambda _: None)
+    backend = TrtBackend(out, artifacts, max_batch=max_batch)
     if parts > 1 and not hasattr(backend.graphs["target"], "parts"):
         raise RuntimeError(f"{out} holds the target whole, not as a chain of parts")
     return backend
@@ -304,6 +361,7 @@ def main() -> int:
     ap.add_argument("--budget", type=int, default=31)
     ap.add_argument("--skip-random", action="store_true", help="only the embedded default model")
     ap.add_argument("--skip-eagle3", action="store_true", help="leave out the default model's EAGLE-3 head")
+    ap.add_argument("--skip-batch", action="store_true", help="leave out the batched rows (in-flight batching)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     ap.add_argument("--skip-train", action="store_true", help="skip the head-training check")
     args = ap.parse_args()
@@ -334,12 +392,16 @@ def main() -> int:
         case, model, head, artifacts = make()
         print(f"[{time.perf_counter() - started:6.1f}s] {case.name}: {len(case.prompts)} prompts, oracle done",
               flush=True)
-        for name, precision, opener in backends(model, head, artifacts, work / case.name, cuda, skipped):
+        batched = not args.skip_batch and case.name == "default"
+        for name, precision, opener in backends(model, head, artifacts, work / case.name, cuda, skipped, batched):
             row = Row(case.name, name, precision)
             try:
                 backend, stops = opener()
-                auto = auto_config(backend, case.prompts[0], cfg, [artifacts, head])
-                rows.append(measure(backend, stops, case, cfg, auto, row))
+                if name.endswith(f"-batch{BATCH}"):
+                    rows.append(measure_batched(backend, stops, case, cfg, [artifacts, head], row))
+                else:
+                    auto = auto_config(backend, case.prompts[0], cfg, [artifacts, head])
+                    rows.append(measure(backend, stops, case, cfg, auto, row))
             except Exception as exc:  # one backend failing must not hide the others' rows
                 row.status = f"ERROR {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
                 traceback.print_exc(file=sys.stderr)
