@@ -15,6 +15,7 @@ from glance_runtime.backends.registry import open_session
 from glance_runtime.decode.session import Settings
 
 from .build.targets import PROFILE_NAMES
+from .onnx.batching import MAX_BATCH
 from .onnx.quant_scheme import ACCURACY, ACCURACY_LEVELS, GROUP_SIZE
 
 # Upper bounds of sizes that would otherwise run until stopped or exhaust the machine.
@@ -325,6 +326,7 @@ def _onnx(args: argparse.Namespace) -> int:
     out = export_artifacts(args.model, args.head, args.out, dtype=args.dtype, opset=args.opset, max_tree=args.max_tree,
                            max_context=args.max_context, branch_k=args.branch_k, quantize=args.quantize,
                            group_size=args.group_size or GROUP_SIZE, accuracy=args.accuracy or ACCURACY,
+                           max_batch=args.max_batch,
                            progress=(lambda _: None) if args.quiet else (lambda line: print(line, flush=True)))
     print(f"wrote ONNX artifacts to {out}")
     return 0
@@ -336,8 +338,9 @@ def _build(args: argparse.Namespace) -> int:
 
     request = BuildRequest(target=args.target, out=args.out, model=args.model, head=args.head,
                            artifacts=args.artifacts, precision=args.precision, max_context=args.max_context,
-                           max_tree=args.max_tree, memory_gib=args.memory_gib, workspace_gib=args.workspace_gib,
-                           max_part_gib=args.max_part_gib, timing_cache=args.timing_cache, plan_only=args.plan_only)
+                           max_tree=args.max_tree, max_batch=args.max_batch, memory_gib=args.memory_gib,
+                           workspace_gib=args.workspace_gib, max_part_gib=args.max_part_gib,
+                           timing_cache=args.timing_cache, plan_only=args.plan_only)
     build(request, probe_device(), progress=lambda line: print(line, flush=True))
     return 0
 
@@ -503,6 +506,9 @@ def parser() -> argparse.ArgumentParser:
                    help="KV cache rows: prompt + answer")
     o.add_argument("--branch-k", type=flags.at_least("--branch-k", 1), default=BRANCH_K,
                    help=f"top-k the draft graph returns per offset (default {BRANCH_K})")
+    o.add_argument("--max-batch", type=flags.at_least("--max-batch", 1), default=MAX_BATCH,
+                   help=f"sequences one batched decode round runs (default {MAX_BATCH}); above 1 a GLANCE head's "
+                        "export adds the batched graphs target_batch and draft_batch, 1 leaves them out")
     o.add_argument("--quantize", choices=("int8", "int4"),
                    help="weight-only: linear layers, LM head and embedding of target and head (vision stays fp32)")
     o.add_argument("--group-size", type=int, choices=(32, 64, 128),
@@ -529,6 +535,9 @@ def parser() -> argparse.ArgumentParser:
                    help="lower the export's max context (default: what fits in memory)")
     b.add_argument("--max-tree", type=flags.at_least("--max-tree", 1),
                    help="lower the export's max tree (default: the target's cap)")
+    b.add_argument("--max-batch", type=flags.at_least("--max-batch", 1),
+                   help="sequences a batched round runs, at most the export's (default: the target's max_batch, "
+                        "lowered to what fits the memory budget); 1 builds no batch engines")
     b.add_argument("--memory-gib", type=flags.positive("--memory-gib"),
                    help="device memory budget (default: this device's, else the target's)")
     b.add_argument("--workspace-gib", type=flags.positive("--workspace-gib"),

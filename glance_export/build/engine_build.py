@@ -44,6 +44,7 @@ class BuildRequest:
     precision: str | None = None
     max_context: int | None = None
     max_tree: int | None = None
+    max_batch: int | None = None
     memory_gib: float | None = None
     workspace_gib: float | None = None
     max_part_gib: float | None = None
@@ -54,8 +55,9 @@ class BuildRequest:
         """The flags a plan-only bundle's build.sh passes on, as the user gave them."""
         flags = []
         for flag, value in (("--precision", self.precision), ("--max-context", self.max_context),
-                            ("--max-tree", self.max_tree), ("--memory-gib", self.memory_gib),
-                            ("--workspace-gib", self.workspace_gib), ("--max-part-gib", self.max_part_gib)):
+                            ("--max-tree", self.max_tree), ("--max-batch", self.max_batch),
+                            ("--memory-gib", self.memory_gib), ("--workspace-gib", self.workspace_gib),
+                            ("--max-part-gib", self.max_part_gib)):
             if value is not None:
                 flags += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
         return flags
@@ -123,7 +125,8 @@ def check_out(request: BuildRequest) -> None:
 def _identity(artifacts: Path, manifest: Manifest) -> dict[str, Any]:
     return {"path": str(artifacts.resolve()), "manifest_sha256": sha256(artifacts / MANIFEST),
             "toolkit_version": manifest.toolkit_version, "family": manifest.family, "dtype": manifest.dtype,
-            "opset": manifest.opset, "limits": {"max_tree": manifest.max_tree, "max_context": manifest.max_context},
+            "opset": manifest.opset, "limits": {"max_tree": manifest.max_tree, "max_context": manifest.max_context,
+                                                "max_batch": manifest.max_batch},
             "source": manifest.source, "head_weights_sha256": manifest.head_weights_sha256}
 
 
@@ -204,7 +207,7 @@ def plan(request: BuildRequest, target: Target, say: Callable[[str], None]) -> P
     memory = plan_memory(target.profile, manifest, artifacts, target.precision.name, target.device,
                          max_context=request.max_context, max_tree=request.max_tree, memory_gib=request.memory_gib,
                          workspace_gib=request.workspace_gib, tensorrt_version=version,
-                         max_part_gib=request.max_part_gib)
+                         max_part_gib=request.max_part_gib, max_batch=request.max_batch)
     say(memory.explain())
     return Planned(artifacts, manifest, memory)
 
@@ -214,8 +217,9 @@ def build_planned(request: BuildRequest, target: Target, planned: Planned, out: 
     """Every graph's engines (a cut graph's parts) into `out`, one worker each."""
     timing_cache, cache_record = _timing_cache(request, target.profile, target.toolchain, say)
     precision, memory = target.precision, planned.memory
-    say(f"building {', '.join(planned.manifest.graphs)} at {precision.name} ({precision.how})")
-    engines = build_engines(target.toolchain, planned.artifacts, memory.limits.apply(planned.manifest), out,
+    sized = memory.limits.apply(planned.manifest)
+    say(f"building {', '.join(sized.graphs)} at {precision.name} ({precision.how})")
+    engines = build_engines(target.toolchain, planned.artifacts, sized, out,
                             BuildOptions(precision, memory.workspace_gib, timing_cache), say, cuts=memory.cuts)
     return Built(engines, timing_cache, cache_record)
 
@@ -230,7 +234,7 @@ def record(target: Target, planned: Planned, built: Built, build_s: float) -> di
         "precision": {"name": target.precision.name, "artifacts_dtype": planned.manifest.dtype,
                       "how": target.precision.how},
         "limits": {"max_context": limits.max_context, "max_tree": limits.max_tree,
-                   "max_image_tokens": limits.max_image_tokens},
+                   "max_image_tokens": limits.max_image_tokens, "max_batch": limits.max_batch},
         "memory_plan": planned.memory.record(), "timing_cache": built.cache_record,
         "artifacts": _identity(planned.artifacts, planned.manifest), "engines": built.engines,
         "build_s": round(build_s, 2), "target_profile": target.profile.as_shipped()}

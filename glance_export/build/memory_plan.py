@@ -36,6 +36,7 @@ from typing import Any
 
 from glance_runtime.errors import GlanceError
 from glance_runtime.formats.artifacts import GraphFile, Manifest
+from glance_runtime.formats.graphs import BATCH_GRAPHS
 from glance_runtime.backends.hardware import available_host_bytes
 
 from .targets import DeviceProfile, version_tuple
@@ -57,9 +58,11 @@ class Limits:
     max_context: int
     max_tree: int
     max_image_tokens: int | None  # None: a text-only model
+    max_batch: int = 1  # sequences a batched round runs; 1: no batch engines
 
     def apply(self, manifest: Manifest) -> Manifest:
-        """The artifacts manifest with its axis bounds lowered to these limits (never raised)."""
+        """The artifacts manifest with its axis bounds lowered to these limits (never raised); at max_batch 1
+        without the batched graphs, whose engines would then never run."""
         axes, ctx = dict(manifest.axes), self.max_context
         # S_h and C run past the context by what a head caches beyond it (an EAGLE-3 round's node rows)
         beyond = {axis: axes[axis][1] - manifest.max_context for axis in ("S_h", "C") if axis in axes}
@@ -69,10 +72,17 @@ class Limits:
             unit = manifest.spatial_merge_size ** 2
             lowered.update(N_img=self.max_image_tokens, N_merged=max(axes["N_merged"][0], self.max_image_tokens),
                            N_patch=max(axes["N_patch"][0], self.max_image_tokens * unit))
+        lowered.update(B=self.max_batch, T_b=self.max_tree, S_b=ctx - 1)
         for axis, hi in lowered.items():
             if axis in axes:
                 axes[axis] = (axes[axis][0], min(axes[axis][1], hi))
-        return replace(manifest, axes=axes, max_context=ctx, max_tree=self.max_tree)
+        for axis, size in (("P", self.max_batch), ("C_pool", ctx)):  # the pool's size: fixed, lowered whole
+            if axis in axes:
+                axes[axis] = (min(axes[axis][0], size),) * 2
+        graphs = (manifest.graphs if self.max_batch > 1 else
+                  {name: entry for name, entry in manifest.graphs.items() if name not in BATCH_GRAPHS})
+        return replace(manifest, axes=axes, max_context=ctx, max_tree=self.max_tree, max_batch=self.max_batch,
+                       graphs=graphs)
 
 
 def _size(gib: float) -> str:
@@ -153,21 +163,28 @@ class MemoryPlan:
         return self.budget.workspace_gib
 
     @property
+    def kv_rows(self) -> int:
+        """Context rows of every sequence the KV pool holds: one context per sequence of a batched round."""
+        return self.limits.max_context * self.limits.max_batch
+
+    @property
     def kv_gib(self) -> float:
-        return self.budget.kv_bytes_per_row * self.limits.max_context / GIB
+        return self.budget.kv_bytes_per_row * self.kv_rows / GIB
 
     @property
     def total_gib(self) -> float:
-        return self.budget.need_gib(self.limits.max_context)
+        return self.budget.need_gib(self.kv_rows)
 
     def explain(self) -> str:
         lim, b = self.limits, self.budget
         image = (f", max image tokens {lim.max_image_tokens} ({self.reasons['max_image_tokens']})"
                  if lim.max_image_tokens is not None else "")
-        return (f"memory plan: weights {_size(b.weights_gib)} + KV {_size(self.kv_gib)} ({lim.max_context} rows x "
+        batch = f" for {lim.max_batch} sequences" if lim.max_batch > 1 else ""
+        return (f"memory plan: weights {_size(b.weights_gib)} + KV {_size(self.kv_gib)} ({self.kv_rows} rows{batch} x "
                 f"{b.kv_bytes_per_row / 1024:.1f} KiB) + workspace {b.workspace_gib:g} GiB = {_size(self.total_gib)} "
                 f"of {b.usable_gib:g} GiB ({b.describe()}); max context {lim.max_context} "
-                f"({self.reasons['max_context']}), max tree {lim.max_tree} ({self.reasons['max_tree']}){image}; "
+                f"({self.reasons['max_context']}), max tree {lim.max_tree} ({self.reasons['max_tree']}), max batch "
+                f"{lim.max_batch} ({self.reasons['max_batch']}){image}; "
                 f"{self.build.explain()}{self._parts()}")
 
     def _parts(self) -> str:
@@ -253,6 +270,24 @@ def _max_context(profile: DeviceProfile, budget: Budget, exported: int, requeste
     return fit // CONTEXT_STEP * CONTEXT_STEP, "what fits the memory budget"
 
 
+def _max_batch(profile: DeviceProfile, budget: Budget, ctx: int, exported: int,
+               requested: int | None) -> tuple[int, str]:
+    """Sequences a batched round runs: never above the export's; the target's default unless requested; and the
+    pool holds a context of KV rows for each, so a default that does not fit is lowered (a requested one refused)."""
+    if exported == 1:
+        return 1, "the export has no batched graphs"
+    cap, why = ((requested, "--max-batch") if requested is not None else
+                min((exported, "the export's limit"), (profile.max_batch, f"{profile.name}'s default"),
+                    key=lambda pair: pair[0]))
+    fit = budget.rows_that_fit(cap * ctx) // ctx
+    if fit >= cap:
+        return cap, why
+    if requested is not None:
+        raise GlanceError(f"{cap} sequences of {ctx} context rows do not fit {profile.name}: "
+                          f"{budget.shortfall(cap * ctx)}; lower --max-batch to {max(fit, 1)} or --max-context")
+    return max(fit, 1), "what fits the memory budget"
+
+
 def part_budget_gib(profile: DeviceProfile, budget: Budget, mapped: bool, requested: float | None) -> float:
     """Weights per part (see the module docstring): `requested`, else `PART_GIB`, lowered on a Jetson to the
     part whose worker fits its memory beside the workspace and the process."""
@@ -275,7 +310,7 @@ def graph_cuts(artifacts: Path, graphs: dict[str, GraphFile], part_gib: float) -
 def plan_memory(profile: DeviceProfile, manifest: Manifest, artifacts: Path, precision: str, device: BuildGpu, *,
                 max_context: int | None = None, max_tree: int | None = None, memory_gib: float | None = None,
                 workspace_gib: float | None = None, tensorrt_version: str | None = None,
-                max_part_gib: float | None = None) -> MemoryPlan:
+                max_part_gib: float | None = None, max_batch: int | None = None) -> MemoryPlan:
     """Check a build fits the target's memory and derive the limits its engines are sized for.
 
     `tensorrt_version` is the builder's (None: a plan for another machine, sized for the oldest version the
@@ -283,15 +318,19 @@ def plan_memory(profile: DeviceProfile, manifest: Manifest, artifacts: Path, pre
     export_ctx, export_tree = manifest.max_context, manifest.max_tree
     _requested("--max-context", max_context, export_ctx)
     _requested("--max-tree", max_tree, export_tree)
+    _requested("--max-batch", max_batch, manifest.max_batch)
     memory, source = _memory(profile, device, memory_gib)
-    weights = weights_bytes(artifacts, manifest.graphs) * BYTES[precision] / BYTES[manifest.dtype] / GIB
+    graphs = (manifest.graphs if max_batch != 1 else  # --max-batch 1 builds no batch engines
+              {name: entry for name, entry in manifest.graphs.items() if name not in BATCH_GRAPHS})
+    weights = weights_bytes(artifacts, graphs) * BYTES[precision] / BYTES[manifest.dtype] / GIB
     budget = Budget(memory, source, profile.reserve_gib, _workspace(profile, workspace_gib), weights,
                     kv_bytes_per_row(manifest))
     ctx, ctx_why = _max_context(profile, budget, export_ctx, max_context)
     tree, tree_why = min((export_tree, "the export's limit"), (profile.max_tree, f"{profile.name}'s cap"),
                          (ctx, "the max context"), *([(max_tree, "--max-tree")] if max_tree else []),
                          key=lambda pair: pair[0])
-    reasons = {"max_context": ctx_why, "max_tree": tree_why}
+    batch, batch_why = _max_batch(profile, budget, ctx, manifest.max_batch, max_batch)
+    reasons = {"max_context": ctx_why, "max_tree": tree_why, "max_batch": batch_why}
     image = None
     if "N_img" in manifest.axes:
         exported_image = manifest.axes["N_img"][1]
@@ -299,9 +338,9 @@ def plan_memory(profile: DeviceProfile, manifest: Manifest, artifacts: Path, pre
         reasons["max_image_tokens"] = "the export's limit" if image == exported_image else "half the context"
     mapped = maps_weights(profile, tensorrt_version)
     part_gib = part_budget_gib(profile, budget, mapped, max_part_gib)
-    cuts = graph_cuts(artifacts, manifest.graphs, part_gib)
-    peak = build_peak(artifacts, manifest.graphs, profile, budget.workspace_gib, mapped, cuts)
-    return MemoryPlan(Limits(ctx, tree, image), budget, reasons, peak, part_gib, cuts)
+    cuts = graph_cuts(artifacts, graphs, part_gib)
+    peak = build_peak(artifacts, graphs, profile, budget.workspace_gib, mapped, cuts)
+    return MemoryPlan(Limits(ctx, tree, image, batch), budget, reasons, peak, part_gib, cuts)
 
 
 def maps_weights(profile: DeviceProfile, tensorrt_version: str | None) -> bool:

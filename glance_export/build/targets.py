@@ -43,6 +43,7 @@ class DeviceProfile:
     reserve_gib: float
     memory_note: str
     max_tree: int
+    max_batch: int  # sequences a batched round runs by default (never above the export's)
     quant_schemes: tuple[str, ...]  # weight-only schemes its TensorRT builds: "none", "int8", "int4"
     quant_note: str  # why those schemes and no others (the parser's opset)
 
@@ -71,7 +72,8 @@ def load_profile(name: str) -> DeviceProfile:
         max_opset=int(parser["max_opset"]),
         attention=parser["attention"], attention_op_from=parser["attention_op_from"],
         memory_gib=float(memory["memory_gib"]), reserve_gib=float(memory["reserve_gib"]), memory_note=memory["note"],
-        max_tree=int(raw["max_tree"]), quant_schemes=tuple(raw["quantization"]["schemes"]),
+        max_tree=int(raw["max_tree"]), max_batch=int(raw["max_batch"]),
+        quant_schemes=tuple(raw["quantization"]["schemes"]),
         quant_note=raw["quantization"]["note"])
 
 

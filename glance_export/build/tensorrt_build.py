@@ -72,6 +72,8 @@ def shape_profiles(manifest: Manifest, graph: str) -> list[ShapeProfile]:
             prefill["N_img"] = _span(axes["N_img"], axes["N_img"][1] // 4)
             verify["N_img"] = (0, 1, 1)
         return [ShapeProfile("prefill", prefill), ShapeProfile("verify", verify)]
+    if graph in ("target_batch", "draft_batch"):
+        return [_batch_profile(axes, graph)]
     if graph == "draft" and manifest.head_kind == "eagle3":
         return _step_profiles(axes)
     if graph == "draft":
@@ -85,6 +87,16 @@ def shape_profiles(manifest: Manifest, graph: str) -> list[ShapeProfile]:
     patches = _span(axes["N_patch"], axes["N_patch"][1] // 4)
     unit = manifest.spatial_merge_size ** 2
     return [ShapeProfile("vision", {"N_patch": patches, "N_merged": tuple(p // unit for p in patches)})]
+
+
+def _batch_profile(axes: dict[str, list[int]], graph: str) -> ShapeProfile:
+    """A batched round: 1 to max_batch sequences of 1 to max_tree (target) or block_size (draft) rows, over a
+    past up to the context, read from the pool (P slots of C_pool rows), whose size is fixed."""
+    rows = "T_b" if graph == "target_batch" else "N_b"
+    fixed = {axis: (axes[axis][1],) * 3 for axis in ("P", "C_pool")}
+    return ShapeProfile("batch", {"B": _span(axes["B"], axes["B"][1]), rows: _span(axes[rows], 16 if rows == "T_b"
+                                                                                       else axes[rows][1]),
+                                  "S_b": _span(axes["S_b"], axes["S_b"][1] // 2), **fixed})
 
 
 def _step_profiles(axes: dict[str, list[int]]) -> list[ShapeProfile]:

@@ -16,6 +16,7 @@ real weights for the trace.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import logging
 import shutil
@@ -49,14 +50,19 @@ def torch_args(module: nn.Module, feed: dict[str, np.ndarray]) -> tuple[torch.Te
     return tuple(torch.from_numpy(np.ascontiguousarray(feed[n])) for n in module.input_names)
 
 
-def _dynamo_shapes(names: list[str], axes: dict[str, dict[int, str]]) -> tuple:
-    """torch.export dims for `forward(*inputs)`: one named Dim per contract letter, shared across inputs."""
+def _dynamo_shapes(module: nn.Module, names: list[str], axes: dict[str, dict[int, str]]) -> tuple:
+    """torch.export dims in the structure of `forward`'s signature (named inputs, then `*inputs`): one named Dim
+    per contract letter, shared across inputs."""
     from torch.export import Dim
 
     symbols: dict[str, Dim] = {}
     shapes = [{i: symbols.setdefault(a, Dim(a, min=0, max=1 << 20)) for i, a in axes[n].items()} if n in axes else None
               for n in names]
-    return (tuple(shapes),)
+    params = inspect.signature(module.forward).parameters.values()
+    named = sum(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params)
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return (*shapes[:named], tuple(shapes[named:]))
+    return tuple(shapes)
 
 
 @contextlib.contextmanager
@@ -100,7 +106,7 @@ def _torch_export(module: nn.Module, feed: dict[str, np.ndarray], path: Path, ax
         warnings.simplefilter("ignore")  # tracer warnings about Python ints are expected and checked by validation
         if opset >= ATTENTION_OPSET:
             torch.onnx.export(module, torch_args(module, feed), str(path), dynamo=True, verbose=False,
-                              dynamic_shapes=_dynamo_shapes(module.input_names, axes), optimize=fold, **names)
+                              dynamic_shapes=_dynamo_shapes(module, module.input_names, axes), optimize=fold, **names)
         else:
             with weightless(module):
                 torch.onnx.export(module, meta_args(torch_args(module, feed)), str(path), dynamo=False,

@@ -9,7 +9,7 @@ import numpy as np
 from PIL import Image
 
 from glance_export.model.adapters import Snapshot
-from glance_runtime.formats.graphs import draft_kv_names, target_kv_names
+from glance_runtime.formats.graphs import batch_draft_kv_names, batch_target_kv_names, draft_kv_names, target_kv_names
 from glance_runtime.decode.tree import visibility
 
 from . import eagle3_draft
@@ -66,6 +66,43 @@ def draft_feed(dims: Dims, rng: np.random.Generator, rows: int, past: int, dtype
     return feed
 
 
+def _pool_rows(rng: np.random.Generator, slots: list[int], past_lengths: list[int]) -> dict[str, np.ndarray]:
+    """The batch's slot and past inputs; `past_rows` spans the longest past."""
+    return {"slots": np.array(slots, dtype=np.int64), "past_lengths": np.array(past_lengths, dtype=np.int64),
+            "past_rows": np.arange(max(past_lengths), dtype=np.int64)}
+
+
+def batch_target_feed(dims: Dims, rng: np.random.Generator, rows: int, slots: list[int], past_lengths: list[int],
+                      pool: tuple[int, int], dtype: str) -> dict[str, np.ndarray]:
+    """A tree-verify pass of len(slots) sequences, each a random tree of `rows` rows over its own past, read
+    from a pool of pool[0] slots of pool[1] rows."""
+    batch = len(slots)
+    trees = [random_tree(rng, rows) for _ in range(batch)]
+    stream = np.stack([past + depths for past, (depths, _) in zip(past_lengths, trees)])
+    feed = {"inputs_embeds": rng.normal(size=(batch, rows, dims.hidden)).astype(dtype),
+            "position_ids": np.broadcast_to(stream, (3, batch, rows)).copy() if dims.is_vl else stream,
+            "tree_mask": np.stack([mask for _, mask in trees]), **_pool_rows(rng, slots, past_lengths)}
+    for name in batch_target_kv_names(dims.layers)[0]:
+        feed[name] = rng.normal(size=(*pool, dims.kv_heads, dims.head_dim)).astype(dtype)
+    return feed
+
+
+def batch_draft_feed(dims: Dims, rng: np.random.Generator, context_lengths: list[int], rows: int, slots: list[int],
+                     past_lengths: list[int], pool: tuple[int, int], dtype: str) -> dict[str, np.ndarray]:
+    """A draft pass of len(slots) sequences, each with `rows` context rows of which the first
+    context_lengths[b] are real, appended after its own past."""
+    batch = len(slots)
+    past = np.array(past_lengths, dtype=np.int64)
+    feed = {"context_taps": (rng.normal(size=(batch, rows, dims.n_taps * dims.hidden)) * 4).astype(dtype),
+            "context_positions": past[:, None] + np.arange(rows, dtype=np.int64)[None],
+            "context_lengths": np.array(context_lengths, dtype=np.int64),
+            "block_embeds": rng.normal(size=(batch, dims.block_size, dims.hidden)).astype(dtype),
+            "start": past + np.array(context_lengths, dtype=np.int64), **_pool_rows(rng, slots, past_lengths)}
+    for name in batch_draft_kv_names(dims.head_layers)[0]:
+        feed[name] = rng.normal(size=(*pool, dims.head_kv_heads, dims.head_head_dim)).astype(dtype)
+    return feed
+
+
 def vocab_feed(dims: Dims, rng: np.random.Generator, ids: int, rows: int, dtype: str,
                vocab: int | None = None) -> dict[str, np.ndarray]:
     """Ids to embed (below `vocab`: the draft vocabulary's size for its graph) and hidden rows to project;
@@ -94,4 +131,7 @@ def trace_feeds(snapshot: Snapshot, dims: Dims, dtype: str) -> dict[str, dict[st
         feeds["draft_vocab"] = vocab_feed(dims, rng, 4, 3, dtype, dims.draft_vocab)
     if dims.is_vl:
         feeds["vision"] = vision_feed(snapshot, dims, rng, 100, 80, dtype)
+    if dims.batched:  # B > 1 takes grouped attention's batched path; pool 7 x 9, B 3, T 4, S 5, N 2
+        feeds["target_batch"] = batch_target_feed(dims, rng, 4, [6, 0, 2], [2, 5, 3], (7, 9), dtype)
+        feeds["draft_batch"] = batch_draft_feed(dims, rng, [2, 1, 2], 2, [6, 0, 2], [2, 5, 3], (7, 9), dtype)
     return feeds

@@ -15,8 +15,10 @@ from glance_export.model.eagle3 import LEGACY_WEIGHTS_FILE, Eagle3Head
 from glance_export.model.head import WEIGHTS_FILE, DraftHead
 from glance_runtime.defaults import EAGLE3_DEPTH
 from glance_runtime._version import __version__
+from glance_runtime.errors import GlanceError
 from glance_runtime.store.integrity import record, sha256
 
+from .external_data import graph_tensors
 from .spec import Dims
 from .vision import INDEX_INPUTS
 
@@ -57,6 +59,15 @@ def io_spec(path: Path) -> dict[str, dict[str, dict[str, Any]]]:
     return {"inputs": describe(graph.input), "outputs": describe(graph.output)}
 
 
+def data_file(path: Path) -> str | None:
+    """The one external data file a graph reads its weights from (a batched target's is the target's own), if any."""
+    graph = onnx.load(str(path), load_external_data=False).graph
+    files = {e.value for t in graph_tensors(graph) for e in t.external_data if e.key == "location"}
+    if len(files) > 1:
+        raise GlanceError(f"{path.name} reads weights from {len(files)} data files; one is written per graph")
+    return next(iter(files), None)
+
+
 def _eagle3_fields(head: Eagle3Head, dims: Dims) -> dict[str, Any]:
     """What a runtime needs to drive an EAGLE-3 draft graph besides its KV geometry."""
     return {"kind": "eagle3", "max_depth": EAGLE3_DEPTH, "mrope": dims.head_mrope, "tap_layer_ids": list(dims.tap_ids),
@@ -86,15 +97,19 @@ def build_manifest(snapshot: Snapshot, head: DraftHead | Eagle3Head, head_dir: P
     if dims.draft_vocab:
         graphs["draft_vocab"] = {"vocab_size": dims.draft_vocab, "hidden_size": dims.hidden, "tied": dims.tied,
                                  "branch_k": branch_k}
+    if dims.batched:
+        graphs["target_batch"] = {"num_layers": dims.layers, "num_kv_heads": dims.kv_heads, "head_dim": dims.head_dim}
+        graphs["draft_batch"] = {"num_layers": dims.head_layers, "num_kv_heads": dims.head_kv_heads,
+                                 "head_dim": dims.head_head_dim}
     if dims.is_vl:
         graphs["vision"] = {"index_params": {k: dims.vision[k] for k in
                                              ("family", "merge_size", "patch_size", "window_size", "grid_per_side")},
                             "index_inputs": INDEX_INPUTS[dims.family], "patch_dim": dims.vision["patch_dim"]}
     for name, entry in graphs.items():
         path = out / f"{name}.onnx"
-        data = path.with_name(f"{path.name}.data")
-        entry.update(file=path.name, data_file=data.name if data.exists() else None, **io_spec(path))
-    written = [n for entry in graphs.values() for n in (entry["file"], entry["data_file"]) if n] + files
+        entry.update(file=path.name, data_file=data_file(path), **io_spec(path))
+    written = list(dict.fromkeys(n for entry in graphs.values() for n in (entry["file"], entry["data_file"]) if n))
+    written += files
     written += [n for entry in (quantization or {}).get("graphs", {}).values()
                 for n in (entry["tensorrt_file"], entry["tensorrt_data_file"]) if n]
     rope = tc.get("rope_parameters") or tc.get("rope_scaling") or {}
@@ -105,7 +120,7 @@ def build_manifest(snapshot: Snapshot, head: DraftHead | Eagle3Head, head_dir: P
         "fp32_outputs": ["topk_logprobs", "entropy"],
         "branch_k": branch_k, "block_size": dims.block_size, "mask_token_id": dims.mask_token_id,
         "image_token_id": dims.image_token_id, "stop_token_ids": list(snapshot.stop_token_ids),
-        "limits": {"max_tree": max_tree, "max_context": max_context}, "axes": axes,
+        "limits": {"max_tree": max_tree, "max_context": max_context, "max_batch": dims.max_batch}, "axes": axes,
         "rope": {"theta": rope.get("rope_theta", tc.get("rope_theta")), "mrope_section": rope.get("mrope_section"),
                  "vision_start_token_id": snapshot.config.get("vision_start_token_id"),
                  "spatial_merge_size": dims.vision["merge_size"] if dims.is_vl else None},

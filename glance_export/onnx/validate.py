@@ -25,7 +25,7 @@ from glance_runtime.formats.graphs import VOCABULARY_GRAPHS
 
 from . import eagle3_draft
 from .export import torch_args
-from .feeds import draft_feed, target_feed, vision_feed, vocab_feed
+from .feeds import batch_draft_feed, batch_target_feed, draft_feed, target_feed, vision_feed, vocab_feed
 from .node_runs import weight_bytes
 from .segments import SEGMENT_BYTES, run_in_segments
 from .spec import DTYPES, Dims
@@ -50,6 +50,12 @@ def validation_feeds(graph: str, dims: Dims, snapshot, dtype: str, seed: int) ->
         return [target_feed(dims, rng, 9, 0, 3, np_dtype, tree=False),
                 target_feed(dims, rng, 11, 5, 1, np_dtype, tree=True),
                 target_feed(dims, rng, 1, 4, 0, np_dtype, tree=True)]
+    if graph == "target_batch":  # ragged pasts (one empty) in non-contiguous slots; one sequence of one row
+        return [batch_target_feed(dims, rng, 5, [3, 0, 4, 1], [0, 7, 4, 1], (6, 12), np_dtype),
+                batch_target_feed(dims, rng, 1, [2], [5], (4, 8), np_dtype)]
+    if graph == "draft_batch":
+        return [batch_draft_feed(dims, rng, [3, 0, 1, 3], 3, [3, 0, 4, 1], [0, 7, 4, 1], (6, 12), np_dtype),
+                batch_draft_feed(dims, rng, [1], 1, [2], [5], (4, 8), np_dtype)]
     if graph == "draft" and dims.head_kind == "eagle3":
         return eagle3_draft.validation_feeds(dims, rng, np_dtype)
     if graph == "draft":

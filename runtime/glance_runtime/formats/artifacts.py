@@ -10,13 +10,15 @@ only sizes and ids that fit together); `file_hashes` covers every file beside it
 
 Document (format_version 3): format, format_version, toolkit_version, family, is_vl, dtype, opset,
 float_io_dtype, fp32_outputs, branch_k, block_size, mask_token_id, image_token_id, stop_token_ids,
-limits {max_tree, max_context}, axes {name: [min, max]}, source {config_sha256, weights_sha256 {file: sha}},
+limits {max_tree, max_context, max_batch (sequences a batched round runs; absent in older manifests: 1)},
+axes {name: [min, max]}, source {config_sha256, weights_sha256 {file: sha}},
 head {config, weights_sha256}, head_kind ("glance" where absent, or "eagle3": the draft graph is an EAGLE-3
 step, graphs.draft then also records kind, max_depth, mrope, tap_layer_ids, hidden_size, draft_vocab_size; its
 block_size is max_depth + 1 and its mask_token_id 0, unused: the head has no mask token), rope {theta, mrope_section, vision_start_token_id, spatial_merge_size},
-graphs {target|draft|vocab|vision|draft_vocab: {file, data_file, inputs/outputs {name: {dtype, shape}},
-...sizes}} (vocab and draft_vocab also record their vocab_size, whether the LM head is tied to the
-embedding, and the top-k baked in; draft_vocab is there only for a head with a reduced draft
+graphs {target|draft|vocab|vision|draft_vocab|target_batch|draft_batch: {file, data_file, inputs/outputs
+{name: {dtype, shape}}, ...sizes}} (target_batch and draft_batch, the batched round's graphs, are there exactly
+when max_batch is above 1; a batched target's data_file may be the target's own) (vocab and draft_vocab also
+record their vocab_size, whether the LM head is tied to the embedding, and the top-k baked in; draft_vocab is there only for a head with a reduced draft
 vocabulary), vision.index_params (the `vision_indices` parameters), files (tokenizer/processor files copied
 beside), file_hashes {file: {sha256, size}} of every file written beside the manifest, quantization (null,
 or the weight-only scheme: bits, group size, accuracy_level (MatMulNBits' compute mode: 4 is int8
@@ -33,7 +35,7 @@ from typing import Any
 from .._version import __version__
 from ..store.atomic import write_file
 from ..errors import GlanceError, IntegrityError
-from .graphs import DRAFT_GRAPH, DRAFT_VOCAB_GRAPH, MANIFEST, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH
+from .graphs import BATCH_GRAPHS, DRAFT_GRAPH, DRAFT_VOCAB_GRAPH, MANIFEST, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH
 from .draft_ids import check_graph
 from ..store.integrity import file_digest, verify_files
 from .common import (Invalid, boolean, check_header, check_int, check_text, digest, dumps, guarded, int_list,
@@ -129,6 +131,12 @@ class Manifest:
     raw: dict[str, Any]  # the whole checked document, for the graph I/O and file-hash checks
     head_kind: str = "glance"  # "eagle3": the draft graph is an autoregressive head's step (drafter "steps")
     head_mrope: bool = False  # the EAGLE-3 head rotates with the target's three M-RoPE axes
+    max_batch: int = 1  # sequences one batched round runs (limits.max_batch; 1 where older manifests omit it)
+
+    @property
+    def batch_graphs(self) -> bool:
+        """Whether the batched round's graphs (target_batch, draft_batch) were exported: max_batch above 1."""
+        return self.max_batch > 1
 
 
 def _version(value: str) -> tuple[int, int]:
@@ -277,6 +285,13 @@ def _parse(path: Path, raw: dict[str, Any]) -> tuple[Manifest, dict[str, str], l
     needed = {"target": TARGET_GRAPH, "draft": DRAFT_GRAPH, "vocab": VOCAB_GRAPH,
               **({"vision": VISION_GRAPH} if is_vl else {}),
               **({"draft_vocab": DRAFT_VOCAB_GRAPH} if "draft_vocab" in graphs else {})}
+    limits = obj(raw, "limits")
+    max_batch = optional_int(limits, "max_batch", 1, 4096, "limits.") or 1
+    batched = [name for name in BATCH_GRAPHS if name in graphs]
+    if batched != (list(BATCH_GRAPHS) if max_batch > 1 else []):
+        raise Invalid(f"limits.max_batch is {max_batch} but graphs hold {batched or 'no batch graphs'}; the batched "
+                      f"graphs {' and '.join(BATCH_GRAPHS)} are there exactly when max_batch is above 1")
+    needed.update({name: f"{name}.onnx" for name in batched})
     names = _graph_files(raw, graphs, needed)
     target, draft, vocab = (obj(graphs, key, "graphs.") for key in ("target", "draft", "vocab"))
     target_stack = _stack(target, "graphs.target.")
@@ -306,7 +321,6 @@ def _parse(path: Path, raw: dict[str, Any]) -> tuple[Manifest, dict[str, str], l
             raise Invalid(f"branch_k {branch_k} differs from the top-k the draft_vocab graph was exported with "
                           f"({reduced.get('branch_k')!r})")
     token = vocab_size - 1
-    limits = obj(raw, "limits")
     max_context = integer(limits, "max_context", 2, BIG, "limits.")
     max_tree = integer(limits, "max_tree", 1, max_context - 1, "limits.")
     rope = raw.get("rope") or {}
@@ -336,7 +350,8 @@ def _parse(path: Path, raw: dict[str, Any]) -> tuple[Manifest, dict[str, str], l
                 for name in graphs},
         head_weights_sha256=_head_weights(raw), quantization=_quantization(raw),
         file_hashes={name: FileHash(e["sha256"], e["size"]) for name, e in raw["file_hashes"].items()}, raw=raw,
-        head_kind=head_kind, head_mrope=head_kind == "eagle3" and boolean(draft, "mrope", "graphs.draft."))
+        head_kind=head_kind, head_mrope=head_kind == "eagle3" and boolean(draft, "mrope", "graphs.draft."),
+        max_batch=max_batch)
     return manifest, needed, names
 
 

@@ -55,17 +55,21 @@ draft graph of an EAGLE-3 head (manifest `head_kind` "eagle3"; one run per tree 
     f[R_h, kvh, D] (this run's rows, to write after the cached ones).
 
 The batched graphs (`target_batch`, `draft_batch`; GLANCE heads) run one decode round for B sequences at once.
-Their past is the KV pool: `P` slots of `C` rows, one tensor per layer `[P, C, kvh, D]`, read in place; `slots`
-i64[B] names each sequence's slot and `past_lengths` i64[B] its committed rows; `past_rows` i64[S] is 0..S-1 for
-S = the longest (a size as an input, not computed from data); each sequence sees only its own rows. Every sequence carries the same number of rows (T or N, padded; a padded row is never read).
-target_batch graph: `inputs_embeds` f[B, T, H]; `position_ids` i64[3, B, T] (M-RoPE) or i64[B, T]; `tree_mask`
-    bool[B, T, T]; `slots`; `past_lengths`; `past_rows`; `pool_key_{l}` / `pool_value_{l}` f[P, C, kvh, D]
-    -> `hidden` f[B, T, H], `present_key_{l}` / `present_value_{l}` f[B, T, kvh, D], `taps` f[B, T, n_taps*H].
-draft_batch graph: `context_taps` f[B, N, n_taps*H] (each sequence's newly committed rows, the first
-    `context_lengths` i64[B] of them real), `context_positions` i64[B, N], `context_lengths`, `block_embeds`
-    f[B, Bk, H], `start` i64[B], `slots`, `past_lengths` (rows in each slot's head cache), `past_rows`,
-    `pool_ctx_key_{j}` / `pool_ctx_value_{j}` f[P, C, kvh, D]
-    -> `hidden` f[B, Bk-1, H], `ctx_key_{j}` / `ctx_value_{j}` f[B, N, kvh, D].
+Their past is the KV pool: `P` slots of `C_pool` rows, one tensor per layer `[P, C_pool, kvh, D]`, read in place;
+`slots` i64[B] names each sequence's slot and `past_lengths` i64[B] its committed rows; `past_rows` i64[S_b] is
+0..S_b-1 for S_b = the longest (a size as an input, not computed from data); each sequence sees only its own rows.
+Every sequence carries the same number of rows (T_b or N_b, padded; a padded row is never read). The manifest's
+axes bound them: B in [1, max_batch], P = max_batch and C_pool = max_context (the pool's fixed size), T_b up to
+max_tree, N_b up to block_size, S_b up to max_context - 1.
+target_batch graph: `inputs_embeds` f[B, T_b, H]; `position_ids` i64[3, B, T_b] (M-RoPE) or i64[B, T_b];
+    `tree_mask` bool[B, T_b, T_b]; `slots`; `past_lengths`; `past_rows`; `pool_key_{l}` / `pool_value_{l}`
+    f[P, C_pool, kvh, D]
+    -> `hidden` f[B, T_b, H], `present_key_{l}` / `present_value_{l}` f[B, T_b, kvh, D], `taps` f[B, T_b, n_taps*H].
+draft_batch graph: `context_taps` f[B, N_b, n_taps*H] (each sequence's newly committed rows, the first
+    `context_lengths` i64[B] of them real), `context_positions` i64[B, N_b], `context_lengths`, `block_embeds`
+    f[B, Bk, H] (Bk = block_size, fixed), `start` i64[B], `slots`, `past_lengths` (rows in each slot's head cache),
+    `past_rows`, `pool_ctx_key_{j}` / `pool_ctx_value_{j}` f[P, C_pool, kvh, D]
+    -> `hidden` f[B, Bk-1, H], `ctx_key_{j}` / `ctx_value_{j}` f[B, N_b, kvh, D].
 """
 from __future__ import annotations
 

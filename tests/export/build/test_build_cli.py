@@ -24,7 +24,7 @@ from glance_export.build.targets import PROFILE_NAMES, load_profile, profile_tex
 from glance_export.build.local_gpu import BuildGpu, probe_device, resolve_target
 from glance_export.build.engine_build import BuildRequest, build, check_out
 from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
-from glance_export.build.memory_plan import kv_bytes_per_row, weights_bytes
+from glance_export.build.memory_plan import Limits, kv_bytes_per_row, weights_bytes
 from glance_export.build.tensorrt_build import shape_profiles
 from glance_export.build.toolchain import Toolchain
 from glance_runtime.errors import GlanceError
@@ -68,6 +68,7 @@ def test_build_rtx_engines_for_every_family(exported, monkeypatch, capsys, tmp_p
     assert rc == 0
     art, typed = _manifest(artifacts / "manifest.json"), load_manifest(artifacts)
     record = _manifest(out / "engines.json")
+    typed = Limits(**record["limits"]).apply(typed)  # the batch lowered to the rtx profile's
     assert set(record["engines"]) == set(art["graphs"])
     assert sorted(p.name for p in out.iterdir()) == sorted([MARKER, "engines.json", *(f"{g}.engine" for g in art["graphs"])])
     for graph, entry in record["engines"].items():
@@ -93,10 +94,11 @@ def test_build_rtx_engines_for_every_family(exported, monkeypatch, capsys, tmp_p
 def test_lower_limits_size_the_engine_profiles(exported, monkeypatch, capsys, tmp_path):
     _, _, artifacts = exported("qwen2_5_vl")
     rc, stdout, _ = run_cli(monkeypatch, capsys, NO_GPU, "--target", "rtx", "--artifacts", artifacts,
-                            "--out", tmp_path / "e", "--max-context", 96, "--max-tree", 16)
-    assert rc == 0 and "max context 96 (--max-context), max tree 16 (--max-tree)" in stdout
+                            "--out", tmp_path / "e", "--max-context", 96, "--max-tree", 16, "--max-batch", 2)
+    assert rc == 0 and "max context 96 (--max-context), max tree 16 (--max-tree), max batch 2 (--max-batch)" in stdout
     record = _manifest(tmp_path / "e" / "engines.json")
-    assert record["limits"] == {"max_context": 96, "max_tree": 16, "max_image_tokens": 48}
+    assert record["limits"] == {"max_context": 96, "max_tree": 16, "max_image_tokens": 48, "max_batch": 2}
+    assert record["engines"]["target_batch"]["profiles"]["batch"]["P"] == [2, 2, 2]
     target = record["engines"]["target"]["profiles"]
     assert target["prefill"]["T"][2] == 96 and target["verify"]["T"][2] == 16 and target["prefill"]["N_img"][2] == 48
     assert record["engines"]["vision"]["profiles"]["vision"]["N_merged"][2] == 48
@@ -353,13 +355,13 @@ def test_build_refuses_a_machine_that_cannot_hold_the_builder(exported, tmp_path
     _, _, artifacts = exported("qwen3")
     request = BuildRequest("rtx", tmp_path / "e", artifacts=artifacts, workspace_gib=1)
     with pytest.raises(GlanceError, match=r"has 0\.50 GiB of memory available and the build needs about 1\.0\d GiB "
-                                          r"\(0\.5\d GiB short; builder peak .*3\.2 x the parsed weights of target, "
+                                          r"\(0\.5\d GiB short; builder peak .*3\.2 x the parsed weights of target(_batch)?, "
                                           r"[\d.]+ MiB \+ 1 GiB for the process\)\); .*--plan-only"):
         build(request, NO_GPU, host_memory_gib=0.5, progress=lambda _: None)
     assert not (tmp_path / "e").exists()
     build(request, NO_GPU, host_memory_gib=1.5, progress=lambda _: None)
     record = _manifest(tmp_path / "e" / "engines.json")
-    assert record["memory_plan"]["build_peak_graph"] == "target" and 1 < record["memory_plan"]["build_peak_gib"] < 1.1
+    assert record["memory_plan"]["build_peak_graph"] in ("target", "target_batch") and 1 < record["memory_plan"]["build_peak_gib"] < 1.1
     # Each graph was built in its own worker, whose measured peak stays under the estimate.
     peaks = [e["peak_rss_gib"] for e in record["engines"].values()]
     assert len(set(peaks)) > 1 and all(0.05 < p < record["memory_plan"]["build_peak_gib"] for p in peaks)

@@ -67,12 +67,14 @@ def test_profiles_cover_prefill_tree_verify_and_vocab_passes(exported):
 
 def test_lowered_limits_shrink_every_axis_they_bound(exported):
     manifest = load_manifest(exported("qwen2_5_vl"))
-    low = Limits(max_context=96, max_tree=16, max_image_tokens=40).apply(manifest)
+    low = Limits(max_context=96, max_tree=16, max_image_tokens=40, max_batch=4).apply(manifest)
     prefill, verify = shape_profiles(low, "target")
     assert prefill.axes["T"][2] == 96 and prefill.axes["S"][2] == 95 and verify.axes["T"][2] == 16
     assert prefill.axes["N_img"][2] == 40 and shape_profiles(low, "vision")[0].axes["N_merged"][2] == 40
     assert (low.max_context, low.max_tree) == (96, 16) and manifest.max_context == 256
-    raised = Limits(max_context=4096, max_tree=64, max_image_tokens=None).apply(manifest)
+    (batch,) = shape_profiles(low, "target_batch")
+    assert batch.axes == {"B": (1, 4, 4), "T_b": (1, 16, 16), "S_b": (0, 47, 95), "P": (4, 4, 4), "C_pool": (96, 96, 96)}
+    raised = Limits(max_context=4096, max_tree=64, max_image_tokens=None, max_batch=64).apply(manifest)
     assert raised.axes == manifest.axes  # never above the export's bounds
 
 

@@ -19,7 +19,9 @@ from glance_runtime.prompt.vision_indices import vision_index_inputs
 from glance_export.onnx import artifacts as artifacts_mod
 from glance_export.model.torch_backend import TorchBackend, greedy_reference
 from glance_runtime.errors import GlanceError
-from glance_runtime.formats.graphs import draft_kv_names, target_kv_names
+from glance_runtime.formats.graphs import (batch_draft_kv_names, batch_target_kv_names, draft_kv_names,
+                                          target_kv_names)
+from glance_runtime.decode.backend import Verified
 from glance_runtime.decode.loop import DecodeConfig, decode
 from support import ALL_FAMILIES, VL_FAMILIES, export_once, tiny_head
 
@@ -35,7 +37,8 @@ def test_graphs_pass_checker_with_contract_names(exported, family):
     _, _, out = exported(family)
     manifest = json.loads((out / "manifest.json").read_text())
     layers, head_layers = manifest["graphs"]["target"]["num_layers"], manifest["graphs"]["draft"]["num_layers"]
-    expected = {"target.onnx", "draft.onnx", "vocab.onnx"} | ({"vision.onnx"} if family in VL_FAMILIES else set())
+    expected = {"target.onnx", "draft.onnx", "vocab.onnx", "target_batch.onnx", "draft_batch.onnx"} | (
+        {"vision.onnx"} if family in VL_FAMILIES else set())
     assert {p.name for p in out.glob("*.onnx")} == expected
     for name in expected:
         onnx.checker.check_model(str(out / name), full_check=True)
@@ -49,6 +52,15 @@ def test_graphs_pass_checker_with_contract_names(exported, family):
     ctx_in, ctx_out = draft_kv_names(head_layers)
     assert [i.name for i in draft.input] == ["context_taps", "context_positions", "block_embeds", "start", *ctx_in]
     assert [o.name for o in draft.output] == ["hidden", *ctx_out]
+    batch = onnx.load(str(out / "target_batch.onnx"), load_external_data=False).graph
+    assert [i.name for i in batch.input] == ["inputs_embeds", "position_ids", "tree_mask", "slots", "past_lengths",
+                                             "past_rows", *batch_target_kv_names(layers)[0]]
+    assert [o.name for o in batch.output] == ["hidden", *present, "taps"]
+    batch = onnx.load(str(out / "draft_batch.onnx"), load_external_data=False).graph
+    assert [i.name for i in batch.input] == ["context_taps", "context_positions", "context_lengths", "block_embeds",
+                                             "start", "slots", "past_lengths", "past_rows",
+                                             *batch_draft_kv_names(head_layers)[0]]
+    assert [o.name for o in batch.output] == ["hidden", *ctx_out]
     vocab = onnx.load(str(out / "vocab.onnx"), load_external_data=False).graph
     assert [i.name for i in vocab.input] == ["ids", "hidden"]
     assert [o.name for o in vocab.output] == ["embeds", "topk_ids", "topk_logprobs", "entropy", "topk_embeds"]
@@ -63,7 +75,7 @@ def test_manifest_describes_the_export(exported, family):
     snap = Snapshot(model_dir)
     assert m["format"] == "glance-onnx" and m["toolkit_version"] == __version__ and m["family"] == family
     assert (m["dtype"], m["opset"], m["branch_k"], m["block_size"]) == ("fp32", 17, 8, BLOCK)
-    assert m["limits"] == {"max_tree": 32, "max_context": 256}
+    assert m["limits"] == {"max_tree": 32, "max_context": 256, "max_batch": 16}
     assert m["axes"]["T"] == [1, 256] and m["axes"]["S"] == [0, 255] and m["axes"]["T_verify"] == [1, 32]
     assert m["stop_token_ids"] == list(snap.stop_token_ids)
     assert m["mask_token_id"] == json.loads((head_dir / "config.json").read_text())["dflash_config"]["mask_token_id"]
@@ -92,8 +104,9 @@ def test_manifest_describes_the_export(exported, family):
 def test_validation_passes_on_fresh_inputs(exported, family):
     model_dir, head_dir, out = exported(family)
     report = validate_artifacts(out, model_dir, head_dir, seed=7, progress=lambda _: None)
-    assert set(report) == {"target", "draft", "vocab"} | ({"vision"} if family in VL_FAMILIES else set())
-    assert report["vocab"]["topk_ids"] == 0 and report["target"]["taps"] < 1e-2
+    assert set(report) == {"target", "draft", "vocab", "target_batch", "draft_batch"} | (
+        {"vision"} if family in VL_FAMILIES else set())
+    assert report["vocab"]["topk_ids"] == 0 and report["target"]["taps"] < 1e-2 and report["target_batch"]["taps"] < 1e-2
 
 
 @pytest.mark.parametrize("grid", [(1, 4, 4), (1, 6, 10), (1, 16, 8), (1, 22, 14)])
@@ -194,7 +207,7 @@ class GraphReplay:
         hidden = self._target({"input_ids": tokens[None].astype(np.int64), "position_ids": positions,
                                "tree_mask": visible, **self.no_image})[0]
         _, top, logp, entropy, _ = self._vocab(hidden=hidden)
-        return top[:, 0], float(entropy[0]), logp[:, 0].astype(np.float64)
+        return Verified(top[:, 0], float(entropy[0]), logp[:, 0].astype(np.float64))
 
     def commit(self, rows):
         self.kv = [np.concatenate([k, p[rows]]) for k, p in zip(self.kv, self.present)]
