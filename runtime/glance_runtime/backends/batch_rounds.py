@@ -143,16 +143,24 @@ class BatchRounds:
 
     # -- embeddings -----------------------------------------------------------------------------------
 
-    def _embed(self, slot: int, tokens: np.ndarray, dst: Buffer, first: int) -> None:
-        """Rows first.. of dst: the embeddings of `tokens`, copied from the slot's last projections (or kept
-        embeddings), else one vocab run."""
+    def _embed(self, rows: list[tuple[int, np.ndarray]], dst: Buffer, stride: int) -> None:
+        """Rows b * stride.. of dst: the embeddings of the tokens of (slot, tokens) b, copied from the slot's last
+        projections (or kept embeddings), one gather per buffer they lie in; a sequence with a token from elsewhere
+        gets its rows from one vocab run."""
         kept = self.base._kept
-        found = [self.known[slot].get(int(t)) or kept.get(int(t)) for t in tokens]
-        if all(found):
+        moves: dict[int, tuple[Buffer, list[int], list[int]]] = {}
+        for b, (slot, tokens) in enumerate(rows):
+            known = self.known[slot]
+            found = [known.get(int(t)) or kept.get(int(t)) for t in tokens]
+            if not all(found):
+                self.base.embed_rows(np.asarray(tokens, np.int64), dst, b * stride)
+                continue
             for i, (buf, row) in enumerate(found):
-                self.device.copy(dst.rows(1, first + i), buf.rows(1, row))
-            return
-        self.base.embed_rows(np.asarray(tokens, np.int64), dst, first)
+                move = moves.setdefault(id(buf), (buf, [], []))
+                move[1].append(b * stride + i)
+                move[2].append(row)
+        for buf, to, of in moves.values():
+            self.device.copy_rows(dst, np.array(to), buf, np.array(of), dst.row_bytes)
 
     def _project(self, hidden: Tensor, rows: int, into: str, graph: str) -> tuple[np.ndarray, np.ndarray]:
         k, cands = self.base.manifest.branch_k, self.cands[into]
@@ -206,7 +214,7 @@ class BatchRounds:
             if rows:
                 dev.copy(self.ctx_taps.rows(rows, i * n), backend.pending.rows(rows))
             positions[i, :rows] = np.arange(backend.pending_from, backend.pending_from + rows)
-            self._embed(slot, np.array([anchor], np.int64), self.block, i * bs)
+        self._embed([(slot, np.array([anchor], np.int64)) for slot, anchor, _, _ in asks], self.block, bs)
         past = [b.head_kv.length for b in backends]
         dev.upload(self.ctx_positions.rows(count * n), positions.reshape(-1))
         dev.upload(self.ctx_lengths.rows(count), np.array([b.pending_rows for b in backends], np.int64))
@@ -258,9 +266,9 @@ class BatchRounds:
         mask = np.zeros((count, t, t), bool)
         mask[:] = np.eye(t, dtype=bool)  # a padded row sees itself only and is never read
         positions = np.zeros((count, t), np.int64)
+        self._embed([(slot, np.asarray(tokens, np.int64)) for slot, tokens, _, _ in trees], self.embeds, t)
         for i, (backend, (slot, tokens, depths, visible)) in enumerate(zip(backends, trees)):
             size = sizes[i]
-            self._embed(slot, np.asarray(tokens, np.int64), self.embeds, i * t)
             mask[i, :size, :size] = visible
             positions[i] = backend.start + backend.delta
             positions[i, :size] += np.asarray(depths, np.int64)
@@ -295,19 +303,29 @@ class BatchRounds:
 
     def commit(self, kept: list[tuple[int, np.ndarray]]) -> None:
         """Per (slot, rows) of the last verify, in its order: the K/V of rows `rows` ([0] + accepted path) join the
-        slot's committed rows and their taps wait for the head."""
-        dev, t = self.device, self._width
-        row, layer = self.pool.row_bytes, self.present.row_bytes
+        slot's committed rows (one gather for every slot, row and layer) and their taps wait for the head."""
+        dev, t, pool = self.device, self._width, self.pool
+        slot_rows, pass_rows = [], []
         for i, (slot, rows) in enumerate(kept):
             backend = self.slots[slot]
-            for j, r in enumerate(np.asarray(rows, np.int64)):
-                source = i * t + int(r)
-                self.pool.write(slot, backend.kv.length + j, self.present, source * row, layer, 1)
-                dev.copy(backend.pending.rows(1, backend.pending_rows + j), self.taps.rows(1, source))
+            rows = np.asarray(rows, np.int64)
+            source = i * t + rows
+            at = backend.kv.length + np.arange(len(rows))
+            if len(rows) and at[-1] >= pool.max_context:
+                raise GlanceError(f"context full: {backend.kv.length} committed rows + {len(rows)} new exceed "
+                                  f"--max-context {pool.max_context}; raise --max-context or lower --max-new-tokens")
+            slot_rows.append(slot * pool.max_context + at)
+            pass_rows.append(source)
+            dev.copy_rows(backend.pending, backend.pending_rows + np.arange(len(rows)), self.taps, source,
+                          self.taps.row_bytes)
             backend.kv.length += len(rows)
             backend.pending_rows += len(rows)
             backend.start += len(rows)
-
+        layers = np.arange(2 * self.base.manifest.target.num_layers)[:, None]
+        slots_per_layer = pool.slots * pool.max_context
+        dst = (layers * slots_per_layer + np.concatenate(slot_rows)[None]).reshape(-1)
+        src = (layers * self.present.shape[1] + np.concatenate(pass_rows)[None]).reshape(-1)
+        dev.copy_rows(pool.buffer, dst, self.present, src, pool.row_bytes)
 
 def open_batch(session: "Session") -> BatchLoop:
     """The batched loop over a session opened with max_batch > 1 (`registry.Source.max_batch`); with auto, the

@@ -157,6 +157,24 @@ class Device:
         self.traffic.calls += 1
         self._d2d_strided(dst, dst_offset, dst_pitch, src, src_offset, src_pitch, width, height)
 
+    def copy_rows(self, dst: Buffer, dst_rows: np.ndarray, src: Buffer, src_rows: np.ndarray, row_bytes: int) -> None:
+        """Row dst_rows[i] of dst <- row src_rows[i] of src, both seen as rows of `row_bytes`: a batched round's
+        scattered rows (embeddings, kept KV rows) in one gather on the host, a copy a row on a GPU."""
+        dst_rows, src_rows = np.asarray(dst_rows, np.int64), np.asarray(src_rows, np.int64)
+        if len(dst_rows) != len(src_rows):
+            raise ValueError(f"{len(src_rows)} rows copied into {len(dst_rows)}")
+        if len(dst_rows) and (dst_rows.min() < 0 or src_rows.min() < 0 or (dst_rows.max() + 1) * row_bytes > dst.nbytes
+                              or (src_rows.max() + 1) * row_bytes > src.nbytes):
+            raise ValueError("a row copy runs past its buffers")
+        self.traffic.d2d_bytes += len(dst_rows) * row_bytes
+        self.traffic.calls += len(dst_rows)
+        self._d2d_rows(dst, dst_rows, src, src_rows, row_bytes)
+
+    def _d2d_rows(self, dst: Buffer, dst_rows: np.ndarray, src: Buffer, src_rows: np.ndarray, row_bytes: int) -> None:
+        for d, s in zip(dst_rows.tolist(), src_rows.tolist()):
+            self._d2d(dst.tensor((row_bytes // dst.dtype.itemsize,), d * row_bytes),
+                      src.tensor((row_bytes // src.dtype.itemsize,), s * row_bytes))
+
     def zeros(self, shape: tuple[int, ...], dtype) -> Buffer:
         """A new buffer of zeros (a KV pool: rows a batched pass reads but masks must never hold NaN)."""
         buffer = self.empty(shape, dtype)
@@ -230,6 +248,11 @@ class HostDevice(Device):
 
     def zeros(self, shape: tuple[int, ...], dtype) -> Buffer:
         return self.empty(shape, dtype)  # host buffers start zeroed (their pages are touched only when written)
+
+    def _d2d_rows(self, dst: Buffer, dst_rows: np.ndarray, src: Buffer, src_rows: np.ndarray, row_bytes: int) -> None:
+        def rows(buffer: Buffer) -> np.ndarray:
+            return buffer.host.reshape(-1).view(np.uint8).reshape(-1, row_bytes)
+        rows(dst)[dst_rows] = rows(src)[src_rows]
 
 
 class CudaDevice(Device):

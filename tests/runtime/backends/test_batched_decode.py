@@ -243,3 +243,20 @@ def test_batched_auto_keeps_drafting_only_while_it_gives_more_tokens_per_second(
     for _ in range(3 * EXPLORE_WINDOWS):
         window(0.5, 1.0)  # drafting now loses: after the next look at it, plain steps
     assert seen[-EXPLORE_WINDOWS:].count(True) == 1
+
+
+def test_a_row_gather_on_the_host_moves_what_a_copy_a_row_moves():
+    """The host's one-gather `copy_rows` against the copy-a-row path a GPU takes, on scattered rows."""
+    from glance_runtime.backends.device_buffers import Device
+
+    device = HostDevice()
+    src = device.empty((12, 6), np.float32)
+    src.host[:] = np.arange(72, dtype=np.float32).reshape(12, 6)
+    rows_to, rows_of = np.array([5, 0, 9, 2]), np.array([11, 3, 3, 0])
+    gathered, looped = device.empty((10, 6), np.float32), device.empty((10, 6), np.float32)
+    device.copy_rows(gathered, rows_to, src, rows_of, src.row_bytes)
+    Device._d2d_rows(device, looped, rows_to, src, rows_of, src.row_bytes)
+    assert np.array_equal(gathered.host, looped.host)
+    assert np.array_equal(gathered.host[rows_to], src.host[rows_of])
+    with pytest.raises(ValueError, match="past its buffers"):
+        device.copy_rows(gathered, np.array([10]), src, np.array([0]), src.row_bytes)
