@@ -33,8 +33,8 @@ def check_batch(manifest, max_batch: int) -> None:
     if manifest.head_kind == "eagle3":
         raise GlanceError("an EAGLE-3 head drafts a depth per pass and decodes one request at a time; "
                           "use --max-batch 1")
-    exported = int(manifest.raw["limits"].get("max_batch", 1))
-    if exported < 2 or not all(f"{g}.onnx" in manifest.file_hashes for g in BATCH_GRAPHS):
+    exported = manifest.max_batch
+    if not manifest.batch_graphs:
         raise GlanceError(f"{manifest.path} was exported without batched graphs; re-export with "
                           "`glance-export onnx` to serve several requests at once, or use --max-batch 1")
     if max_batch > exported:

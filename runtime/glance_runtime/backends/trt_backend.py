@@ -155,6 +155,11 @@ class TrtBackend(GraphBackend):
                 raise GlanceError(f"{engines} has no {' or '.join(missing)} engine; rebuild with "
                                   "`glance-export build --max-batch N` to serve several requests at once, "
                                   "or use --max-batch 1")
+            # the batched engines take the pool whole: their profiles fix its slots and rows at the build's
+            if max_batch != record.max_batch or (max_context or record.max_context) != record.max_context:
+                raise GlanceError(f"these engines batch {record.max_batch} sequences of {record.max_context} rows; "
+                                  f"pass --max-batch {record.max_batch} and no lower --max-context, or rebuild with "
+                                  f"`glance-export build --max-batch {max_batch}`")
         graphs = {name: graph(files) for name, files in record.engines.items()
                   if max_batch > 1 or name not in BATCH_GRAPHS}
         built = ("engines were built for", "rebuild them with `glance-export build`")

@@ -286,6 +286,7 @@ def _parse(path: Path, raw: dict[str, Any]) -> tuple[Manifest, dict[str, str], l
               **({"vision": VISION_GRAPH} if is_vl else {}),
               **({"draft_vocab": DRAFT_VOCAB_GRAPH} if "draft_vocab" in graphs else {})}
     limits = obj(raw, "limits")
+    integer(limits, "max_context", 2, BIG, "limits.")  # a missing context is named before the batch it bounds
     max_batch = optional_int(limits, "max_batch", 1, 4096, "limits.") or 1
     batched = [name for name in BATCH_GRAPHS if name in graphs]
     if batched != (list(BATCH_GRAPHS) if max_batch > 1 else []):

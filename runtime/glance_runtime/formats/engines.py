@@ -8,7 +8,7 @@ sha256 (checked by `integrity.verify_engines` before any is deserialized).
 
 Document (format_version 3): format, format_version, toolkit_version, target, tensorrt {module, version},
 device {name, compute_capability | runs_on_compute_capabilities, memory_gib}, precision {name,
-artifacts_dtype, how}, limits {max_context, max_tree, max_image_tokens}, memory_plan, timing_cache,
+artifacts_dtype, how}, limits {max_context, max_tree, max_image_tokens, max_batch (absent before batching: 1)}, memory_plan, timing_cache,
 artifacts {path, manifest_sha256, toolkit_version, family, dtype, opset, limits, source,
 head_weights_sha256}, engines {graph: {file, bytes, sha256, onnx, build_s, profiles} | {parts: [{file,
 bytes, sha256, inputs, outputs, weight_bytes, build_s, peak_rss_gib}], onnx, build_s, profiles}}, build_s,
@@ -60,6 +60,7 @@ class EnginesRecord:
     artifacts_manifest_sha256: str | None
     engines: dict[str, tuple[EngineFile, ...]]  # graph -> its one engine, or its parts in run order
     raw: dict[str, Any]
+    max_batch: int = 1  # the KV pool's slots the batched engines were built for (limits.max_batch; older: 1)
 
     @property
     def files(self) -> tuple[EngineFile, ...]:
@@ -125,7 +126,8 @@ def _parse(path: Path, raw: dict[str, Any]) -> EnginesRecord:
         max_tree=check_int(limits.get("max_tree"), "limits.max_tree", 1, max_context - 1),
         artifacts_path=optional_text(artifacts, "path", "artifacts."),
         artifacts_manifest_sha256=optional_text(artifacts, "manifest_sha256", "artifacts."),
-        engines={graph: _engine(graph, entry) for graph, entry in engines.items()}, raw=raw)
+        engines={graph: _engine(graph, entry) for graph, entry in engines.items()}, raw=raw,
+        max_batch=check_int(limits.get("max_batch", 1), "limits.max_batch", 1, 4096))
 
 
 def read(engines_dir: str | Path) -> EnginesRecord:
