@@ -352,7 +352,8 @@ def _triton(args: argparse.Namespace) -> int:
     repo = write_repository(TritonRepo(out=args.out, artifacts=args.artifacts, engines=args.engines, model=args.model,
                                        head=args.head, backend=args.backend, providers=tuple(args.provider or ()),
                                        instances_per_gpu=args.instances_per_gpu, gpus=args.gpu,
-                                       python_env=args.python_env, max_tokens=args.max_tokens), progress=_progress)
+                                       python_env=args.python_env, max_tokens=args.max_tokens,
+                                       max_batch=args.max_batch), progress=_progress)
     wheel = find_wheel(args.python_env)
     if wheel is None:
         _progress(install_hint(args.python_env))
@@ -376,6 +377,8 @@ def _add_triton(sub) -> None:
     x.add_argument("--gpu", action="store_true", help="KIND_GPU instance groups (default KIND_CPU)")
     x.add_argument("--python-env", type=Path, help="virtual environment the stubs run in (EXECUTION_ENV_PATH)")
     x.add_argument("--max-tokens", type=int, default=1024, help="the largest max_tokens a request may ask for")
+    x.add_argument("--max-batch", type=int,
+                   help="requests an instance decodes together (default: glance-serve's; 1: one at a time)")
     x.add_argument("--port", type=flags.between("--port", 1, 65533, "gRPC and metrics take the next two"),
                    default=8000, help="the HTTP port in the printed launch commands (gRPC: +1, metrics: +2; "
                    "default 8000)")

@@ -173,14 +173,18 @@ def test_an_image_that_is_not_one_is_a_400_and_the_model_keeps_serving(triton, i
 
 def test_repository_layout_and_instance_groups(tmp_path, capsys):
     repo = tmp_path / "repo"
-    assert export_main(["triton", "--out", str(repo), "--instances-per-gpu", "3", "--gpu", "--provider", "cuda"]) == 0
+    assert export_main(["triton", "--out", str(repo), "--instances-per-gpu", "3", "--gpu", "--provider", "cuda",
+                        "--max-batch", "6"]) == 0
     config = (repo / "glance" / "config.pbtxt").read_text()
     assert "count: 3 kind: KIND_GPU" in config and "decoupled: true" in config
+    assert '"max_batch"' in config and 'string_value: "6"' in config
     assert '"providers"' in config and (repo / "glance" / "1" / "model.py").is_file()
     assert export_main(["triton", "--out", str(tmp_path / "bad"), "--instances-per-gpu", "0"]) == 2
     assert export_main(["triton", "--out", str(tmp_path / "bad"), "--python-env", str(tmp_path)]) == 2
+    assert export_main(["triton", "--out", str(tmp_path / "bad"), "--max-batch", "0"]) == 2
     err = capsys.readouterr().err
-    assert "--instances-per-gpu" in err and "--python-env" in err and not (tmp_path / "bad").exists()
+    assert "--instances-per-gpu" in err and "--python-env" in err and "--max-batch" in err
+    assert not (tmp_path / "bad").exists()
 
 
 def test_without_the_wheel_it_says_to_install_the_triton_extra(tmp_path, capsys):
