@@ -6,8 +6,8 @@ For each concurrency, three ways to serve the same requests on ONNX Runtime (CPU
 - `plain`: batched plain decoding (budget 0: one verify pass of one row a sequence a round);
 - `serial`: one request at a time (what `--max-batch 1` does), GLANCE on the single-sequence loop.
 A waiting request joins the batch at a round boundary, one prefill per boundary while others decode (as
-glance-serve's scheduler admits them). Per request: latency (arrival to last token), time to first token (arrival
-to the prefill's token), tokens; per run: tokens per second over the wall time. Every answer is compared with the
+glance-serve's scheduler admits them). Per request: latency (arrival to last token), time to first token (the wait
+for a slot, or for the one decoder, plus the prefill), tokens; per run: tokens per second over the wall time. Every answer is compared with the
 same request decoded alone on a single-sequence backend (token for token).
 
 Models: the shipped default (`--model default`, the example tasks with their images), and a random Qwen2 text
@@ -168,6 +168,9 @@ class _Slot:
     def start(self) -> int:
         return self.backend.start
 
+    def prefill(self, prompt, keep: int = 0):
+        return self.backend.prefill(prompt, keep)
+
     def draft(self, anchor, k, depth=None):
         return self.drafted if self.drafted is not None else self.backend.draft(anchor, k, depth)
 
@@ -197,22 +200,28 @@ def run_mode(workload: Workload, mode: str, concurrency: int, count: int) -> dic
     counter = iter(range(count))
     arrived, first, done, tokens = {}, {}, {}, {}
     barrier = threading.Barrier(concurrency + 1)
+    failed: list[BaseException] = []
 
     def client() -> None:
         barrier.wait()
+        try:
+            serve()
+        except BaseException as exc:  # raised again on the main thread
+            failed.append(exc)
+
+    def serve() -> None:
         for i in counter:
             arrived[i] = time.perf_counter()
-
-            def seen(_piece, i=i):
-                first.setdefault(i, time.perf_counter())
-
             if mode == "serial":
                 with serial:
-                    out = _serial(model, workload, i, seen)
+                    waited = (time.perf_counter() - arrived[i]) * 1e3
+                    tokens[i], prefill_ms = _serial(model, workload, i)
+                first[i] = waited + prefill_ms
             else:
-                out = model.submit(workload.prompts[i], max_new_tokens=workload.max_new, on_text=seen).result()
+                out = model.submit(workload.prompts[i], max_new_tokens=workload.max_new).result()
+                tokens[i] = out.token_ids
+                first[i] = out.stats["queue_ms"] + out.stats["prefill_ms"]  # waiting for a slot, then its prefill
             done[i] = time.perf_counter()
-            tokens[i] = out.token_ids
 
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
     for t in threads:
@@ -221,10 +230,12 @@ def run_mode(workload: Workload, mode: str, concurrency: int, count: int) -> dic
     start = time.perf_counter()
     for t in threads:
         t.join()
-    wall = max(done.values()) - start
     model.close()
+    if failed:
+        raise failed[0]
+    wall = max(done.values()) - start
     latency = [(done[i] - arrived[i]) * 1e3 for i in range(count)]
-    ttft = [(first.get(i, done[i]) - arrived[i]) * 1e3 for i in range(count)]
+    ttft = [first[i] for i in range(count)]
     total = sum(len(t) for t in tokens.values())
     return {"mode": mode, "concurrency": concurrency, "requests": count, "tokens": total,
             "tokens_per_s": round(total / wall, 1),
@@ -233,18 +244,19 @@ def run_mode(workload: Workload, mode: str, concurrency: int, count: int) -> dic
             "answers": {i: tokens[i] for i in range(count)}}
 
 
-def _serial(model, workload: Workload, index: int, seen):
-    """One request decoded alone on a max_batch 1 model (the wide model's drafts seeded on its backend)."""
+def _serial(model, workload: Workload, index: int) -> tuple[list[int], float]:
+    """One request decoded alone on a max_batch 1 model (the wide model's drafts seeded on its backend): its tokens
+    and its prefill's ms."""
     if workload.model != "wide":
-        return model.submit(workload.prompts[index], max_new_tokens=workload.max_new, on_text=seen).result()
+        out = model.submit(workload.prompts[index], max_new_tokens=workload.max_new).result()
+        return out.token_ids, out.stats["prefill_ms"]
     from glance_runtime.bench.seeding import ConfidentSeeds
     from glance_runtime.decode.loop import decode
 
-    session = model.session
     prompt = workload.prompts[index]
-    backend = ConfidentSeeds(_Slot(session.backend), workload.seeds(index) + [0] * 8, prompt.length, "partial")
-    result = decode(backend, prompt, workload.config("glance"), workload.stops, on_commit=lambda new: seen(new))
-    return type("Out", (), {"token_ids": result.tokens})()
+    backend = ConfidentSeeds(_Slot(model.session.backend), workload.seeds(index) + [0] * 8, prompt.length, "partial")
+    result = decode(backend, prompt, workload.config("glance"), workload.stops)
+    return result.tokens, result.prefill_ms
 
 
 def _p99(values: list[float]) -> float:
