@@ -32,9 +32,12 @@ def test_tokens_are_the_prefills_one_plus_tau_per_round(budget, capsys):
     line, out = _run(SCENE + ["--budget", budget], capsys)
     assert line is not None and out["finish"] == "eos"
     tau, tokens, in_rounds, rounds = float(line[1]), int(line[2]), int(line[4]), int(line[5])
-    assert (tokens, rounds) == (out["tokens"], out["rounds"]) == (len(out["token_ids"]), len(out["round_log"]))
-    assert in_rounds == tokens - 1 == sum(r["accepted"] for r in out["round_log"])
-    assert out["tau"] == pytest.approx(in_rounds / rounds, abs=1e-4) and tau == pytest.approx(out["tau"], abs=0.005)
+    assert in_rounds == tokens - 1 and tau == pytest.approx(in_rounds / rounds, abs=0.005)
+    assert out["tokens"] == len(out["token_ids"]) == tokens and out["rounds"] == len(out["round_log"])
+    assert sum(r["accepted"] for r in out["round_log"]) == tokens - 1
+    assert out["tau"] == pytest.approx((tokens - 1) / out["rounds"], abs=1e-4)
+    if budget != "auto":  # auto's trees follow the round costs it times, so two runs may round differently
+        assert rounds == out["rounds"] and tau == pytest.approx(out["tau"], abs=0.005)
 
 
 def test_one_round_and_one_token_are_singular(capsys):
