@@ -2,9 +2,7 @@
 
 A request waits until a slot of the KV pool is free, then joins the running batch at a round boundary. At most
 one prefill runs per boundary while others are decoding, so a newcomer holds the running sequences up by one
-prefill at most (recorded as the request's `prefill_ms`). On the CPU the next waiting request's images are
-encoded on a second thread while the rounds run (`BatchRounds.encode`), so the prefill that holds the batch up
-is the target's alone and the vision tower's time goes to the other core. Each round commits tokens for every sequence; a
+prefill at most (recorded as the request's `prefill_ms`). Each round commits tokens for every sequence; a
 request's text leaves in pieces as its tokens commit, and it ends at its stop token, its token limit, a stop
 string or a cancellation, freeing its slot at that boundary. Each slot remembers the rows it holds after its
 last request, and a newcomer is given the free slot sharing the most rows with its prompt (a conversation's
@@ -16,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -129,8 +127,6 @@ up are called on the batch thread (for metrics; set them as attributes)."""
         self.running: dict[int, Ticket] = {}  # slot -> ticket
         self.cond = threading.Condition()
         self.closed = False
-        self.encoder = ThreadPoolExecutor(1, "glance-vision") if loop.rounds.encodes_ahead else None
-        self.ahead: tuple[Ticket, Future] | None = None  # the waiting request whose images are being encoded
         self.thread = threading.Thread(target=self._serve, name="glance-batch", daemon=True)
         self.thread.start()
 
@@ -185,44 +181,16 @@ up are called on the batch thread (for metrics; set them as attributes)."""
                 joining, self.waiting = self.waiting[:take], self.waiting[take:]
             for ticket in joining:
                 self._join(ticket)
-            self._encode_ahead()
             for ticket in [t for t in self.running.values() if t.cancelled]:
                 ticket.answer.by_caller = True
                 self.loop.cancel(ticket.request)
                 self._done(ticket)
             if self.running:
                 self._round()
-        if self.encoder is not None:
-            self.encoder.shutdown(wait=True)
         error = GlanceError("the model was closed before this request finished")
         for ticket in [*self.waiting, *self.running.values()]:
             _settle(ticket.future, error=error)
         self.waiting, self.running = [], {}
-
-    def _encode_ahead(self) -> None:
-        """While rounds run, the first waiting request's images go to the vision thread (one at a time)."""
-        if self.encoder is None or not self.running or (self.ahead is not None and not self.ahead[1].done()):
-            return
-        with self.cond:
-            ticket = next((t for t in self.waiting if t.prompt.pixel_values is not None
-                           or t.prompt.pixel_values_videos is not None), None)
-        if ticket is not None and (self.ahead is None or self.ahead[0] is not ticket):
-            self.ahead = (ticket, self.encoder.submit(self.loop.rounds.encode, ticket.prompt))
-
-    def _vision(self, ticket: Ticket):
-        """The ticket's images if the vision thread encoded them; any encoding still running first ends (the
-        prefill may run the vision graph itself)."""
-        if self.ahead is None:
-            return None
-        mine, future = self.ahead
-        try:
-            vision = future.result()
-        except Exception:  # the prefill encodes them again and reports what is wrong with them
-            vision = None
-        if mine is not ticket:
-            return None
-        self.ahead = None
-        return vision
 
     def _drop_cancelled(self) -> None:
         """Requests given up while they waited leave without a prefill (called under the lock)."""
@@ -252,7 +220,7 @@ up are called on the batch thread (for metrics; set them as attributes)."""
         ticket.request = Request(ticket.prompt, ticket.cfg, self.codec.stop_ids, self._guarded(ticket), keep)
         holding_up = bool(self.running)
         try:
-            self.loop.join(ticket.request, slot, self._vision(ticket))
+            self.loop.join(ticket.request, slot)
         except Exception as exc:  # this request's prefill failed: only it is answered with the error
             _settle(ticket.future, error=exc)
             return

@@ -10,7 +10,6 @@ single-sequence backend does, per slot.
 """
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -21,7 +20,7 @@ from ..decode.batch_loop import BatchLoop
 from ..decode.limits import check_branch_k, check_tree
 from ..errors import GlanceError
 from ..formats.graphs import BATCH_GRAPHS, batch_draft_kv_names, batch_target_kv_names
-from .device_buffers import Buffer, HostDevice, Tensor
+from .device_buffers import Buffer, Tensor
 from .graph_backend import GraphBackend
 
 if TYPE_CHECKING:
@@ -52,9 +51,6 @@ class BatchRounds:
         self.slots = [base] + [base.sibling(i) for i in range(1, base.max_batch)]
         self.pool, self.head_pool = base.pools
         self.device = dev = base.device
-        # images encoded on another thread while rounds run: on a host with a core for it (a GPU's passes share one
-        # stream, and its vision graph is short)
-        self.encodes_ahead = isinstance(dev, HostDevice) and base.manifest.is_vl and len(os.sched_getaffinity(0)) > 1
         P, T, k = base.max_batch, base.max_tree, m.branch_k
         self.block_size, hidden, width = m.block_size, m.hidden_size, m.tap_width
         drafted = self.block_size - 1
@@ -101,18 +97,13 @@ class BatchRounds:
 
     # -- joining --------------------------------------------------------------------------------------
 
-    def encode(self, prompt) -> tuple[Tensor, Tensor] | None:
-        """A waiting request's image rows, encoded on the caller's thread while this one runs rounds (the graphs
-        of a round and the vision graph are separate sessions; one look-ahead at a time, handed to `prefill`)."""
-        return self.base.encode_vision(prompt)
-
-    def prefill(self, slot: int, prompt, keep: int = 0, vision: tuple[Tensor, Tensor] | None = None) -> tuple[int, float]:
+    def prefill(self, slot: int, prompt, keep: int = 0) -> tuple[int, float]:
         """Prefill `prompt` into `slot` with the single-sequence graphs; the first anchor's embedding is kept where
         the next prefill cannot overwrite it. The prompt's taps wait for the slot's first draft (a batched draft
         hands more rows than a round commits to the single draft graph first: `_absorb`)."""
         backend = self.slots[slot]
         backend.known = {}  # the shared projections' rows belong to whichever slot ran last
-        first, entropy = backend.prefill(prompt, keep) if keep else backend.prefill(prompt, vision=vision)
+        first, entropy = backend.prefill(prompt, keep) if keep else backend.prefill(prompt)
         self.keep_anchor(slot, first)
         return first, entropy
 

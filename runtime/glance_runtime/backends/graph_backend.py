@@ -109,7 +109,6 @@ class GraphBackend:
         self.no_image = new((1, hidden), self.float).rows(0)
         self.no_deep = new((max(m.deepstack_layers, 1), 1, hidden), self.float).tensor((m.deepstack_layers, 0, hidden))
         self._images: dict[str, Buffer] = {}  # vision inputs and outputs, sized by the largest image so far
-        self._ahead: dict[str, Buffer] = {}  # the same for `encode_vision`
         self._kept: dict[int, tuple[Buffer, int]] = {}  # token -> its row in a kept buffer (keep_embeddings)
         self._kept_rows: Buffer | None = None
         self._verified = np.zeros(0, np.int64)  # the last verify pass's tokens (a commit records the kept ones)
@@ -231,29 +230,18 @@ class GraphBackend:
         self.kv.appended(rows)
         return hidden
 
-    def _image_buffer(self, name: str, shape: tuple[int, ...], dtype, buffers: dict[str, Buffer] | None = None) -> Tensor:
+    def _image_buffer(self, name: str, shape: tuple[int, ...], dtype) -> Tensor:
         """A view of `shape` in a per-name buffer that grows to the largest image seen, so a long run over
-        many prompts allocates nothing after its largest image. `buffers`: another set than the prefill's own
-        (`encode_vision`'s)."""
-        buffers = self._images if buffers is None else buffers
+        many prompts allocates nothing after its largest image."""
         dtype = np.dtype(dtype)
-        buf = buffers.get(name)
+        buf = self._images.get(name)
         if buf is None or buf.dtype != dtype or buf.nbytes < int(np.prod(shape)) * dtype.itemsize:
             if buf is not None:
                 self.device.free(buf)
-            buf = buffers[name] = self.device.empty((int(np.prod(shape)),), dtype)
+            buf = self._images[name] = self.device.empty((int(np.prod(shape)),), dtype)
         return buf.tensor(tuple(shape))
 
-    def encode_vision(self, prompt: Prompt) -> tuple[Tensor, Tensor] | None:
-        """The prompt's image rows (and deepstack rows), in buffers of their own that stay as they are until the
-        next call, or None without images: a batch encodes a waiting request's images while it decodes the others
-        and hands them to that request's `prefill` (`batch_rounds`). The vision graph must not run elsewhere
-        meanwhile."""
-        passes = self._vision_passes(prompt) if self.manifest.is_vl else []
-        return self._encode_images(passes, self._ahead) if passes else None
-
-    def _encode_image(self, pixels: np.ndarray, grid: np.ndarray,
-                      buffers: dict[str, Buffer] | None = None) -> tuple[Tensor, Tensor]:
+    def _encode_image(self, pixels: np.ndarray, grid: np.ndarray) -> tuple[Tensor, Tensor]:
         """Image rows (and Qwen3-VL deepstack rows) on the device; inputs are the pixels and the grid-derived
         index tensors the graph declares."""
         feeds = {"pixel_values": pixels.astype(self.float), "image_grid_thw": grid}
@@ -262,15 +250,15 @@ class GraphBackend:
         inputs = {}
         for name, array in feeds.items():
             if name in graph.input_names:
-                inputs[name] = self._image_buffer(name, array.shape, array.dtype, buffers)
+                inputs[name] = self._image_buffer(name, array.shape, array.dtype)
                 self.device.upload(inputs[name], array)
         merged = len(pixels) // self.manifest.spatial_merge_size ** 2
         hidden = self.manifest.hidden_size
-        outputs = {"image_embeds": self._image_buffer("image_embeds", (merged, hidden), self.float, buffers)}
+        outputs = {"image_embeds": self._image_buffer("image_embeds", (merged, hidden), self.float)}
         deep = self.no_deep
         if self.manifest.deepstack_layers:
             deep = outputs["deepstack_embeds"] = self._image_buffer(
-                "deepstack_embeds", (self.manifest.deepstack_layers, merged, hidden), self.float, buffers)
+                "deepstack_embeds", (self.manifest.deepstack_layers, merged, hidden), self.float)
         graph.run(inputs, outputs)
         return outputs["image_embeds"], deep
 
@@ -295,23 +283,22 @@ class GraphBackend:
                 passes.append((prompt.pixel_values_videos[first:first + h * w], np.array([[1, h, w]], np.int64)))
         return passes
 
-    def _encode_images(self, passes: list[tuple[np.ndarray, np.ndarray]],
-                       buffers: dict[str, Buffer] | None = None) -> tuple[Tensor, Tensor]:
+    def _encode_images(self, passes: list[tuple[np.ndarray, np.ndarray]]) -> tuple[Tensor, Tensor]:
         """Every pass's rows, concatenated in prompt order (deepstack rows too, per layer): the vision graph
         takes one image per run, the target graph takes all of a pass's image rows at once."""
         if len(passes) == 1:
-            return self._encode_image(*passes[0], buffers)
+            return self._encode_image(*passes[0])
         merge2 = self.manifest.spatial_merge_size ** 2
         total = sum(len(pixels) for pixels, _ in passes) // merge2
         hidden, layers = self.manifest.hidden_size, self.manifest.deepstack_layers
         item = self.float.itemsize
-        rows = self._image_buffer("all_image_embeds", (total, hidden), self.float, buffers)
+        rows = self._image_buffer("all_image_embeds", (total, hidden), self.float)
         deep = self.no_deep
         if layers:
-            deep = self._image_buffer("all_deepstack_embeds", (layers, total, hidden), self.float, buffers)
+            deep = self._image_buffer("all_deepstack_embeds", (layers, total, hidden), self.float)
         first_row = 0
         for pixels, grid in passes:
-            image, image_deep = self._encode_image(pixels, grid, buffers)
+            image, image_deep = self._encode_image(pixels, grid)
             merged = len(pixels) // merge2
             self.device.copy(rows.buffer.tensor((merged, hidden), first_row * hidden * item), image)
             for layer in range(layers):
@@ -336,10 +323,8 @@ class GraphBackend:
 
     # -- the Backend protocol -------------------------------------------------------------------------
 
-    def prefill(self, prompt: Prompt, keep: int = 0,
-                vision: tuple[Tensor, Tensor] | None = None) -> tuple[int, float]:
-        """`keep`: committed rows (target and head) the prompt starts with, kept instead of recomputed. `vision`:
-        the prompt's image rows as `encode_vision` gave them (a whole prompt's, so only where nothing is kept)."""
+    def prefill(self, prompt: Prompt, keep: int = 0) -> tuple[int, float]:
+        """`keep`: committed rows (target and head) the prompt starts with, kept instead of recomputed."""
         if keep:
             return self._prefill_after(prompt, keep)
         self._reset()
@@ -348,9 +333,8 @@ class GraphBackend:
         image, deep = self.no_image, self.no_deep
         if self.manifest.is_vl:
             pos, self.delta = self._prompt_positions(prompt)
-            if vision is not None:
-                image, deep = vision
-            elif passes := self._vision_passes(prompt):
+            passes = self._vision_passes(prompt)
+            if passes:
                 image, deep = self._encode_images(passes)
         else:
             pos = np.arange(length, dtype=np.int64)[None]
@@ -465,10 +449,10 @@ class GraphBackend:
             return
         self._closed = True
         caches = [p.buffer for p in self.pools] if self.pools else [self.kv.buffer, self.head_kv.buffer]
-        for buffer in [*self._owned, *self._images.values(), *self._ahead.values(), *caches]:
+        for buffer in [*self._owned, *self._images.values(), *caches]:
             self.device.free(buffer)
         for graph in self.graphs.values():
             graph = getattr(graph, "graph", graph)  # a timed graph's own
             if isinstance(graph, ChainGraph):
                 graph.close()  # the buffers between its parts
-        self._owned, self._images, self._ahead, self.graphs = [], {}, {}, {}
+        self._owned, self._images, self.graphs = [], {}, {}

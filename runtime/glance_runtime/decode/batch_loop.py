@@ -31,7 +31,7 @@ class Rounds(Protocol):
     @property
     def capacity(self) -> int: ...
 
-    def prefill(self, slot: int, prompt, keep: int = 0, vision=None) -> tuple[int, float]: ...
+    def prefill(self, slot: int, prompt, keep: int = 0) -> tuple[int, float]: ...
 
     def draft(self, asks: list[tuple[int, int, int, int | None]]) -> list[tuple[np.ndarray, np.ndarray]]: ...
 
@@ -84,10 +84,9 @@ class BatchLoop:
     def free_slots(self) -> list[int]:
         return [s for s in range(self.capacity) if s not in self.active]
 
-    def join(self, request: Request, slot: int | None = None, vision=None) -> Request:
+    def join(self, request: Request, slot: int | None = None) -> Request:
         """Prefill `request` into `slot` (default: the lowest free one); it takes part from the next round on,
-        unless its first token already ends it (then it is done and holds no slot). `vision`: its image rows,
-        encoded ahead (`BatchRounds.encode`; only where it keeps no rows)."""
+        unless its first token already ends it (then it is done and holds no slot)."""
         free = self.free_slots()
         if not free:
             raise GlanceError(f"all {self.capacity} batch slots are busy; wait for one to free or raise --max-batch")
@@ -96,7 +95,7 @@ class BatchLoop:
         elif slot not in free:
             raise ValueError(f"slot {slot} is busy")
         request.slot, request.started = slot, time.perf_counter()
-        first, _ = self.rounds.prefill(slot, request.prompt, request.keep, None if request.keep else vision)
+        first, _ = self.rounds.prefill(slot, request.prompt, request.keep)
         out = request.result
         out.prefill_ms = (time.perf_counter() - request.started) * 1e3
         new = first_tokens(out, first, request.cfg, request.stops)
