@@ -196,7 +196,7 @@ def run_mode(workload: Workload, mode: str, concurrency: int, count: int) -> dic
         Seeded(model, workload)
     elif wide and mode == "serial":
         model.session.backend.keep_embeddings(sorted({t for i in range(len(WIDE_PROMPTS)) for t in workload.seeds(i)}))
-    serial = threading.Lock()
+    line = Line(model, workload) if mode == "serial" else None
     counter = iter(range(count))
     arrived, first, done, tokens = {}, {}, {}, {}
     barrier = threading.Barrier(concurrency + 1)
@@ -212,11 +212,8 @@ def run_mode(workload: Workload, mode: str, concurrency: int, count: int) -> dic
     def serve() -> None:
         for i in counter:
             arrived[i] = time.perf_counter()
-            if mode == "serial":
-                with serial:
-                    waited = (time.perf_counter() - arrived[i]) * 1e3
-                    tokens[i], prefill_ms = _serial(model, workload, i)
-                first[i] = waited + prefill_ms
+            if line is not None:
+                tokens[i], first[i] = line.submit(i).result()
             else:
                 out = model.submit(workload.prompts[i], max_new_tokens=workload.max_new).result()
                 tokens[i] = out.token_ids
@@ -230,6 +227,8 @@ def run_mode(workload: Workload, mode: str, concurrency: int, count: int) -> dic
     start = time.perf_counter()
     for t in threads:
         t.join()
+    if line is not None:
+        line.close()
     model.close()
     if failed:
         raise failed[0]
@@ -244,19 +243,55 @@ def run_mode(workload: Workload, mode: str, concurrency: int, count: int) -> dic
             "answers": {i: tokens[i] for i in range(count)}}
 
 
-def _serial(model, workload: Workload, index: int) -> tuple[list[int], float]:
-    """One request decoded alone on a max_batch 1 model (the wide model's drafts seeded on its backend): its tokens
-    and its prefill's ms."""
-    if workload.model != "wide":
-        out = model.submit(workload.prompts[index], max_new_tokens=workload.max_new).result()
-        return out.token_ids, out.stats["prefill_ms"]
-    from glance_runtime.bench.seeding import ConfidentSeeds
-    from glance_runtime.decode.loop import decode
+class Line:
+    """One request at a time, in arrival order (glance-serve --max-batch 1's queue): one worker thread decodes what
+    the clients submit; each future gives the tokens and the ms from submission to the prefill's token."""
 
-    prompt = workload.prompts[index]
-    backend = ConfidentSeeds(_Slot(model.session.backend), workload.seeds(index) + [0] * 8, prompt.length, "partial")
-    result = decode(backend, prompt, workload.config("glance"), workload.stops)
-    return result.tokens, result.prefill_ms
+    def __init__(self, model, workload: Workload):
+        import queue
+        import threading
+
+        self.model, self.workload = model, workload
+        self.queue: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._work, daemon=True)
+        self.thread.start()
+
+    def submit(self, index: int):
+        from concurrent.futures import Future
+
+        future: Future = Future()
+        self.queue.put((index, time.perf_counter(), future))
+        return future
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+
+    def _work(self) -> None:
+        while (item := self.queue.get()) is not None:
+            index, submitted, future = item
+            waited = (time.perf_counter() - submitted) * 1e3
+            try:
+                tokens, prefill_ms = self._decode(index)
+            except BaseException as exc:  # the client raises it
+                future.set_exception(exc)
+                continue
+            future.set_result((tokens, waited + prefill_ms))
+
+    def _decode(self, index: int) -> tuple[list[int], float]:
+        """One request alone on the max_batch 1 model (the wide model's drafts seeded on its backend)."""
+        workload = self.workload
+        if workload.model != "wide":
+            out = self.model.submit(workload.prompts[index], max_new_tokens=workload.max_new).result()
+            return out.token_ids, out.stats["prefill_ms"]
+        from glance_runtime.bench.seeding import ConfidentSeeds
+        from glance_runtime.decode.loop import decode
+
+        prompt = workload.prompts[index]
+        backend = ConfidentSeeds(_Slot(self.model.session.backend), workload.seeds(index) + [0] * 8, prompt.length,
+                                 "partial")
+        result = decode(backend, prompt, workload.config("glance"), workload.stops)
+        return result.tokens, result.prefill_ms
 
 
 def _p99(values: list[float]) -> float:
