@@ -6,7 +6,8 @@ For each concurrency, three ways to serve the same requests on ONNX Runtime (CPU
 - `plain`: batched plain decoding (budget 0: one verify pass of one row a sequence a round);
 - `serial`: one request at a time (what `--max-batch 1` does), GLANCE on the single-sequence loop.
 A waiting request joins the batch at a round boundary, one prefill per boundary while others decode (as
-glance-serve's scheduler admits them). Per request: latency (arrival to last token), time to first token (the wait
+glance-serve's scheduler admits them); every request prefills its whole prompt in every mode (no slot keeps rows
+for the next request, which the serial line has no way to do either). Per request: latency (arrival to last token), time to first token (the wait
 for a slot, or for the one decoder, plus the prefill), tokens; per run: tokens per second over the wall time. Every answer is compared with the
 same request decoded alone on a single-sequence backend (token for token).
 
@@ -136,7 +137,7 @@ class Seeded:
         loop = model.scheduler.loop
         rounds = loop.rounds
         truths = {workload.prompts[i].input_ids.tobytes(): (workload.seeds(i) + [0] * 8, workload.prompts[i].length)
-                  for i in range(len(WIDE_PROMPTS))}
+                  for i in range(min(len(WIDE_PROMPTS), len(workload.prompts)))}
         rounds.base.keep_embeddings(sorted({t for truth, _ in truths.values() for t in truth}))
         batched, alone = rounds.draft, rounds.alone
 
@@ -192,10 +193,13 @@ def run_mode(workload: Workload, mode: str, concurrency: int, count: int) -> dic
     budget = 0 if mode == "plain" else SEED_DEPTH if wide else None  # 0: plain steps (glance-serve's --budget 0)
     model = gr.load(workload.artifacts, threads=1, max_batch=1 if mode == "serial" else 16, budget=budget,
                     branch_k=1 if wide and mode != "plain" else 8)
+    if model.scheduler is not None:  # every request prefills whole, as the serial line's do: no rows kept in a slot
+        model.scheduler._slot = lambda prompt, free=model.scheduler.loop.free_slots: (free()[0], 0)
     if wide and mode == "glance":
         Seeded(model, workload)
     elif wide and mode == "serial":
-        model.session.backend.keep_embeddings(sorted({t for i in range(len(WIDE_PROMPTS)) for t in workload.seeds(i)}))
+        kinds = range(min(len(WIDE_PROMPTS), len(workload.prompts)))
+        model.session.backend.keep_embeddings(sorted({t for i in kinds for t in workload.seeds(i)}))
     line = Line(model, workload) if mode == "serial" else None
     counter = iter(range(count))
     arrived, first, done, tokens = {}, {}, {}, {}
