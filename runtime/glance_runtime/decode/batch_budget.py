@@ -41,8 +41,8 @@ from .tree import Tree
 DECAY = 0.97  # weight of a round's timing, per later round: about the last 30 rounds count
 PRIOR_WEIGHT = 4.0  # how many rounds' worth the start holds against the batch's own timings
 EXPLORE_EVERY = 32  # a round that drafted nothing drafts the likeliest sequence once in this many, to time it
-WINDOW_ROUNDS = 16  # rounds a drafting-or-not choice is measured over
-EXPLORE_WINDOWS = 12  # one window in this many tries the choice that measured worse
+WINDOW_ROUNDS = 8  # rounds a drafting-or-not choice is measured over
+EXPLORE_WINDOWS = 16  # one window in this many tries the choice that measured worse
 
 
 class BatchCost:
