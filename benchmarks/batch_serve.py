@@ -25,6 +25,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from serve_load import pct  # noqa: E402
+
 KINDS = ("receipt", "chart", "scene", "caption")
 READY = re.compile(r"ready: .* on (http://\S+)")
 MODES = {"serial": ("--max-batch", "1"), "plain": ("--budget", "0"), "glance": ()}
@@ -102,11 +106,6 @@ def level(url: str, work: list[tuple[str, str]], clients: int, requests: int) ->
     return {"clients": clients, "requests": requests, "tokens_per_s": round(sum(tokens) / wall, 1),
             "latency_ms_p50": round(statistics.median(latency), 1), "latency_ms_p99": round(pct(latency, 0.99), 1),
             "ttft_ms_p50": round(statistics.median(ttft), 1), "ttft_ms_p99": round(pct(ttft, 0.99), 1)}, texts
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 def main() -> int:

@@ -17,7 +17,7 @@ from torch import nn
 from glance_export.model.head import DraftHead
 from glance_runtime.formats.graphs import batch_draft_kv_names, batch_target_kv_names
 
-from .target import language_model
+from .target import PassCache, language_model
 
 
 def gather_past(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -40,19 +40,6 @@ def columns(lengths: torch.Tensor, cols: torch.Tensor, rows: int | torch.Tensor,
     return mask.expand(-1, -1, rows, -1)
 
 
-class PoolCache:
-    """A transformers Cache stand-in over gathered pasts: concatenates each layer's past with this pass's rows."""
-
-    def __init__(self, past: list[tuple[torch.Tensor, torch.Tensor]]):
-        self.past = past
-        self.present: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
-        self.present[layer_idx] = (keys, values)
-        past_k, past_v = self.past[layer_idx]
-        return torch.cat([past_k, keys], dim=2), torch.cat([past_v, values], dim=2)
-
-
 class BatchTargetGraph(nn.Module):
     """Inputs and outputs exactly as `glance_runtime.formats.graphs` states for the batched target graph."""
 
@@ -66,7 +53,7 @@ class BatchTargetGraph(nn.Module):
         self.output_names = ["hidden", *present, "taps"]
 
     def forward(self, inputs_embeds, position_ids, tree_mask, slots, past_lengths, past_rows, *pool):
-        cache = PoolCache([(gather_past(pool[2 * l], slots, past_rows),
+        cache = PassCache([(gather_past(pool[2 * l], slots, past_rows),
                             gather_past(pool[2 * l + 1], slots, past_rows)) for l in range(self.num_layers)])
         hidden = inputs_embeds
         blocked = torch.full((), torch.finfo(hidden.dtype).min, dtype=hidden.dtype)

@@ -6,7 +6,7 @@ plans each sequence's draft as `loop.decode` would (`draft_depth`; with auto, th
 `batch_budget`), drafts all of them in one head pass, builds each tree, verifies every tree in one target pass,
 then walks, commits and records per sequence with the single loop's own functions. A sequence leaves at a round
 boundary (stop token, token limit, its caller's stop, a cancellation) and frees its slot; the others' rows stay
-where they are. While one sequence is alone, its rounds are the single loop's, on its slot (`round_tree`):
+where they are. While one sequence is alone, its rounds are the single loop's, on its slot (`one_round`):
 the single-sequence graphs and, with auto, its own policy, so one request at a time runs as it always has.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 
 from .backend import Backend, Verified
 from .batch_budget import BatchBudget
-from .loop import DecodeConfig, DecodeResult, draft_depth, first_tokens, record_round, round_tree
+from .loop import DecodeConfig, DecodeResult, draft_depth, first_tokens, one_round, record_round
 from .tree import Tree, build_tree, fit, visibility, walk
 from ..errors import GlanceError
 
@@ -176,18 +176,8 @@ class BatchLoop:
     def _alone(self, request: Request) -> list[Request]:
         """A round of the single loop on the sequence's slot, its draft, verify and commit the slot's own."""
         backend = self.rounds.alone(request.slot, request.anchor)
-        r0 = time.perf_counter()
-        tree, drafted = round_tree(backend, request.anchor, request.cfg, request.surprisal, request._left(),
-                                   request.stops)
-        r1 = time.perf_counter()
-        verified = backend.verify(tree.tokens, tree.depths, visibility(tree.parents))
-        r2 = time.perf_counter()
-        path, bonus = walk(tree, verified.argmax)
-        backend.commit(np.concatenate([[0], path]).astype(np.int64))
-        r3 = time.perf_counter()
-        new, request.anchor, request.surprisal = record_round(
-            request.result, request.cfg, request.stops, tree, drafted, path, bonus, verified, request.surprisal,
-            ((r1 - r0) * 1e3, (r2 - r1) * 1e3, (r3 - r0) * 1e3))
+        new, request.anchor, request.surprisal = one_round(backend, request.result, request.anchor,
+                                                           request.surprisal, request.cfg, request.stops)
         self.rounds.keep_anchor(request.slot, request.anchor)
         return self._after(request, new)
 

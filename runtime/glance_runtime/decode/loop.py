@@ -168,6 +168,22 @@ def record_round(out: DecodeResult, cfg: DecodeConfig, stops: frozenset[int], tr
     return new, int(bonus), -float(verified.confidence[path[-1] if len(path) else 0])
 
 
+def one_round(backend: Backend, out: DecodeResult, anchor: int, surprisal: float | None, cfg: DecodeConfig,
+              stops: frozenset[int]) -> tuple[list[int], int, float]:
+    """One round on one backend (draft, tree, verify, walk, commit), recorded into `out`: the new tokens, the next
+    anchor and its surprisal."""
+    r0 = time.perf_counter()
+    tree, drafted = round_tree(backend, anchor, cfg, surprisal, cfg.max_new_tokens - len(out.tokens), stops)
+    r1 = time.perf_counter()
+    verified = backend.verify(tree.tokens, tree.depths, visibility(tree.parents))
+    r2 = time.perf_counter()
+    path, bonus = walk(tree, verified.argmax)
+    backend.commit(np.concatenate([[0], path]).astype(np.int64))
+    r3 = time.perf_counter()
+    return record_round(out, cfg, stops, tree, drafted, path, bonus, verified, surprisal,
+                        ((r1 - r0) * 1e3, (r2 - r1) * 1e3, (r3 - r0) * 1e3))
+
+
 def first_tokens(out: DecodeResult, first: int, cfg: DecodeConfig, stops: frozenset[int]) -> list[int]:
     """The prefill's token into `out` (cut by a stop token or a limit of zero new tokens)."""
     new, out.stopped_on = _clip([first], 0, cfg, stops)
@@ -188,16 +204,7 @@ def decode(backend: Backend, prompt, cfg: DecodeConfig, stop_ids: Sequence[int] 
     ended = bool(on_commit and on_commit(new))
     anchor, surprisal = first, None
     while not ended and out.stopped_on is None and len(out.tokens) < cfg.max_new_tokens:
-        r0 = time.perf_counter()
-        tree, drafted = round_tree(backend, anchor, cfg, surprisal, cfg.max_new_tokens - len(out.tokens), stops)
-        r1 = time.perf_counter()
-        verified = backend.verify(tree.tokens, tree.depths, visibility(tree.parents))
-        r2 = time.perf_counter()
-        path, bonus = walk(tree, verified.argmax)
-        backend.commit(np.concatenate([[0], path]).astype(np.int64))
-        r3 = time.perf_counter()
-        new, anchor, surprisal = record_round(out, cfg, stops, tree, drafted, path, bonus, verified, surprisal,
-                                              ((r1 - r0) * 1e3, (r2 - r1) * 1e3, (r3 - r0) * 1e3))
+        new, anchor, surprisal = one_round(backend, out, anchor, surprisal, cfg, stops)
         ended = bool(on_commit and on_commit(new))
     out.total_ms = (time.perf_counter() - t0) * 1e3
     if cfg.auto:
