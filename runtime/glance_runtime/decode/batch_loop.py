@@ -58,10 +58,13 @@ class Request:
     anchor: int = 0
     surprisal: float | None = None
     started: float = 0.0
+    stops: frozenset[int] = field(init=False)  # stop_ids as the loop's functions take them
+    batched: DecodeConfig = field(init=False)  # cfg in batched rounds: the request's own auto does not see them
 
-    @property
-    def stops(self) -> frozenset[int]:
-        return frozenset(int(s) for s in self.stop_ids)
+    def __post_init__(self) -> None:
+        """Worked out once here, not in every round."""
+        self.stops = frozenset(int(s) for s in self.stop_ids)
+        self.batched = replace(self.cfg, auto=None)
 
     def _left(self) -> int:
         return self.cfg.max_new_tokens - len(self.result.tokens)
@@ -130,8 +133,7 @@ class BatchLoop:
         rounds = self.rounds
         finished: list[Request] = []
         r0 = time.perf_counter()
-        fixed = [replace(r.cfg, auto=None) for r in requests]  # a request's own auto does not see batched rounds
-        caps = [draft_depth(rounds.slots[r.slot], c, r.surprisal, r._left()) for r, c in zip(requests, fixed)]
+        caps = [draft_depth(rounds.slots[r.slot], r.batched, r.surprisal, r._left()) for r in requests]
         batched = self.policy is not None and all(r.cfg.auto for r in requests)
         depths = self.policy.plan([r.surprisal for r in requests], caps) if batched else caps
         drafting = [i for i, d in enumerate(depths) if d is not None]
@@ -151,7 +153,7 @@ class BatchLoop:
             self.policy.observe(sum(t.size for t in trees), len(drafting), times[2])
         produced = self._joined
         for i, (r, tree, v, (path, bonus)) in enumerate(zip(requests, trees, verified, walks)):
-            new, r.anchor, r.surprisal = record_round(r.result, fixed[i], r.stops, tree, i in drafts, path, bonus, v,
+            new, r.anchor, r.surprisal = record_round(r.result, r.batched, r.stops, tree, i in drafts, path, bonus, v,
                                                       r.surprisal, times)
             produced += len(new)
             finished += self._after(r, new)
