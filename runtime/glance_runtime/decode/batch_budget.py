@@ -3,11 +3,19 @@
 One sequence's auto (`auto_budget`) weighs a tree against its own round; in a batch every sequence shares the
 round, and what a drafted node costs is what it adds to the batch's pass. The round's cost is modelled as
 
-    ms(rows, drafted) = A + R * rows + K * drafted + K0 * [drafted > 0]
+    ms(B, W, rows, drafted) = A + S * B + R * (B * (W - 1) + rows - B) + K * drafted + K0 * [drafted > 0]
 
-(rows: every sequence's tree, anchors included; drafted: sequences whose block the head drafts), fitted by least
-squares to the batch's own rounds (recent ones weigh more), pulled toward a start taken from the single-sequence
-cost profile. Each sequence yields at least its bonus token, so a round of B plain steps yields B tokens.
+B: sequences in the round; W: its widest tree (the verify pass is padded: every sequence computes W rows);
+rows: every sequence's tree, anchors included, so rows - B drafted nodes are projected, walked and committed;
+drafted: sequences whose block the head drafts. A sequence's own cost (its anchor row, gathers, commit and
+bookkeeping) is S, apart from what a drafted node adds. A, S, K and K0 are fitted by least squares to the
+batch's own rounds (recent ones weigh more), pulled toward a start taken from the single-sequence cost profile;
+R stays at the profile's mean cost a row, which timed trees of every size: in a batch the nodes grow with the
+drafted sequences (the law that picks them also sizes their trees), so the batch's rounds cannot tell a node's
+cost from a draft's. (Fitted freely on the default model at 8 sequences, R came out 0.7 ms, the drafts' Python
+and head pass charged to the nodes, where trees of 4, 8 and 16 nodes a sequence timed 0.06 ms a node and the
+profile's slope is 0.05; with one cost a row for anchors and nodes alike, plain rounds charged every node with a
+sequence's overhead.) Each sequence yields at least its bonus token, so a round of B plain steps yields B tokens.
 
 1. Draft or not (before the head runs). From the law's per-offset acceptance p(u) of a sequence's anchor, a
    chain of m nodes is expected to add p + ... + p^m tokens. Sequences are taken in falling p; one is drafted
@@ -16,9 +24,11 @@ cost profile. Each sequence yields at least its bonus token, so a round of B pla
 2. Grow and cut (after). Every drafted sequence's tree is grown best-first on the calibration's node probability
    q, which never rises along a sequence's growth order, so taking nodes of all sequences in falling q takes, for
    each total, the likeliest nodes; the round keeps nodes while the next one's q beats the rate it would lower
-   (q > rate * R), the drafts already paid counted in the rate as the single rule counts them.
-As B grows, R * rows and K * drafted grow against a fixed gain per node, so trees shrink toward plain steps
-exactly where the batched pass stops being nearly free.
+   (q > rate * the ms it adds: R for a node inside the widest tree, R * (B + 1) for one that widens the pass),
+   the drafts already paid counted in the rate as the single rule counts them. A tree grows only while its next
+   node could beat the plain round's rate at the least a node adds (R): the cut keeps no node past that.
+As B grows, a padded level (R * B) and K * drafted grow against a fixed gain per node, so trees shrink toward
+plain steps exactly where the batched pass stops being nearly free.
 
 3. Drafting at all. A round's rate is not the whole story: requests join between rounds, each with a prefill the
    others wait for, so where joins are what limits the batch, shorter rounds serve more requests and fewer rounds
@@ -31,7 +41,7 @@ Only the time changes: every tree is verified whole and the walk keeps the targe
 from __future__ import annotations
 
 import heapq
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -43,10 +53,11 @@ PRIOR_WEIGHT = 4.0  # how many rounds' worth the start holds against the batch's
 EXPLORE_EVERY = 32  # a round that drafted nothing drafts the likeliest sequence once in this many, to time it
 WINDOW_ROUNDS = 8  # rounds a drafting-or-not choice is measured over
 EXPLORE_WINDOWS = 16  # one window in this many tries the choice that measured worse
+FITTED = [0, 1, 3, 4]  # A, S, K, K0: the coefficients the batch's rounds refit (R, index 2, stays)
 
 
 class BatchCost:
-    """The round-cost model, refitted after every round."""
+    """The round-cost model (A, S, R, K, K0), refitted after every round."""
 
     def __init__(self, start: Sequence[float]):
         self.start = np.maximum(np.asarray(start, dtype=float), 0.0)
@@ -55,27 +66,39 @@ class BatchCost:
         self.theta = self.start.copy()
 
     @staticmethod
-    def _x(rows: int, drafted: int) -> np.ndarray:
-        return np.array([1.0, rows, drafted, float(drafted > 0)])
+    def _x(sequences: int, width: int, rows: int, drafted: int) -> np.ndarray:
+        return np.array([1.0, sequences, sequences * (width - 1) + rows - sequences, drafted, float(drafted > 0)])
 
-    def ms(self, rows: int, drafted: int) -> float:
-        return float(self._x(rows, drafted) @ self.theta)
+    def ms(self, sequences: int, width: int, rows: int, drafted: int) -> float:
+        return float(self._x(sequences, width, rows, drafted) @ self.theta)
 
-    def observe(self, rows: int, drafted: int, ms: float) -> None:
-        x = self._x(rows, drafted)
-        self.xtx = DECAY * self.xtx + np.outer(x, x)
-        self.xty = DECAY * self.xty + x * ms
-        scale = PRIOR_WEIGHT * np.diag([1.0, 16.0, 4.0, 1.0])  # rows vary most, so their prior is weighed like it
-        theta = np.linalg.solve(self.xtx + scale, self.xty + scale @ self.start)
-        self.theta = np.maximum(theta, 0.0)
+    def chain_ms(self, sequences: int, width: int, rows: int, drafted: int, cap: int) -> np.ndarray:
+        """ms with one more drafted sequence whose chain has m = 1..cap nodes (`ms` for each, at once)."""
+        a, s, r, k, k0 = self.theta.tolist()
+        m = np.arange(1, cap + 1)
+        padded = sequences * (np.maximum(width, m + 1) - 1) + rows + m - sequences
+        return a + s * sequences + r * padded + k * (drafted + 1) + k0
+
+    @property
+    def per_row(self) -> float:
+        return float(self.theta[2])
+
+    def observe(self, sequences: int, width: int, rows: int, drafted: int, ms: float) -> None:
+        x = self._x(sequences, width, rows, drafted)
+        free, rest = x[FITTED], ms - x[2] * self.theta[2]
+        self.xtx = DECAY * self.xtx + np.outer(free, free)
+        self.xty = DECAY * self.xty + free * rest
+        scale = PRIOR_WEIGHT * np.diag([1.0, 16.0, 4.0, 1.0])  # counts vary most: their priors weigh like it
+        fitted = np.linalg.solve(self.xtx + scale, self.xty + scale @ self.start[FITTED])
+        self.theta[FITTED] = np.maximum(fitted, 0.0)
 
 
-def start_from_profile(verify_ms: Sequence[float], draft_ms: float) -> tuple[float, float, float, float]:
-    """A, R, K, K0 from one sequence's costs (V(T) for T = 1.., D): a row costs V's mean slope, a drafted
-    sequence one draft."""
+def start_from_profile(verify_ms: Sequence[float], draft_ms: float) -> tuple[float, float, float, float, float]:
+    """A, S, R, K, K0 from one sequence's costs (V(T) for T = 1.., D): a row (a sequence's anchor or a drafted
+    node) costs V's mean slope, the rest of V(1) is the round's own, a drafted sequence costs one draft."""
     v = np.asarray(verify_ms, dtype=float)
     per_row = float(max((v[-1] - v[0]) / max(len(v) - 1, 1), 0.0))
-    return max(float(v[0]) - per_row, 0.0), per_row, float(draft_ms), 0.0
+    return max(float(v[0]) - per_row, 0.0), per_row, per_row, float(draft_ms), 0.0
 
 
 class ModeSwitch:
@@ -119,7 +142,7 @@ class BatchBudget:
         out: list[int | None] = [None] * count
         if not self.switch.drafting:
             return out
-        expected, rows, drafted = float(count), count, 0
+        expected, rows, drafted, width = float(count), count, 0, 1
         likely = []
         for i, (u, cap) in enumerate(zip(surprisals, caps)):
             if cap is None or cap < 1:
@@ -129,14 +152,16 @@ class BatchBudget:
                 out[i], drafted = cap, drafted + 1
                 continue
             likely.append((-p, i, cap))
+        cost = self.cost
         for negative_p, i, cap in sorted(likely):
             p = -negative_p
             gains = np.cumsum(p ** np.arange(1, cap + 1))
-            rates = [(expected + g) / self.cost.ms(rows + m, drafted + 1) for m, g in enumerate(gains, start=1)]
+            rates = (expected + gains) / cost.chain_ms(count, width, rows, drafted, cap)
             best = int(np.argmax(rates))
-            if rates[best] > expected / self.cost.ms(rows, drafted):
+            if rates[best] > expected / cost.ms(count, width, rows, drafted):
                 out[i] = cap
                 expected, rows, drafted = expected + float(gains[best]), rows + best + 1, drafted + 1
+                width = max(width, best + 2)
         if drafted or not likely:
             self._idle = 0
         else:
@@ -146,10 +171,17 @@ class BatchBudget:
                 out[i], self._idle = cap, 0
         return out
 
+    def growth_stop(self, sequences: int) -> Callable[[int, float], bool]:
+        """`build_tree`'s stop for a drafted tree in a round of `sequences`: its next node is grown only where it
+        could beat the plain round's rate at the least a node adds (R); the cut would keep none past that."""
+        plain = self.cost.ms(sequences, 1, sequences, 0)
+        floor = sequences / max(plain, 1e-9) * self.cost.per_row
+        return lambda nodes, q_next: q_next <= floor
+
     def cut(self, trees: Sequence[Tree], surprisals: Sequence[float | None], drafted: int) -> list[Tree]:
         """Each tree cut to the prefix the batch's rate picks (a plain step's tree stays the anchor alone)."""
-        rows = len(trees)
-        expected = float(rows)
+        count = rows = len(trees)
+        expected, width = float(rows), 1
         queues = []
         for i, (tree, u) in enumerate(zip(trees, surprisals)):
             if tree.size > 1:
@@ -158,16 +190,18 @@ class BatchBudget:
         kept = [0] * len(trees)
         heap = [(-q[0], i, 0, q) for q, i in queues]
         heapq.heapify(heap)
-        per_row = self.cost.theta[1]
+        cost = self.cost
         while heap:
             negative_q, i, at, q = heapq.heappop(heap)
-            rate = expected / self.cost.ms(rows, drafted)
-            if -negative_q <= rate * per_row or -negative_q <= 0.0:
+            now = cost.ms(count, width, rows, drafted)
+            wider = max(width, at + 2)
+            added = cost.ms(count, wider, rows + 1, drafted) - now
+            if -negative_q <= expected / now * added or -negative_q <= 0.0:
                 break
-            expected, rows, kept[i] = expected - negative_q, rows + 1, at + 1
+            expected, rows, kept[i], width = expected - negative_q, rows + 1, at + 1, wider
             if at + 1 < len(q):
                 heapq.heappush(heap, (-q[at + 1], i, at + 1, q))
         return [tree.prefix(1 + kept[i]) if tree.size > 1 else tree for i, tree in enumerate(trees)]
 
-    def observe(self, rows: int, drafted: int, ms: float) -> None:
-        self.cost.observe(rows, drafted, ms)
+    def observe(self, sequences: int, width: int, rows: int, drafted: int, ms: float) -> None:
+        self.cost.observe(sequences, width, rows, drafted, ms)

@@ -139,7 +139,8 @@ class BatchLoop:
         drafting = [i for i, d in enumerate(depths) if d is not None]
         drafts = dict(zip(drafting, rounds.draft([(requests[i].slot, requests[i].anchor, requests[i].cfg.branch_k,
                                                    depths[i]) for i in drafting])))
-        trees = [self._tree(r, drafts.get(i), batched) for i, r in enumerate(requests)]
+        stop = self.policy.growth_stop(len(requests)) if batched else None
+        trees = [self._tree(r, drafts.get(i), stop) for i, r in enumerate(requests)]
         if batched:
             trees = self.policy.cut(trees, [r.surprisal for r in requests], len(drafting))
         r1 = time.perf_counter()
@@ -150,7 +151,8 @@ class BatchLoop:
         r3 = time.perf_counter()
         times = ((r1 - r0) * 1e3, (r2 - r1) * 1e3, (r3 - r0) * 1e3)
         if batched:
-            self.policy.observe(sum(t.size for t in trees), len(drafting), times[2])
+            self.policy.observe(len(trees), max(t.size for t in trees), sum(t.size for t in trees), len(drafting),
+                               times[2])
         produced = self._joined
         for i, (r, tree, v, (path, bonus)) in enumerate(zip(requests, trees, verified, walks)):
             new, r.anchor, r.surprisal = record_round(r.result, r.batched, r.stops, tree, i in drafts, path, bonus, v,
@@ -163,15 +165,17 @@ class BatchLoop:
         self._ended, self._joined = (ended if self.active else None), 0
         return finished
 
-    def _tree(self, request: Request, draft: tuple[np.ndarray, np.ndarray] | None, batched: bool) -> Tree:
+    def _tree(self, request: Request, draft: tuple[np.ndarray, np.ndarray] | None,
+              stop: Callable[[int, float], bool] | None) -> Tree:
         """A sequence's tree from its draft (the anchor alone without one), cut to its slot's room; under the
-        batch's auto, grown in the calibration's order for the policy's cut."""
+        batch's auto (`stop` given), grown in the calibration's order for the policy's cut, as far as it could
+        keep."""
         if draft is None:
             return Tree.root(request.anchor)
         ids, logp = draft
-        cfg = request.cfg
-        priority = self.policy.calibration.node_scorer(request.surprisal) if batched else None
-        tree = build_tree(request.anchor, ids, logp, cfg.budget, priority=priority, leaves=request.stops)
+        priority = self.policy.calibration.node_scorer(request.surprisal) if stop is not None else None
+        tree = build_tree(request.anchor, ids, logp, request.cfg.budget, priority=priority, stop=stop,
+                          leaves=request.stops)
         room = self.rounds.slots[request.slot].info.limits.max_context
         return tree if room is None else fit(tree, room - self.rounds.slots[request.slot].start)
 

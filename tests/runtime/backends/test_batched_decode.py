@@ -18,7 +18,7 @@ from glance_runtime.decode.batch_budget import EXPLORE_WINDOWS, WINDOW_ROUNDS, B
 from glance_runtime.decode.batch_loop import BatchLoop, Request
 from glance_runtime.decode.calibration import Calibration
 from glance_runtime.decode.loop import DecodeConfig, decode
-from glance_runtime.decode.tree import build_tree
+from glance_runtime.decode.tree import Tree, build_tree
 from glance_runtime.errors import GlanceError
 from glance_runtime.formats.tasks import read
 from glance_runtime.prompt.codec import exported_codec
@@ -204,9 +204,9 @@ def test_batched_auto_drafts_only_where_the_batch_gains():
     """Constructed costs, no timing: a free head drafts every sequence; a dear head drafts none (plain steps);
     a confident anchor drafts before an unsure one."""
     surprisals, caps = [0.1, 6.0, 0.2, None], [7, 7, 7, None]
-    assert _policy([1.0, 0.001, 0.0, 0.0]).plan(surprisals, caps)[:3] == [7, 7, 7]
-    assert _policy([1.0, 0.05, 50.0, 0.0]).plan(surprisals, caps) == [None, None, None, None]
-    some = _policy([1.0, 0.05, 0.35, 0.0]).plan(surprisals, caps)
+    assert _policy([1.0, 0.001, 0.001, 0.0, 0.0]).plan(surprisals, caps)[:3] == [7, 7, 7]
+    assert _policy([1.0, 0.05, 0.05, 50.0, 0.0]).plan(surprisals, caps) == [None, None, None, None]
+    some = _policy([1.0, 0.05, 0.01, 0.35, 0.0]).plan(surprisals, caps)
     assert some[0] == 7 and some[1] is None and some[3] is None
 
 
@@ -218,11 +218,42 @@ def test_batched_auto_cuts_trees_as_rows_get_dear():
         logp = np.sort(np.log(rng.dirichlet(np.ones(8), size=7)), axis=1)[:, ::-1]
         ids = np.argsort(rng.random((7, 8)), axis=1)
         trees.append(build_tree(anchor, ids, logp, 15))
-    cheap = _policy([1.0, 0.01, 0.3, 0.0]).cut(trees, [0.5] * 4, drafted=4)
-    dear = _policy([1.0, 0.6, 0.3, 0.0]).cut(trees, [0.5] * 4, drafted=4)
+    cheap = _policy([1.0, 0.01, 0.01, 0.3, 0.0]).cut(trees, [0.5] * 4, drafted=4)
+    dear = _policy([1.0, 0.01, 0.6, 0.3, 0.0]).cut(trees, [0.5] * 4, drafted=4)
     assert sum(t.size for t in dear) < sum(t.size for t in cheap)
     assert all(1 <= t.size <= s.size for t, s in zip(dear, trees))
     assert all(np.array_equal(t.tokens, s.tokens[:t.size]) for t, s in zip(cheap, trees))
+
+
+def test_batched_cost_tells_a_sequences_own_cost_from_a_drafted_nodes():
+    """Constructed timings: plain rounds of 2..8 sequences teach the per-sequence cost, drafted rounds the draft's;
+    a node keeps the profile's cost a row however the rounds' nodes and drafts go together."""
+    truth = dict(a=0.5, s=0.3, r=0.03, k=0.6)
+    cost = BatchCost([0.2, 0.05, 0.03, 0.4, 0.0])
+    for round_ in range(200):
+        sequences = 2 + round_ % 7
+        drafted = (round_ // 7) % 3 * (sequences // 2)  # plain, half and all but one drafting, in turn
+        width = 5 if drafted else 1
+        rows = sequences + 4 * drafted
+        ms = truth["a"] + truth["s"] * sequences + truth["r"] * (sequences * (width - 1) + rows - sequences) \
+            + truth["k"] * drafted
+        cost.observe(sequences, width, rows, drafted, ms)
+    a, s, r, k, _ = cost.theta
+    assert r == 0.03
+    assert abs(s - truth["s"]) < 0.06 and abs(k - truth["k"]) < 0.1 and abs(a - truth["a"]) < 0.3
+
+
+def test_batched_auto_keeps_a_deep_tree_shorter_where_widening_pads_more_sequences():
+    """The verify pass is padded to the widest tree: a node that widens it costs a row for every sequence, so
+    the same deep chain keeps fewer nodes beside seven plain steps than beside one."""
+    chain = build_tree(0, np.arange(7)[:, None], np.full((7, 1), -0.05), 15)
+    kept = {}
+    for sequences in (2, 8):
+        trees = [chain] + [Tree.root(a) for a in range(1, sequences)]
+        cut = _policy([1.0, 0.1, 0.025, 0.3, 0.0]).cut(trees, [0.1] * sequences, drafted=1)
+        kept[sequences] = cut[0].size
+        assert all(t.size == 1 for t in cut[1:])
+    assert 1 < kept[8] < kept[2]
 
 
 def test_batched_auto_keeps_drafting_only_while_it_gives_more_tokens_per_second():
