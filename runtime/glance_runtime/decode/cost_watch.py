@@ -17,7 +17,12 @@ costs a round is decided with are the decode's own wherever it has them:
   in rows by the running minimum from above.
 - Confirmed: a measured count timed in CONFIRM rounds of exactly its rows whose fastest two agree within AGREE
   (one slow round cannot confirm a cost), in this process or, stored as checked_rows, in an earlier one; the
-  draft likewise, at its full depth (draft_checked). A cost whose fastest came out CONTRADICTS times dearer than
+  draft likewise, at its full depth (draft_checked). An earlier process's confirmations hold only while this
+  one's rounds come out on the profile's scale: where the live scale is CONTRADICTS or more off it (the profile
+  was stored on a machine busy otherwise than now, or timed in another way), they are dropped, this process's
+  own kept, and every count not confirmed here is explored as an unconfirmed one is. (A profile found on a
+  machine, every count checked at one row 3x cheaper than this process's and trees of 8 to 64 rows 14 to 143
+  times one row, kept its auto from ever drafting, where trees of 16 rows gave 1.4x plain steps.) A cost whose fastest came out CONTRADICTS times dearer than
   stored (at the live scale), or a count dearer than PLAUSIBLE_PER_ROW one-row verifies per row, needs
   CONFIRM_DEAR rounds: on a crowded machine two rounds slowed alike do happen, and a cost confirmed too dear would
   never be timed again.
@@ -91,6 +96,9 @@ class CostWatch:
         self._draft: dict[int, list[float]] = {}
         self._confirmed = {g for g in self.grid if g in profile.checked_rows}
         self.draft_confirmed = profile.draft_checked
+        self._doubted = False  # an earlier process's confirmations dropped (see the module)
+        self._mine: set[int] = set()  # the counts this process confirmed
+        self._draft_mine = False
         self._rounds = 0
         self._stores, self._stored_at = 0, 0  # this process's stores, and the round of the last
         self._stale, self._refit_at = False, 0  # a smaller move not applied yet, and the round of the last refit
@@ -145,8 +153,9 @@ class CostWatch:
             self._verify[rows], float(self.base.verify_cost(rows)), rows if rows > 1 else 0)
         if confirmed:
             self._confirmed.add(rows)
+            self._mine.add(rows)
         if not self.draft_confirmed and self._agreed(self._draft.get(self.full_depth, []), self.base.draft_ms):
-            self.draft_confirmed = confirmed = True
+            self.draft_confirmed = self._draft_mine = confirmed = True
         self._stale = self._stale or moved > 1 + NOTICE
         due = self._rounds - self._refit_at >= REFIT_GAP
         if not (confirmed or moved >= CONTRADICTS or (self._stale and due)):
@@ -176,6 +185,8 @@ class CostWatch:
         if self._verify:
             first = min(self._verify)
             self.scale = min(self._verify[first]) / float(base.verify_cost(first))
+            if not self._doubted and _moved(1.0, self.scale) >= CONTRADICTS:
+                self._doubt()
         prior = self._curve(several)
         once = {r: v[0] for r, v in self._verify.items() if len(v) < CONFIRM}
         between = [r for r in once if r not in self.grid]
@@ -194,6 +205,13 @@ class CostWatch:
         hope = np.where(sure, ms, np.minimum(ms, floor[bucket]))
         self.hope = replace(self.used, verify_ms=tuple(hope.tolist()),
                             draft_ms=draft_ms if self.draft_confirmed else 0.0)
+
+    def _doubt(self) -> None:
+        """Drop the confirmations an earlier process stored (this process's own stay): they were timed on
+        another scale than this process's rounds come out on."""
+        self._doubted = True
+        self._confirmed = set(self._mine)
+        self.draft_confirmed = self._draft_mine
 
     def _curve(self, seen: dict[int, float]) -> tuple[list[int], list[float]]:
         """Rows and monotone ms through the observed `seen` and the base profile's counts not observed (see the
@@ -223,7 +241,7 @@ class CostWatch:
         if self._stores >= FREE_STORES and self._rounds - self._stored_at < STORE_GAP:
             return
         written, grid = self.written, np.array(self.base.rows)
-        checked = tuple(sorted(set(written.checked_rows) | self._confirmed))
+        checked = tuple(sorted((set() if self._doubted else set(written.checked_rows)) | self._confirmed))
         learned = self.used.verify_cost(grid) / self.scale
         draft = self.used.draft_ms / self.scale
         before = np.append(written.verify_cost(grid), written.draft_ms)

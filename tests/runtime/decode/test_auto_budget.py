@@ -510,6 +510,25 @@ def test_a_busy_profile_is_learned_past_within_a_few_rounds():
     assert stored.disorder() == [] and np.all(np.abs(np.log(learned / [true_ms(r) for r in GRID])) < np.log(1.5))
 
 
+def test_confirmations_stored_on_another_scale_are_timed_again():
+    """A profile an earlier process checked everywhere (draft included), its one row 3x cheaper than this
+    process's rounds and its trees 14 to 143 times one row, as one found on a machine was: as stored, auto never
+    drafts and no count is unconfirmed to explore. The rounds' scale, 3x off, drops the stored confirmations;
+    the decode explores, finds trees cheap and verifies them; what it stores is near the device's costs and
+    checked only where this process timed it."""
+    shape = (1.0, 1.6, 2.64, 14.2, 46.1, 78.0, 143.2)
+    one = true_ms(1) / 3
+    found = replace(profile([one * t for t in shape], draft_ms=1.78 * one), checked_rows=GRID, draft_checked=True)
+    assert not AutoBudget(found, Calibration(law=(3.0, 0.0)), 63, 16).should_draft(None)
+    rounds = Rounds(found, true_ms, draft_ms=0.98)
+    sizes = rounds.run(24)
+    assert min(sizes[12:]) >= 8, sizes
+    stored = rounds.saved[-1]
+    learned = np.array(stored.verify_ms) / stored.verify_ms[0]
+    assert np.all(np.abs(np.log(learned / [true_ms(r) / true_ms(1) for r in GRID])) < np.log(1.5)), learned
+    assert set(stored.checked_rows) < set(GRID)
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_recovery_holds_whatever_the_noise(seed):
     """Other processes slow a random third of the rounds by up to 10x (seeded): the busy profile is still
