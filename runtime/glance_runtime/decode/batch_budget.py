@@ -35,12 +35,16 @@ plain steps exactly where the batched pass stops being nearly free.
    a request buy nothing. `ModeSwitch` therefore measures what rounds with drafts and rounds of plain steps give
    in tokens per second of wall time (the joins between them included), over windows of rounds, and keeps the
    better, trying the other one window in `EXPLORE_WINDOWS` (so a batch loses at most that share of the gap to
-   the better choice while it checks whether the load changed). It starts with plain steps.
+   the better choice while it checks whether the load changed). It starts with plain steps. A mode's rate pools
+   its latest KEPT_WINDOWS windows and the other mode is taken only where it measured SWITCH_MARGIN faster: a
+   window's time swings by a tenth here, and with each window's rate deciding alone (halved into the last),
+   glance-serve at 8 clients ran 4.5% below plain steps, pooled 1.1% (tokens/s, 5 alternations of each).
 Only the time changes: every tree is verified whole and the walk keeps the target's own choices.
 """
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from typing import Callable, Sequence
 
 import numpy as np
@@ -53,6 +57,8 @@ PRIOR_WEIGHT = 4.0  # how many rounds' worth the start holds against the batch's
 EXPLORE_EVERY = 32  # a round that drafted nothing drafts the likeliest sequence once in this many, to time it
 WINDOW_ROUNDS = 8  # rounds a drafting-or-not choice is measured over
 EXPLORE_WINDOWS = 16  # one window in this many tries the choice that measured worse
+KEPT_WINDOWS = 4  # a mode's rate pools its latest this many windows (one window's noise does not flip it)
+SWITCH_MARGIN = 0.03  # the other mode is taken only where it measured this much faster
 FITTED = [0, 1, 3, 4]  # A, S, K, K0: the coefficients the batch's rounds refit (R, index 2, stays)
 
 
@@ -106,26 +112,31 @@ class ModeSwitch:
 
     def __init__(self) -> None:
         self.drafting = False  # plain steps first: the batch is never slower than them while it measures drafts
-        self.rates: dict[bool, float | None] = {False: None, True: None}
+        self.kept: dict[bool, deque[tuple[int, float]]] = {mode: deque(maxlen=KEPT_WINDOWS) for mode in (False, True)}
+        self.choice = False  # the mode run between looks at the other
         self.windows = 0
         self._tokens, self._ms, self._rounds = 0, 0.0, 0
+
+    def rate(self, drafting: bool) -> float | None:
+        """Tokens per ms over the mode's kept windows (None: not measured yet)."""
+        kept = self.kept[drafting]
+        return sum(t for t, _ in kept) / max(sum(ms for _, ms in kept), 1e-9) if kept else None
 
     def observe(self, tokens: int, ms: float) -> None:
         """A round's tokens (and its joins') over the wall time since the last round ended."""
         self._tokens, self._ms, self._rounds = self._tokens + tokens, self._ms + ms, self._rounds + 1
         if self._rounds < WINDOW_ROUNDS:
             return
-        rate = self._tokens / max(self._ms, 1e-9)
-        old = self.rates[self.drafting]
-        self.rates[self.drafting] = rate if old is None else (old + rate) / 2
+        self.kept[self.drafting].append((self._tokens, self._ms))
         self._tokens, self._ms, self._rounds = 0, 0.0, 0
         self.windows += 1
-        untried = [mode for mode, measured in self.rates.items() if measured is None]
-        if untried:
-            self.drafting = untried[0]
+        if not self.kept[True]:
+            self.drafting = True
             return
-        best = self.rates[True] >= self.rates[False]
-        self.drafting = (not best) if self.windows % EXPLORE_WINDOWS == 0 else best
+        other = not self.choice
+        if self.rate(other) > self.rate(self.choice) * (1 + SWITCH_MARGIN):
+            self.choice = other
+        self.drafting = other if self.windows % EXPLORE_WINDOWS == 0 else self.choice
 
 
 class BatchBudget:
