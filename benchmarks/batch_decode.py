@@ -26,6 +26,9 @@ the request alone nor do the seeds survive; with fp32 activations both passes ag
     python benchmarks/batch_decode.py run OUT --model default --concurrency 1,2,4,8,16 --requests 32
     python benchmarks/batch_decode.py run OUT --model wide --wide /tmp/wide --concurrency 1,2,4,8 --requests 16
     python benchmarks/batch_decode.py plot OUT
+
+`--repeats N` runs every concurrency's three modes N times in turn and reports each figure's median (every run's
+tokens/s kept beside it): one run's tokens/s swings by a tenth on a shared machine.
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ WIDE_PROMPTS = ("Describe the picture in detail, then list every object you can 
 SEED_DEPTH = 3  # seeded drafts accepted a round: tau 4
 DRAFT_VOCAB = 32768  # the wide head drafts over the first 32,768 ids
 WIDE_FORM = "int4-exact"  # int4 weights, fp32 activations: see the docstring
+WARM = 16  # requests each default-model run serves untimed first (as batch_serve warms each server)
 
 
 def make_wide(out: Path) -> None:
@@ -207,6 +211,10 @@ def run_mode(workload: Workload, mode: str, concurrency: int, count: int) -> dic
         kinds = range(min(len(WIDE_PROMPTS), len(workload.prompts)))
         model.session.backend.keep_embeddings(sorted({t for i in kinds for t in workload.seeds(i)}))
     line = Line(model, workload) if mode == "serial" else None
+    for future in [line.submit(i % count) if line is not None else
+                   model.submit(workload.prompts[i % count], max_new_tokens=workload.max_new)
+                   for i in range(WARM if workload.model == "default" else 0)]:
+        future.result()  # warm, untimed: first runs of each shape, the arenas, auto's first windows
     counter = iter(range(count))
     arrived, first, done, tokens = {}, {}, {}, {}
     barrier = threading.Barrier(concurrency + 1)
@@ -328,28 +336,39 @@ def run(out: Path, args: argparse.Namespace) -> None:
     workload = Workload(args.model, args.wide, args.requests, args.max_new_tokens)
     out.mkdir(parents=True, exist_ok=True)
     reference = {mode: alone(workload, mode, args.requests) for mode in ("glance", "plain")}
-    rows = []
-    for concurrency in [int(c) for c in args.concurrency.split(",")]:
-        for mode in ("serial", "plain", "glance"):
-            row = run_mode(workload, mode, concurrency, args.requests)
-            want = reference["plain" if mode == "plain" else "glance"]
-            row["same_as_alone"] = sum(row["answers"][i] == want[i] for i in range(args.requests))
-            del row["answers"]
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    from serve_load import medians
+
+    runs = []
+    load_before = os.getloadavg()[0]
+    for repeat in range(args.repeats):
+        for concurrency in [int(c) for c in args.concurrency.split(",")]:
+            for mode in ("serial", "plain", "glance"):
+                row = run_mode(workload, mode, concurrency, args.requests)
+                want = reference["plain" if mode == "plain" else "glance"]
+                row["same_as_alone"] = sum(row["answers"][i] == want[i] for i in range(args.requests))
+                del row["answers"]
+                runs.append(row)
+                print(json.dumps({"repeat": repeat, **row}), flush=True)
+    rows = medians(runs, ("concurrency", "mode"), counted=("requests", "tokens", "same_as_alone"))
     report = {"model": args.model, "threads": 1, "requests": args.requests, "max_new_tokens": args.max_new_tokens,
-              "load_before": os.getloadavg()[0], "rows": rows}
+              "repeats": args.repeats, "load_before": load_before, "rows": rows}
     (out / f"batch_decode_{args.model}.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / f"batch_decode_{args.model}.md").write_text(markdown(report))
 
 
 def markdown(report: dict) -> str:
+    repeats = report.get("repeats", 1)
     lines = [f"# In-flight batching, {report['model']} model (ONNX Runtime CPU, 1 thread, "
-             f"{report['requests']} requests)", "",
-             "| clients | mode | tokens/s | latency p50 / p99 ms | TTFT p50 / p99 ms | same as alone |",
-             "|---|---|---|---|---|---|"]
+             f"{report['requests']} requests a run)", "",
+             f"Medians of {repeats} runs a row (the modes taking turns); the ratios are of the medians.", "",
+             "| clients | mode | tokens/s (runs) | vs plain | vs serial | latency p50 / p99 ms | TTFT p50 / p99 ms "
+             "| same as alone |", "|---|---|---|---|---|---|---|---|"]
+    by = {(r["concurrency"], r["mode"]): r["tokens_per_s"] for r in report["rows"]}
     for r in report["rows"]:
-        lines.append(f"| {r['concurrency']} | {r['mode']} | {r['tokens_per_s']} | {r['latency_ms_p50']} / "
+        runs_of = ", ".join(f"{t:.1f}" for t in r.get("tokens_per_s_runs", [r["tokens_per_s"]]))
+        lines.append(f"| {r['concurrency']} | {r['mode']} | {r['tokens_per_s']} ({runs_of}) | "
+                     f"{r['tokens_per_s'] / by[r['concurrency'], 'plain']:.2f} | "
+                     f"{r['tokens_per_s'] / by[r['concurrency'], 'serial']:.2f} | {r['latency_ms_p50']} / "
                      f"{r['latency_ms_p99']} | {r['ttft_ms_p50']} / {r['ttft_ms_p99']} | "
                      f"{r['same_as_alone']}/{r['requests']} |")
     return "\n".join(lines) + "\n"
@@ -386,6 +405,7 @@ def main() -> None:
     r.add_argument("--concurrency", default="1,2,4,8,16")
     r.add_argument("--requests", type=int, default=32)
     r.add_argument("--max-new-tokens", type=int, default=64)
+    r.add_argument("--repeats", type=int, default=1, help="the modes take turns this many times; medians reported")
     sub.add_parser("plot").add_argument("out", type=Path)
     args = parser.parse_args()
     if args.command == "make-wide":

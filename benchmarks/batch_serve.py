@@ -8,7 +8,12 @@ tasks (image as a data URL); per request: time to first token (the first streame
 and completion tokens; per level: tokens per second over the wall time, p50/p99 of both times. Every answer's text
 is compared with the same task's answer from the serial server at concurrency 1 (the request sent alone).
 
+With `--repeats N` the three servers take turns N times (serial, plain, glance, serial, ...) and each figure is
+the median of its N runs (every run's tokens/s kept beside it): one run's tokens/s swings by a tenth on a shared
+machine, more than the differences measured.
+
     python benchmarks/batch_serve.py OUT [--concurrency 1,2,4,8,16] [--requests 64] [--max-batch 8] [--threads 1]
+                                         [--repeats 1]
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from serve_load import pct  # noqa: E402
+from serve_load import medians, pct  # noqa: E402
 
 KINDS = ("receipt", "chart", "scene", "caption")
 READY = re.compile(r"ready: .* on (http://\S+)")
@@ -115,34 +120,43 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
     work = tasks()
     levels = [int(c) for c in args.concurrency.split(",")]
-    rows, alone = [], None
-    for mode in ("serial", "plain", "glance"):
-        proc, url = start(mode, args.max_batch, args.threads)
-        try:
-            if alone is None:
-                _, alone = level(url, work, 1, len(work))
-            level(url, work, 2, 8)  # warm: sessions, arenas, auto's first windows
-            for clients in levels:
-                row, texts = level(url, work, clients, args.requests)
-                row["mode"] = mode
-                row["same_as_alone"] = sum(texts[i] == alone[i % len(work)] for i in texts)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+    runs, alone = [], None
+    load_before = os.getloadavg()[0]
+    for repeat in range(args.repeats):
+        for mode in ("serial", "plain", "glance"):
+            proc, url = start(mode, args.max_batch, args.threads)
+            try:
+                if alone is None:
+                    _, alone = level(url, work, 1, len(work))
+                level(url, work, 2, 8)  # warm: sessions, arenas, auto's first windows
+                for clients in levels:
+                    row, texts = level(url, work, clients, args.requests)
+                    row["mode"] = mode
+                    row["same_as_alone"] = sum(texts[i] == alone[i % len(work)] for i in texts)
+                    runs.append(row)
+                    print(json.dumps({"repeat": repeat, **row}), flush=True)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+    rows = medians(runs, ("clients", "mode"), counted=("requests", "same_as_alone"))
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"max_batch": args.max_batch, "threads": args.threads, "requests": args.requests,
-              "load_before": os.getloadavg()[0], "rows": rows}
+              "repeats": args.repeats, "load_before": load_before, "rows": rows}
     (args.out / "batch_serve.json").write_text(json.dumps(report, indent=1) + "\n")
     lines = [f"# glance-serve, embedded default, ONNX Runtime CPU ({args.threads} thread), --max-batch {args.max_batch}",
-             "", "| clients | mode | tokens/s | latency p50 / p99 ms | TTFT p50 / p99 ms | same as alone |",
-             "|---|---|---|---|---|---|"]
+             "", f"Medians of {args.repeats} runs a row (the servers taking turns); the ratios are of the medians.", "",
+             "| clients | mode | tokens/s (runs) | vs plain | vs serial | latency p50 / p99 ms | TTFT p50 / p99 ms "
+             "| same as alone |", "|---|---|---|---|---|---|---|---|"]
+    by = {(r["clients"], r["mode"]): r["tokens_per_s"] for r in rows}
     for r in sorted(rows, key=lambda r: (r["clients"], list(MODES).index(r["mode"]))):
-        lines.append(f"| {r['clients']} | {r['mode']} | {r['tokens_per_s']} | {r['latency_ms_p50']} / "
+        runs_of = ", ".join(f"{t:.0f}" for t in r["tokens_per_s_runs"])
+        lines.append(f"| {r['clients']} | {r['mode']} | {r['tokens_per_s']} ({runs_of}) | "
+                     f"{r['tokens_per_s'] / by[r['clients'], 'plain']:.2f} | "
+                     f"{r['tokens_per_s'] / by[r['clients'], 'serial']:.2f} | {r['latency_ms_p50']} / "
                      f"{r['latency_ms_p99']} | {r['ttft_ms_p50']} / {r['ttft_ms_p99']} | "
                      f"{r['same_as_alone']}/{r['requests']} |")
     (args.out / "batch_serve.md").write_text("\n".join(lines) + "\n")

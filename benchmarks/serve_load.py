@@ -98,6 +98,28 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
+def medians(runs: list[dict], key: tuple[str, ...], counted: tuple[str, ...] = ()) -> list[dict]:
+    """Rows of repeated runs merged per `key` (in first-seen order): each number the median of its repeats (the
+    tokens/s of every repeat kept beside it), each `counted` field summed."""
+    import statistics
+
+    groups: dict[tuple, list[dict]] = {}
+    for run in runs:
+        groups.setdefault(tuple(run[k] for k in key), []).append(run)
+    merged = []
+    for rows in groups.values():
+        row = dict(rows[0])
+        for name, value in rows[0].items():
+            if name in counted:
+                row[name] = sum(r[name] for r in rows)
+            elif name not in key and isinstance(value, (int, float)):
+                row[name] = round(statistics.median(r[name] for r in rows), 2)
+        row["repeats"] = len(rows)
+        row["tokens_per_s_runs"] = [r["tokens_per_s"] for r in rows]
+        merged.append(row)
+    return merged
+
+
 def split(answer: dict, client_ms: float) -> tuple[float, float]:
     """(the server's own added ms, the ms outside the server) of one answer."""
     g = answer["glance"]

@@ -9,18 +9,19 @@ B: sequences in the round; W: its widest tree (the verify pass is padded: every 
 rows: every sequence's tree, anchors included, so rows - B drafted nodes are projected, walked and committed;
 drafted: sequences whose block the head drafts. A sequence's own cost (its anchor row, gathers, commit and
 bookkeeping) is S, apart from what a drafted node adds. A, S, K and K0 are fitted by least squares to the
-batch's own rounds (recent ones weigh more), pulled toward a start taken from the single-sequence cost profile;
-R stays at the profile's mean cost a row, which timed trees of every size: in a batch the nodes grow with the
-drafted sequences (the law that picks them also sizes their trees), so the batch's rounds cannot tell a node's
-cost from a draft's. (Fitted freely on the default model at 8 sequences, R came out 0.7 ms, the drafts' Python
-and head pass charged to the nodes, where trees of 4, 8 and 16 nodes a sequence timed 0.06 ms a node and the
-profile's slope is 0.05; with one cost a row for anchors and nodes alike, plain rounds charged every node with a
-sequence's overhead.) Each sequence yields at least its bonus token, so a round of B plain steps yields B tokens.
+batch's own rounds (recent ones weigh more), pulled toward a start taken from the single-sequence cost profile.
+R is not fitted: it is the profile's mean cost a row, which timed trees of every size, on this process's scale
+(times the fitted A + S over the profile's one-row verify). In a batch the nodes grow with the drafted sequences
+(the law that picks them also sizes their trees), so the batch's rounds cannot tell a node's cost from a draft's:
+fitted freely on the default model at 8 sequences, R came out 0.7 to 1.3 ms, where trees of 4, 8 and 16 nodes a
+sequence timed 0.06 ms a node; and a model with one cost a row for anchors and nodes alike charged every node with
+a sequence's overhead. Each sequence yields at least its bonus token, so a round of B plain steps yields B tokens.
 
 1. Draft or not (before the head runs). From the law's per-offset acceptance p(u) of a sequence's anchor, a
    chain of m nodes is expected to add p + ... + p^m tokens. Sequences are taken in falling p; one is drafted
-   when the batch's expected rate with its best chain beats the rate without it. Where p is unknown (no law)
-   the sequence drafts, as one sequence's auto does.
+   when the batch's expected rate with its best chain beats the rate without it; in a sequence's first round
+   (no u yet) p is taken at the calibration's mean surprisal. Without a law the sequence drafts, as one
+   sequence's auto does.
 2. Grow and cut (after). Every drafted sequence's tree is grown best-first on the calibration's node probability
    q, which never rises along a sequence's growth order, so taking nodes of all sequences in falling q takes, for
    each total, the likeliest nodes; the round keeps nodes while the next one's q beats the rate it would lower
@@ -34,11 +35,14 @@ plain steps exactly where the batched pass stops being nearly free.
    others wait for, so where joins are what limits the batch, shorter rounds serve more requests and fewer rounds
    a request buy nothing. `ModeSwitch` therefore measures what rounds with drafts and rounds of plain steps give
    in tokens per second of wall time (the joins between them included), over windows of rounds, and keeps the
-   better, trying the other one window in `EXPLORE_WINDOWS` (so a batch loses at most that share of the gap to
-   the better choice while it checks whether the load changed). It starts with plain steps. A mode's rate pools
-   its latest KEPT_WINDOWS windows and the other mode is taken only where it measured SWITCH_MARGIN faster: a
-   window's time swings by a tenth here, and with each window's rate deciding alone (halved into the last),
-   glance-serve at 8 clients ran 4.5% below plain steps, pooled 1.1% (tokens/s, 5 alternations of each).
+   better. It starts with plain steps. A mode's rate pools its latest KEPT_WINDOWS windows, and the other mode is
+   taken only where it measured SWITCH_MARGIN faster (a window's time swings by a tenth on a shared machine).
+   The window after a change of mode is not kept: it runs on the batch the other mode left (plain steps fill the
+   batch, one request joining a boundary; a drafting window then finishes those sequences at a rate drafting
+   could not sustain), so a look at the other mode takes two windows, once in EXPLORE_WINDOWS kept ones, and a
+   batch loses about 2 / EXPLORE_WINDOWS of the gap to the better choice while it checks whether the load changed.
+   (With each window's rate deciding alone and no window skipped, glance-serve at 8 clients ran 4.5% below plain
+   steps over 5 alternations, and in one process 20% below at 8 clients.)
 Only the time changes: every tree is verified whole and the walk keeps the target's own choices.
 """
 from __future__ import annotations
@@ -56,7 +60,7 @@ DECAY = 0.97  # weight of a round's timing, per later round: about the last 30 r
 PRIOR_WEIGHT = 4.0  # how many rounds' worth the start holds against the batch's own timings
 EXPLORE_EVERY = 32  # a round that drafted nothing drafts the likeliest sequence once in this many, to time it
 WINDOW_ROUNDS = 8  # rounds a drafting-or-not choice is measured over
-EXPLORE_WINDOWS = 16  # one window in this many tries the choice that measured worse
+EXPLORE_WINDOWS = 32  # one kept window in this many tries the choice that measured worse
 KEPT_WINDOWS = 4  # a mode's rate pools its latest this many windows (one window's noise does not flip it)
 SWITCH_MARGIN = 0.03  # the other mode is taken only where it measured this much faster
 FITTED = [0, 1, 3, 4]  # A, S, K, K0: the coefficients the batch's rounds refit (R, index 2, stays)
@@ -97,6 +101,8 @@ class BatchCost:
         scale = PRIOR_WEIGHT * np.diag([1.0, 16.0, 4.0, 1.0])  # counts vary most: their priors weigh like it
         fitted = np.linalg.solve(self.xtx + scale, self.xty + scale @ self.start[FITTED])
         self.theta[FITTED] = np.maximum(fitted, 0.0)
+        one = self.start[0] + self.start[1]  # a round of one plain step, as the profile has it and as fitted here
+        self.theta[2] = self.start[2] * (self.theta[0] + self.theta[1]) / one if one > 0 else self.start[2]
 
 
 def start_from_profile(verify_ms: Sequence[float], draft_ms: float) -> tuple[float, float, float, float, float]:
@@ -114,7 +120,8 @@ class ModeSwitch:
         self.drafting = False  # plain steps first: the batch is never slower than them while it measures drafts
         self.kept: dict[bool, deque[tuple[int, float]]] = {mode: deque(maxlen=KEPT_WINDOWS) for mode in (False, True)}
         self.choice = False  # the mode run between looks at the other
-        self.windows = 0
+        self.windows = 0  # windows kept
+        self._settling = False  # the window under way follows a change of mode: not kept
         self._tokens, self._ms, self._rounds = 0, 0.0, 0
 
     def rate(self, drafting: bool) -> float | None:
@@ -127,16 +134,21 @@ class ModeSwitch:
         self._tokens, self._ms, self._rounds = self._tokens + tokens, self._ms + ms, self._rounds + 1
         if self._rounds < WINDOW_ROUNDS:
             return
-        self.kept[self.drafting].append((self._tokens, self._ms))
-        self._tokens, self._ms, self._rounds = 0, 0.0, 0
+        window, self._tokens, self._ms, self._rounds = (self._tokens, self._ms), 0, 0.0, 0
+        if self._settling:  # the batch the other mode left behind: the next window measures this one
+            self._settling = False
+            return
+        self.kept[self.drafting].append(window)
         self.windows += 1
         if not self.kept[True]:
-            self.drafting = True
-            return
-        other = not self.choice
-        if self.rate(other) > self.rate(self.choice) * (1 + SWITCH_MARGIN):
-            self.choice = other
-        self.drafting = other if self.windows % EXPLORE_WINDOWS == 0 else self.choice
+            after = True
+        else:
+            other = not self.choice
+            if self.rate(other) > self.rate(self.choice) * (1 + SWITCH_MARGIN):
+                self.choice = other
+            after = other if self.windows % EXPLORE_WINDOWS == 0 else self.choice
+        self._settling = after != self.drafting
+        self.drafting = after
 
 
 class BatchBudget:
@@ -158,8 +170,8 @@ class BatchBudget:
         for i, (u, cap) in enumerate(zip(surprisals, caps)):
             if cap is None or cap < 1:
                 continue
-            p = self.calibration.offset_acceptance(u)
-            if p is None:  # unknown: drafted, its worth left to the cut
+            p = self.calibration.offset_acceptance(self.calibration.surprisal_mean if u is None else u)
+            if p is None:  # no law: drafted, its worth left to the cut
                 out[i], drafted = cap, drafted + 1
                 continue
             likely.append((-p, i, cap))
