@@ -11,7 +11,8 @@ drafted: sequences whose block the head drafts. A sequence's own cost (its ancho
 bookkeeping) is S, apart from what a drafted node adds. A, S, K and K0 are fitted by least squares to the
 batch's own rounds (recent ones weigh more), pulled toward a start taken from the single-sequence cost profile.
 R is not fitted: it is the profile's mean cost a row, which timed trees of every size, on this process's scale
-(times the fitted A + S over the profile's one-row verify). In a batch the nodes grow with the drafted sequences
+(times the fitted A + S over the profile's one-row verify); K and K0 start from the profile's draft on that
+scale too, so the first drafting rounds are judged at this machine's costs. In a batch the nodes grow with the drafted sequences
 (the law that picks them also sizes their trees), so the batch's rounds cannot tell a node's cost from a draft's:
 fitted freely on the default model at 8 sequences, R came out 0.7 to 1.3 ms, where trees of 4, 8 and 16 nodes a
 sequence timed 0.06 ms a node; and a model with one cost a row for anchors and nodes alike charged every node with
@@ -63,17 +64,26 @@ WINDOW_ROUNDS = 8  # rounds a drafting-or-not choice is measured over
 EXPLORE_WINDOWS = 32  # one kept window in this many tries the choice that measured worse
 KEPT_WINDOWS = 4  # a mode's rate pools its latest this many windows (one window's noise does not flip it)
 SWITCH_MARGIN = 0.03  # the other mode is taken only where it measured this much faster
-FITTED = [0, 1, 3, 4]  # A, S, K, K0: the coefficients the batch's rounds refit (R, index 2, stays)
+FITTED = [0, 1, 3, 4]  # A, S, K, K0: the coefficients the batch's rounds refit (R, index 2, is scaled)
+PRIOR = PRIOR_WEIGHT * np.diag([1.0, 16.0, 4.0, 1.0])  # counts vary most: their priors weigh like it
 
 
 class BatchCost:
-    """The round-cost model (A, S, R, K, K0), refitted after every round."""
+    """The round-cost model (A, S, R, K, K0), refitted when next read after rounds were observed (a round of plain
+    steps on a small model costs a couple of ms: a refit a round, unread, was a few percent of it)."""
 
     def __init__(self, start: Sequence[float]):
         self.start = np.maximum(np.asarray(start, dtype=float), 0.0)
         self.xtx = np.zeros((4, 4))
         self.xty = np.zeros(4)
-        self.theta = self.start.copy()
+        self._theta = self.start.copy()
+        self._stale = False
+
+    @property
+    def theta(self) -> np.ndarray:
+        if self._stale:
+            self._refit()
+        return self._theta
 
     @staticmethod
     def _x(sequences: int, width: int, rows: int, drafted: int) -> np.ndarray:
@@ -93,24 +103,35 @@ class BatchCost:
     def per_row(self) -> float:
         return float(self.theta[2])
 
+    def scale(self) -> float:
+        """This process's ms per profile ms: the fitted one-sequence plain round over the profile's one-row verify."""
+        one = self.start[0] + self.start[1]
+        theta = self.theta
+        return float(theta[0] + theta[1]) / one if one > 0 else 1.0
+
     def observe(self, sequences: int, width: int, rows: int, drafted: int, ms: float) -> None:
-        x = self._x(sequences, width, rows, drafted)
-        free, rest = x[FITTED], ms - x[2] * self.theta[2]
+        nodes = sequences * (width - 1) + rows - sequences
+        free = np.array([1.0, sequences, drafted, float(drafted > 0)])
         self.xtx = DECAY * self.xtx + np.outer(free, free)
-        self.xty = DECAY * self.xty + free * rest
-        scale = PRIOR_WEIGHT * np.diag([1.0, 16.0, 4.0, 1.0])  # counts vary most: their priors weigh like it
-        fitted = np.linalg.solve(self.xtx + scale, self.xty + scale @ self.start[FITTED])
-        self.theta[FITTED] = np.maximum(fitted, 0.0)
-        one = self.start[0] + self.start[1]  # a round of one plain step, as the profile has it and as fitted here
-        self.theta[2] = self.start[2] * (self.theta[0] + self.theta[1]) / one if one > 0 else self.start[2]
+        self.xty = DECAY * self.xty + free * (ms - nodes * self._theta[2])
+        self._stale = True
+
+    def _refit(self) -> None:
+        self._stale = False
+        scale = self.scale()
+        centre = self.start[FITTED] * np.array([1.0, 1.0, scale, scale])  # the drafts at this machine's scale
+        fitted = np.linalg.solve(self.xtx + PRIOR, self.xty + PRIOR @ centre)
+        self._theta[FITTED] = np.maximum(fitted, 0.0)
+        self._theta[2] = self.start[2] * self.scale()
 
 
 def start_from_profile(verify_ms: Sequence[float], draft_ms: float) -> tuple[float, float, float, float, float]:
     """A, S, R, K, K0 from one sequence's costs (V(T) for T = 1.., D): a row (a sequence's anchor or a drafted
-    node) costs V's mean slope, the rest of V(1) is the round's own, a drafted sequence costs one draft."""
+    node) costs V's mean slope, the rest of V(1) is the round's own; a drafted sequence costs one draft, and so
+    does a batched head pass of its own (its launch, the projection of its rows)."""
     v = np.asarray(verify_ms, dtype=float)
     per_row = float(max((v[-1] - v[0]) / max(len(v) - 1, 1), 0.0))
-    return max(float(v[0]) - per_row, 0.0), per_row, per_row, float(draft_ms), 0.0
+    return max(float(v[0]) - per_row, 0.0), per_row, per_row, float(draft_ms), float(draft_ms)
 
 
 class ModeSwitch:
@@ -210,6 +231,8 @@ class BatchBudget:
             if tree.size > 1:
                 q = self.calibration.node_probability(tree.scores[1:], u, tree.depths[1:])
                 queues.append((q.tolist(), i))
+        if not queues:
+            return list(trees)
         kept = [0] * len(trees)
         heap = [(-q[0], i, 0, q) for q, i in queues]
         heapq.heapify(heap)

@@ -139,7 +139,7 @@ class BatchLoop:
         drafting = [i for i, d in enumerate(depths) if d is not None]
         drafts = dict(zip(drafting, rounds.draft([(requests[i].slot, requests[i].anchor, requests[i].cfg.branch_k,
                                                    depths[i]) for i in drafting])))
-        stop = self.policy.growth_stop(len(requests)) if batched else None
+        stop = self.policy.growth_stop(len(requests)) if batched and drafting else None
         trees = [self._tree(r, drafts.get(i), stop) for i, r in enumerate(requests)]
         if batched:
             trees = self.policy.cut(trees, [r.surprisal for r in requests], len(drafting))
