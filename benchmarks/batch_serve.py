@@ -5,8 +5,10 @@ Three servers on the embedded default (ONNX Runtime CPU, `--threads`), started o
 (`--max-batch 1`, what every server did before batching). For each concurrency, N clients (the official `openai`
 client, streamed) each send their next request when their last answer is complete, cycling through the example
 tasks (image as a data URL); per request: time to first token (the first streamed text), latency (the last one)
-and completion tokens; per level: tokens per second over the wall time, p50/p99 of both times. Every answer's text
-is compared with the same task's answer from the serial server at concurrency 1 (the request sent alone).
+and completion tokens; per level: tokens per second over the wall time, p50/p99 of both times. Each level is
+first run untimed with 8 requests a client (the batch's auto settles to the load before it is measured). Every
+answer's text is compared with the same task's answer from the serial server at concurrency 1 (the request sent
+alone).
 
 With `--repeats N` the three servers take turns N times (serial, plain, glance, serial, ...) and each figure is
 the median of its N runs (every run's tokens/s kept beside it): one run's tokens/s swings by a tenth on a shared
@@ -37,6 +39,7 @@ from serve_load import medians, pct  # noqa: E402
 KINDS = ("receipt", "chart", "scene", "caption")
 READY = re.compile(r"ready: .* on (http://\S+)")
 MODES = {"serial": ("--max-batch", "1"), "plain": ("--budget", "0"), "glance": ()}
+WARM_EACH = 8  # requests a client sends untimed before each counted level
 
 
 def tasks() -> list[tuple[str, str]]:
@@ -132,8 +135,8 @@ def main() -> int:
             try:
                 if alone is None:
                     _, alone = level(url, work, 1, len(work))
-                level(url, work, 2, 8)  # warm: sessions, arenas, auto's first windows
                 for clients in levels:
+                    level(url, work, clients, WARM_EACH * clients)  # warm at this load: auto settles to it
                     row, texts = level(url, work, clients, args.requests)
                     row["mode"] = mode
                     row["same_as_alone"] = sum(texts[i] == alone[i % len(work)] for i in texts)
