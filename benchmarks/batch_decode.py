@@ -30,8 +30,9 @@ the request alone nor do the seeds survive; with fp32 activations both passes ag
     python benchmarks/batch_decode.py run OUT --model wide --wide /tmp/wide --concurrency 1,2,4,8 --requests 16
     python benchmarks/batch_decode.py plot OUT
 
-`--repeats N` runs every concurrency's three modes N times in turn and reports each figure's median (every run's
-tokens/s kept beside it): one run's tokens/s swings by a tenth on a shared machine.
+`--repeats N` runs every concurrency's three modes N times, back to back each time, and reports each figure's
+median (every run's tokens/s kept beside it) and each ratio as the median of the repeats' own: one run's
+tokens/s swings by a tenth or more on a shared machine.
 """
 from __future__ import annotations
 
@@ -357,18 +358,21 @@ def run(out: Path, args: argparse.Namespace) -> None:
 
 
 def markdown(report: dict) -> str:
+    from serve_load import paired
+
     repeats = report.get("repeats", 1)
     lines = [f"# In-flight batching, {report['model']} model (ONNX Runtime CPU, 1 thread, "
              f"{report['requests']} requests a run)", "",
-             f"Medians of {repeats} runs a row (the modes taking turns); the ratios are of the medians.", "",
+             f"Medians of {repeats} runs a row; the ratios are medians of each repeat's own (a level's three modes run "
+             "back to back in a repeat).", "",
              "| clients | mode | tokens/s (runs) | vs plain | vs serial | latency p50 / p99 ms | TTFT p50 / p99 ms "
              "| same as alone |", "|---|---|---|---|---|---|---|---|"]
-    by = {(r["concurrency"], r["mode"]): r["tokens_per_s"] for r in report["rows"]}
-    for r in report["rows"]:
-        runs_of = ", ".join(f"{t:.1f}" for t in r.get("tokens_per_s_runs", [r["tokens_per_s"]]))
+    rows = report["rows"]
+    for r in rows:
+        runs_of = ", ".join(f"{t:.1f}" for t in r["tokens_per_s_runs"])
         lines.append(f"| {r['concurrency']} | {r['mode']} | {r['tokens_per_s']} ({runs_of}) | "
-                     f"{r['tokens_per_s'] / by[r['concurrency'], 'plain']:.2f} | "
-                     f"{r['tokens_per_s'] / by[r['concurrency'], 'serial']:.2f} | {r['latency_ms_p50']} / "
+                     f"{paired(rows, 'concurrency', r['mode'], 'plain')[r['concurrency']]:.2f} | "
+                     f"{paired(rows, 'concurrency', r['mode'], 'serial')[r['concurrency']]:.2f} | {r['latency_ms_p50']} / "
                      f"{r['latency_ms_p99']} | {r['ttft_ms_p50']} / {r['ttft_ms_p99']} | "
                      f"{r['same_as_alone']}/{r['requests']} |")
     return "\n".join(lines) + "\n"

@@ -1,6 +1,7 @@
 """glance-serve under N concurrent clients: batched GLANCE against batched plain decoding and one request at a time.
 
-Three servers on the embedded default (ONNX Runtime CPU, `--threads`), started one after another on loopback:
+Three servers on the embedded default (ONNX Runtime CPU, `--threads`), started together on loopback and asked
+in turn (the two idle ones wait without work):
 `glance` (`--max-batch B`, the default budget: auto), `plain` (`--max-batch B --budget 0`) and `serial`
 (`--max-batch 1`, what every server did before batching). For each concurrency, N clients (the official `openai`
 client, streamed) each send their next request when their last answer is complete, cycling through the example
@@ -10,9 +11,9 @@ first run untimed with 8 requests a client (the batch's auto settles to the load
 answer's text is compared with the same task's answer from the serial server at concurrency 1 (the request sent
 alone).
 
-With `--repeats N` the three servers take turns N times (serial, plain, glance, serial, ...) and each figure is
-the median of its N runs (every run's tokens/s kept beside it): one run's tokens/s swings by a tenth on a shared
-machine, more than the differences measured.
+With `--repeats N` every level is measured N times, its three servers back to back each time; each figure is the
+median of its N runs (every run's tokens/s kept beside it) and each ratio the median of the N repeats' own: one
+run's tokens/s swings by a tenth or more on a shared machine, more than the differences measured.
 
     python benchmarks/batch_serve.py OUT [--concurrency 1,2,4,8,16] [--requests 64] [--max-batch 8] [--threads 1]
                                          [--repeats 1]
@@ -34,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from serve_load import medians, pct  # noqa: E402
+from serve_load import medians, paired, pct  # noqa: E402
 
 KINDS = ("receipt", "chart", "scene", "caption")
 READY = re.compile(r"ready: .* on (http://\S+)")
@@ -129,37 +130,37 @@ def main() -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     runs, alone = [], None
     load_before = os.getloadavg()[0]
-    for repeat in range(args.repeats):
-        for mode in ("serial", "plain", "glance"):
-            proc, url = start(mode, args.max_batch, args.threads)
-            try:
-                if alone is None:
-                    _, alone = level(url, work, 1, len(work))
-                for clients in levels:
+    servers = {mode: start(mode, args.max_batch, args.threads) for mode in MODES}  # idle but one at a time
+    try:
+        _, alone = level(servers["serial"][1], work, 1, len(work))
+        for repeat in range(args.repeats):
+            for clients in levels:
+                for mode, (_, url) in servers.items():
                     level(url, work, clients, WARM_EACH * clients)  # warm at this load: auto settles to it
                     row, texts = level(url, work, clients, args.requests)
                     row["mode"] = mode
                     row["same_as_alone"] = sum(texts[i] == alone[i % len(work)] for i in texts)
                     runs.append(row)
                     print(json.dumps({"repeat": repeat, **row}), flush=True)
-            finally:
-                proc.terminate()
-                proc.wait(timeout=60)
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(timeout=60)
     rows = medians(runs, ("clients", "mode"), counted=("requests", "same_as_alone"))
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"max_batch": args.max_batch, "threads": args.threads, "requests": args.requests,
               "repeats": args.repeats, "load_before": load_before, "rows": rows}
     (args.out / "batch_serve.json").write_text(json.dumps(report, indent=1) + "\n")
     lines = [f"# glance-serve, embedded default, ONNX Runtime CPU ({args.threads} thread), --max-batch {args.max_batch}",
-             "", f"Medians of {args.repeats} runs a row (the servers taking turns); the ratios are of the medians.", "",
+             "", f"Medians of {args.repeats} runs a row; the ratios are medians of each repeat's own (a level's three "
+             "servers are measured back to back in a repeat).", "",
              "| clients | mode | tokens/s (runs) | vs plain | vs serial | latency p50 / p99 ms | TTFT p50 / p99 ms "
              "| same as alone |", "|---|---|---|---|---|---|---|---|"]
-    by = {(r["clients"], r["mode"]): r["tokens_per_s"] for r in rows}
     for r in sorted(rows, key=lambda r: (r["clients"], list(MODES).index(r["mode"]))):
         runs_of = ", ".join(f"{t:.0f}" for t in r["tokens_per_s_runs"])
         lines.append(f"| {r['clients']} | {r['mode']} | {r['tokens_per_s']} ({runs_of}) | "
-                     f"{r['tokens_per_s'] / by[r['clients'], 'plain']:.2f} | "
-                     f"{r['tokens_per_s'] / by[r['clients'], 'serial']:.2f} | {r['latency_ms_p50']} / "
+                     f"{paired(rows, 'clients', r['mode'], 'plain')[r['clients']]:.2f} | "
+                     f"{paired(rows, 'clients', r['mode'], 'serial')[r['clients']]:.2f} | {r['latency_ms_p50']} / "
                      f"{r['latency_ms_p99']} | {r['ttft_ms_p50']} / {r['ttft_ms_p99']} | "
                      f"{r['same_as_alone']}/{r['requests']} |")
     (args.out / "batch_serve.md").write_text("\n".join(lines) + "\n")

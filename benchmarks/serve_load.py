@@ -120,6 +120,17 @@ def medians(runs: list[dict], key: tuple[str, ...], counted: tuple[str, ...] = (
     return merged
 
 
+def paired(rows: list[dict], level: str, mode: str, base: str) -> dict:
+    """Per `level`, the median over repeats of `mode`'s tokens/s over `base`'s in the same repeat (merged rows of
+    `medians`; a repeat's runs are taken back to back, so its ratio is freer of the machine's drift than a ratio
+    of medians)."""
+    import statistics
+
+    runs = {(r[level], r["mode"]): r["tokens_per_s_runs"] for r in rows}
+    return {at: statistics.median(a / b for a, b in zip(runs[at, mode], runs[at, base]))
+            for at, kind in runs if kind == mode}
+
+
 def split(answer: dict, client_ms: float) -> tuple[float, float]:
     """(the server's own added ms, the ms outside the server) of one answer."""
     g = answer["glance"]
