@@ -59,7 +59,8 @@ from .tree import Tree
 
 DECAY = 0.97  # weight of a round's timing, per later round: about the last 30 rounds count
 PRIOR_WEIGHT = 4.0  # how many rounds' worth the start holds against the batch's own timings
-EXPLORE_EVERY = 32  # a round that drafted nothing drafts the likeliest sequence once in this many, to time it
+EXPLORE_EVERY = 128  # drafting allowed yet declined this many rounds in a row: the likeliest sequence drafts once,
+# to time the drafts again (each costs a head pass and, as a request's first draft, its prompt's absorption)
 WINDOW_ROUNDS = 8  # rounds a drafting-or-not choice is measured over
 EXPLORE_WINDOWS = 32  # one kept window in this many tries the choice that measured worse
 KEPT_WINDOWS = 4  # a mode's rate pools its latest this many windows (one window's noise does not flip it)
