@@ -42,8 +42,8 @@ plain steps exactly where the batched pass stops being nearly free.
    batch, one request joining a boundary; a drafting window then finishes those sequences at a rate drafting
    could not sustain), so a look at the other mode takes two windows, once in EXPLORE_WINDOWS kept ones, and a
    batch loses about 2 / EXPLORE_WINDOWS of the gap to the better choice while it checks whether the load changed.
-   (With each window's rate deciding alone and no window skipped, glance-serve at 8 clients ran 4.5% below plain
-   steps over 5 alternations, and in one process 20% below at 8 clients.)
+   (With each window's rate deciding alone, none skipped and the earlier cost model, glance-serve at 8 clients
+   ran 4.5% below plain steps over 5 alternations.)
 Only the time changes: every tree is verified whole and the walk keeps the target's own choices.
 """
 from __future__ import annotations
