@@ -162,8 +162,9 @@ class ModeSwitch:
             return
         self.kept[self.drafting].append(window)
         self.windows += 1
-        if not self.kept[True]:
-            after = True
+        untried = [mode for mode in (False, True) if not self.kept[mode]]
+        if untried:
+            after = untried[0]
         else:
             other = not self.choice
             if self.rate(other) > self.rate(self.choice) * (1 + SWITCH_MARGIN):

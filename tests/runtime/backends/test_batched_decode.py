@@ -282,6 +282,15 @@ def test_batched_auto_keeps_drafting_only_while_it_gives_more_tokens_per_second(
     assert seen[4:].count(True) <= 2 * 3  # plain steps within 4 windows, then only its looks at drafting
 
 
+def test_a_switch_set_to_draft_first_measures_plain_steps_next():
+    """A caller that starts the batch drafting (as `benchmarks/gpu_check.py` does) gets the untried plain steps
+    measured next, then the faster choice."""
+    switch = ModeSwitch()
+    switch.drafting = True
+    seen = _windows(switch, 8, lambda n: 2.0, 1.0)
+    assert seen[:3] == [True, False, False] and all(seen[3:])
+
+
 def test_batched_auto_does_not_keep_a_mode_for_the_batch_the_other_left():
     """The first drafting window after plain steps finishes the sequences plain steps gathered (here 3x the plain
     rate), then drafting runs at 0.8x: the window after a change is not counted, so plain steps stay."""
