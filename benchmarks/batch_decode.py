@@ -368,11 +368,13 @@ def markdown(report: dict) -> str:
              "| clients | mode | tokens/s (runs) | vs plain | vs serial | latency p50 / p99 ms | TTFT p50 / p99 ms "
              "| same as alone |", "|---|---|---|---|---|---|---|---|"]
     rows = report["rows"]
+    ratios = {(mode, base): paired(rows, 'concurrency', mode, base)
+              for mode in ("serial", "plain", "glance") for base in ("plain", "serial")}
     for r in rows:
         runs_of = ", ".join(f"{t:.1f}" for t in r["tokens_per_s_runs"])
         lines.append(f"| {r['concurrency']} | {r['mode']} | {r['tokens_per_s']} ({runs_of}) | "
-                     f"{paired(rows, 'concurrency', r['mode'], 'plain')[r['concurrency']]:.2f} | "
-                     f"{paired(rows, 'concurrency', r['mode'], 'serial')[r['concurrency']]:.2f} | {r['latency_ms_p50']} / "
+                     f"{ratios[r['mode'], 'plain'][r['concurrency']]:.2f} | "
+                     f"{ratios[r['mode'], 'serial'][r['concurrency']]:.2f} | {r['latency_ms_p50']} / "
                      f"{r['latency_ms_p99']} | {r['ttft_ms_p50']} / {r['ttft_ms_p99']} | "
                      f"{r['same_as_alone']}/{r['requests']} |")
     return "\n".join(lines) + "\n"

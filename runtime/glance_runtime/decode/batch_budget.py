@@ -238,13 +238,12 @@ class BatchBudget:
         kept = [0] * len(trees)
         heap = [(-q[0], i, 0, q) for q, i in queues]
         heapq.heapify(heap)
-        cost = self.cost
+        cost, per_node = self.cost, self.cost.per_row
         while heap:
             negative_q, i, at, q = heapq.heappop(heap)
-            now = cost.ms(count, width, rows, drafted)
             wider = max(width, at + 2)
-            added = cost.ms(count, wider, rows + 1, drafted) - now
-            if -negative_q <= expected / now * added or -negative_q <= 0.0:
+            added = per_node * (count * (wider - width) + 1)  # the node's row, and a padded row a sequence to widen
+            if -negative_q <= expected / cost.ms(count, width, rows, drafted) * added or -negative_q <= 0.0:
                 break
             expected, rows, kept[i], width = expected - negative_q, rows + 1, at + 1, wider
             if at + 1 < len(q):
