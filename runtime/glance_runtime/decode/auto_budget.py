@@ -161,14 +161,16 @@ class AutoBudget:
     def _use(self) -> None:
         self._plan = _Rates(self.cost if self.watch is None else self.watch.used, self.calibration, self.max_nodes,
                             self.block_size, self.steps)
-        self._hoped: _Rates | None = None
+        self._hoped: tuple[CostProfile, _Rates] | None = None
 
     @property
     def _hope(self) -> _Rates:
-        """The rates at the hopeful costs, computed when a round that explores first asks for them."""
-        if self._hoped is None:
-            self._hoped = _Rates(self.watch.hope, self.calibration, self.max_nodes, self.block_size, self.steps)
-        return self._hoped
+        """The rates at the hopeful costs, computed when a round that explores first asks for them (and again
+        where the watch's hope has changed since: a draft due to be timed again counts as free)."""
+        hope = self.watch.hope
+        if self._hoped is None or self._hoped[0] is not hope:
+            self._hoped = hope, _Rates(hope, self.calibration, self.max_nodes, self.block_size, self.steps)
+        return self._hoped[1]
 
     def with_calibration(self, calibration: Calibration) -> "AutoBudget":
         return AutoBudget(self.cost, calibration, self.max_nodes, self.block_size, self.watch, self.steps)
@@ -179,7 +181,7 @@ class AutoBudget:
         wanted = self._plan.wants(self.calibration, surprisal)
         scheduled = self.watch is not None and self.max_nodes > 0 and self.watch.exploring()
         self._exploring = scheduled and (wanted or (self._hope.wants(self.calibration, surprisal, EXPLORE_GAIN) and (
-            bool(self.watch.targets(1)) or not self.watch.draft_confirmed)))
+            bool(self.watch.targets(1)) or not self.watch.draft_confirmed or self.watch.draft_due)))
         return wanted or self._exploring
 
     def grow(self, anchor: int, topk_ids: np.ndarray, topk_logprobs: np.ndarray, branch_k: int,

@@ -29,7 +29,10 @@ costs a round is decided with are the decode's own wherever it has them:
 - Explored: while a count is unconfirmed, one round in EVERY verifies exactly the first unconfirmed count above
   or below auto's pick (`targets`, the nearer first) that would beat the pick's rate were every unconfirmed
   count as cheap as the confirmed count below it and an unconfirmed draft free (`hope`), if either does; and
-  while the draft's cost is unconfirmed, such a round drafts where that hope says a draft could pay. A count
+  while the draft's cost is unconfirmed, such a round drafts where that hope says a draft could pay. A confirmed
+  draft counts as unconfirmed here until this process has timed one, and again after REDRAFT rounds without
+  one (`draft_due`): two drafted rounds slowed alike can confirm a draft too dear, and auto would then never
+  draft, so never time it, again (a draft stored at 3-10x its cost kept the demo at tau 1.0 run after run). A count
   thought dear is thus timed again until two rounds agree on it, and one that could not pay however cheap is
   never tried. The tokens are greedy's whatever is verified; docs/auto-budget.md bounds the time this costs.
 - Refitted: `used` and `hope` are recomputed at once where a count is newly confirmed or a cost moved by
@@ -60,6 +63,7 @@ CONFIRM = 2  # rounds of exactly a measured count's rows before its cost may cou
 CONFIRM_DEAR = 4  # ... where they came out CONTRADICTS times dearer than stored (at the live scale) or implausibly dear
 AGREE = 1.5  # ... and how close their fastest two must be
 WINDOW = 9  # the latest rounds of one row count (or draft depth) that count
+REDRAFT = 128  # declined rounds after which a confirmed draft cost is timed again (and once early in each process)
 CONTRADICTS = 2.0  # a count this many times cheaper than the profile says makes the profile's growth above it suspect
 RESTORE = 1.25  # a learned cost this far off the stored one (either way) is stored
 NOTICE = 0.1  # a fastest time that moved less than this (relatively) changes no used cost
@@ -100,6 +104,7 @@ class CostWatch:
         self._mine: set[int] = set()  # the counts this process confirmed
         self._draft_mine = False
         self._rounds = 0
+        self._drafted_at: int | None = None  # the latest round whose full-depth draft was kept
         self._stores, self._stored_at = 0, 0  # this process's stores, and the round of the last
         self._stale, self._refit_at = False, 0  # a smaller move not applied yet, and the round of the last refit
         self.scale = 1.0  # live ms per profile ms
@@ -121,9 +126,22 @@ class CostWatch:
         dear = fastest[0] > CONTRADICTS * stored_ms * self.scale or fastest[0] > PLAUSIBLE_PER_ROW * rows * one > 0
         return len(kept) >= (CONFIRM_DEAR if dear else CONFIRM) and fastest[-1] <= AGREE * fastest[0]
 
+    @property
+    def draft_due(self) -> bool:
+        """Whether a confirmed draft cost is to be timed again: not yet timed by this process, or not for REDRAFT
+        rounds (a draft confirmed too dear is otherwise never drafted, so never timed, again)."""
+        return self.draft_confirmed and (self._drafted_at is None or self._rounds - self._drafted_at >= REDRAFT)
+
+    @property
+    def hope(self) -> CostProfile:
+        """The hopeful costs (see the module): a draft due to be timed again counts as free, as an unconfirmed one."""
+        return self._hope_free if self.draft_due else self._hope
+
     def exploring(self) -> bool:
-        """Whether the coming round is one that may explore (one in EVERY, while a count is unconfirmed)."""
-        return self._rounds % EVERY == 1 and (len(self._confirmed) < len(self.grid) or not self.draft_confirmed)
+        """Whether the coming round is one that may explore (one in EVERY, while a count or the draft's cost is
+        unconfirmed or the draft is due to be timed again)."""
+        return self._rounds % EVERY == 1 and (len(self._confirmed) < len(self.grid) or not self.draft_confirmed
+                                              or self.draft_due)
 
     def targets(self, pick: int) -> list[int]:
         """The counts to explore beside a pick of `pick` rows: the first unconfirmed one above it and the first
@@ -149,6 +167,7 @@ class CostWatch:
             draft_moved = _keep(self._draft, depth, draft_ms)
             if depth == self.full_depth:  # the only draft whose cost is used
                 moved = max(moved, draft_moved)
+                self._drafted_at = self._rounds
         confirmed = rows in self.grid and rows not in self._confirmed and self._agreed(
             self._verify[rows], float(self.base.verify_cost(rows)), rows if rows > 1 else 0)
         if confirmed:
@@ -203,8 +222,8 @@ class CostWatch:
         bucket = np.minimum(np.searchsorted(grid, rows), len(grid) - 1)
         sure = np.isin(grid[bucket], list(self._confirmed))
         hope = np.where(sure, ms, np.minimum(ms, floor[bucket]))
-        self.hope = replace(self.used, verify_ms=tuple(hope.tolist()),
-                            draft_ms=draft_ms if self.draft_confirmed else 0.0)
+        self._hope_free = replace(self.used, verify_ms=tuple(hope.tolist()), draft_ms=0.0)
+        self._hope = self._hope_free if not self.draft_confirmed else replace(self._hope_free, draft_ms=draft_ms)
 
     def _doubt(self) -> None:
         """Drop the confirmations an earlier process stored (this process's own stay): they were timed on

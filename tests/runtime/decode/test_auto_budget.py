@@ -474,6 +474,7 @@ class Rounds:
         self.ms, self.draft_ms, self.noise = ms, draft_ms, noise
         self.sizes: list[int] = []
         self.picked: list[int] = []
+        self.drafted: list[bool] = []
 
     def run(self, n: int) -> list[int]:
         for _ in range(n):
@@ -488,6 +489,7 @@ class Rounds:
             self.policy.observe(RoundLog(entropy=0.1, accepted=1, tree_size=tree.size, draft_ms=draft_ms,
                                          verify_ms=verify_ms, total_ms=draft_ms + verify_ms, drafted=drafted))
             self.sizes.append(tree.size)
+            self.drafted.append(drafted)
             if len(self.sizes) % self.DECODE == 0:
                 self.policy.settle()
         self.policy.settle()
@@ -527,6 +529,38 @@ def test_confirmations_stored_on_another_scale_are_timed_again():
     learned = np.array(stored.verify_ms) / stored.verify_ms[0]
     assert np.all(np.abs(np.log(learned / [true_ms(r) / true_ms(1) for r in GRID])) < np.log(1.5)), learned
     assert set(stored.checked_rows) < set(GRID)
+
+
+LIKELY = (1.5, 0.0)  # a drafted node accepted 82% of the time: trees pay at the device's draft cost, not at 6x it
+
+
+def test_a_draft_confirmed_too_dear_is_timed_again_by_the_next_process():
+    """A profile right about every verify count and checked everywhere, its draft confirmed at 6 one-row verifies
+    (two drafted rounds slowed alike by another process can confirm so much): as stored, auto never drafts, and
+    no count is unconfirmed to explore. A process that has not timed the draft itself drafts in an exploring
+    round, finds it cheap and verifies trees from then on; what it stores is the device's draft cost."""
+    right = [true_ms(r) for r in GRID]
+    found = replace(profile(right, draft_ms=6 * true_ms(1)), checked_rows=GRID, draft_checked=True)
+    assert not AutoBudget(found, Calibration(law=LIKELY), 63, 16).should_draft(None)
+    rounds = Rounds(found, true_ms, draft_ms=0.98, law=LIKELY)
+    sizes = rounds.run(16)
+    assert rounds.drafted[EVERY - 1] and min(sizes[EVERY:]) >= 8, sizes
+    assert rounds.saved[-1].draft_ms == pytest.approx(0.98, rel=0.05) and rounds.saved[-1].draft_checked
+
+
+def test_a_draft_rightly_confirmed_dear_is_timed_once_a_process_and_once_in_redraft_declined_rounds():
+    """Where the draft truly costs 6 one-row verifies, the price of checking it: one draft early in a process and
+    one in every REDRAFT rounds without one, the rest plain steps."""
+    from glance_runtime.decode.cost_watch import REDRAFT
+    right = [true_ms(r) for r in GRID]
+    dear = replace(profile(right, draft_ms=6 * true_ms(1)), checked_rows=GRID, draft_checked=True)
+    assert not AutoBudget(dear, Calibration(law=LIKELY), 63, 16).should_draft(None)
+    rounds = Rounds(dear, true_ms, draft_ms=6 * true_ms(1), law=LIKELY)
+    rounds.run(2 * REDRAFT + 8)
+    drafted = [i for i, d in enumerate(rounds.drafted) if d]
+    assert drafted[0] == EVERY - 1 and len(drafted) == 3, drafted
+    assert all(REDRAFT <= b - a <= REDRAFT + EVERY for a, b in zip(drafted, drafted[1:])), drafted
+    assert rounds.saved == [] or rounds.saved[-1].draft_ms == pytest.approx(dear.draft_ms, rel=0.05)
 
 
 @pytest.mark.parametrize("seed", range(8))

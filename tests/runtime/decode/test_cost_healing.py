@@ -92,6 +92,24 @@ def test_a_poisoned_profile_gives_the_demo_tau_3_again_by_the_third_run(artifact
     assert learned.verify_ms[2] < poisoned.verify_ms[2] / 2 and not learned.disorder()
 
 
+def test_a_draft_confirmed_too_dear_drafts_again_by_the_third_run(artifacts, capsys):
+    """This machine's own verify costs, every count checked, and the draft confirmed at 8 one-row verifies (what two
+    drafted rounds slowed alike by other processes can store): as stored, auto never drafts, and nothing is
+    unconfirmed to explore; a run that has not timed the draft itself drafts once to time it, and drafts on."""
+    good = load(_profile_path(artifacts))
+    poisoned = replace(good, draft_ms=8 * good.verify_ms[0], checked_rows=good.rows, draft_checked=True)
+    save(poisoned, _profile_path(artifacts))
+    calibration = load_calibration(artifacts / "calibration.json")
+    assert not AutoBudget(poisoned, calibration, 63, 16).should_draft(None)
+
+    greedy = _greedy(artifacts, capsys)
+    runs, said = zip(*(_run(artifacts, capsys) for _ in range(3)))
+    assert all(r["token_ids"] == greedy for r in runs)
+    assert runs[2]["tau"] >= 3, (said, [r["round_log"] for r in runs], load(_profile_path(artifacts)))
+    learned = load(_profile_path(artifacts))
+    assert learned.draft_ms < poisoned.draft_ms / 2 and learned.draft_checked
+
+
 def test_remeasure_replaces_a_stored_profile(artifacts, capsys):
     path = _profile_path(artifacts)
     good = load(path)
