@@ -166,7 +166,7 @@ class AutoBudget:
     @property
     def _hope(self) -> _Rates:
         """The rates at the hopeful costs, computed when a round that explores first asks for them (and again
-        where the watch's hope has changed since: a draft due to be timed again counts as free)."""
+        where the watch's hope has changed since: a draft whose cost is to be timed counts as free)."""
         hope = self.watch.hope
         if self._hoped is None or self._hoped[0] is not hope:
             self._hoped = hope, _Rates(hope, self.calibration, self.max_nodes, self.block_size, self.steps)
@@ -181,7 +181,7 @@ class AutoBudget:
         wanted = self._plan.wants(self.calibration, surprisal)
         scheduled = self.watch is not None and self.max_nodes > 0 and self.watch.exploring()
         self._exploring = scheduled and (wanted or (self._hope.wants(self.calibration, surprisal, EXPLORE_GAIN) and (
-            bool(self.watch.targets(1)) or not self.watch.draft_confirmed or self.watch.draft_due)))
+            bool(self.watch.targets(1)) or self.watch.draft_unsure)))
         return wanted or self._exploring
 
     def grow(self, anchor: int, topk_ids: np.ndarray, topk_logprobs: np.ndarray, branch_k: int,

@@ -31,7 +31,7 @@ costs a round is decided with are the decode's own wherever it has them:
   count as cheap as the confirmed count below it and an unconfirmed draft free (`hope`), if either does; and
   while the draft's cost is unconfirmed, such a round drafts where that hope says a draft could pay. A confirmed
   draft counts as unconfirmed here until this process has timed one, and again after REDRAFT rounds without
-  one (`draft_due`): two drafted rounds slowed alike can confirm a draft too dear, and auto would then never
+  one (`draft_unsure`): two drafted rounds slowed alike can confirm a draft too dear, and auto would then never
   draft, so never time it, again (a draft stored at 3-10x its cost kept the demo at tau 1.0 run after run). A count
   thought dear is thus timed again until two rounds agree on it, and one that could not pay however cheap is
   never tried. The tokens are greedy's whatever is verified; docs/auto-budget.md bounds the time this costs.
@@ -127,21 +127,20 @@ class CostWatch:
         return len(kept) >= (CONFIRM_DEAR if dear else CONFIRM) and fastest[-1] <= AGREE * fastest[0]
 
     @property
-    def draft_due(self) -> bool:
-        """Whether a confirmed draft cost is to be timed again: not yet timed by this process, or not for REDRAFT
-        rounds (a draft confirmed too dear is otherwise never drafted, so never timed, again)."""
-        return self.draft_confirmed and (self._drafted_at is None or self._rounds - self._drafted_at >= REDRAFT)
+    def draft_unsure(self) -> bool:
+        """Whether the draft's cost is to be timed: unconfirmed, or confirmed but not timed by this process yet or
+        not for REDRAFT rounds (a draft confirmed too dear is otherwise never drafted, so never timed, again)."""
+        return not self.draft_confirmed or self._drafted_at is None or self._rounds - self._drafted_at >= REDRAFT
 
     @property
     def hope(self) -> CostProfile:
-        """The hopeful costs (see the module): a draft due to be timed again counts as free, as an unconfirmed one."""
-        return self._hope_free if self.draft_due else self._hope
+        """The hopeful costs (see the module): a draft whose cost is to be timed counts as free."""
+        return self._hope_free if self.draft_unsure else self._hope_kept
 
     def exploring(self) -> bool:
-        """Whether the coming round is one that may explore (one in EVERY, while a count or the draft's cost is
-        unconfirmed or the draft is due to be timed again)."""
-        return self._rounds % EVERY == 1 and (len(self._confirmed) < len(self.grid) or not self.draft_confirmed
-                                              or self.draft_due)
+        """Whether the coming round is one that may explore (one in EVERY, while a count is unconfirmed or the
+        draft's cost is to be timed)."""
+        return self._rounds % EVERY == 1 and (len(self._confirmed) < len(self.grid) or self.draft_unsure)
 
     def targets(self, pick: int) -> list[int]:
         """The counts to explore beside a pick of `pick` rows: the first unconfirmed one above it and the first
@@ -223,7 +222,7 @@ class CostWatch:
         sure = np.isin(grid[bucket], list(self._confirmed))
         hope = np.where(sure, ms, np.minimum(ms, floor[bucket]))
         self._hope_free = replace(self.used, verify_ms=tuple(hope.tolist()), draft_ms=0.0)
-        self._hope = self._hope_free if not self.draft_confirmed else replace(self._hope_free, draft_ms=draft_ms)
+        self._hope_kept = replace(self._hope_free, draft_ms=draft_ms)
 
     def _doubt(self) -> None:
         """Drop the confirmations an earlier process stored (this process's own stay): they were timed on
