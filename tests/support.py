@@ -12,11 +12,12 @@ import contextlib
 import io
 import json
 import os
+import queue
 import re
-import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -257,11 +258,43 @@ READY = re.compile(r"ready: .* on (http://\S+)")
 LISTENING = re.compile(r"listening on (http://[^;\s]+)")
 
 
+class Lines:
+    """A stream's lines, read by a thread as they come. (Waiting on the pipe with select, then reading a line, misses
+    lines the buffered reader took along with it: two lines written together left the second unseen.)"""
+
+    def __init__(self, stream) -> None:
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._pump, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _pump(self, stream) -> None:
+        for line in stream:
+            self._queue.put(line.rstrip("\n"))
+        self._queue.put(None)
+
+    def next(self, timeout_s: float) -> str | None:
+        """The next line; None where the stream has ended or none came within `timeout_s`."""
+        try:
+            return self._queue.get(timeout=max(timeout_s, 0))
+        except queue.Empty:
+            return None
+
+    def rest(self) -> list[str]:
+        """Every line not taken yet, once the stream has ended."""
+        self._thread.join()
+        left = []
+        while not self._queue.empty():
+            if (line := self._queue.get_nowait()) is not None:
+                left.append(line)
+        return left
+
+
 @dataclass
 class Server:
     proc: subprocess.Popen
     url: str
     log: list[str] = field(default_factory=list)
+    lines: Lines | None = None  # the rest of its stderr
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc.poll() is None:
@@ -287,22 +320,14 @@ def start_server(*args: str, timeout_s: float = START_TIMEOUT_S,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
                             preexec_fn=preexec)
     log: list[str] = []
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stderr, selectors.EVENT_READ)
+    lines = Lines(proc.stderr)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not sel.select(timeout=max(deadline - time.monotonic(), 0)):
-            break
-        line = proc.stderr.readline()
-        if not line:
-            break
+    while (line := lines.next(deadline - time.monotonic())) is not None:
         log.append(line.rstrip())
         if on_listening and (match := LISTENING.search(line)):
             on_listening(match.group(1))
         if match := READY.search(line):
-            sel.close()
-            return Server(proc, match.group(1), log)
-    sel.close()
+            return Server(proc, match.group(1), log, lines)
     proc.kill()
     proc.wait(timeout=30)
     raise AssertionError("glance-serve did not become ready:\n" + "\n".join(log))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import selectors
 import signal
 import socket
 import time
@@ -85,20 +84,17 @@ def _answer(conn: socket.socket) -> tuple[bytes, dict]:
 def _lines_until(server: Server, pattern: str) -> list[str]:
     """stderr lines up to and including the first matching `pattern` (the server keeps running)."""
     lines: list[str] = []
-    with selectors.DefaultSelector() as sel:
-        sel.register(server.proc.stderr, selectors.EVENT_READ)
-        deadline = time.monotonic() + WAIT_S
-        while not lines or not re.search(pattern, lines[-1]):
-            assert sel.select(timeout=max(deadline - time.monotonic(), 0)), f"no line matched {pattern!r}: {lines}"
-            line = server.proc.stderr.readline()
-            assert line, f"stderr ended before {pattern!r}: {lines}"
-            lines.append(line.rstrip("\n"))
+    deadline = time.monotonic() + WAIT_S
+    while not lines or not re.search(pattern, lines[-1]):
+        line = server.lines.next(deadline - time.monotonic())
+        assert line is not None, f"stderr ended, or no line matched {pattern!r} in time: {lines}"
+        lines.append(line)
     return lines
 
 
 def _ended(server: Server) -> tuple[int, list[str]]:
     """The exit code and the rest of stderr, once the server has exited; no line of it is a failure's."""
-    lines = server.proc.stderr.read().splitlines()
+    lines = server.lines.rest()
     assert not [line for line in lines if re.search("Traceback|Exception|internal error|ERROR", line)], lines
     return server.proc.wait(timeout=WAIT_S), lines
 
