@@ -19,6 +19,7 @@ from glance_runtime.formats import artifacts as artifacts_format
 from glance_runtime.formats.graphs import TARGET_GRAPH, VOCABULARY_GRAPHS
 
 from . import grouped_attention
+from .allocator import return_freed_weights
 from .batching import MAX_BATCH
 from .depth_cut import CUT_LAYERS, FULL_VALIDATION_BYTES, external, validate_target
 from .export import ATTENTION_OPSET, InMemory, export_graph, weight_bytes
@@ -73,6 +74,7 @@ def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str |
     `quantize` ("int8"/"int4"): the validated fp32 graphs are then rewritten weight-only (see `quantize.py`)
     before the manifest hashes them."""
     out = Path(out_dir)
+    return_freed_weights()
     _check_args(out, (Path(model_dir), Path(head_dir)), dtype, opset, max_tree, max_context, branch_k, max_batch)
     started = time.perf_counter()
     snapshot, checkpoint, head = open_sources(model_dir, head_dir, dtype)
@@ -125,6 +127,7 @@ def validate_artifacts(artifacts_dir: str | Path, model_dir: str | Path, head_di
                        progress: Callable[[str], None] = print) -> dict[str, dict[str, float]]:
     """Re-validate an artifacts directory against the torch target and head it was exported from."""
     artifacts = Path(artifacts_dir)
+    return_freed_weights()
     manifest = artifacts_format.read(artifacts)
     dtype, opset = manifest.dtype, manifest.opset
     snapshot, checkpoint, head = open_sources(model_dir, head_dir, dtype)

@@ -8,7 +8,8 @@ transformers, onnx and ONNX Runtime), the one tensor being written, and the one 
 validated: its torch module (the vocabulary matrices, the vision tower, the head, or a target small
 enough to validate whole; a larger target as its depth cut), then, once torch's outputs are taken and
 its weights dropped, ONNX Runtime running the graph one segment of weights at a time. On a CPU without
-fp16 kernels a segment's session also holds an fp32 copy of each fp16 weight.
+fp16 kernels a segment's session also holds an fp32 copy of each fp16 weight. What a closed session
+freed goes back to the system before the next opens (`allocator.py`).
 
 Quantization (`--quantize`) then reads, quantizes and writes one weight at a time: a layer's fp32 MatMul
 weight whole with the integer copies made from it, or a chunk of a vocabulary matrix's rows plus that

@@ -162,8 +162,10 @@ def _export_peak_kib(snap: Path, head: Path, out: Path) -> int:
 @pytest.mark.slow
 def test_export_peak_is_flat_from_2_to_12_layers(tmp_path):
     """Twelve layers of a mid-size model (about 60 MB each in fp32) cost the exporter no more memory than
-    two: the weights stream through, and validation holds a 2-layer cut. Allocator noise moves a peak by
-    tens of MB, so the depths are far enough apart that holding three more layers' weights would fail."""
+    two: the weights stream through, validation holds a 2-layer cut, and the full-depth smoke run's
+    sessions, one segment of the cut's size at a time, leave nothing behind in the heap (the peaks differ
+    by about 15 MB; with glibc's mmap threshold left to rise they differed by two layers). Holding one
+    more layer's weights fails."""
     peaks, weights = {}, {}
     for layers in (2, 12):
         snap, weights[layers] = make_mid_snapshot(tmp_path / f"s{layers}", layers)
@@ -172,7 +174,7 @@ def test_export_peak_is_flat_from_2_to_12_layers(tmp_path):
         for done in (snap, head.parent, tmp_path / f"a{layers}"):  # one depth on disk at a time
             shutil.rmtree(done)
     growth = peaks[12] - peaks[2]
-    assert growth < 0.2 * (weights[12] - weights[2]), (peaks, weights)
+    assert growth < 0.1 * (weights[12] - weights[2]), (peaks, weights)
 
 
 def test_progress_names_the_layer_and_an_eta_from_the_write_rate():
