@@ -293,8 +293,8 @@ class Lines:
 class Server:
     proc: subprocess.Popen
     url: str
+    lines: Lines  # the rest of its stderr
     log: list[str] = field(default_factory=list)
-    lines: Lines | None = None  # the rest of its stderr
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc.poll() is None:
@@ -323,11 +323,11 @@ def start_server(*args: str, timeout_s: float = START_TIMEOUT_S,
     lines = Lines(proc.stderr)
     deadline = time.monotonic() + timeout_s
     while (line := lines.next(deadline - time.monotonic())) is not None:
-        log.append(line.rstrip())
+        log.append(line)
         if on_listening and (match := LISTENING.search(line)):
             on_listening(match.group(1))
         if match := READY.search(line):
-            return Server(proc, match.group(1), log, lines)
+            return Server(proc, match.group(1), lines, log)
     proc.kill()
     proc.wait(timeout=30)
     raise AssertionError("glance-serve did not become ready:\n" + "\n".join(log))
