@@ -7,9 +7,11 @@ further than the caller's limit.
 """
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
+from typing import BinaryIO
 
 from ..errors import GlanceError
 
@@ -42,7 +44,23 @@ def regular_file(path: str | Path, what: str, fix: str) -> os.stat_result:
             raise GlanceError(f"{what} {path} is a dangling symbolic link (to {os.readlink(path)}); {fix}") from None
         raise GlanceError(f"{what} {path} does not exist; {fix}") from None
     except OSError as exc:
-        raise GlanceError(f"cannot read {what} {path} ({exc.strerror}); {fix}") from None
+        raise _unreadable(path, exc, what, fix) from None
+
+
+def present(path: str | Path, what: str, fix: str) -> bool:
+    """Whether an optional file is there: False only when nothing at all is at `path`. Anything else that is
+    not a regular file (a directory, a FIFO, a dangling link, a link loop) is refused in one line naming what it
+    is, never taken for a missing file."""
+    if not os.path.lexists(path):
+        return False
+    regular_file(path, what, fix)
+    return True
+
+
+def _unreadable(path: Path, exc: OSError, what: str, fix: str) -> GlanceError:
+    if exc.errno == errno.ELOOP:
+        return GlanceError(f"{what} {path} is a symbolic link loop; {fix}")
+    return GlanceError(f"cannot read {what} {path} ({exc.strerror}); {fix}")
 
 
 def _regular(path: Path, found: os.stat_result, what: str, fix: str) -> os.stat_result:
@@ -53,20 +71,28 @@ def _regular(path: Path, found: os.stat_result, what: str, fix: str) -> os.stat_
     return found
 
 
-def read_bytes(path: str | Path, what: str, fix: str, limit: int) -> bytes:
-    """The whole file, refused in one line if it is not a regular file or holds more than `limit` bytes."""
+def open_regular(path: str | Path, what: str, fix: str) -> BinaryIO:
+    """`path` opened for reading once it is known to be a regular file (checked by name, then again on the
+    open descriptor), so that a reader which takes a file object (a pickle, an archive) never blocks on a FIFO."""
     path = Path(path)
     regular_file(path, what, fix)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
-        raise GlanceError(f"cannot read {what} {path} ({exc.strerror}); {fix}") from None
+        raise _unreadable(path, exc, what, fix) from None
     try:
-        found = _regular(path, os.fstat(fd), what, fix)
+        _regular(path, os.fstat(fd), what, fix)
     except BaseException:
         os.close(fd)
         raise
-    with os.fdopen(fd, "rb") as fh:
+    return os.fdopen(fd, "rb")
+
+
+def read_bytes(path: str | Path, what: str, fix: str, limit: int) -> bytes:
+    """The whole file, refused in one line if it is not a regular file or holds more than `limit` bytes."""
+    path = Path(path)
+    with open_regular(path, what, fix) as fh:
+        found = os.fstat(fh.fileno())
         if found.st_size > limit:
             raise GlanceError(f"{what} {path} holds {size_words(found.st_size)}, more than the {size_words(limit)} "
                               f"such a file may; {fix}")
