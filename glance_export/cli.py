@@ -24,7 +24,7 @@ BLOCK_SIZE = flags.between("--block-size", 2, 64, "the anchor plus up to 63 draf
 STEPS = flags.between("--steps", 1, 10_000_000, "optimizer steps")
 BATCH = flags.between("--batch", 1, 4096, "sequences held in memory at once")
 GEN_BATCH = flags.between("--gen-batch", 1, 4096, "prompts the target answers at once")
-DRAFT_VOCAB = flags.at_least("--draft-vocab", 1)
+DRAFT_VOCAB = flags.at_least("--draft-vocab", BRANCH_K)  # a draft offset branches into BRANCH_K tokens
 SEED = flags.between("--seed", 0, 2**32 - 1, "the seeds torch and numpy accept")
 ANSWER_TOKENS = flags.at_least("--max-new-tokens", 1)
 MAX_TASKS = 1_000_000
@@ -466,7 +466,7 @@ def parser() -> argparse.ArgumentParser:
                    help="stop after this many seconds of training (0: after the first step)")
     t.add_argument("--checkpoint-every", type=flags.at_least("--checkpoint-every", 1), default=500,
                    help="save head and trainer state every N steps; the same command continues from there")
-    t.add_argument("--draft-vocab", type=flags.at_least("--draft-vocab", BRANCH_K), metavar="N",
+    t.add_argument("--draft-vocab", type=DRAFT_VOCAB, metavar="N",
                    help="draft over the N tokens most frequent in the target's answers (a cheaper draft pass; at "
                    f"least the {BRANCH_K} a draft offset branches into); default: the whole vocabulary (EAGLE-3: "
                    "32000, or the whole vocabulary if smaller)")

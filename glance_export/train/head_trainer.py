@@ -35,6 +35,7 @@ from .head_loss import batch_loss, make_batch
 from .held_out import HeldOut, measure
 from .order import anchors_for, rank_slots, step_items
 from .prepared import INDEX, PreparedData, token_layers
+from .prepared_index import read_index
 from .sequences import answer_samples, prompt_of
 from .tap_source import OnlineTaps
 from .train_log import Bar, RunLog, card, data_lines
@@ -122,6 +123,12 @@ def train_head(model_dir: str | Path, data: list[Path], out_dir: str | Path, set
         check_files([Path(s.eval_data)], "--eval-data")
     if s.arch not in ARCHS:
         raise GlanceError(f"--arch {s.arch!r}: pass one of {', '.join(ARCHS)}")
+    if prepared is not None:
+        read_index(Path(prepared))  # a missing path or a file is named as such before the run's signature reads it
+    if s.resume is not None and not Path(s.resume).is_dir():
+        found = "is not a directory" if Path(s.resume).exists() else "does not exist"
+        raise GlanceError(f"--resume {s.resume} {found}; pass a head directory written by `glance-export init-head` "
+                          "or `train-head`, or drop --resume to start a new head")
     if s.resume is not None and head_kind(s.resume) != s.arch:
         raise GlanceError(f"--resume {s.resume} is a {head_kind(s.resume)} head but --arch is {s.arch}; resume a "
                           "head of the same kind, or start a new one")
@@ -242,6 +249,7 @@ def _train(snapshot: Snapshot, data: list[Path], prepared: Path | None, out_dir:
     if state is not None:
         done = restore(state, opt, sched)
         progress(f"resuming from the checkpoint in {out_dir} at step {done}")
+    saved = done if state is not None else None  # the step of the checkpoint in out_dir, if it holds one
     log = RunLog(out_dir, done)
     data_names = data_lines(data) if data else [f"prepared `{Path(prepared).name}`"]
 
@@ -279,7 +287,9 @@ def _train(snapshot: Snapshot, data: list[Path], prepared: Path | None, out_dir:
                 stats = batch_loss(head, embed, lm_head, batch, s.gamma)
         stats.loss.backward()
         world.average_gradients(params)
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+        if world.any(not bool(torch.isfinite(stats.loss.detach()) & torch.isfinite(norm))):
+            raise _diverged(step, stats.loss.item(), norm.item(), out_dir, saved)
         lr = opt.param_groups[0]["lr"]
         opt.step()
         sched.step()
@@ -307,6 +317,7 @@ def _train(snapshot: Snapshot, data: list[Path], prepared: Path | None, out_dir:
             if world.main:
                 save(writer(capture(signature, step, opt, sched)))
             world.barrier()
+            saved = step
             progress(f"checkpoint at step {step}")
         if world.any(s.time_budget_s is not None and time.time() - t0 > s.time_budget_s):
             progress(f"time budget reached after {step} steps")
@@ -317,6 +328,15 @@ def _train(snapshot: Snapshot, data: list[Path], prepared: Path | None, out_dir:
     world.barrier()
     progress(f"saved head to {out_dir} after {done} steps")
     return out_dir
+
+
+def _diverged(step: int, loss: float, norm: float, out_dir: Path, saved: int | None) -> GlanceError:
+    """A non-finite loss or gradient would turn every weight into NaN at the optimizer step: the run stops before
+    it, and the head already on disk (the last checkpoint, if any) is what remains."""
+    kept = f"{out_dir} keeps its checkpoint of step {saved}" if saved is not None else f"nothing was saved to {out_dir}"
+    return GlanceError(f"the loss or its gradient at step {step} is not finite (loss {loss:g}, gradient norm "
+                       f"{norm:g}); training stopped and {kept}; lower --lr (or check the training data) and run "
+                       "again")
 
 
 def _check_eagle3_trainable(head: Eagle3Head, snapshot: Snapshot) -> None:
