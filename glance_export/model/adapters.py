@@ -21,7 +21,7 @@ from jinja2 import TemplateError
 from PIL import Image
 
 from glance_runtime.prompt.processor_values import read_processor_config
-from glance_runtime.errors import GlanceError, InputError
+from glance_runtime.errors import GlanceError
 from glance_runtime.prompt.messages import split, user_turn
 from glance_runtime.prompt.prompt_builder import (IMAGE_PLACEHOLDER, Prompt, check_placeholders, expand_placeholders,
                                                   processed_videos)
@@ -118,10 +118,7 @@ class Snapshot:
         """A conversation (OpenAI-style messages, any number of images and videos) through the snapshot's own
         template and image processor, which gives every image its own grid and rows, in prompt order. Videos go
         through the runtime's numpy video processor: transformers' needs torchvision, which this install lacks."""
-        rendered_msgs, images, videos = split(messages)
-        if (images or videos) and not self.is_vl:
-            raise InputError(f"{self.path} is a text-only {self.family} model; drop the "
-                             f"{'images' if images else 'videos'}")
+        rendered_msgs, images, videos = split(messages, text_only=not self.is_vl)
         try:
             rendered = self.tokenizer.apply_chat_template(rendered_msgs, add_generation_prompt=True, tokenize=False)
         except TemplateError as exc:

@@ -123,9 +123,12 @@ def _video(part: dict[str, Any]) -> Video:
     return Video([_image(frame) for frame in value], float(fps))
 
 
-def split(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Image.Image], list[Video]]:
+def split(messages: Sequence[dict[str, Any]], text_only: bool = False
+          ) -> tuple[list[dict[str, Any]], list[Image.Image], list[Video]]:
     """Template messages (image and video parts without payloads), and the decoded images and videos, each in
-    prompt order."""
+    prompt order. `text_only` (a model without vision): each content becomes one string, its text parts joined
+    as the vision templates join them, since a text template prints a list as Python's repr of it (or drops
+    it); an image or video part is refused."""
     rendered: list[dict[str, Any]] = []
     images: list[Image.Image] = []
     videos: list[Video] = []
@@ -143,6 +146,9 @@ def split(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], lis
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text" and isinstance(part.get("text"), str):
                 parts.append({"type": "text", "text": part["text"]})
+            elif kind in ("image", "video") and text_only:
+                raise InputError(f"message {i} has {'an image' if kind == 'image' else 'a video'} part, but this model "
+                                 f"is text-only and sees no {kind}s; drop the {kind}s or load a vision-language model")
             elif kind == "image" and "image" in part:
                 images.append(_image(part["image"]))
                 parts.append({"type": "image"})
@@ -153,7 +159,8 @@ def split(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], lis
                 raise InputError(f"message {i} has a part {reprlib.repr(part)}; parts are {{'type': 'text', 'text': "
                                  "str}, {'type': 'image', 'image': path | PIL.Image | array | bytes} or "
                                  "{'type': 'video', 'video': [frames], 'fps': number}")
-        rendered.append({"role": msg["role"], "content": parts})
+        rendered.append({"role": msg["role"],
+                         "content": "".join(p["text"] for p in parts) if text_only else parts})
     if not any(m["role"] == "user" for m in rendered):
         raise InputError("the messages have no user message; add one with the question")
     return rendered, images, videos

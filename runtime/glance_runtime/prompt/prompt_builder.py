@@ -305,10 +305,8 @@ class PromptBuilder:
     def build_messages(self, messages) -> Prompt:
         """Render a conversation (OpenAI-style messages, any number of images and videos) with the snapshot's
         template; each image and video gets its own grid and its own run of placeholder tokens, in prompt order."""
-        rendered_msgs, images, videos = split(messages)
+        rendered_msgs, images, videos = split(messages, text_only=self.image_token_id is None)
         check_text_placeholders(rendered_msgs)
-        if (images or videos) and self.image_token_id is None:
-            raise InputError(f"the model in {self.path} is text-only; drop the {'images' if images else 'videos'}")
         rendered = self.template.render(rendered_msgs)
         check_placeholders(rendered, len(images), len(videos), f"in {self.path}")
         processed = [process_image(image, self.image_config) for image in images]
