@@ -316,6 +316,7 @@ def atomic_directory(out: str | Path, fmt: str, made_by: str) -> Iterator[Path]:
     swap = _begin(out)
     try:
         yield swap.new
+        _ordinary_modes(swap.new)
         mark(swap.new, fmt, made_by, os.listdir(swap.new))
         if out.exists():
             _check_no_foreign(out, "and run the same command again")  # something may have arrived meanwhile
@@ -324,6 +325,20 @@ def atomic_directory(out: str | Path, fmt: str, made_by: str) -> Iterator[Path]:
         os.replace(swap.new, out)
     finally:
         swap.settle()
+
+
+def _ordinary_modes(directory: Path) -> None:
+    """Give every file written into `directory` the read bits the umask allows, as a file created the ordinary way
+    gets: a library that writes through a private temporary file (safetensors does, 0600) would leave head weights
+    unreadable to the group and others beside 0644 neighbours. Bits are only added, and a file linked from
+    elsewhere (another name for an input) is left as it is."""
+    allowed = 0o666 & ~_umask()
+    for root, _, files in os.walk(directory):
+        for name in files:
+            path = os.path.join(root, name)
+            found = os.lstat(path)
+            if stat.S_ISREG(found.st_mode) and found.st_nlink == 1 and ~found.st_mode & allowed:
+                os.chmod(path, stat.S_IMODE(found.st_mode) | allowed)
 
 
 def write_file(path: str | Path, data: str | bytes) -> None:
