@@ -2,6 +2,7 @@
 conversations that keep their KV, refusals, and close()."""
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from pathlib import Path
@@ -42,14 +43,20 @@ def test_generate_equals_glance_run(capsys, backend):
 
 
 @pytest.mark.edge
-def test_stream_joins_to_generate(model):
-    out = model.generate("What is the total?", images=[RECEIPT])
-    stream = model.stream("What is the total?", images=[RECEIPT])
-    assert stream.output is None
-    pieces = list(stream)
+@pytest.mark.parametrize("budget", [None, 15])
+def test_stream_joins_to_generate(model, budget):
+    """The default (auto, whose trees follow this machine's round timings: tokens only), and a fixed budget, whose
+    trees and so tau depend on the tokens alone."""
+    with gr.load(budget=budget) if budget else contextlib.nullcontext(model) as m:
+        out = m.generate("What is the total?", images=[RECEIPT])
+        stream = m.stream("What is the total?", images=[RECEIPT])
+        assert stream.output is None
+        pieces = list(stream)
     assert len(pieces) > 1 and "".join(pieces) == out.text
-    assert (stream.output.text, stream.output.token_ids, stream.output.tau) == (out.text, out.token_ids, out.tau)
+    assert (stream.output.text, stream.output.token_ids) == (out.text, out.token_ids)
     assert stream.output.stats["finish"] == out.stats["finish"] == "eos"
+    if budget:
+        assert stream.output.tau == out.tau
 
 
 @pytest.mark.edge
