@@ -143,7 +143,7 @@ def test_engines_answer_like_onnxruntime(rtx_engines):
     assert cost_path.parent == rtx_engines and measured.cost.device.startswith("tensorrt")
     split, block = median_surprisal(trt.backend, prompt, 32), trt.backend.block_size
     policies = {"measured": measured, "cutting": cutting(split, block, measured.max_nodes),
-                "skipping": skipping(split, block, measured.cost, measured.max_nodes)}
+                "skipping": skipping(split, block, max_nodes=measured.max_nodes)}  # constructed costs: its skips forced
     results = {name: decode(trt.backend, prompt, config(policy, 32), trt.stop_ids)
                for name, policy in policies.items()}
     assert {name: r.tokens for name, r in results.items()} == dict.fromkeys(policies, truth)
