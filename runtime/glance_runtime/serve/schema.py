@@ -1,13 +1,18 @@
 """The chat-completions request as OpenAI defines it, validated strictly (pydantic), and what greedy
 decoding cannot honour refused by name: a field this server does not act on (tools, response formats,
-logit biases, ...) is a 400 naming it, never ignored."""
+logit biases, ...) is a 400 naming it, never ignored. Everything a request holds is checked here, before
+its answer starts: a streamed request refused later would already have its 200."""
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..errors import GlanceError
+from ..prompt.prompt_builder import check_unicode
 from .openai_errors import RequestError
+
+PART_TYPES = ("text", "image_url")  # the content parts a Qwen-VL prompt is made of
 
 
 class _Strict(BaseModel):
@@ -21,7 +26,7 @@ class TextPart(_Strict):
 
 class ImageURL(_Strict):
     url: str
-    detail: Literal["auto"] | None = None  # the image is read as sent: "low" and "high" would be ignored
+    detail: Literal["auto", "low", "high"] | None = None  # accepted and ignored: the model's processor sizes images
 
 
 class ImagePart(_Strict):
@@ -69,6 +74,22 @@ class ChatRequest(_Strict):
                                "(the target model's own greedy answer, token for token); omit it or send "
                                "temperature 0, top_p 1, n 1", param=asked[0].split("=")[0], code="sampling_unsupported")
 
+    def check_text(self) -> None:
+        """Stop strings and message text are real text (no lone surrogate, no empty stop string), refused with
+        the field at fault."""
+        for i, stop in enumerate(self.stops):
+            where = "stop" if isinstance(self.stop, str) else f"stop.{i}"
+            if not stop:
+                raise RequestError(f"{where} is an empty string, which would end every answer before it starts; "
+                                   "drop it or pass text", param=where, code="invalid_stop")
+            _text(stop, where, "invalid_stop")
+        for i, m in enumerate(self.messages):
+            if isinstance(m.content, str):
+                _text(m.content, f"messages.{i}.content", "invalid_prompt")
+            for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+                if isinstance(part, TextPart):
+                    _text(part.text, f"messages.{i}.content.{j}.text", "invalid_prompt")
+
     @property
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -78,15 +99,58 @@ class ChatRequest(_Strict):
         return self.max_completion_tokens or self.max_tokens
 
 
+def _text(text: str, where: str, code: str) -> None:
+    try:
+        check_unicode(text, where)
+    except GlanceError as exc:
+        raise RequestError(str(exc), param=where, code=code) from None
+
+
+def _branch(label: object) -> bool:
+    """A union branch pydantic names in an error's location (`str`, `list[...]`): no field of the request."""
+    return isinstance(label, str) and (label == "str" or label.startswith(("list[", "tagged-union[")))
+
+
+def _first(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """The error that describes the value sent: a list of parts sent as content fails as a string too, but it
+    is the list's error that names what is wrong."""
+    mismatch = [e for e in errors if e["loc"] and _branch(e["loc"][-1]) and e["type"].endswith("_type")]
+    return next((e for e in errors if e not in mismatch), errors[0])
+
+
+def _where(loc: tuple) -> str:
+    """An error's location as the client wrote it: pydantic's union branches and the part type it picked
+    (`content.list[tagged-union[...]].0.image_url.image_url`) left out."""
+    out, tag_next = [], False
+    for p in loc:
+        if _branch(p):
+            tag_next = "tagged-union[" in p
+        elif tag_next and isinstance(p, str):
+            tag_next = False
+        else:
+            out.append(str(p))
+    return ".".join(out) or "body"
+
+
 def parse_request(raw: Any) -> ChatRequest:
     """The validated request, or a 400 naming the first field at fault."""
     try:
-        return ChatRequest.model_validate(raw)
+        req = ChatRequest.model_validate(raw)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "body"
+        first = _first(exc.errors())
+        where = _where(first["loc"])
+        if first["type"] == "union_tag_invalid":
+            tag, types = first.get("ctx", {}).get("tag"), " and ".join(map(repr, PART_TYPES))
+            raise RequestError(f"{where}: a content part of type {tag!r} is not supported by this server, which "
+                               f"reads {types} parts; send the message as those", param=where,
+                               code="unsupported_content_part") from None
+        if first["type"] == "union_tag_not_found":
+            raise RequestError(f"{where}: a content part needs its \"type\" ({' or '.join(map(repr, PART_TYPES))}); "
+                               "add it", param=where, code="invalid_request") from None
         if first["type"] == "extra_forbidden":
             raise RequestError(f"{where} is not supported by this server, which answers text chat with greedy, "
                                f"lossless decoding (no tools, functions, logit biases, response formats or log-probs); "
                                f"omit {where}", param=where, code="unsupported_field") from None
         raise RequestError(f"{where}: {first['msg']}", param=where, code="invalid_request") from None
+    req.check_text()
+    return req

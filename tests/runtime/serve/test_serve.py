@@ -225,9 +225,9 @@ REFUSALS = {
         ("response_format", {"type": "json_object"}), ("top_logprobs", 2), ("parallel_tool_calls", True))},
     "a message's name": (_body(messages=[{"role": "user", "content": "hi", "name": "bob"}]), 400,
                          "unsupported_field"),
-    "image detail high": (_body(messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,", "detail": "high"}}]}]), 400,
-                          "invalid_request"),
+    "an unknown image detail": (_body(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,", "detail": "ultra"}}]}]), 400,
+                                "invalid_request"),
     "JSON nested 100k deep": (b'{"model": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "invalid_json"),
     "a lone surrogate in the prompt": (json.dumps(_body(messages=user("total? \ud800"))).encode(), 400,
                                        "invalid_prompt"),
