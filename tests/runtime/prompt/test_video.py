@@ -23,7 +23,8 @@ from glance_runtime.decode.loop import DecodeConfig, decode
 from glance_runtime.prompt.messages import user_turn
 from glance_runtime.prompt.prefix_reuse import Committed, image_runs, shared_rows
 from glance_runtime.prompt.rope_index import rope_index, video_grids
-from glance_runtime.prompt.video import DEFAULT_FPS, Video, VideoProcessorConfig, process_video, resize_frame
+from glance_runtime.prompt.video import (DEFAULT_FPS, Video, VideoProcessorConfig, frame_size, process_video,
+                                         resize_frame)
 from support import VL_FAMILIES, Exported, make_snapshot
 
 MAX_NEW = 16
@@ -115,8 +116,9 @@ def generate(backend: TorchBackend, prompt) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
-@pytest.mark.skipif(not HAS_TORCHVISION, reason="transformers' video processors need torchvision, which is not installed: "
-                    "pip install the torchvision release built for this torch")
+@pytest.mark.skipif(not HAS_TORCHVISION, reason="transformers' video processors need torchvision: the CPU build for "
+                    "torch 2.13.0 is on PyTorch's own index only (PyPI's is a CUDA build that fails to import beside "
+                    "the CPU torch); test_processor_resizes_as_the_kernels_transformers_calls_do checks the resize")
 @pytest.mark.parametrize("family", VL_FAMILIES)
 def test_processor_matches_transformers(snaps, images, family):
     """Pixels, grid and prompt ids bit for bit as transformers' own processor gives them, resize included."""
@@ -153,6 +155,32 @@ def test_processor_matches_transformers(snaps, images, family):
         pixels, grid = process_video(Video([Image.fromarray(f) for f in clip]), cfg)
         np.testing.assert_array_equal(grid, ref["video_grid_thw"], err_msg=str(size))
         np.testing.assert_array_equal(pixels, ref["pixel_values_videos"])
+
+
+# Frame sizes scaled down, up and both ways at once, and one the per-frame pixel cap shrinks: (height, width, count).
+RESIZED = ((62, 90, 3), (200, 37, 3), (33, 250, 3), (300, 420, 9))
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_processor_resizes_as_the_kernels_transformers_calls_do(snaps, family):
+    """Without torchvision, the parts of transformers' video processor it supplies, from the code it calls: the
+    frame size from transformers' own `smart_resize` (the Qwen2-VL video processor's copy of it) and the pixels
+    from torch's native uint8 antialiased bicubic interpolate, which torchvision's resize runs on a CPU."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    cfg = VideoProcessorConfig.from_dir(snaps[family].path, family)
+    factor = cfg.patch_size * cfg.merge_size
+    for height, width, count in RESIZED:
+        clip = frames(count, width=width, height=height)
+        for cap in (False, True):
+            size = frame_size(replace(cfg, cap_pixels_per_frame=cap, max_video_tokens=40), count, height, width)
+            if not cap:
+                assert size == smart_resize(height, width, factor, cfg.min_pixels, cfg.max_pixels), (height, width)
+            for frame in clip[:2]:
+                batch = torch.from_numpy(frame).permute(2, 0, 1)[None].contiguous()
+                kernel = torch.nn.functional.interpolate(batch, size=list(size), mode="bicubic", antialias=True,
+                                                         align_corners=False)
+                np.testing.assert_array_equal(resize_frame(frame, *size), kernel[0].permute(1, 2, 0).numpy())
 
 
 def test_resize_is_torchvision_bicubic_on_a_known_case():
