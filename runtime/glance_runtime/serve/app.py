@@ -435,7 +435,7 @@ class Service:
             raise RequestError(str(exc), param="messages", code="invalid_prompt") from None
 
     def max_tokens(self, req: ChatRequest) -> int:
-        asked = req.limit or self.config.default_max_tokens
+        asked = req.limit or min(self.config.default_max_tokens, self.config.max_tokens)
         if asked > self.config.max_tokens:
             raise RequestError(f"max_tokens {asked} is over this server's {self.config.max_tokens}; ask for fewer",
                                param="max_tokens", code="max_tokens_too_large")
