@@ -125,17 +125,20 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def runner_flags(p: argparse.ArgumentParser, *, backend_help: str = BACKEND_DEFAULT,
-                 threads_help: str = "ONNX Runtime intra-op threads (1 up to this machine's CPUs)") -> None:
+                 threads_help: str = "ONNX Runtime intra-op threads (1 up to this machine's CPUs; default: ONNX "
+                                     "Runtime's own choice, one per physical core)") -> None:
     """--backend, --model, --head, --artifacts, --engines, --provider, --threads, --max-context, --max-tree."""
     p.add_argument("--backend", choices=BACKENDS, help=backend_help)
     p.add_argument("--model", type=Path, help="target model: a HF snapshot directory (default: the embedded "
                    "glance-vl-tiny with its head)")
     p.add_argument("--head", type=Path, help="draft head directory: a GLANCE/DFlash head, or an EAGLE-3 head as "
-                   "published")
-    p.add_argument("--artifacts", type=Path, help="exported graphs for --backend onnxruntime (glance-export onnx)")
-    p.add_argument("--engines", type=Path, help="TensorRT engines for --backend tensorrt (glance-export build)")
+                   "published (default: the embedded model's head where --model is not given, else none)")
+    p.add_argument("--artifacts", type=Path, help="exported graphs for --backend onnxruntime (glance-export onnx; "
+                   "default: the embedded model's shipped graphs where --model is not given, else none)")
+    p.add_argument("--engines", type=Path, help="TensorRT engines for --backend tensorrt (glance-export build; "
+                   "default: none)")
     p.add_argument("--provider", action="append", help="ONNX Runtime execution provider (cpu, cuda, tensorrt or a "
-                   "full name); repeat for a priority list; CPU is the fallback")
+                   "full name); repeat for a priority list; CPU is the fallback (default: cpu)")
     p.add_argument("--threads", type=threads, help=threads_help)
     p.add_argument("--max-context", type=integer("--max-context"),
                    help="KV rows to allocate (default: the export's or build's bound)")

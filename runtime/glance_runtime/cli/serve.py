@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import logging
 import signal
 import socket
@@ -17,11 +18,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from .flags import OneLineParser, batch_flag, between, budget, check_dirs, guarded, positive, runner_flags
-from ..defaults import SERVE_MAX_BATCH
+from ..defaults import BUDGET, RUN_MAX_NEW_TOKENS, SERVE_MAX_BATCH
 from ..errors import GlanceError
 from ..prompt.images import MAX_IMAGE_PIXELS as MAX_PIXELS
 from ..serve.app import ServeConfig, create_app
-from ..serve.engine import ModelSpec, default_batch
+from ..serve.engine import ModelSpec, default_batch, preflight
+from ..serve.openai_errors import RequestError
 
 LOOPBACK_NAMES = ("localhost",)
 MAX_QUEUE = 100_000  # upper bounds of what a flag may set, each held in memory by the server
@@ -36,29 +38,36 @@ def parser() -> argparse.ArgumentParser:
                       "(greedy, lossless; requests decoded together, each as alone)")
     runner_flags(p)
     batch_flag(p, SERVE_MAX_BATCH)
-    p.add_argument("--budget", type=budget, help="tree nodes per round, or auto (default: as glance-run)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs --api-key)")
+    p.add_argument("--budget", type=budget, help="tree nodes verified per round besides the anchor, or auto "
+                   f"(default: as glance-run, auto for exported graphs and engines, else {BUDGET})")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind; any but loopback needs --api-key (default: %(default)s)")
     p.add_argument("--port", type=between("--port", 0, 65535, "TCP ports"), default=8000,
-                   help="port to bind (0: any free port, printed at start)")
-    p.add_argument("--api-key", help="required as `Authorization: Bearer KEY` on every endpoint but /health")
-    p.add_argument("--media-dir", type=Path, help="directory whose files requests may name as file:// image URLs")
+                   help="port to bind; 0 picks a free one, printed at start (default: %(default)s)")
+    p.add_argument("--api-key", help="required as `Authorization: Bearer KEY` on every endpoint but /health "
+                   "(default: none, for loopback clients only)")
+    p.add_argument("--media-dir", type=Path, help="directory whose files requests may name as file:// image URLs "
+                   "(default: none, so only data: URLs)")
     p.add_argument("--served-model-name", help="the model id clients send (default: the model directory's name)")
     p.add_argument("--max-queue", type=between("--max-queue", 1, MAX_QUEUE, "requests held in memory"),
-                   default=64, help="requests that may wait for a slot of the runner; more get 429")
+                   default=64, help="requests that may wait for a slot of the runner; more get 429 "
+                   "(default: %(default)s)")
     p.add_argument("--timeout", type=positive("--timeout"), default=120.0,
-                   help="seconds per request, queue wait included")
+                   help="seconds per request, queue wait included; later ones get 504 (default: %(default)g)")
     p.add_argument("--max-tokens", type=between("--max-tokens", 1, MAX_TOKENS, "tokens one answer may take"),
-                   default=1024, help="the largest max_tokens a request may ask for")
+                   default=1024, help="the largest max_tokens a request may ask for (default: %(default)s); a "
+                   f"request that names none gets {RUN_MAX_NEW_TOKENS} (as glance-run) or this, if fewer")
     p.add_argument("--max-body-mb", type=positive("--max-body-mb"), default=16.0,
-                   help=f"largest request body, in MiB (at most {MAX_BODY_MB})")
+                   help=f"largest request body, in MiB, at most {MAX_BODY_MB}; larger get 413 (default: %(default)g)")
     p.add_argument("--max-image-pixels", type=between("--max-image-pixels", 1, MAX_PIXELS,
                                                              "the largest image the runtime decodes"),
-                   default=4096 * 4096, help="largest image, in pixels")
+                   default=4096 * 4096, help="largest image, in pixels (default: %(default)s, 4096 x 4096)")
     p.add_argument("--max-request-pixels", type=between("--max-request-pixels", 1, 16 * MAX_PIXELS,
                                                                "every image of one request together"),
-                   default=4 * 4096 * 4096, help="most pixels of all a request's images together")
+                   default=4 * 4096 * 4096, help="most pixels of all a request's images together "
+                   "(default: %(default)s, four 4096 x 4096 images)")
     p.add_argument("--max-messages", type=between("--max-messages", 1, MAX_MESSAGES, "messages one request holds"),
-                   default=64, help="most messages in one request")
+                   default=64, help="most messages in one request (default: %(default)s)")
     return p
 
 
@@ -130,6 +139,26 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def http_protocol() -> type:
+    """uvicorn's HTTP protocol, answering a request it cannot parse (a malformed Content-Length or request line)
+    in OpenAI's JSON error shape rather than its text/plain 400: such a request never reaches the app."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class OpenAIShaped(AutoHTTPProtocol):
+        def send_400_response(self, msg: str) -> None:
+            body = json.dumps(RequestError(
+                "the request is not valid HTTP/1.1 (a malformed request line or header, such as a Content-Length "
+                "that is not a number); send a well-formed request", code="invalid_http").body()).encode()
+            head = [b"HTTP/1.1 400 Bad Request\r\n"]
+            head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
+            head += [b"content-type: application/json\r\n", b"content-length: %d\r\n" % len(body),
+                     b"connection: close\r\n\r\n"]
+            self.transport.write(b"".join(head) + body)
+            self.transport.close()
+
+    return OpenAIShaped
+
+
 def run(args: argparse.Namespace) -> int:
     check(args)
     try:
@@ -141,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
                      max_context=args.max_context, max_tree=args.max_tree)
     batch = max_batch(args, spec)
     spec = replace(spec, max_batch=batch)
+    preflight(spec)  # a flag the graphs cannot serve is refused before the server says it is listening
     config = ServeConfig(spec=spec, served_model_name=args.served_model_name, api_key=args.api_key,
                          media_dir=args.media_dir, max_queue=args.max_queue, timeout_s=args.timeout,
                          max_body_bytes=int(args.max_body_mb * (1 << 20)), max_image_pixels=args.max_image_pixels,
@@ -185,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
                          "cancels them")
             super().handle_exit(sig, frame)
 
-    server = Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", proxy_headers=False))
+    server = Server(uvicorn.Config(app, http=http_protocol(), log_level="warning", access_log=False, lifespan="on",
+                                   proxy_headers=False))
     interrupted = False
     try:
         server.run(sockets=[sock])

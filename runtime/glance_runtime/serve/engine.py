@@ -17,12 +17,19 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..api import Model, Output, load
+from ..backends.batch_rounds import check_batch
+from ..decode.backend import ServeLimits
+from ..decode.limits import answer_rows, check_tree, runtime_limit
 from ..defaults import SERVE_MAX_BATCH, resolve
-from ..errors import GlanceError
+from ..errors import GlanceError, LimitError
+from ..formats.artifacts import read as read_manifest
 from ..formats.graphs import MANIFEST
+from ..prompt.codec import exported_codec
 from ..prompt.prompt_builder import Prompt
 
 WARMUP_PROMPT = "Hello"
+WARMUP_TOKENS = 4
+EXPORTED = ("artifacts were exported for", "re-export with `glance-export onnx`")
 CONTEXT_FIX = "shorten the conversation or ask for fewer max_tokens"
 
 
@@ -78,6 +85,39 @@ def default_batch(spec: ModelSpec) -> int:
     return min(SERVE_MAX_BATCH, exported)
 
 
+def _warmup() -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [{"type": "text", "text": WARMUP_PROMPT}]}]
+
+
+def check_warmup(prompt: Prompt, max_context: int) -> None:
+    """The warm-up's decode fits the context: a --max-context too small for it is the flag's fault, named with
+    the smallest value that serves anything (the chat template and a one-word prompt), not the prompt's."""
+    needed = answer_rows(prompt.length, WARMUP_TOKENS)
+    if max_context < needed:
+        raise LimitError(f"--max-context {max_context} is too small to serve anything: the chat template and the "
+                         f"server's one-word warm-up prompt with a {WARMUP_TOKENS}-token answer take {needed} rows; "
+                         f"pass --max-context {needed} or more")
+
+
+def preflight(spec: ModelSpec) -> None:
+    """Refuse what the exported graphs cannot serve (--max-context, --max-tree, --budget, --max-batch) from their
+    manifest and prompt files alone, before the server listens, in the words loading them would use. TensorRT
+    engines and the torch reference are checked as they load."""
+    backend = "tensorrt" if spec.engines is not None else spec.backend
+    _, _, artifacts, backend = resolve(spec.model, spec.head, spec.artifacts, backend)
+    if artifacts is None or backend != "onnxruntime" or not (artifacts / MANIFEST).is_file():
+        return  # exported on first use, or refused with its reason as it loads
+    manifest = read_manifest(artifacts)
+    context = runtime_limit("--max-context", spec.max_context, manifest.max_context, *EXPORTED)
+    tree = runtime_limit("--max-tree", spec.max_tree, manifest.max_tree, *EXPORTED)
+    if isinstance(spec.budget, int):
+        check_tree(ServeLimits(block_size=1, max_branch_k=1, max_tree=tree, exported=True), spec.budget + 1,
+                   spec.budget)
+    if spec.max_batch > 1:
+        check_batch(manifest, spec.max_batch)
+    check_warmup(exported_codec(manifest).encode(_warmup()), context)
+
+
 @dataclass(frozen=True)
 class Job:
     """One request as a runner takes it: `prepare` builds its prompt (images are decoded only then, so a deep
@@ -114,8 +154,9 @@ class Engine:
 
     def warm(self) -> None:
         """One short decode, so the first client does not pay for lazy initialisation (or auto's measuring)."""
-        messages = [{"role": "user", "content": [{"type": "text", "text": WARMUP_PROMPT}]}]
-        self.complete(self.prepare(messages, 4), 4)
+        prompt = self.model.build(messages=_warmup())
+        check_warmup(prompt, self.model.session.max_context)
+        self.complete(prompt, WARMUP_TOKENS)
 
     def prepare(self, messages: list[dict[str, Any]], max_tokens: int) -> Prompt:
         """The prompt, refused here, before anything is decoded, if it is bad or would overflow the context."""
