@@ -10,13 +10,14 @@ from glance_runtime.cli import flags
 from glance_runtime.cli.flags import OneLineParser, decode_flags, guarded, runner_flags, source
 from glance_runtime.defaults import BRANCH_K, BUDGET, EAGLE3_DEPTH, MEASURE_MAX_NEW_TOKENS, default_model, resolve
 from glance_runtime.errors import GlanceError
+from glance_runtime.formats.common import MAX_BATCH as BATCH_BOUND
 from glance_runtime.backends.registry import BACKENDS
 from glance_runtime.backends.registry import open_session
 from glance_runtime.decode.session import Settings
 
 from .build.targets import PROFILE_NAMES
 from .onnx.batching import MAX_BATCH
-from .onnx.quant_scheme import ACCURACY, ACCURACY_LEVELS, GROUP_SIZE
+from .onnx.quant_scheme import ACCURACY, ACCURACY_LEVELS, GROUP_SIZES
 
 # Upper bounds of sizes that would otherwise run until stopped or exhaust the machine.
 HEAD_LAYERS = flags.between("--layers", 1, 64, "a draft head has a few layers; 64 is deeper than any target")
@@ -27,8 +28,30 @@ GEN_BATCH = flags.between("--gen-batch", 1, 4096, "prompts the target answers at
 DRAFT_VOCAB = flags.at_least("--draft-vocab", BRANCH_K)  # a draft offset branches into BRANCH_K tokens
 SEED = flags.between("--seed", 0, 2**32 - 1, "the seeds torch and numpy accept")
 ANSWER_TOKENS = flags.at_least("--max-new-tokens", 1)
+BATCHED = flags.between("--max-batch", 1, BATCH_BOUND, "the most a manifest's readers accept")
 MAX_TASKS = 1_000_000
 from .build.precision import PRECISIONS
+
+
+class DefaultsShown(argparse.HelpFormatter):
+    """--help ends each flag's text with its default, unless the text already says it or the flag has none (an
+    unset flag's text says what applies instead)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if not action.option_strings or default is None or default is False or default == [] \
+                or default is argparse.SUPPRESS or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class ExportParser(OneLineParser):
+    """glance-export and each subcommand (argparse makes the subcommands' parsers of this class too)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", DefaultsShown)
+        super().__init__(*args, **kwargs)
 
 
 def _progress(line: str) -> None:
@@ -325,7 +348,7 @@ def _onnx(args: argparse.Namespace) -> int:
             raise GlanceError(f"{flag} applies to quantized graphs only; add --quantize int8|int4 or drop it")
     out = export_artifacts(args.model, args.head, args.out, dtype=args.dtype, opset=args.opset, max_tree=args.max_tree,
                            max_context=args.max_context, branch_k=args.branch_k, quantize=args.quantize,
-                           group_size=args.group_size or GROUP_SIZE, accuracy=args.accuracy or ACCURACY,
+                           group_size=args.group_size, accuracy=args.accuracy or ACCURACY,
                            max_batch=args.max_batch,
                            progress=(lambda _: None) if args.quiet else (lambda line: print(line, flush=True)))
     print(f"wrote ONNX artifacts to {out}")
@@ -370,8 +393,9 @@ def _add_triton(sub) -> None:
     x.add_argument("--artifacts", type=Path, help="exported graphs (default, with no model flags: the embedded model)")
     x.add_argument("--engines", type=Path, help="TensorRT engines (glance-export build)")
     x.add_argument("--model", type=Path, help="target snapshot (with --head; exported into the cache on first use)")
-    x.add_argument("--head", type=Path)
-    x.add_argument("--backend", choices=BACKENDS)
+    x.add_argument("--head", type=Path, help="draft head of --model")
+    x.add_argument("--backend", choices=BACKENDS, help="the backend the instances decode on (default: tensorrt with "
+                   "--engines, else onnxruntime)")
     x.add_argument("--provider", action="append", help="ONNX Runtime execution provider; repeat for a priority list")
     x.add_argument("--instances-per-gpu", type=int, default=1, help="model instances (stub processes) per GPU")
     x.add_argument("--gpu", action="store_true", help="KIND_GPU instance groups (default KIND_CPU)")
@@ -386,38 +410,39 @@ def _add_triton(sub) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="glance-export", description="GLANCE export toolkit.")
+    p = ExportParser(prog="glance-export", description="GLANCE export toolkit.")
     sub = p.add_subparsers(dest="command", required=True)
 
     h = sub.add_parser("init-head", help="write an untrained draft head for a target")
-    h.add_argument("--model", type=Path, required=True)
-    h.add_argument("--out", type=Path, required=True)
-    h.add_argument("--layers", type=HEAD_LAYERS, default=1)
+    h.add_argument("--model", type=Path, required=True, help="target snapshot the head drafts for")
+    h.add_argument("--out", type=Path, required=True, help="head directory to write (replaced whole)")
+    h.add_argument("--layers", type=HEAD_LAYERS, default=1, help="transformer layers of the head")
     h.add_argument("--arch", choices=("glance", "eagle3"), default="glance",
                    help="glance: a block head (default); eagle3: an EAGLE-3 head in its published layout")
     h.add_argument("--block-size", type=BLOCK_SIZE, help="GLANCE heads only (default 16)")
-    h.add_argument("--seed", type=int, default=0)
+    h.add_argument("--seed", type=int, default=0, help="seed of the random initial weights")
     h.add_argument("--mask-token-id", type=int, help="GLANCE heads only (default: an id the tokenizer never emits)")
     h.add_argument("--draft-vocab", type=DRAFT_VOCAB,
-                   help="EAGLE-3 heads only: draft over the target's first N ids (default: its whole vocabulary)")
+                   help=f"EAGLE-3 heads only: draft over the target's first N ids, at least the {BRANCH_K} a draft "
+                   "step branches into (default: its whole vocabulary)")
     h.set_defaults(func=_init_head)
 
     c = sub.add_parser("corpus", help="write a synthetic task file (held-out kinds, or training prompts)")
-    c.add_argument("--out", type=Path, required=True)
+    c.add_argument("--out", type=Path, required=True, help="directory for the task file and its images")
     c.add_argument("--kind", choices=("receipt", "chart", "scene", "caption", "train"), required=True,
                    help="a held-out task kind, or 'train' for mixed training prompts (head training data)")
     c.add_argument("--n", type=flags.between("--n", 1, MAX_TASKS, "each task is an image file written to disk"),
-                   default=20)
-    c.add_argument("--seed", type=int, default=0)
+                   default=20, help="tasks to write")
+    c.add_argument("--seed", type=int, default=0, help="seed of the generated tasks")
     c.set_defaults(func=_corpus)
 
     g = sub.add_parser("train-target", help="train the embedded default VLM from scratch on the synthetic corpus")
     g.add_argument("--out", type=Path, required=True, help="run directory; holds checkpoints and the snapshot")
     g.add_argument("--steps", type=STEPS, default=3600, help="3600 from scratch; resume with a larger value to continue")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data order")
     g.add_argument("--time-budget", type=float, default=3000.0, help="seconds; stops early and saves")
-    g.add_argument("--batch-size", type=BATCH, default=16)
-    g.add_argument("--lr", type=float, default=5e-4)
+    g.add_argument("--batch-size", type=BATCH, default=16, help="sequences per optimizer step")
+    g.add_argument("--lr", type=float, default=5e-4, help="peak learning rate")
     g.add_argument("--threads", type=flags.threads, help="torch CPU threads (1 up to this machine's CPUs)")
     g.add_argument("--mix", nargs="+", metavar="KIND=WEIGHT",
                    help="training mix by task kind (default receipt=0.1 chart=0.35 scene=0.45 caption=0.1)")
@@ -432,7 +457,7 @@ def parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train-head", help="train a GLANCE (or EAGLE-3) head on the target's own answers to training "
                        "prompts (runs under torchrun for several processes)")
-    t.add_argument("--model", type=Path, required=True)
+    t.add_argument("--model", type=Path, required=True, help="target snapshot the head drafts for")
     t.add_argument("--arch", choices=("glance", "eagle3"), default="glance",
                    help="glance: a block-diffusion head (the DFlash recipe); eagle3: an EAGLE-3 head in the published "
                    "layout, trained by its training-time test (borrows the target's embedding, drafts over "
@@ -442,12 +467,13 @@ def parser() -> argparse.ArgumentParser:
                    "JSONL (image paths relative to the file); every assistant turn is regenerated by the target")
     t.add_argument("--prepared", type=Path, help="instead of --data: a directory from prepare-head-data (only the "
                    "target's embedding and LM head are loaded)")
-    t.add_argument("--out", type=Path, required=True)
+    t.add_argument("--out", type=Path, required=True, help="head directory to write; a run stopped early continues "
+                   "from the checkpoint there")
     t.add_argument("--resume", type=Path, help="continue from this head directory")
-    t.add_argument("--layers", type=HEAD_LAYERS, default=1)
+    t.add_argument("--layers", type=HEAD_LAYERS, default=1, help="transformer layers of a new head")
     t.add_argument("--block-size", type=BLOCK_SIZE, help="GLANCE: the anchor and the offsets drafted (default 16)")
-    t.add_argument("--steps", type=STEPS, default=2000)
-    t.add_argument("--lr", type=flags.positive("--lr"), default=3e-3)
+    t.add_argument("--steps", type=STEPS, default=2000, help="optimizer steps")
+    t.add_argument("--lr", type=flags.positive("--lr"), default=3e-3, help="peak learning rate")
     t.add_argument("--batch", type=BATCH, default=8, help="sequences per step and process")
     t.add_argument("--gen-batch", type=GEN_BATCH, default=16, help="prompts the target answers in one batch")
     t.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (under torchrun: each process its GPU)")
@@ -461,7 +487,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--ttt-decay", type=flags.positive("--ttt-decay"),
                    help="EAGLE-3: unrolled step j's loss is weighted DECAY**j (default 0.8)")
     t.add_argument("--max-new-tokens", type=ANSWER_TOKENS, default=64, help="length of the target's answers")
-    t.add_argument("--seed", type=SEED, default=0)
+    t.add_argument("--seed", type=SEED, default=0, help="seed of a new head's weights, the samples and the anchors")
     t.add_argument("--time-budget", type=flags.finite("--time-budget", 0),
                    help="stop after this many seconds of training (0: after the first step)")
     t.add_argument("--checkpoint-every", type=flags.at_least("--checkpoint-every", 1), default=500,
@@ -483,25 +509,27 @@ def parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("prepare-head-data", help="answer and tap training prompts once, into bf16 shards that "
                        "train-head --prepared reads")
-    d.add_argument("--model", type=Path, required=True)
+    d.add_argument("--model", type=Path, required=True, help="target snapshot that answers and is tapped")
     d.add_argument("--data", type=Path, required=True, action="append",
                    help="training prompts, repeatable (the formats train-head --data takes)")
-    d.add_argument("--out", type=Path, required=True)
+    d.add_argument("--out", type=Path, required=True, help="directory for the index and shards (replaced whole)")
     d.add_argument("--arch", choices=("glance", "eagle3"), default="glance",
                    help="the head kind the data is for: eagle3 taps the three default aux layers")
     d.add_argument("--layers", type=HEAD_LAYERS, help="layers of the GLANCE head to train (picks the taps; default 1)")
     d.add_argument("--max-new-tokens", type=ANSWER_TOKENS, default=64, help="length of the target's answers")
     d.add_argument("--gen-batch", type=GEN_BATCH, default=16, help="prompts the target answers in one batch")
-    d.add_argument("--shard-mb", type=flags.positive("--shard-mb"), default=256, help="size of one shard file")
+    d.add_argument("--shard-mb", type=flags.positive("--shard-mb"), default=256, help="size of one shard file, MB")
     d.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     d.add_argument("--threads", type=flags.threads, help="torch CPU threads (1 up to this machine's CPUs)")
     d.set_defaults(func=_prepare_head_data)
 
     o = sub.add_parser("onnx", help="export vision, target and draft graphs with a manifest, validated in ONNX Runtime")
-    o.add_argument("--model", type=Path, required=True)
-    o.add_argument("--head", type=Path, required=True)
-    o.add_argument("--out", type=Path, required=True)
-    o.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32")
+    o.add_argument("--model", type=Path, required=True, help="target model: a HF snapshot directory")
+    o.add_argument("--head", type=Path, required=True, help="draft head directory: a GLANCE/DFlash head, or an "
+                   "EAGLE-3 head as published")
+    o.add_argument("--out", type=Path, required=True, help="artifacts directory to write (replaced whole)")
+    o.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32",
+                   help="weights and activations of the graphs (--quantize needs fp32)")
     o.add_argument("--opset", type=int, default=17, help="14..20 (plain ops, TensorRT 10.3) or 23 (ONNX Attention)")
     o.add_argument("--max-tree", type=flags.at_least("--max-tree", 1), default=64,
                    help="largest verify pass (anchor + tree nodes)")
@@ -509,20 +537,21 @@ def parser() -> argparse.ArgumentParser:
                    help="KV cache rows: prompt + answer")
     o.add_argument("--branch-k", type=flags.at_least("--branch-k", 1), default=BRANCH_K,
                    help=f"top-k the draft graph returns per offset (default {BRANCH_K})")
-    o.add_argument("--max-batch", type=flags.at_least("--max-batch", 1), default=MAX_BATCH,
-                   help=f"sequences one batched decode round runs (default {MAX_BATCH}); above 1 a GLANCE head's "
-                        "export adds the batched graphs target_batch and draft_batch, 1 leaves them out")
+    o.add_argument("--max-batch", type=BATCHED, default=MAX_BATCH,
+                   help=f"sequences one batched decode round runs, 1..{BATCH_BOUND} (default {MAX_BATCH}); above 1 a "
+                        "GLANCE head's export adds the batched graphs target_batch and draft_batch, 1 leaves them "
+                        "out")
     o.add_argument("--quantize", choices=("int8", "int4"),
                    help="weight-only: linear layers, LM head and embedding of target and head (vision stays fp32)")
-    o.add_argument("--group-size", type=int, choices=(32, 64, 128),
-                   help=f"weights per quantization scale, with --quantize (must divide the hidden size; default "
-                   f"{GROUP_SIZE})")
+    o.add_argument("--group-size", type=int, choices=GROUP_SIZES,
+                   help="weights per quantization scale, with --quantize; must divide the hidden size (default: "
+                   "the largest that does)")
     o.add_argument("--accuracy", choices=tuple(ACCURACY_LEVELS),
                    help=f"with --quantize, how ONNX Runtime's CPU provider multiplies by the quantized weights: int8 "
                    "(int8 activations per block, fast for several rows; a tree pass may differ from a one-row pass "
                    "in the last bits) or exact (fp32, every row as a one-row pass computes it; slower) (default "
                    f"{ACCURACY})")
-    o.add_argument("--quiet", action="store_true")
+    o.add_argument("--quiet", action="store_true", help="print only the final line, not each graph's progress")
     o.set_defaults(func=_onnx)
 
     b = sub.add_parser("build", help="build TensorRT engines for a device target (--plan-only: a bundle to build there)")
@@ -538,7 +567,7 @@ def parser() -> argparse.ArgumentParser:
                    help="lower the export's max context (default: what fits in memory)")
     b.add_argument("--max-tree", type=flags.at_least("--max-tree", 1),
                    help="lower the export's max tree (default: the target's cap)")
-    b.add_argument("--max-batch", type=flags.at_least("--max-batch", 1),
+    b.add_argument("--max-batch", type=BATCHED,
                    help="sequences a batched round runs, at most the export's (default: the target's max_batch, "
                         "lowered to what fits the memory budget); 1 builds no batch engines")
     b.add_argument("--memory-gib", type=flags.positive("--memory-gib"),
@@ -568,7 +597,7 @@ def parser() -> argparse.ArgumentParser:
                  "auto does (measures this device's costs on first use)",
                  max_new_tokens_help=f"default {MEASURE_MAX_NEW_TOKENS}; with --reference, the value it was "
                  "recorded with")
-    a.add_argument("--json", action="store_true")
+    a.add_argument("--json", action="store_true", help="print the report as JSON instead of its summary lines")
     mode = a.add_mutually_exclusive_group()
     mode.add_argument("--save-reference", type=Path, metavar="FILE",
                       help="mode: record the fp32 PyTorch greedy tokens and top-2 margins of --data (needs torch)")

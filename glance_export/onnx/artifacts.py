@@ -26,7 +26,7 @@ from .export import ATTENTION_OPSET, InMemory, export_graph, weight_bytes
 from .feeds import trace_feeds
 from .memory import GIB, check_fits, estimate_peak
 from .manifest import build_manifest, copy_runtime_files
-from .quant_scheme import ACCURACY, GROUP_SIZE
+from .quant_scheme import ACCURACY, group_size_line
 from .quantize import check_scheme, quantize_graphs
 from .skeleton import Skeleton
 from .sources import build_graphs, open_sources, target_skeleton
@@ -64,7 +64,7 @@ def _attention(opset: int) -> str:
 
 def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
                      opset: int = 17, max_tree: int = 64, max_context: int = 2048, branch_k: int = 8,
-                     quantize: str | None = None, group_size: int = GROUP_SIZE, accuracy: str = ACCURACY,
+                     quantize: str | None = None, group_size: int | None = None, accuracy: str = ACCURACY,
                      max_batch: int = MAX_BATCH, progress: Callable[[str], None] = print) -> Path:
     """Export vision (VL only), target, draft and vocab graphs, validate them, and write the manifest.
 
@@ -72,7 +72,8 @@ def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str |
     that many sequences a round; a large target's batched graph reads the target graph's data file.
 
     `quantize` ("int8"/"int4"): the validated fp32 graphs are then rewritten weight-only (see `quantize.py`)
-    before the manifest hashes them."""
+    before the manifest hashes them, by `group_size` weights a scale (None: the largest supported size that
+    divides the hidden size)."""
     out = Path(out_dir)
     return_freed_weights()
     _check_args(out, (Path(model_dir), Path(head_dir)), dtype, opset, max_tree, max_context, branch_k, max_batch)
@@ -81,6 +82,8 @@ def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str |
     skeleton = target_skeleton(snapshot, checkpoint, dtype, _attention(opset))
     dims = dims_for(snapshot, head, max_batch)
     scheme = check_scheme(quantize, group_size, dims.hidden, dtype, accuracy) if quantize else None
+    if scheme is not None and group_size is None:
+        progress(group_size_line(scheme.group_size, dims.hidden))
     itemsize = 4 if dtype == "fp32" else 2
     estimate = estimate_peak(checkpoint, itemsize, weight_bytes(head), dims.layers, CUT_LAYERS, FULL_VALIDATION_BYTES,
                              quantize=scheme is not None)

@@ -38,8 +38,8 @@ from ..errors import GlanceError, IntegrityError
 from .graphs import BATCH_GRAPHS, DRAFT_GRAPH, DRAFT_VOCAB_GRAPH, MANIFEST, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH
 from .draft_ids import check_graph
 from ..store.integrity import file_digest, verify_files
-from .common import (Invalid, boolean, check_header, check_int, check_text, digest, dumps, guarded, int_list,
-                     integer, obj, optional_int, read_json, stamped, text)
+from .common import (MAX_BATCH, Invalid, boolean, check_header, check_int, check_text, digest, dumps, guarded,
+                     int_list, integer, obj, optional_int, read_json, stamped, text)
 
 FORMAT = "glance-onnx"
 VERSION = 3
@@ -287,7 +287,7 @@ def _parse(path: Path, raw: dict[str, Any]) -> tuple[Manifest, dict[str, str], l
               **({"draft_vocab": DRAFT_VOCAB_GRAPH} if "draft_vocab" in graphs else {})}
     limits = obj(raw, "limits")
     integer(limits, "max_context", 2, BIG, "limits.")  # a missing context is named before the batch it bounds
-    max_batch = optional_int(limits, "max_batch", 1, 4096, "limits.") or 1
+    max_batch = optional_int(limits, "max_batch", 1, MAX_BATCH, "limits.") or 1
     batched = [name for name in BATCH_GRAPHS if name in graphs]
     if batched != (list(BATCH_GRAPHS) if max_batch > 1 else []):
         raise Invalid(f"limits.max_batch is {max_batch} but graphs hold {batched or 'no batch graphs'}; the batched "

@@ -15,6 +15,7 @@ from ..store.input_files import read_bytes
 
 MAX_DEPTH = 64  # no format nests deeper; anything deeper is refused before it is walked
 MAX_DOCUMENT_BYTES = 1 << 30  # a manifest, profile, task file or round log is far smaller
+MAX_BATCH = 4096  # limits.max_batch of an export or a build: sequences a batched round may run at most
 
 
 class Invalid(ValueError):

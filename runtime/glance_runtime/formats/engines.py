@@ -25,7 +25,7 @@ from typing import Any
 
 from ..store.atomic import write_file
 from ..errors import GlanceError
-from .common import (Invalid, check_header, check_int, check_text, digest, dumps, guarded, integer, obj,
+from .common import (MAX_BATCH, Invalid, check_header, check_int, check_text, digest, dumps, guarded, integer, obj,
                      optional_text, read_json, stamped)
 
 FORMAT = "glance-engines"
@@ -127,7 +127,7 @@ def _parse(path: Path, raw: dict[str, Any]) -> EnginesRecord:
         artifacts_path=optional_text(artifacts, "path", "artifacts."),
         artifacts_manifest_sha256=optional_text(artifacts, "manifest_sha256", "artifacts."),
         engines={graph: _engine(graph, entry) for graph, entry in engines.items()}, raw=raw,
-        max_batch=check_int(limits.get("max_batch", 1), "limits.max_batch", 1, 4096))
+        max_batch=check_int(limits.get("max_batch", 1), "limits.max_batch", 1, MAX_BATCH))
 
 
 def read(engines_dir: str | Path) -> EnginesRecord:
