@@ -79,6 +79,16 @@ def test_the_set_up_lines_come_first_and_every_marker_is_known():
 
 
 @pytest.mark.edge
+def test_the_test_runs_are_described_without_counts_or_durations():
+    """How many tests a run holds and how long it takes change with every test added and every machine, and no
+    test here could keep such a figure true: the README names what each run covers, never how many or how long."""
+    text = README.read_text()
+    setup = text[:text.index("\n## ")]
+    assert not re.findall(r"\b\d[\d,]* (?:tests|selected)\b", text)
+    assert not re.findall(r"\b\d+(?:\.\d+)? ?(?:s|sec|seconds|min|minutes|h|hours)\b", setup)
+
+
+@pytest.mark.edge
 def test_ci_runs_the_readmes_set_up_and_test_commands_in_order():
     """CI must run what a new user is told to run: the commands of .ci/run are the README's first no-ci
     set-up and test lines, in the same order."""
