@@ -60,9 +60,35 @@ def _videos(args: argparse.Namespace) -> list[dict]:
     return [{"video": frames, "fps": args.fps} for frames in args.video]
 
 
-def _write(piece: str) -> None:
-    sys.stdout.write(piece)
-    sys.stdout.flush()
+class Terminal:
+    """The streamed answer on stdout and notices on stderr, which a terminal shows on one screen: a notice that
+    comes while an answer's line is open (auto's "cost profile refined ..." mid-decode) is held until the line
+    ends, so it never lands inside the answer."""
+
+    def __init__(self) -> None:
+        self.open = False  # an answer's line has begun and not ended
+        self.held: list[str] = []
+
+    def notice(self, line: str) -> None:
+        if self.open:
+            self.held.append(line)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def write(self, piece: str) -> None:
+        self.open = True
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    def end(self, always: bool = True) -> None:
+        """End the answer's line (`always`: even where nothing was written), then show the notices held."""
+        if always or self.open:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        self.open = False
+        held, self.held = self.held, []
+        for line in held:
+            print(line, file=sys.stderr, flush=True)
 
 
 def _count(n: int, noun: str) -> str:
@@ -78,7 +104,7 @@ def _stats_line(out: api.Output) -> str:
             f"prefill) | prefilled {s['prefill_tokens']} of {s['prompt_tokens']} prompt tokens")
 
 
-def _load(args: argparse.Namespace) -> api.Model:
+def _load(args: argparse.Namespace, terminal: Terminal) -> api.Model:
     cache_root()  # exports, hash stamps and cost profiles live there: a broken location is refused before loading
     asked = args.backend or ("tensorrt" if args.engines is not None else None)
     _, head, _, backend = resolve(args.model, args.head, args.artifacts, asked)  # as api.load resolves them
@@ -90,10 +116,10 @@ def _load(args: argparse.Namespace) -> api.Model:
                     provider=args.provider, budget=args.budget, branch_k=args.branch_k, speculative=not args.no_spec,
                     max_context=args.max_context, max_tree=args.max_tree, threads=args.threads,
                     remeasure=args.remeasure,
-                    progress=lambda line: print(line, file=sys.stderr))
+                    progress=terminal.notice)
 
 
-def _chat(model: api.Model, args: argparse.Namespace) -> int:
+def _chat(model: api.Model, args: argparse.Namespace, terminal: Terminal) -> int:
     """Read turns from stdin until /exit or end of input; a refused turn is reported and the chat goes on."""
     chat = model.chat(system=args.system)
     first = (args.prompt, args.image, _videos(args)) if args.prompt is not None else None
@@ -121,27 +147,29 @@ def _chat(model: api.Model, args: argparse.Namespace) -> int:
             if not text.strip():
                 continue
         try:
-            out = chat.send(text, images, videos=videos, max_new_tokens=args.max_new_tokens, on_text=_write)
+            out = chat.send(text, images, videos=videos, max_new_tokens=args.max_new_tokens, on_text=terminal.write)
         except GlanceError as exc:
+            terminal.end(always=False)
             print(f"glance-run: error: {exc}", file=sys.stderr)
             continue
-        sys.stdout.write("\n")
+        terminal.end()
         print(_stats_line(out), file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
     _check_inputs(args)
-    with _load(args) as model:
+    terminal = Terminal()
+    with _load(args, terminal) as model:
         if args.chat:
-            return _chat(model, args)
+            return _chat(model, args, terminal)
         out = model.generate(args.prompt, images=args.image, videos=_videos(args), system=args.system,
-                             max_new_tokens=args.max_new_tokens, on_text=None if args.json else _write)
+                             max_new_tokens=args.max_new_tokens, on_text=None if args.json else terminal.write)
         if args.json:
             log = [{"entropy": round(r.entropy, 4), "accepted": r.accepted, "tree_size": r.tree_size,
                     "drafted": r.drafted, "ms": round(r.total_ms, 3)} for r in out.rounds]
             print(json.dumps({"text": out.text, "token_ids": out.token_ids, **out.stats, "round_log": log}))
             return 0
-        sys.stdout.write("\n")
+        terminal.end()
         print(_stats_line(out), file=sys.stderr)
     return 0
 
