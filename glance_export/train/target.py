@@ -27,6 +27,7 @@ from glance_export.train import corpus
 from glance_export.train.prompts import encode, image_processor_config
 from glance_export.train.tokenizer import train_tokenizer
 from glance_export.train.warmup import warmup_vision
+from glance_runtime.prompt.images import load_image, to_rgb
 from glance_runtime.store.atomic import atomic_files, output_directory
 
 # Receipts are a fixed-place read, learnt first; charts and scenes need question-dependent lookups.
@@ -105,7 +106,7 @@ def score(model, tokenizer, image_processor, rows: list[dict]) -> dict:
     """Exact match per kind, with the real image and with a blank one of the same size."""
     result: dict[str, dict] = {}
     for r in rows:
-        image = r["image"] if isinstance(r["image"], Image.Image) else Image.open(r["image"]).convert("RGB")
+        image = to_rgb(r["image"]) if isinstance(r["image"], Image.Image) else load_image(r["image"])
         accepted = set(r.get("answers") or [r["answer"]])
         blank = Image.new("RGB", image.size, (255, 255, 255))
         m = result.setdefault(r["kind"], {"n": 0, "exact": 0, "exact_blank": 0})

@@ -31,6 +31,21 @@ def _response(text):
         pb_utils.Tensor("text", np.array([text.encode("utf-8")], dtype=np.object_))])
 
 
+def decoded_image(data):
+    """The picture a request's image bytes hold, as glance-run and glance-serve see the same file (the runtime's one
+    conversion to RGB: transparency on white, wide greys scaled)."""
+    from PIL import Image
+
+    from glance_runtime.prompt.images import to_rgb
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            return to_rgb(img)
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+        raise ValueError("image is not an image Pillow can decode; send a PNG, JPEG or WebP file's bytes "
+                         "base64-encoded")
+
+
 def _text(value):
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
@@ -66,8 +81,6 @@ class TritonPythonModel:
         self.engine.warm()
 
     def _messages(self, request):
-        from PIL import Image
-
         prompt = _text(_input(request, "prompt"))
         content = []
         image = _input(request, "image")
@@ -79,12 +92,7 @@ class TritonPythonModel:
                 data = base64.b64decode(image, validate=True)
             except (binascii.Error, ValueError):
                 raise ValueError("image is not valid base64; send the image file's bytes base64-encoded")
-            try:
-                with Image.open(io.BytesIO(data)) as img:
-                    content.append({"type": "image", "image": img.convert("RGB")})
-            except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
-                raise ValueError("image is not an image Pillow can decode; send a PNG, JPEG or WebP file's bytes "
-                                 "base64-encoded")
+            content.append({"type": "image", "image": decoded_image(data)})
         content.append({"type": "text", "text": prompt})
         return [{"role": "user", "content": content}]
 

@@ -40,29 +40,46 @@ def check_image_path(path: str | Path) -> Path:
     return path
 
 
+WIDE_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")  # greys wider than 8 bits
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
-    """8-bit RGB as image viewers show it, so one picture gives one prompt whatever its encoding: rotated
-    by its EXIF orientation; 16- and 32-bit integer greys scaled from their full range (not clipped at
-    255, which turns a 16-bit PNG almost white); floats read as 0..1 intensities when they lie in that
-    range, else clipped to 0..255; transparency (RGBA, LA, palettes with a transparent index) composited
-    over white. Every backend and the torch oracle build their pixels through here."""
+    """8-bit RGB as image viewers show it, so one picture gives one prompt whatever its encoding and whichever
+    surface it came through (the API, glance-run, glance-serve, Triton, training data): rotated by its EXIF
+    orientation; wide greys scaled to 8 bits (`_eight_bit`); transparency (an alpha channel, premultiplied or
+    not, a palette with alpha, or one colour marked transparent in L, RGB, 16-bit or palette images)
+    composited over white; every other mode (1, L, P, CMYK, YCbCr, LAB, HSV) converted by Pillow. Always a
+    new image: the caller may close the one it passed."""
     image = ImageOps.exif_transpose(image)
-    if image.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
-        values = np.asarray(image.convert("F") if image.mode.startswith("I;16") else image, dtype=np.float64)
-        finite = values[np.isfinite(values)]
-        if image.mode == "F":
-            top = 1.0 if finite.size and finite.min() >= 0 and finite.max() <= 1 else 255.0
+    if image.mode in WIDE_MODES:
+        values = np.asarray(image).astype(np.float64)
+        clear = image.info.get("transparency")
+        grey = _eight_bit(values, image.mode)
+        if isinstance(clear, (int, float)) and not isinstance(clear, bool) and (values == clear).any():
+            image = Image.fromarray(np.dstack([grey, np.where(values == clear, 0, 255).astype(np.uint8)]), "LA")
         else:
-            top = 65535.0 if image.mode != "I" or not finite.size or finite.max() <= 65535 else float(2**32 - 1)
-        grey = np.clip(np.nan_to_num(values, nan=0.0, posinf=top, neginf=0.0) / top, 0, 1) * 255
-        image = Image.fromarray(np.round(grey).astype(np.uint8), "L")
-    if image.mode == "P" and "transparency" in image.info or image.mode == "PA":
-        image = image.convert("RGBA")
-    if image.mode in ("RGBA", "LA", "RGBa", "La"):
+            image = Image.fromarray(grey, "L")
+    if image.mode == "La":  # premultiplied grey and alpha: Pillow converts it to LA only
+        image = image.convert("LA")
+    if image.has_transparency_data:
         rgba = image.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(white, rgba).convert("RGB")
     return image.convert("RGB")
+
+
+def _eight_bit(values: np.ndarray, mode: str) -> np.ndarray:
+    """uint8 greys of a wide image's values: 16-bit and 32-bit integers scaled from their full range (not
+    clipped at 255, which turns a 16-bit PNG almost white), a 32-bit image whose values all fit 16 bits read
+    as 16-bit data (how 16-bit scans are stored as 32-bit TIFF); floats read as 0..1 intensities when they
+    lie in that range, else as 0..255; negatives, NaN and what is past the top clipped."""
+    finite = values[np.isfinite(values)]
+    if mode == "F":
+        top = 1.0 if finite.size and finite.min() >= 0 and finite.max() <= 1 else 255.0
+    else:
+        top = 65535.0 if mode != "I" or not finite.size or finite.max() <= 65535 else float(2**31 - 1)
+    grey = np.clip(np.nan_to_num(values, nan=0.0, posinf=top, neginf=0.0) / top, 0, 1) * 255
+    return np.round(grey).astype(np.uint8)
 
 
 def load_image(path: str | Path) -> Image.Image:

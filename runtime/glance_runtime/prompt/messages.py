@@ -75,7 +75,8 @@ def conversation(prompt: str | None = None, images: Sequence[ImageLike] | None =
 
 
 def _image(value: Any) -> Image.Image:
-    """An RGB image with pixels, from a path, PIL image, HxW(x3|4) uint8 array or encoded bytes."""
+    """An RGB image with pixels, from a path, PIL image, HxW(x3|4) uint8 array or encoded bytes, each through
+    `to_rgb` (an HxWx4 array is RGBA: its transparency shows as white, as in a file)."""
     image = _decoded(value)
     check_pixels(image.height, image.width)
     return image
@@ -94,12 +95,12 @@ def _decoded(value: Any) -> Image.Image:
     if isinstance(value, np.ndarray):
         if value.dtype != np.uint8 or value.ndim not in (2, 3) or (value.ndim == 3 and value.shape[2] not in (3, 4)):
             raise InputError(f"an image array must be uint8 HxW, HxWx3 or HxWx4; got {value.dtype} {value.shape}")
-        return Image.fromarray(value).convert("RGB")
+        return to_rgb(Image.fromarray(value))
     if isinstance(value, (bytes, bytearray, memoryview)):
         try:
             with Image.open(io.BytesIO(bytes(value))) as img:
                 img.load()
-                return img.convert("RGB")
+                return to_rgb(img)
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
             raise InputError(f"image bytes cannot be decoded ({exc}); pass PNG, JPEG or other Pillow-format bytes") from None
     raise InputError(f"an image must be a path, PIL.Image, numpy array or bytes; got {type(value).__name__}")

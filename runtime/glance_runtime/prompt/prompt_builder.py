@@ -22,7 +22,7 @@ from PIL import Image
 
 from ..errors import GlanceError, InputError, IntegrityError
 from ..formats.common import read_json, read_text
-from .images import smart_resize
+from .images import smart_resize, to_rgb
 from .messages import split
 from .processor_values import read_processor_config
 from .video import VIDEO_PLACEHOLDER, Video, VideoProcessorConfig, placeholder, process_video, seconds_per_grid
@@ -142,7 +142,7 @@ def process_image(image: Image.Image, cfg: ImageProcessorConfig) -> tuple[np.nda
     Resizing happens on the uint8 image (as transformers' PIL backend does); rescale runs in float64
     and normalisation in float32, matching its rounding so the result is bit-identical."""
     p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
-    rgb = image.convert("RGB")
+    rgb = to_rgb(image)
     height, width = rgb.height, rgb.width
     if cfg.do_resize:
         height, width = smart_resize(height, width, p * m, cfg.min_pixels, cfg.max_pixels)

@@ -19,7 +19,7 @@ import numpy as np
 from PIL import Image
 
 from ..errors import GlanceError, InputError
-from .images import check_aspect, smart_resize
+from .images import check_aspect, smart_resize, to_rgb
 from .processor_values import read_processor_config
 
 DEFAULT_FPS = 2.0  # frames per second of a frame list when the caller does not say (qwen-vl-utils' sampling rate)
@@ -203,7 +203,7 @@ def process_video(video: Video, cfg: VideoProcessorConfig) -> tuple[np.ndarray, 
     elif height % (p * m) or width % (p * m):
         raise GlanceError(f"with do_resize false the frames must be a multiple of {p * m} px; got {width}x{height}")
     # frame by frame, so a long video never holds more than one full-size frame beside the resized ones
-    pixels = np.stack([resize_frame(np.asarray(f.convert("RGB")), height, width) for f in video.frames]).astype(np.float32)
+    pixels = np.stack([resize_frame(np.asarray(to_rgb(f)), height, width) for f in video.frames]).astype(np.float32)
     if cfg.do_normalize:
         scale = np.float32(1.0 / cfg.rescale_factor) if cfg.do_rescale else np.float32(1)
         mean = np.asarray(cfg.image_mean, np.float32) * scale

@@ -17,6 +17,7 @@ from urllib.parse import unquote, urlparse
 
 from PIL import Image
 
+from ..prompt.images import to_rgb
 from ..store.input_files import not_regular
 from .openai_errors import RequestError
 
@@ -66,7 +67,7 @@ class Opened:
     def decode(self) -> Image.Image:
         try:
             self.image.load()
-            return self.image.convert("RGB")
+            return to_rgb(self.image)
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
             raise RequestError(f"{self.where} is not an image Pillow can decode; send a PNG, JPEG or WebP",
                                param="messages", code="invalid_image") from None
