@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 from ..api import Model, Output, load
 from ..backends.batch_rounds import check_batch
+from ..backends.ort_backend import resolve_providers
 from ..decode.backend import ServeLimits
 from ..decode.limits import answer_rows, check_tree, runtime_limit
 from ..defaults import SERVE_MAX_BATCH, resolve
@@ -100,13 +101,14 @@ def check_warmup(prompt: Prompt, max_context: int) -> None:
 
 
 def preflight(spec: ModelSpec) -> None:
-    """Refuse what the exported graphs cannot serve (--max-context, --max-tree, --budget, --max-batch) from their
-    manifest and prompt files alone, before the server listens, in the words loading them would use. TensorRT
-    engines and the torch reference are checked as they load."""
+    """Refuse what the exported graphs cannot serve (--provider, --max-context, --max-tree, --budget, --max-batch)
+    from their manifest and prompt files alone, before the server listens, in the words loading them would use.
+    TensorRT engines and the torch reference are checked as they load."""
     backend = "tensorrt" if spec.engines is not None else spec.backend
     _, _, artifacts, backend = resolve(spec.model, spec.head, spec.artifacts, backend)
     if artifacts is None or backend != "onnxruntime" or not (artifacts / MANIFEST).is_file():
         return  # exported on first use, or refused with its reason as it loads
+    resolve_providers(spec.providers)
     manifest = read_manifest(artifacts)
     context = runtime_limit("--max-context", spec.max_context, manifest.max_context, *EXPORTED)
     tree = runtime_limit("--max-tree", spec.max_tree, manifest.max_tree, *EXPORTED)

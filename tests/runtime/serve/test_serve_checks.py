@@ -115,6 +115,7 @@ def test_a_malformed_content_length_is_a_400_in_openais_shape(server, length):
     (["--max-tree", "100000"], "--max-tree 100000"),
     (["--budget", "100000"], "--budget 100000"),
     (["--max-batch", "100000"], "--max-batch 100000"),
+    (["--provider", "no-such-provider"], "execution provider 'no-such-provider'"),
 ])
 def test_a_flag_the_graphs_cannot_serve_is_refused_before_listening(argv, flag, capsys):
     assert serve_main(["--port", "0", "--threads", "1", *argv]) == 2
