@@ -2,7 +2,8 @@
 for every family, under chat templates written as each family's are (text templates that print `content`
 as it comes, concatenate it, trim it or test `content is string`; vision templates that walk the parts),
 for every message shape: plain-string and list-of-parts content, system messages, multi-turn chats and,
-on vision models, images.
+on vision models, images; both the runtime's prompt builder and the torch reference's (the snapshot's own
+tokenizer and image processor) are checked.
 
 A text template renders whatever `content` holds, so a text-only model gets each message's content as
 one string, its text parts joined as the vision templates join them: the oracle for list content there
@@ -20,6 +21,7 @@ import pytest
 from PIL import Image
 from transformers import AutoImageProcessor, AutoTokenizer
 
+from glance_export.model.adapters import Snapshot
 from glance_export.train.tokenizer import CHAT_TEMPLATE
 from glance_runtime.errors import GlanceError
 from glance_runtime.prompt.codec import PromptCodec
@@ -113,7 +115,7 @@ IMAGE_CHATS = {
 @pytest.fixture(scope="module")
 def models(snapshot_dir, tmp_path_factory):
     """(family, template) -> (transformers' tokenizer, its image processor or None, the runtime's PromptBuilder over
-    the files an export ships, with that template)."""
+    the files an export ships, the torch reference's Snapshot), all with that template."""
     built: dict[tuple[str, str], tuple] = {}
 
     def get(family: str, name: str):
@@ -130,8 +132,13 @@ def models(snapshot_dir, tmp_path_factory):
             (out / "chat_template.jinja").write_text(template)
             vl = family in VL_FAMILIES
             image_token_id = json.loads((snap / "config.json").read_text())["image_token_id"] if vl else None
+            whole = tmp_path_factory.mktemp(f"{family}_{name}_snapshot")
+            for file in snap.iterdir():
+                (whole / file.name).symlink_to(file)
+            (whole / "chat_template.jinja").unlink()
+            (whole / "chat_template.jinja").write_text(template)
             built[family, name] = (tok, AutoImageProcessor.from_pretrained(snap) if vl else None,
-                                   PromptBuilder(out, image_token_id, family))
+                                   PromptBuilder(out, image_token_id, family), Snapshot(whole))
         return built[family, name]
 
     return get
@@ -161,18 +168,20 @@ def _oracle(tok, image_processor, messages: list[dict]) -> list[int]:
 @pytest.mark.parametrize("chat", list(TEXT_CHATS))
 @pytest.mark.parametrize("family,template", CASES)
 def test_text_prompt_ids_are_transformers(models, family, template, chat):
-    tok, processor, builder = models(family, template)
+    tok, processor, builder, snapshot = models(family, template)
     messages = TEXT_CHATS[chat]
     want = _oracle(tok, processor, messages if family in VL_FAMILIES else _as_strings(messages))
     assert builder.build_messages(messages).input_ids.tolist() == want
+    assert snapshot.build_messages(messages).input_ids.tolist() == want
 
 
 @pytest.mark.parametrize("chat", list(IMAGE_CHATS))
 @pytest.mark.parametrize("family,template", [c for c in CASES if c[0] in VL_FAMILIES])
 def test_image_prompt_ids_are_transformers(models, family, template, chat):
-    tok, processor, builder = models(family, template)
-    prompt = builder.build_messages(IMAGE_CHATS[chat])
-    assert prompt.input_ids.tolist() == _oracle(tok, processor, IMAGE_CHATS[chat])
+    tok, processor, builder, snapshot = models(family, template)
+    prompt, want = builder.build_messages(IMAGE_CHATS[chat]), _oracle(tok, processor, IMAGE_CHATS[chat])
+    assert prompt.input_ids.tolist() == want
+    assert snapshot.build_messages(IMAGE_CHATS[chat]).input_ids.tolist() == want
     images = [p["image"] for m in IMAGE_CHATS[chat] if not isinstance(m["content"], str) for p in m["content"]
               if p["type"] == "image"]
     np.testing.assert_array_equal(prompt.image_grid_thw, processor(images=images, return_tensors="np")["image_grid_thw"])
@@ -181,7 +190,7 @@ def test_image_prompt_ids_are_transformers(models, family, template, chat):
 @pytest.mark.parametrize("family,template", [c for c in CASES if c[0] not in VL_FAMILIES])
 def test_a_codec_turn_on_a_text_model_is_transformers(models, family, template):
     """The API's and glance-run's one-turn prompt (a list with one text part) on a text-only model."""
-    tok, _, builder = models(family, template)
+    tok, _, builder, _ = models(family, template)
     codec = PromptCodec(builder.build_messages, builder.tokenizer, (), None, 1)
     want = _oracle(tok, None, [{"role": "user", "content": "What colour is the square?"}])
     assert codec.turn("What colour is the square?").input_ids.tolist() == want
@@ -190,7 +199,8 @@ def test_a_codec_turn_on_a_text_model_is_transformers(models, family, template):
 @pytest.mark.parametrize("part", [{"type": "image", "image": _picture(4, (32, 32))},
                                   {"type": "video", "video": [_picture(5, (32, 32))] * 2}], ids=["image", "video"])
 def test_a_text_model_refuses_an_image_or_video_part_in_one_line(models, part):
-    _, _, builder = models("qwen3", "qwen3")
-    with pytest.raises(GlanceError, match=f"text-only.*drop the {part['type']}") as err:
-        builder.build_messages([{"role": "user", "content": [part, _text("What is it?")]}])
-    assert "\n" not in str(err.value)
+    _, _, builder, snapshot = models("qwen3", "qwen3")
+    for build in (builder.build_messages, snapshot.build_messages):
+        with pytest.raises(GlanceError, match=f"text-only.*drop the {part['type']}") as err:
+            build([{"role": "user", "content": [part, _text("What is it?")]}])
+        assert "\n" not in str(err.value)
