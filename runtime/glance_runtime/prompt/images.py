@@ -61,7 +61,8 @@ def to_rgb(image: Image.Image) -> Image.Image:
             image = Image.fromarray(grey, "L")
     if image.mode == "La":  # premultiplied grey and alpha: Pillow converts it to LA only
         image = image.convert("LA")
-    if image.has_transparency_data:
+    if image.mode in ("LA", "PA", "RGBA", "RGBa") or "transparency" in image.info or \
+            (image.mode == "P" and image.palette is not None and image.palette.mode.endswith("A")):
         rgba = image.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(white, rgba).convert("RGB")
