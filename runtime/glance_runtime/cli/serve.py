@@ -208,12 +208,15 @@ def run(args: argparse.Namespace) -> int:
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:
-            """A first Ctrl-C lets the requests in flight finish: say so, since nothing else shows until then."""
+            """A first Ctrl-C lets the requests in flight finish: say so, since nothing else shows until then. The
+            stop is taken before the line is written: a second Ctrl-C run inside this one, while the line is
+            written, then cancels rather than saying it again."""
             signals.append(sig)
-            if not self.should_exit and service.in_flight:
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            if first and service.in_flight:
                 progress(f"stopping after answering the requests in flight ({service.in_flight}); Ctrl-C again "
                          "cancels them")
-            super().handle_exit(sig, frame)
 
     server = Server(uvicorn.Config(app, http=http_protocol(), log_level="warning", access_log=False, lifespan="on",
                                    proxy_headers=False))
