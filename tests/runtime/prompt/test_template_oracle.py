@@ -146,7 +146,8 @@ def models(snapshot_dir, tmp_path_factory):
 
 def _as_strings(messages: list[dict]) -> list[dict]:
     """The conversation with each message's content one string, its text parts joined."""
-    return [{**m, "content": m["content"] if isinstance(m["content"], str) else "".join(p["text"] for p in m["content"])}
+    return [{**m, "content": m["content"] if isinstance(m["content"], str)
+             else "".join(p["text"] for p in m["content"])}
             for m in messages]
 
 
@@ -184,7 +185,8 @@ def test_image_prompt_ids_are_transformers(models, family, template, chat):
     assert snapshot.build_messages(IMAGE_CHATS[chat]).input_ids.tolist() == want
     images = [p["image"] for m in IMAGE_CHATS[chat] if not isinstance(m["content"], str) for p in m["content"]
               if p["type"] == "image"]
-    np.testing.assert_array_equal(prompt.image_grid_thw, processor(images=images, return_tensors="np")["image_grid_thw"])
+    np.testing.assert_array_equal(prompt.image_grid_thw,
+                                  processor(images=images, return_tensors="np")["image_grid_thw"])
 
 
 @pytest.mark.parametrize("family,template", [c for c in CASES if c[0] not in VL_FAMILIES])
