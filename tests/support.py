@@ -309,6 +309,27 @@ class Server:
 SERVE = BLOCK_TRAINING_STACK + "from glance_runtime.cli.serve import main; sys.exit(main(sys.argv[1:]))"
 
 
+def within(seconds: float, call: Callable[[], object]) -> object:
+    """`call`'s result, run on a daemon thread: a call that blocks (a FIFO opened, a batch thread gone) fails the test
+    instead of hanging it; what it raises is raised here."""
+    failure: list[BaseException] = []
+    result: list[object] = []
+
+    def target() -> None:
+        try:
+            result.append(call())
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            failure.append(exc)
+
+    worker = threading.Thread(target=target, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert not worker.is_alive(), f"the call still runs after {seconds} s"
+    if failure:
+        raise failure[0]
+    return result[0]
+
+
 def start_server(*args: str, timeout_s: float = START_TIMEOUT_S,
                  on_listening: Callable[[str], None] | None = None, ignore_sigint: bool = False) -> Server:
     """`glance-serve --port 0 ARGS` as an edge install runs it (no torch, transformers or glance_export),

@@ -99,7 +99,13 @@ class Ticket:
 
     @property
     def cancelled(self) -> bool:
-        return self.answer.cancelled()
+        """Whether its caller gave it up; a `cancelled` callback that raises ends this request alone, with its
+        error (asked on the batch thread, whose end would leave every request blocked)."""
+        try:
+            return self.answer.cancelled()
+        except Exception as exc:
+            _settle(self.future, error=exc)
+            return True
 
 
 def _settle(future: Future, result: object = None, error: BaseException | None = None) -> None:
@@ -113,7 +119,7 @@ def _settle(future: Future, result: object = None, error: BaseException | None =
 
 class Scheduler:
     """The batch thread over one BatchLoop. `submit` from any thread; `close` ends the thread, failing what is
-    left. `on_round(sequences)` after each round and `on_prefill(ms)` after a prefill that held running sequences
+    left, as does an error that ends it (then in one line naming it, for every later submit too). `on_round(sequences)` after each round and `on_prefill(ms)` after a prefill that held running sequences
 up are called on the batch thread (for metrics; set them as attributes)."""
 
     def __init__(self, loop: BatchLoop, codec: PromptCodec, *, on_round: Callable[[int], None] = lambda n: None,
@@ -124,9 +130,11 @@ up are called on the batch thread (for metrics; set them as attributes)."""
         self.used = [0] * loop.capacity  # when each slot last took a request (least recently used goes first)
         self.clock = 0
         self.waiting: list[Ticket] = []
+        self.joining: list[Ticket] = []  # taken from `waiting` at this boundary, not running yet
         self.running: dict[int, Ticket] = {}  # slot -> ticket
         self.cond = threading.Condition()
         self.closed = False
+        self.stopped: GlanceError | None = None  # why the batch thread ended by an error of its own
         self.thread = threading.Thread(target=self._serve, name="glance-batch", daemon=True)
         self.thread.start()
 
@@ -153,7 +161,7 @@ up are called on the batch thread (for metrics; set them as attributes)."""
         ticket = Ticket(prompt, cfg, Answer(self.codec.tokenizer, stops, on_piece, asked), stop=stop)
         with self.cond:
             if self.closed:
-                raise GlanceError("this model is closed; load another with glance_runtime.load()")
+                raise self.stopped or GlanceError("this model is closed; load another with glance_runtime.load()")
             self.waiting.append(ticket)
             self.cond.notify()
         return ticket
@@ -169,6 +177,27 @@ up are called on the batch thread (for metrics; set them as attributes)."""
     # -- the batch thread ------------------------------------------------------------------------------
 
     def _serve(self) -> None:
+        """The batch thread: rounds until closed. Should it end by an error of its own, every request waiting or
+        decoding, and every later submit, fails at once with one line saying so, rather than waiting for good."""
+        stopped = None
+        try:
+            self._run()
+        except BaseException as exc:  # noqa: BLE001 - whatever it was, no caller may be left waiting
+            reason = str(exc).splitlines()[0] if str(exc).strip() else ""
+            stopped = GlanceError(f"the batch thread stopped ({type(exc).__name__}{': ' if reason else ''}{reason}); "
+                                  "this model serves no more requests: close it and load it again with "
+                                  "glance_runtime.load()")
+            log.error("%s", stopped)
+        with self.cond:
+            self.closed, self.stopped = True, stopped
+            left = [*self.waiting, *self.joining, *self.running.values()]
+            self.waiting, self.running = [], {}
+        error = stopped or GlanceError("the model was closed before this request finished")
+        for ticket in left:
+            _settle(ticket.future, error=error)
+
+    def _run(self) -> None:
+        """Joins and rounds, until closed."""
         while True:
             with self.cond:
                 while not self.closed and not self.waiting and not self.running:
@@ -178,19 +207,16 @@ up are called on the batch thread (for metrics; set them as attributes)."""
                 self._drop_cancelled()
                 free = len(self.loop.free_slots())
                 take = min(free, len(self.waiting) if not self.running else 1)
-                joining, self.waiting = self.waiting[:take], self.waiting[take:]
-            for ticket in joining:
+                self.joining, self.waiting = self.waiting[:take], self.waiting[take:]
+            for ticket in self.joining:
                 self._join(ticket)
+            self.joining = []
             for ticket in [t for t in self.running.values() if t.cancelled]:
                 ticket.answer.by_caller = True
                 self.loop.cancel(ticket.request)
                 self._done(ticket)
             if self.running:
                 self._round()
-        error = GlanceError("the model was closed before this request finished")
-        for ticket in [*self.waiting, *self.running.values()]:
-            _settle(ticket.future, error=error)
-        self.waiting, self.running = [], {}
 
     def _drop_cancelled(self) -> None:
         """Requests given up while they waited leave without a prefill (called under the lock)."""

@@ -6,7 +6,6 @@ each other; and image paths that are directories or FIFOs (refused by what they 
 from __future__ import annotations
 
 import os
-import threading
 
 import numpy as np
 import pytest
@@ -15,7 +14,7 @@ from PIL import Image
 import glance_runtime as gr
 from glance_runtime.cli.run import main as run_main
 from glance_runtime.errors import GlanceError, InputError
-from support import RECEIPT
+from support import RECEIPT, within
 
 pytestmark = pytest.mark.edge  # needs no torch: runs on the edge install too
 
@@ -33,24 +32,6 @@ def refused(call, kind: type[GlanceError] = InputError) -> str:
     with pytest.raises(GlanceError) as caught:
         call()
     return one_line(caught.value, kind)
-
-
-def within(seconds: float, call) -> None:
-    """Run `call` on a daemon thread: a call that blocks (opening a FIFO) fails the test instead of hanging it."""
-    failure: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            call()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
-            failure.append(exc)
-
-    worker = threading.Thread(target=target, daemon=True)
-    worker.start()
-    worker.join(seconds)
-    assert not worker.is_alive(), f"the call still runs after {seconds} s"
-    if failure:
-        raise failure[0]
 
 
 @pytest.fixture(scope="module")
