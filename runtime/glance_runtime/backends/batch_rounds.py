@@ -19,6 +19,7 @@ from ..decode.batch_budget import BatchBudget, BatchCost, start_from_profile
 from ..decode.batch_loop import BatchLoop
 from ..decode.limits import check_branch_k, check_tree
 from ..errors import GlanceError
+from ..formats.common import MAX_BATCH
 from ..formats.graphs import BATCH_GRAPHS, batch_draft_kv_names, batch_target_kv_names
 from .device_buffers import Buffer, Tensor
 from .graph_backend import GraphBackend
@@ -28,7 +29,8 @@ if TYPE_CHECKING:
 
 
 def check_batch(manifest, max_batch: int) -> None:
-    """Refuse, in one line naming the fix, a batch the artifacts cannot serve."""
+    """Refuse, in one line naming the fix, a batch the artifacts cannot serve (before anything is sized for it: a
+    batch past the export's bound is refused by that bound, not by the memory it would take)."""
     if manifest.head_kind == "eagle3":
         raise GlanceError("an EAGLE-3 head drafts a depth per pass and decodes one request at a time; "
                           "use --max-batch 1")
@@ -37,8 +39,10 @@ def check_batch(manifest, max_batch: int) -> None:
         raise GlanceError(f"{manifest.path} was exported without batched graphs; re-export with "
                           "`glance-export onnx` to serve several requests at once, or use --max-batch 1")
     if max_batch > exported:
+        fix = (f"re-export with `glance-export onnx --max-batch {max_batch}`" if max_batch <= MAX_BATCH else
+               f"no export batches more than {MAX_BATCH}")
         raise GlanceError(f"--max-batch {max_batch} is above the {exported} these artifacts were exported for; "
-                          f"lower it or re-export with `glance-export onnx --max-batch {max_batch}`")
+                          f"lower it to {exported} or less ({fix})")
 
 
 class BatchRounds:

@@ -145,6 +145,8 @@ class OrtBackend(GraphBackend):
 
         device = device_for(chosen)
         context = runtime_limit("--max-context", max_context, manifest.max_context, *_EXPORTED)
+        if max_batch > 1:
+            check_batch(manifest, max_batch)
         if isinstance(device, HostDevice):
             check_this_machine(manifest, context, max_batch)
 
@@ -168,7 +170,6 @@ class OrtBackend(GraphBackend):
         if manifest.is_vl:
             opened["vision"] = session(VISION_GRAPH)
         if max_batch > 1:
-            check_batch(manifest, max_batch)
             opened |= {name: session(f"{name}.onnx") for name in BATCH_GRAPHS}
         graphs = {name: opened[name] for name in ("target", "draft", "vocab", "vision", "draft_vocab", *BATCH_GRAPHS)
                   if name in opened}
