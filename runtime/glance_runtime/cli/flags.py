@@ -128,7 +128,8 @@ def runner_flags(p: argparse.ArgumentParser, *, backend_help: str = BACKEND_DEFA
                  threads_help: str = "ONNX Runtime intra-op threads (1 up to this machine's CPUs; default: ONNX "
                                      "Runtime's own choice, one per physical core)") -> None:
     """--backend, --model, --head, --artifacts, --engines, --provider, --threads, --max-context, --max-tree."""
-    p.add_argument("--backend", choices=BACKENDS, help=backend_help)
+    p.add_argument("--backend", choices=BACKENDS, help=f"what runs the model: the torch reference, ONNX Runtime or "
+                   f"TensorRT ({backend_help})")
     p.add_argument("--model", type=Path, help="target model: a HF snapshot directory (default: the embedded "
                    "glance-vl-tiny with its head)")
     p.add_argument("--head", type=Path, help="draft head directory: a GLANCE/DFlash head, or an EAGLE-3 head as "
