@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..decode.auto_budget import AutoBudget
 from ..decode.backend import Verified, draft_rows
 from ..decode.batch_budget import BatchBudget, BatchCost, start_from_profile
 from ..decode.batch_loop import BatchLoop
@@ -324,11 +325,14 @@ class BatchRounds:
 
 def open_batch(session: "Session") -> BatchLoop:
     """The batched loop over a session opened with max_batch > 1 (`registry.Source.max_batch`); with auto, the
-    batch's policy starts from the session's single-sequence costs and calibration."""
+    batch's policy starts from the session's single-sequence costs and calibration, and a sequence alone in the
+    batch decides on those costs without learning or storing any (`batch_loop`: its rounds are not what they
+    stand for)."""
     auto = session.config.auto
-    policy = None
+    policy = alone = None
     if auto is not None:
         verify_ms = auto.cost.verify_cost(np.arange(1, auto.max_nodes + 2))
         policy = BatchBudget(BatchCost(start_from_profile(verify_ms, auto.cost.draft_ms)), auto.calibration,
                              auto.max_nodes)
-    return BatchLoop(BatchRounds(session.backend), policy)
+        alone = AutoBudget(auto.cost, auto.calibration, auto.max_nodes, auto.block_size, steps=auto.steps)
+    return BatchLoop(BatchRounds(session.backend), policy, alone)

@@ -55,6 +55,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .calibration import Calibration
+from .cost_profile import MIN_MS
 from .tree import Tree
 
 DECAY = 0.97  # weight of a round's timing, per later round: about the last 30 rounds count
@@ -91,14 +92,16 @@ class BatchCost:
         return np.array([1.0, sequences, sequences * (width - 1) + rows - sequences, drafted, float(drafted > 0)])
 
     def ms(self, sequences: int, width: int, rows: int, drafted: int) -> float:
-        return float(self._x(sequences, width, rows, drafted) @ self.theta)
+        """A round's modelled cost; never below a profile's resolution (rounds timed below what the unfitted R
+        says pull the fitted coefficients to zero, and a rate is tokens over this)."""
+        return max(float(self._x(sequences, width, rows, drafted) @ self.theta), MIN_MS)
 
     def chain_ms(self, sequences: int, width: int, rows: int, drafted: int, cap: int) -> np.ndarray:
         """ms with one more drafted sequence whose chain has m = 1..cap nodes (`ms` for each, at once)."""
         a, s, r, k, k0 = self.theta.tolist()
         m = np.arange(1, cap + 1)
         padded = sequences * (np.maximum(width, m + 1) - 1) + rows + m - sequences
-        return a + s * sequences + r * padded + k * (drafted + 1) + k0
+        return np.maximum(a + s * sequences + r * padded + k * (drafted + 1) + k0, MIN_MS)
 
     @property
     def per_row(self) -> float:

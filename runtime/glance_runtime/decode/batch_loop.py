@@ -6,8 +6,11 @@ plans each sequence's draft as `loop.decode` would (`draft_depth`; with auto, th
 `batch_budget`), drafts all of them in one head pass, builds each tree, verifies every tree in one target pass,
 then walks, commits and records per sequence with the single loop's own functions. A sequence leaves at a round
 boundary (stop token, token limit, its caller's stop, a cancellation) and frees its slot; the others' rows stay
-where they are. While one sequence is alone, its rounds are the single loop's, on its slot (`one_round`):
-the single-sequence graphs and, with auto, its own policy, so one request at a time runs as it always has.
+where they are. While one sequence is alone, its rounds are the single loop's, on its slot (`one_round`): the
+single-sequence graphs and, with auto, the batch's `alone` policy, which decides on the stored single-sequence
+costs as one request's auto does but neither learns costs from these rounds nor stores any. They run between
+batched passes, on caches those left cold, so their times are not the steady decode the profile stands for: stored
+from them, three batched glance-serve runs took the default's one-row cost from 0.82 ms to 0.054.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import numpy as np
 
 from .backend import Backend, Verified
 from .batch_budget import BatchBudget
-from .loop import DecodeConfig, DecodeResult, draft_depth, first_tokens, one_round, record_round
+from .loop import BudgetPolicy, DecodeConfig, DecodeResult, draft_depth, first_tokens, one_round, record_round
 from .tree import Tree, build_tree, fit, visibility, walk
 from ..errors import GlanceError
 
@@ -60,11 +63,13 @@ class Request:
     started: float = 0.0
     stops: frozenset[int] = field(init=False)  # stop_ids as the loop's functions take them
     batched: DecodeConfig = field(init=False)  # cfg in batched rounds: the request's own auto does not see them
+    alone: DecodeConfig = field(init=False)  # cfg in rounds alone (with auto, the loop's `alone` policy once it joins)
 
     def __post_init__(self) -> None:
         """Worked out once here, not in every round."""
         self.stops = frozenset(int(s) for s in self.stop_ids)
         self.batched = replace(self.cfg, auto=None)
+        self.alone = self.cfg
 
     def _left(self) -> int:
         return self.cfg.max_new_tokens - len(self.result.tokens)
@@ -73,9 +78,10 @@ class Request:
 class BatchLoop:
     """Requests decoded together over a `BatchRounds`; `step` runs one round for every sequence in it."""
 
-    def __init__(self, rounds: Rounds, policy: BatchBudget | None = None):
-        """`policy`: the batch's auto (requests with auto then follow it in batched rounds)."""
-        self.rounds, self.policy = rounds, policy
+    def __init__(self, rounds: Rounds, policy: BatchBudget | None = None, alone: BudgetPolicy | None = None):
+        """`policy`: the batch's auto (requests with auto then follow it in batched rounds); `alone`: the auto
+        requests with auto decide their rounds alone with (see the module; None: their own)."""
+        self.rounds, self.policy, self.alone = rounds, policy, alone
         self.active: dict[int, Request] = {}
         self._ended: float | None = None  # when the last batched round ended, while sequences stayed in the batch
         self._joined = 0  # tokens the prefills since then produced
@@ -98,6 +104,8 @@ class BatchLoop:
         elif slot not in free:
             raise ValueError(f"slot {slot} is busy")
         request.slot, request.started = slot, time.perf_counter()
+        if request.cfg.auto and self.alone is not None:
+            request.alone = replace(request.cfg, auto=self.alone)
         first, _ = self.rounds.prefill(slot, request.prompt, request.keep)
         out = request.result
         out.prefill_ms = (time.perf_counter() - request.started) * 1e3
@@ -119,8 +127,8 @@ class BatchLoop:
         request.done = True
         request.result.total_ms = (time.perf_counter() - request.started) * 1e3
         del self.active[request.slot]
-        if request.cfg.auto:
-            request.cfg.auto.settle()
+        if request.alone.auto:
+            request.alone.auto.settle()
 
     def step(self) -> list[Request]:
         """One round for every active sequence; returns those it finished."""
@@ -183,7 +191,7 @@ class BatchLoop:
         """A round of the single loop on the sequence's slot, its draft, verify and commit the slot's own."""
         backend = self.rounds.alone(request.slot, request.anchor)
         new, request.anchor, request.surprisal = one_round(backend, request.result, request.anchor,
-                                                           request.surprisal, request.cfg, request.stops)
+                                                           request.surprisal, request.alone, request.stops)
         self.rounds.keep_anchor(request.slot, request.anchor)
         return self._after(request, new)
 

@@ -44,6 +44,13 @@ from .tree import Tree, build_tree, fit, visibility, walk
 PROBE_PROMPT = "Describe what you see in one sentence."
 MIN_REPEATS, MAX_REPEATS = 3, 9  # timed rounds per row count: at least, and at most within `seconds`
 RETIMES = 2  # times doubtful row counts are timed again before the profile is kept as provisional
+MIN_MS = 1e-4  # the least cost a profile holds, its resolution: a cost rounded to 0 would be no cost, and whatever
+# compared a later cost with it divided by zero
+
+
+def kept_ms(ms: float) -> float:
+    """`ms` as a profile keeps it: to its resolution, and never below it."""
+    return max(round(float(ms), 4), MIN_MS)
 
 
 def row_grid(max_rows: int) -> list[int]:
@@ -113,9 +120,9 @@ def _profile(backend: Backend, grid: list[int], verify: dict[int, list[float]], 
              draft: list[float], repeats: int, load: float | None) -> CostProfile:
     """The fastest of every row count's rounds (other processes only ever add time, so the fastest is the least
     disturbed), with how far the latest batch's median lay above it."""
-    fastest = {r: min(verify[r]) for r in grid}
+    fastest = {r: max(min(verify[r]), MIN_MS) for r in grid}
     return CostProfile(device=describe(backend), rows=tuple(grid),
-                       verify_ms=tuple(round(fastest[r], 4) for r in grid), draft_ms=round(min(draft), 4),
+                       verify_ms=tuple(kept_ms(fastest[r]) for r in grid), draft_ms=kept_ms(min(draft)),
                        repeats=repeats, measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
                        spread=tuple(round(statistics.median(latest[r]) / fastest[r] - 1, 3) for r in grid),
                        load_average=load)
@@ -163,7 +170,7 @@ def measure(backend: Backend, prompt, max_rows: int, branch_k: int, seconds: flo
     if not _doubtful(found):
         return found
     progress(f"{'; '.join(found.problems())} again: kept as provisional (decoding refines it from its own rounds)")
-    return replace(found, provisional=True, verify_ms=tuple(min(ms, round(found.plausible_ms(r), 4))
+    return replace(found, provisional=True, verify_ms=tuple(min(ms, kept_ms(found.plausible_ms(r)))
                                                             for r, ms in zip(found.rows, found.verify_ms)))
 
 

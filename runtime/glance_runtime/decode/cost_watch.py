@@ -39,10 +39,11 @@ costs a round is decided with are the decode's own wherever it has them:
   CONTRADICTS or more; a smaller move (more than NOTICE) waits until REFIT_GAP rounds have passed since the last
   refit, and is then applied with whatever else was learned meanwhile (a refit costs several rounds' tree growth,
   and so small a move changes few choices).
-- Stored: the used costs, at the profile's own scale, after a refit and when a decode ends (`settle`, off its
-  clock, with any smaller move still waiting), where a count was newly confirmed or a measured count's cost (or
-  the draft's) moved by more than RESTORE (after FREE_STORES, at most once in STORE_GAP rounds); a provisional
-  profile stays marked so until every count above the smallest the decode verified is confirmed. (Writing only
+- Stored: the used costs, at the profile's own scale (never below its resolution, `cost_profile.MIN_MS`), after a
+  refit and when a decode ends (`settle`, off its clock, with any smaller move still waiting), where a count was
+  newly confirmed or a measured count's cost (or the draft's) moved by more than RESTORE (after FREE_STORES, at
+  most once in STORE_GAP rounds); a provisional profile stays marked so until every count above the smallest the
+  decode verified is confirmed. (Writing only
   when a decode ends was tried: beside 4 CPU burners the demo's recovery from a poisoned profile then failed
   more often, 2 of 10 tries against 0 of 10, as if the rounds' timings fared better for the process's pauses
   on the disk.)
@@ -57,6 +58,7 @@ from typing import Callable
 import numpy as np
 
 from ..formats.cost import PLAUSIBLE_PER_ROW, CostProfile
+from .cost_profile import MIN_MS, kept_ms
 
 EVERY = 2  # at most one round in EVERY explores
 CONFIRM = 2  # rounds of exactly a measured count's rows before its cost may count as confirmed
@@ -153,7 +155,10 @@ class CostWatch:
 
     def observe(self, rows: int, verify_ms: float, draft_ms: float | None, depth: int | None) -> bool:
         """Count one round (`draft_ms` None: it did not draft; `depth`: its draft's offsets); whether the used
-        costs changed."""
+        costs changed. A time below the profile's resolution counts as that (a coarse clock's 0 is no cost to
+        scale by)."""
+        verify_ms = max(verify_ms, MIN_MS)
+        draft_ms = None if draft_ms is None else max(draft_ms, MIN_MS)
         self._rounds += 1
         if self._rounds == 1:  # the first round in a fresh process pays for first runs
             return False
@@ -260,17 +265,16 @@ class CostWatch:
             return
         written, grid = self.written, np.array(self.base.rows)
         checked = tuple(sorted((set() if self._doubted else set(written.checked_rows)) | self._confirmed))
-        learned = self.used.verify_cost(grid) / self.scale
-        draft = self.used.draft_ms / self.scale
+        learned = np.maximum(self.used.verify_cost(grid) / self.scale, MIN_MS)
+        draft = max(self.used.draft_ms / self.scale, MIN_MS)
         before = np.append(written.verify_cost(grid), written.draft_ms)
         now = np.append(learned, draft)
         if (checked, self.draft_confirmed) == (written.checked_rows, written.draft_checked) and np.all(
                 np.maximum(now / before, before / now) <= RESTORE):
             return
         settled = all(g in checked for g in self.grid if g > min(self._verify))
-        self.written = replace(written, verify_ms=tuple(round(float(v), 4) for v in learned),
-                               draft_ms=round(float(draft), 4), checked_rows=checked,
-                               draft_checked=self.draft_confirmed,
+        self.written = replace(written, verify_ms=tuple(kept_ms(v) for v in learned), draft_ms=kept_ms(draft),
+                               checked_rows=checked, draft_checked=self.draft_confirmed,
                                provisional=written.provisional and not settled)
         self._stores, self._stored_at = self._stores + 1, self._rounds
         self.store(self.written)
