@@ -222,8 +222,8 @@ class Model:
                cancelled: Callable[[], bool] | None = None) -> "Future[Output]":
         """Queue a prompt made with `build` and return at once: the future settles with its Output. For servers
         on a model loaded with max_batch > 1: `on_text` and `cancelled` (asked each round; True ends the answer
-        there, finish "cancelled") run on the batch thread. At max_batch 1 the answer is decoded now, on this
-        thread, and the future is already settled."""
+        there, finish "cancelled") run on the batch thread, and either raising fails this future alone, with its
+        error. At max_batch 1 the answer is decoded now, on this thread, and the future is already settled."""
         if self._scheduler is None:
             future: Future = Future()
             try:

@@ -119,8 +119,9 @@ def _settle(future: Future, result: object = None, error: BaseException | None =
 
 class Scheduler:
     """The batch thread over one BatchLoop. `submit` from any thread; `close` ends the thread, failing what is
-    left, as does an error that ends it (then in one line naming it, for every later submit too). `on_round(sequences)` after each round and `on_prefill(ms)` after a prefill that held running sequences
-up are called on the batch thread (for metrics; set them as attributes)."""
+    left, as does an error that ends it (then in one line naming it, for every later submit too).
+    `on_round(sequences)` after each round and `on_prefill(ms)` after a prefill that held running sequences up are
+    called on the batch thread (for metrics; set them as attributes)."""
 
     def __init__(self, loop: BatchLoop, codec: PromptCodec, *, on_round: Callable[[int], None] = lambda n: None,
                  on_prefill: Callable[[float], None] = lambda ms: None):
@@ -191,7 +192,7 @@ up are called on the batch thread (for metrics; set them as attributes)."""
         with self.cond:
             self.closed, self.stopped = True, stopped
             left = [*self.waiting, *self.joining, *self.running.values()]
-            self.waiting, self.running = [], {}
+            self.waiting, self.joining, self.running = [], [], {}
         error = stopped or GlanceError("the model was closed before this request finished")
         for ticket in left:
             _settle(ticket.future, error=error)
