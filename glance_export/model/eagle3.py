@@ -29,7 +29,10 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 
 from glance_runtime.errors import GlanceError
 from glance_runtime.store.atomic import atomic_directory, check_output
+from glance_runtime.store.input_files import present
 
+from .head_checks import check_attention, check_numbers, check_rope
+from .head_files import check_tensors, read_head_config, read_pickle, read_safetensors
 from .meta_init import parameters_on_meta
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -160,9 +163,7 @@ class Eagle3Config:
             raise GlanceError(f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} and "
                               f"head_dim is not given; {RESTORE}")
         kv_heads = size("num_key_value_heads", heads)
-        if heads % kv_heads:
-            raise GlanceError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
-                              f"{kv_heads}; {RESTORE}")
+        check_attention(hidden, heads, kv_heads, where, RESTORE)
         vocab = size("vocab_size")
         drafted = size("draft_vocab_size")
         if drafted is not None and drafted > vocab:
@@ -180,18 +181,20 @@ class Eagle3Config:
                                 or not all(type(a) is int and a >= 0 for a in aux)):
             raise GlanceError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids is {aux!r}, not three "
                               f"non-negative layer ids; {RESTORE}")
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        if not isinstance(rope, dict):
-            raise GlanceError(f"{where}: rope_scaling is not an object; {RESTORE}")
+        rope_key = "rope_parameters" if cfg.get("rope_parameters") is not None else "rope_scaling"
+        rope = cfg.get(rope_key)
+        if rope is not None and not isinstance(rope, dict):
+            raise GlanceError(f"{where}: {rope_key} is {rope!r}, not an object (such as {{\"rope_type\": "
+                              f"\"linear\", \"factor\": 2.0}}) or null; {RESTORE}")
+        rope = dict(rope or {})
         rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
         rope.setdefault("rope_type", rope.pop("type", "default"))
-        section = rope.get("mrope_section")
-        if section is not None and (not isinstance(section, list) or sum(section) * 2 != head_dim):
-            raise GlanceError(f"{where}: rope_scaling.mrope_section {section!r} does not split head_dim {head_dim} "
-                              f"(its sum must be head_dim / 2); {RESTORE}")
         eps = cfg.get("rms_norm_eps", 1e-6)
-        if not isinstance(eps, (int, float)) or not 0 < eps < 1:
-            raise GlanceError(f"{where}: rms_norm_eps is {eps!r}, not a small positive number; {RESTORE}")
+        check_numbers(rope["rope_theta"], eps, where, RESTORE)
+        check_rope(rope, rope_key, head_dim, where, RESTORE)
+        for flag in ("tie_word_embeddings", "attention_bias", "norm_before_residual"):
+            if type(cfg.get(flag, False)) is not bool:
+                raise GlanceError(f"{where}: {flag} is {cfg[flag]!r}, not true or false; {RESTORE}")
         known = {"hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                  "vocab_size", "num_hidden_layers", "draft_vocab_size", "target_hidden_size", "rms_norm_eps",
                  "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings", "tie_word_embeddings",
@@ -201,9 +204,9 @@ class Eagle3Config:
                    num_hidden_layers=size("num_hidden_layers", 1), draft_vocab_size=drafted,
                    target_hidden_size=size("target_hidden_size"), aux_layer_ids=aux, rms_norm_eps=float(eps),
                    rope=rope, max_position_embeddings=size("max_position_embeddings", 32768),
-                   tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                   attention_bias=bool(cfg.get("attention_bias", False)),
-                   norm_before_residual=bool(cfg.get("norm_before_residual", False)),
+                   tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+                   attention_bias=cfg.get("attention_bias", False),
+                   norm_before_residual=cfg.get("norm_before_residual", False),
                    extra={k: v for k, v in cfg.items() if k not in known})
 
 
@@ -398,19 +401,17 @@ def save_eagle3(head: Eagle3Head, out_dir: str | Path, made_by: str = "glance-ex
 
 
 def _read_weights(head_dir: Path) -> tuple[dict[str, torch.Tensor], Path]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    weights = head_dir / WEIGHTS_FILE
-    try:
-        if weights.is_file():
-            return load_file(str(weights)), weights
-        legacy = head_dir / LEGACY_WEIGHTS_FILE
-        if legacy.is_file():
-            return torch.load(legacy, map_location="cpu", weights_only=True), legacy
-    except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
-        raise GlanceError(f"cannot read the weights in {head_dir} ({str(exc).splitlines()[0]}); {RESTORE}") from None
-    raise GlanceError(f"{head_dir} holds no {WEIGHTS_FILE} (or {LEGACY_WEIGHTS_FILE}); {RESTORE}")
+    """model.safetensors, else the legacy pytorch_model.bin; either typed first (a directory or FIFO of that
+    name is named, not passed over), its entries named tensors and its weights floating-point and finite."""
+    weights, legacy = head_dir / WEIGHTS_FILE, head_dir / LEGACY_WEIGHTS_FILE
+    if present(weights, "head weights", RESTORE):
+        state = read_safetensors(weights, RESTORE)
+    elif present(legacy, "head weights", RESTORE):
+        state, weights = read_pickle(legacy, RESTORE), legacy
+    else:
+        raise GlanceError(f"{head_dir} holds no {WEIGHTS_FILE} (or {LEGACY_WEIGHTS_FILE}); {RESTORE}")
+    check_tensors(state, weights, RESTORE, index_keys=("d2t", "t2d"))
+    return state, weights
 
 
 def _published_key(key: str) -> str:
@@ -432,11 +433,7 @@ def load_eagle3(head_dir: str | Path, dtype: torch.dtype = torch.float32) -> Eag
     """An EAGLE-3 head directory as published; a malformed one is refused in one line naming the key or field."""
     head_dir = Path(head_dir)
     cfg_path = head_dir / "config.json"
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except (OSError, ValueError, RecursionError) as exc:
-        raise GlanceError(f"cannot read {cfg_path} ({exc}); {RESTORE}") from None
-    cfg = Eagle3Config.from_json(raw, str(cfg_path))
+    cfg = Eagle3Config.from_json(read_head_config(cfg_path, RESTORE), str(cfg_path))
     state, weights = _read_weights(head_dir)
     spelled = {_published_key(k): k for k in state}  # errors name a key as the file spells it
     state = {_published_key(k): v for k, v in state.items()}
@@ -493,11 +490,11 @@ def _check_vocab_maps(state: dict[str, torch.Tensor], cfg: Eagle3Config, weights
 
 
 def head_kind(head_dir: str | Path) -> str:
-    """"eagle3" or "glance" from a head directory's config.json (a missing or unreadable one is "glance", whose
-    loader names the problem)."""
+    """"eagle3" or "glance" from a head directory's config.json (a missing or unreadable one, a FIFO or a
+    directory included, is "glance", whose loader names the problem)."""
     try:
-        return "eagle3" if is_eagle3_config(json.loads((Path(head_dir) / "config.json").read_text())) else "glance"
-    except (OSError, ValueError, RecursionError):
+        return "eagle3" if is_eagle3_config(read_head_config(Path(head_dir) / "config.json", RESTORE)) else "glance"
+    except GlanceError:
         return "glance"
 
 

@@ -10,6 +10,7 @@ in safetensors), so heads trained elsewhere load unchanged.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -26,11 +27,13 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from glance_export.model.head_checks import check_config, check_draft_ids
+from glance_export.model.head_files import check_tensors, read_head_config, read_safetensors
 from glance_export.model.meta_init import parameters_on_meta
 from glance_runtime.store.atomic import atomic_directory, check_output
 from glance_runtime.errors import GlanceError
 
 WEIGHTS_FILE = "model.safetensors"
+RESTORE = "restore the head's files or retrain it"
 
 
 def tap_layers(num_target_layers: int, num_head_layers: int) -> list[int]:
@@ -249,25 +252,18 @@ def save_head(head: DraftHead, out_dir: str | Path, also: Callable[[Path], None]
 
 
 def load_head(head_dir: str | Path, dtype: torch.dtype = torch.float32) -> DraftHead:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
+    """A head directory, its config and weights checked: what is wrong is one line naming the file and the field
+    or tensor (a config.json or weights file that is a FIFO or a directory is named as such, never read)."""
     head_dir = Path(head_dir)
     cfg_path, weights = head_dir / "config.json", head_dir / WEIGHTS_FILE
-    if not cfg_path.is_file() or not weights.is_file():
+    if not head_dir.is_dir() or not any(os.path.lexists(p) for p in (cfg_path, weights)):
         raise GlanceError(f"{head_dir} is not a head directory (needs config.json and {WEIGHTS_FILE}); "
                           "create one with `glance-export init-head`")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except (OSError, ValueError, RecursionError) as exc:
-        raise GlanceError(f"cannot read {cfg_path} ({exc}); restore the head's files or retrain it") from None
-    cfg = HeadConfig.from_json(raw, str(cfg_path))
+    cfg = HeadConfig.from_json(read_head_config(cfg_path, RESTORE), str(cfg_path))
     with parameters_on_meta():  # the checkpoint's tensors become the parameters: no random init, no second copy
         head = DraftHead(cfg)
-    try:
-        state = load_file(str(weights))
-    except (SafetensorError, OSError) as exc:
-        raise GlanceError(f"cannot read {weights} ({exc}); restore the head's files or retrain it") from None
+    state = read_safetensors(weights, RESTORE)
+    check_tensors(state, weights, RESTORE, index_keys=("draft_vocab_ids",))
     check_draft_ids(state.get("draft_vocab_ids"), cfg, weights, cfg_path)
     missing, unexpected = head.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
