@@ -11,7 +11,7 @@ expanded to `grid_t * grid_h * grid_w / merge_size**2` image tokens.
 """
 from __future__ import annotations
 
-import json
+import os
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -22,28 +22,39 @@ from PIL import Image
 
 from glance_runtime.prompt.processor_values import read_processor_config
 from glance_runtime.errors import GlanceError
+from glance_runtime.formats.common import read_json
+from glance_runtime.store.input_files import present, regular_file
 from glance_runtime.prompt.messages import split, user_turn
 from glance_runtime.prompt.prompt_builder import (IMAGE_PLACEHOLDER, Prompt, check_placeholders, expand_placeholders,
                                                   processed_videos)
 from glance_runtime.prompt.video import VIDEO_PLACEHOLDER, VideoProcessorConfig
 
+FROM_SOURCE = "restore it from the model's source"
+# files of a snapshot that transformers or the tokenizer may open: each is typed before anything reads it, since a
+# FIFO among them blocks the library's read until killed
+READ_SUFFIXES = (".json", ".jinja", ".safetensors", ".txt", ".model", ".tiktoken")
 VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 TEXT_FAMILIES = ("qwen2", "qwen3", "llama")
 SUPPORTED_FAMILIES = VL_FAMILIES + TEXT_FAMILIES
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
+    """config.json, typed and sized before it is read (a directory, FIFO or link loop is named as such)."""
     path = Path(model_dir) / "config.json"
     if not Path(model_dir).is_dir():
         raise GlanceError(f"model directory {model_dir} does not exist; pass a HF snapshot directory")
-    if not path.is_file():
+    if not present(path, "model config", FROM_SOURCE):
         raise GlanceError(f"{path} is missing; pass a HF snapshot directory (config.json, safetensors and tokenizer "
                           "files)")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise GlanceError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); restore it from the model's "
-                          "source") from None
+    return read_json(path, "model config", FROM_SOURCE)
+
+
+def check_file_kinds(model_dir: Path) -> None:
+    """Every file of the snapshot a library may read is a regular file, or one line naming what it is."""
+    with os.scandir(model_dir) as entries:
+        for entry in sorted(entries, key=lambda e: e.name):
+            if entry.name.endswith(READ_SUFFIXES):
+                regular_file(Path(entry.path), "model file", FROM_SOURCE)
 
 
 def resolve_family(config: dict[str, Any]) -> str:
@@ -59,13 +70,15 @@ class Snapshot:
     def __init__(self, model_dir: str | Path):
         self.path = Path(model_dir)
         self.config = read_config(self.path)
+        check_file_kinds(self.path)
         self.family = resolve_family(self.config)
         self.is_vl = self.family in VL_FAMILIES
         if not any(self.path.glob("*.safetensors")):
             raise GlanceError(f"{self.path} has no *.safetensors weights; convert the checkpoint to safetensors")
-        if not (self.path / "tokenizer.json").is_file() and not (self.path / "tokenizer_config.json").is_file():
+        if not any(present(self.path / name, "tokenizer file", FROM_SOURCE)
+                   for name in ("tokenizer.json", "tokenizer_config.json")):
             raise GlanceError(f"{self.path} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
-        if self.is_vl and not (self.path / "preprocessor_config.json").is_file():
+        if self.is_vl and not present(self.path / "preprocessor_config.json", "image processor config", FROM_SOURCE):
             raise GlanceError(f"{self.path} has no preprocessor_config.json; a vision model needs its image processor")
         if self.is_vl:
             read_processor_config(self.path / "preprocessor_config.json")  # values in range before any image
@@ -103,7 +116,8 @@ class Snapshot:
         """EOS ids from generation_config.json, config.json and the tokenizer, like `generate` would stop on."""
         ids: set[int] = set()
         for source in (self.path / "generation_config.json", None):
-            cfg = json.loads(source.read_text()) if source is not None and source.is_file() else self.text_config
+            cfg = read_json(source, "generation config", FROM_SOURCE) if source is not None and present(
+                source, "generation config", FROM_SOURCE) else self.text_config
             eos = cfg.get("eos_token_id")
             ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:

@@ -1,0 +1,59 @@
+"""A model snapshot's files are typed before anything reads them: a config, tokenizer, generation config or
+weights file that is a directory, a FIFO or a symbolic link loop is named as what it is (not as missing, not a
+traceback) and never blocks the load. Each case runs in a child with a deadline, so a regression fails instead of
+hanging."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FAMILY = "qwen3"
+CHILD_TIMEOUT_S = 120
+SHAPE_WORDS = {"dir": "is a directory", "fifo": "is a named pipe (FIFO)", "loop": "is a symbolic link loop"}
+CASES = [(name, shape) for name in ("config.json", "tokenizer.json", "generation_config.json", "model.safetensors")
+         for shape in SHAPE_WORDS]
+LOAD_IN_CHILD = ("import sys, glance_runtime as gr\n"
+                 "try:\n    gr.load(model=sys.argv[1], backend='torch', speculative=False)\n"
+                 "except gr.GlanceError as exc:\n    sys.exit(print(exc, file=sys.stderr) or 1)\n")
+GLANCE_RUN = [sys.executable, "-c", "import sys; from glance_runtime.cli.run import main; sys.exit(main(sys.argv[1:]))"]
+
+
+def _spoiled(snapshot: Path, out: Path, name: str, shape: str) -> Path:
+    shutil.copytree(snapshot, out)
+    path = out / name
+    path.unlink()
+    if shape == "dir":
+        path.mkdir()
+    elif shape == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to(name)
+    return out
+
+
+def _one_line(run: subprocess.CompletedProcess, words: str) -> None:
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr
+    assert len(lines) == 1 and words in lines[0], run.stderr
+
+
+@pytest.mark.parametrize("name, shape", CASES)
+def test_a_snapshot_file_of_another_kind_is_named_and_never_blocks(snapshot_dir, tmp_path, name, shape):
+    model = _spoiled(Path(snapshot_dir(FAMILY)), tmp_path / "model", name, shape)
+    run = subprocess.run([sys.executable, "-c", LOAD_IN_CHILD, str(model)], capture_output=True, text=True,
+                         timeout=CHILD_TIMEOUT_S)
+    _one_line(run, f"{model / name} {SHAPE_WORDS[shape]}")
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json"])
+def test_glance_run_names_a_fifo_in_the_snapshot(snapshot_dir, tmp_path, name):
+    model = _spoiled(Path(snapshot_dir(FAMILY)), tmp_path / "model", name, "fifo")
+    run = subprocess.run([*GLANCE_RUN, "--backend", "torch", "--model", str(model), "--prompt", "Hello",
+                          "--max-new-tokens", "4", "--no-spec"],
+                         capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    _one_line(run, f"{model / name} is a named pipe (FIFO)")
