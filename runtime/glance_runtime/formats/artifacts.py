@@ -37,6 +37,7 @@ from ..store.atomic import write_file
 from ..errors import GlanceError, IntegrityError
 from .graphs import BATCH_GRAPHS, DRAFT_GRAPH, DRAFT_VOCAB_GRAPH, MANIFEST, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH
 from .draft_ids import check_graph
+from ..store.input_files import present
 from ..store.integrity import file_digest, verify_files
 from .common import (MAX_BATCH, Invalid, boolean, check_header, check_int, check_text, digest, dumps, guarded,
                      int_list, integer, obj, optional_int, read_json, stamped, text)
@@ -372,7 +373,7 @@ def _read(path: Path) -> Manifest:
     if not path.is_dir():
         what = "is not a directory" if path.exists() else "does not exist"
         raise GlanceError(f"artifacts directory {path} {what}; create it with `glance-export onnx`")
-    if not file.is_file():
+    if not present(file, WHAT, REEXPORT):
         raise GlanceError(f"{path} has no {FILE}; {REEXPORT}")
     raw = read_json(file, WHAT, REEXPORT)
     check_header(raw, file, WHAT, FORMAT, VERSION, REEXPORT)
@@ -383,12 +384,15 @@ def _read(path: Path) -> Manifest:
                           f"copy the directory again or {REEXPORT}")
     manifest, needed, names = guarded(file, REEXPORT, lambda: _parse(file, raw))
     for key, name in needed.items():
-        if not (path / name).is_file():
+        if not present(path / name, f"the {key} graph", REEXPORT):
             raise GlanceError(f"{path} lacks the {key} graph ({name}); {REEXPORT}")
+    copy = f"copy the whole directory or {REEXPORT}"
     for name in names:
-        if not (path / name).is_file():
-            raise GlanceError(f"{path} lacks {name}, listed in its manifest; copy the whole directory or {REEXPORT}")
+        if not present(path / name, "exported file", copy):
+            raise GlanceError(f"{path} lacks {name}, listed in its manifest; {copy}")
     hashes = raw["file_hashes"]
+    for name in hashes:  # typed before any is hashed or opened (one missing is verify_files' to name)
+        present(path / name, "exported file", copy)
     unrecorded = [n for n in names if n not in hashes]
     if unrecorded:
         raise GlanceError(f"{file} records no hash for {unrecorded[0]}; {REEXPORT}")
@@ -434,10 +438,12 @@ def check_source(manifest: Manifest, model_dir: str | Path) -> None:
     model = Path(model_dir)
     expected = manifest.source.get("weights_sha256") or {}
     config_sha = manifest.source.get("config_sha256")
-    if config_sha and (not (model / "config.json").is_file() or file_digest(model / "config.json") != config_sha):
+    fix = f"pass the original model directory or {REEXPORT}"
+    if config_sha and (not present(model / "config.json", "model config", fix)
+                       or file_digest(model / "config.json") != config_sha):
         raise GlanceError(f"{model}/config.json differs from the one {manifest.path} was exported from; "
                           f"pass the original model directory or {REEXPORT}")
     for name, sha in expected.items():
-        if not (model / name).is_file() or file_digest(model / name) != sha:
+        if not present(model / name, "model weights", fix) or file_digest(model / name) != sha:
             raise GlanceError(f"{model}/{name} differs from the weights {manifest.path} was exported from; "
                               f"pass the original model directory or {REEXPORT}")

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..store.atomic import write_file
+from ..store.input_files import present
 from ..errors import GlanceError
 from .common import (MAX_BATCH, Invalid, check_header, check_int, check_text, digest, dumps, guarded, integer, obj,
                      optional_text, read_json, stamped)
@@ -137,7 +138,7 @@ def read(engines_dir: str | Path) -> EnginesRecord:
     if not engines_dir.is_dir():
         what = "is not a directory" if engines_dir.exists() else "does not exist"
         raise GlanceError(f"engines directory {engines_dir} {what}; build it with `glance-export build`")
-    if not file.is_file():
+    if not present(file, WHAT, REBUILD):
         raise GlanceError(f"{engines_dir} has no {FILE}; build it with `glance-export build`")
     raw = read_json(file, WHAT, REBUILD)
     version = raw.get("format_version")

@@ -16,6 +16,7 @@ from typing import Iterable, Mapping, Protocol
 
 from .atomic import write_file
 from .cache import cache_root
+from .input_files import present
 from ..errors import GlanceError, IntegrityError
 
 RACY_NS = 2_000_000_000  # a file changed this recently may change again without its times moving
@@ -96,8 +97,13 @@ def verify_files(directory: str | Path, expected: Mapping[str, Mapping[str, obje
     try:
         for name, want in expected.items():
             path = directory / name
-            if not path.is_file():
-                raise IntegrityError(f"{path} is missing; {fix}")
+            try:
+                if not present(path, "file", fix):  # a FIFO or directory is named, never opened to be hashed
+                    raise IntegrityError(f"{path} is missing; {fix}")
+            except IntegrityError:
+                raise
+            except GlanceError as exc:
+                raise IntegrityError(str(exc)) from None
             size, recorded = path.stat().st_size, want.get("size", want.get("bytes"))
             if recorded is not None and size != recorded:
                 raise IntegrityError(f"{path} is {size} bytes but its manifest records {recorded} (truncated or "
