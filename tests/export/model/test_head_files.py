@@ -223,3 +223,18 @@ def test_glance_export_onnx_refuses_a_malformed_head_in_one_line(target, spoiled
                           "--out", str(out)], capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     _one_line(run, CASES[case][2])
     assert not out.exists()
+
+
+GLANCE_SERVE = [sys.executable, "-c",
+                "import sys; from glance_runtime.cli.serve import main; sys.exit(main(sys.argv[1:]))"]
+
+
+@pytest.mark.parametrize("case", ["eagle3_bin_unsafe", "eagle3_config_fifo", "glance_fc_nan"])
+def test_glance_serve_refuses_a_malformed_head_in_one_line(target, spoiled, case):
+    """The server says where it listens, then fails its load in one error line (no torch text advising an
+    unsafe load) and exits."""
+    run = subprocess.run([*GLANCE_SERVE, "--backend", "torch", "--model", str(target), "--head", str(spoiled(case)),
+                          "--port", "0"], capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    assert run.returncode != 0 and "Traceback" not in run.stderr and UNSAFE_ADVICE not in run.stderr, run.stderr
+    errors = [line for line in run.stderr.splitlines() if line.startswith("glance-serve: error:")]
+    assert len(errors) == 1 and CASES[case][2] in errors[0], run.stderr
