@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +31,7 @@ from glance_runtime.errors import GlanceError
 from glance_runtime.store.atomic import atomic_directory, check_output
 from glance_runtime.store.input_files import present
 
-from .head_checks import check_attention, check_numbers, check_rope
+from .head_checks import check_attention, check_numbers, check_rope, check_sizes
 from .head_files import check_tensors, read_head_config, read_pickle, read_safetensors
 from .meta_init import parameters_on_meta
 
@@ -437,6 +437,7 @@ def load_eagle3(head_dir: str | Path, dtype: torch.dtype = torch.float32) -> Eag
     state, weights = _read_weights(head_dir)
     spelled = {_published_key(k): k for k in state}  # errors name a key as the file spells it
     state = {_published_key(k): v for k, v in state.items()}
+    _check_sizes(state, cfg, weights, cfg_path, lambda k: spelled.get(k, k))
     with parameters_on_meta():
         head = Eagle3Head(cfg)
         embed = state.get("embed_tokens.weight")
@@ -468,6 +469,21 @@ def load_eagle3(head_dir: str | Path, dtype: torch.dtype = torch.float32) -> Eag
     state = {k: (v.to(torch.long) if k == "d2t" else v.to(torch.bool) if k == "t2d" else v) for k, v in state.items()}
     head.load_state_dict(state, strict=False, assign=True)
     return head.to(dtype).eval()
+
+
+def _check_sizes(state: dict[str, torch.Tensor], cfg: Eagle3Config, weights: Path, cfg_path: Path,
+                 spelled: Callable[[str], str]) -> None:
+    """The config's sizes against a few tensors' shapes, before the module (whose layers allocate as they are
+    built) exists; t2d is needed first, since its buffer is as long as the vocabulary."""
+    if cfg.draft_vocab_size is not None and "t2d" not in state:
+        raise GlanceError(f"{weights} lacks 't2d' for the config in {cfg_path}; {RESTORE}")
+    h, attn = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
+    expected = {"fc.weight": (h, 3 * cfg.tap_width), "layers.0.self_attn.q_proj.weight": (attn, 2 * h),
+                "layers.0.self_attn.k_proj.weight": (cfg.num_key_value_heads * cfg.head_dim, 2 * h),
+                "layers.0.mlp.up_proj.weight": (cfg.intermediate_size, h), "lm_head.weight": (cfg.drafted_vocab, h),
+                "embed_tokens.weight": (cfg.vocab_size, h), "t2d": (cfg.vocab_size,),
+                "d2t": (cfg.drafted_vocab,)}
+    check_sizes(state, expected, cfg.num_hidden_layers, weights, cfg_path, RESTORE, spelled)
 
 
 def _check_vocab_maps(state: dict[str, torch.Tensor], cfg: Eagle3Config, weights: Path) -> None:

@@ -26,7 +26,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
-from glance_export.model.head_checks import check_config, check_draft_ids
+from glance_export.model.head_checks import check_config, check_draft_ids, check_sizes
 from glance_export.model.head_files import check_tensors, read_head_config, read_safetensors
 from glance_export.model.meta_init import parameters_on_meta
 from glance_runtime.store.atomic import atomic_directory, check_output
@@ -260,11 +260,16 @@ def load_head(head_dir: str | Path, dtype: torch.dtype = torch.float32) -> Draft
         raise GlanceError(f"{head_dir} is not a head directory (needs config.json and {WEIGHTS_FILE}); "
                           "create one with `glance-export init-head`")
     cfg = HeadConfig.from_json(read_head_config(cfg_path, RESTORE), str(cfg_path))
-    with parameters_on_meta():  # the checkpoint's tensors become the parameters: no random init, no second copy
-        head = DraftHead(cfg)
     state = read_safetensors(weights, RESTORE)
     check_tensors(state, weights, RESTORE, index_keys=("draft_vocab_ids",))
+    h, n_taps = cfg.hidden_size, len(cfg.target_layer_ids)
+    check_sizes(state, {"fc.weight": (h, n_taps * h), "layers.0.mlp.up_proj.weight": (cfg.intermediate_size, h),
+                        "layers.0.self_attn.q_proj.weight": (cfg.num_attention_heads * cfg.head_dim, h),
+                        "layers.0.self_attn.k_proj.weight": (cfg.num_key_value_heads * cfg.head_dim, h)},
+                cfg.num_hidden_layers, weights, cfg_path, RESTORE)
     check_draft_ids(state.get("draft_vocab_ids"), cfg, weights, cfg_path)
+    with parameters_on_meta():  # the checkpoint's tensors become the parameters: no random init, no second copy
+        head = DraftHead(cfg)
     missing, unexpected = head.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
         raise GlanceError(f"{weights} does not match its config (missing {sorted(missing)[:3]}, "
@@ -309,5 +314,8 @@ def check_head_matches(head: DraftHead, snapshot) -> None:
         raise GlanceError(f"head was made for a target with hidden size {cfg.hidden_size} and "
                           f"{cfg.num_target_layers} layers, but {snapshot.path} has {tc['hidden_size']} and "
                           f"{tc['num_hidden_layers']}; use a head trained for this target")
+    if cfg.vocab_size != tc["vocab_size"]:
+        raise GlanceError(f"head was made for a target with vocab_size {cfg.vocab_size}, but {snapshot.path} has "
+                          f"{tc['vocab_size']}; use a head trained for this target")
     if max(cfg.target_layer_ids) >= tc["num_hidden_layers"] or cfg.mask_token_id >= tc["vocab_size"]:
         raise GlanceError("head config taps a layer or uses a mask token outside the target; check its config.json")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -110,3 +110,19 @@ def check_draft_ids(ids: torch.Tensor | None, cfg: Any, weights: Path, config: P
     if problem is not None:
         raise GlanceError(f"{weights}: draft_vocab_ids {problem} ({config} has draft_vocab_size "
                           f"{cfg.draft_vocab_size}); restore the head's files, or retrain it with --draft-vocab")
+
+
+def check_sizes(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], layers: int, weights: Path,
+                config: Path, fix: str, spelled: Callable[[str], str] = str) -> None:
+    """The config's sizes against the weights' shapes before a module is built from them: a size typed as a
+    trillion, or a million layers, would otherwise be allocated (or built) before any shape is compared.
+    `expected`: the shapes of a few tensors the config fixes (one absent is the missing-key check's to name);
+    `spelled`: a key as the file spells it."""
+    found = sorted({int(k.split(".")[1]) for k in state if k.startswith("layers.") and k.split(".")[1].isdigit()})
+    if found != list(range(layers)):
+        raise GlanceError(f"{weights} holds {len(found)} layer{'s' if len(found) != 1 else ''} but {config} has "
+                          f"num_hidden_layers {layers}; {fix}")
+    for key, shape in expected.items():
+        if key in state and tuple(state[key].shape) != shape:
+            raise GlanceError(f"{weights}: {spelled(key)} has shape {tuple(state[key].shape)}, but {config} makes it "
+                              f"{shape}; {fix}")

@@ -115,6 +115,9 @@ CASES: dict[str, tuple[str, Callable[[Path], None], str]] = {
                                    "hidden_size 66 is not a multiple of num_attention_heads"),
     "eagle3_tie_not_boolean": ("eagle3", _set("tie_word_embeddings", "yes"),
                                "tie_word_embeddings is 'yes', not true or false"),
+    "eagle3_vocab_size_huge": ("eagle3", _set("vocab_size", 10**12), "embed_tokens.weight has shape (328, 64), but"),
+    "eagle3_layers_million": ("eagle3", _set("num_hidden_layers", 10**6), "holds 2 layers but"),
+    "eagle3_intermediate_huge": ("eagle3", _set("intermediate_size", 10**12), "midlayer.mlp.up_proj.weight has shape"),
     "eagle3_fc_int8": ("eagle3", _int8("fc.weight"), "fc.weight is stored as int8, not as floating-point"),
     "eagle3_lm_head_nan": ("eagle3", _poison("lm_head.weight", float("nan")), "lm_head.weight holds"),
     "eagle3_midlayer_inf": ("eagle3", _poison("midlayer.mlp.down_proj.weight", float("inf")),
@@ -131,6 +134,8 @@ CASES: dict[str, tuple[str, Callable[[Path], None], str]] = {
     "glance_rope_theta_zero": ("glance", _rope(rope_theta=0), "rope_theta is 0, not a positive number"),
     "glance_hidden_not_multiple": ("glance", _set("num_attention_heads", 5),
                                    "is not a multiple of num_attention_heads 5"),
+    "glance_layers_million": ("glance", _set("num_hidden_layers", 10**6), "holds 2 layers but"),
+    "glance_intermediate_huge": ("glance", _set("intermediate_size", 10**12), "layers.0.mlp.up_proj.weight has shape"),
     "glance_fc_int8": ("glance", _int8("fc.weight"), "fc.weight is stored as int8, not as floating-point"),
     "glance_fc_nan": ("glance", _poison("fc.weight", float("nan")), "fc.weight holds"),
     "glance_norm_inf": ("glance", _poison("layers.0.mlp.up_proj.weight", float("-inf")),
@@ -185,6 +190,14 @@ def test_the_library_refuses_a_malformed_head_in_one_line(target, spoiled, case)
     message = str(err.value)
     assert CASES[case][2] in message and str(head) in message, message
     assert "\n" not in message and UNSAFE_ADVICE not in message
+
+
+def test_a_glance_head_for_another_vocabulary_is_refused(target, tmp_path):
+    """Its draft ids are checked against its own vocab_size, so one the target lacks would index past its LM head."""
+    head = tiny_head(target, tmp_path / "head")
+    _set("vocab_size", 10**12)(head)
+    with pytest.raises(GlanceError, match="vocab_size 1000000000000, but"):
+        gr.load(model=target, head=head, backend="torch")
 
 
 LOAD_IN_CHILD = ("import sys, glance_runtime as gr\n"
