@@ -481,8 +481,9 @@ def _check_sizes(state: dict[str, torch.Tensor], cfg: Eagle3Config, weights: Pat
     expected = {"fc.weight": (h, 3 * cfg.tap_width), "layers.0.self_attn.q_proj.weight": (attn, 2 * h),
                 "layers.0.self_attn.k_proj.weight": (cfg.num_key_value_heads * cfg.head_dim, 2 * h),
                 "layers.0.mlp.up_proj.weight": (cfg.intermediate_size, h), "lm_head.weight": (cfg.drafted_vocab, h),
-                "embed_tokens.weight": (cfg.vocab_size, h), "t2d": (cfg.vocab_size,),
-                "d2t": (cfg.drafted_vocab,)}
+                "embed_tokens.weight": (cfg.vocab_size, h)}
+    if cfg.draft_vocab_size is not None:  # else the maps are dropped unread
+        expected.update({"t2d": (cfg.vocab_size,), "d2t": (cfg.draft_vocab_size,)})
     check_sizes(state, expected, cfg.num_hidden_layers, weights, cfg_path, RESTORE, spelled)
 
 
