@@ -1,5 +1,5 @@
 """What a head's config.json and its draft vocabulary must hold, checked once where a head is read (head.py;
-eagle3.py shares the rope checks).
+eagle3.py shares the attention, number, rope and size checks).
 
 A head directory is often edited by hand or copied from elsewhere. A size that is not a positive integer, a tap
 outside the target, or a draft vocabulary whose ids repeat or leave the target's vocabulary does not fail where
