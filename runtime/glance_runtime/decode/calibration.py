@@ -25,9 +25,11 @@ import numpy as np
 
 from ..store.atomic import write_file
 from ..errors import GlanceError
-from ..formats.common import parse
+from ..formats.common import parse, read_text
+from ..store.input_files import present
 
 FILE = "calibration.json"
+REFIT = "refit it with `glance-bench calibrate`"
 NEWTON_STEPS = 12  # Newton steps of a refit at most (from the calibration's own coefficients: a few suffice)
 FORMAT = "glance-calibration"
 FORMAT_VERSION = 1
@@ -172,19 +174,17 @@ PRIOR = Calibration()
 
 def load_calibration(path: Path) -> Calibration:
     """The calibration in `path`; anything else (unreadable, not strict JSON, foreign, out of range) is one line."""
+    text = read_text(path, "calibration", "pass an existing calibration file")  # typed and sized: a FIFO is named
     try:
-        return Calibration.from_dict(parse(Path(path).read_text(encoding="utf-8")))
-    except OSError as exc:
-        raise GlanceError(f"cannot read {path} ({exc.strerror}); pass an existing calibration file") from None
-    except (ValueError, KeyError, TypeError) as exc:  # UnicodeDecodeError is a ValueError
-        reason = "not UTF-8" if isinstance(exc, UnicodeDecodeError) else f"{type(exc).__name__}: {exc}"
-        raise GlanceError(f"{path} is not a usable calibration ({reason}); refit it with "
-                          "`glance-bench calibrate`") from None
+        return Calibration.from_dict(parse(text))
+    except (ValueError, KeyError, TypeError) as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+        raise GlanceError(f"{path} is not a usable calibration ({reason}); {REFIT}") from None
 
 
 def find_calibration(places: list[Path | None]) -> tuple[Calibration, Path | None]:
     """The first `calibration.json` among `places` (the artifacts, engines or head directories), else the prior."""
     for place in places:
-        if place is not None and (Path(place) / FILE).is_file():
+        if place is not None and present(Path(place) / FILE, "calibration", REFIT):
             return load_calibration(Path(place) / FILE), Path(place) / FILE
     return PRIOR, None
