@@ -61,3 +61,15 @@ def test_glance_run_names_a_fifo_in_the_export(export, tmp_path, name):
     run = subprocess.run([*GLANCE_RUN, "--artifacts", str(artifacts), "--prompt", "Hello", "--max-new-tokens", "4"],
                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     _one_line(run, f"{artifacts / name} is a named pipe (FIFO)")
+
+
+GLANCE_EXPORT = [sys.executable, "-c", "import sys; from glance_export.cli import main; sys.exit(main(sys.argv[1:]))"]
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "target.onnx"])
+def test_glance_export_build_names_a_fifo_in_the_export(export, tmp_path, name):
+    artifacts = _spoiled(export, tmp_path / "art", name, "fifo")
+    run = subprocess.run([*GLANCE_EXPORT, "build", "--target", "rtx", "--artifacts", str(artifacts), "--out",
+                          str(tmp_path / "engines"), "--plan-only"],
+                         capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    _one_line(run, f"{artifacts / name} is a named pipe (FIFO)")
