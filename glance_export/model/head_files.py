@@ -76,7 +76,7 @@ def check_tensors(state: dict[Any, Any], path: Path, fix: str, index_keys: Itera
             continue
         if value.dtype not in WEIGHT_DTYPES:
             raise GlanceError(f"{path}: {key} is stored as {str(value.dtype).removeprefix('torch.')}, not as "
-                              f"floating-point weights (float32, float16 or bfloat16); {fix}")
+                              f"floating-point weights (float32, float16, bfloat16 or float64); {fix}")
         bad = int((~torch.isfinite(value)).sum())
         if bad:
             raise GlanceError(f"{path}: {key} holds {bad} NaN or infinite value{'s' if bad > 1 else ''}; {fix}")
