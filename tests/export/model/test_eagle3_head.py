@@ -199,7 +199,7 @@ def _exit_code(argv: list[str]) -> int:
     (["--arch", "eagle3", "--block-size", "8"], "--block-size is for GLANCE heads"),
     (["--arch", "eagle3", "--mask-token-id", "3"], "--mask-token-id is for GLANCE heads"),
     (["--arch", "eagle3", "--draft-vocab", "100000"], "--draft-vocab 100000 exceeds"),
-    (["--arch", "eagle3", "--draft-vocab", "0"], "--draft-vocab must be >= 1"),
+    (["--arch", "eagle3", "--draft-vocab", "0"], "--draft-vocab must be >= 8"),
     (["--draft-vocab", "8"], "--draft-vocab is for --arch eagle3"),
     (["--arch", "medusa"], "invalid choice: 'medusa'"),
 ])
