@@ -309,6 +309,45 @@ class Server:
 SERVE = BLOCK_TRAINING_STACK + "from glance_runtime.cli.serve import main; sys.exit(main(sys.argv[1:]))"
 
 
+GLANCE_RUN = [sys.executable, "-c", "import sys; from glance_runtime.cli.run import main; sys.exit(main(sys.argv[1:]))"]
+KIND_WORDS = {"dir": "is a directory", "fifo": "is a named pipe (FIFO)", "loop": "is a symbolic link loop"}
+
+
+def replace_with(path: Path, kind: str) -> None:
+    """The file at `path` replaced by a directory, a FIFO or a symbolic link loop (a `KIND_WORDS` key): what a
+    reader must name as such, and never open and wait on."""
+    path.unlink()
+    if kind == "dir":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to(path.name)
+
+
+def one_line_refusal(run: subprocess.CompletedProcess, words: str) -> str:
+    """A child that failed with exactly one stderr line holding `words` and no traceback; returns the line."""
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr
+    assert len(lines) == 1 and words in lines[0], run.stderr
+    return lines[0]
+
+
+def export_refusal(capsys, argv: list) -> str:
+    """glance-export ARGV exits 2 with exactly one stderr line and no traceback (argparse's refusals exit through
+    SystemExit); returns the line."""
+    from glance_export.cli import main
+
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, (code, out, err)
+    return lines[0]
+
+
 def within(seconds: float, call: Callable[[], object]) -> object:
     """`call`'s result, run on a daemon thread: a call that blocks (a FIFO opened, a batch thread gone) fails the test
     instead of hanging it; what it raises is raised here."""

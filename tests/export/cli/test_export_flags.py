@@ -18,6 +18,8 @@ from glance_runtime.defaults import DEFAULT_HEAD, DEFAULT_MODEL
 from glance_runtime.errors import GlanceError
 from glance_runtime.formats.common import MAX_BATCH
 
+from support import export_refusal
+
 REPO = Path(__file__).resolve().parents[3]
 SKIPPED = (argparse._HelpAction, argparse._VersionAction)
 
@@ -29,18 +31,6 @@ def subcommands() -> dict[str, argparse.ArgumentParser]:
 
 def options(command: argparse.ArgumentParser) -> list[argparse.Action]:
     return [a for a in command._actions if a.option_strings and not isinstance(a, SKIPPED)]
-
-
-def refused(capsys, argv: list) -> str:
-    """Exit 2 with exactly one stderr line and no traceback; returns the line."""
-    try:
-        code = export_main([str(a) for a in argv])
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, (code, out, err)
-    return lines[0]
 
 
 @pytest.mark.parametrize("name", subcommands())
@@ -93,7 +83,7 @@ def test_a_batch_above_what_the_readers_accept_is_refused_at_parse(command, tmp_
     out = tmp_path / "out"
     base = {"onnx": ["onnx", "--model", DEFAULT_MODEL, "--head", DEFAULT_HEAD],
             "build": ["build", "--target", "rtx", "--plan-only", "--model", DEFAULT_MODEL, "--head", DEFAULT_HEAD]}
-    line = refused(capsys, [*base[command], "--out", out, "--max-batch", MAX_BATCH + 1])
+    line = export_refusal(capsys, [*base[command], "--out", out, "--max-batch", MAX_BATCH + 1])
     assert f"--max-batch {MAX_BATCH + 1} is outside 1..{MAX_BATCH}" in line, line
     assert not out.exists()
     args = parser().parse_args([str(a) for a in [*base[command], "--out", out, "--max-batch", MAX_BATCH]])
@@ -110,7 +100,7 @@ def test_the_default_group_size_is_the_largest_that_divides_the_width():
 
 def test_a_group_size_that_does_not_divide_the_width_names_the_ones_that_do(tmp_path, capsys):
     out = tmp_path / "q"
-    line = refused(capsys, ["onnx", "--model", DEFAULT_MODEL, "--head", DEFAULT_HEAD, "--out", out, "--quantize",
+    line = export_refusal(capsys, ["onnx", "--model", DEFAULT_MODEL, "--head", DEFAULT_HEAD, "--out", out, "--quantize",
                             "int4", "--group-size", "128"])
     assert "--group-size 128 does not divide the hidden size 192" in line and "32 or 64" in line, line
     assert not out.exists()

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 import glance_runtime as gr
 from glance_runtime.errors import GlanceError
-from support import tiny_eagle3_head, tiny_head
+from support import GLANCE_RUN, KIND_WORDS, one_line_refusal, replace_with, tiny_eagle3_head, tiny_head
 
 FAMILY = "qwen3"
 CHILD_TIMEOUT_S = 120  # a head file that blocks fails its test here instead of hanging the run
@@ -79,19 +79,8 @@ def _legacy(payload: Callable[[dict], bytes | object]) -> Callable[[Path], None]
 
 def _shape(name: str, kind: str) -> Callable[[Path], None]:
     """The head's file `name` replaced by a directory, a FIFO or a symbolic link loop."""
-    def apply(head: Path) -> None:
-        path = head / name
-        path.unlink()
-        if kind == "dir":
-            path.mkdir()
-        elif kind == "fifo":
-            os.mkfifo(path)
-        else:
-            path.symlink_to(name)
-    return apply
+    return lambda head: replace_with(head / name, kind)
 
-
-SHAPE_WORDS = {"dir": "is a directory", "fifo": "is a named pipe (FIFO)", "loop": "is a symbolic link loop"}
 
 # case -> (head kind, how the head is spoiled, what its one line says)
 CASES: dict[str, tuple[str, Callable[[Path], None], str]] = {
@@ -141,7 +130,7 @@ CASES: dict[str, tuple[str, Callable[[Path], None], str]] = {
     "glance_norm_inf": ("glance", _poison("layers.0.mlp.up_proj.weight", float("-inf")),
                         "layers.0.mlp.up_proj.weight holds"),
     **{f"{kind}_{name.split('.')[0].replace('model', 'weights')}_{shape}":
-       (kind, _shape(name, shape), f"{name} {SHAPE_WORDS[shape]}")
+       (kind, _shape(name, shape), f"{name} {KIND_WORDS[shape]}")
        for kind in ("eagle3", "glance") for name in ("config.json", "model.safetensors")
        for shape in ("dir", "fifo", "loop")},
 }
@@ -175,11 +164,8 @@ def spoiled(target, tmp_path_factory) -> Callable[[str], Path]:
 
 
 def _one_line(run: subprocess.CompletedProcess, words: str) -> str:
-    lines = [line for line in run.stderr.splitlines() if line.strip()]
-    assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr
-    assert len(lines) == 1 and words in lines[0], run.stderr
     assert UNSAFE_ADVICE not in run.stderr
-    return lines[0]
+    return one_line_refusal(run, words)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if "fifo" not in c])
@@ -213,7 +199,6 @@ def test_the_library_names_a_fifo_and_does_not_block_on_it(target, spoiled, case
     _one_line(run, CASES[case][2])
 
 
-GLANCE_RUN = [sys.executable, "-c", "import sys; from glance_runtime.cli.run import main; sys.exit(main(sys.argv[1:]))"]
 GLANCE_EXPORT = [sys.executable, "-c", "import sys; from glance_export.cli import main; sys.exit(main(sys.argv[1:]))"]
 RUN_SUBSET = ["eagle3_rope_theta_string", "eagle3_lm_head_nan", "eagle3_bin_unsafe", "eagle3_config_fifo",
               "glance_fc_nan", "glance_weights_loop"]

@@ -4,7 +4,6 @@ traceback) and never blocks the load. Each case runs in a child with a deadline,
 hanging."""
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -12,34 +11,21 @@ from pathlib import Path
 
 import pytest
 
+from support import GLANCE_RUN, KIND_WORDS, one_line_refusal, replace_with
+
 FAMILY = "qwen3"
 CHILD_TIMEOUT_S = 120
-SHAPE_WORDS = {"dir": "is a directory", "fifo": "is a named pipe (FIFO)", "loop": "is a symbolic link loop"}
 CASES = [(name, shape) for name in ("config.json", "tokenizer.json", "generation_config.json", "model.safetensors")
-         for shape in SHAPE_WORDS]
+         for shape in KIND_WORDS]
 LOAD_IN_CHILD = ("import sys, glance_runtime as gr\n"
                  "try:\n    gr.load(model=sys.argv[1], backend='torch', speculative=False)\n"
                  "except gr.GlanceError as exc:\n    sys.exit(print(exc, file=sys.stderr) or 1)\n")
-GLANCE_RUN = [sys.executable, "-c", "import sys; from glance_runtime.cli.run import main; sys.exit(main(sys.argv[1:]))"]
 
 
-def _spoiled(snapshot: Path, out: Path, name: str, shape: str) -> Path:
+def _spoiled(snapshot: Path, out: Path, name: str, kind: str) -> Path:
     shutil.copytree(snapshot, out)
-    path = out / name
-    path.unlink()
-    if shape == "dir":
-        path.mkdir()
-    elif shape == "fifo":
-        os.mkfifo(path)
-    else:
-        path.symlink_to(name)
+    replace_with(out / name, kind)
     return out
-
-
-def _one_line(run: subprocess.CompletedProcess, words: str) -> None:
-    lines = [line for line in run.stderr.splitlines() if line.strip()]
-    assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr
-    assert len(lines) == 1 and words in lines[0], run.stderr
 
 
 @pytest.mark.parametrize("name, shape", CASES)
@@ -47,7 +33,7 @@ def test_a_snapshot_file_of_another_kind_is_named_and_never_blocks(snapshot_dir,
     model = _spoiled(Path(snapshot_dir(FAMILY)), tmp_path / "model", name, shape)
     run = subprocess.run([sys.executable, "-c", LOAD_IN_CHILD, str(model)], capture_output=True, text=True,
                          timeout=CHILD_TIMEOUT_S)
-    _one_line(run, f"{model / name} {SHAPE_WORDS[shape]}")
+    one_line_refusal(run, f"{model / name} {KIND_WORDS[shape]}")
 
 
 @pytest.mark.parametrize("name", ["config.json", "tokenizer.json"])
@@ -56,4 +42,4 @@ def test_glance_run_names_a_fifo_in_the_snapshot(snapshot_dir, tmp_path, name):
     run = subprocess.run([*GLANCE_RUN, "--backend", "torch", "--model", str(model), "--prompt", "Hello",
                           "--max-new-tokens", "4", "--no-spec"],
                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
-    _one_line(run, f"{model / name} is a named pipe (FIFO)")
+    one_line_refusal(run, f"{model / name} is a named pipe (FIFO)")

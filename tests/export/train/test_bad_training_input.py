@@ -6,23 +6,12 @@ import json
 
 import pytest
 
-from glance_export.cli import main as export_main
 from glance_export.cli import parser
 from glance_export.train.draft_vocab import check_size
 from glance_runtime.defaults import BRANCH_K
 from glance_runtime.errors import GlanceError
 
-
-def one_line(capsys, argv: list) -> str:
-    """Exit 2, exactly one stderr line, no traceback (argparse's refusals exit through SystemExit)."""
-    try:
-        code = export_main([str(a) for a in argv])
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, (code, out, err)
-    return lines[0]
+from support import export_refusal
 
 
 @pytest.fixture
@@ -42,7 +31,7 @@ CASES = [("train-head", *case) for case in TRAIN_ONLY + BOTH] + [("prepare-head-
 @pytest.mark.parametrize("command, flag, value", CASES)
 def test_a_flag_outside_its_range_is_refused_by_name(command, flag, value, tasks, tmp_path, capsys):
     out = tmp_path / "out"
-    line = one_line(capsys, [command, "--model", tmp_path / "model", "--data", tasks, "--out", out, flag, value])
+    line = export_refusal(capsys, [command, "--model", tmp_path / "model", "--data", tasks, "--out", out, flag, value])
     assert f"{flag} " in line and "pass" in line, line
     assert not out.exists()
 
@@ -51,7 +40,7 @@ def test_a_flag_outside_its_range_is_refused_by_name(command, flag, value, tasks
                                    ["--eval-every", "0", "--eval-budget", "7"]])
 def test_held_out_settings_without_held_out_data_are_refused(given, tasks, tmp_path, capsys):
     out = tmp_path / "out"
-    line = one_line(capsys, ["train-head", "--model", tmp_path / "model", "--data", tasks, "--out", out, *given])
+    line = export_refusal(capsys, ["train-head", "--model", tmp_path / "model", "--data", tasks, "--out", out, *given])
     assert "--eval-data" in line and all(flag in line for flag in given[::2]), line
     assert not out.exists()
 

@@ -14,20 +14,10 @@ from glance_export.cli import main as export_main
 from glance_export.train.checkpoint import STATE_FILE
 from glance_runtime.defaults import BRANCH_K
 
+from support import export_refusal
+
 COMMON = ["--steps", "3", "--batch", "2", "--max-new-tokens", "6", "--threads", "1"]
 SHORT = ["--block-size", "4", "--anchors", "2", *COMMON]  # a GLANCE head's
-
-
-def refused(capsys, argv: list) -> str:
-    """Exit 2 with exactly one stderr line and no traceback; returns the line."""
-    try:
-        code = export_main([str(a) for a in argv])
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, (code, out, err)
-    return lines[0]
 
 
 @pytest.fixture
@@ -54,7 +44,7 @@ def test_resuming_a_head_with_non_finite_weights_is_refused_naming_the_tensor(ar
     weights[name].view(-1)[3] = bad
     save_file(weights, str(resume / "model.safetensors"), metadata={"format": "pt"})
     out = tmp_path / "out"
-    line = refused(capsys, ["train-head", "--model", model, "--data", tasks, "--out", out, "--resume", resume,
+    line = export_refusal(capsys, ["train-head", "--model", model, "--data", tasks, "--out", out, "--resume", resume,
                             "--arch", arch, *(SHORT if arch == "glance" else COMMON)])
     assert name in line and str(resume) in line and "NaN or infinite" in line, line
     assert not out.exists()
@@ -65,7 +55,7 @@ def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(sna
     overflows: training stops there, and the head left is step 1's checkpoint, finite."""
     model = snapshot_dir("qwen2_5_vl")
     out = tmp_path / "head"
-    line = refused(capsys, ["train-head", "--model", model, "--data", tasks, "--out", out, *SHORT, "--lr", "1e30",
+    line = export_refusal(capsys, ["train-head", "--model", model, "--data", tasks, "--out", out, *SHORT, "--lr", "1e30",
                             "--checkpoint-every", "1"])
     assert "step 2" in line and "not finite" in line and str(out) in line, line
     weights = load_file(str(out / "model.safetensors"))
@@ -78,7 +68,7 @@ def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(sna
 def test_prepared_data_that_is_no_directory_is_refused_in_one_line(where, snapshot_dir, tasks, tmp_path, capsys):
     prepared = tasks if where == "a-file" else tmp_path / "nowhere"
     out = tmp_path / "out"
-    line = refused(capsys, ["train-head", "--model", snapshot_dir("qwen2_5_vl"), "--prepared", prepared, "--out", out,
+    line = export_refusal(capsys, ["train-head", "--model", snapshot_dir("qwen2_5_vl"), "--prepared", prepared, "--out", out,
                             *SHORT])
     words = "is not a directory" if where == "a-file" else "does not exist"
     assert f"--prepared {prepared} {words}" in line and "prepare-head-data" in line, line
@@ -88,7 +78,7 @@ def test_prepared_data_that_is_no_directory_is_refused_in_one_line(where, snapsh
 @pytest.mark.parametrize("arch", ["glance", "eagle3"])
 def test_resuming_a_missing_head_says_it_does_not_exist(arch, snapshot_dir, tasks, tmp_path, capsys):
     resume, out = tmp_path / "nowhere", tmp_path / "out"
-    line = refused(capsys, ["train-head", "--model", snapshot_dir("qwen2_5_vl"), "--data", tasks, "--out", out,
+    line = export_refusal(capsys, ["train-head", "--model", snapshot_dir("qwen2_5_vl"), "--data", tasks, "--out", out,
                             "--resume", resume, "--arch", arch, "--steps", "1"])
     assert f"--resume {resume} does not exist" in line and "is a glance head" not in line, line
     assert not out.exists()
@@ -97,7 +87,7 @@ def test_resuming_a_missing_head_says_it_does_not_exist(arch, snapshot_dir, task
 @pytest.mark.parametrize("n", [1, BRANCH_K - 1])
 def test_an_eagle3_head_drafting_over_fewer_tokens_than_the_branching_is_refused(n, snapshot_dir, tmp_path, capsys):
     out = tmp_path / "head"
-    line = refused(capsys, ["init-head", "--model", snapshot_dir("qwen2_5_vl"), "--out", out, "--arch", "eagle3",
+    line = export_refusal(capsys, ["init-head", "--model", snapshot_dir("qwen2_5_vl"), "--out", out, "--arch", "eagle3",
                             "--draft-vocab", n])
     assert f"--draft-vocab must be >= {BRANCH_K}" in line, line
     assert not out.exists()

@@ -301,7 +301,7 @@ def test_law_runs_alone_on_a_round_log(bench_out, tmp_path, capsys):
     (["--data", str(REPO / "examples/receipt/tasks.jsonl"), "--budgets", "7", "--remeasure", "--out", "OUT"],
      "add auto to --budgets"),
     (["--data", str(REPO / "examples/receipt/tasks.jsonl"), "--calibration", "missing.json", "--out", "OUT"],
-     "cannot read missing.json"),
+     "calibration missing.json does not exist"),
     (["calibrate", "missing.jsonl"], "round log missing.jsonl does not exist"),
     (["calibrate", "OLDLOG"], "rerun glance-bench with this version"),
     (["cost", "--artifacts", "missing"], "--artifacts missing does not exist"),

@@ -3,7 +3,6 @@ directory, a FIFO or a symbolic link loop is named as what it is (not as missing
 `glance-run`. Each case runs in a child with a deadline, so a regression fails instead of hanging."""
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -11,16 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from support import export_once
+from support import GLANCE_RUN, KIND_WORDS, export_once, one_line_refusal, replace_with
 
 CHILD_TIMEOUT_S = 120
-SHAPE_WORDS = {"dir": "is a directory", "fifo": "is a named pipe (FIFO)", "loop": "is a symbolic link loop"}
 CASES = [(name, shape) for name in ("manifest.json", "target.onnx", "draft.onnx", "tokenizer.json")
-         for shape in SHAPE_WORDS]
+         for shape in KIND_WORDS]
 LOAD_IN_CHILD = ("import sys, glance_runtime as gr\n"
                  "try:\n    gr.load(sys.argv[1])\n"
                  "except gr.GlanceError as exc:\n    sys.exit(print(exc, file=sys.stderr) or 1)\n")
-GLANCE_RUN = [sys.executable, "-c", "import sys; from glance_runtime.cli.run import main; sys.exit(main(sys.argv[1:]))"]
 
 
 @pytest.fixture(scope="module")
@@ -28,23 +25,10 @@ def export(snapshot_dir, tmp_path_factory) -> Path:
     return export_once(snapshot_dir, tmp_path_factory, "qwen3")[2]
 
 
-def _spoiled(export: Path, out: Path, name: str, shape: str) -> Path:
+def _spoiled(export: Path, out: Path, name: str, kind: str) -> Path:
     shutil.copytree(export, out)
-    path = out / name
-    path.unlink()
-    if shape == "dir":
-        path.mkdir()
-    elif shape == "fifo":
-        os.mkfifo(path)
-    else:
-        path.symlink_to(name)
+    replace_with(out / name, kind)
     return out
-
-
-def _one_line(run: subprocess.CompletedProcess, words: str) -> None:
-    lines = [line for line in run.stderr.splitlines() if line.strip()]
-    assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr
-    assert len(lines) == 1 and words in lines[0], run.stderr
 
 
 @pytest.mark.parametrize("name, shape", CASES)
@@ -52,7 +36,7 @@ def test_an_exported_file_of_another_kind_is_named_and_never_blocks(export, tmp_
     artifacts = _spoiled(export, tmp_path / "art", name, shape)
     run = subprocess.run([sys.executable, "-c", LOAD_IN_CHILD, str(artifacts)], capture_output=True, text=True,
                          timeout=CHILD_TIMEOUT_S)
-    _one_line(run, f"{artifacts / name} {SHAPE_WORDS[shape]}")
+    one_line_refusal(run, f"{artifacts / name} {KIND_WORDS[shape]}")
 
 
 @pytest.mark.parametrize("name", ["manifest.json", "draft.onnx"])
@@ -60,7 +44,7 @@ def test_glance_run_names_a_fifo_in_the_export(export, tmp_path, name):
     artifacts = _spoiled(export, tmp_path / "art", name, "fifo")
     run = subprocess.run([*GLANCE_RUN, "--artifacts", str(artifacts), "--prompt", "Hello", "--max-new-tokens", "4"],
                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
-    _one_line(run, f"{artifacts / name} is a named pipe (FIFO)")
+    one_line_refusal(run, f"{artifacts / name} is a named pipe (FIFO)")
 
 
 GLANCE_EXPORT = [sys.executable, "-c", "import sys; from glance_export.cli import main; sys.exit(main(sys.argv[1:]))"]
@@ -72,4 +56,4 @@ def test_glance_export_build_names_a_fifo_in_the_export(export, tmp_path, name):
     run = subprocess.run([*GLANCE_EXPORT, "build", "--target", "rtx", "--artifacts", str(artifacts), "--out",
                           str(tmp_path / "engines"), "--plan-only"],
                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
-    _one_line(run, f"{artifacts / name} is a named pipe (FIFO)")
+    one_line_refusal(run, f"{artifacts / name} is a named pipe (FIFO)")
