@@ -186,12 +186,18 @@ def test_a_glance_head_for_another_vocabulary_is_refused(target, tmp_path):
         gr.load(model=target, head=head, backend="torch")
 
 
+def _wide(cases: list[str], default: set[str]) -> list:
+    """Each command's cases: those in `default` in the default run, the rest (a child each, seconds apiece) slow."""
+    return [c if c in default else pytest.param(c, marks=pytest.mark.slow) for c in cases]
+
+
 LOAD_IN_CHILD = ("import sys, glance_runtime as gr\n"
                  "try:\n    gr.load(model=sys.argv[1], head=sys.argv[2], backend='torch')\n"
                  "except gr.GlanceError as exc:\n    sys.exit(print(exc, file=sys.stderr) or 1)\n")
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if "fifo" in c])
+@pytest.mark.parametrize("case", _wide([c for c in CASES if "fifo" in c],
+                                       {"eagle3_config_fifo", "glance_weights_fifo"}))
 def test_the_library_names_a_fifo_and_does_not_block_on_it(target, spoiled, case):
     """In a child with a deadline: a regression that opens the FIFO fails here instead of hanging."""
     run = subprocess.run([sys.executable, "-c", LOAD_IN_CHILD, str(target), str(spoiled(case))],
@@ -200,10 +206,11 @@ def test_the_library_names_a_fifo_and_does_not_block_on_it(target, spoiled, case
 
 
 GLANCE_EXPORT = [sys.executable, "-c", "import sys; from glance_export.cli import main; sys.exit(main(sys.argv[1:]))"]
-RUN_SUBSET = ["eagle3_rope_theta_string", "eagle3_lm_head_nan", "eagle3_bin_unsafe", "eagle3_config_fifo",
-              "glance_fc_nan", "glance_weights_loop"]
-ONNX_SUBSET = ["eagle3_rope_scaling_no_factor", "eagle3_fc_int8", "eagle3_bin_garbage", "eagle3_config_fifo",
-               "glance_weights_fifo", "glance_config_dir"]
+
+RUN_SUBSET = _wide(["eagle3_rope_theta_string", "eagle3_lm_head_nan", "eagle3_bin_unsafe", "eagle3_config_fifo",
+                    "glance_fc_nan", "glance_weights_loop"], {"eagle3_lm_head_nan", "eagle3_config_fifo"})
+ONNX_SUBSET = _wide(["eagle3_rope_scaling_no_factor", "eagle3_fc_int8", "eagle3_bin_garbage", "eagle3_config_fifo",
+                     "glance_weights_fifo", "glance_config_dir"], {"eagle3_fc_int8", "glance_weights_fifo"})
 
 
 @pytest.mark.parametrize("case", RUN_SUBSET)
@@ -227,7 +234,8 @@ GLANCE_SERVE = [sys.executable, "-c",
                 "import sys; from glance_runtime.cli.serve import main; sys.exit(main(sys.argv[1:]))"]
 
 
-@pytest.mark.parametrize("case", ["eagle3_bin_unsafe", "eagle3_config_fifo", "glance_fc_nan"])
+@pytest.mark.parametrize("case", _wide(["eagle3_bin_unsafe", "eagle3_config_fifo", "glance_fc_nan"],
+                                       {"eagle3_bin_unsafe"}))
 def test_glance_serve_refuses_a_malformed_head_in_one_line(target, spoiled, case):
     """The server says where it listens, then fails its load in one error line (no torch text advising an
     unsafe load) and exits."""

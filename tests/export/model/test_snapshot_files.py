@@ -15,7 +15,9 @@ from support import GLANCE_RUN, KIND_WORDS, one_line_refusal, replace_with
 
 FAMILY = "qwen3"
 CHILD_TIMEOUT_S = 120
-CASES = [(name, shape) for name in ("config.json", "tokenizer.json", "generation_config.json", "model.safetensors")
+CASES = [(name, shape) if name == "config.json" or (name, shape) == ("model.safetensors", "fifo")
+         else pytest.param(name, shape, marks=pytest.mark.slow)  # a child each, seconds apiece: the wide variants
+         for name in ("config.json", "tokenizer.json", "generation_config.json", "model.safetensors")
          for shape in KIND_WORDS]
 LOAD_IN_CHILD = ("import sys, glance_runtime as gr\n"
                  "try:\n    gr.load(model=sys.argv[1], backend='torch', speculative=False)\n"
@@ -36,7 +38,7 @@ def test_a_snapshot_file_of_another_kind_is_named_and_never_blocks(snapshot_dir,
     one_line_refusal(run, f"{model / name} {KIND_WORDS[shape]}")
 
 
-@pytest.mark.parametrize("name", ["config.json", "tokenizer.json"])
+@pytest.mark.parametrize("name", ["config.json", pytest.param("tokenizer.json", marks=pytest.mark.slow)])
 def test_glance_run_names_a_fifo_in_the_snapshot(snapshot_dir, tmp_path, name):
     model = _spoiled(Path(snapshot_dir(FAMILY)), tmp_path / "model", name, "fifo")
     run = subprocess.run([*GLANCE_RUN, "--backend", "torch", "--model", str(model), "--prompt", "Hello",
