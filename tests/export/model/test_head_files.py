@@ -195,9 +195,9 @@ def _wide(cases: list[str], default: set[str]) -> list:
 GLANCE_EXPORT = [sys.executable, "-c", "import sys; from glance_export.cli import main; sys.exit(main(sys.argv[1:]))"]
 
 RUN_SUBSET = _wide(["eagle3_rope_theta_string", "eagle3_lm_head_nan", "eagle3_bin_unsafe", "eagle3_config_fifo",
-                    "glance_fc_nan", "glance_weights_loop"], {"eagle3_lm_head_nan", "eagle3_config_fifo"})
+                    "glance_fc_nan", "glance_weights_loop"], {"eagle3_config_fifo"})
 ONNX_SUBSET = _wide(["eagle3_rope_scaling_no_factor", "eagle3_fc_int8", "eagle3_bin_garbage", "eagle3_config_fifo",
-                     "glance_weights_fifo", "glance_config_dir"], {"eagle3_fc_int8", "glance_weights_fifo"})
+                     "glance_weights_fifo", "glance_config_dir"], {"eagle3_fc_int8"})
 
 
 @pytest.mark.parametrize("case", RUN_SUBSET)
