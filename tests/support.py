@@ -14,6 +14,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -313,10 +314,17 @@ GLANCE_RUN = [sys.executable, "-c", "import sys; from glance_runtime.cli.run imp
 KIND_WORDS = {"dir": "is a directory", "fifo": "is a named pipe (FIFO)", "loop": "is a symbolic link loop"}
 
 
+def copy_with(source: Path, out: Path, name: str, kind: str) -> Path:
+    """A copy of the directory `source` at `out` whose file `name` is replaced as `replace_with` does."""
+    shutil.copytree(source, out)
+    replace_with(out / name, kind)
+    return out
+
+
 def replace_with(path: Path, kind: str) -> None:
-    """The file at `path` replaced by a directory, a FIFO or a symbolic link loop (a `KIND_WORDS` key): what a
-    reader must name as such, and never open and wait on."""
-    path.unlink()
+    """The file at `path` (if any) replaced by a directory, a FIFO or a symbolic link loop (a `KIND_WORDS` key):
+    what a reader must name as such, and never open and wait on."""
+    path.unlink(missing_ok=True)
     if kind == "dir":
         path.mkdir()
     elif kind == "fifo":

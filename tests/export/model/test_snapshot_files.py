@@ -3,7 +3,6 @@ weights file that is a directory, a FIFO or a symbolic link loop is named as wha
 traceback) and never blocks the load. Each load runs under a deadline, so a regression fails instead of hanging."""
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import pytest
 
 import glance_runtime as gr
 from glance_runtime.errors import GlanceError
-from support import GLANCE_RUN, KIND_WORDS, one_line_refusal, replace_with, within
+from support import GLANCE_RUN, KIND_WORDS, copy_with, one_line_refusal, within
 
 FAMILY = "qwen3"
 CHILD_TIMEOUT_S = 120
@@ -19,15 +18,9 @@ CASES = [(name, shape) for name in ("config.json", "tokenizer.json", "generation
          for shape in KIND_WORDS]
 
 
-def _spoiled(snapshot: Path, out: Path, name: str, kind: str) -> Path:
-    shutil.copytree(snapshot, out)
-    replace_with(out / name, kind)
-    return out
-
-
 @pytest.mark.parametrize("name, shape", CASES)
 def test_a_snapshot_file_of_another_kind_is_named_and_never_blocks(snapshot_dir, tmp_path, name, shape):
-    model = _spoiled(Path(snapshot_dir(FAMILY)), tmp_path / "model", name, shape)
+    model = copy_with(Path(snapshot_dir(FAMILY)), tmp_path / "model", name, shape)
     with pytest.raises(GlanceError) as refused:
         within(CHILD_TIMEOUT_S, lambda: gr.load(model=model, backend="torch", speculative=False))
     message = str(refused.value)
@@ -36,7 +29,7 @@ def test_a_snapshot_file_of_another_kind_is_named_and_never_blocks(snapshot_dir,
 
 @pytest.mark.parametrize("name", ["config.json", pytest.param("tokenizer.json", marks=pytest.mark.slow)])
 def test_glance_run_names_a_fifo_in_the_snapshot(snapshot_dir, tmp_path, name):
-    model = _spoiled(Path(snapshot_dir(FAMILY)), tmp_path / "model", name, "fifo")
+    model = copy_with(Path(snapshot_dir(FAMILY)), tmp_path / "model", name, "fifo")
     run = subprocess.run([*GLANCE_RUN, "--backend", "torch", "--model", str(model), "--prompt", "Hello",
                           "--max-new-tokens", "4", "--no-spec"],
                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)

@@ -3,7 +3,6 @@ read: a FIFO, a directory or a link loop is named as what it is, never skipped a
 FIFO cases run in a child with a deadline, so a regression fails instead of hanging."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from glance_runtime.decode.calibration import PRIOR, find_calibration
+from support import KIND_WORDS, replace_with
 
 pytestmark = pytest.mark.edge
 
 CHILD_TIMEOUT_S = 60
-SHAPE_WORDS = {"dir": "is a directory", "fifo": "is a named pipe (FIFO)", "loop": "is a symbolic link loop"}
 IN_CHILD = ("import sys\nfrom pathlib import Path\nfrom glance_runtime.errors import GlanceError\n"
             "from glance_runtime.decode.calibration import find_calibration, load_calibration\n"
             "try:\n    (find_calibration([Path(sys.argv[1])]) if sys.argv[2] == 'find' else "
@@ -23,26 +22,16 @@ IN_CHILD = ("import sys\nfrom pathlib import Path\nfrom glance_runtime.errors im
             "except GlanceError as exc:\n    sys.exit(print(exc, file=sys.stderr) or 1)\n")
 
 
-def _shaped(root: Path, shape: str) -> Path:
-    path = root / "calibration.json"
-    if shape == "dir":
-        path.mkdir()
-    elif shape == "fifo":
-        os.mkfifo(path)
-    else:
-        path.symlink_to(path.name)
-    return root
-
-
 @pytest.mark.parametrize("call", ["find", "load"])
-@pytest.mark.parametrize("shape", list(SHAPE_WORDS))
+@pytest.mark.parametrize("shape", list(KIND_WORDS))
 def test_a_calibration_of_another_kind_is_named_and_never_blocks(tmp_path, shape, call):
-    head = _shaped(tmp_path, shape)
+    head = tmp_path
+    replace_with(head / "calibration.json", shape)
     run = subprocess.run([sys.executable, "-c", IN_CHILD, str(head), call], capture_output=True, text=True,
                          timeout=CHILD_TIMEOUT_S)
     lines = [line for line in run.stderr.splitlines() if line.strip()]
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
-    assert len(lines) == 1 and f"{head / 'calibration.json'} {SHAPE_WORDS[shape]}" in lines[0], run.stderr
+    assert len(lines) == 1 and f"{head / 'calibration.json'} {KIND_WORDS[shape]}" in lines[0], run.stderr
 
 
 def test_no_calibration_beside_a_head_is_the_prior(tmp_path):

@@ -3,14 +3,13 @@ directory, a FIFO or a symbolic link loop is named as what it is (not as missing
 `glance-run`. Each case runs in a child with a deadline, so a regression fails instead of hanging."""
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from support import GLANCE_RUN, KIND_WORDS, export_once, one_line_refusal, replace_with
+from support import GLANCE_RUN, KIND_WORDS, copy_with, export_once, one_line_refusal
 
 CHILD_TIMEOUT_S = 120
 CASES = [(name, shape) for name in ("manifest.json", "target.onnx", "draft.onnx", "tokenizer.json")
@@ -25,15 +24,9 @@ def export(snapshot_dir, tmp_path_factory) -> Path:
     return export_once(snapshot_dir, tmp_path_factory, "qwen3")[2]
 
 
-def _spoiled(export: Path, out: Path, name: str, kind: str) -> Path:
-    shutil.copytree(export, out)
-    replace_with(out / name, kind)
-    return out
-
-
 @pytest.mark.parametrize("name, shape", CASES)
 def test_an_exported_file_of_another_kind_is_named_and_never_blocks(export, tmp_path, name, shape):
-    artifacts = _spoiled(export, tmp_path / "art", name, shape)
+    artifacts = copy_with(export, tmp_path / "art", name, shape)
     run = subprocess.run([sys.executable, "-c", LOAD_IN_CHILD, str(artifacts)], capture_output=True, text=True,
                          timeout=CHILD_TIMEOUT_S)
     one_line_refusal(run, f"{artifacts / name} {KIND_WORDS[shape]}")
@@ -41,7 +34,7 @@ def test_an_exported_file_of_another_kind_is_named_and_never_blocks(export, tmp_
 
 @pytest.mark.parametrize("name", ["manifest.json", "draft.onnx"])
 def test_glance_run_names_a_fifo_in_the_export(export, tmp_path, name):
-    artifacts = _spoiled(export, tmp_path / "art", name, "fifo")
+    artifacts = copy_with(export, tmp_path / "art", name, "fifo")
     run = subprocess.run([*GLANCE_RUN, "--artifacts", str(artifacts), "--prompt", "Hello", "--max-new-tokens", "4"],
                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     one_line_refusal(run, f"{artifacts / name} is a named pipe (FIFO)")
@@ -52,7 +45,7 @@ GLANCE_EXPORT = [sys.executable, "-c", "import sys; from glance_export.cli impor
 
 @pytest.mark.parametrize("name", ["manifest.json", "target.onnx"])
 def test_glance_export_build_names_a_fifo_in_the_export(export, tmp_path, name):
-    artifacts = _spoiled(export, tmp_path / "art", name, "fifo")
+    artifacts = copy_with(export, tmp_path / "art", name, "fifo")
     run = subprocess.run([*GLANCE_EXPORT, "build", "--target", "rtx", "--artifacts", str(artifacts), "--out",
                           str(tmp_path / "engines"), "--plan-only"],
                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
