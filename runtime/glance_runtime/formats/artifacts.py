@@ -8,23 +8,24 @@ layers: `content_sha256` covers every field (an edit, say `stop_token_ids: []`, 
 every field the runtime reads is range-checked (a manifest written with a matching hash still holds
 only sizes and ids that fit together); `file_hashes` covers every file beside it.
 
-Document (format_version 3): format, format_version, toolkit_version, family, is_vl, dtype, opset,
+Document (format_version 4): format, format_version, toolkit_version, family, is_vl, dtype, opset,
 float_io_dtype, fp32_outputs, branch_k, block_size, mask_token_id, image_token_id, stop_token_ids,
-limits {max_tree, max_context, max_batch (sequences a batched round runs; absent in older manifests: 1)},
+limits {max_tree, max_context, max_batch (sequences one pass of the target and draft graphs serves: the B axis's
+bound; 1 for an EAGLE-3 head)},
 axes {name: [min, max]}, source {config_sha256, weights_sha256 {file: sha}},
 head {config, weights_sha256}, head_kind ("glance" where absent, or "eagle3": the draft graph is an EAGLE-3
 step, graphs.draft then also records kind, max_depth, mrope, tap_layer_ids, hidden_size, draft_vocab_size; its
 block_size is max_depth + 1 and its mask_token_id 0, unused: the head has no mask token), rope {theta, mrope_section, vision_start_token_id, spatial_merge_size},
-graphs {target|draft|vocab|vision|draft_vocab|target_batch|draft_batch: {file, data_file, inputs/outputs
-{name: {dtype, shape}}, ...sizes}} (target_batch and draft_batch, the batched round's graphs, are there exactly
-when max_batch is above 1; a batched target's data_file may be the target's own) (vocab and draft_vocab also
+graphs {target|draft|vocab|vision|draft_vocab: {file, data_file, inputs/outputs {name: {dtype, shape}},
+...sizes}} (vocab and draft_vocab also
 record their vocab_size, whether the LM head is tied to the embedding, and the top-k baked in; draft_vocab is there only for a head with a reduced draft
 vocabulary), vision.index_params (the `vision_indices` parameters), files (tokenizer/processor files copied
 beside), file_hashes {file: {sha256, size}} of every file written beside the manifest, quantization (null,
 or the weight-only scheme: bits, group size, accuracy_level (MatMulNBits' compute mode: 4 is int8
 activations, 0 or absent fp32), library, per-graph ops and TensorRT-form files), and
-content_sha256 (of all the rest). Version 3 added content_sha256; 2 moved the embedding and LM head
-into the vocab graph.
+content_sha256 (of all the rest). Version 4 gave the target and draft graphs a batch axis over the KV pool (one
+graph per kind serves a lone sequence and a batch; version 3 had separate batched graphs with their own copy of
+the weights); 3 added content_sha256; 2 moved the embedding and LM head into the vocab graph.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from typing import Any
 from .._version import __version__
 from ..store.atomic import write_file
 from ..errors import GlanceError, IntegrityError
-from .graphs import BATCH_GRAPHS, DRAFT_GRAPH, DRAFT_VOCAB_GRAPH, MANIFEST, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH
+from .graphs import DRAFT_GRAPH, DRAFT_VOCAB_GRAPH, MANIFEST, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH
 from .draft_ids import check_graph
 from ..store.input_files import present
 from ..store.integrity import file_digest, verify_files
@@ -43,7 +44,7 @@ from .common import (MAX_BATCH, Invalid, boolean, check_header, check_int, check
                      int_list, integer, obj, optional_int, read_json, stamped, text)
 
 FORMAT = "glance-onnx"
-VERSION = 3
+VERSION = 4
 FILE = MANIFEST
 REEXPORT = "re-export with `glance-export onnx`"
 WHAT = "GLANCE artifacts manifest"
@@ -132,12 +133,7 @@ class Manifest:
     raw: dict[str, Any]  # the whole checked document, for the graph I/O and file-hash checks
     head_kind: str = "glance"  # "eagle3": the draft graph is an autoregressive head's step (drafter "steps")
     head_mrope: bool = False  # the EAGLE-3 head rotates with the target's three M-RoPE axes
-    max_batch: int = 1  # sequences one batched round runs (limits.max_batch; 1 where older manifests omit it)
-
-    @property
-    def batch_graphs(self) -> bool:
-        """Whether the batched round's graphs (target_batch, draft_batch) were exported: max_batch above 1."""
-        return self.max_batch > 1
+    max_batch: int = 1  # sequences one pass of the target and draft graphs serves (limits.max_batch)
 
 
 def _version(value: str) -> tuple[int, int]:
@@ -173,7 +169,7 @@ def _stack(entry: dict[str, Any], where: str) -> Stack:
 
 def _kv_io(entry: dict[str, Any], stack: Stack, where: str, inputs: str, outputs: str) -> None:
     """The KV tensors a graph's recorded inputs and outputs name are one key and one value per layer of
-    `stack`, each [rows, num_kv_heads, head_dim]: what the runtime allocates from the stack's numbers."""
+    `stack`, each [..., rows, num_kv_heads, head_dim]: what the runtime allocates from the stack's numbers."""
     for side, prefix in (("inputs", inputs), ("outputs", outputs)):
         recorded = entry.get(side)
         if recorded is None:
@@ -187,8 +183,8 @@ def _kv_io(entry: dict[str, Any], stack: Stack, where: str, inputs: str, outputs
                           f"({prefix}key_*/{prefix}value_*), not {len(wanted)}")
         for name in found:
             shape = recorded[name].get("shape") if isinstance(recorded[name], dict) else None
-            if not isinstance(shape, list) or shape[1:] != [stack.kv_heads, stack.head_dim]:
-                raise Invalid(f"{where}{side}.{name} has shape {shape!r:.60}, not [rows, num_kv_heads "
+            if not isinstance(shape, list) or shape[-2:] != [stack.kv_heads, stack.head_dim]:
+                raise Invalid(f"{where}{side}.{name} has shape {shape!r:.60}, not [..., rows, num_kv_heads "
                               f"{stack.kv_heads}, head_dim {stack.head_dim}]")
 
 
@@ -288,21 +284,18 @@ def _parse(path: Path, raw: dict[str, Any]) -> tuple[Manifest, dict[str, str], l
               **({"draft_vocab": DRAFT_VOCAB_GRAPH} if "draft_vocab" in graphs else {})}
     limits = obj(raw, "limits")
     integer(limits, "max_context", 2, BIG, "limits.")  # a missing context is named before the batch it bounds
-    max_batch = optional_int(limits, "max_batch", 1, MAX_BATCH, "limits.") or 1
-    batched = [name for name in BATCH_GRAPHS if name in graphs]
-    if batched != (list(BATCH_GRAPHS) if max_batch > 1 else []):
-        raise Invalid(f"limits.max_batch is {max_batch} but graphs hold {batched or 'no batch graphs'}; the batched "
-                      f"graphs {' and '.join(BATCH_GRAPHS)} are there exactly when max_batch is above 1")
-    needed.update({name: f"{name}.onnx" for name in batched})
+    max_batch = integer(limits, "max_batch", 1, MAX_BATCH, "limits.")
     names = _graph_files(raw, graphs, needed)
     target, draft, vocab = (obj(graphs, key, "graphs.") for key in ("target", "draft", "vocab"))
     target_stack = _stack(target, "graphs.target.")
-    _kv_io(target, target_stack, "graphs.target.", "past_", "present_")
+    _kv_io(target, target_stack, "graphs.target.", "pool_", "present_")
     head_kind = text(raw, "head_kind", choices=HEAD_KINDS) if "head_kind" in raw else "glance"
     if draft.get("kind", "glance") != head_kind:
         raise Invalid(f"graphs.draft.kind is {draft.get('kind')!r} but head_kind is {head_kind!r}")
     _kv_io(draft, _stack(draft, "graphs.draft."), "graphs.draft.",
-           *(("past_", "present_") if head_kind == "eagle3" else ("past_ctx_", "ctx_")))
+           *(("past_", "present_") if head_kind == "eagle3" else ("pool_ctx_", "ctx_")))
+    if head_kind == "eagle3" and max_batch != 1:
+        raise Invalid(f"limits.max_batch is {max_batch} but an EAGLE-3 head decodes one sequence at a time")
     hidden = integer(target, "hidden_size", 1, BIG, "graphs.target.")
     vocab_size = integer(target, "vocab_size", 2, BIG, "graphs.target.")
     if integer(vocab, "vocab_size", 2, BIG, "graphs.vocab.") != vocab_size:

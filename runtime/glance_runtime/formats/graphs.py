@@ -1,10 +1,19 @@
 """The contract between the exporters and the graph backends (ONNX Runtime, TensorRT): graph file
 names, input/output names, shapes and layouts. Stated once here; both sides import it.
 
-Batch is 1 except in the batched graphs at the end. `S` = committed rows already in a cache, `T` = rows in this pass, `H` = hidden
-size, `kvh`/`D` = KV heads / head dim. KV tensors are **sequence-major** `[rows, kvh, D]` so that the
-first S rows of a preallocated `[max_context, kvh, D]` buffer are one contiguous block: the runtime
-hands that view to the graph with no copy, and compaction moves only the accepted rows.
+`B` = sequences in a pass (a lone sequence is a batch of one), `T` = rows each sequence carries in this pass,
+`S` = past rows read, `H` = hidden size, `kvh`/`D` = KV heads / head dim.
+
+One target graph and one draft graph serve every pass: a lone sequence's prefill, plain step and tree verify,
+and a batched round over many sequences. Their past is the **KV pool** itself, one tensor per layer
+`[P, C_pool, kvh, D]` (`P` slots of `C_pool` rows, read in place: no copy by the runtime): `slots` i64[B] names
+each sequence's slot, `past_lengths` i64[B] its committed rows, and `past_rows` i64[S] is 0..S-1 for S = the
+longest of them (a size given as an input, not computed from data, so TensorRT takes it as a shape). Each
+sequence sees only its own slot's rows, and of them only its first `past_lengths`. A batch is padded: every
+sequence carries T rows (a shorter tree's extra rows hidden by its mask, never read). KV rows are
+sequence-major within a slot (`[C_pool, kvh, D]`), so a slot's committed rows of one layer are one contiguous
+block and a pass's new rows (`present_*`, `[B, T, kvh, D]`) of a lone sequence can be written straight after
+them. Weights exist once per graph kind: in memory, on disk and in an engine.
 
 The target's embedding and LM head live in the vocab graph only, so no weight is stored twice (a
 tied matrix stays one tensor); target and draft graphs work on hidden states. A round is four runs:
@@ -23,28 +32,30 @@ draft_vocab graph (heads with a reduced draft vocabulary only): the vocab graph'
     the head's N draft tokens instead of the whole vocabulary, so a draft projection costs N/V of one:
     `ids` index the draft vocabulary (the runtime sends one dummy), `topk_ids` are target ids (the graph maps
     them), `topk_logprobs` and `entropy` are over the N draft tokens, as the head was trained to score them.
-target graph (prefill, plain decode and tree verify are one graph):
-    `input_ids` i64[1, T] (VL only, to find image tokens); `inputs_embeds` f[T, H] (the vocab graph's
+target graph (prefill, plain decode and tree verify, alone or batched):
+    `input_ids` i64[B, T] (VL only, to find image tokens); `inputs_embeds` f[B, T, H] (the vocab graph's
     embeddings of the pass's ids); `image_embeds` f[N_img, H] (VL only; rows replace the image tokens in
     order when the pass holds exactly N_img image tokens, so every pass after prefill sends zero rows:
     a generated image-pad token must stay a token); Qwen3-VL also `deepstack_embeds` f[n_deep, N_img, H];
-    `position_ids` i64[3, 1, T] for M-RoPE targets (stream position + delta on every axis after the
-    prompt), i64[1, T] otherwise; `tree_mask` bool[T, T] (row i sees column j of this pass; every row
-    sees all S past rows; prefill passes the causal lower triangle); `past_key_{l}` / `past_value_{l}`
-    f[S, kvh, D] per target layer l
-    -> `hidden` f[T, H] (after the final norm: the vocab graph's input), `present_key_{l}` /
-    `present_value_{l}` f[T, kvh, D] (this pass's rows only), `taps` f[T, n_taps*H] (outputs of the
+    `position_ids` i64[3, B, T] for M-RoPE targets (stream position + delta on every axis after the
+    prompt), i64[B, T] otherwise; `tree_mask` bool[B, T, T] (row i sees column j of this pass; every row
+    sees its sequence's past rows; prefill passes the causal lower triangle); `slots`, `past_lengths`,
+    `past_rows`; `pool_key_{l}` / `pool_value_{l}` f[P, C_pool, kvh, D] per target layer l
+    -> `hidden` f[B, T, H] (after the final norm: the vocab graph's input), `present_key_{l}` /
+    `present_value_{l}` f[B, T, kvh, D] (this pass's rows only), `taps` f[B, T, n_taps*H] (outputs of the
     head's tapped layers, concatenated in head order).
-draft graph: `context_taps` f[N, n_taps*H] (newly committed rows), `context_positions` i64[N],
-    `block_embeds` f[B, H] (embeddings of [anchor, MASK x (B-1)]), `start` i64[1] (stream position of
-    the anchor; block rows sit at start..start+B-1), `past_ctx_key_{j}` / `past_ctx_value_{j}`
-    f[S_h, kvh, D] per head layer j
-    -> `hidden` f[B-1, H] (final-normed rows of offsets 1..B-1: the vocab graph's input),
-    `ctx_key_{j}` / `ctx_value_{j}` f[N, kvh, D] (the new context rows' K/V, to append to the cache).
-draft graph of an EAGLE-3 head (manifest `head_kind` "eagle3"; one run per tree depth, the root run also over the
-    committed rows not yet in the head's cache): `context_taps` f[N_taps, n_taps*H] (committed rows' taps: their
-    hidden inputs are `fc` over them), `hidden` f[M, H] (hidden inputs given as they are: each drafted node's
-    parent's `prenorm`), the rows being R_h = N_taps + M in that order; `embeds` f[R_h, H] (the target's
+draft graph (GLANCE heads; one pass drafts every sequence's block): `context_taps` f[B, N, n_taps*H] (each
+    sequence's newly committed rows, the first `context_lengths` i64[B] of them real), `context_positions`
+    i64[B, N], `context_lengths`, `block_embeds` f[B, Bk, H] (embeddings of [anchor, MASK x (Bk-1)], Bk =
+    block_size), `start` i64[B] (stream position of each anchor; block rows sit at start..start+Bk-1), `slots`,
+    `past_lengths` (rows in each slot's head cache), `past_rows` (0..S_h-1), `pool_ctx_key_{j}` /
+    `pool_ctx_value_{j}` f[P, C_pool, kvh, D] per head layer j
+    -> `hidden` f[B, Bk-1, H] (final-normed rows of offsets 1..Bk-1: the vocab graph's input),
+    `ctx_key_{j}` / `ctx_value_{j}` f[B, N, kvh, D] (the new context rows' K/V, to append to each cache).
+draft graph of an EAGLE-3 head (manifest `head_kind` "eagle3"; one sequence; one run per tree depth, the root run
+    also over the committed rows not yet in the head's cache): `context_taps` f[N_taps, n_taps*H] (committed rows'
+    taps: their hidden inputs are `fc` over them), `hidden` f[M, H] (hidden inputs given as they are: each drafted
+    node's parent's `prenorm`), the rows being R_h = N_taps + M in that order; `embeds` f[R_h, H] (the target's
     embedding of each row's next token), `position_ids` i64[3, R_h] (the three M-RoPE axes for a head rotating
     with them, else the stream position on all three), `attention_mask` bool[R_h, S_h + R_h] (row i sees column
     j: the S_h cached rows, then this run's), `logit_rows` i64[Q] (the rows to project: the root run's last,
@@ -54,22 +65,9 @@ draft graph of an EAGLE-3 head (manifest `head_kind` "eagle3"; one run per tree 
     `prenorm` f[R_h, H] (the rows' output before the final norm), `present_key_{j}` / `present_value_{j}`
     f[R_h, kvh, D] (this run's rows, to write after the cached ones).
 
-The batched graphs (`target_batch`, `draft_batch`; GLANCE heads) run one decode round for B sequences at once.
-Their past is the KV pool: `P` slots of `C_pool` rows, one tensor per layer `[P, C_pool, kvh, D]`, read in place;
-`slots` i64[B] names each sequence's slot and `past_lengths` i64[B] its committed rows; `past_rows` i64[S_b] is
-0..S_b-1 for S_b = the longest (a size as an input, not computed from data); each sequence sees only its own rows.
-Every sequence carries the same number of rows (T_b or N_b, padded; a padded row is never read). The manifest's
-axes bound them: B in [1, max_batch], P = max_batch and C_pool = max_context (the pool's fixed size), T_b up to
-max_tree, N_b up to block_size, S_b up to max_context - 1.
-target_batch graph: `inputs_embeds` f[B, T_b, H]; `position_ids` i64[3, B, T_b] (M-RoPE) or i64[B, T_b];
-    `tree_mask` bool[B, T_b, T_b]; `slots`; `past_lengths`; `past_rows`; `pool_key_{l}` / `pool_value_{l}`
-    f[P, C_pool, kvh, D]
-    -> `hidden` f[B, T_b, H], `present_key_{l}` / `present_value_{l}` f[B, T_b, kvh, D], `taps` f[B, T_b, n_taps*H].
-draft_batch graph: `context_taps` f[B, N_b, n_taps*H] (each sequence's newly committed rows, the first
-    `context_lengths` i64[B] of them real), `context_positions` i64[B, N_b], `context_lengths`, `block_embeds`
-    f[B, Bk, H] (Bk = block_size, fixed), `start` i64[B], `slots`, `past_lengths` (rows in each slot's head cache),
-    `past_rows`, `pool_ctx_key_{j}` / `pool_ctx_value_{j}` f[P, C_pool, kvh, D]
-    -> `hidden` f[B, Bk-1, H], `ctx_key_{j}` / `ctx_value_{j}` f[B, N_b, kvh, D].
+The manifest's axes bound every size: B in [1, max_batch] (1 for an EAGLE-3 head), T up to max_context (a
+prefill; a batched pass's T is at most max_tree), S and S_h up to max_context - 1, N up to max_context, P up to
+max_batch, C_pool up to max_context.
 """
 from __future__ import annotations
 
@@ -78,7 +76,6 @@ TARGET_GRAPH = "target.onnx"
 DRAFT_GRAPH = "draft.onnx"
 VOCAB_GRAPH = "vocab.onnx"
 DRAFT_VOCAB_GRAPH = "draft_vocab.onnx"
-BATCH_GRAPHS = ("target_batch", "draft_batch")  # the batched round's graphs (artifacts exported for batching)
 VOCABULARY_GRAPHS = ("vocab", "draft_vocab")  # same contract: ids + hidden rows -> embeddings, top-k
 MANIFEST = "manifest.json"
 EAGLE3_INPUTS = ("context_taps", "hidden", "embeds", "position_ids", "attention_mask", "logit_rows")  # then past K/V
@@ -86,26 +83,21 @@ EAGLE3_OUTPUTS = ("topk_ids", "topk_logprobs", "topk_embeds", "prenorm")  # then
 
 
 def target_kv_names(num_layers: int) -> tuple[list[str], list[str]]:
-    """(inputs, outputs) KV names of the target graph, keys and values interleaved per layer."""
-    ins = [f"past_{kind}_{l}" for l in range(num_layers) for kind in ("key", "value")]
+    """(pool inputs, new-row outputs) KV names of the target graph, keys and values interleaved per layer."""
+    ins = [f"pool_{kind}_{l}" for l in range(num_layers) for kind in ("key", "value")]
     outs = [f"present_{kind}_{l}" for l in range(num_layers) for kind in ("key", "value")]
     return ins, outs
 
 
 def draft_kv_names(num_layers: int) -> tuple[list[str], list[str]]:
-    """(inputs, outputs) context-KV names of the draft graph, keys and values interleaved per layer."""
-    ins = [f"past_ctx_{kind}_{j}" for j in range(num_layers) for kind in ("key", "value")]
+    """(pool inputs, new-row outputs) context-KV names of a GLANCE head's draft graph."""
+    ins = [f"pool_ctx_{kind}_{j}" for j in range(num_layers) for kind in ("key", "value")]
     outs = [f"ctx_{kind}_{j}" for j in range(num_layers) for kind in ("key", "value")]
     return ins, outs
 
 
-def batch_target_kv_names(num_layers: int) -> tuple[list[str], list[str]]:
-    """(pool inputs, outputs) KV names of the batched target graph, keys and values interleaved per layer."""
-    ins = [f"pool_{kind}_{l}" for l in range(num_layers) for kind in ("key", "value")]
-    return ins, target_kv_names(num_layers)[1]
-
-
-def batch_draft_kv_names(num_layers: int) -> tuple[list[str], list[str]]:
-    """(pool inputs, outputs) context-KV names of the batched draft graph."""
-    ins = [f"pool_ctx_{kind}_{j}" for j in range(num_layers) for kind in ("key", "value")]
-    return ins, draft_kv_names(num_layers)[1]
+def step_kv_names(num_layers: int) -> tuple[list[str], list[str]]:
+    """(past inputs, present outputs) KV names of an EAGLE-3 head's step graph, keys and values interleaved."""
+    ins = [f"past_{kind}_{j}" for j in range(num_layers) for kind in ("key", "value")]
+    outs = [f"present_{kind}_{j}" for j in range(num_layers) for kind in ("key", "value")]
+    return ins, outs
