@@ -16,12 +16,12 @@ from glance_runtime.decode.calibration import FILE as CALIBRATION
 from glance_runtime.errors import GlanceError
 from glance_runtime.backends.hardware import available_host_bytes
 from glance_runtime.formats import artifacts as artifacts_format
-from glance_runtime.formats.graphs import TARGET_GRAPH, VOCABULARY_GRAPHS
+from glance_runtime.formats.graphs import VOCABULARY_GRAPHS
 
 from . import grouped_attention
 from .allocator import return_freed_weights
 from .batching import MAX_BATCH
-from .depth_cut import CUT_LAYERS, FULL_VALIDATION_BYTES, external, validate_target
+from .depth_cut import CUT_LAYERS, FULL_VALIDATION_BYTES, validate_target
 from .export import ATTENTION_OPSET, InMemory, export_graph, weight_bytes
 from .feeds import trace_feeds
 from .memory import GIB, check_fits, estimate_peak
@@ -37,7 +37,7 @@ from .validate import validate_graphs, validated, validation_feeds
 OPSETS = (*range(14, 21), ATTENTION_OPSET)  # TensorRT 10.3 (Jetson Orin) parses up to 20; 23 needs 10.14+
 
 ARTIFACTS_FORMAT = "glance-artifacts"
-HEAD_GRAPHS = ("draft", "draft_vocab", "draft_batch")  # weights held in memory (the head's), not streamed
+HEAD_GRAPHS = ("draft", "draft_vocab")  # weights held in memory (the head's), not streamed
 
 
 def _check_args(out: Path, inputs: tuple[Path, ...], dtype: str, opset: int, max_tree: int, max_context: int,
@@ -53,8 +53,7 @@ def _check_args(out: Path, inputs: tuple[Path, ...], dtype: str, opset: int, max
     if branch_k < 1:
         raise GlanceError(f"branch_k must be at least 1, got {branch_k}; pass --branch-k 1 or more")
     if max_batch < 1:
-        raise GlanceError(f"max_batch must be at least 1, got {max_batch}; pass --max-batch 1 (no batch graphs) "
-                          "or more")
+        raise GlanceError(f"max_batch must be at least 1, got {max_batch}; pass --max-batch 1 or more")
     check_output(out, ARTIFACTS_FORMAT, inputs)
 
 
@@ -68,8 +67,8 @@ def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str |
                      max_batch: int = MAX_BATCH, progress: Callable[[str], None] = print) -> Path:
     """Export vision (VL only), target, draft and vocab graphs, validate them, and write the manifest.
 
-    `max_batch` above 1 (a GLANCE head) adds the batched round's target_batch and draft_batch graphs, for up to
-    that many sequences a round; a large target's batched graph reads the target graph's data file.
+    `max_batch` bounds the sequences one pass of the target and draft graphs serves (their B axis; a lone
+    sequence is a batch of one, and an EAGLE-3 head's export is bounded to 1).
 
     `quantize` ("int8"/"int4"): the validated fp32 graphs are then rewritten weight-only (see `quantize.py`)
     before the manifest hashes them, by `group_size` weights a scale (None: the largest supported size that
@@ -99,14 +98,12 @@ def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str |
             t0 = time.perf_counter()
             module = graphs[name]
             axes = dynamic_axes(dims, name, module.input_names, module.output_names)
-            layers = dims.layers if name in ("target", "target_batch") else 0
-            borrow = _borrowed(tmp, name, opset)
+            layers = dims.layers if name == "target" else 0
             path = export_graph(module, feed, tmp / f"{name}.onnx", axes, opset, output_shapes(dims, name, branch_k),
                                 InMemory() if name in HEAD_GRAPHS else skeleton,
                                 lm_head_gemm=name in VOCABULARY_GRAPHS,
-                                on_tensor=eta_reporter(f"{name}.onnx", layers, progress), borrow=borrow)
-            shared = f", its weights read from {borrow.name}.data" if borrow else ""
-            progress(f"exported {path.name} (opset {opset}, {_graph_bytes(path) / 1e6:.1f} MB{shared}) "
+                                on_tensor=eta_reporter(f"{name}.onnx", layers, progress))
+            progress(f"exported {path.name} (opset {opset}, {_graph_bytes(path) / 1e6:.1f} MB) "
                      f"in {time.perf_counter() - t0:.1f}s; checker passed")
         _validate(tmp, graphs, skeleton, dims, snapshot, dtype, opset, branch_k, 1, progress)
         quantization = quantize_graphs(tmp, scheme, progress) if scheme else None
@@ -140,15 +137,6 @@ def validate_artifacts(artifacts_dir: str | Path, model_dir: str | Path, head_di
     return _validate(artifacts, graphs, skeleton, dims, snapshot, dtype, opset, manifest.branch_k, seed, progress)
 
 
-def _borrowed(out: Path, name: str, opset: int) -> Path | None:
-    """The graph whose data file `name` points into instead of writing its weights again: the target's, for the
-    batched target, where the target keeps its weights in one (the opset-23 exporter writes its own)."""
-    target = out / TARGET_GRAPH
-    if name != "target_batch" or opset >= ATTENTION_OPSET or not external(target):
-        return None
-    return target
-
-
 def _graph_bytes(path: Path) -> int:
     data = path.with_name(f"{path.name}.data")
     return path.stat().st_size + (data.stat().st_size if data.exists() else 0)
@@ -156,15 +144,11 @@ def _graph_bytes(path: Path) -> int:
 
 def _validate(out: Path, graphs: dict, skeleton: Skeleton, dims, snapshot, dtype: str, opset: int, branch_k: int,
               seed: int, progress: Callable[[str], None]) -> dict[str, dict[str, float]]:
-    """Every graph against torch; the target (and batched target) whole when small, else as a depth cut plus a
-    full-depth smoke run."""
-    stacks = [name for name in ("target", "target_batch") if name in graphs]
-    others = {k: v for k, v in graphs.items() if k not in stacks}
-    report = {}
-    for name in stacks:
-        report[name] = validate_target(out, graphs[name], skeleton, dims, snapshot, dtype, opset, _attention(opset),
-                                       branch_k, seed, progress, graph=name)
-        validated(name, graphs[name], report[name], len(validation_feeds(name, dims, snapshot, dtype, seed)),
-                  progress)
+    """Every graph against torch; the target whole when small, else as a depth cut plus a full-depth smoke run."""
+    others = {k: v for k, v in graphs.items() if k != "target"}
+    report = {"target": validate_target(out, graphs["target"], skeleton, dims, snapshot, dtype, opset,
+                                        _attention(opset), branch_k, seed, progress)}
+    validated("target", graphs["target"], report["target"],
+              len(validation_feeds("target", dims, snapshot, dtype, seed)), progress)
     report.update(validate_graphs(out, others, dims, snapshot, dtype, skeleton, seed=seed, progress=progress))
     return report

@@ -8,7 +8,7 @@ validated in two parts that together keep that strength without two full models 
   of a stack is the same code on different weights, so what the comparison proves of the wiring (cache, mask,
   rotary, taps, deepstack rows) holds at any depth;
 - a full-depth smoke run: ONNX Runtime runs the exported graph itself, every node and every weight of
-  it, on a prefill and a tree pass, whose outputs must have the contract's shapes and be finite. That
+  it, on a lone sequence's prefill and a batch of trees, whose outputs must have the contract's shapes and be finite. That
   proves the full graph's wiring and every streamed tensor load. It runs segment by segment (see
   `segments.py`), so at most a few hundred MB of the graph's weights are loaded at once.
 """
@@ -26,10 +26,10 @@ from onnx.external_data_helper import uses_external_data
 from torch import nn
 
 from glance_runtime.errors import GlanceError
+from glance_runtime.formats.graphs import TARGET_GRAPH
 
 from .export import ATTENTION_OPSET, export_graph, weight_bytes
-from .batch_graphs import BatchTargetGraph
-from .feeds import batch_target_feed, target_feed, trace_feeds
+from .feeds import target_feed, trace_feeds
 from .segments import SEGMENT_BYTES, run_in_segments
 from .sources import target_graph, target_skeleton
 from .spec import DTYPES, Dims, dynamic_axes, output_shapes
@@ -45,41 +45,33 @@ def cut_dims(dims: Dims, layers: int) -> Dims:
                                deepstack=min(dims.deepstack, layers))
 
 
-def _stack_graph(graph: str, model: nn.Module, dims: Dims) -> nn.Module:
-    return target_graph(model, dims) if graph == "target" else BatchTargetGraph(model, list(dims.tap_ids)).eval()
-
-
 def validate_target(out_dir: Path, full: nn.Module, skeleton, dims: Dims, snapshot, dtype: str, opset: int,
-                    attention: str, branch_k: int, seed: int, progress: Callable[[str], None],
-                    graph: str = "target") -> dict[str, float]:
-    """Max error per output of the target graph, or (`graph` "target_batch") the batched target graph, whole or
-    as its depth cut; raises GlanceError on failure. Both cuts read the target graph's data file, which holds
-    the batched graph's weights too."""
+                    attention: str, branch_k: int, seed: int, progress: Callable[[str], None]) -> dict[str, float]:
+    """Max error per output of the target graph, whole or as its depth cut; raises GlanceError on failure."""
     tol = TOLERANCES[dtype]
-    full_path = out_dir / f"{graph}.onnx"
+    full_path = out_dir / TARGET_GRAPH
     if weight_bytes(full) <= FULL_VALIDATION_BYTES or dims.layers <= CUT_LAYERS:
-        return validate_graph(graph, full_path, full, validation_feeds(graph, dims, snapshot, dtype, seed), tol,
+        return validate_graph("target", full_path, full, validation_feeds("target", dims, snapshot, dtype, seed), tol,
                               skeleton.materialized)
     small = cut_dims(dims, CUT_LAYERS)
     cut = target_skeleton(snapshot, skeleton.checkpoint, dtype, attention, layers=CUT_LAYERS)
-    module = _stack_graph(graph, cut.model, small)
+    module = target_graph(cut.model, small)
     progress(f"smoke-running all {dims.layers} layers of {full_path.name} in ONNX Runtime")
-    smoke_run(full_path, dims, dtype, seed, budget=weight_bytes(module), graph=graph)  # no more than the cut holds
-    source = out_dir / "target.onnx"
-    borrow = source if opset < ATTENTION_OPSET and external(source) else None
+    smoke_run(full_path, dims, dtype, seed, budget=weight_bytes(module))  # no more than the cut holds
+    borrow = full_path if opset < ATTENTION_OPSET and external(full_path) else None
     scratch = Path(tempfile.mkdtemp(prefix=".cut.", dir=out_dir))
-    path = out_dir / f"{scratch.name}.{graph}.onnx" if borrow else scratch / f"{graph}.onnx"
+    path = out_dir / f"{scratch.name}.{TARGET_GRAPH}" if borrow else scratch / TARGET_GRAPH
     try:
-        axes = dynamic_axes(small, graph, module.input_names, module.output_names)
-        export_graph(module, trace_feeds(snapshot, small, DTYPES[dtype])[graph], path, axes, opset,
-                     output_shapes(small, graph, branch_k), cut, borrow=borrow)
-        errors = validate_graph(graph, path, module, validation_feeds(graph, small, snapshot, dtype, seed), tol,
+        axes = dynamic_axes(small, "target", module.input_names, module.output_names)
+        export_graph(module, trace_feeds(snapshot, small, DTYPES[dtype])["target"], path, axes, opset,
+                     output_shapes(small, "target", branch_k), cut, borrow=borrow)
+        errors = validate_graph("target", path, module, validation_feeds("target", small, snapshot, dtype, seed), tol,
                                 cut.materialized)
     finally:
         path.unlink(missing_ok=True)
         shutil.rmtree(scratch, ignore_errors=True)
     cut_line = f"validated a {CUT_LAYERS}-layer cut of {full_path.name} against torch"
-    progress(f"{cut_line} (its weights read from target.onnx.data)" if borrow else cut_line)
+    progress(f"{cut_line} (its weights read from {TARGET_GRAPH}.data)" if borrow else cut_line)
     return errors
 
 
@@ -88,18 +80,14 @@ def external(path: Path) -> bool:
     return any(uses_external_data(t) for t in onnx.load(str(path), load_external_data=False).graph.initializer)
 
 
-def smoke_run(path: Path, dims: Dims, dtype: str, seed: int, budget: int = SEGMENT_BYTES,
-              graph: str = "target") -> None:
-    """A prefill and a tree-verify pass of the full graph in ONNX Runtime (the batched graph: a batch of
-    trees), contract shapes, finite values."""
+def smoke_run(path: Path, dims: Dims, dtype: str, seed: int, budget: int = SEGMENT_BYTES) -> None:
+    """A lone sequence's prefill and a batch of trees over ragged pasts through the full graph in ONNX Runtime:
+    contract shapes, finite values."""
     rng = np.random.default_rng(seed)
-    if graph == "target":
-        feeds = [target_feed(dims, rng, 7, 0, 2, DTYPES[dtype], tree=False),
-                 target_feed(dims, rng, 5, 7, 0, DTYPES[dtype], tree=True)]
-    else:
-        feeds = [batch_target_feed(dims, rng, 5, [1, 0], [7, 3], (3, 9), DTYPES[dtype])]
+    feeds = [target_feed(dims, rng, 7, [0], [0], (1, 9), 2, DTYPES[dtype], tree=False),
+             target_feed(dims, rng, 5, [1, 0], [7, 3], (3, 9), 0, DTYPES[dtype], tree=True)]
     for feed, outputs in zip(feeds, run_in_segments(path, feeds, budget)):
-        rows = feed["tree_mask"].shape[:-1]  # [T] or [B, T]
+        rows = feed["tree_mask"].shape[:-1]  # [B, T]
         for name, value in outputs.items():
             if value.shape[:len(rows)] != rows:
                 raise GlanceError(f"full-depth smoke run of {path.name}: output {name} has shape {value.shape} "

@@ -1,8 +1,9 @@
-"""The draft graph as a torch module: one head pass over [anchor, MASK x (B-1)] with a growing context.
+"""The draft graph as a torch module: one head pass drafts every sequence's block over [anchor, MASK x (Bk-1)].
 
-The head's own `context_kv` and `forward` do the work; this wrapper only adapts the cache layout
-(sequence-major in and out). The block's embeddings come in and its hidden rows go out: the target's
-embedding and LM head belong to the vocab graph.
+The head's own `context_kv` and `forward` do the work; this wrapper reads each sequence's head cache from
+the pool (as the target graph reads its past: `target.gather_past`) and hides the padding of a ragged batch:
+past columns beyond a sequence's `past_lengths` and context rows beyond its `context_lengths`. The block's
+embeddings come in and its hidden rows go out: the target's embedding and LM head belong to the vocab graph.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from torch import nn
 from glance_export.model.head import DraftHead
 from glance_runtime.formats.graphs import draft_kv_names
 
-from .target import head_major, seq_major
+from .target import columns, gather_past
 
 
 class DraftGraph(nn.Module):
@@ -23,19 +24,26 @@ class DraftGraph(nn.Module):
         self.head = head
         cfg = head.config
         self.register_buffer("offsets", torch.arange(cfg.block_size, dtype=torch.int64), persistent=False)
-        past, new = draft_kv_names(cfg.num_hidden_layers)
-        self.input_names = ["context_taps", "context_positions", "block_embeds", "start", *past]
+        pool, new = draft_kv_names(cfg.num_hidden_layers)
+        self.input_names = ["context_taps", "context_positions", "context_lengths", "block_embeds", "start",
+                            "slots", "past_lengths", "past_rows", *pool]
         self.output_names = ["hidden", *new]
 
-    def forward(self, *inputs: torch.Tensor):
-        """Inputs in `input_names` order."""
-        context_taps, context_positions, block_embeds, start, *past = inputs
-        new = self.head.context_kv(context_taps[None], context_positions[None])
-        ctx = [(torch.cat([head_major(past[2 * j]), k], dim=2), torch.cat([head_major(past[2 * j + 1]), v], dim=2))
-               for j, (k, v) in enumerate(new)]
-        positions = (start + self.offsets)[None]
-        hidden = self.head(block_embeds[None], positions, ctx)
+    def forward(self, context_taps, context_positions, context_lengths, block_embeds, start, slots, past_lengths,
+                past_rows, *pool):
+        new = self.head.context_kv(context_taps, context_positions)
+        ctx = []
+        for j, (k, v) in enumerate(new):
+            ctx.append((torch.cat([gather_past(pool[2 * j], slots, past_rows), k], dim=2),
+                        torch.cat([gather_past(pool[2 * j + 1], slots, past_rows), v], dim=2)))
+        rows = block_embeds.shape[1]
+        dtype = block_embeds.dtype
+        new_rows = torch.cumsum(torch.ones_like(context_positions[0]), 0) - 1  # 0..N-1, symbolic in the trace
+        mask = torch.cat([columns(past_lengths, past_rows, rows, dtype),
+                          columns(context_lengths, new_rows, rows, dtype)], dim=-1)
+        hidden = self.head(block_embeds, start[:, None] + self.offsets[None], ctx, mask,
+                           block_embeds.new_zeros(()).expand(block_embeds.shape[0], 1, rows, rows))
         out = []
         for k, v in new:
-            out += [seq_major(k), seq_major(v)]
-        return (hidden[0, 1:], *out)
+            out += [k.transpose(1, 2), v.transpose(1, 2)]  # [B, kvh, N, D] -> [B, N, kvh, D]
+        return (hidden[:, 1:], *out)

@@ -22,7 +22,7 @@ from torch import nn
 from glance_export.model.eagle3 import Eagle3Head
 from glance_runtime.defaults import EAGLE3_DEPTH
 from glance_runtime.errors import GlanceError
-from glance_runtime.formats.graphs import EAGLE3_INPUTS, EAGLE3_OUTPUTS, target_kv_names
+from glance_runtime.formats.graphs import EAGLE3_INPUTS, EAGLE3_OUTPUTS, step_kv_names
 
 from .target import head_major, seq_major
 
@@ -63,7 +63,7 @@ class Eagle3StepGraph(nn.Module):
         self.head, self.branch_k = head, branch_k
         self.register_buffer("token_ids", draft_token_ids(head))
         self.register_buffer("embed_rows", embed_rows.to(head.fc.weight.dtype))
-        past, present = target_kv_names(head.config.num_hidden_layers)
+        past, present = step_kv_names(head.config.num_hidden_layers)
         self.input_names = [*EAGLE3_INPUTS, *past]
         self.output_names = [*EAGLE3_OUTPUTS, *present]
 
@@ -104,7 +104,7 @@ def step_feed(dims, rng: np.random.Generator, taps: int, hidden: int, past: int,
             "embeds": rng.normal(size=(rows, dims.hidden)).astype(dtype),
             "position_ids": positions.astype(np.int64), "attention_mask": mask,
             "logit_rows": np.arange(rows - projected, rows, dtype=np.int64)}
-    for name in target_kv_names(dims.head_layers)[0]:
+    for name in step_kv_names(dims.head_layers)[0]:
         feed[name] = rng.normal(size=(past, dims.head_kv_heads, dims.head_head_dim)).astype(dtype)
     return feed
 

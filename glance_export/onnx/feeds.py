@@ -9,7 +9,7 @@ import numpy as np
 from PIL import Image
 
 from glance_export.model.adapters import Snapshot
-from glance_runtime.formats.graphs import batch_draft_kv_names, batch_target_kv_names, draft_kv_names, target_kv_names
+from glance_runtime.formats.graphs import draft_kv_names, target_kv_names
 from glance_runtime.decode.tree import visibility
 
 from . import eagle3_draft
@@ -26,69 +26,41 @@ def random_tree(rng: np.random.Generator, size: int) -> tuple[np.ndarray, np.nda
     return depths, visibility(parents)
 
 
-def target_feed(dims: Dims, rng: np.random.Generator, rows: int, past: int, n_img: int, dtype: str,
-                tree: bool) -> dict[str, np.ndarray]:
-    """A prefill-like pass (causal mask, n_img image tokens among the ids) or a tree-verify pass."""
-    ids = rng.integers(0, dims.vocab, size=(1, rows), dtype=np.int64)
+def target_feed(dims: Dims, rng: np.random.Generator, rows: int, slots: list[int], past_lengths: list[int],
+                pool: tuple[int, int], n_img: int, dtype: str, tree: bool) -> dict[str, np.ndarray]:
+    """A pass of len(slots) sequences of `rows` rows each over its own past, read from a pool of pool[0] slots of
+    pool[1] rows: prefill-like (causal masks, n_img image tokens among the batch's ids) or a random tree each."""
+    batch = len(slots)
+    ids = rng.integers(0, dims.vocab, size=(batch, rows), dtype=np.int64)
     if dims.image_token_id is not None:
         ids[ids == dims.image_token_id] = 0
-        ids[0, rng.choice(rows, size=min(n_img, rows), replace=False)] = dims.image_token_id
+        ids.reshape(-1)[rng.choice(batch * rows, size=min(n_img, batch * rows), replace=False)] = dims.image_token_id
     if tree:
-        depths, mask = random_tree(rng, rows)
-        stream = past + depths
+        trees = [random_tree(rng, rows) for _ in range(batch)]
+        depths, mask = np.stack([d for d, _ in trees]), np.stack([m for _, m in trees])
     else:
-        mask = np.tril(np.ones((rows, rows), dtype=bool))
-        stream = past + np.arange(rows)
-    feed: dict[str, np.ndarray] = {"input_ids": ids, "inputs_embeds": rng.normal(size=(rows, dims.hidden)).astype(dtype)}
+        depths = np.broadcast_to(np.arange(rows), (batch, rows))
+        mask = np.broadcast_to(np.tri(rows, dtype=bool), (batch, rows, rows)).copy()
+    stream = np.array(past_lengths, dtype=np.int64)[:, None] + depths
+    feed: dict[str, np.ndarray] = {"input_ids": ids,
+                                   "inputs_embeds": rng.normal(size=(batch, rows, dims.hidden)).astype(dtype)}
     if dims.is_vl:
         feed["image_embeds"] = rng.normal(size=(n_img, dims.hidden)).astype(dtype)
         if dims.deepstack:
             feed["deepstack_embeds"] = rng.normal(size=(dims.deepstack, n_img, dims.hidden)).astype(dtype)
-        feed["position_ids"] = np.broadcast_to(stream, (3, 1, rows)).copy()
+        feed["position_ids"] = np.broadcast_to(stream, (3, batch, rows)).copy()
         if not tree:  # image rows get distinct h/w positions as a real prompt's do
-            feed["position_ids"][1:, 0] += rng.integers(0, 3, size=(2, rows))
+            feed["position_ids"][1:] += rng.integers(0, 3, size=(2, batch, rows))
     else:
-        feed["position_ids"] = stream[None].astype(np.int64)
-    feed["tree_mask"] = mask
+        feed["position_ids"] = stream
+    feed.update(tree_mask=mask, **_pool_rows(slots, past_lengths))
     for name in target_kv_names(dims.layers)[0]:
-        feed[name] = rng.normal(size=(past, dims.kv_heads, dims.head_dim)).astype(dtype)
-    return feed
-
-
-def draft_feed(dims: Dims, rng: np.random.Generator, rows: int, past: int, dtype: str) -> dict[str, np.ndarray]:
-    start = past + rows
-    feed = {"context_taps": (rng.normal(size=(rows, dims.n_taps * dims.hidden)) * 4).astype(dtype),
-            "context_positions": np.arange(past, start, dtype=np.int64),
-            "block_embeds": rng.normal(size=(dims.block_size, dims.hidden)).astype(dtype),
-            "start": np.array([start], dtype=np.int64)}
-    for name in draft_kv_names(dims.head_layers)[0]:
-        feed[name] = rng.normal(size=(past, dims.head_kv_heads, dims.head_head_dim)).astype(dtype)
-    return feed
-
-
-def _pool_rows(rng: np.random.Generator, slots: list[int], past_lengths: list[int]) -> dict[str, np.ndarray]:
-    """The batch's slot and past inputs; `past_rows` spans the longest past."""
-    return {"slots": np.array(slots, dtype=np.int64), "past_lengths": np.array(past_lengths, dtype=np.int64),
-            "past_rows": np.arange(max(past_lengths), dtype=np.int64)}
-
-
-def batch_target_feed(dims: Dims, rng: np.random.Generator, rows: int, slots: list[int], past_lengths: list[int],
-                      pool: tuple[int, int], dtype: str) -> dict[str, np.ndarray]:
-    """A tree-verify pass of len(slots) sequences, each a random tree of `rows` rows over its own past, read
-    from a pool of pool[0] slots of pool[1] rows."""
-    batch = len(slots)
-    trees = [random_tree(rng, rows) for _ in range(batch)]
-    stream = np.stack([past + depths for past, (depths, _) in zip(past_lengths, trees)])
-    feed = {"inputs_embeds": rng.normal(size=(batch, rows, dims.hidden)).astype(dtype),
-            "position_ids": np.broadcast_to(stream, (3, batch, rows)).copy() if dims.is_vl else stream,
-            "tree_mask": np.stack([mask for _, mask in trees]), **_pool_rows(rng, slots, past_lengths)}
-    for name in batch_target_kv_names(dims.layers)[0]:
         feed[name] = rng.normal(size=(*pool, dims.kv_heads, dims.head_dim)).astype(dtype)
     return feed
 
 
-def batch_draft_feed(dims: Dims, rng: np.random.Generator, context_lengths: list[int], rows: int, slots: list[int],
-                     past_lengths: list[int], pool: tuple[int, int], dtype: str) -> dict[str, np.ndarray]:
+def draft_feed(dims: Dims, rng: np.random.Generator, context_lengths: list[int], rows: int, slots: list[int],
+               past_lengths: list[int], pool: tuple[int, int], dtype: str) -> dict[str, np.ndarray]:
     """A draft pass of len(slots) sequences, each with `rows` context rows of which the first
     context_lengths[b] are real, appended after its own past."""
     batch = len(slots)
@@ -97,10 +69,16 @@ def batch_draft_feed(dims: Dims, rng: np.random.Generator, context_lengths: list
             "context_positions": past[:, None] + np.arange(rows, dtype=np.int64)[None],
             "context_lengths": np.array(context_lengths, dtype=np.int64),
             "block_embeds": rng.normal(size=(batch, dims.block_size, dims.hidden)).astype(dtype),
-            "start": past + np.array(context_lengths, dtype=np.int64), **_pool_rows(rng, slots, past_lengths)}
-    for name in batch_draft_kv_names(dims.head_layers)[0]:
+            "start": past + np.array(context_lengths, dtype=np.int64), **_pool_rows(slots, past_lengths)}
+    for name in draft_kv_names(dims.head_layers)[0]:
         feed[name] = rng.normal(size=(*pool, dims.head_kv_heads, dims.head_head_dim)).astype(dtype)
     return feed
+
+
+def _pool_rows(slots: list[int], past_lengths: list[int]) -> dict[str, np.ndarray]:
+    """The batch's slot and past inputs; `past_rows` spans the longest past."""
+    return {"slots": np.array(slots, dtype=np.int64), "past_lengths": np.array(past_lengths, dtype=np.int64),
+            "past_rows": np.arange(max(past_lengths), dtype=np.int64)}
 
 
 def vocab_feed(dims: Dims, rng: np.random.Generator, ids: int, rows: int, dtype: str,
@@ -121,17 +99,15 @@ def vision_feed(snapshot: Snapshot, dims: Dims, rng: np.random.Generator, width:
 
 
 def trace_feeds(snapshot: Snapshot, dims: Dims, dtype: str) -> dict[str, dict[str, np.ndarray]]:
-    """Inputs to trace with: sizes distinct from each other and from 1, so no axis gets frozen."""
+    """Inputs to trace with: sizes distinct from each other and from 1, so no axis gets frozen (B 3 takes grouped
+    attention's batched path, which serves every B; pool 7 x 9, T 4, S 5, N 2, N_img 2)."""
     rng = np.random.default_rng(0)
-    feeds = {"target": target_feed(dims, rng, 6, 3, 2, dtype, tree=False),
+    feeds = {"target": target_feed(dims, rng, 4, [6, 0, 2], [2, 5, 3], (7, 9), 2, dtype, tree=False),
              "draft": (eagle3_draft.trace_feed(dims, rng, dtype) if dims.head_kind == "eagle3"
-                       else draft_feed(dims, rng, 5, 2, dtype)),
+                       else draft_feed(dims, rng, [2, 1, 2], 2, [6, 0, 2], [2, 5, 3], (7, 9), dtype)),
              "vocab": vocab_feed(dims, rng, 4, 3, dtype)}
     if dims.draft_vocab:
         feeds["draft_vocab"] = vocab_feed(dims, rng, 4, 3, dtype, dims.draft_vocab)
     if dims.is_vl:
         feeds["vision"] = vision_feed(snapshot, dims, rng, 100, 80, dtype)
-    if dims.batched:  # B > 1 takes grouped attention's batched path; pool 7 x 9, B 3, T 4, S 5, N 2
-        feeds["target_batch"] = batch_target_feed(dims, rng, 4, [6, 0, 2], [2, 5, 3], (7, 9), dtype)
-        feeds["draft_batch"] = batch_draft_feed(dims, rng, [2, 1, 2], 2, [6, 0, 2], [2, 5, 3], (7, 9), dtype)
     return feeds

@@ -60,7 +60,7 @@ def io_spec(path: Path) -> dict[str, dict[str, dict[str, Any]]]:
 
 
 def data_file(path: Path) -> str | None:
-    """The one external data file a graph reads its weights from (a batched target's is the target's own), if any."""
+    """The one external data file a graph reads its weights from , if any."""
     graph = onnx.load(str(path), load_external_data=False).graph
     files = {e.value for t in graph_tensors(graph) for e in t.external_data if e.key == "location"}
     if len(files) > 1:
@@ -97,10 +97,6 @@ def build_manifest(snapshot: Snapshot, head: DraftHead | Eagle3Head, head_dir: P
     if dims.draft_vocab:
         graphs["draft_vocab"] = {"vocab_size": dims.draft_vocab, "hidden_size": dims.hidden, "tied": dims.tied,
                                  "branch_k": branch_k}
-    if dims.batched:
-        graphs["target_batch"] = {"num_layers": dims.layers, "num_kv_heads": dims.kv_heads, "head_dim": dims.head_dim}
-        graphs["draft_batch"] = {"num_layers": dims.head_layers, "num_kv_heads": dims.head_kv_heads,
-                                 "head_dim": dims.head_head_dim}
     if dims.is_vl:
         graphs["vision"] = {"index_params": {k: dims.vision[k] for k in
                                              ("family", "merge_size", "patch_size", "window_size", "grid_per_side")},

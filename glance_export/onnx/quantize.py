@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import onnx
-from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
 from glance_runtime.errors import GlanceError
 
@@ -40,8 +39,7 @@ from .stream import LAYER, SLICE_BYTES, eta_reporter
 __all__ = ["GRAPHS", "TENSORRT_DIR", "check_scheme", "quantize_graph", "quantize_graphs"]
 
 GRAPHS = ("target", "draft", "vocab")  # the vision tower runs once per image: it stays in the export's dtype
-# where exported; the batched target first, while the target's data file it may read its weights from is there
-OPTIONAL_GRAPHS = ("target_batch", "draft_batch", "draft_vocab")
+OPTIONAL_GRAPHS = ("draft_vocab",)  # where exported
 TENSORRT_DIR = "tensorrt"
 ACTIVATIONS_INT8 = ("int8 per block of each row (MatMulNBits accuracy_level 4) on ONNX Runtime's CPU provider: an "
                     "n-row pass may differ from a 1-row pass in the last bits")
@@ -89,56 +87,6 @@ def quantize_graph(out: Path, name: str, scheme: Scheme, progress: Callable[[str
             "tensorrt_file": f"{TENSORRT_DIR}/{trt_path.name}", "tensorrt_data_file": trt_data}
 
 
-def share_weights(out: Path, name: str, twin: str, record: dict[str, Any],
-                  progress: Callable[[str], None] = print) -> dict[str, Any]:
-    """Point both forms of graph `name` at its `twin`'s data files, where every weight it keeps in its own has a
-    twin of the same name, type, shape and bytes (the batched target's are the target's, quantized the same
-    way), and delete its own: a large target's weights are then stored once, quantized or not. A graph whose
-    weights are embedded is left as it is; one that differs from its twin keeps its copy, and says so."""
-    forms = [(out, "data_file"), (out / TENSORRT_DIR, "tensorrt_data_file")]
-    models = [onnx.load(str(where / f"{name}.onnx"), load_external_data=False) for where, _ in forms]
-    stored = [{t.name: t for t in onnx.load(str(where / f"{twin}.onnx"), load_external_data=False).graph.initializer}
-              for where, _ in forms]
-    own = [[t for t in model.graph.initializer if uses_external_data(t)] for model in models]
-    if not all(own):
-        return record
-    if any(not _same(where, t, twins.get(t.name)) for (where, _), tensors, twins in zip(forms, own, stored)
-           for t in tensors):
-        progress(f"{name}.onnx keeps its own quantized weights: they differ from {twin}.onnx's")
-        return record
-    shared = dict(record)
-    for (where, key), model, tensors, twins in zip(forms, models, own, stored):
-        for tensor in tensors:
-            del tensor.external_data[:]
-            tensor.external_data.extend(twins[tensor.name].external_data)
-        onnx.save_model(model, str(where / f"{name}.onnx"))
-        (out / record[key]).unlink()
-        shared[key] = str(Path(record[key]).with_name(f"{twin}.onnx.data"))
-    progress(f"{name}.onnx reads its quantized weights from {twin}.onnx.data, where they are the same bytes "
-             f"(both forms)")
-    return shared
-
-
-def _same(where: Path, tensor: onnx.TensorProto, twin: onnx.TensorProto | None) -> bool:
-    """Same name, type and shape, and the same stored bytes (compared a slice at a time)."""
-    if twin is None or not uses_external_data(twin) or (tensor.data_type, list(tensor.dims)) != \
-            (twin.data_type, list(twin.dims)):
-        return False
-    a, b = ExternalDataInfo(tensor), ExternalDataInfo(twin)
-    if a.length != b.length:
-        return False
-    with open(where / a.location, "rb") as fa, open(where / b.location, "rb") as fb:
-        fa.seek(a.offset or 0)
-        fb.seek(b.offset or 0)
-        left = a.length
-        while left:
-            size = min(left, SLICE_BYTES)
-            if fa.read(size) != fb.read(size):
-                return False
-            left -= size
-    return True
-
-
 def _bytes(path: Path) -> int:
     data = path.with_name(f"{path.name}.data")
     return path.stat().st_size + (data.stat().st_size if data.exists() else 0)
@@ -146,15 +94,11 @@ def _bytes(path: Path) -> int:
 
 def quantize_graphs(out: Path, scheme: Scheme, progress: Callable[[str], None] = print,
                     slice_bytes: int = SLICE_BYTES) -> dict[str, Any]:
-    """Rewrite target, draft and vocab graphs (and target_batch, draft_batch and draft_vocab, where exported) in
-    `out` to the ONNX Runtime form and write their TensorRT form under `out/tensorrt/`; returns the manifest's
-    "quantization" record. `slice_bytes` bounds the rows of a vocabulary matrix quantized at once and the slices
-    copied through. A batched target that read the target's data file gets its own quantized copy."""
+    """Rewrite target, draft and vocab graphs (and draft_vocab, where exported) in `out` to the ONNX Runtime form
+    and write their TensorRT form under `out/tensorrt/`; returns the manifest's "quantization" record.
+    `slice_bytes` bounds the rows of a vocabulary matrix quantized at once and the slices copied through."""
     present = [name for name in OPTIONAL_GRAPHS if (out / f"{name}.onnx").exists()]
-    names = sorted([*GRAPHS, *present], key=lambda name: name != "target_batch")
-    graphs = {name: quantize_graph(out, name, scheme, progress, slice_bytes) for name in names}
-    if "target_batch" in graphs:
-        graphs["target_batch"] = share_weights(out, "target_batch", "target", graphs["target_batch"], progress)
+    graphs = {name: quantize_graph(out, name, scheme, progress, slice_bytes) for name in [*GRAPHS, *present]}
     return {
         "scheme": scheme.name, "bits": scheme.bits, "group_size": scheme.group_size, "symmetric": True,
         "method": "round-to-nearest, block-wise along the input axis, one fp32 scale per group",

@@ -13,7 +13,6 @@ from glance_export.model.head import DraftHead, check_head_matches, load_head
 from glance_runtime.errors import GlanceError
 
 from . import eagle3_draft
-from .batch_graphs import BatchDraftGraph, BatchTargetGraph
 from .checkpoint import Checkpoint
 from .draft import DraftGraph
 from .skeleton import Skeleton, build_skeleton
@@ -83,7 +82,7 @@ def eagle3_step_graph(model: nn.Module, head: Eagle3Head, weights: Skeleton, bra
 
 def build_graphs(skeleton: Skeleton, head: DraftHead | Eagle3Head, dims: Dims, branch_k: int) -> dict[str, nn.Module]:
     """The wrapped graphs by name: target, draft (GLANCE's block pass or EAGLE-3's step), vocab, (VL only) vision,
-    (a GLANCE head with a draft vocabulary) draft_vocab and (a batched export) target_batch and draft_batch."""
+    (a GLANCE head with a draft vocabulary) draft_vocab."""
     model = skeleton.model
     drafted = head.config.drafted_vocab if isinstance(head, Eagle3Head) else dims.draft_vocab
     smallest = min(dims.vocab, drafted or dims.vocab)
@@ -99,7 +98,4 @@ def build_graphs(skeleton: Skeleton, head: DraftHead | Eagle3Head, dims: Dims, b
         graphs["draft_vocab"] = draft_vocab_graph(model, head, skeleton, branch_k)
     if dims.is_vl:
         graphs["vision"] = VisionGraph(model.model.visual, dims.family)
-    if dims.batched:
-        graphs["target_batch"] = BatchTargetGraph(model, list(dims.tap_ids))
-        graphs["draft_batch"] = BatchDraftGraph(head)
     return {name: g.eval() for name, g in graphs.items()}

@@ -13,7 +13,7 @@ from glance_export.model.eagle3 import Eagle3Head
 from glance_export.model.head import DraftHead
 from glance_runtime.defaults import EAGLE3_DEPTH
 from glance_runtime.errors import GlanceError
-from glance_runtime.formats.graphs import BATCH_GRAPHS, VOCABULARY_GRAPHS
+from glance_runtime.formats.graphs import VOCABULARY_GRAPHS
 
 from . import eagle3_draft
 
@@ -42,12 +42,7 @@ class Dims:
     draft_vocab: int | None = None  # the head drafts over this many target tokens (its draft_vocab graph)
     head_kind: str = "glance"  # "eagle3": an autoregressive head, its draft graph run once per depth
     head_mrope: bool = False  # the EAGLE-3 head rotates with the target's three M-RoPE axes
-    max_batch: int = 1  # sequences one batched round runs; 1: no batch graphs (always so for an EAGLE-3 head)
-
-    @property
-    def batched(self) -> bool:
-        """Whether the batched round's graphs are exported (a GLANCE head, max_batch above 1)."""
-        return self.max_batch > 1
+    max_batch: int = 1  # sequences one target or draft pass serves: the B axis's bound (1 for an EAGLE-3 head)
 
     @property
     def n_taps(self) -> int:
@@ -73,7 +68,7 @@ def vision_params(snapshot: Snapshot) -> dict[str, Any]:
 
 
 def dims_for(snapshot: Snapshot, head: DraftHead | Eagle3Head, max_batch: int = 1) -> Dims:
-    """`max_batch` above 1 asks for the batched round's graphs, which only a GLANCE head has."""
+    """`max_batch` bounds the target and draft graphs' batch axis; an EAGLE-3 head drafts one sequence, so 1."""
     tc, hc = snapshot.text_config, head.config
     deep = snapshot.config.get("vision_config", {}).get("deepstack_visual_indexes") or []
     if snapshot.family == "qwen3_vl" and len(deep) > tc["num_hidden_layers"]:
@@ -98,13 +93,11 @@ def dims_for(snapshot: Snapshot, head: DraftHead | Eagle3Head, max_batch: int = 
 
 def axis_bounds(dims: Dims, max_tree: int, max_context: int, branch_k: int = 8) -> dict[str, list[int]]:
     """[min, max] of every symbolic axis; the runtime sizes buffers and TensorRT profiles from these."""
-    bounds = {"T": [1, max_context], "S": [0, max_context - 1], "N": [1, max_context], "S_h": [0, max_context - 1],
+    bounds = {"B": [1, dims.max_batch], "T": [1, max_context], "S": [0, max_context - 1], "N": [1, max_context],
+              "S_h": [0, max_context - 1], "P": [1, dims.max_batch], "C_pool": [1, max_context],
               "T_verify": [1, max_tree], "E": [1, max_context], "R": [1, max(max_tree, dims.block_size - 1)]}
     if dims.head_kind == "eagle3":
         bounds.update(eagle3_draft.axis_bounds(max_context, branch_k))
-    if dims.batched:  # the pool is exactly max_batch slots of max_context rows: what engines are built for
-        bounds.update({"B": [1, dims.max_batch], "T_b": [1, max_tree], "N_b": [1, dims.block_size],
-                       "S_b": [0, max_context - 1], "P": [dims.max_batch] * 2, "C_pool": [max_context] * 2})
     if dims.is_vl:
         v = dims.vision
         unit = v["merge_size"] ** 2
@@ -117,19 +110,17 @@ def axis_bounds(dims: Dims, max_tree: int, max_context: int, branch_k: int = 8) 
 def dynamic_axes(dims: Dims, graph: str, input_names: list[str], output_names: list[str]) -> dict[str, dict[int, str]]:
     """Symbolic axes per tensor name, in the letters of `glance_runtime.formats.graphs`."""
     if graph == "target":
-        axes = {"input_ids": {1: "T"}, "inputs_embeds": {0: "T"}, "image_embeds": {0: "N_img"},
-                "deepstack_embeds": {1: "N_img"}, "position_ids": {2 if dims.is_vl else 1: "T"},
-                "tree_mask": {0: "T", 1: "T"}, "hidden": {0: "T"}, "taps": {0: "T"}}
-        axes.update({n: {0: "S"} for n in input_names if n.startswith("past_")})
-        axes.update({n: {0: "T"} for n in output_names if n.startswith("present_")})
+        axes = {"input_ids": {0: "B", 1: "T"}, "inputs_embeds": {0: "B", 1: "T"}, "image_embeds": {0: "N_img"},
+                "deepstack_embeds": {1: "N_img"}, "position_ids": {1: "B", 2: "T"} if dims.is_vl else {0: "B", 1: "T"},
+                "tree_mask": {0: "B", 1: "T", 2: "T"}, "hidden": {0: "B", 1: "T"}, "taps": {0: "B", 1: "T"},
+                **_pool_axes(input_names, "S")}
+        axes.update({n: {0: "B", 1: "T"} for n in output_names if n.startswith("present_")})
     elif graph == "draft" and dims.head_kind == "eagle3":
         axes = eagle3_draft.dynamic_axes(set(input_names) | set(output_names))
     elif graph == "draft":
-        axes = {"context_taps": {0: "N"}, "context_positions": {0: "N"}}
-        axes.update({n: {0: "S_h"} for n in input_names if n.startswith("past_ctx_")})
-        axes.update({n: {0: "N"} for n in output_names if n.startswith("ctx_")})
-    elif graph in BATCH_GRAPHS:
-        axes = _batch_axes(dims, graph, input_names, output_names)
+        axes = {"context_taps": {0: "B", 1: "N"}, "context_positions": {0: "B", 1: "N"}, "context_lengths": {0: "B"},
+                "block_embeds": {0: "B"}, "start": {0: "B"}, "hidden": {0: "B"}, **_pool_axes(input_names, "S_h")}
+        axes.update({n: {0: "B", 1: "N"} for n in output_names if n.startswith("ctx_")})
     elif graph in VOCABULARY_GRAPHS:
         axes = {"ids": {0: "E"}, "embeds": {0: "E"}, "hidden": {0: "R"}, "topk_ids": {0: "R"},
                 "topk_logprobs": {0: "R"}, "topk_embeds": {0: "R"}}
@@ -142,45 +133,27 @@ def dynamic_axes(dims: Dims, graph: str, input_names: list[str], output_names: l
     return {k: v for k, v in axes.items() if k in names}
 
 
-def _batch_axes(dims: Dims, graph: str, input_names: list[str], output_names: list[str]) -> dict[str, dict[int, str]]:
-    """B sequences of T_b (target) or N_b (draft) rows each, a past of S_b rows read from a P x C_pool pool."""
-    rows = "T_b" if graph == "target_batch" else "N_b"
-    axes: dict[str, dict[int, str]] = {"slots": {0: "B"}, "past_lengths": {0: "B"}, "past_rows": {0: "S_b"}}
+def _pool_axes(input_names: list[str], past: str) -> dict[str, dict[int, str]]:
+    """B sequences' slots and past lengths, `past` rows read from a P x C_pool pool."""
+    axes: dict[str, dict[int, str]] = {"slots": {0: "B"}, "past_lengths": {0: "B"}, "past_rows": {0: past}}
     axes.update({n: {0: "P", 1: "C_pool"} for n in input_names if n.startswith("pool_")})
-    axes.update({n: {0: "B", 1: rows} for n in output_names if n != "hidden"})
-    if graph == "target_batch":
-        axes.update({"inputs_embeds": {0: "B", 1: rows}, "tree_mask": {0: "B", 1: rows, 2: rows},
-                     "position_ids": {1: "B", 2: rows} if dims.is_vl else {0: "B", 1: rows},
-                     "hidden": {0: "B", 1: rows}})
-    else:
-        axes.update({"context_taps": {0: "B", 1: rows}, "context_positions": {0: "B", 1: rows},
-                     "context_lengths": {0: "B"}, "block_embeds": {0: "B"}, "start": {0: "B"}, "hidden": {0: "B"}})
     return axes
 
 
 def output_shapes(dims: Dims, graph: str, branch_k: int) -> dict[str, list[int | str]]:
     """Declared output shapes; the tracer loses some static sizes (rotary halves, top-k rows)."""
     if graph == "target":
-        shapes: dict[str, list[int | str]] = {"hidden": ["T", dims.hidden], "taps": ["T", dims.n_taps * dims.hidden]}
+        shapes: dict[str, list[int | str]] = {"hidden": ["B", "T", dims.hidden],
+                                              "taps": ["B", "T", dims.n_taps * dims.hidden]}
         for l in range(dims.layers):
-            shapes[f"present_key_{l}"] = shapes[f"present_value_{l}"] = ["T", dims.kv_heads, dims.head_dim]
+            shapes[f"present_key_{l}"] = shapes[f"present_value_{l}"] = ["B", "T", dims.kv_heads, dims.head_dim]
         return shapes
     if graph == "draft" and dims.head_kind == "eagle3":
         return eagle3_draft.output_shapes(dims, branch_k)
     if graph == "draft":
-        shapes = {"hidden": [dims.block_size - 1, dims.hidden]}
-        for j in range(dims.head_layers):
-            shapes[f"ctx_key_{j}"] = shapes[f"ctx_value_{j}"] = ["N", dims.head_kv_heads, dims.head_head_dim]
-        return shapes
-    if graph == "target_batch":
-        shapes = {"hidden": ["B", "T_b", dims.hidden], "taps": ["B", "T_b", dims.n_taps * dims.hidden]}
-        for l in range(dims.layers):
-            shapes[f"present_key_{l}"] = shapes[f"present_value_{l}"] = ["B", "T_b", dims.kv_heads, dims.head_dim]
-        return shapes
-    if graph == "draft_batch":
         shapes = {"hidden": ["B", dims.block_size - 1, dims.hidden]}
         for j in range(dims.head_layers):
-            shapes[f"ctx_key_{j}"] = shapes[f"ctx_value_{j}"] = ["B", "N_b", dims.head_kv_heads, dims.head_head_dim]
+            shapes[f"ctx_key_{j}"] = shapes[f"ctx_value_{j}"] = ["B", "N", dims.head_kv_heads, dims.head_head_dim]
         return shapes
     if graph in VOCABULARY_GRAPHS:
         return {"embeds": ["E", dims.hidden], "topk_ids": ["R", branch_k], "topk_logprobs": ["R", branch_k],

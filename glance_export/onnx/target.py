@@ -1,10 +1,14 @@
-"""The target graph as a torch module: one pass for prefill, plain decode and tree verify.
+"""The target graph as a torch module: one pass for prefill, plain decode and tree verify, alone or batched.
 
 It drives the model's own rotary embedding, decoder layers and final norm, so the exported graph
 computes what the reference backend computes; the embedding and LM head are the vocab graph's. Only
-the cache and the mask are ours: the past K/V arrive as sequence-major tensors, a pass-through cache
-hands them to each layer and keeps this pass's rows, and the 4D additive mask is built in-graph from
-the pass's boolean tree mask.
+the cache and the mask are ours. The past is the KV pool itself (every slot's rows of one layer,
+`[P, C, kvh, D]`), read in place: the graph gathers the rows of the `slots` it serves up to the longest
+past (`past_rows`, 0..S-1: a size given as an input, which TensorRT takes as a shape, where one computed
+from `past_lengths` would depend on data) and masks each sequence's columns past its own length. A
+pass-through cache hands the gathered rows to each layer and keeps this pass's rows. A lone sequence is
+a batch of one; measured on ONNX Runtime CPU, a padded batch with per-sequence attention is faster than
+packing every row under one mask, where each row attends over the union of the contexts.
 """
 from __future__ import annotations
 
@@ -48,6 +52,27 @@ def padded(rows: torch.Tensor) -> torch.Tensor:
     return torch.cat([rows, rows.new_zeros(1, rows.shape[1])], dim=0)
 
 
+def gather_past(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """pool [P, C, kvh, D] -> head-major [B, kvh, S, D]: rows `rows` ([S]: 0..S-1) of slot `slots[b]`.
+
+    One Gather of D-sized rows, indexed in head-major order, so the layout change costs nothing more (a
+    transpose after the gather took most of a batched pass on ONNX Runtime CPU). The index carries the
+    output's shape, so no Reshape is sized from S, which is 0 for a prefill (an ONNX Reshape reads a 0 as
+    "keep this axis")."""
+    kv_heads = pool.shape[2]
+    heads = torch.arange(kv_heads, dtype=torch.int64, device=slots.device)
+    index = (slots[:, None, None] * pool.shape[1] + rows[None, None, :]) * kv_heads + heads[None, :, None]
+    return nn.functional.embedding(index, pool.reshape(-1, pool.shape[3]))
+
+
+def columns(lengths: torch.Tensor, cols: torch.Tensor, rows: int | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive [B, 1, rows, len(cols)]: column cols[j] of sequence b is visible iff cols[j] < lengths[b]."""
+    seen = (cols[None, :] < lengths[:, None])[:, None, None, :]
+    blocked = torch.full((), torch.finfo(dtype).min, dtype=dtype)
+    mask = torch.where(seen, torch.zeros((), dtype=dtype), blocked)
+    return mask.expand(-1, -1, rows, -1)
+
+
 class TargetGraph(nn.Module):
     """Inputs and outputs exactly as `glance_runtime.formats.graphs` states for the target graph."""
 
@@ -58,45 +83,42 @@ class TargetGraph(nn.Module):
         self.image_token_id = image_token_id
         self.deepstack = deepstack
         self.num_layers = len(self.lm.layers)
-        past, present = target_kv_names(self.num_layers)
+        pool, present = target_kv_names(self.num_layers)
         images = ["input_ids", "inputs_embeds", "image_embeds"] if image_token_id is not None else ["inputs_embeds"]
         images += ["deepstack_embeds"] if deepstack else []
-        self.input_names = [*images, "position_ids", "tree_mask", *past]
+        self.input_names = [*images, "position_ids", "tree_mask", "slots", "past_lengths", "past_rows", *pool]
         self.output_names = ["hidden", *present, "taps"]
 
-    def embed(self, input_ids: torch.Tensor, inputs_embeds: torch.Tensor, image_embeds: torch.Tensor | None):
-        """Token embeddings with image-token rows replaced by the vision rows, in order.
+    def embed(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor, image_embeds: torch.Tensor | None):
+        """Token embeddings with image-token rows replaced by the vision rows, in order over the batch's
+        flattened rows.
 
         Rows are replaced only when the pass holds exactly as many image tokens as image rows (a
         prefill with its image), as the HF model does; other passes gather the zero pad row and
         discard it, so a decode pass may pass zero rows or a dummy row."""
-        embeds = inputs_embeds[None]
         if image_embeds is None:
-            return embeds, None, None
-        is_img = input_ids[0] == self.image_token_id
+            return inputs_embeds, None, None
+        is_img = input_ids.reshape(-1) == self.image_token_id
         count = is_img.to(torch.int64).sum()
         rows = torch.ones_like(image_embeds[:, 0], dtype=torch.int64).sum()  # stays symbolic when traced
         use = is_img & (count == rows)
         index = torch.where(use, torch.cumsum(is_img.to(torch.int64), 0) - 1, rows)
-        picked = padded(image_embeds).index_select(0, index).to(embeds.dtype)
-        embeds = torch.where(use[None, :, None], picked[None], embeds)
-        return embeds, use, index
-
-    def additive_mask(self, tree_mask: torch.Tensor, past_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """[1, 1, T, S+T]: every row sees the past; inside the pass, what tree_mask allows."""
-        past = torch.zeros_like(tree_mask[:, :1], dtype=dtype).expand(-1, past_rows.shape[0])
-        blocked = torch.full((), torch.finfo(dtype).min, dtype=dtype)
-        inner = torch.where(tree_mask, torch.zeros((), dtype=dtype), blocked)
-        return torch.cat([past, inner], dim=1)[None, None]
+        picked = padded(image_embeds).index_select(0, index).to(inputs_embeds.dtype).reshape(inputs_embeds.shape)
+        use = use.reshape(input_ids.shape)[..., None]
+        return torch.where(use, picked, inputs_embeds), use, index
 
     def forward(self, *inputs: torch.Tensor):
         named = dict(zip(self.input_names, inputs))
-        input_ids, position_ids, tree_mask = named.get("input_ids"), named["position_ids"], named["tree_mask"]
-        image_embeds, deepstack_embeds = named.get("image_embeds"), named.get("deepstack_embeds")
-        past = inputs[-2 * self.num_layers:]
-        cache = PassCache([(head_major(past[2 * l]), head_major(past[2 * l + 1])) for l in range(self.num_layers)])
-        hidden, use, index = self.embed(input_ids, named["inputs_embeds"], image_embeds)
-        mask = self.additive_mask(tree_mask, past[0], hidden.dtype)
+        position_ids, tree_mask = named["position_ids"], named["tree_mask"]
+        slots, past_lengths, past_rows = named["slots"], named["past_lengths"], named["past_rows"]
+        deepstack_embeds = named.get("deepstack_embeds")
+        pool = inputs[-2 * self.num_layers:]
+        cache = PassCache([(gather_past(pool[2 * l], slots, past_rows), gather_past(pool[2 * l + 1], slots, past_rows))
+                           for l in range(self.num_layers)])
+        hidden, use, index = self.embed(named.get("input_ids"), named["inputs_embeds"], named.get("image_embeds"))
+        blocked = torch.full((), torch.finfo(hidden.dtype).min, dtype=hidden.dtype)
+        inner = torch.where(tree_mask, torch.zeros((), dtype=hidden.dtype), blocked)[:, None]
+        mask = torch.cat([columns(past_lengths, past_rows, tree_mask.shape[1], hidden.dtype), inner], dim=-1)
         rope = self.lm.rotary_emb(hidden, position_ids)
         taps = {}
         for idx, layer in enumerate(self.lm.layers):
@@ -104,13 +126,12 @@ class TargetGraph(nn.Module):
                            position_embeddings=rope)
             taps[idx] = hidden
             if deepstack_embeds is not None and idx < self.deepstack:
-                add = padded(deepstack_embeds[idx]).index_select(0, index).to(hidden.dtype)
-                hidden = hidden + torch.where(use[None, :, None], add[None], torch.zeros_like(add[None]))
+                add = padded(deepstack_embeds[idx]).index_select(0, index).to(hidden.dtype).reshape(hidden.shape)
+                hidden = hidden + torch.where(use, add, torch.zeros_like(add))
         hidden = self.lm.norm(hidden)
         taps[self.num_layers - 1] = hidden  # transformers reports the last layer after the final norm
         present = []
         for l in range(self.num_layers):
             k, v = cache.present[l]
-            present += [seq_major(k), seq_major(v)]
-        tap_out = torch.cat([taps[i] for i in self.tap_ids], dim=-1)[0]
-        return (hidden[0], *present, tap_out)
+            present += [k.transpose(1, 2), v.transpose(1, 2)]  # [B, kvh, T, D] -> [B, T, kvh, D]
+        return (hidden, *present, torch.cat([taps[i] for i in self.tap_ids], dim=-1))

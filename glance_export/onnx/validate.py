@@ -1,8 +1,8 @@
 """Graph-level validation: each ONNX graph in ONNX Runtime (CPU) against its torch wrapper.
 
-Fresh random inputs with shapes unlike the trace's (prefill with image rows, a branching tree over a
-non-empty past, a single-row decode with no image rows, two image sizes, one and many vocab rows)
-catch sizes the tracer froze. Floats must agree to `atol + rtol * max|reference|` per output; top-k
+Fresh random inputs with shapes unlike the trace's (a lone sequence's prefill with image rows, a branching
+tree over a non-empty past and a single-row decode; a ragged batch over non-contiguous slots; two image
+sizes; one and many vocab rows) catch sizes the tracer froze. Floats must agree to `atol + rtol * max|reference|` per output; top-k
 ids (column 0 is the greedy token) must be identical wherever the reference has a clear margin
 (near-ties may legitimately flip), and their embeddings wherever the ids agree.
 
@@ -25,7 +25,7 @@ from glance_runtime.formats.graphs import VOCABULARY_GRAPHS
 
 from . import eagle3_draft
 from .export import torch_args
-from .feeds import batch_draft_feed, batch_target_feed, draft_feed, target_feed, vision_feed, vocab_feed
+from .feeds import draft_feed, target_feed, vision_feed, vocab_feed
 from .node_runs import weight_bytes
 from .segments import SEGMENT_BYTES, run_in_segments
 from .spec import DTYPES, Dims
@@ -46,20 +46,18 @@ TOLERANCES = {"fp32": Tolerance(atol=1e-4, rtol=1e-4, margin=1e-3),
 def validation_feeds(graph: str, dims: Dims, snapshot, dtype: str, seed: int) -> list[dict[str, np.ndarray]]:
     rng = np.random.default_rng(seed)
     np_dtype = DTYPES[dtype]
-    if graph == "target":
-        return [target_feed(dims, rng, 9, 0, 3, np_dtype, tree=False),
-                target_feed(dims, rng, 11, 5, 1, np_dtype, tree=True),
-                target_feed(dims, rng, 1, 4, 0, np_dtype, tree=True)]
-    if graph == "target_batch":  # ragged pasts (one empty) in non-contiguous slots; one sequence of one row
-        return [batch_target_feed(dims, rng, 5, [3, 0, 4, 1], [0, 7, 4, 1], (6, 12), np_dtype),
-                batch_target_feed(dims, rng, 1, [2], [5], (4, 8), np_dtype)]
-    if graph == "draft_batch":
-        return [batch_draft_feed(dims, rng, [3, 0, 1, 3], 3, [3, 0, 4, 1], [0, 7, 4, 1], (6, 12), np_dtype),
-                batch_draft_feed(dims, rng, [1], 1, [2], [5], (4, 8), np_dtype)]
+    if graph == "target":  # a lone sequence: prefill with image rows into slot 0, a tree over a past, one row;
+        # then a ragged batch in non-contiguous slots (one past empty) with image rows over its flattened rows
+        return [target_feed(dims, rng, 9, [0], [0], (2, 12), 3, np_dtype, tree=False),
+                target_feed(dims, rng, 11, [2], [5], (3, 16), 1, np_dtype, tree=True),
+                target_feed(dims, rng, 1, [1], [4], (2, 8), 0, np_dtype, tree=True),
+                target_feed(dims, rng, 5, [3, 0, 4, 1], [0, 7, 4, 1], (6, 12), 2, np_dtype, tree=True)]
     if graph == "draft" and dims.head_kind == "eagle3":
         return eagle3_draft.validation_feeds(dims, rng, np_dtype)
-    if graph == "draft":
-        return [draft_feed(dims, rng, 7, 0, np_dtype), draft_feed(dims, rng, 3, 6, np_dtype)]
+    if graph == "draft":  # a lone sequence's first block (no past) and a later one; a ragged batch (one past empty)
+        return [draft_feed(dims, rng, [7], 7, [0], [0], (2, 12), np_dtype),
+                draft_feed(dims, rng, [3], 3, [1], [6], (2, 12), np_dtype),
+                draft_feed(dims, rng, [3, 0, 1, 3], 3, [3, 0, 4, 1], [0, 7, 4, 1], (6, 12), np_dtype)]
     if graph in VOCABULARY_GRAPHS:
         size = dims.draft_vocab if graph == "draft_vocab" else dims.vocab
         return [vocab_feed(dims, rng, 9, 7, np_dtype, size), vocab_feed(dims, rng, 1, 1, np_dtype, size)]
