@@ -2,12 +2,16 @@
 
 An engines directory holds `<graph>.engine` files and `engines.json` (what they were built with and
 from). A TensorRT plan runs only on the TensorRT version and GPU it was built for, so both are checked
-before any engine is deserialized, with a one-line refusal that names the rebuild. Each optimization
-profile gets its own execution context (switching one context between profiles would re-plan every
-pass); each pass picks the tightest profile that holds its shapes (`pick_profile`), so a one-row
-decode or a tree verify never runs in the prefill profile. A graph built in parts (engines.json lists
-them) runs as a chain of its part engines (`graph_chain`), each part's output shapes read from its context
-once the pass's input shapes are set. Works with `tensorrt` and `tensorrt_rtx` alike: the runtime API below
+before any engine is deserialized, with a one-line refusal that names the rebuild. There is one engine per
+graph kind: the target and draft engines serve a lone sequence's passes and a batched round alike, with a
+profile for each (prefill, verify and batch; draft and batch). Each optimization profile gets its own
+execution context (switching one context between profiles would re-plan every pass); each pass picks the
+tightest profile that holds its shapes (`pick_profile`), so a one-row decode or a tree verify never runs in
+the prefill profile, nor a lone sequence's pass in the batch profile. The KV pool's geometry is the record's:
+at most `limits.max_batch` slots of at most `limits.max_context` rows (the profiles span both, so a runtime
+decoding one sequence holds a one-slot pool, and a lower --max-context a shorter one). A graph built in parts
+(engines.json lists them) runs as a chain of its part engines (`graph_chain`), each part's output shapes read
+from its context once the pass's input shapes are set. Works with `tensorrt` and `tensorrt_rtx` alike: the runtime API below
 is common to both.
 """
 from __future__ import annotations
@@ -25,7 +29,6 @@ from .graph_chain import chain
 from ..store.integrity import verify_engines
 from ..formats import engines as engines_format
 from ..formats.artifacts import read as load_manifest
-from ..formats.graphs import BATCH_GRAPHS
 from ..store.integrity import sha256
 from ..decode.limits import runtime_limit
 from .batch_rounds import check_batch
@@ -45,6 +48,17 @@ def check_engines(record: engines_format.EnginesRecord, module: str, version: st
     if compute_capability not in allowed:
         raise GlanceError(f"engines were built for compute capability {', '.join(allowed) or '?'} but this GPU is "
                           f"{compute_capability}; {REBUILD}")
+
+
+def check_engine_batch(record: engines_format.EnginesRecord, max_batch: int) -> None:
+    """Refuse a batch above the one the engines were built for: their batch axis and pool slots stop there."""
+    if max_batch <= record.max_batch:
+        return
+    built = ("one sequence at a time (no batch profile)" if record.max_batch == 1 else
+             f"at most {record.max_batch} sequences a pass")
+    raise GlanceError(f"--max-batch {max_batch} is more than these engines serve: they were built for {built}; "
+                      f"pass --max-batch {record.max_batch} or less, or rebuild with `glance-export build --max-batch "
+                      f"{max_batch}` (with a smaller --max-context where memory is short)")
 
 
 def pick_profile(profiles: list[Ranges], shapes: dict[str, tuple[int, ...]]) -> int:
@@ -150,18 +164,8 @@ class TrtBackend(GraphBackend):
 
         if max_batch > 1:
             check_batch(manifest, max_batch)
-            missing = [name for name in BATCH_GRAPHS if name not in record.engines]
-            if missing:
-                raise GlanceError(f"{engines} has no {' or '.join(missing)} engine; rebuild with "
-                                  "`glance-export build --max-batch N` to serve several requests at once, "
-                                  "or use --max-batch 1")
-            # the batched engines take the pool whole: their profiles fix its slots and rows at the build's
-            if max_batch != record.max_batch or (max_context or record.max_context) != record.max_context:
-                raise GlanceError(f"these engines batch {record.max_batch} sequences of {record.max_context} rows; "
-                                  f"pass --max-batch {record.max_batch} and no lower --max-context, or rebuild with "
-                                  f"`glance-export build --max-batch {max_batch}`")
-        graphs = {name: graph(files) for name, files in record.engines.items()
-                  if max_batch > 1 or name not in BATCH_GRAPHS}
+            check_engine_batch(record, max_batch)
+        graphs = {name: graph(files) for name, files in record.engines.items()}
         built = ("engines were built for", "rebuild them with `glance-export build`")
         super().__init__(manifest, device, graphs, name="tensorrt", home=engines,
                          precision=record.precision,  # fp16 engines from fp32 graphs

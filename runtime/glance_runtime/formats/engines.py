@@ -6,16 +6,19 @@ engines were built from. `content_sha256` covers every field (an edited record i
 the fields the runtime reads are type- and range-checked; each engine file is listed with its size and
 sha256 (checked by `integrity.verify_engines` before any is deserialized).
 
-Document (format_version 3): format, format_version, toolkit_version, target, tensorrt {module, version},
+Document (format_version 4): format, format_version, toolkit_version, target, tensorrt {module, version},
 device {name, compute_capability | runs_on_compute_capabilities, memory_gib}, precision {name,
-artifacts_dtype, how}, limits {max_context, max_tree, max_image_tokens, max_batch (absent before batching: 1)}, memory_plan, timing_cache,
+artifacts_dtype, how}, limits {max_context, max_tree, max_image_tokens, max_batch (the sequences a target or draft
+pass serves: the engines' batch axis and KV pool slots)}, memory_plan, timing_cache,
 artifacts {path, manifest_sha256, toolkit_version, family, dtype, opset, limits, source,
 head_weights_sha256}, engines {graph: {file, bytes, sha256, onnx, build_s, profiles} | {parts: [{file,
 bytes, sha256, inputs, outputs, weight_bytes, build_s, peak_rss_gib}], onnx, build_s, profiles}}, build_s,
 target_profile, content_sha256. Version 2 added content_sha256; version 3 lets a graph be an ordered list
-of parts, engines run one after the other (`graph_chain`), each naming the tensors it reads and writes.
-A version 2 record is a version 3 one without parts, so it is read as such; a reader of version 2 refuses
-version 3 as newer.
+of parts, engines run one after the other (`graph_chain`), each naming the tensors it reads and writes;
+version 4 holds one engine per graph kind, the target and draft engines taking a batch axis over the KV pool
+with a batch profile beside a lone sequence's (version 3's target and draft engines read a past of their own,
+and batched rounds had engines of their own with the weights again). Engines of an older version are refused
+by the version header, naming the rebuild.
 """
 from __future__ import annotations
 
@@ -30,8 +33,7 @@ from .common import (MAX_BATCH, Invalid, check_header, check_int, check_text, di
                      optional_text, read_json, stamped)
 
 FORMAT = "glance-engines"
-VERSION = 3
-READS_VERSIONS = (2, 3)  # version 2 is version 3 with every graph whole
+VERSION = 4
 FILE = "engines.json"
 WHAT = "GLANCE engine manifest"
 HASH_FIELD = "content_sha256"
@@ -61,7 +63,7 @@ class EnginesRecord:
     artifacts_manifest_sha256: str | None
     engines: dict[str, tuple[EngineFile, ...]]  # graph -> its one engine, or its parts in run order
     raw: dict[str, Any]
-    max_batch: int = 1  # the KV pool's slots the batched engines were built for (limits.max_batch; older: 1)
+    max_batch: int = 1  # sequences a target or draft engine's pass serves at most (limits.max_batch)
 
     @property
     def files(self) -> tuple[EngineFile, ...]:
@@ -128,7 +130,7 @@ def _parse(path: Path, raw: dict[str, Any]) -> EnginesRecord:
         artifacts_path=optional_text(artifacts, "path", "artifacts."),
         artifacts_manifest_sha256=optional_text(artifacts, "manifest_sha256", "artifacts."),
         engines={graph: _engine(graph, entry) for graph, entry in engines.items()}, raw=raw,
-        max_batch=check_int(limits.get("max_batch", 1), "limits.max_batch", 1, MAX_BATCH))
+        max_batch=integer(limits, "max_batch", 1, MAX_BATCH, "limits."))
 
 
 def read(engines_dir: str | Path) -> EnginesRecord:
@@ -141,8 +143,7 @@ def read(engines_dir: str | Path) -> EnginesRecord:
     if not present(file, WHAT, REBUILD):
         raise GlanceError(f"{engines_dir} has no {FILE}; build it with `glance-export build`")
     raw = read_json(file, WHAT, REBUILD)
-    version = raw.get("format_version")
-    check_header(raw, file, WHAT, FORMAT, version if version in READS_VERSIONS else VERSION, REBUILD)
+    check_header(raw, file, WHAT, FORMAT, VERSION, REBUILD)
     if raw.get(HASH_FIELD) != digest(raw, leave_out=HASH_FIELD):
         raise GlanceError(f"{file} was edited after the build (its fields no longer match the content_sha256 it "
                           f"records); copy the engines directory again or {REBUILD}")

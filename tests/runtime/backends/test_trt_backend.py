@@ -1,5 +1,5 @@
-"""The TensorRT backend's logic without a GPU: which profile a pass runs in, which engines it refuses,
-and that `glance-run --backend tensorrt` on real TensorRT-RTX engines fails in one line where there is
+"""The TensorRT backend's logic without a GPU: which profile of the one target engine a pass runs in (a lone
+prefill, a lone verify, a batched round), which engines and batches it refuses, and that `glance-run --backend tensorrt` on real TensorRT-RTX engines fails in one line where there is
 no GPU. Running the engines needs a GPU (marked `gpu`, skipped here with the reason)."""
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import pytest
 from support import TENSORRT_RTX_MISSING, check_mixed, config, cutting, cuda_unavailable, median_surprisal, skipping
 from glance_export.cli import main as export_main
 from glance_runtime.decode.auto_budget import auto_budget
-from glance_runtime.backends.trt_backend import check_engines, pick_profile
+from glance_runtime.backends.trt_backend import check_engine_batch, check_engines, pick_profile
+from glance_runtime.formats import engines as engines_format
+from glance_runtime.formats.common import stamped
 from glance_runtime.formats.engines import FILE as ENGINE_MANIFEST, EnginesRecord, read as read_engines_record
 from glance_runtime.cli.run import main as run_main
 from glance_runtime.errors import GlanceError
@@ -23,19 +25,50 @@ DEFAULT_ARTIFACTS = Path(__file__).parents[3] / "models" / "glance-vl-tiny-onnx"
 HIDDEN = 64
 
 
-def _target_profiles(max_context: int, max_tree: int) -> list[dict]:
-    """Ranges per input as a built target engine reports them: prefill first, then verify."""
-    def ranges(t_max: int, img_max: int) -> dict:
-        return {"inputs_embeds": ((1, HIDDEN), (t_max, HIDDEN)), "tree_mask": ((1, 1), (t_max, t_max)),
-                "image_embeds": ((0, HIDDEN), (img_max, HIDDEN)), "past_key_0": ((0, 2, 16), (max_context - 1, 2, 16))}
-    return [ranges(max_context, 256), ranges(max_tree, 1)]
+def _target_profiles(max_context: int, max_tree: int, max_batch: int = 1) -> list[dict]:
+    """Ranges per input as the one built target engine reports them: prefill, verify, then (max_batch above 1)
+    batch; every profile over a pool of 1 to max_batch slots of 1 to max_context rows."""
+    pool = ((1, 1, 2, 16), (max_batch, max_context, 2, 16))
+
+    def ranges(b_max: int, t_max: int, img_max: int) -> dict:
+        return {"inputs_embeds": ((1, 1, HIDDEN), (b_max, t_max, HIDDEN)), "tree_mask": ((1, 1, 1), (b_max, t_max, t_max)),
+                "image_embeds": ((0, HIDDEN), (img_max, HIDDEN)), "slots": ((1,), (b_max,)),
+                "past_rows": ((0,), (max_context - 1,)), "pool_key_0": pool}
+    lone = [ranges(1, max_context, 256), ranges(1, max_tree, 1)]
+    return lone + ([ranges(max_batch, max_tree, 1)] if max_batch > 1 else [])
 
 
-@pytest.mark.parametrize("rows,images,expected", [(1, 0, 1), (32, 0, 1), (33, 0, 0), (9, 4, 0), (200, 16, 0)])
-def test_target_passes_pick_the_tightest_profile(rows, images, expected):
-    shapes = {"inputs_embeds": (rows, HIDDEN), "tree_mask": (rows, rows), "image_embeds": (images, HIDDEN),
-              "past_key_0": (100, 2, 16)}
-    assert pick_profile(_target_profiles(2048, 32), shapes) == expected
+PREFILL, VERIFY, BATCH = range(3)
+
+
+@pytest.mark.parametrize("batch,rows,images,slots,expected", [
+    (1, 1, 0, 1, VERIFY), (1, 32, 0, 1, VERIFY), (1, 33, 0, 1, PREFILL), (1, 9, 4, 1, PREFILL),
+    (1, 200, 16, 1, PREFILL), (1, 1, 0, 8, VERIFY), (1, 300, 0, 8, PREFILL), (2, 1, 0, 8, BATCH),
+    (8, 32, 0, 8, BATCH)])
+def test_target_passes_pick_the_tightest_profile(batch, rows, images, slots, expected):
+    """A lone sequence's passes run in the prefill or verify profile whatever the pool's slots (a batching runtime
+    prefills a new sequence alone); only a pass of several sequences runs in the batch profile."""
+    shapes = {"inputs_embeds": (batch, rows, HIDDEN), "tree_mask": (batch, rows, rows), "image_embeds": (images, HIDDEN),
+              "slots": (batch,), "past_rows": (100,), "pool_key_0": (slots, 2048, 2, 16)}
+    assert pick_profile(_target_profiles(2048, 32, max_batch=8), shapes) == expected
+
+
+def test_a_lone_runtime_holds_a_short_one_slot_pool():
+    """A runtime decoding one sequence at a lower --max-context: a pool of one slot of that many rows."""
+    shapes = {"inputs_embeds": (1, 5, HIDDEN), "tree_mask": (1, 5, 5), "image_embeds": (0, HIDDEN), "slots": (1,),
+              "past_rows": (100,), "pool_key_0": (1, 512, 2, 16)}
+    assert pick_profile(_target_profiles(2048, 32, max_batch=8), shapes) == VERIFY
+    assert pick_profile(_target_profiles(2048, 32), shapes) == VERIFY
+
+
+def test_a_batch_the_engines_have_no_profile_for_is_one_line():
+    """Several sequences on engines built without a batch profile, or more rows each than max_tree."""
+    shapes = {"inputs_embeds": (2, 4, HIDDEN), "slots": (2,), "pool_key_0": (2, 2048, 2, 16)}
+    with pytest.raises(GlanceError, match="no engine profile holds") as err:
+        pick_profile(_target_profiles(2048, 32), shapes)
+    assert "\n" not in str(err.value)
+    with pytest.raises(GlanceError, match="no engine profile holds"):
+        pick_profile(_target_profiles(2048, 32, max_batch=8), {**shapes, "inputs_embeds": (2, 33, HIDDEN)})
 
 
 def test_vocab_runs_pick_embed_or_project():
@@ -48,14 +81,14 @@ def test_vocab_runs_pick_embed_or_project():
 
 def test_a_pass_no_profile_holds_is_one_line():
     with pytest.raises(GlanceError, match="no engine profile holds") as err:
-        pick_profile(_target_profiles(256, 32), {"inputs_embeds": (300, HIDDEN), "past_key_0": (0, 2, 16)})
+        pick_profile(_target_profiles(256, 32), {"inputs_embeds": (1, 300, HIDDEN), "past_rows": (0,)})
     assert "\n" not in str(err.value)
 
 
-def _record(module="tensorrt", version="10.3.0", cc="8.7", runs_on=None) -> EnginesRecord:
+def _record(module="tensorrt", version="10.3.0", cc="8.7", runs_on=None, max_batch=1) -> EnginesRecord:
     """Built on a GPU of `cc`, or ahead of time for every capability in `runs_on`."""
     return EnginesRecord(Path("engines"), module, version, (cc,) if cc else tuple(runs_on or ()), "fp16", 256, 64,
-                         None, None, {}, {})
+                         None, None, {}, {}, max_batch)
 
 
 def test_engines_for_this_tensorrt_and_gpu_are_accepted():
@@ -75,6 +108,36 @@ def test_engines_for_another_tensorrt_or_gpu_are_refused(record, here, message):
     with pytest.raises(GlanceError, match=message) as err:
         check_engines(record, *here)
     assert "glance-export build" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_batch_up_to_the_engines_is_served():
+    """The pool's slots span 1 to the build's max_batch: any batch up to it runs on the same engines."""
+    for asked in (1, 2, 8):
+        check_engine_batch(_record(max_batch=8), asked)
+
+
+@pytest.mark.parametrize("built,asked,message", [
+    (1, 2, "--max-batch 2 is more than these engines serve: they were built for one sequence at a time "
+           r"\(no batch profile\); pass --max-batch 1 or less, or rebuild with `glance-export build --max-batch 2`"),
+    (4, 8, "they were built for at most 4 sequences a pass; pass --max-batch 4 or less")])
+def test_a_batch_above_the_engines_is_refused(built, asked, message):
+    with pytest.raises(GlanceError, match=message) as err:
+        check_engine_batch(_record(max_batch=built), asked)
+    assert "\n" not in str(err.value)
+
+
+def test_engines_of_the_previous_record_format_are_refused_naming_the_rebuild(tmp_path):
+    """Version 3 engines read a past of their own and kept batched rounds in engines of their own: the version
+    header refuses them in one line before any field is read."""
+    document = {"tensorrt": {"module": "tensorrt", "version": "10.3.0"}, "limits": {"max_context": 256, "max_tree": 64},
+                "engines": {"target": {"file": "target.engine", "bytes": 1, "sha256": "0" * 64},
+                            "target_batch": {"file": "target_batch.engine", "bytes": 1, "sha256": "0" * 64}}}
+    (tmp_path / ENGINE_MANIFEST).write_text(json.dumps(stamped(document, engines_format.FORMAT, 3,
+                                                               engines_format.HASH_FIELD)))
+    with pytest.raises(GlanceError, match=r"is glance-engines format v3, an older format than the v4 this toolkit "
+                                          r"reads; rebuild with `glance-export build`$") as err:
+        read_engines_record(tmp_path)
+    assert "\n" not in str(err.value)
 
 
 def test_engine_manifest_errors(tmp_path):
