@@ -18,20 +18,16 @@ from glance_export.model.adapters import Snapshot
 from glance_export.model.head import head_config_for, init_head, pick_mask_token, save_head
 from glance_export.onnx import export_artifacts
 from glance_export.onnx.external_data import graph_tensors
-from glance_runtime.formats.graphs import BATCH_GRAPHS
-from support import make_snapshot
+from support import make_snapshot, tiny_head
 
 LARGE = 4096  # bytes; smaller constants (rotary tables, shape tensors) may legitimately repeat
 
 
 def _tensors(artifacts: Path) -> dict[str, list[np.ndarray]]:
-    """Every graph's tensors but the batched graphs': a small target's batched graph embeds its single twin's
-    weights again by design, a large one's reads the target's data file (test_batch_graphs_export)."""
+    """Every graph's tensors."""
     manifest = json.loads((artifacts / "manifest.json").read_text())
     out = {}
     for graph, entry in manifest["graphs"].items():
-        if graph in BATCH_GRAPHS:
-            continue
         model = onnx.load(str(artifacts / entry["file"]))
         out[graph] = [numpy_helper.to_array(t) for t in graph_tensors(model.graph)]
     return out
@@ -97,3 +93,29 @@ def test_graph_tensors_add_up_to_the_weights(exports, tied):
     stored = sum(a.nbytes for tensors in _tensors(artifacts).values() for a in tensors)
     weights = sum(p.stat().st_size for p in snap_dir.glob("*.safetensors")) + (head / "model.safetensors").stat().st_size
     assert stored <= 1.05 * weights, f"graphs hold {stored} tensor bytes for {weights} bytes of weights"
+
+
+@pytest.mark.parametrize("scheme", [None, "int4"])
+def test_an_export_stores_each_weight_once_in_every_form(snapshot_dir, tmp_path, scheme):
+    """One target and one draft graph serve a lone sequence and a batch: no second set of graphs, and across every
+    graph file of a form (the ONNX Runtime graphs; int4's TensorRT graphs under tensorrt/) no two weights hold the
+    same bytes."""
+    snapshot = snapshot_dir("qwen3")
+    out = export_artifacts(snapshot, tiny_head(snapshot, tmp_path / "head"), tmp_path / "out", max_tree=8,
+                           max_context=64, max_batch=4, quantize=scheme, group_size=32 if scheme else None,
+                           progress=lambda _: None)
+    assert not list(out.rglob("*_batch*"))
+    forms = [out, out / "tensorrt"] if scheme else [out]
+    assert all(form.is_dir() for form in forms)
+    for form in forms:
+        seen: dict[str, str] = {}
+        for path in sorted(form.glob("*.onnx")):
+            for tensor in graph_tensors(onnx.load(str(path)).graph):
+                data = tensor.raw_data or numpy_helper.to_array(tensor).tobytes()
+                if len(data) < LARGE:
+                    continue
+                key = hashlib.sha256(data).hexdigest()
+                where = f"{path.relative_to(out)}:{tensor.name}"
+                assert key not in seen, f"{where} holds the same bytes as {seen.get(key)}"
+                seen[key] = where
+        assert any("target.onnx" in w for w in seen.values()) and any("draft.onnx" in w for w in seen.values())

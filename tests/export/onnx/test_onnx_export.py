@@ -19,8 +19,7 @@ from glance_runtime.prompt.vision_indices import vision_index_inputs
 from glance_export.onnx import artifacts as artifacts_mod
 from glance_export.model.torch_backend import TorchBackend, greedy_reference
 from glance_runtime.errors import GlanceError
-from glance_runtime.formats.graphs import (batch_draft_kv_names, batch_target_kv_names, draft_kv_names,
-                                          target_kv_names)
+from glance_runtime.formats.graphs import draft_kv_names, target_kv_names
 from glance_runtime.decode.backend import Verified
 from glance_runtime.decode.loop import DecodeConfig, decode
 from support import ALL_FAMILIES, VL_FAMILIES, export_once, tiny_head
@@ -37,30 +36,23 @@ def test_graphs_pass_checker_with_contract_names(exported, family):
     _, _, out = exported(family)
     manifest = json.loads((out / "manifest.json").read_text())
     layers, head_layers = manifest["graphs"]["target"]["num_layers"], manifest["graphs"]["draft"]["num_layers"]
-    expected = {"target.onnx", "draft.onnx", "vocab.onnx", "target_batch.onnx", "draft_batch.onnx"} | (
+    expected = {"target.onnx", "draft.onnx", "vocab.onnx"} | (
         {"vision.onnx"} if family in VL_FAMILIES else set())
     assert {p.name for p in out.glob("*.onnx")} == expected
     for name in expected:
         onnx.checker.check_model(str(out / name), full_check=True)
     target = onnx.load(str(out / "target.onnx"), load_external_data=False).graph
-    past, present = target_kv_names(layers)
+    pool, present = target_kv_names(layers)
     images = ["input_ids", "inputs_embeds", "image_embeds"] + (["deepstack_embeds"] if family == "qwen3_vl" else []) \
         if family in VL_FAMILIES else ["inputs_embeds"]
-    assert [i.name for i in target.input] == [*images, "position_ids", "tree_mask", *past]
+    assert [i.name for i in target.input] == [*images, "position_ids", "tree_mask", "slots", "past_lengths",
+                                              "past_rows", *pool]
     assert [o.name for o in target.output] == ["hidden", *present, "taps"]
     draft = onnx.load(str(out / "draft.onnx"), load_external_data=False).graph
     ctx_in, ctx_out = draft_kv_names(head_layers)
-    assert [i.name for i in draft.input] == ["context_taps", "context_positions", "block_embeds", "start", *ctx_in]
+    assert [i.name for i in draft.input] == ["context_taps", "context_positions", "context_lengths", "block_embeds",
+                                             "start", "slots", "past_lengths", "past_rows", *ctx_in]
     assert [o.name for o in draft.output] == ["hidden", *ctx_out]
-    batch = onnx.load(str(out / "target_batch.onnx"), load_external_data=False).graph
-    assert [i.name for i in batch.input] == ["inputs_embeds", "position_ids", "tree_mask", "slots", "past_lengths",
-                                             "past_rows", *batch_target_kv_names(layers)[0]]
-    assert [o.name for o in batch.output] == ["hidden", *present, "taps"]
-    batch = onnx.load(str(out / "draft_batch.onnx"), load_external_data=False).graph
-    assert [i.name for i in batch.input] == ["context_taps", "context_positions", "context_lengths", "block_embeds",
-                                             "start", "slots", "past_lengths", "past_rows",
-                                             *batch_draft_kv_names(head_layers)[0]]
-    assert [o.name for o in batch.output] == ["hidden", *ctx_out]
     vocab = onnx.load(str(out / "vocab.onnx"), load_external_data=False).graph
     assert [i.name for i in vocab.input] == ["ids", "hidden"]
     assert [o.name for o in vocab.output] == ["embeds", "topk_ids", "topk_logprobs", "entropy", "topk_embeds"]
@@ -77,13 +69,16 @@ def test_manifest_describes_the_export(exported, family):
     assert (m["dtype"], m["opset"], m["branch_k"], m["block_size"]) == ("fp32", 17, 8, BLOCK)
     assert m["limits"] == {"max_tree": 32, "max_context": 256, "max_batch": 16}
     assert m["axes"]["T"] == [1, 256] and m["axes"]["S"] == [0, 255] and m["axes"]["T_verify"] == [1, 32]
+    assert (m["axes"]["B"], m["axes"]["P"], m["axes"]["C_pool"], m["axes"]["N"]) == ([1, 16], [1, 16], [1, 256],
+                                                                                     [1, 256])
     assert m["stop_token_ids"] == list(snap.stop_token_ids)
     assert m["mask_token_id"] == json.loads((head_dir / "config.json").read_text())["dflash_config"]["mask_token_id"]
     assert m["head"]["config"]["block_size"] == BLOCK
     t = m["graphs"]["target"]
     assert (t["num_layers"], t["num_kv_heads"], t["head_dim"]) == (4, 2, 16)
-    assert t["outputs"]["present_key_0"]["shape"] == ["T", 2, 16]
-    assert m["graphs"]["draft"]["outputs"]["hidden"]["shape"] == [BLOCK - 1, 64]
+    assert t["inputs"]["pool_key_0"]["shape"] == ["P", "C_pool", 2, 16]
+    assert t["outputs"]["present_key_0"]["shape"] == ["B", "T", 2, 16]
+    assert m["graphs"]["draft"]["outputs"]["hidden"]["shape"] == ["B", BLOCK - 1, 64]
     assert m["graphs"]["vocab"]["outputs"]["topk_ids"]["shape"] == ["R", 8]
     assert m["axes"]["R"] == [1, 32] and m["axes"]["E"] == [1, 256]
     assert m["graphs"]["vocab"]["tied"] is False and m["graphs"]["vocab"]["vocab_size"] == snap.text_config["vocab_size"]
@@ -104,9 +99,8 @@ def test_manifest_describes_the_export(exported, family):
 def test_validation_passes_on_fresh_inputs(exported, family):
     model_dir, head_dir, out = exported(family)
     report = validate_artifacts(out, model_dir, head_dir, seed=7, progress=lambda _: None)
-    assert set(report) == {"target", "draft", "vocab", "target_batch", "draft_batch"} | (
-        {"vision"} if family in VL_FAMILIES else set())
-    assert report["vocab"]["topk_ids"] == 0 and report["target"]["taps"] < 1e-2 and report["target_batch"]["taps"] < 1e-2
+    assert set(report) == {"target", "draft", "vocab"} | ({"vision"} if family in VL_FAMILIES else set())
+    assert report["vocab"]["topk_ids"] == 0 and report["target"]["taps"] < 1e-2
 
 
 @pytest.mark.parametrize("grid", [(1, 4, 4), (1, 6, 10), (1, 16, 8), (1, 22, 14)])
@@ -135,23 +129,28 @@ class GraphReplay:
     """The reference backend's prefill/draft/verify/commit, run through the exported graphs by hand.
 
     Positions of the prompt come from the torch model's own rope index; everything else is ONNX
-    Runtime on numpy buffers: KV rows appended after each pass and gathered on commit."""
+    Runtime on numpy buffers: one sequence, a batch of one, in slot 1 of a two-slot KV pool whose other slot
+    holds noise it must never read; each pass's rows are written after the committed ones on commit."""
 
     name = "onnx-replay"
+    SLOT = 1
 
     def __init__(self, out: Path, reference: TorchBackend):
         import onnxruntime as ort
 
         self.m = json.loads((out / "manifest.json").read_text())
         self.reference, self.block_size = reference, self.m["block_size"]
-        self.info = reference.info  # what it serves: the reference's limits (no context bound on numpy buffers)
+        self.info = reference.info  # what it serves: the reference's limits
         self.sessions = {g: ort.InferenceSession(str(out / e["file"]), providers=["CPUExecutionProvider"])
                          for g, e in self.m["graphs"].items()}
         t, d = self.m["graphs"]["target"], self.m["graphs"]["draft"]
         self.kv_names, _ = target_kv_names(t["num_layers"])
         self.ctx_names, _ = draft_kv_names(d["num_layers"])
-        self.empty_kv = np.zeros((0, t["num_kv_heads"], t["head_dim"]), np.float32)
-        self.empty_ctx = np.zeros((0, d["num_kv_heads"], d["head_dim"]), np.float32)
+        rows, rng = self.m["limits"]["max_context"], np.random.default_rng(0)
+        self.kv = [rng.normal(size=(2, rows, t["num_kv_heads"], t["head_dim"])).astype(np.float32)
+                   for _ in self.kv_names]
+        self.ctx = [rng.normal(size=(2, rows, d["num_kv_heads"], d["head_dim"])).astype(np.float32)
+                    for _ in self.ctx_names]
         self.no_image = {"image_embeds": np.zeros((0, t["hidden_size"]), np.float32)} if self.m["is_vl"] else {}
         if t["deepstack_layers"]:
             self.no_image["deepstack_embeds"] = np.zeros((t["deepstack_layers"], 0, t["hidden_size"]), np.float32)
@@ -162,55 +161,66 @@ class GraphReplay:
         hidden = np.zeros((1, self.m["graphs"]["vocab"]["hidden_size"]), np.float32) if hidden is None else hidden
         return self.sessions["vocab"].run(None, {"ids": ids, "hidden": hidden})
 
-    def _target(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
-        feed.update(zip(self.kv_names, self.kv))
-        feed["inputs_embeds"] = self._vocab(ids=feed["input_ids"][0])[0]
+    def _pool(self, pool: list[np.ndarray], names: list[str], committed: int) -> dict[str, np.ndarray]:
+        return {"slots": np.array([self.SLOT]), "past_lengths": np.array([committed]),
+                "past_rows": np.arange(committed), **dict(zip(names, pool))}
+
+    def _target(self, feed: dict[str, np.ndarray]) -> np.ndarray:
+        feed.update(self._pool(self.kv, self.kv_names, self.committed))
+        feed["inputs_embeds"] = self._vocab(ids=feed["input_ids"][0])[0][None]
         if not self.m["is_vl"]:
             del feed["input_ids"]
         out = self.sessions["target"].run(None, feed)
-        self.present, self.taps = out[1:-1], out[-1]
-        return out
+        self.present, self.taps = [p[0] for p in out[1:-1]], out[-1][0]
+        return out[0][0]
 
     def prefill(self, prompt):
-        self.kv, self.ctx = [self.empty_kv] * len(self.kv_names), [self.empty_ctx] * len(self.ctx_names)
+        self.committed, self.ctx_committed = 0, 0
         ids = prompt.input_ids[None]
         positions, self.delta = self.reference.prompt_positions(prompt)
         feed = {"input_ids": ids, "position_ids": positions.numpy().astype(np.int64),
-                "tree_mask": np.tri(ids.shape[1], dtype=bool), **self.no_image}
+                "tree_mask": np.tri(ids.shape[1], dtype=bool)[None], **self.no_image}
         if prompt.pixel_values is not None:
             vision = self.sessions["vision"]
             feeds = {"pixel_values": prompt.pixel_values,
                      **vision_index_inputs(prompt.image_grid_thw, self.m["graphs"]["vision"]["index_params"])}
             embeds = vision.run(None, feeds)
             feed.update(zip(["image_embeds", "deepstack_embeds"], embeds))
-        hidden = self._target(feed)[0]
-        self.kv = [np.concatenate([k, p]) for k, p in zip(self.kv, self.present)]
-        self.start, self.pending, self.pending_from = ids.shape[1], [self.taps], 0
+        hidden = self._target(feed)
+        self._write(self.kv, self.present, self.committed)
+        self.committed = self.start = ids.shape[1]
+        self.pending, self.pending_from = [self.taps], 0
         _, top, _, entropy, _ = self._vocab(hidden=hidden[-1:])
         return int(top[0, 0]), float(entropy[0])
+
+    def _write(self, pool: list[np.ndarray], rows: list[np.ndarray], at: int) -> None:
+        for tensor, new in zip(pool, rows):
+            tensor[self.SLOT, at:at + len(new)] = new
 
     def draft(self, anchor: int, k: int, depth: int | None = None):
         taps = np.concatenate(self.pending)
         block = self._vocab(ids=[anchor] + [self.m["mask_token_id"]] * (self.block_size - 1))[0]
-        feed = {"context_taps": taps, "block_embeds": block, "start": np.array([self.start]),
-                "context_positions": np.arange(self.pending_from, self.pending_from + len(taps)),
-                **dict(zip(self.ctx_names, self.ctx))}
+        feed = {"context_taps": taps[None], "block_embeds": block[None], "start": np.array([self.start]),
+                "context_positions": np.arange(self.pending_from, self.pending_from + len(taps))[None],
+                "context_lengths": np.array([len(taps)]), **self._pool(self.ctx, self.ctx_names, self.ctx_committed)}
         out = self.sessions["draft"].run(None, feed)
-        self.ctx = [np.concatenate([c, n]) for c, n in zip(self.ctx, out[1:])]
+        self._write(self.ctx, [c[0] for c in out[1:]], self.ctx_committed)
+        self.ctx_committed += len(taps)
         self.pending, self.pending_from = [], self.start
-        _, ids, logp, _, _ = self._vocab(hidden=out[0][:depth])
+        _, ids, logp, _, _ = self._vocab(hidden=out[0][0][:depth])
         return ids[:, :k], logp[:, :k].astype(np.float64)
 
     def verify(self, tokens, depths, visible):
         stream = (self.start + depths + self.delta)[None].astype(np.int64)
         positions = np.broadcast_to(stream, (3, 1, len(tokens))).copy() if self.m["is_vl"] else stream
         hidden = self._target({"input_ids": tokens[None].astype(np.int64), "position_ids": positions,
-                               "tree_mask": visible, **self.no_image})[0]
+                               "tree_mask": visible[None], **self.no_image})
         _, top, logp, entropy, _ = self._vocab(hidden=hidden)
         return Verified(top[:, 0], float(entropy[0]), logp[:, 0].astype(np.float64))
 
     def commit(self, rows):
-        self.kv = [np.concatenate([k, p[rows]]) for k, p in zip(self.kv, self.present)]
+        self._write(self.kv, [p[rows] for p in self.present], self.committed)
+        self.committed += len(rows)
         self.pending.append(self.taps[rows])
         self.start += len(rows)
 
@@ -239,7 +249,7 @@ def test_fp16_export_validates(exported):
     _, _, out = exported("qwen3_vl", "fp16")
     m = json.loads((out / "manifest.json").read_text())
     assert m["dtype"] == "fp16" and m["float_io_dtype"] == "float16"
-    assert m["graphs"]["target"]["inputs"]["past_key_0"]["dtype"] == "float16"
+    assert m["graphs"]["target"]["inputs"]["pool_key_0"]["dtype"] == "float16"
     assert m["graphs"]["vocab"]["outputs"]["entropy"]["dtype"] == "float32"
     assert m["graphs"]["vocab"]["outputs"]["topk_embeds"]["dtype"] == "float16"
 

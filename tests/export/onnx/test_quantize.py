@@ -30,7 +30,6 @@ from glance_runtime.backends.seeded import SeededDrafter
 from glance_runtime.errors import GlanceError
 from glance_runtime.decode.loop import DecodeConfig, decode
 from glance_runtime.formats.artifacts import read as load_manifest
-from glance_runtime.formats.graphs import BATCH_GRAPHS
 from glance_runtime.prompt.codec import exported_codec
 from support import ALL_FAMILIES, TENSORRT_RTX_MISSING, make_snapshot
 
@@ -208,7 +207,7 @@ def test_rtx_builds_quantized_engines(export, tmp_path):
     assert export_main(["build", "--target", "rtx", "--artifacts", str(artifacts), "--out", str(tmp_path / "e")]) == 0
     record = json.loads((tmp_path / "e" / "engines.json").read_text())
     assert record["engines"]["target"]["onnx"][0]["file"] == "target.onnx"
-    assert set(record["engines"]) == {"target", "draft", "vocab", "target_batch", "draft_batch"}
+    assert set(record["engines"]) == {"target", "draft", "vocab"}
 
 
 def test_drift_reports_per_prompt_against_fp32(export, tmp_path):
@@ -232,17 +231,3 @@ def test_compare_counts_the_shared_prefix():
                                              "reference_tokens": 3, "prefix_tokens": 3, "position_agreement": 1.0}
     row = compare([1, 9, 3, 4], [1, 2, 3])
     assert (row["first_divergence"], row["prefix_tokens"], row["position_agreement"]) == (1, 1, 0.5)
-
-
-@pytest.mark.parametrize("scheme", ["int4", "int8"])
-def test_the_batch_graphs_are_quantized_to_the_same_weights(export, scheme):
-    """The batched target reads every quantized weight of the target, bit for bit, in both forms."""
-    _, out = export("qwen3", scheme)
-    manifest = load_manifest(out)
-    assert manifest.batch_graphs and set(BATCH_GRAPHS) <= set(manifest.quantization.tensorrt_graphs)
-    for form in (out, out / "tensorrt"):
-        target, batch = ({t.name: numpy_helper.to_array(t) for t in _tensors(form / f"{g}.onnx")}
-                         for g in ("target", "target_batch"))
-        packed = [name for name, array in target.items() if array.dtype in (np.uint8, np.int8) or
-                  array.dtype.name.startswith("int4")]
-        assert packed and all(np.array_equal(target[name], batch[name]) for name in packed)

@@ -208,8 +208,7 @@ def test_depth_cut_checks_the_full_graphs_own_bytes(snapshot_dir, tmp_path, monk
     lines: list[str] = []
     art = export_artifacts(snap, head, tmp_path / "art", max_tree=16, max_context=64, progress=lines.append)
     assert any("read from target.onnx.data" in line for line in lines)
-    assert sorted(p.name for p in art.iterdir() if "target" in p.name) == ["target.onnx", "target.onnx.data",
-                                                                         "target_batch.onnx"]
+    assert sorted(p.name for p in art.iterdir() if "target" in p.name) == ["target.onnx", "target.onnx.data"]
     model = onnx.load(str(art / "target.onnx"), load_external_data=False)
     weight = next(t for t in model.graph.initializer if "layers.0.mlp.down_proj" in t.name)
     info = ExternalDataInfo(weight)
