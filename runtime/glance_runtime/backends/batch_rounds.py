@@ -1,8 +1,8 @@
 """A decode round for several sequences at once: one draft pass, one verify pass, commits per sequence.
 
 Sequences live in the slots of a graph backend opened with `max_batch` > 1 (`GraphBackend.sibling`): each slot
-prefills through the single-sequence graphs, in place in the KV pool, and every round after that runs the
-batched graphs (`formats.graphs`: target_batch, draft_batch) over the sequences taking part. Per round the host
+prefills as a sequence alone (a batch of one), in place in the KV pool, and every round after that runs the same
+target and draft graphs (`formats.graphs`) over all the sequences taking part. Per round the host
 sends each sequence's tree (ids, positions, mask) and reads back top-k ids and log-probs; KV never crosses:
 a pass's new rows land in a staging buffer and the accepted ones are copied into their slots, one strided copy
 per kept row across every layer. Embeddings are copied from where the last projections left them, as the
@@ -21,7 +21,7 @@ from ..decode.batch_loop import BatchLoop
 from ..decode.limits import check_branch_k, check_tree
 from ..errors import GlanceError
 from ..formats.common import MAX_BATCH
-from ..formats.graphs import BATCH_GRAPHS, batch_draft_kv_names, batch_target_kv_names
+from ..formats.graphs import draft_kv_names, target_kv_names
 from .device_buffers import Buffer, Tensor
 from .graph_backend import GraphBackend
 
@@ -36,9 +36,6 @@ def check_batch(manifest, max_batch: int) -> None:
         raise GlanceError("an EAGLE-3 head drafts a depth per pass and decodes one request at a time; "
                           "use --max-batch 1")
     exported = manifest.max_batch
-    if not manifest.batch_graphs:
-        raise GlanceError(f"{manifest.path} was exported without batched graphs; re-export with "
-                          "`glance-export onnx` to serve several requests at once, or use --max-batch 1")
     if max_batch > exported:
         fix = (f"re-export with `glance-export onnx --max-batch {max_batch}`" if max_batch <= MAX_BATCH else
                f"no export batches more than {MAX_BATCH}")
@@ -50,11 +47,11 @@ class BatchRounds:
     """Batched draft, verify and commit over the slots of `base` (slot 0 is `base` itself)."""
 
     def __init__(self, base: GraphBackend):
-        if base.pools is None or any(g not in base.graphs for g in BATCH_GRAPHS):
+        if base.max_batch < 2 or base.head_pool is None:
             raise GlanceError("this backend was opened for one sequence; open it with --max-batch 2 or more")
         self.base, m = base, base.manifest
         self.slots = [base] + [base.sibling(i) for i in range(1, base.max_batch)]
-        self.pool, self.head_pool = base.pools
+        self.pool, self.head_pool = base.pool, base.head_pool
         self.device = dev = base.device
         P, T, k = base.max_batch, base.max_tree, m.branch_k
         self.block_size, hidden, width = m.block_size, m.hidden_size, m.tap_width
@@ -62,12 +59,12 @@ class BatchRounds:
         new = base._new
         f = base.float
         self.embeds = new((P * T, hidden), f)
+        self.ids = new((P * T,), np.int64)  # the trees' tokens (a VL target finds image tokens among them)
         self.positions = new((3 * P * T,), np.int64)
         self.mask = new((P * T * T,), np.bool_)
         self.slot_ids = new((P,), np.int64)
         self.lengths = new((P,), np.int64)
-        self.rows = new((base.max_context,), np.int64)
-        dev.upload(self.rows.rows(base.max_context), np.arange(base.max_context, dtype=np.int64))
+        self.rows = base.past_rows
         self.hidden = new((P * T, hidden), f)
         self.packed = new((P * max(T, drafted), hidden), f)
         self.taps = new((P * T, width), f)
@@ -91,10 +88,8 @@ class BatchRounds:
         for row in range(P * self.block_size):
             if row % self.block_size:
                 dev.copy(self.block.rows(1, row), mask_row.rows(1))
-        self.target_pool_in, _ = batch_target_kv_names(m.target.num_layers)
-        self.head_pool_in, _ = batch_draft_kv_names(m.head.num_layers)
-        self.target_out = [f"present_{kind}_{l}" for l in range(m.target.num_layers) for kind in ("key", "value")]
-        self.head_out = [f"ctx_{kind}_{j}" for j in range(m.head.num_layers) for kind in ("key", "value")]
+        self.target_pool_in, self.target_out = target_kv_names(m.target.num_layers)
+        self.head_pool_in, self.head_out = draft_kv_names(m.head.num_layers)
 
     @property
     def capacity(self) -> int:
@@ -103,9 +98,9 @@ class BatchRounds:
     # -- joining --------------------------------------------------------------------------------------
 
     def prefill(self, slot: int, prompt, keep: int = 0) -> tuple[int, float]:
-        """Prefill `prompt` into `slot` with the single-sequence graphs; the first anchor's embedding is kept where
+        """Prefill `prompt` into `slot` as a sequence alone; the first anchor's embedding is kept where
         the next prefill cannot overwrite it. The prompt's taps wait for the slot's first draft (a batched draft
-        hands more rows than a round commits to the single draft graph first: `_absorb`)."""
+        hands more rows than a round commits to a draft pass of the slot alone first: `_absorb`)."""
         backend = self.slots[slot]
         backend.known = {}  # the shared projections' rows belong to whichever slot ran last
         first, entropy = backend.prefill(prompt, keep) if keep else backend.prefill(prompt)
@@ -113,7 +108,7 @@ class BatchRounds:
         return first, entropy
 
     def _absorb(self, slot: int, anchor: int) -> None:
-        """The slot's queued taps into its head cache through the single-sequence draft graph (its draft is not
+        """The slot's queued taps into its head cache through a draft pass of the slot alone (its draft is not
         used): a prompt's, or those of more rounds without a draft than a batched draft takes rows."""
         backend = self.slots[slot]
         found = self.known[slot].get(anchor)
@@ -121,7 +116,7 @@ class BatchRounds:
         backend.draft(anchor, 1, 1)
 
     def alone(self, slot: int, anchor: int) -> GraphBackend:
-        """The slot's backend for a round of its own (one sequence in the batch): the single-sequence graphs,
+        """The slot's backend for a round of its own (one sequence in the batch): the slot's passes as a batch of one,
         seeing the anchor's embedding where this class keeps it. `keep_anchor` after its commit."""
         backend = self.slots[slot]
         backend.known = {anchor: self.known[slot][anchor]}
@@ -229,7 +224,7 @@ class BatchRounds:
         outputs = {"hidden": self.draft_hidden.tensor((count, bs - 1, hidden)),
                    **{name: self.ctx_out.tensor((count, n, *kv_shape), i * layer)
                       for i, name in enumerate(self.head_out)}}
-        base.graphs["draft_batch"].run(inputs, outputs)
+        base.graphs["draft"].run(inputs, outputs)
         row = self.head_pool.row_bytes
         for i, backend in enumerate(backends):
             rows = backend.pending_rows
@@ -262,10 +257,12 @@ class BatchRounds:
         mask = np.zeros((count, t, t), bool)
         mask[:] = np.eye(t, dtype=bool)  # a padded row sees itself only and is never read
         positions = np.zeros((count, t), np.int64)
+        ids = np.zeros((count, t), np.int64)
         self._embed([(slot, np.asarray(tokens, np.int64)) for slot, tokens, _, _ in trees], self.embeds, t)
         for i, (backend, (slot, tokens, depths, visible)) in enumerate(zip(backends, trees)):
             size = sizes[i]
             mask[i, :size, :size] = visible
+            ids[i, :size] = tokens
             positions[i] = backend.start + backend.delta
             positions[i, :size] += np.asarray(depths, np.int64)
         past = [b.kv.length for b in backends]
@@ -273,6 +270,7 @@ class BatchRounds:
         pos_shape = (3, count, t) if vl else (count, t)
         dev.upload(self.positions.tensor(pos_shape), np.broadcast_to(positions, pos_shape))
         dev.upload(self.mask.tensor((count, t, t)), mask)
+        dev.upload(self.ids.tensor((count, t)), ids)
         dev.upload(self.slot_ids.rows(count), np.array(slots, np.int64))
         dev.upload(self.lengths.rows(count), np.array(past, np.int64))
         hidden_size = self.embeds.shape[1]
@@ -281,12 +279,15 @@ class BatchRounds:
         inputs = {"inputs_embeds": self.embeds.tensor((count, t, hidden_size)),
                   "position_ids": self.positions.tensor(pos_shape), "tree_mask": self.mask.tensor((count, t, t)),
                   "slots": self.slot_ids.rows(count), "past_lengths": self.lengths.rows(count),
-                  "past_rows": self.rows.rows(max(past)), **dict(zip(self.target_pool_in, self.pool.tensors()))}
+                  "past_rows": self.rows.rows(max(past)), **dict(zip(self.target_pool_in, self.pool.tensors())),
+                  "input_ids": self.ids.tensor((count, t)), "image_embeds": base.no_image,
+                  "deepstack_embeds": base.no_deep}
+        target = base.graphs["target"]
         outputs = {"hidden": self.hidden.tensor((count, t, hidden_size)),
                    "taps": self.taps.tensor((count, t, self.taps.shape[1])),
                    **{name: self.present.tensor((count, t, *kv_shape), i * layer)
                       for i, name in enumerate(self.target_out)}}
-        base.graphs["target_batch"].run(inputs, outputs)
+        target.run({n: v for n, v in inputs.items() if n in target.input_names}, outputs)
         ids, logp = self._project(self._pack(self.hidden, t, sizes), sum(sizes), "verify", "vocab")
         self._remember(slots, ids, sizes, "verify")
         self._width = t

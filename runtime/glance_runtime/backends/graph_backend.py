@@ -3,16 +3,18 @@
 
 It mirrors the torch reference step for step (same positions, masks, head context and commit rule).
 Everything a pass reads or writes is a preallocated `Buffer`, bound by address:
-- KV caches (`kv_cache`): a pass reads the committed rows in place and writes its new rows right after
-  them; a commit moves only the accepted rows, on the device.
+- KV caches (`kv_cache`) are slots of a KV pool (`kv_pool`; one slot where the backend decodes one sequence):
+  the target and draft graphs read the pool in place (`slots`, `past_lengths`, `past_rows` say whose rows and
+  how many) and a lone sequence's new rows are written right after its committed ones; a commit moves only the
+  accepted rows, on the device. The same graphs run a batched round (`batch_rounds`).
 - The vocab graph's projections (a draft's through draft_vocab where the head has a reduced vocabulary, and
   only of the offsets the tree can reach) return the top-k tokens' embeddings; the next anchor and every tree
   node is one of them, so inputs are assembled by device copies, not by another graph run.
 - Per round the host sends the tree (ids, positions, mask: kilobytes) and reads back top-k ids,
   log-probs and one entropy (kilobytes). KV never crosses. Device calls per round, for a T-row tree
-  with `kept` rows committed of which `moved` change place: 18 + T + kept + moved with a draft
-  (draft 3, each projection 6, verify 3 + T embedding rows, commit kept taps rows + moved KV rows),
-  9 + T + kept + moved without: independent of the context length and of the number of layers.
+  with `kept` rows committed of which `moved` change place: 20 + T + kept + moved with a draft
+  (draft 4, each projection 6, verify 4 + T embedding rows, commit kept taps rows + moved KV rows),
+  10 + T + kept + moved without: independent of the context length and of the number of layers.
 """
 from __future__ import annotations
 
@@ -43,14 +45,21 @@ from ..prompt.vision_indices import vision_index_inputs
 PRECISION_OF_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
+def one(t: Tensor) -> Tensor:
+    """`t` as a batch of one sequence (a leading axis of 1: the same bytes)."""
+    return t._replace(shape=(1, *t.shape))
+
+
 class GraphBackend:
     """prefill / draft / verify / commit on the vision, target, draft and vocab graphs."""
 
     def __init__(self, manifest: Manifest, device: Device, graphs: dict[str, Graph], *, max_context: int,
                  max_tree: int, name: str, home: Path, precision: str | None = None,
-                 providers: tuple[str, ...] = (), threads: int | None = None, max_batch: int = 1):
-        """`max_batch` > 1: the KV caches are slot 0 of pools for that many sequences (`kv_pool`); `sibling`
-        gives the other slots, and `batch_rounds.BatchRounds` runs a round for several at once."""
+                 providers: tuple[str, ...] = (), threads: int | None = None, max_batch: int = 1,
+                 weight_bytes: int = 0):
+        """The KV caches are slot 0 of pools for `max_batch` sequences (`kv_pool`); `sibling` gives the other
+        slots, and `batch_rounds.BatchRounds` runs a round for several at once. An EAGLE-3 head's cache is its
+        own (its step graph decodes one sequence)."""
         self.name, self.manifest, self.device, self.graphs = name, manifest, device, graphs
         m = manifest
         hardware = cuda_gpu(device.device_id, device.compute_capability()) if isinstance(device, CudaDevice) \
@@ -71,22 +80,23 @@ class GraphBackend:
         self.float = np.dtype(m.float_dtype)
         hidden, k, width = m.hidden_size, m.branch_k, m.tap_width
         rows = max(max_tree, m.block_size - 1)
-        self.max_batch = max_batch
-        self.pools: tuple[KVPool, KVPool] | None = None
-        if max_batch > 1:
-            self.pools = (KVPool(device, m.target.num_layers, m.target.kv_heads, m.target.head_dim, max_batch,
-                                 max_context, self.float),
-                          KVPool(device, m.head.num_layers, m.head.kv_heads, m.head.head_dim, max_batch, max_context,
-                                 self.float))
-            self.kv, self.head_kv = self.pools[0].cache(0), self.pools[1].cache(0)
-        else:
-            self.kv = KVCache(device, m.target.num_layers, m.target.kv_heads, m.target.head_dim, max_context,
-                              self.float)
-            self.head_kv = KVCache(device, m.head.num_layers, m.head.kv_heads, m.head.head_dim,
-                                   head_rows(max_context, k) if steps else max_context, self.float)
+        self.max_batch, self.weight_bytes = max_batch, weight_bytes
+        self.pool = KVPool(device, m.target.num_layers, m.target.kv_heads, m.target.head_dim, max_batch,
+                           max_context, self.float)
+        self.head_pool = None if steps else KVPool(device, m.head.num_layers, m.head.kv_heads, m.head.head_dim,
+                                                   max_batch, max_context, self.float)
+        self.kv = self.pool.cache(0)
+        self.head_kv = (self.head_pool.cache(0) if self.head_pool else
+                        KVCache(device, m.head.num_layers, m.head.kv_heads, m.head.head_dim,
+                                head_rows(max_context, k), self.float))
         self.kv_in, self.kv_out = target_kv_names(m.target.num_layers)
         self.head_in, self.head_out = draft_kv_names(m.head.num_layers)
         new = self._new
+        self.slot_in = new((1,), np.int64)  # this backend's slot in the pools (a sibling has its own)
+        self.lengths_in = new((1,), np.int64)  # a pass's past_lengths
+        self.past_rows = new((max_context,), np.int64)  # 0..max_context-1: a pass reads the first S as past_rows
+        device.upload(self.slot_in.rows(1), np.zeros(1, np.int64))
+        device.upload(self.past_rows.rows(max_context), np.arange(max_context, dtype=np.int64))
         self.ids = new((max_context,), np.int64)  # target input_ids and vocab ids
         self.embeds = new((max_context, hidden), self.float)  # target inputs_embeds
         self.positions = new((3 * max_context,), np.int64)
@@ -98,6 +108,7 @@ class GraphBackend:
         self.draft_hidden = new((m.block_size - 1, hidden), self.float)
         self.ctx_positions = new((max_context,), np.int64)
         self.start_in = new((1,), np.int64)
+        self.context_lengths = new((1,), np.int64)
         self.top_ids = new((rows, k), np.int64)
         self.top_logp = new((rows, k), np.float32)
         self.entropy = new((1,), np.float32)
@@ -119,15 +130,29 @@ class GraphBackend:
         for row in range(2, m.block_size):
             device.copy(self.block.rows(1, row), self.block.rows(1, 1))
 
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the KV pools (the target's and the head's): what serving `max_batch` sequences adds."""
+        return self.pool.nbytes + (self.head_pool or self.head_kv).buffer.nbytes
+
+    def memory_line(self) -> str:
+        """What the load holds: the weights once, whatever the batch, and the KV pool for `max_batch` sequences."""
+        mib = float(1 << 20)
+        sequences = f"{self.max_batch} sequence{'s' * (self.max_batch != 1)}"
+        return (f"weights {self.weight_bytes / mib:.0f} MiB (one copy for any batch), KV pool {self.kv_bytes / mib:.0f} "
+                f"MiB for {sequences} of {self.max_context} rows")
+
     def sibling(self, slot: int) -> "GraphBackend":
         """Slot `slot` of the pools as a backend of its own: its caches, committed rows and queued taps are the
         slot's; graphs and every per-pass buffer are shared with this backend (one pass runs at a time), which
         owns and frees them all."""
-        if self.pools is None:
+        if self.max_batch < 2 or self.head_pool is None:
             raise GlanceError("this backend was opened for one sequence; open it with --max-batch 2 or more")
         other = copy.copy(self)
-        other.kv, other.head_kv = self.pools[0].cache(slot), self.pools[1].cache(slot)
+        other.kv, other.head_kv = self.pool.cache(slot), self.head_pool.cache(slot)
         other.pending = self._new(self.pending.shape, self.float)
+        other.slot_in = self._new((1,), np.int64)
+        self.device.upload(other.slot_in.rows(1), np.array([slot], np.int64))
         other._closed = True  # closing is the owner's
         other._reset()
         return other
@@ -202,30 +227,39 @@ class GraphBackend:
     # -- the target graph -----------------------------------------------------------------------------
 
     def _positions(self, stream: np.ndarray) -> np.ndarray:
-        """Stream positions + delta: [3, 1, T] (same on every M-RoPE axis) for VL targets, else [1, T]."""
+        """Stream positions + delta: [3, 1, T] (same on every M-RoPE axis) for VL targets, else [1, T]: a batch
+        of one."""
         pos = np.empty((3 if self.manifest.is_vl else 1, 1, len(stream)), np.int64)
         pos[:] = stream + self.delta
         return pos if self.manifest.is_vl else pos[0]
 
+    def _pool_inputs(self, length: int) -> dict[str, Tensor]:
+        """The pool inputs of a pass of this backend's sequence alone: its slot, its `length` committed rows."""
+        self.device.upload(self.lengths_in.rows(1), np.array([length], np.int64))
+        return {"slots": self.slot_in.rows(1), "past_lengths": self.lengths_in.rows(1),
+                "past_rows": self.past_rows.rows(length)}
+
     def _run_target(self, ids: np.ndarray, positions: np.ndarray, tree_mask: np.ndarray, taps: Buffer,
                     image: Tensor, deep: Tensor) -> Tensor:
-        """One target pass over T rows after the committed ones: new K/V rows land in the cache, taps in
-        the first T rows of `taps`; returns the hidden rows (on the device). Room is checked before any view."""
+        """One target pass over T rows after the committed ones, as a batch of one: new K/V rows land in the
+        slot right after its committed rows, taps in the first T rows of `taps`; returns the hidden rows (on the
+        device). Room is checked before any view."""
         rows = len(ids)
         self.kv.check_room(rows)
         self.embed_rows(ids, self.embeds, 0)
         self.device.upload(self.ids.rows(rows), ids)
         self.device.upload(self.positions.tensor(positions.shape), positions)
-        self.device.upload(self.mask.tensor((rows, rows)), np.ascontiguousarray(tree_mask, dtype=bool))
-        inputs = {"input_ids": self.ids.tensor((1, rows)), "inputs_embeds": self.embeds.rows(rows),
-                  "position_ids": self.positions.tensor(positions.shape), "tree_mask": self.mask.tensor((rows, rows)),
-                  **dict(zip(self.kv_in, self.kv.past()))}
+        self.device.upload(self.mask.tensor((1, rows, rows)), np.ascontiguousarray(tree_mask, dtype=bool))
+        inputs = {"input_ids": self.ids.tensor((1, rows)), "inputs_embeds": one(self.embeds.rows(rows)),
+                  "position_ids": self.positions.tensor(positions.shape), "tree_mask": self.mask.tensor((1, rows, rows)),
+                  **self._pool_inputs(self.kv.length), **dict(zip(self.kv_in, self.pool.tensors()))}
         if self.manifest.is_vl:
             inputs["image_embeds"] = image
             if self.manifest.deepstack_layers:
                 inputs["deepstack_embeds"] = deep
         hidden = self.hidden.rows(rows)
-        outputs = {"hidden": hidden, "taps": taps.rows(rows), **dict(zip(self.kv_out, self.kv.new_rows(rows)))}
+        outputs = {"hidden": one(hidden), "taps": one(taps.rows(rows)),
+                   **{name: one(t) for name, t in zip(self.kv_out, self.kv.new_rows(rows))}}
         self.graphs["target"].run({n: t for n, t in inputs.items() if n in self.graphs["target"].input_names}, outputs)
         self.kv.appended(rows)
         return hidden
@@ -387,11 +421,13 @@ class GraphBackend:
         self.embed_rows(np.array([anchor], np.int64), self.block, 0)
         self.device.upload(self.ctx_positions.rows(rows), np.arange(self.pending_from, self.pending_from + rows))
         self.device.upload(self.start_in.rows(1), np.array([self.start], np.int64))
-        inputs = {"context_taps": self.pending.rows(rows), "context_positions": self.ctx_positions.rows(rows),
-                  "block_embeds": self.block.rows(self.block_size), "start": self.start_in.rows(1),
-                  **dict(zip(self.head_in, self.head_kv.past()))}
-        outputs = {"hidden": self.draft_hidden.rows(self.block_size - 1),
-                   **dict(zip(self.head_out, self.head_kv.new_rows(rows)))}
+        self.device.upload(self.context_lengths.rows(1), np.array([rows], np.int64))
+        inputs = {"context_taps": one(self.pending.rows(rows)), "context_positions": one(self.ctx_positions.rows(rows)),
+                  "context_lengths": self.context_lengths.rows(1), "block_embeds": one(self.block.rows(self.block_size)),
+                  "start": self.start_in.rows(1), **self._pool_inputs(self.head_kv.length),
+                  **dict(zip(self.head_in, self.head_pool.tensors()))}
+        outputs = {"hidden": one(self.draft_hidden.rows(self.block_size - 1)),
+                   **{name: one(t) for name, t in zip(self.head_out, self.head_kv.new_rows(rows))}}
         self.graphs["draft"].run(inputs, outputs)
         self.head_kv.appended(rows)
         self.pending_rows, self.pending_from = 0, self.start
@@ -448,7 +484,7 @@ class GraphBackend:
         if self._closed:
             return
         self._closed = True
-        caches = [p.buffer for p in self.pools] if self.pools else [self.kv.buffer, self.head_kv.buffer]
+        caches = [self.pool.buffer, (self.head_pool or self.head_kv).buffer]
         for buffer in [*self._owned, *self._images.values(), *caches]:
             self.device.free(buffer)
         for graph in self.graphs.values():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from ..errors import GlanceError
 from ..formats.artifacts import Manifest
-from ..formats.graphs import BATCH_GRAPHS
 from .hardware import available_host_bytes
 
 GIB = float(1 << 30)
@@ -20,12 +19,11 @@ PROCESS_BYTES = 5 << 28
 HALF_PRECISION = ("fp16", "bf16")
 
 
-def weight_bytes(manifest: Manifest, max_batch: int = 1) -> int:
-    """Bytes of every graph file and data file the backend opens (not the TensorRT forms beside them); the batched
-    graphs where it batches, each counted whole: a session holds its own copy of the weights, even of a data
-    file another graph's session reads too."""
-    return sum(manifest.file_hashes[name].size for graph, entry in manifest.graphs.items()
-               if max_batch > 1 or graph not in BATCH_GRAPHS for name in (entry.file, entry.data_file) if name)
+def weight_bytes(manifest: Manifest) -> int:
+    """Bytes of every graph file and data file the backend opens (not the TensorRT forms beside them): one
+    session a graph, however many sequences it batches."""
+    return sum(manifest.file_hashes[name].size for entry in manifest.graphs.values()
+               for name in (entry.file, entry.data_file) if name)
 
 
 def buffer_bytes(manifest: Manifest, max_context: int, max_batch: int = 1) -> int:
@@ -40,7 +38,7 @@ def cpu_load_bytes(manifest: Manifest, max_context: int, max_batch: int = 1) -> 
     """Host bytes a CPU-provider backend needs at load: the weights (as fp32 when exported in half
     precision), its buffers and the process."""
     scale = 2 if manifest.dtype in HALF_PRECISION else 1
-    return (scale * weight_bytes(manifest, max_batch) + buffer_bytes(manifest, max_context, max_batch)
+    return (scale * weight_bytes(manifest) + buffer_bytes(manifest, max_context, max_batch)
             + PROCESS_BYTES)
 
 

@@ -15,13 +15,13 @@ import numpy as np
 
 from .device_buffers import CudaDevice, Device, HostDevice, Tensor
 from ..errors import GlanceError
-from ..formats.graphs import BATCH_GRAPHS, DRAFT_GRAPH, DRAFT_VOCAB_GRAPH, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH
+from ..formats.graphs import DRAFT_GRAPH, DRAFT_VOCAB_GRAPH, TARGET_GRAPH, VISION_GRAPH, VOCAB_GRAPH
 from ..formats.artifacts import check_graph_io, read as load_manifest
 from ..decode.limits import runtime_limit
 from .shape_expr import bind, evaluate
 from .batch_rounds import check_batch
 from .graph_backend import GraphBackend
-from .host_room import check_this_machine
+from .host_room import check_this_machine, weight_bytes
 from .ort_cache import open_cached
 
 PROVIDER_ALIASES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
@@ -120,7 +120,8 @@ class OrtBackend(GraphBackend):
     def __init__(self, artifacts_dir: str | Path, providers: Sequence[str] | str | None = None,
                  max_context: int | None = None, max_tree: int | None = None, threads: int | None = None,
                  max_batch: int = 1):
-        """`max_batch` > 1: a KV pool for that many sequences and the batched graphs (`batch_rounds`)."""
+        """`max_batch` > 1: a KV pool for that many sequences, decoded together by the same graphs
+        (`batch_rounds`)."""
         ort = _onnxruntime()
         path = Path(artifacts_dir)
         manifest = load_manifest(path)
@@ -169,12 +170,10 @@ class OrtBackend(GraphBackend):
         opened |= {"target": session(TARGET_GRAPH), "draft": session(DRAFT_GRAPH)}
         if manifest.is_vl:
             opened["vision"] = session(VISION_GRAPH)
-        if max_batch > 1:
-            opened |= {name: session(f"{name}.onnx") for name in BATCH_GRAPHS}
-        graphs = {name: opened[name] for name in ("target", "draft", "vocab", "vision", "draft_vocab", *BATCH_GRAPHS)
+        graphs = {name: opened[name] for name in ("target", "draft", "vocab", "vision", "draft_vocab")
                   if name in opened}
         super().__init__(manifest, device, graphs, name="onnxruntime", home=path, providers=tuple(chosen),
                          threads=threads,
                          max_context=context,
                          max_tree=runtime_limit("--max-tree", max_tree, manifest.max_tree, *_EXPORTED),
-                         max_batch=max_batch)
+                         max_batch=max_batch, weight_bytes=weight_bytes(manifest))

@@ -60,6 +60,8 @@ def _graph_session(backend, model: Path | None, settings: Settings | DecodeConfi
     """A graph backend with its exported codec and, when `model` (the snapshot its graphs came from) is given,
     the torch oracle."""
     info = backend.info
+    if backend.max_batch > 1:
+        progress(f"loaded for {backend.max_batch} requests at once: {backend.memory_line()}")
     places = tuple(dict.fromkeys([info.home, info.manifest.path]))  # engines first, then their artifacts
     shipped = Path(info.home).resolve() == DEFAULT_ARTIFACTS.resolve()  # part of the install: kept unwritten
     return Session(backend, exported_codec(info.manifest), settings, progress,

@@ -20,7 +20,7 @@ import numpy as np
 from ..decode.limits import check_branch_k
 from ..defaults import EAGLE3_DEPTH
 from ..errors import GlanceError
-from ..formats.graphs import target_kv_names
+from ..formats.graphs import step_kv_names
 
 
 def head_rows(max_context: int, branch_k: int) -> int:
@@ -52,7 +52,7 @@ class StepDrafts:
         self.positions = new((3 * context,), np.int64)
         self.step_mask = new((k * (head_rows(context, k) + k),), np.bool_)
         self.logit_rows = new((k,), np.int64)
-        self.past_names, self.present_names = target_kv_names(m.head.num_layers)
+        self.past_names, self.present_names = step_kv_names(m.head.num_layers)
         self.tokens = np.zeros(context + 1, np.int64)  # committed stream ids
         self.stream_pos = np.zeros((3, context + 1), np.int64)  # the head's positions of committed rows
         self.cached = 0  # committed rows in the head's cache

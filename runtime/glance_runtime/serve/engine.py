@@ -71,9 +71,9 @@ class Completion:
 
 
 def default_batch(spec: ModelSpec) -> int:
-    """Requests to decode together where none was asked for: SERVE_MAX_BATCH where the artifacts served hold
-    batched graphs (at most as many as they were exported for), else 1 (torch, engines, an EAGLE-3 head, older
-    exports). Read from the manifest's JSON alone: the backend checks the files as it loads."""
+    """Requests to decode together where none was asked for: SERVE_MAX_BATCH where the artifacts served were
+    exported for batches (at most as many as they were exported for), else 1 (torch, engines, an EAGLE-3 head,
+    `--max-batch 1` exports). Read from the manifest's JSON alone: the backend checks the files as it loads."""
     backend = "tensorrt" if spec.engines is not None else spec.backend
     try:
         _, _, artifacts, backend = resolve(spec.model, spec.head, spec.artifacts, backend)

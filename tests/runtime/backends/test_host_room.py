@@ -13,7 +13,6 @@ from glance_export.onnx import export_artifacts
 from glance_runtime.backends.host_room import PROCESS_BYTES, buffer_bytes, check_cpu_room, cpu_load_bytes, weight_bytes
 from glance_runtime.errors import GlanceError
 from glance_runtime.formats.artifacts import read as read_manifest
-from glance_runtime.formats.graphs import BATCH_GRAPHS
 from support import make_mid_snapshot
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -27,8 +26,8 @@ def rss():
 
 import onnxruntime, numpy
 before = rss()
-backend = OrtBackend(sys.argv[1], max_context=int(sys.argv[2]), threads=1)
-print(rss() - before)
+backend = OrtBackend(sys.argv[1], max_context=int(sys.argv[2]), threads=1, max_batch=int(sys.argv[3]))
+print(rss() - before, backend.kv_bytes)
 """
 
 
@@ -43,13 +42,19 @@ def wide_fp16(tmp_path_factory) -> Path:
                             progress=lambda _: None)
 
 
+def load_growth(artifacts: Path, max_batch: int = 1) -> tuple[int, int]:
+    """(bytes a fresh process grows by opening the graphs, bytes of its KV pools), measured in a child."""
+    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'runtime'}", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, str(artifacts), str(CONTEXT), str(max_batch)], env=env,
+                          capture_output=True, text=True, check=True)
+    grown, kv = done.stdout.split()[-2:]
+    return int(grown), int(kv)
+
+
 def test_the_estimate_covers_a_real_load_and_counts_the_fp32_copies(wide_fp16):
     """A CPU session of fp16 graphs grows by about twice their bytes (the provider's fp32 copies): an
     estimate of the file bytes alone would let a load that cannot fit start; this one covers it."""
-    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'runtime'}", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, str(wide_fp16), str(CONTEXT)], env=env,
-                          capture_output=True, text=True, check=True)
-    grown = int(done.stdout.split()[-1])
+    grown, _ = load_growth(wide_fp16)
     manifest = read_manifest(wide_fp16)
     weights = weight_bytes(manifest)
     assert weights > 30e6
@@ -57,16 +62,22 @@ def test_the_estimate_covers_a_real_load_and_counts_the_fp32_copies(wide_fp16):
     assert grown < cpu_load_bytes(manifest, CONTEXT), (grown, cpu_load_bytes(manifest, CONTEXT))
 
 
+def test_a_batching_load_holds_the_weights_once(wide_fp16):
+    """Opening the graphs for four sequences holds what opening them for one does, plus the larger KV pool, within
+    5%: the same sessions serve a lone sequence and a batch, so no weight is held twice."""
+    alone, kv_alone = load_growth(wide_fp16, 1)
+    batched, kv_batched = load_growth(wide_fp16, 4)
+    assert kv_batched == 4 * kv_alone
+    assert batched <= alone + (kv_batched - kv_alone) + 0.05 * alone, (batched, alone, kv_batched)
+
+
 def test_weight_bytes_are_the_files_the_backend_opens(wide_fp16):
-    """One sequence opens the single-sequence graphs; a batching backend the batched ones too, each session holding
-    its own weights; its KV pool grows with the batch."""
+    """Every graph the manifest lists, each opened once whatever the batch; the KV pool grows with the batch."""
     manifest = read_manifest(wide_fp16)
-    single = {n for g, e in manifest.graphs.items() if g not in BATCH_GRAPHS for n in (e.file, e.data_file) if n}
-    assert {"target.onnx", "draft.onnx", "vocab.onnx"} <= single
-    assert weight_bytes(manifest) == sum((wide_fp16 / f).stat().st_size for f in single)
-    batched = sum((wide_fp16 / n).stat().st_size for g in BATCH_GRAPHS for n in
-                  (manifest.graphs[g].file, manifest.graphs[g].data_file) if n)
-    assert weight_bytes(manifest, 4) == weight_bytes(manifest) + batched
+    files = {n for e in manifest.graphs.values() for n in (e.file, e.data_file) if n}
+    assert {"target.onnx", "draft.onnx", "vocab.onnx"} <= files
+    assert not any("batch" in name for name in files)
+    assert weight_bytes(manifest) == sum((wide_fp16 / f).stat().st_size for f in files)
     kv = sum(2 * s.num_layers * s.kv_heads * s.head_dim for s in (manifest.target, manifest.head)) * 2
     assert buffer_bytes(manifest, CONTEXT, 4) - buffer_bytes(manifest, CONTEXT) == 3 * kv * CONTEXT
 
