@@ -567,8 +567,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--max-tree", type=flags.at_least("--max-tree", 1),
                    help="lower the export's max tree (default: the target's cap)")
     b.add_argument("--max-batch", type=BATCHED,
-                   help="sequences a batched round runs, at most the export's (default: the target's max_batch, "
-                        "lowered to what fits the memory budget); 1 builds no batch engines")
+                   help="sequences a target or draft engine's pass serves, at most the export's (default: the "
+                        "target's max_batch, lowered to what fits the memory budget); 1 builds no batch profile")
     b.add_argument("--memory-gib", type=flags.positive("--memory-gib"),
                    help="device memory budget (default: this device's, else the target's)")
     b.add_argument("--workspace-gib", type=flags.positive("--workspace-gib"),

@@ -209,6 +209,8 @@ def plan(request: BuildRequest, target: Target, say: Callable[[str], None]) -> P
                          workspace_gib=request.workspace_gib, tensorrt_version=version,
                          max_part_gib=request.max_part_gib, max_batch=request.max_batch)
     say(memory.explain())
+    if memory.batch_note:
+        say(memory.batch_note)
     return Planned(artifacts, manifest, memory)
 
 

@@ -1,8 +1,9 @@
-"""Size a build to the target's memory: weights + KV cache at max context + builder workspace must fit;
-and check, before any work, that the machine running the build can hold the builder itself.
+"""Size a build to the target's memory: weights (once: one engine per graph) + the KV pool (max context rows for
+each of max batch sequences) + builder workspace must fit; and check, before any work, that the machine running
+the build can hold the builder itself.
 
 On a Jetson the GPU shares the module's memory with the OS and the runtime process, so the context,
-tree and image limits an engine is built for are derived from that budget (never above the export's,
+tree, image and batch limits an engine is built for are derived from that budget (never above the export's,
 whose axis bounds the ONNX graphs were traced for), and the build says which limit bound each one.
 
 The builder's host memory is bounded by one graph, not the model: each graph is built in its own
@@ -36,7 +37,6 @@ from typing import Any
 
 from glance_runtime.errors import GlanceError
 from glance_runtime.formats.artifacts import GraphFile, Manifest
-from glance_runtime.formats.graphs import BATCH_GRAPHS
 from glance_runtime.backends.hardware import available_host_bytes
 
 from .targets import DeviceProfile, version_tuple
@@ -58,11 +58,11 @@ class Limits:
     max_context: int
     max_tree: int
     max_image_tokens: int | None  # None: a text-only model
-    max_batch: int = 1  # sequences a batched round runs; 1: no batch engines
+    max_batch: int = 1  # sequences a target or draft pass serves; 1: no batch profile
 
     def apply(self, manifest: Manifest) -> Manifest:
-        """The artifacts manifest with its axis bounds lowered to these limits (never raised); at max_batch 1
-        without the batched graphs, whose engines would then never run."""
+        """The artifacts manifest with its axis bounds lowered to these limits (never raised): the batch axis and
+        the KV pool's slots to max_batch, its rows to the context."""
         axes, ctx = dict(manifest.axes), self.max_context
         # S_h and C run past the context by what a head caches beyond it (an EAGLE-3 round's node rows)
         beyond = {axis: axes[axis][1] - manifest.max_context for axis in ("S_h", "C") if axis in axes}
@@ -72,17 +72,13 @@ class Limits:
             unit = manifest.spatial_merge_size ** 2
             lowered.update(N_img=self.max_image_tokens, N_merged=max(axes["N_merged"][0], self.max_image_tokens),
                            N_patch=max(axes["N_patch"][0], self.max_image_tokens * unit))
-        lowered.update(B=self.max_batch, T_b=self.max_tree, S_b=ctx - 1)
+        lowered.update(B=self.max_batch, P=self.max_batch, C_pool=ctx)
         for axis, hi in lowered.items():
             if axis in axes:
-                axes[axis] = (axes[axis][0], min(axes[axis][1], hi))
-        for axis, size in (("P", self.max_batch), ("C_pool", ctx)):  # the pool's size: fixed, lowered whole
-            if axis in axes:
-                axes[axis] = (min(axes[axis][0], size),) * 2
-        graphs = (manifest.graphs if self.max_batch > 1 else
-                  {name: entry for name, entry in manifest.graphs.items() if name not in BATCH_GRAPHS})
-        return replace(manifest, axes=axes, max_context=ctx, max_tree=self.max_tree, max_batch=self.max_batch,
-                       graphs=graphs)
+                top = min(axes[axis][1], hi)
+                axes[axis] = (min(axes[axis][0], top), top)
+        return replace(manifest, axes=axes, max_context=ctx, max_tree=self.max_tree,
+                       max_batch=min(manifest.max_batch, self.max_batch))
 
 
 def _size(gib: float) -> str:
@@ -157,6 +153,7 @@ class MemoryPlan:
     build: BuildPeak  # the host memory the builder needs, wherever it runs
     part_gib: float = PART_GIB  # weights per part of a graph built in parts
     cuts: dict[str, GraphCut] = field(default_factory=dict, compare=False)  # graph -> its parts, where cut
+    batch_note: str | None = None  # the line saying a default max batch was lowered to fit, and how to ask for it
 
     @property
     def workspace_gib(self) -> float:
@@ -270,22 +267,39 @@ def _max_context(profile: DeviceProfile, budget: Budget, exported: int, requeste
     return fit // CONTEXT_STEP * CONTEXT_STEP, "what fits the memory budget"
 
 
+def _context_for(budget: Budget, batch: int, ctx: int) -> int:
+    """The longest context (a multiple of `CONTEXT_STEP` where one fits) a pool of `batch` sequences fits in."""
+    rows = budget.rows_that_fit(batch * ctx) // batch
+    return rows // CONTEXT_STEP * CONTEXT_STEP if rows >= CONTEXT_STEP else rows
+
+
 def _max_batch(profile: DeviceProfile, budget: Budget, ctx: int, exported: int,
-               requested: int | None) -> tuple[int, str]:
-    """Sequences a batched round runs: never above the export's; the target's default unless requested; and the
-    pool holds a context of KV rows for each, so a default that does not fit is lowered (a requested one refused)."""
+               requested: int | None) -> tuple[int, str, str | None]:
+    """Sequences a target or draft pass serves, the reason, and the line a lowered default prints (else None):
+    never above the export's; the target's default unless requested; and the pool holds a context of KV rows for
+    each, so a default that does not fit is lowered to what does (1: no batch profile) rather than refusing the
+    build, while a requested one that does not fit is refused."""
     if exported == 1:
-        return 1, "the export has no batched graphs"
+        return 1, "the export's limit", None
     cap, why = ((requested, "--max-batch") if requested is not None else
                 min((exported, "the export's limit"), (profile.max_batch, f"{profile.name}'s default"),
                     key=lambda pair: pair[0]))
     fit = budget.rows_that_fit(cap * ctx) // ctx
     if fit >= cap:
-        return cap, why
+        return cap, why, None
+    rows = _context_for(budget, cap, ctx)
     if requested is not None:
+        context = f" or --max-context to {rows}" if rows else ""
         raise GlanceError(f"{cap} sequences of {ctx} context rows do not fit {profile.name}: "
-                          f"{budget.shortfall(cap * ctx)}; lower --max-batch to {max(fit, 1)} or --max-context")
-    return max(fit, 1), "what fits the memory budget"
+                          f"{budget.shortfall(cap * ctx)}; lower --max-batch to {max(fit, 1)}{context}, or pass "
+                          f"--memory-gib if the device has more")
+    batch = max(fit, 1)
+    ask = (f"to build for {cap}, pass --max-batch {cap} with --max-context {rows} or less" if rows else
+           f"{cap} sequences fit no context in this budget: pass --memory-gib if the device has more")
+    alone = " (one sequence at a time: no batch profile)" if batch == 1 else ""
+    return batch, "what fits the memory budget", (
+        f"max batch lowered from {why} {cap} to {batch}{alone}: with {cap} sequences of {ctx} context rows the "
+        f"build {budget.shortfall(cap * ctx)}; {ask}")
 
 
 def part_budget_gib(profile: DeviceProfile, budget: Budget, mapped: bool, requested: float | None) -> float:
@@ -320,8 +334,7 @@ def plan_memory(profile: DeviceProfile, manifest: Manifest, artifacts: Path, pre
     _requested("--max-tree", max_tree, export_tree)
     _requested("--max-batch", max_batch, manifest.max_batch)
     memory, source = _memory(profile, device, memory_gib)
-    graphs = (manifest.graphs if max_batch != 1 else  # --max-batch 1 builds no batch engines
-              {name: entry for name, entry in manifest.graphs.items() if name not in BATCH_GRAPHS})
+    graphs = manifest.graphs  # one engine per graph, each holding its weights once
     weights = weights_bytes(artifacts, graphs) * BYTES[precision] / BYTES[manifest.dtype] / GIB
     budget = Budget(memory, source, profile.reserve_gib, _workspace(profile, workspace_gib), weights,
                     kv_bytes_per_row(manifest))
@@ -329,7 +342,7 @@ def plan_memory(profile: DeviceProfile, manifest: Manifest, artifacts: Path, pre
     tree, tree_why = min((export_tree, "the export's limit"), (profile.max_tree, f"{profile.name}'s cap"),
                          (ctx, "the max context"), *([(max_tree, "--max-tree")] if max_tree else []),
                          key=lambda pair: pair[0])
-    batch, batch_why = _max_batch(profile, budget, ctx, manifest.max_batch, max_batch)
+    batch, batch_why, batch_note = _max_batch(profile, budget, ctx, manifest.max_batch, max_batch)
     reasons = {"max_context": ctx_why, "max_tree": tree_why, "max_batch": batch_why}
     image = None
     if "N_img" in manifest.axes:
@@ -340,7 +353,7 @@ def plan_memory(profile: DeviceProfile, manifest: Manifest, artifacts: Path, pre
     part_gib = part_budget_gib(profile, budget, mapped, max_part_gib)
     cuts = graph_cuts(artifacts, graphs, part_gib)
     peak = build_peak(artifacts, graphs, profile, budget.workspace_gib, mapped, cuts)
-    return MemoryPlan(Limits(ctx, tree, image, batch), budget, reasons, peak, part_gib, cuts)
+    return MemoryPlan(Limits(ctx, tree, image, batch), budget, reasons, peak, part_gib, cuts, batch_note)
 
 
 def maps_weights(profile: DeviceProfile, tensorrt_version: str | None) -> bool:

@@ -62,23 +62,27 @@ def _span(bounds: list[int], want: int) -> Range:
 
 
 def shape_profiles(manifest: Manifest, graph: str) -> list[ShapeProfile]:
-    """Optimization profiles of one graph from the manifest's axis bounds."""
+    """Optimization profiles of one graph from the manifest's axis bounds. The target and GLANCE draft graphs are
+    one engine each: a lone sequence's passes (B = 1) and, where the bounds allow more than one sequence, a batched
+    round's (`batch`)."""
     axes, max_tree = manifest.axes, manifest.max_tree
     if graph == "target":
         past = _span(axes["S"], axes["S"][1] // 2)
-        prefill = {"T": _span(axes["T"], 256), "S": past}
-        verify = {"T": (1, _opt(1, max_tree, 32), max_tree), "S": past}
-        if "N_img" in axes:
+        prefill = {**_lone(axes), "T": _span(axes["T"], 256), "S": past}
+        verify = {**_lone(axes), "T": (1, _opt(1, max_tree, 32), max_tree), "S": past}
+        batch = {**_batched(axes), "T": (1, _opt(1, max_tree, 16), max_tree), "S": past}
+        if "N_img" in axes:  # images enter at prefill only: every later pass sends zero rows
             prefill["N_img"] = _span(axes["N_img"], axes["N_img"][1] // 4)
-            verify["N_img"] = (0, 1, 1)
-        return [ShapeProfile("prefill", prefill), ShapeProfile("verify", verify)]
-    if graph in ("target_batch", "draft_batch"):
-        return [_batch_profile(axes, graph)]
+            verify["N_img"] = batch["N_img"] = (0, 1, 1)
+        return _with_batch(axes, [ShapeProfile("prefill", prefill), ShapeProfile("verify", verify)], batch)
     if graph == "draft" and manifest.head_kind == "eagle3":
         return _step_profiles(axes)
     if graph == "draft":
-        return [ShapeProfile("draft", {"N": (1, _opt(1, axes["N"][1], max_tree), axes["N"][1]),
-                                  "S_h": _span(axes["S_h"], axes["S_h"][1] // 2)})]
+        cached = _span(axes["S_h"], axes["S_h"][1] // 2)
+        lone = {**_lone(axes), "N": (1, _opt(1, axes["N"][1], max_tree), axes["N"][1]), "S_h": cached}
+        block = min(manifest.block_size, axes["N"][1])  # a round commits at most a block's rows a sequence
+        batch = {**_batched(axes), "N": (1, block, block), "S_h": cached}
+        return _with_batch(axes, [ShapeProfile("draft", lone)], batch)
     if graph == "draft_vocab":  # projections only: the runtime embeds through the vocab graph
         return [ShapeProfile("project", {"E": (1, 1, 1), "R": _span(axes["R"], 32)})]
     if graph == "vocab":
@@ -89,14 +93,31 @@ def shape_profiles(manifest: Manifest, graph: str) -> list[ShapeProfile]:
     return [ShapeProfile("vision", {"N_patch": patches, "N_merged": tuple(p // unit for p in patches)})]
 
 
-def _batch_profile(axes: dict[str, list[int]], graph: str) -> ShapeProfile:
-    """A batched round: 1 to max_batch sequences of 1 to max_tree (target) or block_size (draft) rows, over a
-    past up to the context, read from the pool (P slots of C_pool rows), whose size is fixed."""
-    rows = "T_b" if graph == "target_batch" else "N_b"
-    fixed = {axis: (axes[axis][1],) * 3 for axis in ("P", "C_pool")}
-    return ShapeProfile("batch", {"B": _span(axes["B"], axes["B"][1]), rows: _span(axes[rows], 16 if rows == "T_b"
-                                                                                       else axes[rows][1]),
-                                  "S_b": _span(axes["S_b"], axes["S_b"][1] // 2), **fixed})
+def _pool(axes: dict[str, list[int]], slots: int) -> dict[str, Range]:
+    """The KV pool's axes, spanned rather than fixed: P from 1 to max_batch, so a runtime decoding one sequence
+    holds a one-slot pool; C_pool from 1 to the build's context, so a runtime's lower --max-context holds a pool of
+    that many rows (`kv_pool` sizes it so). Nothing in TensorRT asks for them fixed: the graph only flattens the
+    pool and gathers rows from it (at indices from `slots`, its row count and `past_rows`), so no kernel is tuned
+    to its size, and a fixed size would only refuse those runtimes. `slots` is the opt: one for a lone pass, the
+    pool's every slot for a batched round."""
+    batch, rows = axes["P"][1], axes["C_pool"][1]
+    return {"P": (1, _opt(1, batch, slots), batch), "C_pool": (1, rows, rows)}
+
+
+def _lone(axes: dict[str, list[int]]) -> dict[str, Range]:
+    """A lone sequence's pass: a batch of one, over a pool of 1 to max_batch slots."""
+    return {"B": (1, 1, 1), **_pool(axes, 1)}
+
+
+def _batched(axes: dict[str, list[int]]) -> dict[str, Range]:
+    """A batched round: 1 to max_batch sequences over the whole pool."""
+    batch = axes["B"][1]
+    return {"B": (1, batch, batch), **_pool(axes, batch)}
+
+
+def _with_batch(axes: dict[str, list[int]], lone: list[ShapeProfile], batch: dict[str, Range]) -> list[ShapeProfile]:
+    """The lone profiles, and the batch profile where more than one sequence may share a pass (max_batch > 1)."""
+    return lone + ([ShapeProfile("batch", batch)] if axes["B"][1] > 1 else [])
 
 
 def _step_profiles(axes: dict[str, list[int]]) -> list[ShapeProfile]:

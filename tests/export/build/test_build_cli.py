@@ -98,8 +98,8 @@ def test_lower_limits_size_the_engine_profiles(exported, monkeypatch, capsys, tm
     assert rc == 0 and "max context 96 (--max-context), max tree 16 (--max-tree), max batch 2 (--max-batch)" in stdout
     record = _manifest(tmp_path / "e" / "engines.json")
     assert record["limits"] == {"max_context": 96, "max_tree": 16, "max_image_tokens": 48, "max_batch": 2}
-    assert record["engines"]["target_batch"]["profiles"]["batch"]["P"] == [2, 2, 2]
     target = record["engines"]["target"]["profiles"]
+    assert target["batch"]["P"] == [1, 2, 2] and target["batch"]["B"] == [1, 2, 2] and target["verify"]["B"] == [1, 1, 1]
     assert target["prefill"]["T"][2] == 96 and target["verify"]["T"][2] == 16 and target["prefill"]["N_img"][2] == 48
     assert record["engines"]["vision"]["profiles"]["vision"]["N_merged"][2] == 48
 
@@ -355,13 +355,13 @@ def test_build_refuses_a_machine_that_cannot_hold_the_builder(exported, tmp_path
     _, _, artifacts = exported("qwen3")
     request = BuildRequest("rtx", tmp_path / "e", artifacts=artifacts, workspace_gib=1)
     with pytest.raises(GlanceError, match=r"has 0\.50 GiB of memory available and the build needs about 1\.0\d GiB "
-                                          r"\(0\.5\d GiB short; builder peak .*3\.2 x the parsed weights of target(_batch)?, "
+                                          r"\(0\.5\d GiB short; builder peak .*3\.2 x the parsed weights of target, "
                                           r"[\d.]+ MiB \+ 1 GiB for the process\)\); .*--plan-only"):
         build(request, NO_GPU, host_memory_gib=0.5, progress=lambda _: None)
     assert not (tmp_path / "e").exists()
     build(request, NO_GPU, host_memory_gib=1.5, progress=lambda _: None)
     record = _manifest(tmp_path / "e" / "engines.json")
-    assert record["memory_plan"]["build_peak_graph"] in ("target", "target_batch") and 1 < record["memory_plan"]["build_peak_gib"] < 1.1
+    assert record["memory_plan"]["build_peak_graph"] == "target" and 1 < record["memory_plan"]["build_peak_gib"] < 1.1
     # Each graph was built in its own worker, whose measured peak stays under the estimate.
     peaks = [e["peak_rss_gib"] for e in record["engines"].values()]
     assert len(set(peaks)) > 1 and all(0.05 < p < record["memory_plan"]["build_peak_gib"] for p in peaks)

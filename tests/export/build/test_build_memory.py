@@ -124,7 +124,7 @@ def test_refusal_before_any_worker_names_the_mapped_estimate(snapshot_dir, tmp_p
     request = BuildRequest("rtx", tmp_path / "e", artifacts=artifacts, workspace_gib=1)
     with pytest.raises(GlanceError, match=r"^this machine has 0\.50 GiB of memory available and the build needs "
                                           r"about 1\.0\d GiB \(0\.5\d GiB short; builder peak about 1\.0\d GiB of "
-                                          r"host memory \(2\.3 x the mapped weights of target(_batch)?, [\d.]+ MiB \+ 1 GiB "
+                                          r"host memory \(2\.3 x the mapped weights of target, [\d.]+ MiB \+ 1 GiB "
                                           r"for the process\)\); free memory, build in smaller parts "
                                           r"\(--max-part-gib\), or build elsewhere: --plan-only writes a bundle "
                                           r"for a larger machine$"):
@@ -132,4 +132,4 @@ def test_refusal_before_any_worker_names_the_mapped_estimate(snapshot_dir, tmp_p
     assert not (tmp_path / "e").exists()
     build(request, BuildGpu(None), host_memory_gib=1.5, progress=lambda _: None)
     plan = json.loads((tmp_path / "e" / "engines.json").read_text())["memory_plan"]
-    assert plan["build_peak_graph"] in ("target", "target_batch") and plan["build_peak_weights"] == "mapped"
+    assert plan["build_peak_graph"] == "target" and plan["build_peak_weights"] == "mapped"

@@ -1,6 +1,7 @@
-"""An EAGLE-3 export builds under a real TensorRT compiler (TensorRT-RTX's CPU builder): its draft step graph with a
-root profile (committed rows through fc, the last projected) and a step profile (one depth's nodes), and the
-memory plan's lowered limits keep the rows an EAGLE-3 round caches beyond the context."""
+"""An EAGLE-3 export builds under a real TensorRT compiler (TensorRT-RTX's CPU builder): its target for one sequence
+(no batch profile), its draft step graph with a root profile (committed rows through fc, the last projected) and a
+step profile (one depth's nodes), and the memory plan's lowered limits keep the rows an EAGLE-3 round caches beyond
+the context."""
 from __future__ import annotations
 
 import pytest
@@ -34,6 +35,15 @@ def test_the_draft_step_graph_has_a_root_and_a_step_profile(eagle3_artifacts):
     for profile in (root, step):
         assert profile.axes["S_h"][2] == manifest.axes["S_h"][1] > manifest.max_context
         assert profile.axes["C"][2] == manifest.axes["C"][1]
+
+
+def test_the_target_engine_serves_one_sequence(eagle3_artifacts):
+    """An EAGLE-3 export bounds the batch to 1: the target engine has a lone sequence's profiles only, over a
+    one-slot pool."""
+    manifest = load_manifest(eagle3_artifacts)
+    profiles = shape_profiles(manifest, "target")
+    assert [p.name for p in profiles] == ["prefill", "verify"]
+    assert all(p.axes["B"] == p.axes["P"] == (1, 1, 1) for p in profiles)
 
 
 def test_lowered_limits_keep_the_rows_a_round_caches_beyond_the_context(eagle3_artifacts):

@@ -1,5 +1,5 @@
 """Every exported graph must parse and build under a real TensorRT compiler (TensorRT-RTX's CPU builder),
-with the manifest's profiles: target prefill and tree verify (T 1..max_tree over past 0..max_context),
+with the manifest's profiles: target prefill, tree verify (T 1..max_tree over past 0..max_context) and batch,
 the vocabulary graph's embed and project passes, and the memory plan that sizes them for a device.
 
 Artifacts come from the same per-session exports as test_onnx_export (fp32, fp16, external data)."""
@@ -54,11 +54,12 @@ def test_fp16_and_external_data_graphs_build(exported, tmp_path, family, variant
 
 def test_profiles_cover_prefill_tree_verify_and_vocab_passes(exported):
     manifest = load_manifest(exported("qwen2_5_vl"))
-    prefill, verify = shape_profiles(manifest, "target")
-    assert prefill.axes["T"] == (1, 256, 256) and verify.axes["T"] == (1, 32, 32)
+    prefill, verify, batch = shape_profiles(manifest, "target")
+    assert prefill.axes["T"] == (1, 256, 256) and verify.axes["T"] == (1, 32, 32) and batch.axes["T"] == (1, 16, 32)
     assert prefill.axes["S"][0] == verify.axes["S"][0] == 0 and verify.axes["S"][2] == 255
-    assert verify.axes["N_img"] == (0, 1, 1) and prefill.axes["N_img"][2] == manifest.axes["N_img"][1]
-    (draft,) = shape_profiles(manifest, "draft")
+    assert verify.axes["N_img"] == batch.axes["N_img"] == (0, 1, 1)
+    assert prefill.axes["N_img"][2] == manifest.axes["N_img"][1]
+    draft, _ = shape_profiles(manifest, "draft")
     assert draft.axes["N"][2] == 256 and draft.axes["S_h"] == (0, 127, 255)
     manifest = replace(manifest, axes={**manifest.axes, "E": (1, 2048), "R": (1, 63)})  # whatever the export has
     embed, project = shape_profiles(manifest, "vocab")
@@ -68,12 +69,13 @@ def test_profiles_cover_prefill_tree_verify_and_vocab_passes(exported):
 def test_lowered_limits_shrink_every_axis_they_bound(exported):
     manifest = load_manifest(exported("qwen2_5_vl"))
     low = Limits(max_context=96, max_tree=16, max_image_tokens=40, max_batch=4).apply(manifest)
-    prefill, verify = shape_profiles(low, "target")
+    prefill, verify, batch = shape_profiles(low, "target")
     assert prefill.axes["T"][2] == 96 and prefill.axes["S"][2] == 95 and verify.axes["T"][2] == 16
     assert prefill.axes["N_img"][2] == 40 and shape_profiles(low, "vision")[0].axes["N_merged"][2] == 40
-    assert (low.max_context, low.max_tree) == (96, 16) and manifest.max_context == 256
-    (batch,) = shape_profiles(low, "target_batch")
-    assert batch.axes == {"B": (1, 4, 4), "T_b": (1, 16, 16), "S_b": (0, 47, 95), "P": (4, 4, 4), "C_pool": (96, 96, 96)}
+    assert (low.max_context, low.max_tree, low.max_batch) == (96, 16, 4) and manifest.max_context == 256
+    assert batch.axes == {"B": (1, 4, 4), "P": (1, 4, 4), "C_pool": (1, 96, 96), "T": (1, 16, 16), "S": (0, 47, 95),
+                          "N_img": (0, 1, 1)}
+    assert prefill.axes["P"] == verify.axes["P"] == (1, 1, 4) and prefill.axes["B"] == (1, 1, 1)
     raised = Limits(max_context=4096, max_tree=64, max_image_tokens=None, max_batch=64).apply(manifest)
     assert raised.axes == manifest.axes  # never above the export's bounds
 
