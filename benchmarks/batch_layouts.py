@@ -4,7 +4,7 @@ Batching B requests means one target run over every sequence's rows instead of B
 - packed: all rows in one sequence under one mask, every row attending over the union of the B contexts (the
   graph stays as it is, its mask grows to [T, S + T] with S the sum of the contexts);
 - padded: a batch axis, each sequence attending over its own context only (rows padded to the longest).
-This times the shipped default target graph (`models/glance-vl-tiny-onnx/target.onnx`) three ways for B sequences
+This times the shipped default target graph (`models/glance-vl-tiny-onnx/target.onnx`, one sequence a pass) three ways for B sequences
 of `--context` committed rows and R rows each (1: plain decoding; 8: a small tree): B separate runs (today's one
 request at a time), one packed run (B x R rows over B x context past rows), and the padded layout's cost as one
 run of B x R rows over one context (its attention per row is one sequence's; a graph with a batch axis does the
@@ -37,18 +37,20 @@ def session(threads: int):
 
 
 def feeds(sess, rows: int, past: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """Inputs of one pass: `rows` new rows (causal among themselves) after `past` committed rows."""
+    """Inputs of one pass of one sequence: `rows` new rows (causal among themselves) after `past` committed rows,
+    read from a one-slot pool of `past` rows."""
     shapes = {i.name: i.shape for i in sess.get_inputs()}
-    hidden = shapes["inputs_embeds"][1]
-    kv = shapes["past_key_0"][1:]
+    hidden = shapes["inputs_embeds"][2]
+    kv = shapes["pool_key_0"][2:]
     out = {"input_ids": np.zeros((1, rows), np.int64),
-           "inputs_embeds": rng.standard_normal((rows, hidden)).astype(np.float32),
+           "inputs_embeds": rng.standard_normal((1, rows, hidden)).astype(np.float32),
            "image_embeds": np.zeros((0, hidden), np.float32),
            "position_ids": np.tile(np.arange(past, past + rows), (3, 1, 1)),
-           "tree_mask": np.tri(rows, dtype=bool)}
+           "tree_mask": np.tri(rows, dtype=bool)[None], "slots": np.zeros(1, np.int64),
+           "past_lengths": np.array([past], np.int64), "past_rows": np.arange(past, dtype=np.int64)}
     for name in shapes:
-        if name.startswith("past_"):
-            out[name] = rng.standard_normal((past, *kv)).astype(np.float32)
+        if name.startswith("pool_"):
+            out[name] = rng.standard_normal((1, max(past, 1), *kv)).astype(np.float32)
     return {k: v for k, v in out.items() if k in shapes}
 
 
