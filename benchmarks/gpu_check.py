@@ -255,9 +255,8 @@ def backends(model: Path, head: Path, artifacts: Path, work: Path, cuda: bool, s
             tensorrt_backend(module, half_artifacts(model, head, work / "fp16"), work / "engines-fp16-chained", parts=3),
             snapshot.stop_token_ids)))
         if batched:
-            found.append((f"{module}-batch{BATCH}", "fp32", lambda: (
-                tensorrt_backend(module, artifacts, work / "engines-fp32-batch", max_batch=BATCH),
-                snapshot.stop_token_ids)))
+            found.append((f"{module}-batch{BATCH}", "fp32", lambda: (  # the lone rows' engines: one set serves both
+                tensorrt_backend(module, artifacts, work / "engines-fp32", max_batch=BATCH), snapshot.stop_token_ids)))
     else:
         skipped.append("TensorRT: " + ("no GPU" if module else "neither tensorrt nor tensorrt_rtx is installed"))
     return found
@@ -266,7 +265,8 @@ def backends(model: Path, head: Path, artifacts: Path, work: Path, cuda: bool, s
 def tensorrt_backend(module: str, artifacts: Path, out: Path, parts: int = 1, max_batch: int = 1):
     """Engines built here for this GPU (rtx for TensorRT-RTX, datacenter for TensorRT), then the backend; with
     `parts` > 1 the target is built as a chain of that many part engines (its decode must equal the whole one's:
-    both rows are checked against the same oracle)."""
+    both rows are checked against the same oracle); `max_batch` opens them for that many sequences at once (the
+    build's default batch, the device profile's, serves any batch up to it)."""
     from glance_export.build.local_gpu import probe_device
     from glance_export.build.engine_build import BuildRequest, build
     from glance_export.build.memory_plan import GIB, graph_bytes
@@ -278,8 +278,8 @@ def tensorrt_backend(module: str, artifacts: Path, out: Path, parts: int = 1, ma
         part_gib = None
         if parts > 1:
             part_gib = graph_bytes(artifacts, load_manifest(artifacts).graphs)["target"] / parts / GIB
-        build(BuildRequest(target, out, artifacts=artifacts, max_part_gib=part_gib,
-                           max_batch=max_batch if max_batch > 1 else None), probe_device(), progress=lambda _: None)
+        build(BuildRequest(target, out, artifacts=artifacts, max_part_gib=part_gib), probe_device(),
+              progress=lambda _: None)
     backend = TrtBackend(out, artifacts, max_batch=max_batch)
     if parts > 1 and not hasattr(backend.graphs["target"], "parts"):
         raise RuntimeError(f"{out} holds the target whole, not as a chain of parts")

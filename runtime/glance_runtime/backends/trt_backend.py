@@ -171,4 +171,5 @@ class TrtBackend(GraphBackend):
                          precision=record.precision,  # fp16 engines from fp32 graphs
                          max_context=runtime_limit("--max-context", max_context, record.max_context, *built),
                          max_tree=runtime_limit("--max-tree", max_tree, record.max_tree, *built),
-                         max_batch=max_batch)
+                         max_batch=max_batch,
+                         weight_bytes=sum(f.bytes for f in record.files))  # each engine holds its weights once
