@@ -538,8 +538,8 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--branch-k", type=flags.at_least("--branch-k", 1), default=BRANCH_K,
                    help=f"top-k the draft graph returns per offset (default {BRANCH_K})")
     o.add_argument("--max-batch", type=BATCHED, default=MAX_BATCH,
-                   help=f"sequences one pass of the target and draft graphs serves (their batch axis), 1..{BATCH_BOUND} "
-                        f"(default {MAX_BATCH}); an EAGLE-3 head's export is bounded to 1")
+                   help=f"sequences one pass of the target and draft graphs serves (their batch axis), "
+                        f"1..{BATCH_BOUND} (default {MAX_BATCH}); an EAGLE-3 head's export is bounded to 1")
     o.add_argument("--quantize", choices=("int8", "int4"),
                    help="weight-only: linear layers, LM head and embedding of target and head (vision stays fp32)")
     o.add_argument("--group-size", type=int, choices=GROUP_SIZES,

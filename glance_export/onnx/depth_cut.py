@@ -8,8 +8,8 @@ validated in two parts that together keep that strength without two full models 
   of a stack is the same code on different weights, so what the comparison proves of the wiring (cache, mask,
   rotary, taps, deepstack rows) holds at any depth;
 - a full-depth smoke run: ONNX Runtime runs the exported graph itself, every node and every weight of
-  it, on a lone sequence's prefill and a batch of trees, whose outputs must have the contract's shapes and be finite. That
-  proves the full graph's wiring and every streamed tensor load. It runs segment by segment (see
+  it, on a lone sequence's prefill and a batch of trees, whose outputs must have the contract's shapes
+  and be finite. That proves the full graph's wiring and every streamed tensor load. It runs segment by segment (see
   `segments.py`), so at most a few hundred MB of the graph's weights are loaded at once.
 """
 from __future__ import annotations

@@ -4,8 +4,8 @@ transformers' eager attention repeats every KV head for the query heads that sha
 Reshape of the whole cache, per layer, per pass) and sizes its reshapes from traced shapes, which the
 weightless trace cannot fold: about a hundred shape and copy nodes a layer that a runtime executes on
 every step. Here the query heads are grouped by the KV head they read (a reshape with the config's
-constant head counts), so one broadcasting MatMul scores a group against its KV head, and the only
-dimension left to the runtime is the sequence. The arithmetic is eager's: scaled scores, the additive
+constant head counts), so one MatMul scores a group against its KV head, and the only dimensions left
+to the runtime are the batch and the sequence. The arithmetic is eager's: scaled scores, the additive
 mask, softmax in fp32, the weighted sum.
 """
 from __future__ import annotations
@@ -38,9 +38,12 @@ def grouped_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
 
 def _batched(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
              scaling: float, kv_heads: int, groups: int) -> torch.Tensor:
-    """The same for a batch (the batched round's graph, traced with B > 1): [B, H, T, D] -> [B, T, H, D], the
-    batch and sequence axes left to the runtime. A KV head's query heads are stacked along the rows, so each
-    MatMul pairs equal batch axes: a broadcast over the groups made the runtime expand the keys."""
+    """The same for a batch: [B, H, T, D] -> [B, T, H, D], the batch and sequence axes left to the runtime.
+
+    The target graph is traced with B > 1, so this path serves every pass, a lone sequence's included (the one
+    above is what torch runs for B = 1: the reference the graph is validated against, and the vision tower). A KV
+    head's query heads are stacked along the rows, so each MatMul pairs equal batch axes: a broadcast over the
+    groups made the runtime expand the keys."""
     batch, _, rows, head_dim = query.shape
     q = query.reshape(batch, kv_heads, groups * rows, head_dim)
     scores = torch.matmul(q, key.transpose(2, 3)) * scaling  # [B, KV, G*T, S]

@@ -2,9 +2,10 @@
 
 Fresh random inputs with shapes unlike the trace's (a lone sequence's prefill with image rows, a branching
 tree over a non-empty past and a single-row decode; a ragged batch over non-contiguous slots; two image
-sizes; one and many vocab rows) catch sizes the tracer froze. Floats must agree to `atol + rtol * max|reference|` per output; top-k
-ids (column 0 is the greedy token) must be identical wherever the reference has a clear margin
-(near-ties may legitimately flip), and their embeddings wherever the ids agree.
+sizes; one and many vocab rows) catch sizes the tracer froze. Floats must agree to
+`atol + rtol * max|reference|` per output; top-k ids (column 0 is the greedy token) must be identical
+wherever the reference has a clear margin (near-ties may legitimately flip), and their embeddings
+wherever the ids agree.
 
 Not Polygraphy's Comparator: its reference runner would be ONNX Runtime or TensorRT, not our torch
 wrappers, and its per-output tolerances cannot express "top-k ids must match where the reference's
