@@ -117,7 +117,8 @@ def prepare(args: argparse.Namespace) -> None:
 
 
 def time_mode(args: argparse.Namespace) -> None:
-    """One mode in this process: a warm-up pass over the prompts, then `samples` timed ones."""
+    """One mode in this process: a warm-up pass over the prompts, then `samples` timed ones; beside each sample's
+    ms/token, the graphs' share of it (each graph's run time, read after prefill and at the end of each decode)."""
     import glance_runtime
     import onnxruntime
     from glance_runtime.decode.loop import decode
@@ -125,25 +126,34 @@ def time_mode(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     backend, prompts = open_runner(args.artifacts, args.threads, args.prompts)
     load_s = time.perf_counter() - started
+    clock = backend.time_graphs()
     truths = json.loads(args.truth.read_text())[args.mode]
     cfg = config(args.mode, args.new_tokens)
-    samples, taus = [], []
+    samples, taus, splits = [], [], []
     for sample in range(args.samples + 1):
         decode_ms, tokens, rounds, accepted = 0.0, 0, 0, 0
+        graph_ms: dict[str, float] = {}
         for prompt, truth in zip(prompts, truths):
             drafter = backend if args.mode == "plain" else seeded(backend, truth, prompt.length)
-            result = decode(drafter, prompt, cfg)
+            readings: list[dict[str, float]] = []
+            result = decode(drafter, prompt, cfg, on_commit=lambda _new: readings.append(clock.reading()))
             if result.tokens != truth:
                 raise SystemExit(f"{args.mode}: the decode of {args.artifacts} differs from its greedy answer")
             decode_ms += result.total_ms - result.prefill_ms
             tokens += len(result.tokens) - 1
             rounds += len(result.rounds)
             accepted += sum(r.accepted for r in result.rounds)
+            for name, ms in readings[-1].items():
+                graph_ms[name] = graph_ms.get(name, 0.0) + ms - readings[0][name]
         if sample:  # the first pass warms up
             samples.append(decode_ms / tokens)
             taus.append(accepted / rounds)
+            split = {name: ms / tokens for name, ms in graph_ms.items() if ms}
+            splits.append({**split, "outside": decode_ms / tokens - sum(split.values())})
+    middle = samples.index(statistics.median_low(samples))
     args.out.write_text(json.dumps({
         "ms_per_token": statistics.median(samples), "samples_ms": [round(s, 4) for s in samples],
+        "split_ms_per_token": {name: round(ms, 4) for name, ms in splits[middle].items()},
         "tau": statistics.median(taus), "load_s": round(load_s, 2), "runtime": glance_runtime.__file__,
         "onnxruntime": onnxruntime.__version__, "tokens_per_sample": tokens}))
 
@@ -255,8 +265,17 @@ def summarize(runs: list[dict], names: list[str]) -> dict:
                      "new_ms": round(statistics.median(ms["new"].values()), 3),
                      "ratios": [round(r, 4) for r in ratios], "median_ratio": round(statistics.median(ratios), 4),
                      "tau": statistics.median(r["tau"] for r in runs if r["mode"] == mode),
-                     "within_3pct": statistics.median(ratios) <= TARGET_RATIO}
+                     "within_3pct": statistics.median(ratios) <= TARGET_RATIO,
+                     "split_ms_per_token": {side: split_median([r["split_ms_per_token"] for r in runs
+                                                                 if r["mode"] == mode and r["side"] == side])
+                                            for side in ("old", "new")}}
     return out
+
+
+def split_median(splits: list[dict[str, float]]) -> dict[str, float]:
+    """Each part's median over a side's runs of one mode (graphs a side lacks read 0)."""
+    names = sorted({name for split in splits for name in split})
+    return {name: round(statistics.median(split.get(name, 0.0) for split in splits), 4) for name in names}
 
 
 def markdown(report: dict) -> str:
@@ -272,6 +291,13 @@ def markdown(report: dict) -> str:
         lines.append(f"| {mode} | {row['tau']:.2f} | {row['old_ms']:.3f} | {row['new_ms']:.3f} | "
                      f"{', '.join(f'{r:.3f}' for r in row['ratios'])} | {row['median_ratio']:.3f} | "
                      f"{'PASS' if row['within_3pct'] else 'FAIL'} |")
+    parts = sorted({name for row in report["summary"].values() for split in row["split_ms_per_token"].values()
+                    for name in split} - {"outside"}) + ["outside"]
+    lines += ["", "Where a token's time goes (ms/token, medians over a side's runs; `outside`: the runtime between "
+              "graph runs):", "", f"| mode | side | {' | '.join(parts)} |", "|---|---|" + "---|" * len(parts)]
+    for mode, row in report["summary"].items():
+        for side, split in row["split_ms_per_token"].items():
+            lines.append(f"| {mode} | {side} | {' | '.join(f'{split.get(p, 0.0):.3f}' for p in parts)} |")
     loads = [r["load_before"] for r in report["runs"]]
     lines += ["", f"Load average before the runs: {min(loads):.2f} to {max(loads):.2f} on {report['cpus']} CPUs.", ""]
     return "\n".join(lines)
