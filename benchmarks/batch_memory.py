@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from lone_sequence import commit_of
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ROOT / "models" / "glance-vl-tiny-onnx"
 PROMPTS = ("Describe the picture in detail, then list every object you can see and its colour.",
@@ -112,7 +114,8 @@ def verdicts(rows: list[dict]) -> None:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"# Host memory by max_batch, {report['model']} model (ONNX Runtime CPU, 1 thread)", "",
+    lines = [f"# Host memory by max_batch, {report['model']} model (ONNX Runtime CPU, 1 thread, "
+             f"{report['commit']})", "",
              f"Artifacts: {report['artifacts']}; weights {report['rows'][0]['weight_bytes'] / MIB:.1f} MiB. Growth "
              f"is over the process after its imports; the bound: process RSS at N <= RSS at 1 + KV growth + 5% of "
              f"RSS at 1, after the load, after a {report['new_tokens']}-token decode of N prompts together (budget "
@@ -150,7 +153,7 @@ def run(args: argparse.Namespace) -> None:
         rows.append(json.loads(result.read_text()))
         result.unlink()
     verdicts(rows)
-    report = {"model": args.model, "artifacts": str(artifacts), "new_tokens": args.new_tokens,
+    report = {"model": args.model, "artifacts": str(artifacts), "commit": commit_of(ROOT), "new_tokens": args.new_tokens,
               "budget": rows[0]["budget"], "rows": rows}
     stem = args.out / f"batch_memory-{args.model}-b{report['budget']}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
