@@ -153,8 +153,8 @@ def run(args: argparse.Namespace) -> None:
         rows.append(json.loads(result.read_text()))
         result.unlink()
     verdicts(rows)
-    report = {"model": args.model, "artifacts": str(artifacts), "commit": commit_of(ROOT), "new_tokens": args.new_tokens,
-              "budget": rows[0]["budget"], "rows": rows}
+    report = {"model": args.model, "artifacts": str(artifacts), "commit": commit_of(ROOT),
+              "new_tokens": args.new_tokens, "budget": rows[0]["budget"], "rows": rows}
     stem = args.out / f"batch_memory-{args.model}-b{report['budget']}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     stem.with_suffix(".md").write_text(markdown(report))
