@@ -1,6 +1,6 @@
 """GLANCE in Triton's Python backend; `glance-export triton` copies this file to REPO/glance/1/model.py.
 
-One instance is one stub process with one runner. Where the graphs were exported with batched graphs it
+One instance is one stub process with one runner. Where the graphs were exported for batches it
 decodes requests together (parameter `max_batch`; unset: glance-serve's default for what is served): each
 request of an `execute` call is handed to the runtime's batch thread and answered from there as it finishes,
 so requests of later calls join the running batch; each answer is the one decoded alone. At max_batch 1 it

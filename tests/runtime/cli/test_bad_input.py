@@ -28,6 +28,7 @@ from glance_export.model.head import head_config_for, init_head, pick_mask_token
 from glance_runtime.cli.bench import main as bench_main
 from glance_runtime.cli.run import main as run_main
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
+from glance_runtime.formats.artifacts import VERSION as ARTIFACTS_VERSION
 from glance_runtime.formats.common import digest
 from glance_runtime.store.integrity import sha256
 from support import export_once, make_snapshot
@@ -202,7 +203,7 @@ ROWS = [
     Row("run-manifest-truncated", "glance-run", lambda i: ort(i, i.edited("art", "manifest.json", i.truncate)),
         "not valid JSON"),
     Row("run-manifest-other-format", "glance-run", lambda i: ort(i, i.edited(
-        "art", "manifest.json", lambda p: p.write_text(p.read_text().replace('"format_version": 3', '"format_version": 9')))),
+        "art", "manifest.json", lambda p: p.write_text(p.read_text().replace(f'"format_version": {ARTIFACTS_VERSION}', '"format_version": 9')))),
         "v9"),
     Row("run-graph-flipped-byte", "glance-run", lambda i: ort(i, i.edited("shipped", "target.onnx", i.flip)),
         "target.onnx does not match the sha256"),

@@ -100,9 +100,10 @@ def test_not_an_object(artifacts, text, match):
 
 def test_format_and_version_are_named_as_they_are(artifacts):
     _edit(artifacts, lambda raw: raw.update(format_version=99))
-    assert "v99, a newer format than the v3" in _fails(artifacts, "v99")
-    _edit(artifacts, lambda raw: raw.update(format_version=2))
-    _fails(artifacts, "format v2, an older format than the v3 this toolkit reads")
+    assert f"v99, a newer format than the v{fmt.VERSION}" in _fails(artifacts, "v99")
+    _edit(artifacts, lambda raw: raw.update(format_version=fmt.VERSION - 1))
+    _fails(artifacts, f"format v{fmt.VERSION - 1}, an older format than the v{fmt.VERSION} this toolkit reads; "
+                      "re-export with `glance-export onnx`")
     _edit(artifacts, lambda raw: raw.update(format_version="3"))
     _fails(artifacts, "format_version '3', which is not an integer")
     _edit(artifacts, lambda raw: raw.update(format_version=3, format="glance-engines"))
