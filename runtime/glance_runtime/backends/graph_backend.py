@@ -12,8 +12,8 @@ Everything a pass reads or writes is a preallocated `Buffer`, bound by address:
   node is one of them, so inputs are assembled by device copies, not by another graph run.
 - Per round the host sends the tree (ids, positions, mask: kilobytes) and reads back top-k ids,
   log-probs and one entropy (kilobytes). KV never crosses. Device calls per round, for a T-row tree
-  with `kept` rows committed of which `moved` change place: 20 + T + kept + moved with a draft
-  (draft 4, each projection 6, verify 4 + T embedding rows, commit kept taps rows + moved KV rows),
+  with `kept` rows committed of which `moved` change place: 19 + T + kept + moved with a draft
+  (draft 3, each projection 6, verify 4 + T embedding rows, commit kept taps rows + moved KV rows),
   10 + T + kept + moved without: independent of the context length and of the number of layers.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ PRECISION_OF_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 def one(t: Tensor) -> Tensor:
     """`t` as a batch of one sequence (a leading axis of 1: the same bytes)."""
-    return t._replace(shape=(1, *t.shape))
+    return Tensor(t.buffer, t.offset, (1, *t.shape))
 
 
 class GraphBackend:
@@ -91,9 +91,12 @@ class GraphBackend:
                                 head_rows(max_context, k), self.float))
         self.kv_in, self.kv_out = target_kv_names(m.target.num_layers)
         self.head_in, self.head_out = draft_kv_names(m.head.num_layers)
+        self.pool_inputs = dict(zip(self.kv_in, self.pool.tensors()))  # fixed for the backend's life
+        self.head_pool_inputs = dict(zip(self.head_in, self.head_pool.tensors())) if self.head_pool else {}
         new = self._new
         self.slot_in = new((1,), np.int64)  # this backend's slot in the pools (a sibling has its own)
-        self.lengths_in = new((1,), np.int64)  # a pass's past_lengths
+        self.lengths_in = new((1,), np.int64)  # a target pass's past_lengths
+        self.draft_in = new((3,), np.int64)  # a draft pass's start, context_lengths and past_lengths: one upload
         self.past_rows = new((max_context,), np.int64)  # 0..max_context-1: a pass reads the first S as past_rows
         device.upload(self.slot_in.rows(1), np.zeros(1, np.int64))
         device.upload(self.past_rows.rows(max_context), np.arange(max_context, dtype=np.int64))
@@ -107,8 +110,6 @@ class GraphBackend:
         self.block = new((m.block_size, hidden), self.float)  # [anchor, MASK x (B-1)] embeddings
         self.draft_hidden = new((m.block_size - 1, hidden), self.float)
         self.ctx_positions = new((max_context,), np.int64)
-        self.start_in = new((1,), np.int64)
-        self.context_lengths = new((1,), np.int64)
         self.top_ids = new((rows, k), np.int64)
         self.top_logp = new((rows, k), np.float32)
         self.entropy = new((1,), np.float32)
@@ -233,12 +234,6 @@ class GraphBackend:
         pos[:] = stream + self.delta
         return pos if self.manifest.is_vl else pos[0]
 
-    def _pool_inputs(self, length: int) -> dict[str, Tensor]:
-        """The pool inputs of a pass of this backend's sequence alone: its slot, its `length` committed rows."""
-        self.device.upload(self.lengths_in.rows(1), np.array([length], np.int64))
-        return {"slots": self.slot_in.rows(1), "past_lengths": self.lengths_in.rows(1),
-                "past_rows": self.past_rows.rows(length)}
-
     def _run_target(self, ids: np.ndarray, positions: np.ndarray, tree_mask: np.ndarray, taps: Buffer,
                     image: Tensor, deep: Tensor) -> Tensor:
         """One target pass over T rows after the committed ones, as a batch of one: new K/V rows land in the
@@ -250,16 +245,18 @@ class GraphBackend:
         self.device.upload(self.ids.rows(rows), ids)
         self.device.upload(self.positions.tensor(positions.shape), positions)
         self.device.upload(self.mask.tensor((1, rows, rows)), np.ascontiguousarray(tree_mask, dtype=bool))
+        self.device.upload(self.lengths_in.rows(1), np.array([self.kv.length], np.int64))
         inputs = {"input_ids": self.ids.tensor((1, rows)), "inputs_embeds": one(self.embeds.rows(rows)),
                   "position_ids": self.positions.tensor(positions.shape), "tree_mask": self.mask.tensor((1, rows, rows)),
-                  **self._pool_inputs(self.kv.length), **dict(zip(self.kv_in, self.pool.tensors()))}
+                  "slots": self.slot_in.rows(1), "past_lengths": self.lengths_in.rows(1),
+                  "past_rows": self.past_rows.rows(self.kv.length), **self.pool_inputs}
         if self.manifest.is_vl:
             inputs["image_embeds"] = image
             if self.manifest.deepstack_layers:
                 inputs["deepstack_embeds"] = deep
         hidden = self.hidden.rows(rows)
         outputs = {"hidden": one(hidden), "taps": one(taps.rows(rows)),
-                   **{name: one(t) for name, t in zip(self.kv_out, self.kv.new_rows(rows))}}
+                   **dict(zip(self.kv_out, self.kv.new_rows(rows, (1,))))}
         self.graphs["target"].run({n: t for n, t in inputs.items() if n in self.graphs["target"].input_names}, outputs)
         self.kv.appended(rows)
         return hidden
@@ -420,14 +417,14 @@ class GraphBackend:
         self.head_kv.check_room(rows)
         self.embed_rows(np.array([anchor], np.int64), self.block, 0)
         self.device.upload(self.ctx_positions.rows(rows), np.arange(self.pending_from, self.pending_from + rows))
-        self.device.upload(self.start_in.rows(1), np.array([self.start], np.int64))
-        self.device.upload(self.context_lengths.rows(1), np.array([rows], np.int64))
+        self.device.upload(self.draft_in.rows(3), np.array([self.start, rows, self.head_kv.length], np.int64))
         inputs = {"context_taps": one(self.pending.rows(rows)), "context_positions": one(self.ctx_positions.rows(rows)),
-                  "context_lengths": self.context_lengths.rows(1), "block_embeds": one(self.block.rows(self.block_size)),
-                  "start": self.start_in.rows(1), **self._pool_inputs(self.head_kv.length),
-                  **dict(zip(self.head_in, self.head_pool.tensors()))}
+                  "block_embeds": one(self.block.rows(self.block_size)), "start": self.draft_in.rows(1),
+                  "context_lengths": self.draft_in.rows(1, 1), "past_lengths": self.draft_in.rows(1, 2),
+                  "slots": self.slot_in.rows(1), "past_rows": self.past_rows.rows(self.head_kv.length),
+                  **self.head_pool_inputs}
         outputs = {"hidden": one(self.draft_hidden.rows(self.block_size - 1)),
-                   **{name: one(t) for name, t in zip(self.head_out, self.head_kv.new_rows(rows))}}
+                   **dict(zip(self.head_out, self.head_kv.new_rows(rows, (1,))))}
         self.graphs["draft"].run(inputs, outputs)
         self.head_kv.appended(rows)
         self.pending_rows, self.pending_from = 0, self.start

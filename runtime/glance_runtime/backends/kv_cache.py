@@ -38,17 +38,19 @@ class KVCache:
         self.length = 0  # committed rows
         self._block_start = 0  # where the last appended block begins (what compact() selects from)
 
-    def _rows(self, slot: int, first: int, count: int) -> Tensor:
-        return self.buffer.tensor((count, *self.row_shape), self.base + slot * self.pitch + first * self.row_bytes)
+    def _rows(self, slot: int, first: int, count: int, lead: tuple[int, ...] = ()) -> Tensor:
+        return self.buffer.tensor((*lead, count, *self.row_shape),
+                                  self.base + slot * self.pitch + first * self.row_bytes)
 
     def past(self) -> list[Tensor]:
         """The committed rows of every slot, read in place by the next pass."""
         return [self._rows(s, 0, self.length) for s in range(self.slots)]
 
-    def new_rows(self, rows: int) -> list[Tensor]:
-        """Where a pass of `rows` rows writes its K/V: right after the committed rows of every slot."""
+    def new_rows(self, rows: int, lead: tuple[int, ...] = ()) -> list[Tensor]:
+        """Where a pass of `rows` rows writes its K/V: right after the committed rows of every slot (`lead`: axes
+        before the rows, as a graph's batch of one has)."""
         self.check_room(rows)
-        return [self._rows(s, self.length, rows) for s in range(self.slots)]
+        return [self._rows(s, self.length, rows, lead) for s in range(self.slots)]
 
     def check_room(self, rows: int) -> None:
         """Fail with the flag to change before a pass that would write past max_context."""
