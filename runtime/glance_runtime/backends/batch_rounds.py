@@ -77,6 +77,7 @@ class BatchRounds:
         self.block = new((P * self.block_size, hidden), f)
         self.draft_hidden = new((P * drafted, hidden), f)
         rows = P * max(T, drafted)
+        self.projection_rows = max(T, drafted)  # what a lone pass projects at most (the vocab graph's R bound)
         self.top_ids, self.top_logp = new((rows, k), np.int64), new((rows, k), np.float32)
         self.entropy = new((1,), np.float32)
         self.cands = {"draft": new((P * drafted * k, hidden), f), "verify": new((P * T * k, hidden), f)}
@@ -154,11 +155,20 @@ class BatchRounds:
             self.device.copy_rows(dst, np.array(to), buf, np.array(of), dst.row_bytes)
 
     def _project(self, hidden: Tensor, rows: int, into: str, graph: str) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k of `rows` hidden rows, in runs of at most the rows a lone pass projects: a vocabulary-wide
+        projection's activations grow with its rows (at 3B width 2.4 MB of logits a row, and as much again for
+        their log-softmax), so a batch projecting all its trees at once held hundreds of MB more than a lone
+        sequence; and a TensorRT vocab engine's profile stops at that many rows."""
         k, cands = self.base.manifest.branch_k, self.cands[into]
-        outputs = {"embeds": self.scratch_row.rows(1), "topk_ids": self.top_ids.rows(rows),
-                   "topk_logprobs": self.top_logp.rows(rows), "entropy": self.entropy.rows(1),
-                   "topk_embeds": cands.tensor((rows, k, cands.shape[1]))}
-        self.base.graphs[graph].run({"ids": self.base.no_id.rows(1), "hidden": hidden}, outputs)
+        width, step = cands.shape[1], self.projection_rows
+        item = cands.dtype.itemsize
+        for first in range(0, rows, step):
+            n = min(step, rows - first)
+            outputs = {"embeds": self.scratch_row.rows(1), "topk_ids": self.top_ids.rows(n, first),
+                       "topk_logprobs": self.top_logp.rows(n, first), "entropy": self.entropy.rows(1),
+                       "topk_embeds": cands.tensor((n, k, width), first * k * width * item)}
+            part = Tensor(hidden.buffer, hidden.offset + first * width * item, (n, width))
+            self.base.graphs[graph].run({"ids": self.base.no_id.rows(1), "hidden": part}, outputs)
         return self.device.download(self.top_ids.rows(rows)), self.device.download(self.top_logp.rows(rows))
 
     def _pack(self, src: Buffer, stride: int, counts: list[int]) -> Tensor:

@@ -108,6 +108,31 @@ def test_a_batch_of_every_budget_is_speculative_and_exact(shipped):
     assert any(len(r.rounds) and r.rounds[0].drafted for r in results)
 
 
+def test_a_batch_projects_its_rows_in_runs_a_lone_pass_could_make(shipped):
+    """The trees' rows of a round go through the vocab graph a lone pass's worth at a time (bounded activations, and
+    a TensorRT vocab engine's row bound): with runs of 5 rows, every answer is still the alone one."""
+    single, loop, codec, prompts = shipped
+    rounds = loop.rounds
+    runs = []
+    vocab = rounds.base.graphs["vocab"]
+    original, step = vocab.run, rounds.projection_rows
+    assert step == max(rounds.base.max_tree, rounds.block_size - 1)
+
+    def counted(inputs, outputs):
+        runs.append(inputs["hidden"].shape[0])
+        original(inputs, outputs)
+
+    vocab.run, rounds.projection_rows = counted, 5
+    try:
+        cfgs = [DecodeConfig(max_new_tokens=20, budget=b) for b in (7, 15, 3)]
+        results = loop.run([Request(prompts[i], cfg, codec.stop_ids) for i, cfg in enumerate(cfgs)])
+    finally:
+        vocab.run, rounds.projection_rows = original, step
+    for i, (cfg, result) in enumerate(zip(cfgs, results)):
+        assert result.tokens == decode(single, prompts[i], cfg, codec.stop_ids).tokens
+    assert max(runs) <= 5 and runs.count(5) > 1
+
+
 def test_a_slot_keeps_its_conversation_for_the_next_turn(shipped):
     """A follow-up that starts with the slot's committed rows prefills only the rest and answers as a full prefill
     would, while other slots decode beside it."""
