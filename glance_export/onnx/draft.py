@@ -44,7 +44,7 @@ class DraftGraph(nn.Module):
         mask = torch.cat([columns(past_lengths, past_rows, 1, dtype), columns(context_lengths, new_rows, 1, dtype)],
                          dim=-1)
         hidden = self.head(block_embeds, start[:, None] + self.offsets[None], ctx, mask,
-                           block_embeds.new_zeros(()).expand(block_embeds.shape[0], 1, 1, rows))
+                           torch.zeros_like(mask[..., :1]).repeat(1, 1, 1, rows))
         out = []
         for k, v in new:
             out += [k.transpose(1, 2), v.transpose(1, 2)]  # [B, kvh, N, D] -> [B, N, kvh, D]

@@ -52,6 +52,25 @@ def _constant(name: str, value: np.ndarray) -> onnx.NodeProto:
                             value=numpy_helper.from_array(np.asarray(value, dtype=np.int64)))
 
 
+def _pick(reader: onnx.NodeProto, shape: list[int | None], constants: dict[str, np.ndarray]) -> np.ndarray | None:
+    """The dims a reader of a shape takes, where constant inputs say which: a Gather's index, or a Slice's one
+    range along the shape (`x.shape[-1]` in a batched graph, whose other dims are symbolic); else None."""
+    if reader.op_type == "Gather":
+        index = constants.get(reader.input[1])
+        if index is None or any(a.name == "axis" and a.i != 0 for a in reader.attribute):
+            return None
+        return np.take(np.array(shape, dtype=object), index)
+    if reader.op_type != "Slice" or len(reader.input) < 3:
+        return None
+    given = [constants.get(name) if name else None for name in reader.input[1:]]
+    starts, ends = given[0], given[1]
+    axes, steps = (given + [None, None])[2:4]
+    if starts is None or ends is None or len(starts) != 1 or (axes is not None and list(axes) != [0]) \
+            or (steps is not None and list(steps) != [1]):
+        return None
+    return np.array(shape[int(starts[0]):int(ends[0])], dtype=object)  # Python's clamping is Slice's
+
+
 def fold_static_shapes(model: onnx.ModelProto) -> int:
     """Rewrite in place; returns how many shape reads became constants."""
     graph = model.graph
@@ -68,12 +87,8 @@ def fold_static_shapes(model: onnx.ModelProto) -> int:
         shape = dims[node.input[0]][_shape_span(node, len(dims[node.input[0]]))]
         left = []  # readers that are not a fixed pick of it
         for reader in readers.get(node.output[0], []):
-            index = constants.get(reader.input[1]) if reader.op_type == "Gather" else None
-            if index is None or any(a.name == "axis" and a.i != 0 for a in reader.attribute):
-                left.append(reader)
-                continue
-            picked = np.take(np.array(shape, dtype=object), index)
-            if all(d is not None for d in np.ravel(picked)):
+            picked = _pick(reader, shape, constants)
+            if picked is not None and all(d is not None for d in np.ravel(picked)):
                 fixed[reader.output[0]] = np.asarray(picked, dtype=np.int64)
             else:
                 left.append(reader)

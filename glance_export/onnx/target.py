@@ -70,7 +70,7 @@ def columns(lengths: torch.Tensor, cols: torch.Tensor, rows: int | torch.Tensor,
     seen = (cols[None, :] < lengths[:, None])[:, None, None, :]
     blocked = torch.full((), torch.finfo(dtype).min, dtype=dtype)
     mask = torch.where(seen, torch.zeros((), dtype=dtype), blocked)
-    return mask.expand(-1, -1, rows, -1)
+    return mask if isinstance(rows, int) and rows == 1 else mask.expand(-1, -1, rows, -1)
 
 
 class TargetGraph(nn.Module):

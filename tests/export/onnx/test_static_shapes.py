@@ -100,3 +100,35 @@ def test_nothing_to_fold_leaves_the_graph_alone():
     before = model.SerializeToString()
     assert fold_static_shapes(model) == 0
     assert model.SerializeToString() == before
+
+
+def scaled_graph() -> onnx.ModelProto:
+    """x [B, T, 8] scaled by 1/sqrt of its last dim, read as a Slice of its shape (how attention's default scale
+    is traced), and by its batch, read the same way (a symbolic size)."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"]),
+        _const("minus1", [-1]), _const("big", [1 << 62]), _const("zero", [0]), _const("one", [1]),
+        helper.make_node("Slice", ["shape", "minus1", "big"], ["last"]),
+        helper.make_node("Slice", ["shape", "zero", "one"], ["batch"]),
+        helper.make_node("Cast", ["last"], ["last_f"], to=TensorProto.FLOAT),
+        helper.make_node("Cast", ["batch"], ["batch_f"], to=TensorProto.FLOAT),
+        helper.make_node("Sqrt", ["last_f"], ["root"]),
+        helper.make_node("Div", ["x", "root"], ["scaled"]),
+        helper.make_node("Mul", ["scaled", "batch_f"], ["y"]),
+    ]
+    graph = helper.make_graph(nodes, "scaled", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "T", 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", "T", 8])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_slice_of_fixed_dims_folds_and_one_of_symbolic_dims_stays():
+    model = scaled_graph()
+    folded = onnx.ModelProto()
+    folded.CopyFrom(model)
+    assert fold_static_shapes(folded) == 1
+    onnx.checker.check_model(folded, full_check=True)
+    constant = {n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in folded.graph.node if n.op_type == "Constant"}
+    assert constant["last"].tolist() == [8]
+    assert [n.output[0] for n in folded.graph.node if n.op_type == "Slice"] == ["batch"]
+    x = np.random.default_rng(0).normal(size=(3, 5, 8)).astype(np.float32)
+    np.testing.assert_array_equal(_run(folded, x), _run(model, x))
