@@ -1,7 +1,7 @@
 """The draft graph as a torch module: one head pass drafts every sequence's block over [anchor, MASK x (Bk-1)].
 
 The head's own `context_kv` and `forward` do the work; this wrapper reads each sequence's head cache from
-the pool (as the target graph reads its past: `target.gather_past`) and hides the padding of a ragged batch:
+the pool (as the target graph reads its past: `target.past_index`, `target.gather_past`) and hides the padding of a ragged batch:
 past columns beyond a sequence's `past_lengths` and context rows beyond its `context_lengths`. The block's
 embeddings come in and its hidden rows go out: the target's embedding and LM head belong to the vocab graph.
 """
@@ -13,7 +13,7 @@ from torch import nn
 from glance_export.model.head import DraftHead
 from glance_runtime.formats.graphs import draft_kv_names
 
-from .target import columns, gather_past
+from .target import columns, gather_past, past_index
 
 
 class DraftGraph(nn.Module):
@@ -33,9 +33,10 @@ class DraftGraph(nn.Module):
                 past_rows, *pool):
         new = self.head.context_kv(context_taps, context_positions)
         ctx = []
+        index = past_index(pool[0], slots, past_rows)
         for j, (k, v) in enumerate(new):
-            ctx.append((torch.cat([gather_past(pool[2 * j], slots, past_rows), k], dim=2),
-                        torch.cat([gather_past(pool[2 * j + 1], slots, past_rows), v], dim=2)))
+            ctx.append((torch.cat([gather_past(pool[2 * j], index), k], dim=2),
+                        torch.cat([gather_past(pool[2 * j + 1], index), v], dim=2)))
         rows = block_embeds.shape[1]
         dtype = block_embeds.dtype
         new_rows = torch.cumsum(torch.ones_like(context_positions[0]), 0) - 1  # 0..N-1, symbolic in the trace

@@ -52,16 +52,22 @@ def padded(rows: torch.Tensor) -> torch.Tensor:
     return torch.cat([rows, rows.new_zeros(1, rows.shape[1])], dim=0)
 
 
-def gather_past(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """pool [P, C, kvh, D] -> head-major [B, kvh, S, D]: rows `rows` ([S]: 0..S-1) of slot `slots[b]`.
+def past_index(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[B, kvh, S]: where in a pool [P, C, kvh, D] seen as rows of D the past of each sequence lies, head-major
+    (rows `rows` ([S]: 0..S-1) of slot `slots[b]`). Every layer's pool has one shape, so a graph works this out
+    once and every layer gathers with it (`gather_past`)."""
+    kv_heads = pool.shape[2]
+    heads = torch.arange(kv_heads, dtype=torch.int64, device=slots.device)
+    return (slots[:, None, None] * pool.shape[1] + rows[None, None, :]) * kv_heads + heads[None, :, None]
+
+
+def gather_past(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """pool [P, C, kvh, D] -> head-major [B, kvh, S, D] at `past_index`'s rows.
 
     One Gather of D-sized rows, indexed in head-major order, so the layout change costs nothing more (a
     transpose after the gather took most of a batched pass on ONNX Runtime CPU). The index carries the
     output's shape, so no Reshape is sized from S, which is 0 for a prefill (an ONNX Reshape reads a 0 as
     "keep this axis")."""
-    kv_heads = pool.shape[2]
-    heads = torch.arange(kv_heads, dtype=torch.int64, device=slots.device)
-    index = (slots[:, None, None] * pool.shape[1] + rows[None, None, :]) * kv_heads + heads[None, :, None]
     return nn.functional.embedding(index, pool.reshape(-1, pool.shape[3]))
 
 
@@ -113,7 +119,8 @@ class TargetGraph(nn.Module):
         slots, past_lengths, past_rows = named["slots"], named["past_lengths"], named["past_rows"]
         deepstack_embeds = named.get("deepstack_embeds")
         pool = inputs[-2 * self.num_layers:]
-        cache = PassCache([(gather_past(pool[2 * l], slots, past_rows), gather_past(pool[2 * l + 1], slots, past_rows))
+        index = past_index(pool[0], slots, past_rows)
+        cache = PassCache([(gather_past(pool[2 * l], index), gather_past(pool[2 * l + 1], index))
                            for l in range(self.num_layers)])
         hidden, use, index = self.embed(named.get("input_ids"), named["inputs_embeds"], named.get("image_embeds"))
         blocked = torch.full((), torch.finfo(hidden.dtype).min, dtype=hidden.dtype)
