@@ -40,10 +40,10 @@ class DraftGraph(nn.Module):
         rows = block_embeds.shape[1]
         dtype = block_embeds.dtype
         new_rows = torch.cumsum(torch.ones_like(context_positions[0]), 0) - 1  # 0..N-1, symbolic in the trace
-        # Every block row sees the same columns, so the masks keep one row and the attention broadcasts it: a
-        # mask expanded over the rows cost a sixth of a small head's pass.
+        # Every block row sees the same columns: one row of them is built, then expanded once over the rows (the
+        # opset-23 Attention op takes a mask with the query's rows, not one broadcast along them).
         mask = torch.cat([columns(past_lengths, past_rows, 1, dtype), columns(context_lengths, new_rows, 1, dtype)],
-                         dim=-1)
+                         dim=-1).expand(-1, -1, rows, -1)
         hidden = self.head(block_embeds, start[:, None] + self.offsets[None], ctx, mask,
                            torch.zeros_like(mask[..., :1]).repeat(1, 1, 1, rows))
         out = []
