@@ -5,7 +5,9 @@ folded at export, so a head size of 128 or a batch of 1 is recomputed on every p
 the Div/Cast/Unsqueeze chains fed by it (about thirty nodes a layer). Symbolic shape inference (ONNX
 Runtime's, which follows reshapes through symbolic sizes) says which of those reads are fixed; each
 becomes a constant, and what only they fed is removed. Runtimes fold the constant chains left at load.
-Reads of a symbolic size (the sequence, the past) stay.
+Reads of a symbolic size (the sequence, the past) stay, except where a Reshape reads them off the very tensor it
+reshapes, at the place they keep: that piece of its target becomes ONNX's 0 ("this dim of the input"), so the
+per-layer head splits of a batched graph read no shape at all.
 """
 from __future__ import annotations
 
@@ -17,9 +19,9 @@ from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 from .node_runs import live_nodes
 
 
-def _dims(model: onnx.ModelProto) -> dict[str, list[int | None]]:
-    """Every tensor's dims as inferred: ints where fixed, None where symbolic or unknown. The weights are
-    stubs (no values yet), so inference sees them as inputs of their declared shapes."""
+def _dims(model: onnx.ModelProto) -> dict[str, list[int | str | None]]:
+    """Every tensor's dims as inferred: ints where fixed, the symbol's name where symbolic, None where unknown.
+    The weights are stubs (no values yet), so inference sees them as inputs of their declared shapes."""
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
     weights = list(probe.graph.initializer)
@@ -30,8 +32,13 @@ def _dims(model: onnx.ModelProto) -> dict[str, list[int | None]]:
     for value in [*graph.input, *graph.value_info, *graph.output]:
         shape = value.type.tensor_type
         if shape.HasField("shape"):
-            out[value.name] = [d.dim_value if d.HasField("dim_value") else None for d in shape.shape.dim]
+            out[value.name] = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                               for d in shape.shape.dim]
     return out
+
+
+def _fixed(dims: list[int | str | None]) -> list[int | None]:
+    return [d if isinstance(d, int) else None for d in dims]
 
 
 def _constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
@@ -84,7 +91,7 @@ def fold_static_shapes(model: onnx.ModelProto) -> int:
     for node in graph.node:
         if node.op_type != "Shape" or dims.get(node.input[0]) is None:
             continue
-        shape = dims[node.input[0]][_shape_span(node, len(dims[node.input[0]]))]
+        shape = _fixed(dims[node.input[0]])[_shape_span(node, len(dims[node.input[0]]))]
         left = []  # readers that are not a fixed pick of it
         for reader in readers.get(node.output[0], []):
             picked = _pick(reader, shape, constants)
@@ -94,14 +101,70 @@ def fold_static_shapes(model: onnx.ModelProto) -> int:
                 left.append(reader)
         if left and all(d is not None for d in shape):
             fixed[node.output[0]] = np.array(shape)
-    if not fixed:
+    copied = _copied_dims(graph, dims, constants)
+    if not fixed and not copied:
         return 0
-    nodes = []
+    nodes = [_constant(name, np.zeros(1, np.int64))  # the 0s the rewritten targets read, ahead of every reader
+             for node in copied.values() for name in node.input if name.startswith(f"{node.output[0]}_copy_")]
     for node in graph.node:
         if node.output and node.output[0] in fixed:
             nodes.append(_constant(node.output[0], fixed[node.output[0]]))
+        elif node.output and node.output[0] in copied:
+            nodes.append(copied[node.output[0]])
         else:
             nodes.append(node)
     del graph.node[:]
     graph.node.extend(live_nodes(nodes, {o.name for o in graph.output}))
-    return len(fixed)
+    return len(fixed) + len(copied)
+
+
+def _read_dim(name: str, producers: dict[str, onnx.NodeProto], constants: dict[str, np.ndarray],
+              dims: dict[str, list]) -> int | str | None:
+    """The dim a one-element shape piece reads, as `_dims` names it: Unsqueeze(Gather(Shape(x), i))."""
+    unsqueeze = producers.get(name)
+    if unsqueeze is None or unsqueeze.op_type != "Unsqueeze":
+        return None
+    gather = producers.get(unsqueeze.input[0])
+    if gather is None or gather.op_type != "Gather" or any(a.name == "axis" and a.i != 0 for a in gather.attribute):
+        return None
+    shape, index = producers.get(gather.input[0]), constants.get(gather.input[1])
+    if shape is None or shape.op_type != "Shape" or index is None or index.ndim != 0 or shape.attribute:
+        return None
+    source = dims.get(shape.input[0])
+    return source[int(index)] if source is not None and -len(source) <= int(index) < len(source) else None
+
+
+def _copied_dims(graph: onnx.GraphProto, dims: dict[str, list], constants: dict[str, np.ndarray]
+                 ) -> dict[str, onnx.NodeProto]:
+    """Reshape targets built from the sizes of the tensor being reshaped, rewritten to copy them (an ONNX Reshape's
+    0 keeps the input's dim at that place): a batched graph's attention reshapes [B, T, H*D] to [B, T, H, D] from
+    B and T read off its input, a Shape, two Gathers, two Unsqueezes and a Concat a reshape, every pass. Returns
+    the rewritten Concat nodes by output name."""
+    producers = {o: n for n in graph.node for o in n.output}
+    out: dict[str, onnx.NodeProto] = {}
+    for node in graph.node:
+        if node.op_type != "Reshape" or any(a.name == "allowzero" and a.i for a in node.attribute):
+            continue
+        concat = producers.get(node.input[1])
+        data = dims.get(node.input[0])
+        if concat is None or concat.op_type != "Concat" or data is None or concat.output[0] in out:
+            continue
+        pieces, place = list(concat.input), 0  # place: the target dim the piece starts at
+        for i, piece in enumerate(concat.input):
+            read = _read_dim(piece, producers, constants, dims)
+            if read is None and piece not in constants:
+                break  # a piece of unknown length: the places after it are not known
+            if place < len(data) and isinstance(data[place], str) and read == data[place]:
+                pieces[i] = f"{concat.output[0]}_copy_{place}"
+            place += 1 if read is not None else int(constants[piece].size)
+        if pieces == list(concat.input):
+            continue
+        readers = [n for n in graph.node if concat.output[0] in n.input]
+        if any(r.op_type != "Reshape" or r.input[0] != node.input[0] for r in readers):
+            continue  # the target is read elsewhere too, where a 0 would not mean the same
+        rewritten = onnx.NodeProto()
+        rewritten.CopyFrom(concat)
+        del rewritten.input[:]
+        rewritten.input.extend(pieces)
+        out[concat.output[0]] = rewritten
+    return out

@@ -132,3 +132,42 @@ def test_a_slice_of_fixed_dims_folds_and_one_of_symbolic_dims_stays():
     assert [n.output[0] for n in folded.graph.node if n.op_type == "Slice"] == ["batch"]
     x = np.random.default_rng(0).normal(size=(3, 5, 8)).astype(np.float32)
     np.testing.assert_array_equal(_run(folded, x), _run(model, x))
+
+
+def split_heads_graph() -> onnx.ModelProto:
+    """x [B, T, 8] reshaped to [B, T, -1, 4] by sizes read off x itself (how attention splits its heads in a batched
+    graph), and to [T, -1] by a size read off x at another place than it lands."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"]),
+        _const("i0", 0), _const("i1", 1), _const("zero", [0]), _const("minus1", [-1]), _const("four", [4]),
+        helper.make_node("Gather", ["shape", "i0"], ["batch"], axis=0),
+        helper.make_node("Gather", ["shape", "i1"], ["seq"], axis=0),
+        helper.make_node("Unsqueeze", ["batch", "zero"], ["batch_1d"]),
+        helper.make_node("Unsqueeze", ["seq", "zero"], ["seq_1d"]),
+        helper.make_node("Concat", ["batch_1d", "seq_1d", "minus1", "four"], ["heads_shape"], axis=0),
+        helper.make_node("Reshape", ["x", "heads_shape"], ["heads"]),
+        helper.make_node("Concat", ["seq_1d", "minus1"], ["moved_shape"], axis=0),
+        helper.make_node("Reshape", ["x", "moved_shape"], ["moved"]),
+    ]
+    graph = helper.make_graph(nodes, "split_heads", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "T", 8])],
+                              [helper.make_tensor_value_info("heads", TensorProto.FLOAT, ["B", "T", 2, 4]),
+                               helper.make_tensor_value_info("moved", TensorProto.FLOAT, ["T", None])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_sizes_a_reshape_reads_off_its_own_input_become_copies():
+    model = split_heads_graph()
+    folded = onnx.ModelProto()
+    folded.CopyFrom(model)
+    assert fold_static_shapes(folded) == 1
+    onnx.checker.check_model(folded, full_check=True)
+    concat = next(n for n in folded.graph.node if n.output[0] == "heads_shape")
+    constant = {n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in folded.graph.node if n.op_type == "Constant"}
+    assert [constant[name].tolist() for name in concat.input] == [[0], [0], [-1], [4]]
+    assert next(n for n in folded.graph.node if n.output[0] == "moved_shape").input[0] == "seq_1d"  # T lands at 0
+    session = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    before, after = session(model), session(folded)
+    for batch, rows in ((1, 1), (3, 5), (2, 7)):
+        x = np.random.default_rng(batch).normal(size=(batch, rows, 8)).astype(np.float32)
+        for want, got in zip(before.run(None, {"x": x}), after.run(None, {"x": x})):
+            np.testing.assert_array_equal(got, want)
