@@ -397,14 +397,42 @@ def test_a_full_queue_answers_429_and_a_killed_server_restarts_cleanly(expected)
         srv.stop()
 
 
-def test_a_request_over_its_timeout_is_504_and_the_server_carries_on(expected):
+def test_a_request_over_its_timeout_is_504_and_the_server_carries_on(expected, tmp_path, monkeypatch):
+    """Requests while the model loads are 503s, and one over its deadline a 504. The load is held until both were
+    answered: in a fresh cache, opening the vocab graph waits for the lock on its optimised copy, which this test
+    holds (a load takes well under a second, so a server let go could be ready before the second request)."""
+    import onnxruntime
+
+    from glance_runtime.backends.ort_cache import _entry
+    from glance_runtime.defaults import DEFAULT_ARTIFACTS
+    from glance_runtime.formats.artifacts import read as read_manifest
+    from glance_runtime.store.cache import file_lock
+
+    monkeypatch.setenv("GLANCE_CACHE", str(tmp_path / "cache"))
+    vocab = DEFAULT_ARTIFACTS / "vocab.onnx"
+    entry = _entry(vocab, read_manifest(DEFAULT_ARTIFACTS).file_hashes["vocab.onnx"].sha256, ["CPUExecutionProvider"],
+                   onnxruntime.__version__)
+    held = file_lock(entry.with_name(f"{entry.name}.lock"))
+    held.__enter__()
+    released: list[bool] = []
     while_loading: list[httpx.Response] = []
 
-    def probe(url: str) -> None:  # the model takes seconds to load and warm: it is still loading now
-        while_loading.append(httpx.get(f"{url}/health", timeout=CLIENT_TIMEOUT_S))
-        while_loading.append(httpx.post(f"{url}/v1/chat/completions", json=_body(), timeout=CLIENT_TIMEOUT_S))
+    def release() -> None:  # the load goes on
+        if not released:
+            released.append(True)
+            held.__exit__(None, None, None)
 
-    srv = start_server("--timeout", "0.001", on_listening=probe)
+    def probe(url: str) -> None:
+        try:
+            while_loading.append(httpx.get(f"{url}/health", timeout=CLIENT_TIMEOUT_S))
+            while_loading.append(httpx.post(f"{url}/v1/chat/completions", json=_body(), timeout=CLIENT_TIMEOUT_S))
+        finally:
+            release()
+
+    try:
+        srv = start_server("--timeout", "0.001", on_listening=probe)
+    finally:
+        release()
     try:
         health, early = while_loading
         assert health.status_code == 503 and health.json()["status"] == "loading"
