@@ -121,13 +121,19 @@ def scaled_graph() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def test_a_slice_of_fixed_dims_folds_and_one_of_symbolic_dims_stays():
-    model = scaled_graph()
+def _folded(model: onnx.ModelProto, rewrites: int) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """A folded copy of `model` (checked, `rewrites` shape reads rewritten) and its constants by output name."""
     folded = onnx.ModelProto()
     folded.CopyFrom(model)
-    assert fold_static_shapes(folded) == 1
+    assert fold_static_shapes(folded) == rewrites
     onnx.checker.check_model(folded, full_check=True)
-    constant = {n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in folded.graph.node if n.op_type == "Constant"}
+    return folded, {n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in folded.graph.node
+                    if n.op_type == "Constant"}
+
+
+def test_a_slice_of_fixed_dims_folds_and_one_of_symbolic_dims_stays():
+    model = scaled_graph()
+    folded, constant = _folded(model, 1)
     assert constant["last"].tolist() == [8]
     assert [n.output[0] for n in folded.graph.node if n.op_type == "Slice"] == ["batch"]
     x = np.random.default_rng(0).normal(size=(3, 5, 8)).astype(np.float32)
@@ -157,12 +163,8 @@ def split_heads_graph() -> onnx.ModelProto:
 
 def test_sizes_a_reshape_reads_off_its_own_input_become_copies():
     model = split_heads_graph()
-    folded = onnx.ModelProto()
-    folded.CopyFrom(model)
-    assert fold_static_shapes(folded) == 1
-    onnx.checker.check_model(folded, full_check=True)
+    folded, constant = _folded(model, 1)
     concat = next(n for n in folded.graph.node if n.output[0] == "heads_shape")
-    constant = {n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in folded.graph.node if n.op_type == "Constant"}
     assert [constant[name].tolist() for name in concat.input] == [[0], [0], [-1], [4]]
     assert next(n for n in folded.graph.node if n.output[0] == "moved_shape").input[0] == "seq_1d"  # T lands at 0
     session = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
