@@ -1,12 +1,13 @@
 """Outputs appear whole or not at all: built in a temporary sibling, renamed into place at the end.
 
-Every replacement first writes a journal next to the output (`.NAME.glance-TOKEN.json`, TOKEN 128 random
-bits) naming its two siblings, `.NAME.glance-TOKEN.new` (being built) and `.NAME.glance-TOKEN.old` (the
-output being replaced, for the instant between two renames). Killed at any point (even SIGKILL, where no
-cleanup runs), a command leaves the previous output in place or parked; the next run into the same place
-reads the journals of processes that are gone, puts a parked output back and removes the half-built
-sibling. Only what a journal names is ever moved or deleted, so a user's file that merely looks like a
-temporary name is never touched.
+Every replacement first writes a journal next to the output (`.NAME.glance-TOKEN-PID.json`, TOKEN 128
+random bits, PID the writer's process id) naming its two siblings, `.NAME.glance-TOKEN-PID.new` (being
+built) and `.NAME.glance-TOKEN-PID.old` (the output being replaced, for the instant between two renames).
+Killed at any point (even SIGKILL, where no cleanup runs), a command leaves the previous output in place or
+parked; the next run into the same place reads the journals of processes that are gone, puts a parked output
+back and removes the half-built sibling. A process killed between creating its journal and writing it leaves
+an empty file whose name alone says whose it was, so that goes too. Only what a journal names is ever moved or
+deleted, so a user's file that merely looks like a temporary name is never touched.
 
 Every output directory carries a marker naming the format, the command that made it and the entries it
 wrote, and every output file starts with its format header (`{"format": ...`), so a command replaces only an
@@ -61,14 +62,15 @@ def _alive(pid: int) -> bool:
 class _Swap:
     """The siblings of one replacement of `out`, named by the journal written before either exists."""
 
-    def __init__(self, out: Path, token: str):
-        stem = out.parent / f".{out.name}.glance-{token}"
+    def __init__(self, out: Path, token: str, pid: int | None):
+        # Journals from before the writer's pid was in the name (pid None) are still read and settled.
+        stem = out.parent / (f".{out.name}.glance-{token}" + (f"-{pid}" if pid is not None else ""))
         self.out, self.token = out, token
         self.journal, self.new, self.old = (Path(f"{stem}{suffix}") for suffix in (".json", ".new", ".old"))
 
     @classmethod
     def begin(cls, out: Path) -> "_Swap":
-        swap = cls(out, secrets.token_hex(16))
+        swap = cls(out, secrets.token_hex(16), os.getpid())
         body = json.dumps({"format": SWAP_FORMAT, "pid": os.getpid(), "token": swap.token, "output": out.name})
         fd = os.open(swap.journal, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as fh:
@@ -91,8 +93,21 @@ class _Swap:
         out, token = journal.parent / str(raw.get("output")), raw.get("token")
         if not isinstance(token, str) or not re.fullmatch(r"[0-9a-f]{32}", token):
             return None
-        swap = cls(out, token)
-        return (swap, raw["pid"]) if swap.journal == journal else None
+        for swap in (cls(out, token, raw["pid"]), cls(out, token, None)):
+            if swap.journal == journal:
+                return swap, raw["pid"]
+        return None
+
+    @staticmethod
+    def unwritten(journal: Path, out: Path) -> int | None:
+        """The pid in the name of an empty journal of `out` (its writer killed before writing it; nothing
+        else of the swap exists yet), or None for any other file."""
+        named = re.fullmatch(rf"\.{re.escape(out.name)}\.glance-[0-9a-f]{{32}}-([0-9]{{1,10}})\.json", journal.name)
+        try:
+            found = journal.lstat()
+        except OSError:
+            return None
+        return int(named.group(1)) if named and stat.S_ISREG(found.st_mode) and found.st_size == 0 else None
 
     def settle(self) -> None:
         """Finish or undo: the parked output goes back where the output is missing, then both siblings and
@@ -117,6 +132,8 @@ def recover(out: Path) -> None:
         found = _Swap.found(journal)
         if found is not None and found[0].out == out and not _alive(found[1]):
             found[0].settle()
+        elif found is None and (pid := _Swap.unwritten(journal, out)) is not None and not _alive(pid):
+            journal.unlink(missing_ok=True)
 
 
 def check_writable(out: str | Path) -> None:

@@ -34,7 +34,7 @@ train_target(Path(sys.argv[1]), steps=int(sys.argv[2]), batch_size=2, vision_war
              eval_every=0, hidden=48, layers=1, vision_hidden=32, vision_depth=1)
 """
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-JOURNAL = re.compile(r"\..+\.glance-[0-9a-f]{32}\.json")  # a swap's journal (store.atomic)
+JOURNAL = re.compile(r"\..+\.glance-[0-9a-f]{32}-[0-9]+\.json")  # a swap's journal (store.atomic)
 
 
 def _ctrl_c_deliverable() -> None:

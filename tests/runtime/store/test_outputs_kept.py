@@ -4,6 +4,10 @@ command is run for real, in process; it refuses in one line before any work."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,4 +82,28 @@ def test_a_killed_swap_is_undone_from_its_journal_only(tmp_path):
     siblings = {k: v for k, v in tree(tmp_path).items() if ".glance-" + token not in k and not k.startswith("out")}
     recover(out)
     assert (out / "data.txt").read_text() == "kept"
+    assert {k: v for k, v in tree(tmp_path).items() if not k.startswith("out")} == siblings
+
+
+def test_a_journal_its_writer_never_wrote_goes_with_the_next_run(tmp_path):
+    """A process killed between creating its journal and writing it leaves an empty file: the pid in its name
+    says its writer is gone, so the next run removes it. An empty one of a live process, and empty look-alikes
+    without a pid in the name, stay."""
+    out = tmp_path / "out"
+    token = "cd" * 16
+    killed = subprocess.run([sys.executable, "-c", f"""if True:
+        import os, signal
+        os.close(os.open(f".out.glance-{token}-{{os.getpid()}}.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.kill(os.getpid(), signal.SIGKILL)"""], cwd=tmp_path)
+    assert killed.returncode == -signal.SIGKILL
+    (unwritten,) = tmp_path.glob(f".out.glance-{token}-*.json")
+    assert unwritten.stat().st_size == 0
+    live = tmp_path / f".out.glance-{'ef' * 16}-{os.getpid()}.json"
+    live.touch()
+    lookalikes(out)
+    (tmp_path / f".out.glance-{'2' * 32}.json").touch()
+    siblings = {k: v for k, v in tree(tmp_path).items() if k != unwritten.name}
+    with atomic_directory(out, "fmt-a", "glance-test") as tmp:
+        (tmp / "data.txt").write_text("new")
+    assert not unwritten.exists() and live.exists()
     assert {k: v for k, v in tree(tmp_path).items() if not k.startswith("out")} == siblings
