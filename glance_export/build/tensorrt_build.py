@@ -79,9 +79,10 @@ def shape_profiles(manifest: Manifest, graph: str) -> list[ShapeProfile]:
         return _step_profiles(axes)
     if graph == "draft":
         cached = _span(axes["S_h"], axes["S_h"][1] // 2)
-        lone = {**_lone(axes), "N": (1, _opt(1, axes["N"][1], max_tree), axes["N"][1]), "S_h": cached}
+        rows = {"Bk": (axes["Bk"][0], axes["Bk"][1], axes["Bk"][1])} if "Bk" in axes else {}  # short blocks too
+        lone = {**_lone(axes), "N": (1, _opt(1, axes["N"][1], max_tree), axes["N"][1]), "S_h": cached, **rows}
         block = min(manifest.block_size, axes["N"][1])  # a round commits at most a block's rows a sequence
-        batch = {**_batched(axes), "N": (1, block, block), "S_h": cached}
+        batch = {**_batched(axes), "N": (1, block, block), "S_h": cached, **rows}
         return _with_batch(axes, [ShapeProfile("draft", lone)], batch)
     if graph == "draft_vocab":  # projections only: the runtime embeds through the vocab graph
         return [ShapeProfile("project", {"E": (1, 1, 1), "R": _span(axes["R"], 32)})]

@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from glance_runtime.decode.backend import BackendInfo, ServeLimits, Verified, draft_rows
+from glance_runtime.decode.backend import BackendInfo, ServeLimits, Verified, block_rows, draft_rows
 from glance_runtime.backends.hardware import host_cpu
 from glance_runtime.defaults import EAGLE3_DEPTH
 from glance_runtime.decode.loop import DecodeConfig
@@ -310,9 +310,10 @@ class TorchBackend:
                 (torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(self.head_kv, new)]
             self.pending_taps, self.pending_from = [], self.start
         cfg = self.head.config
-        block = torch.full((1, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=self.device)
+        length = block_rows(cfg.block_size, depth)
+        block = torch.full((1, length), cfg.mask_token_id, dtype=torch.long, device=self.device)
         block[0, 0] = anchor
-        pos = torch.arange(self.start, self.start + cfg.block_size, device=self.device)[None]
+        pos = torch.arange(self.start, self.start + length, device=self.device)[None]
         hidden = self.head(self.embed(block), pos, self.head_kv)
         rows = draft_rows(cfg.block_size, depth)
         logp = torch.log_softmax(self.head.logits(hidden[0, 1:1 + rows], self.lm_head).float(), dim=-1)

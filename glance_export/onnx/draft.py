@@ -1,5 +1,8 @@
 """The draft graph as a torch module: one head pass drafts every sequence's block over [anchor, MASK x (Bk-1)].
 
+Bk is the pass's own: a round that uses a few depths drafts a short block (2..block_size rows), so a shallow tree
+does not pay for the head over every row of the block.
+
 The head's own `context_kv` and `forward` do the work; this wrapper reads each sequence's head cache from
 the pool (as the target graph reads its past: `target.past_index`, `target.gather_past`) and hides the padding of a ragged batch:
 past columns beyond a sequence's `past_lengths` and context rows beyond its `context_lengths`. The block's
@@ -23,7 +26,6 @@ class DraftGraph(nn.Module):
         super().__init__()
         self.head = head
         cfg = head.config
-        self.register_buffer("offsets", torch.arange(cfg.block_size, dtype=torch.int64), persistent=False)
         pool, new = draft_kv_names(cfg.num_hidden_layers)
         self.input_names = ["context_taps", "context_positions", "context_lengths", "block_embeds", "start",
                             "slots", "past_lengths", "past_rows", *pool]
@@ -40,11 +42,12 @@ class DraftGraph(nn.Module):
         rows = block_embeds.shape[1]
         dtype = block_embeds.dtype
         new_rows = torch.cumsum(torch.ones_like(context_positions[0]), 0) - 1  # 0..N-1, symbolic in the trace
+        offsets = torch.cumsum(torch.ones_like(block_embeds[0, :, 0], dtype=torch.int64), 0) - 1  # 0..Bk-1, too
         # Every block row sees the same columns: one row of them is built, then expanded once over the rows (the
         # opset-23 Attention op takes a mask with the query's rows, not one broadcast along them).
         mask = torch.cat([columns(past_lengths, past_rows, 1, dtype), columns(context_lengths, new_rows, 1, dtype)],
                          dim=-1).expand(-1, -1, rows, -1)
-        hidden = self.head(block_embeds, start[:, None] + self.offsets[None], ctx, mask,
+        hidden = self.head(block_embeds, start[:, None] + offsets[None], ctx, mask,
                            torch.zeros_like(mask[..., :1]).repeat(1, 1, 1, rows))
         out = []
         for k, v in new:

@@ -60,15 +60,16 @@ def target_feed(dims: Dims, rng: np.random.Generator, rows: int, slots: list[int
 
 
 def draft_feed(dims: Dims, rng: np.random.Generator, context_lengths: list[int], rows: int, slots: list[int],
-               past_lengths: list[int], pool: tuple[int, int], dtype: str) -> dict[str, np.ndarray]:
+               past_lengths: list[int], pool: tuple[int, int], dtype: str,
+               block: int | None = None) -> dict[str, np.ndarray]:
     """A draft pass of len(slots) sequences, each with `rows` context rows of which the first
-    context_lengths[b] are real, appended after its own past."""
+    context_lengths[b] are real, appended after its own past, drafting `block` rows (default: the whole block)."""
     batch = len(slots)
     past = np.array(past_lengths, dtype=np.int64)
     feed = {"context_taps": (rng.normal(size=(batch, rows, dims.n_taps * dims.hidden)) * 4).astype(dtype),
             "context_positions": past[:, None] + np.arange(rows, dtype=np.int64)[None],
             "context_lengths": np.array(context_lengths, dtype=np.int64),
-            "block_embeds": rng.normal(size=(batch, dims.block_size, dims.hidden)).astype(dtype),
+            "block_embeds": rng.normal(size=(batch, block or dims.block_size, dims.hidden)).astype(dtype),
             "start": past + np.array(context_lengths, dtype=np.int64), **_pool_rows(slots, past_lengths)}
     for name in draft_kv_names(dims.head_layers)[0]:
         feed[name] = rng.normal(size=(*pool, dims.head_kv_heads, dims.head_head_dim)).astype(dtype)

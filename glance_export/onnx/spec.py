@@ -98,6 +98,8 @@ def axis_bounds(dims: Dims, max_tree: int, max_context: int, branch_k: int = 8) 
               "T_verify": [1, max_tree], "E": [1, max_context], "R": [1, max(max_tree, dims.block_size - 1)]}
     if dims.head_kind == "eagle3":
         bounds.update(eagle3_draft.axis_bounds(max_context, branch_k))
+    else:  # a draft pass's block rows (anchor and masks) and the drafted rows it returns, one fewer
+        bounds.update({"Bk": [2, dims.block_size], "Bd": [1, dims.block_size - 1]})
     if dims.is_vl:
         v = dims.vision
         unit = v["merge_size"] ** 2
@@ -119,7 +121,8 @@ def dynamic_axes(dims: Dims, graph: str, input_names: list[str], output_names: l
         axes = eagle3_draft.dynamic_axes(set(input_names) | set(output_names))
     elif graph == "draft":
         axes = {"context_taps": {0: "B", 1: "N"}, "context_positions": {0: "B", 1: "N"}, "context_lengths": {0: "B"},
-                "block_embeds": {0: "B"}, "start": {0: "B"}, "hidden": {0: "B"}, **_pool_axes(input_names, "S_h")}
+                "block_embeds": {0: "B", 1: "Bk"}, "start": {0: "B"}, "hidden": {0: "B", 1: "Bd"},
+                **_pool_axes(input_names, "S_h")}
         axes.update({n: {0: "B", 1: "N"} for n in output_names if n.startswith("ctx_")})
     elif graph in VOCABULARY_GRAPHS:
         axes = {"ids": {0: "E"}, "embeds": {0: "E"}, "hidden": {0: "R"}, "topk_ids": {0: "R"},
@@ -151,7 +154,7 @@ def output_shapes(dims: Dims, graph: str, branch_k: int) -> dict[str, list[int |
     if graph == "draft" and dims.head_kind == "eagle3":
         return eagle3_draft.output_shapes(dims, branch_k)
     if graph == "draft":
-        shapes = {"hidden": ["B", dims.block_size - 1, dims.hidden]}
+        shapes = {"hidden": ["B", "Bd", dims.hidden]}
         for j in range(dims.head_layers):
             shapes[f"ctx_key_{j}"] = shapes[f"ctx_value_{j}"] = ["B", "N", dims.head_kv_heads, dims.head_head_dim]
         return shapes

@@ -55,10 +55,12 @@ def validation_feeds(graph: str, dims: Dims, snapshot, dtype: str, seed: int) ->
                 target_feed(dims, rng, 5, [3, 0, 4, 1], [0, 7, 4, 1], (6, 12), 2, np_dtype, tree=True)]
     if graph == "draft" and dims.head_kind == "eagle3":
         return eagle3_draft.validation_feeds(dims, rng, np_dtype)
-    if graph == "draft":  # a lone sequence's first block (no past) and a later one; a ragged batch (one past empty)
+    if graph == "draft":  # a lone sequence's first block (no past) and a later, short one; a ragged batch (one
+        # past empty) of whole blocks, and one of the shortest
         return [draft_feed(dims, rng, [7], 7, [0], [0], (2, 12), np_dtype),
-                draft_feed(dims, rng, [3], 3, [1], [6], (2, 12), np_dtype),
-                draft_feed(dims, rng, [3, 0, 1, 3], 3, [3, 0, 4, 1], [0, 7, 4, 1], (6, 12), np_dtype)]
+                draft_feed(dims, rng, [3], 3, [1], [6], (2, 12), np_dtype, block=min(3, dims.block_size)),
+                draft_feed(dims, rng, [3, 0, 1, 3], 3, [3, 0, 4, 1], [0, 7, 4, 1], (6, 12), np_dtype),
+                draft_feed(dims, rng, [2, 1], 2, [1, 0], [2, 5], (2, 12), np_dtype, block=2)]
     if graph in VOCABULARY_GRAPHS:
         size = dims.draft_vocab if graph == "draft_vocab" else dims.vocab
         return [vocab_feed(dims, rng, 9, 7, np_dtype, size), vocab_feed(dims, rng, 1, 1, np_dtype, size)]

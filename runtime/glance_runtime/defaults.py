@@ -16,6 +16,7 @@ BUDGET = 63  # tree nodes per round besides the anchor where auto does not apply
 AUTO_MAX_NODES = 63  # auto's largest tree where the graphs set no smaller bound
 EAGLE3_DEPTH = 7  # head passes (tree depth) an EAGLE-3 round drafts at most; its backends' block size is one more
 BRANCH_K = 8  # top-k per draft offset (and the export's: what a draft graph returns)
+BLOCK_SLACK = 2  # mask rows a draft runs past the deepest it returns: the head reads the block both ways
 RUN_MAX_NEW_TOKENS = 256  # glance-run's answer length
 SERVE_MAX_BATCH = 8  # glance-serve's requests decoded together (--max-batch); 1 decodes one request at a time
 MEASURE_MAX_NEW_TOKENS = 64  # glance-bench's and glance-export audit's answer length

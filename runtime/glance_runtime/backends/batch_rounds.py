@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..decode.auto_budget import AutoBudget
-from ..decode.backend import Verified, draft_rows
+from ..decode.backend import Verified, block_rows, draft_rows
 from ..decode.batch_budget import BatchBudget, BatchCost, start_from_profile
 from ..decode.batch_loop import BatchLoop
 from ..decode.limits import check_branch_k, check_tree
@@ -74,7 +74,7 @@ class BatchRounds:
         self.ctx_lengths = new((P,), np.int64)
         self.starts = new((P,), np.int64)
         self.ctx_out = new((2 * m.head.num_layers, P * self.block_size, m.head.kv_heads, m.head.head_dim), f)
-        self.block = new((P * self.block_size, hidden), f)
+        self.blocks: dict[int, Buffer] = {}  # per block length L: [anchor, MASK x (L-1)] rows of P sequences
         self.draft_hidden = new((P * drafted, hidden), f)
         rows = P * max(T, drafted)
         self.projection_rows = max(T, drafted)  # what a lone pass projects at most (the vocab graph's R bound)
@@ -84,13 +84,22 @@ class BatchRounds:
         self.anchor_rows = new((P, hidden), f)  # a joiner's first anchor, safe from the next joiner's prefill
         self.scratch_row = new((1, hidden), f)
         self.known: list[dict[int, tuple[Buffer, int]]] = [{} for _ in range(P)]
-        mask_row = new((1, hidden), f)
-        base.embed_rows(np.array([m.mask_token_id], np.int64), mask_row, 0)
-        for row in range(P * self.block_size):
-            if row % self.block_size:
-                dev.copy(self.block.rows(1, row), mask_row.rows(1))
+        self.mask_row = new((1, hidden), f)
+        base.embed_rows(np.array([m.mask_token_id], np.int64), self.mask_row, 0)
+        self.short_blocks = m.short_blocks
         self.target_pool_in, self.target_out = target_kv_names(m.target.num_layers)
         self.head_pool_in, self.head_out = draft_kv_names(m.head.num_layers)
+
+    def _block(self, length: int) -> Buffer:
+        """The block rows of a round drafting `length` rows a sequence: every sequence's masks set once, the
+        anchor rows (b * length) written each round. A length is laid out the first time a round drafts it."""
+        if length not in self.blocks:
+            block = self.base._new((self.capacity * length, self.mask_row.shape[1]), self.base.float)
+            for row in range(self.capacity * length):
+                if row % length:
+                    self.device.copy(block.rows(1, row), self.mask_row.rows(1))
+            self.blocks[length] = block
+        return self.blocks[length]
 
     @property
     def capacity(self) -> int:
@@ -215,23 +224,26 @@ class BatchRounds:
             if rows:
                 dev.copy(self.ctx_taps.rows(rows, i * n), backend.pending.rows(rows))
             positions[i, :rows] = np.arange(backend.pending_from, backend.pending_from + rows)
-        self._embed([(slot, np.array([anchor], np.int64)) for slot, anchor, _, _ in asks], self.block, bs)
+        depths = [draft_rows(bs, a[3]) for a in asks]
+        length = max(block_rows(bs, a[3], self.short_blocks) for a in asks)
+        block = self._block(length)
+        self._embed([(slot, np.array([anchor], np.int64)) for slot, anchor, _, _ in asks], block, length)
         past = [b.head_kv.length for b in backends]
         dev.upload(self.ctx_positions.rows(count * n), positions.reshape(-1))
         dev.upload(self.ctx_lengths.rows(count), np.array([b.pending_rows for b in backends], np.int64))
         dev.upload(self.starts.rows(count), np.array([b.start for b in backends], np.int64))
         dev.upload(self.slot_ids.rows(count), np.array(slots, np.int64))
         dev.upload(self.lengths.rows(count), np.array(past, np.int64))
-        width, hidden = self.ctx_taps.shape[1], self.block.shape[1]
+        width, hidden = self.ctx_taps.shape[1], block.shape[1]
         inputs = {"context_taps": self.ctx_taps.tensor((count, n, width)),
                   "context_positions": self.ctx_positions.tensor((count, n)),
                   "context_lengths": self.ctx_lengths.rows(count),
-                  "block_embeds": self.block.tensor((count, bs, hidden)), "start": self.starts.rows(count),
+                  "block_embeds": block.tensor((count, length, hidden)), "start": self.starts.rows(count),
                   "slots": self.slot_ids.rows(count), "past_lengths": self.lengths.rows(count),
                   "past_rows": self.rows.rows(max(past)), **dict(zip(self.head_pool_in, self.head_pool.tensors()))}
         layer = self.ctx_out.row_bytes
         kv_shape = self.ctx_out.shape[2:]
-        outputs = {"hidden": self.draft_hidden.tensor((count, bs - 1, hidden)),
+        outputs = {"hidden": self.draft_hidden.tensor((count, length - 1, hidden)),
                    **{name: self.ctx_out.tensor((count, n, *kv_shape), i * layer)
                       for i, name in enumerate(self.head_out)}}
         base.graphs["draft"].run(inputs, outputs)
@@ -241,13 +253,12 @@ class BatchRounds:
             self.head_pool.write(slots[i], backend.head_kv.length, self.ctx_out, i * n * row, layer, rows)
             backend.head_kv.length += rows
             backend.pending_rows, backend.pending_from = 0, backend.start
-        depths = [draft_rows(bs, a[3]) for a in asks]
-        ids, logp = self._project(self._pack(self.draft_hidden, bs - 1, depths), sum(depths), "draft",
+        ids, logp = self._project(self._pack(self.draft_hidden, length - 1, depths), sum(depths), "draft",
                                   base.draft_projection)
         self._remember(slots, ids, depths, "draft")
         out, at = [], 0
         for i, ((slot, anchor, k, _), depth) in enumerate(zip(asks, depths)):
-            self.known[slot][anchor] = (self.block, i * bs)
+            self.known[slot][anchor] = (block, i * length)
             out.append((ids[at:at + depth, :k].astype(np.int64), logp[at:at + depth, :k].astype(np.float64)))
             at += depth
         return out

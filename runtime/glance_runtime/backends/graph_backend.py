@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..decode.backend import BackendInfo, ServeLimits, Verified, draft_rows
+from ..decode.backend import BackendInfo, ServeLimits, Verified, block_rows, draft_rows
 from .device_buffers import Buffer, CudaDevice, Device, Tensor
 from .graph_chain import ChainGraph
 from .graph import Graph
@@ -413,17 +413,18 @@ class GraphBackend:
             raise GlanceError("this EAGLE-3 head drafts one depth per pass: use draft_root and draft_step")
         check_branch_k(self.info.limits, k)
         offsets = draft_rows(self.block_size, depth)
+        block = block_rows(self.block_size, depth, self.manifest.short_blocks)
         rows = self.pending_rows
         self.head_kv.check_room(rows)
         self.embed_rows(np.array([anchor], np.int64), self.block, 0)
         self.device.upload(self.ctx_positions.rows(rows), np.arange(self.pending_from, self.pending_from + rows))
         self.device.upload(self.draft_in.rows(3), np.array([self.start, rows, self.head_kv.length], np.int64))
         inputs = {"context_taps": one(self.pending.rows(rows)), "context_positions": one(self.ctx_positions.rows(rows)),
-                  "block_embeds": one(self.block.rows(self.block_size)), "start": self.draft_in.rows(1),
+                  "block_embeds": one(self.block.rows(block)), "start": self.draft_in.rows(1),
                   "context_lengths": self.draft_in.rows(1, 1), "past_lengths": self.draft_in.rows(1, 2),
                   "slots": self.slot_in.rows(1), "past_rows": self.past_rows.rows(self.head_kv.length),
                   **self.head_pool_inputs}
-        outputs = {"hidden": one(self.draft_hidden.rows(self.block_size - 1)),
+        outputs = {"hidden": one(self.draft_hidden.rows(block - 1)),
                    **dict(zip(self.head_out, self.head_kv.new_rows(rows, (1,))))}
         self.graphs["draft"].run(inputs, outputs)
         self.head_kv.appended(rows)

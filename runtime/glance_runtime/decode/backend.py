@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 
+from ..defaults import BLOCK_SLACK
+
 if TYPE_CHECKING:
     from ..formats.artifacts import Manifest
 
@@ -62,6 +64,16 @@ class GraphTimes(Protocol):
 def draft_rows(block_size: int, depth: int | None) -> int:
     """Offsets a draft returns for `depth` (see `Backend.draft`): all B-1 when None, else 1..B-1."""
     return block_size - 1 if depth is None else max(1, min(depth, block_size - 1))
+
+
+def block_rows(block_size: int, depth: int | None, short: bool = True) -> int:
+    """Rows the head runs over to draft `depth` offsets: the anchor, those offsets' masks and BLOCK_SLACK more,
+    at most the whole block (always the whole block where the graph drafts only whole blocks: `short` False).
+    The head's rows see each other, so rows past the deepest returned still shape the drafts; a few of them keep
+    a shallow round's acceptance near a whole block's at a fraction of its cost."""
+    if not short:
+        return block_size
+    return min(block_size, draft_rows(block_size, depth) + 1 + BLOCK_SLACK)
 
 
 STEP_DRAFTERS = ("steps",)

@@ -135,6 +135,12 @@ class Manifest:
     head_mrope: bool = False  # the EAGLE-3 head rotates with the target's three M-RoPE axes
     max_batch: int = 1  # sequences one pass of the target and draft graphs serves (limits.max_batch)
 
+    @property
+    def short_blocks(self) -> bool:
+        """Whether the draft graph drafts a block of any length up to block_size (axes.Bk), not only a whole one:
+        graphs exported before it could not."""
+        return self.head_kind == "glance" and "Bk" in self.axes
+
 
 def _version(value: str) -> tuple[int, int]:
     try:

@@ -46,8 +46,10 @@ target graph (prefill, plain decode and tree verify, alone or batched):
     head's tapped layers, concatenated in head order).
 draft graph (GLANCE heads; one pass drafts every sequence's block): `context_taps` f[B, N, n_taps*H] (each
     sequence's newly committed rows, the first `context_lengths` i64[B] of them real), `context_positions`
-    i64[B, N], `context_lengths`, `block_embeds` f[B, Bk, H] (embeddings of [anchor, MASK x (Bk-1)], Bk =
-    block_size), `start` i64[B] (stream position of each anchor; block rows sit at start..start+Bk-1), `slots`,
+    i64[B, N], `context_lengths`, `block_embeds` f[B, Bk, H] (embeddings of [anchor, MASK x (Bk-1)]; Bk is
+    the pass's own, 2..block_size, where the manifest's axes bound it, else block_size: a round that uses d depths
+    drafts d + 1 rows or a few more, `decode.backend.block_rows`), `start` i64[B] (stream position of each anchor;
+    block rows sit at start..start+Bk-1), `slots`,
     `past_lengths` (rows in each slot's head cache), `past_rows` (0..S_h-1), `pool_ctx_key_{j}` /
     `pool_ctx_value_{j}` f[P, C_pool, kvh, D] per head layer j
     -> `hidden` f[B, Bk-1, H] (final-normed rows of offsets 1..Bk-1: the vocab graph's input),

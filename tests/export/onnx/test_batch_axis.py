@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from glance_export.model.adapters import Snapshot
+from glance_export.model.head import load_head
 from glance_export.onnx import export_artifacts
+from glance_export.onnx.draft import DraftGraph
 from glance_export.onnx.feeds import random_tree
 from glance_runtime.errors import GlanceError
 from glance_runtime.formats import artifacts as artifacts_format
@@ -57,7 +59,9 @@ def test_export_records_the_batch_axis(exported, family):
                                                        manifest.target.head_dim]
     assert target["inputs"]["inputs_embeds"]["shape"] == ["B", "T", manifest.hidden_size]
     assert target["inputs"]["past_rows"]["shape"] == ["S"] and draft["inputs"]["past_rows"]["shape"] == ["S_h"]
-    assert draft["outputs"]["hidden"]["shape"] == ["B", manifest.block_size - 1, manifest.hidden_size]
+    assert draft["inputs"]["block_embeds"]["shape"] == ["B", "Bk", manifest.hidden_size]
+    assert draft["outputs"]["hidden"]["shape"] == ["B", "Bd", manifest.hidden_size]
+    assert manifest.axes["Bk"] == (2, manifest.block_size) and manifest.short_blocks
     assert draft["outputs"]["ctx_key_0"]["shape"] == ["B", "N", manifest.head.kv_heads, manifest.head.head_dim]
 
 
@@ -166,3 +170,27 @@ def test_max_batch_bounds_the_batch_axis_and_0_is_refused(snapshot_dir, tmp_path
     with pytest.raises(GlanceError, match="max_batch must be at least 1") as err:
         export_artifacts(snapshot, head, tmp_path / "bad", max_batch=0, progress=lambda _: None)
     assert "\n" not in str(err.value)
+
+
+def test_a_short_block_equals_the_torch_head_over_those_rows(exported):
+    """A round that uses a few depths drafts a few rows: the graph runs the head over the rows it is given (their
+    positions follow the anchor's), as the torch head does over that short block, not over a whole one."""
+    _, head_dir, out = exported("qwen3")
+    manifest = artifacts_format.read(out)
+    head, width, hidden = manifest.head, manifest.tap_width, manifest.hidden_size
+    rng = np.random.default_rng(9)
+    pool = {n: rng.normal(size=(*POOL, head.kv_heads, head.head_dim)).astype(np.float32)
+            for n in draft_kv_names(head.num_layers)[0]}
+    feed = {"context_taps": rng.normal(size=(1, 2, width)).astype(np.float32),
+            "context_positions": np.array([[4, 5]]), "context_lengths": np.array([2]),
+            "block_embeds": rng.normal(size=(1, 3, hidden)).astype(np.float32), "start": np.array([6]),
+            "slots": np.array([3]), "past_lengths": np.array([4]), "past_rows": np.arange(4), **pool}
+    got = _run(_session(out / "draft.onnx"), feed)
+    graph = DraftGraph(load_head(head_dir)).eval()
+    with torch.no_grad():
+        ref = graph(*(torch.from_numpy(feed[name]) for name in graph.input_names))
+    assert got["hidden"].shape == (1, 2, hidden)
+    _close(got["hidden"], ref[0].numpy())
+    whole = {**feed, "block_embeds": np.concatenate(
+        [feed["block_embeds"], rng.normal(size=(1, manifest.block_size - 3, hidden)).astype(np.float32)], axis=1)}
+    assert np.abs(_run(_session(out / "draft.onnx"), whole)["hidden"][0, :2] - got["hidden"][0]).max() > 1e-3

@@ -20,8 +20,10 @@ import pytest
 import glance_runtime.backends.ort_backend as ort_backend
 from glance_runtime.backends.seeded import SeededDrafter
 from glance_runtime.backends.ort_backend import OrtBackend
+from glance_export.model.head import load_head
 from glance_export.model.torch_backend import TorchBackend
 from glance_runtime.decode.auto_budget import AutoBudget
+from glance_runtime.decode.backend import block_rows
 from glance_runtime.decode.calibration import PRIOR
 from glance_runtime.decode.cost_profile import measure
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
@@ -408,3 +410,24 @@ def test_several_images_match_oracle(ort_exported, images, family, names):
     assert truth != ex.oracle(ex.prompt(images[names[0]]))
     for budget in ("b31", "chain"):
         assert decode(ex.backend, prompt, _cfg(budget)).tokens == truth
+
+
+def test_a_shallow_round_drafts_a_short_block_as_the_torch_head_does(ort_exported, images):
+    """A draft for d depths runs the head over the anchor, d masks and a few more (`block_rows`), not the whole
+    block: the graphs' drafts at each depth are the torch reference's at that depth, and a shallow one is not the
+    whole block's first rows (the head's rows see each other)."""
+    ex = ort_exported("qwen2_5_vl")
+    prompt = ex.prompt(images["wide"])
+    reference = TorchBackend(ex.snapshot, load_head(ex.artifacts.parent / "head"), model=ex.model)
+    anchor = ex.backend.prefill(prompt)[0]
+    assert reference.prefill(prompt)[0] == anchor and ex.backend.manifest.short_blocks
+    drafts = {}
+    for depth in (1, 2, 4, None):
+        (ids, logp), (ref_ids, ref_logp) = ex.backend.draft(anchor, 8, depth), reference.draft(anchor, 8, depth)
+        np.testing.assert_allclose(logp, ref_logp, atol=1e-4)
+        gaps = np.abs(np.diff(ref_logp, axis=1))
+        clear = np.concatenate([gaps, np.full_like(gaps[:, :1], np.inf)], 1) > 1e-3
+        clear &= np.concatenate([np.full_like(gaps[:, :1], np.inf), gaps], 1) > 1e-3
+        assert (ids[clear] == ref_ids[clear]).all() and clear.any()
+        drafts[depth] = logp
+    assert block_rows(8, 1) < 8 and np.abs(drafts[1][0] - drafts[None][0]).max() > 1e-3
