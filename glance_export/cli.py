@@ -18,6 +18,7 @@ from glance_runtime.decode.session import Settings
 from .build.targets import PROFILE_NAMES
 from .onnx.batching import MAX_BATCH
 from .onnx.quant_scheme import ACCURACY, ACCURACY_LEVELS, GROUP_SIZES
+from .model.vocab_choice import ALL as VOCAB_ALL, AUTO as VOCAB_AUTO, DEFAULT_SIZE, LARGE_VOCAB
 
 # Upper bounds of sizes that would otherwise run until stopped or exhaust the machine.
 HEAD_LAYERS = flags.between("--layers", 1, 64, "a draft head has a few layers; 64 is deeper than any target")
@@ -26,6 +27,18 @@ STEPS = flags.between("--steps", 1, 10_000_000, "optimizer steps")
 BATCH = flags.between("--batch", 1, 4096, "sequences held in memory at once")
 GEN_BATCH = flags.between("--gen-batch", 1, 4096, "prompts the target answers at once")
 DRAFT_VOCAB = flags.at_least("--draft-vocab", BRANCH_K)  # a draft offset branches into BRANCH_K tokens
+
+
+def _export_draft_vocab(text: str) -> int | str:
+    """`glance-export onnx --draft-vocab`: auto, all, or a size."""
+    if text in (VOCAB_AUTO, VOCAB_ALL):
+        return text
+    try:
+        return DRAFT_VOCAB(text)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{exc} (or auto, or all)") from None
+
+
 SEED = flags.between("--seed", 0, 2**32 - 1, "the seeds torch and numpy accept")
 ANSWER_TOKENS = flags.at_least("--max-new-tokens", 1)
 BATCHED = flags.between("--max-batch", 1, BATCH_BOUND, "the most a manifest's readers accept")
@@ -134,6 +147,10 @@ def _audit_oracle(args: argparse.Namespace) -> int:
               f"{report['n']}), tau {report['tau']:.2f} over {report['rounds']} rounds: "
               f"{'PASS' if report['passed'] else 'FAIL'}"
               f"{' (int8 activations: gated as fp16 is)' if report['int8_activations'] else ''}")
+        vocabulary = report["draft_vocab"]
+        if vocabulary is not None and vocabulary["coverage"] is not None:
+            print(f"the draft vocabulary ({vocabulary['size']:,} tokens) holds {100 * vocabulary['coverage']:.1f}% "
+                  "of the greedy answers' tokens (a token outside it is never drafted)")
     return 0 if report["passed"] else 1
 
 
@@ -349,7 +366,7 @@ def _onnx(args: argparse.Namespace) -> int:
     out = export_artifacts(args.model, args.head, args.out, dtype=args.dtype, opset=args.opset, max_tree=args.max_tree,
                            max_context=args.max_context, branch_k=args.branch_k, quantize=args.quantize,
                            group_size=args.group_size, accuracy=args.accuracy or ACCURACY,
-                           max_batch=args.max_batch,
+                           max_batch=args.max_batch, draft_vocab=args.draft_vocab,
                            progress=(lambda _: None) if args.quiet else (lambda line: print(line, flush=True)))
     print(f"wrote ONNX artifacts to {out}")
     return 0
@@ -550,6 +567,11 @@ def parser() -> argparse.ArgumentParser:
                    "(int8 activations per block, fast for several rows; a tree pass may differ from a one-row pass "
                    "in the last bits) or exact (fp32, every row as a one-row pass computes it; slower) (default "
                    f"{ACCURACY})")
+    o.add_argument("--draft-vocab", type=_export_draft_vocab, default=VOCAB_AUTO, metavar="auto|all|N",
+                   help=f"tokens a GLANCE head trained without a draft vocabulary scores when it drafts: auto gives a "
+                   f"target vocabulary above {LARGE_VOCAB:,} tokens a reduced one of {DEFAULT_SIZE:,} (the tokenizer's "
+                   f"added tokens, then its most frequent merges), all scores every token, N picks N that way; the "
+                   f"answers never change, only how often drafts are accepted (default {VOCAB_AUTO})")
     o.add_argument("--quiet", action="store_true", help="print only the final line, not each graph's progress")
     o.set_defaults(func=_onnx)
 

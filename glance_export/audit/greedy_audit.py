@@ -13,6 +13,8 @@ from typing import Callable
 import numpy as np
 
 from glance_runtime.defaults import AUTO
+from glance_runtime.formats.draft_ids import graph_ids
+from glance_runtime.formats.graphs import DRAFT_VOCAB_GRAPH
 from glance_runtime.formats.tasks import Task
 from glance_runtime.decode.loop import DecodeConfig
 from glance_runtime.decode.session import Session
@@ -47,9 +49,21 @@ def divergence_margin(session: Session, prompt, tokens: list[int], index: int) -
     return None
 
 
+def draft_vocabulary(session: Session) -> np.ndarray | None:
+    """The target ids a reduced draft vocabulary holds, read from its graph (None: the head scores every token, or
+    the backend runs without the graph beside it)."""
+    manifest = session.backend.info.manifest
+    if manifest is None or not manifest.draft_vocab_size or not (manifest.path / DRAFT_VOCAB_GRAPH).is_file():
+        return None
+    return graph_ids(manifest.path / DRAFT_VOCAB_GRAPH)
+
+
 def audit(session: Session, tasks: list[Task], progress: Callable[[str], None] = lambda _: None) -> dict:
-    """Decode every task three times and report parity, self-consistency and pooled tau."""
+    """Decode every task three times and report parity, self-consistency, pooled tau and, for a reduced draft
+    vocabulary, how many of the greedy answers' tokens it holds (a token outside it can never be drafted)."""
     cfg = session.config  # resolved (and refused where the backend cannot serve it) before any decoding
+    vocabulary = draft_vocabulary(session)
+    covered = answered = 0
     rows, accepted, rounds = [], 0, 0
     for i, task in enumerate(tasks, 1):
         prompt = session.prompt(task.prompt, task.image)
@@ -58,6 +72,9 @@ def audit(session: Session, tasks: list[Task], progress: Callable[[str], None] =
         spec = session.decode(prompt)
         accepted += sum(r.accepted for r in spec.rounds)
         rounds += len(spec.rounds)
+        if vocabulary is not None:
+            covered += int(np.isin(ref, vocabulary).sum())
+            answered += len(ref)
         div = first_divergence(spec.tokens, ref)
         margin = None if div is None or session.oracle is not None else \
             divergence_margin(session, prompt, ref, div)
@@ -77,4 +94,7 @@ def audit(session: Session, tasks: list[Task], progress: Callable[[str], None] =
                             for r in rows if not r["identical"]],
             "tau": round(accepted / rounds, 4) if rounds else 0.0, "rounds": rounds,
             "budget": budget_of(cfg), "branch_k": cfg.branch_k, "max_new_tokens": cfg.max_new_tokens,
-            "passed": bool(rows) and identical >= consistent, "prompts": rows}
+            "passed": bool(rows) and identical >= consistent,
+            "draft_vocab": None if vocabulary is None else {
+                "size": len(vocabulary), "coverage": round(covered / answered, 4) if answered else None},
+            "prompts": rows}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -275,6 +275,17 @@ def load_head(head_dir: str | Path, dtype: torch.dtype = torch.float32) -> Draft
         raise GlanceError(f"{weights} does not match its config (missing {sorted(missing)[:3]}, "
                           f"unexpected {sorted(unexpected)[:3]})")
     return head.to(dtype).eval()
+
+
+def with_draft_vocab(head: DraftHead, ids: torch.Tensor) -> DraftHead:
+    """The same head drafting over the target tokens `ids` (ascending) only: its layers are shared, not copied."""
+    cfg = replace(head.config, draft_vocab_size=len(ids))
+    state = {k: v for k, v in head.state_dict().items() if k != "draft_vocab_ids"}
+    state["draft_vocab_ids"] = ids.to(torch.long)
+    with parameters_on_meta():
+        restricted = DraftHead(cfg)
+    restricted.load_state_dict(state, strict=True, assign=True)
+    return restricted.eval()
 
 
 def head_config_for(snapshot, num_layers: int, block_size: int, mask_token_id: int) -> HeadConfig:

@@ -17,6 +17,7 @@ from glance_runtime.errors import GlanceError
 from glance_runtime.backends.hardware import available_host_bytes
 from glance_runtime.formats import artifacts as artifacts_format
 from glance_runtime.formats.graphs import VOCABULARY_GRAPHS
+from glance_export.model.vocab_choice import AUTO, head_for_export
 
 from . import grouped_attention
 from .allocator import return_freed_weights
@@ -64,11 +65,15 @@ def _attention(opset: int) -> str:
 def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
                      opset: int = 17, max_tree: int = 64, max_context: int = 2048, branch_k: int = 8,
                      quantize: str | None = None, group_size: int | None = None, accuracy: str = ACCURACY,
-                     max_batch: int = MAX_BATCH, progress: Callable[[str], None] = print) -> Path:
+                     max_batch: int = MAX_BATCH, draft_vocab: int | str = AUTO,
+                     progress: Callable[[str], None] = print) -> Path:
     """Export vision (VL only), target, draft and vocab graphs, validate them, and write the manifest.
 
     `max_batch` bounds the sequences one pass of the target and draft graphs serves (their B axis; a lone
     sequence is a batch of one, and an EAGLE-3 head's export is bounded to 1).
+
+    `draft_vocab`: the tokens a GLANCE head without a draft vocabulary of its own drafts over (`vocab_choice`):
+    AUTO (a reduced one on a large vocabulary), ALL, or a size.
 
     `quantize` ("int8"/"int4"): the validated fp32 graphs are then rewritten weight-only (see `quantize.py`)
     before the manifest hashes them, by `group_size` weights a scale (None: the largest supported size that
@@ -78,6 +83,7 @@ def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str |
     _check_args(out, (Path(model_dir), Path(head_dir)), dtype, opset, max_tree, max_context, branch_k, max_batch)
     started = time.perf_counter()
     snapshot, checkpoint, head = open_sources(model_dir, head_dir, dtype)
+    head, vocab_note = head_for_export(snapshot, head, draft_vocab)
     skeleton = target_skeleton(snapshot, checkpoint, dtype, _attention(opset))
     dims = dims_for(snapshot, head, max_batch)
     scheme = check_scheme(quantize, group_size, dims.hidden, dtype, accuracy) if quantize else None
@@ -88,6 +94,8 @@ def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str |
                              quantize=scheme is not None)
     check_fits(estimate, dtype, available_host_bytes(), quantize=scheme is not None)
     graphs = build_graphs(skeleton, head, dims, branch_k)
+    if vocab_note:
+        progress(vocab_note)
     progress(f"loaded {dims.family} target's config and tensor index ({dims.layers} layers, "
              f"{checkpoint.nbytes() / 1e9:.2f} GB in "
              f"{len({e.file for e in checkpoint.entries.values()})} safetensors files) and head "
