@@ -79,17 +79,22 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "runtime"), str(ROOT / "tests")])}
 
 
+AUTO_VOCAB = -1  # --draft-vocabs auto: the export's own choice for a head without one (merge order)
+
+
 def forms_of(accuracies: str, group_sizes: str, draft_vocabs: str) -> list[tuple[str, int, int]]:
-    """(MatMulNBits accuracy, group size, draft vocabulary size or 0 for the whole vocabulary) of each of our
-    exports."""
-    return [(a, int(g), int(v)) for a in accuracies.split(",") for g in group_sizes.split(",")
-            for v in draft_vocabs.split(",")]
+    """(MatMulNBits accuracy, group size, draft vocabulary size, 0 for the whole vocabulary or AUTO_VOCAB for the
+    export's default) of each of our exports."""
+    return [(a, int(g), AUTO_VOCAB if v == "auto" else int(v)) for a in accuracies.split(",")
+            for g in group_sizes.split(",") for v in draft_vocabs.split(",")]
 
 
 def form_name(accuracy: str, group_size: int, draft_vocab: int) -> str:
     """The export's accuracy, then what differs from its defaults: `int8`, `int8-g32`, `int8-dv32768`; `fp32`,
     `fp32-dv32768` for the unquantized export."""
     group = f"-g{group_size}" if group_size != GROUP_SIZE and accuracy != FP32 else ""
+    if draft_vocab == AUTO_VOCAB:
+        return f"{accuracy}{group}-dvauto"
     return f"{accuracy}{group}-dv{draft_vocab}" if draft_vocab else f"{accuracy}{group}"
 
 
@@ -212,8 +217,8 @@ def build(work: Path, layers: int, forms: list[tuple[str, int, int]], genai_pyth
     if llama_python and any(precision(form_name(*form)) == "int4" for form in forms):
         times.update(build_llama(work, snap, llama_source, llama_python, threads, layers))
     for accuracy, group_size, draft_vocab in forms:
-        head = work / (f"head-dv{draft_vocab}" if draft_vocab else "head")
-        if not (head / "config.json").exists() and draft_vocab:
+        head = work / (f"head-dv{draft_vocab}" if draft_vocab > 0 else "head")
+        if not (head / "config.json").exists() and draft_vocab > 0:
             peer = GenAI(work / f"genai-{precision(form_name(accuracy, group_size, draft_vocab))}", 2, genai_python)
             _head_with_draft_vocab(snap, head, draft_vocab, peer, work)
         elif not (head / "config.json").exists():
@@ -226,6 +231,7 @@ def build(work: Path, layers: int, forms: list[tuple[str, int, int]], genai_pyth
                                                     "--accuracy", accuracy]
             times[f"export_{name}_s"], times[f"export_{name}_peak_rss"] = measured(
                 [*cli, "onnx", "--model", str(snap), "--head", str(head), "--out", str(art), *quantize,
+                 *(["--draft-vocab", "all"] if draft_vocab == 0 else []),
                  "--max-context", str(MAX_CONTEXT), "--max-tree", "16", "--quiet"], work / f"export-{name}.log", _env())
             print(f"[{layers} layers] our {precision(name)} ({name}) export in {times[f'export_{name}_s']} s", flush=True)
     return times
@@ -606,7 +612,9 @@ def main() -> None:
                          "export, held against GenAI's fp32 build")
     ap.add_argument("--group-sizes", default=str(GROUP_SIZE), help=f"int4 group sizes (default: the export's, {GROUP_SIZE})")
     ap.add_argument("--draft-vocabs", default=f"0,{DRAFT_VOCAB}",
-                    help="heads' draft vocabulary sizes, 0 for the whole vocabulary (default: both)")
+                    help="heads' draft vocabulary sizes: 0 for the whole vocabulary, N for a head drafting over "
+                         "the N tokens of GenAI's answers, auto for a head without one exported at the export's "
+                         "default (its tokenizer's merge order) (default: 0 and 32768)")
     ap.add_argument("--genai-python", default=sys.executable,
                     help="the interpreter whose onnxruntime_genai runs GenAI's side (default: this one)")
     ap.add_argument("--llama-python", default=sys.executable,
@@ -625,7 +633,7 @@ def main() -> None:
         return
     args.genai_python = peer_python(args.genai_python, "onnxruntime_genai", "GenAI", "--genai-python")
     args.llama_python = peer_python(args.llama_python, "llama_cpp", "llama.cpp", "--llama-python")
-    if not args.genai_python and any(v for _, _, v in forms) and args.stage in (None, "build"):
+    if not args.genai_python and any(v > 0 for _, _, v in forms) and args.stage in (None, "build"):
         raise SystemExit(f"--draft-vocabs {args.draft_vocabs}: a reduced draft vocabulary is picked from GenAI's "
                          f"answers and GenAI is skipped; pass --genai-python PY or --draft-vocabs 0")
     if args.stage:
