@@ -48,13 +48,14 @@ def test_onnx_runtime_drafts_what_the_torch_reference_drafts_at_every_depth(expo
         for depth in (None, 2, 99):
             anchor, _ = backend.prefill(prompt)
             drafts[name, depth] = backend.draft(anchor, 4, depth)
-    ids, logp = drafts["torch", None]
+    ids, _ = drafts["torch", None]
     assert ids.shape == (5, 4) and set(ids.reshape(-1).tolist()) <= set(tiny_ids(head))
-    for depth, rows in ((None, 5), (2, 2), (99, 5)):
-        got_ids, got_logp = drafts["onnxruntime", depth]
-        np.testing.assert_array_equal(got_ids, ids[:rows])
-        np.testing.assert_allclose(got_logp, logp[:rows], atol=1e-4)
-        np.testing.assert_array_equal(drafts["torch", depth][0], ids[:rows])
+    for depth, rows in ((None, 5), (2, 2), (99, 5)):  # a shallow draft runs a short block: both backends alike
+        (got_ids, got_logp), (ref_ids, ref_logp) = drafts["onnxruntime", depth], drafts["torch", depth]
+        assert ref_ids.shape == (rows, 4)
+        np.testing.assert_array_equal(got_ids, ref_ids)
+        np.testing.assert_allclose(got_logp, ref_logp, atol=1e-4)
+    np.testing.assert_array_equal(drafts["torch", 99][0], ids)
     assert clock.runs()["draft_vocab"] == 3  # every draft projected through it, none through the vocab graph's
 
 
