@@ -78,7 +78,8 @@ def test_manifest_describes_the_export(exported, family):
     assert (t["num_layers"], t["num_kv_heads"], t["head_dim"]) == (4, 2, 16)
     assert t["inputs"]["pool_key_0"]["shape"] == ["P", "C_pool", 2, 16]
     assert t["outputs"]["present_key_0"]["shape"] == ["B", "T", 2, 16]
-    assert m["graphs"]["draft"]["outputs"]["hidden"]["shape"] == ["B", BLOCK - 1, 64]
+    assert m["graphs"]["draft"]["outputs"]["hidden"]["shape"] == ["B", "Bd", 64]
+    assert (m["axes"]["Bk"], m["axes"]["Bd"]) == ([2, BLOCK], [1, BLOCK - 1])
     assert m["graphs"]["vocab"]["outputs"]["topk_ids"]["shape"] == ["R", 8]
     assert m["axes"]["R"] == [1, 32] and m["axes"]["E"] == [1, 256]
     assert m["graphs"]["vocab"]["tied"] is False and m["graphs"]["vocab"]["vocab_size"] == snap.text_config["vocab_size"]
