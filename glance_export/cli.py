@@ -27,6 +27,11 @@ STEPS = flags.between("--steps", 1, 10_000_000, "optimizer steps")
 BATCH = flags.between("--batch", 1, 4096, "sequences held in memory at once")
 GEN_BATCH = flags.between("--gen-batch", 1, 4096, "prompts the target answers at once")
 DRAFT_VOCAB = flags.at_least("--draft-vocab", BRANCH_K)  # a draft offset branches into BRANCH_K tokens
+SEED = flags.between("--seed", 0, 2**32 - 1, "the seeds torch and numpy accept")
+ANSWER_TOKENS = flags.at_least("--max-new-tokens", 1)
+BATCHED = flags.between("--max-batch", 1, BATCH_BOUND, "the most a manifest's readers accept")
+MAX_TASKS = 1_000_000
+from .build.precision import PRECISIONS
 
 
 def _export_draft_vocab(text: str) -> int | str:
@@ -37,13 +42,6 @@ def _export_draft_vocab(text: str) -> int | str:
         return DRAFT_VOCAB(text)
     except argparse.ArgumentTypeError as exc:
         raise argparse.ArgumentTypeError(f"{exc} (or auto, or all)") from None
-
-
-SEED = flags.between("--seed", 0, 2**32 - 1, "the seeds torch and numpy accept")
-ANSWER_TOKENS = flags.at_least("--max-new-tokens", 1)
-BATCHED = flags.between("--max-batch", 1, BATCH_BOUND, "the most a manifest's readers accept")
-MAX_TASKS = 1_000_000
-from .build.precision import PRECISIONS
 
 
 class DefaultsShown(argparse.HelpFormatter):

@@ -58,10 +58,15 @@ def frequent_ids(tokenizer: dict, vocab_size: int, size: int, keep: Iterable[int
     chosen = list(dict.fromkeys(t for t in [*keep, *added] if 0 <= t < vocab_size))[:size]
     taken = set(chosen)
     ranked = sorted((rank, token) for token, rank in ranks.items() if token not in taken and 0 <= token < vocab_size)
-    chosen += [token for _, token in ranked[:size - len(chosen)]]
-    taken.update(chosen)
-    chosen += [token for token in range(vocab_size) if token not in taken][:size - len(chosen)]
-    return np.array(sorted(chosen), dtype=np.int64)
+    return filled(chosen + [token for _, token in ranked[:size - len(chosen)]], size, vocab_size)
+
+
+def filled(chosen: list[int], size: int, vocab_size: int) -> np.ndarray:
+    """`chosen` (distinct ids) and then the lowest ids not in it, `size` in all, ascending: a draft vocabulary is
+    always its stated size, however few tokens the statistics behind it name."""
+    taken = set(chosen)
+    rest = (token for token in range(vocab_size) if token not in taken)
+    return np.array(sorted(chosen + [next(rest) for _ in range(size - len(chosen))]), dtype=np.int64)
 
 
 def head_for_export(snapshot, head: DraftHead | Eagle3Head, asked: int | str) -> tuple[DraftHead | Eagle3Head, str | None]:

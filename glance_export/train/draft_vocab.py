@@ -11,6 +11,7 @@ from typing import Iterable
 
 import torch
 
+from glance_export.model.vocab_choice import filled
 from glance_runtime.defaults import BRANCH_K
 from glance_runtime.errors import GlanceError
 
@@ -29,7 +30,4 @@ def frequent_tokens(answers: Iterable[torch.Tensor], n: int, vocab_size: int) ->
     for answer in answers:
         counts.update(answer.tolist())
     chosen = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:n]]
-    taken = set(chosen)
-    filler = (t for t in range(vocab_size) if t not in taken)
-    chosen += [next(filler) for _ in range(n - len(chosen))]
-    return torch.tensor(sorted(chosen), dtype=torch.long)
+    return torch.from_numpy(filled(chosen, n, vocab_size))
