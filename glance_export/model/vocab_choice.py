@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 
+from glance_runtime.defaults import BRANCH_K
 from glance_runtime.errors import GlanceError
 
 if TYPE_CHECKING:  # torch is imported where a head is restricted: the CLI reads the constants without it
@@ -28,6 +29,13 @@ DEFAULT_SIZE = 32768  # its size: about a fifth of Qwen's 151,936 tokens
 def default_size(vocab_size: int) -> int | None:
     """The draft vocabulary an export gives a head without one: DEFAULT_SIZE tokens above LARGE_VOCAB, else none."""
     return DEFAULT_SIZE if vocab_size > LARGE_VOCAB else None
+
+
+def check_size(n: int | None, vocab_size: int) -> None:
+    """A draft offset branches into BRANCH_K tokens, so a smaller draft vocabulary could not be decoded with."""
+    if n is not None and not BRANCH_K <= n <= vocab_size:
+        raise GlanceError(f"--draft-vocab {n}: pass {BRANCH_K} (the top-k a draft offset branches into) up to the "
+                          f"target's vocabulary of {vocab_size} tokens")
 
 
 def merge_ranks(tokenizer: dict) -> tuple[dict[int, int], list[int]]:
@@ -76,7 +84,6 @@ def head_for_export(snapshot, head: DraftHead | Eagle3Head, asked: int | str) ->
 
     from glance_export.model.eagle3 import Eagle3Head
     from glance_export.model.head import with_draft_vocab
-    from glance_export.train.draft_vocab import check_size
 
     if isinstance(head, Eagle3Head):
         if asked != AUTO:

@@ -12,15 +12,6 @@ from typing import Iterable
 import torch
 
 from glance_export.model.vocab_choice import filled
-from glance_runtime.defaults import BRANCH_K
-from glance_runtime.errors import GlanceError
-
-
-def check_size(n: int | None, vocab_size: int) -> None:
-    """A draft offset branches into BRANCH_K tokens, so a smaller draft vocabulary could not be decoded with."""
-    if n is not None and not BRANCH_K <= n <= vocab_size:
-        raise GlanceError(f"--draft-vocab {n}: pass {BRANCH_K} (the top-k a draft offset branches into) up to the "
-                          f"target's vocabulary of {vocab_size} tokens")
 
 
 def frequent_tokens(answers: Iterable[torch.Tensor], n: int, vocab_size: int) -> torch.Tensor:

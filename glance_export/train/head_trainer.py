@@ -26,10 +26,11 @@ from glance_runtime.errors import GlanceError
 from ..model.adapters import Snapshot
 from ..model.eagle3 import (Eagle3Head, check_eagle3_matches, eagle3_config_for, head_kind, init_eagle3, load_eagle3,
                             save_eagle3, set_draft_vocab)
+from ..model.vocab_choice import check_size
 from ..model.head import check_head_out, head_config_for, init_head, load_head, pick_mask_token, save_head
 from .checkpoint import capture, load_state, restore, run_signature, writer
 from .data_files import Tally, check_files, read_samples
-from .draft_vocab import check_size, frequent_tokens
+from .draft_vocab import frequent_tokens
 from .eagle3_loss import make_eagle3_batch, ttt_loss
 from .head_loss import batch_loss, make_batch
 from .held_out import HeldOut, measure

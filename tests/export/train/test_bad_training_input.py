@@ -7,7 +7,7 @@ import json
 import pytest
 
 from glance_export.cli import parser
-from glance_export.train.draft_vocab import check_size
+from glance_export.model.vocab_choice import check_size
 from glance_runtime.defaults import BRANCH_K
 from glance_runtime.errors import GlanceError
 
