@@ -82,7 +82,9 @@ def test_unrolled_steps_equal_the_head_run_row_by_row(snapshot_dir, layers):
 def test_loss_scores_answer_rows_only_and_learns_no_token_outside_the_draft_vocabulary(snapshot_dir):
     model = snapshot_dir("qwen2_5_vl")
     head = small_head(model, draft_vocab=16)  # the even ids 0..30
-    embed = torch.nn.Embedding(head.config.vocab_size, head.config.hidden_size)
+    with torch.random.fork_rng():  # the embedding's draw, not the tests run before this one, decides the hits
+        torch.manual_seed(0)
+        embed = torch.nn.Embedding(head.config.vocab_size, head.config.hidden_size)
     ids = torch.tensor([5, 7, 9, 2, 4, 6, 8, 3, 10, 12])  # answer from row 4; the odd 3 cannot be drafted
     taps = torch.randn(len(ids), head.fc.in_features, generator=torch.Generator().manual_seed(1))
     stats = ttt_loss(head, embed, make_eagle3_batch([ids], [taps], [4]), STEPS, 0.8)
