@@ -1,0 +1,275 @@
+"""Exact sampling that speculation cannot change: the sampled token is a pure function of one position's
+target distribution and noise keyed by (seed, position, token id).
+
+Plain sampling is greedy decoding of perturbed scores (Gumbel-max): at answer position p the token is
+
+    argmax over kept tokens t of   s(t) + G(seed, p, t),    s(t) = (logit(t) - row max) / temperature
+
+with s computed in float32 and the sum in float64, ties going to the lowest token id. G is a standard
+Gumbel drawn from a counter-based hash, never from a stream, so it depends on nothing but its key:
+
+    bits = mix64(mix64(mix64(seed) + (p + 1) * GAMMA) + (t + 1) * GAMMA)      (uint64, wrapping)
+    U    = ((bits >> 12) + 1/2) * 2**-52          (the top 52 bits: exact in a double, never 0 or 1)
+    G    = -log(-log(U))
+
+mix64 is SplitMix64's finalizer and GAMMA its increment, integer ops a torch kernel or a CUDA graph can
+repeat bit for bit. Every drafted node at one depth shares its position's noise, so a verify pass accepts a
+node exactly when it equals the token sampled at its row: the answer does not depend on the tree, the
+budget, the batch or whether the draft is on, and a token's noise does not depend on the vocabulary's size
+or on which tokens truncation keeps.
+
+Truncation keeps a prefix of the row in (logit descending, token id ascending) order, applied in this
+order: temperature, then top-k, then top-p over what top-k left (renormalized: the smallest prefix whose
+mass reaches top_p), then min-p (tempered probability at least min_p times the top token's). Top-k and
+top-p keep at least one token. Temperature 0 is greedy: np.argmax's first maximum, as before sampling.
+"""
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+import numpy as np
+
+from ..errors import GlanceError, InputError
+
+GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment (2**64 over the golden ratio, odd)
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+SEED_LIMIT = 2**63  # seeds fit a signed 64-bit integer, the widest a torch tensor or a JSON client holds
+MAX_TOP_N = 20  # the OpenAI API's top_logprobs bound
+_NUCLEUS_GUESS = 1e-4  # top-p's first try: the tokens within this weight of the top's
+_DENSE = 4  # a row keeping more than 1/_DENSE of the vocabulary is truncated in place, not compacted first
+
+
+def draw_seed() -> int:
+    """A fresh seed from the OS, so an answer sampled without one can still be reproduced."""
+    return secrets.randbits(63)
+
+
+def _number(name: str, value: object, accepted: str, ok) -> None:
+    if type(value) not in (int, float) or not math.isfinite(value) or not ok(value):
+        raise InputError(f"{name} {value!r:.40} is not a number in {accepted}; pass {name} in {accepted}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling settings; temperature 0 is greedy decoding and ignores the rest."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def check(self) -> SamplingParams:
+        """Refuse a setting out of range in one line naming it (InputError); returns self."""
+        _number("temperature", self.temperature, "[0, inf) (0: greedy)", lambda v: v >= 0)
+        _number("top_p", self.top_p, "(0, 1] (1: off)", lambda v: 0 < v <= 1)
+        if type(self.top_k) is not int or self.top_k < 0:
+            raise InputError(f"top_k {self.top_k!r:.40} is not an integer >= 0; pass top_k >= 1, or 0 for off")
+        _number("min_p", self.min_p, "[0, 1) (0: off)", lambda v: 0 <= v < 1)
+        if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed < SEED_LIMIT):
+            raise InputError(f"seed {self.seed!r:.40} is outside 0..{SEED_LIMIT - 1}; pass seed in "
+                             f"0..{SEED_LIMIT - 1}, or None to draw one")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def with_seed(self, seed: int) -> SamplingParams:
+        return replace(self, seed=seed).check()
+
+    def seeded(self) -> SamplingParams:
+        """These settings with a seed: the given one, else a fresh draw to report with the answer."""
+        return self if self.seed is not None else self.with_seed(draw_seed())
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer, in place on uint64 (multiplications wrap mod 2**64)."""
+    z ^= z >> np.uint64(30)
+    z *= _M1
+    z ^= z >> np.uint64(27)
+    z *= _M2
+    z ^= z >> np.uint64(31)
+    return z
+
+
+def noise_bits(seed: int, positions: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """The hash of (seed, position, token id) as uint64, broadcast over positions and tokens."""
+    step = np.uint64(GAMMA)
+    key = _mix64(np.array([seed], np.uint64))
+    row = _mix64(key + (np.atleast_1d(positions).astype(np.uint64) + np.uint64(1)) * step)
+    return _mix64(row + (np.atleast_1d(tokens).astype(np.uint64) + np.uint64(1)) * step)
+
+
+def uniform(bits: np.ndarray) -> np.ndarray:
+    """U in (0, 1) from the top 52 bits: (m + 1/2) / 2**52 is exact in a double, from 2**-53 to 1 - 2**-53."""
+    u = (bits >> np.uint64(12)).astype(np.float64)
+    u += 0.5
+    u *= 2.0**-52
+    return u
+
+
+def gumbel(seed: int, positions: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """G(seed, position, token) in float64, broadcast like noise_bits."""
+    u = uniform(noise_bits(seed, positions, tokens))
+    for _ in range(2):  # -log(-log(u)), in place
+        np.log(u, out=u)
+        np.negative(u, out=u)
+    return u
+
+
+def _rows(logits: np.ndarray, name: str, per_row: np.ndarray, bound: int | None = None) -> np.ndarray:
+    """The logits as float32 [N, V], with `per_row` ([N] int64, `name`) in 0..bound-1 (or >= 0)."""
+    if np.ndim(logits) != 2 or np.shape(logits)[1] == 0:
+        raise InputError(f"logits of shape {np.shape(logits)} are not [rows, vocabulary]; pass one row per token")
+    if per_row.shape != np.shape(logits)[:1]:
+        raise InputError(f"{name} of shape {per_row.shape} do not match the {len(logits)} logits rows; "
+                         f"pass one of the {name} per row")
+    if per_row.size and (per_row.min() < 0 or (bound is not None and per_row.max() >= bound)):
+        accepted = f"0..{bound - 1}" if bound is not None else ">= 0"
+        raise InputError(f"{name} hold {per_row.min()}..{per_row.max()}; pass {name} in {accepted}")
+    return np.asarray(logits, np.float32)
+
+
+def _row_max(logits: np.ndarray) -> np.ndarray:
+    top = logits.max(axis=1)
+    bad = np.flatnonzero(~np.isfinite(top))
+    if bad.size:
+        raise GlanceError(f"the target's logits at row {bad[0]} are NaN or infinite, so there is no distribution "
+                          "to sample; check the backend's precision (an fp16 overflow) or sample greedily")
+    return top
+
+
+def _kth_floor(logits: np.ndarray, k: int) -> np.ndarray:
+    """A value at or below each row's k-th largest: the least of the maxima of k disjoint blocks."""
+    width = logits.shape[1] // k
+    return logits[:, :k * width].reshape(len(logits), k, width).max(axis=2).min(axis=1)
+
+
+def _candidates(logits: np.ndarray, floor: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """The tokens at or above each row's floor, in id order: (values [N, C] padded with -inf, their ids or
+    None where the rows themselves are returned, counts [N])."""
+    n, vocab = logits.shape
+    mask = logits >= floor[:, None]
+    counts = mask.sum(axis=1)
+    width = int(counts.max())
+    if width * _DENSE > vocab:
+        return logits, None, np.full(n, vocab)
+    rows, cols = np.nonzero(mask)
+    slot = np.arange(rows.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    values = np.full((n, width), -np.inf, np.float32)
+    values[rows, slot] = logits[rows, cols]
+    ids = np.zeros((n, width), np.int64)
+    ids[rows, slot] = cols
+    return values, ids, counts
+
+
+def _nucleus_floor(logits: np.ndarray, top: np.ndarray, temperature: np.float32, top_p: float,
+                   floor: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Top-p alone: each row's total weight, and a floor under its nucleus. Weights below (1 - top_p) / vocab
+    of the top's cannot reach it (the total is >= 1, the top's own weight); a row whose tokens within
+    _NUCLEUS_GUESS of the top hold clearly more than top_p of the total gets that tighter floor."""
+    weight = np.exp((logits - top[:, None]) / temperature)
+    total = weight.sum(axis=1, dtype=np.float64)
+    loose = np.maximum(floor, top + temperature * np.float32(math.log((1 - top_p) / (2 * logits.shape[1]))))
+    guess = np.maximum(floor, top + temperature * np.float32(math.log(_NUCLEUS_GUESS)))
+    held = np.where(logits >= guess[:, None], weight, 0).sum(axis=1, dtype=np.float64)
+    return total, np.where(held >= total * (1 + top_p) / 2, guess, loose)
+
+
+def _truncates(params: SamplingParams, vocab: int) -> bool:
+    return 0 < params.top_k < vocab or params.top_p < 1 or params.min_p > 0
+
+
+def _sample_whole(logits: np.ndarray, top: np.ndarray, positions: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """No truncation: every token competes; rows at one position (a tree's depth) share one noise row."""
+    temperature, tokens = np.float32(params.temperature), np.arange(logits.shape[1])
+    out = np.empty(len(logits), np.int64)
+    unique, where = np.unique(positions, return_inverse=True)
+    for i, position in enumerate(unique):
+        rows = np.flatnonzero(where == i)
+        score = ((logits[rows] - top[rows, None]) / temperature).astype(np.float64)
+        score += gumbel(params.seed, position, tokens)
+        out[rows] = score.argmax(axis=1)
+    return out
+
+
+def _sample_kept(logits: np.ndarray, top: np.ndarray, positions: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Truncation: find each row's kept prefix among loose candidates, then draw noise for the kept only."""
+    n, vocab = logits.shape
+    temperature, rows = np.float32(params.temperature), np.arange(n)
+    top_k = params.top_k if 0 < params.top_k < vocab else 0
+    floor = _kth_floor(logits, top_k) if top_k else np.full(n, -np.inf, np.float32)
+    if params.min_p > 0:  # kept: weight >= min_p; the halving only absorbs rounding
+        floor = np.maximum(floor, top + temperature * np.float32(math.log(params.min_p / 2)))
+    if params.top_p < 1 and not top_k:
+        total, floor = _nucleus_floor(logits, top, temperature, params.top_p, floor)
+    values, ids, counts = _candidates(logits, floor)
+    best = np.sort(values, axis=1)[:, ::-1]
+    weight = np.exp((best - top[:, None]) / temperature)  # tempered probabilities times the total; top is 1
+    keep = np.minimum(counts, top_k) if top_k else counts
+    if params.top_p < 1:
+        mass = np.cumsum(weight, axis=1, dtype=np.float64)
+        if top_k:
+            total = mass[rows, keep - 1]
+        before = np.concatenate([np.zeros((n, 1)), mass[:, :-1]], axis=1)
+        keep = np.minimum(keep, (before < params.top_p * total[:, None]).sum(axis=1))
+    if params.min_p > 0:
+        keep = np.minimum(keep, (weight >= np.float32(params.min_p)).sum(axis=1))
+    cut = best[rows, keep - 1][:, None]  # the last kept value; of the tokens equal to it, the lowest ids fit
+    ties = values == cut
+    kept = (values > cut) | (ties & (np.cumsum(ties, axis=1) <= (keep - (values > cut).sum(axis=1))[:, None]))
+    r, c = np.nonzero(kept)
+    score = np.full(values.shape, -np.inf)
+    score[r, c] = ((values[r, c] - top[r]) / temperature).astype(np.float64) + \
+        gumbel(params.seed, positions[r], c if ids is None else ids[r, c])
+    col = score.argmax(axis=1)
+    return col if ids is None else ids[rows, col]
+
+
+def sample(logits: np.ndarray, positions: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The token at each row: logits [N, V], positions [N] (the answer position each row predicts) -> [N] int64."""
+    if params.greedy:
+        return np.argmax(logits, axis=1).astype(np.int64, copy=False)
+    if params.seed is None:
+        raise InputError("sampling with temperature > 0 needs a seed; pass SamplingParams.seeded() once per "
+                         "request so every pass of one answer shares it")
+    positions = np.asarray(positions, np.int64)
+    logits = _rows(logits, "positions", positions)
+    with np.errstate(over="ignore", under="ignore"):
+        top = _row_max(logits)
+        if _truncates(params, logits.shape[1]):
+            return _sample_kept(logits, top, positions, params)
+        return _sample_whole(logits, top, positions, params)
+
+
+class LogProbs(NamedTuple):
+    """What the OpenAI API reports: the chosen tokens' log-probs and each row's best, ties by id."""
+    chosen: np.ndarray  # [N] float32
+    top_ids: np.ndarray  # [N, n] int64, best first
+    top: np.ndarray  # [N, n] float32
+
+
+def logprobs(logits: np.ndarray, tokens: np.ndarray, top_n: int = 0) -> LogProbs:
+    """The target's own log-softmax of the untempered logits: at each row the chosen token's and the top_n best."""
+    if type(top_n) is not int or not 0 <= top_n <= MAX_TOP_N:
+        raise InputError(f"top_n {top_n!r:.40} is outside 0..{MAX_TOP_N}; pass top_n in 0..{MAX_TOP_N} "
+                         "(the OpenAI API's top_logprobs)")
+    tokens = np.asarray(tokens, np.int64)
+    logits = _rows(logits, "tokens", tokens, bound=np.shape(logits)[-1])
+    n, vocab = logits.shape
+    with np.errstate(over="ignore", under="ignore"):
+        top = _row_max(logits)
+        norm = top + np.log(np.exp(logits - top[:, None]).sum(axis=1, dtype=np.float64))
+        chosen = (logits[np.arange(n), tokens] - norm).astype(np.float32)
+        width = min(top_n, vocab)
+        if width == 0:
+            return LogProbs(chosen, np.zeros((n, 0), np.int64), np.zeros((n, 0), np.float32))
+        floor = _kth_floor(logits, width) if width < vocab else np.full(n, -np.inf, np.float32)
+        values, ids, _ = _candidates(logits, floor)
+        order = np.argsort(-values, axis=1, kind="stable")[:, :width]
+        best = np.take_along_axis(values, order, axis=1)
+        top_ids = order if ids is None else np.take_along_axis(ids, order, axis=1)
+    return LogProbs(chosen, top_ids.astype(np.int64), (best - norm[:, None]).astype(np.float32))
