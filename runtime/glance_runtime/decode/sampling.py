@@ -37,6 +37,7 @@ from ..errors import GlanceError, InputError
 GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment (2**64 over the golden ratio, odd)
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 SEED_LIMIT = 2**63  # seeds fit a signed 64-bit integer, the widest a torch tensor or a JSON client holds
+MIN_TEMPERATURE = 1e-6  # below it a float32 temperature can round to 0; 1e-6 is already greedy but for ties
 MAX_TOP_N = 20  # the OpenAI API's top_logprobs bound
 _NUCLEUS_GUESS = 1e-4  # top-p's first try: the tokens within this weight of the top's
 _DENSE = 4  # a row keeping more than 1/_DENSE of the vocabulary is truncated in place, not compacted first
@@ -63,7 +64,8 @@ class SamplingParams:
 
     def check(self) -> SamplingParams:
         """Refuse a setting out of range in one line naming it (InputError); returns self."""
-        _number("temperature", self.temperature, "[0, inf) (0: greedy)", lambda v: v >= 0)
+        _number("temperature", self.temperature, f"0 (greedy) or [{MIN_TEMPERATURE}, inf)",
+                lambda v: v == 0 or v >= MIN_TEMPERATURE)
         _number("top_p", self.top_p, "(0, 1] (1: off)", lambda v: 0 < v <= 1)
         if type(self.top_k) is not int or self.top_k < 0:
             raise InputError(f"top_k {self.top_k!r:.40} is not an integer >= 0; pass top_k >= 1, or 0 for off")
@@ -120,8 +122,8 @@ def gumbel(seed: int, positions: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     return u
 
 
-def _rows(logits: np.ndarray, name: str, per_row: np.ndarray, bound: int | None = None) -> np.ndarray:
-    """The logits as float32 [N, V], with `per_row` ([N] int64, `name`) in 0..bound-1 (or >= 0)."""
+def _check_rows(logits: np.ndarray, name: str, per_row: np.ndarray, bound: int | None = None) -> None:
+    """Logits are [N, V] with `per_row` ([N] int64, `name`) in 0..bound-1 (or >= 0)."""
     if np.ndim(logits) != 2 or np.shape(logits)[1] == 0:
         raise InputError(f"logits of shape {np.shape(logits)} are not [rows, vocabulary]; pass one row per token")
     if per_row.shape != np.shape(logits)[:1]:
@@ -130,7 +132,6 @@ def _rows(logits: np.ndarray, name: str, per_row: np.ndarray, bound: int | None 
     if per_row.size and (per_row.min() < 0 or (bound is not None and per_row.max() >= bound)):
         accepted = f"0..{bound - 1}" if bound is not None else ">= 0"
         raise InputError(f"{name} hold {per_row.min()}..{per_row.max()}; pass {name} in {accepted}")
-    return np.asarray(logits, np.float32)
 
 
 def _row_max(logits: np.ndarray) -> np.ndarray:
@@ -157,7 +158,7 @@ def _candidates(logits: np.ndarray, floor: np.ndarray) -> tuple[np.ndarray, np.n
     width = int(counts.max())
     if width * _DENSE > vocab:
         return logits, None, np.full(n, vocab)
-    rows, cols = np.nonzero(mask)
+    rows, cols = np.divmod(np.flatnonzero(mask), vocab)  # much faster than np.nonzero on a sparse mask
     slot = np.arange(rows.size) - np.repeat(np.cumsum(counts) - counts, counts)
     values = np.full((n, width), -np.inf, np.float32)
     values[rows, slot] = logits[rows, cols]
@@ -166,16 +167,22 @@ def _candidates(logits: np.ndarray, floor: np.ndarray) -> tuple[np.ndarray, np.n
     return values, ids, counts
 
 
+def _weights(values: np.ndarray, top: np.ndarray, temperature: np.float32) -> np.ndarray:
+    """Tempered probabilities times the row's total: exp((value - top) / temperature) in float32, 1 at the top."""
+    weight = values - top[:, None]
+    weight /= temperature
+    return np.exp(weight, out=weight)
+
+
 def _nucleus_floor(logits: np.ndarray, top: np.ndarray, temperature: np.float32, top_p: float,
                    floor: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Top-p alone: each row's total weight, and a floor under its nucleus. Weights below (1 - top_p) / vocab
     of the top's cannot reach it (the total is >= 1, the top's own weight); a row whose tokens within
     _NUCLEUS_GUESS of the top hold clearly more than top_p of the total gets that tighter floor."""
-    weight = np.exp((logits - top[:, None]) / temperature)
-    total = weight.sum(axis=1, dtype=np.float64)
+    total = _weights(logits, top, temperature).sum(axis=1, dtype=np.float64)
     loose = np.maximum(floor, top + temperature * np.float32(math.log((1 - top_p) / (2 * logits.shape[1]))))
     guess = np.maximum(floor, top + temperature * np.float32(math.log(_NUCLEUS_GUESS)))
-    held = np.where(logits >= guess[:, None], weight, 0).sum(axis=1, dtype=np.float64)
+    held = _weights(_candidates(logits, guess)[0], top, temperature).sum(axis=1, dtype=np.float64)
     return total, np.where(held >= total * (1 + top_p) / 2, guess, loose)
 
 
@@ -208,7 +215,7 @@ def _sample_kept(logits: np.ndarray, top: np.ndarray, positions: np.ndarray, par
         total, floor = _nucleus_floor(logits, top, temperature, params.top_p, floor)
     values, ids, counts = _candidates(logits, floor)
     best = np.sort(values, axis=1)[:, ::-1]
-    weight = np.exp((best - top[:, None]) / temperature)  # tempered probabilities times the total; top is 1
+    weight = _weights(best, top, temperature)
     keep = np.minimum(counts, top_k) if top_k else counts
     if params.top_p < 1:
         mass = np.cumsum(weight, axis=1, dtype=np.float64)
@@ -221,7 +228,7 @@ def _sample_kept(logits: np.ndarray, top: np.ndarray, positions: np.ndarray, par
     cut = best[rows, keep - 1][:, None]  # the last kept value; of the tokens equal to it, the lowest ids fit
     ties = values == cut
     kept = (values > cut) | (ties & (np.cumsum(ties, axis=1) <= (keep - (values > cut).sum(axis=1))[:, None]))
-    r, c = np.nonzero(kept)
+    r, c = np.divmod(np.flatnonzero(kept), kept.shape[1])
     score = np.full(values.shape, -np.inf)
     score[r, c] = ((values[r, c] - top[r]) / temperature).astype(np.float64) + \
         gumbel(params.seed, positions[r], c if ids is None else ids[r, c])
@@ -231,13 +238,14 @@ def _sample_kept(logits: np.ndarray, top: np.ndarray, positions: np.ndarray, par
 
 def sample(logits: np.ndarray, positions: np.ndarray, params: SamplingParams) -> np.ndarray:
     """The token at each row: logits [N, V], positions [N] (the answer position each row predicts) -> [N] int64."""
+    positions = np.asarray(positions, np.int64)
+    _check_rows(logits, "positions", positions)
     if params.greedy:
         return np.argmax(logits, axis=1).astype(np.int64, copy=False)
     if params.seed is None:
         raise InputError("sampling with temperature > 0 needs a seed; pass SamplingParams.seeded() once per "
                          "request so every pass of one answer shares it")
-    positions = np.asarray(positions, np.int64)
-    logits = _rows(logits, "positions", positions)
+    logits = np.asarray(logits, np.float32)
     with np.errstate(over="ignore", under="ignore"):
         top = _row_max(logits)
         if _truncates(params, logits.shape[1]):
@@ -258,7 +266,8 @@ def logprobs(logits: np.ndarray, tokens: np.ndarray, top_n: int = 0) -> LogProbs
         raise InputError(f"top_n {top_n!r:.40} is outside 0..{MAX_TOP_N}; pass top_n in 0..{MAX_TOP_N} "
                          "(the OpenAI API's top_logprobs)")
     tokens = np.asarray(tokens, np.int64)
-    logits = _rows(logits, "tokens", tokens, bound=np.shape(logits)[-1])
+    _check_rows(logits, "tokens", tokens, bound=np.shape(logits)[-1])
+    logits = np.asarray(logits, np.float32)
     n, vocab = logits.shape
     with np.errstate(over="ignore", under="ignore"):
         top = _row_max(logits)

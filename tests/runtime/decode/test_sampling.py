@@ -225,7 +225,7 @@ def test_logprobs_are_the_untempered_log_softmax():
 
 @pytest.mark.parametrize("fields, name", [
     ({"temperature": -0.5}, "temperature"), ({"temperature": float("nan")}, "temperature"),
-    ({"temperature": "hot"}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"temperature": "hot"}, "temperature"), ({"temperature": 1e-9}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
     ({"top_k": -1}, "top_k"), ({"top_k": 2.5}, "top_k"), ({"top_k": True}, "top_k"), ({"min_p": 1.0}, "min_p"),
     ({"min_p": -0.1}, "min_p"), ({"seed": -1}, "seed"), ({"seed": SEED_LIMIT}, "seed"), ({"seed": 1.5}, "seed")])
 def test_bad_parameters_are_one_line_naming_the_field(fields, name):
@@ -241,6 +241,7 @@ def test_bad_calls_are_one_line():
                 (lambda: sample(logits, -np.ones(len(logits), np.int64), params), "positions"),
                 (lambda: sample(logits, np.arange(len(logits)), SamplingParams(1.0)), "seed"),
                 (lambda: sample(logits[0], np.arange(1), params), "logits"),
+                (lambda: sample(logits[0], np.arange(1), SamplingParams()), "logits"),
                 (lambda: logprobs(logits, np.full(len(logits), 40), 1), "tokens"),
                 (lambda: logprobs(logits, np.zeros(len(logits), np.int64), MAX_TOP_N + 1), "top_n")]
     for call, word in refusals:
