@@ -5,18 +5,20 @@ Plain sampling is greedy decoding of perturbed scores (Gumbel-max): at answer po
 
     argmax over kept tokens t of   s(t) + G(seed, p, t),    s(t) = (logit(t) - row max) / temperature
 
-with s computed in float32 and the sum in float64, ties going to the lowest token id. G is a standard
-Gumbel drawn from a counter-based hash, never from a stream, so it depends on nothing but its key:
+with s computed in float32 (the temperature rounded to float32 too) and the sum in float64, ties going to
+the lowest token id. G is a standard Gumbel drawn from a counter-based hash, never from a stream, so it
+depends on nothing but its key:
 
     bits = mix64(mix64(mix64(seed) + (p + 1) * GAMMA) + (t + 1) * GAMMA)      (uint64, wrapping)
     U    = ((bits >> 12) + 1/2) * 2**-52          (the top 52 bits: exact in a double, never 0 or 1)
     G    = -log(-log(U))
 
-mix64 is SplitMix64's finalizer and GAMMA its increment, integer ops a torch kernel or a CUDA graph can
-repeat bit for bit. Every drafted node at one depth shares its position's noise, so a verify pass accepts a
-node exactly when it equals the token sampled at its row: the answer does not depend on the tree, the
-budget, the batch or whether the draft is on, and a token's noise does not depend on the vocabulary's size
-or on which tokens truncation keeps.
+mix64 is SplitMix64's finalizer and GAMMA its increment: integer ops a torch kernel or a CUDA graph can
+repeat bit for bit. U is then exact too, and G as exact as each platform's log (an ulp apart, it changes
+a token only where two scores tie to an ulp). Every drafted node at one depth shares its position's
+noise, so a verify pass accepts a node exactly when it equals the token sampled at its row: the answer
+does not depend on the tree, the budget, the batch or whether the draft is on, and a token's noise does
+not depend on the vocabulary's size or on which tokens truncation keeps.
 
 Truncation keeps a prefix of the row in (logit descending, token id ascending) order, applied in this
 order: temperature, then top-k, then top-p over what top-k left (renormalized: the smallest prefix whose
