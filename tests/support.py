@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -446,7 +446,9 @@ def glance_run(prompt: str, image: Path | None = None, max_new_tokens: int | Non
 # - `skipping`: a sharp law (p near 1 below the split, near 0 above) with a draft that costs as much as a
 #   verify pass, so rounds above the split are plain greedy steps and rounds below draft a whole tree;
 # - `cutting`: no law (every round drafts) on a device where each row costs a quarter of the first, with
-#   node probabilities that fall as surprisal rises, so the cut ranges from every node down to none.
+#   node probabilities that fall as surprisal rises, so the cut ranges from every node down to none;
+# - `shallow`: a draft whose cost grows with its depth (a head over short blocks) and a law that falls
+#   gently across the split, so rounds draft at several depths short of the block, and some not at all.
 # `check_mixed` fails a run that did not actually do what its policy was built to force.
 
 GRID = tuple(row_grid(64))
@@ -480,20 +482,32 @@ def cutting(split: float, block_size: int, max_nodes: int = 63) -> AutoBudget:
     return AutoBudget(STEEP, Calibration(a=8.0, b=1.0, c=-8.0 / split), max_nodes, block_size)
 
 
+def shallow(split: float, block_size: int, max_nodes: int = 63) -> AutoBudget:
+    """Drafts deeper the surer the anchor: a draft costing its depth's share of twice a verify row."""
+    full = block_size - 1
+    depths = row_grid(full)
+    cost = replace(STEEP, draft_ms=2.0, draft_depths=tuple(depths), draft_share=tuple(d / full for d in depths))
+    return AutoBudget(cost, Calibration(a=8.0, b=1.0, c=-8.0 / split, law=(5.0, 5.0 / split)), max_nodes, block_size)
+
+
 def config(policy: AutoBudget, max_new_tokens: int, branch_k: int = 8) -> DecodeConfig:
     return DecodeConfig(max_new_tokens=max_new_tokens, budget=policy.max_nodes, branch_k=branch_k, auto=policy)
 
 
 def check_mixed(result: DecodeResult, policy: str, seeded: bool) -> None:
-    """The run did what its policy forces: skipped and drafted rounds (`skipping`), or cuts of several sizes
-    (`cutting`; with the random head, some of none). With seeded drafts, which accept several tokens a round
-    and so visit fewer anchors, every round that verified a node must have accepted past the anchor."""
+    """The run did what its policy forces: skipped and drafted rounds (`skipping`), cuts of several sizes
+    (`cutting`; with the random head, some of none), or drafts of several depths (`shallow`). With seeded
+    drafts, which accept several tokens a round and so visit fewer anchors, every round that verified a node
+    must have accepted past the anchor."""
     rounds = result.rounds[:-1]  # the last round may be cut short by max_new_tokens
     drafted = [r for r in rounds if r.drafted]
     assert all(r.tree_size == 1 and r.accepted == 1 for r in rounds if not r.drafted)
     if policy == "skipping":
         assert len(drafted) < len(rounds), "no round skipped the draft"
         assert any(r.drafted for r in rounds[1:]), "no round after the first drafted"
+    elif policy == "shallow":  # seeded drafts accept so much that few anchors are visited: fewer depths
+        depths = {r.draft_depth for r in drafted[1:]}
+        assert len(depths) >= (1 if seeded else 2), f"drafts of {sorted(depths)} deep only"
     else:
         assert len(drafted) == len(rounds), "a round without a law skipped the draft"
         sizes = {r.tree_size for r in drafted}

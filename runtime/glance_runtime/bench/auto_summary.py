@@ -18,13 +18,15 @@ from .summary import paired_ratio
 
 def chosen_sizes(rounds: list[dict]) -> dict:
     """auto's rounds by what they verified: no draft (a plain greedy step), else the nodes kept besides the
-    anchor (0: drafted, then every node cut)."""
+    anchor (0: drafted, then every node cut), and how deep the drafts went (where the rounds record it)."""
     kept = [rd["tree_size"] - 1 for rd in rounds if rd["drafted"]]
+    depths = [rd["draft_depth"] for rd in rounds if rd["drafted"] and rd.get("draft_depth") is not None]
     skipped = len(rounds) - len(kept)
     return {"rounds": len(rounds), "no_draft": skipped,
             "no_draft_share": skipped / len(rounds) if rounds else float("nan"),
             "mean_nodes_when_drafted": float(np.mean(kept)) if kept else float("nan"),
-            "nodes": {str(n): count for n, count in sorted(Counter(kept).items())}}
+            "nodes": {str(n): count for n, count in sorted(Counter(kept).items())},
+            "draft_depths": {str(d): count for d, count in sorted(Counter(depths).items())}}
 
 
 def _rounds(results: list[PromptResult]) -> list[dict]:

@@ -65,16 +65,17 @@ def _auto_lines(report: dict) -> list[str]:
              f"Cost profile `{a['cost_profile']['path']}` (at most {a['max_nodes']} nodes a round):", "", "```",
              a["cost_table"], "```", "",
              f"Calibration: {used}.",
-             "", "| kind | rounds | no draft | nodes when drafted (mean) | nodes verified: rounds | "
+             "", "| kind | rounds | no draft | nodes when drafted (mean) | nodes verified: rounds | draft depth: rounds | "
              f"auto ms/token / best fixed tree's [95%] | speedup over {a['largest_tree']} [95%] |",
-             "|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|"]
     for kind, s in a["sizes"].items():
         best, over = a["vs_best_fixed"][kind], a["vs_largest_tree"][kind]
         ratio = _f(best["ratio"]) + (f" {_ci(best['interval'])} ({best['best']})" if "best" in best else " (geomean)")
         speedup = f"{_f(over['speedup'])}x" + (f" {_ci(over['interval'])}" if "interval" in over else " (geomean)")
         hist = ", ".join(f"{n}: {c}" for n, c in s["nodes"].items())
+        deep = ", ".join(f"{d}: {c}" for d, c in s.get("draft_depths", {}).items()) or "-"
         lines.append(f"| {kind} | {s['rounds']} | {_f(100 * s['no_draft_share'], 1)}% | "
-                     f"{_f(s['mean_nodes_when_drafted'], 1)} | {hist} | {ratio} | {speedup} |")
+                     f"{_f(s['mean_nodes_when_drafted'], 1)} | {hist} | {deep} | {ratio} | {speedup} |")
     return lines + ["", "Rounds of every kept run. A ratio below 1 is auto faster than the kind's best fixed tree "
                     "(1.05: 5% slower); the pooled rows are geometric means of the kinds.", ""]
 

@@ -60,7 +60,8 @@ def _decode(backend, prompt, mode: Mode, max_new_tokens: int, stops: Sequence[in
         row = {"entropy": r.entropy, "accepted": r.accepted, "tree_size": r.tree_size, "cap": mode.cap(block_size),
                "draft_ms": r.draft_ms, "verify_ms": r.verify_ms, "total_ms": r.total_ms,
                "final": i == len(result.rounds) - 1,  # the answer's end (stop or max tokens) cut this round
-               "drafted": r.drafted, "surprisal": r.surprisal, "node_scores": r.node_scores,
+               "drafted": r.drafted, "draft_depth": r.draft_depth, "surprisal": r.surprisal,
+               "node_scores": r.node_scores,
                "node_depths": r.node_depths, "path": r.path}
         if clock:
             before, after = readings[i], readings[i + 1]

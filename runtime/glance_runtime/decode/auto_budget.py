@@ -3,10 +3,14 @@
 The rule, per round (D: the profile's draft ms; V(T): its verify-side ms for a T-row tree; u: the
 anchor's surprisal, unknown in the first round; p, q: `Calibration`'s law and node probabilities):
 
-1. Draft or not. A plain greedy step yields one token in V(1). With the law's p = p(u), a drafted chain of
-   m nodes is expected to yield 1 + p + ... + p^m tokens in D + V(m + 1). The round drafts when that
-   rate beats 1 / V(1) for some m in 1..B-1; otherwise it is a plain greedy step (the anchor alone).
-   Without a fitted law it drafts; in the first round (no u yet) too, unless the law does not depend on u.
+1. Draft or not, and how deep. A plain greedy step yields one token in V(1). With the law's p = p(u), a
+   drafted chain of m nodes is expected to yield 1 + p + ... + p^m tokens in D(d) + V(m + 1), D(d) the cost
+   of a draft d >= m deep (a graph that drafts short blocks runs its head over a few rows for a shallow
+   draft: `backend.block_rows`). The round drafts when that rate beats 1 / V(1) for some m <= d in 1..B-1,
+   d deep: the deepest depth whose best chain's rate is within DEPTH_SLACK of the best depth's (the tree
+   finds more below a depth than its one chain, so a near tie goes deeper; where every depth costs alike,
+   the full depth). Otherwise it is a plain greedy step (the anchor alone). Without a fitted law it drafts
+   the full depth; in the first round (no u yet) too, unless the law does not depend on u.
 2. Grow and cut. Node i is accepted with probability q_i, from its path score and depth; q never rises
    from a node to its children or later siblings (b >= 0, d <= 0), so growing the tree best-first on q
    (`build_tree`'s priority) pops nodes in falling q, parents first, and its first n nodes are the n
@@ -18,7 +22,8 @@ anchor's surprisal, unknown in the first round; p, q: `Calibration`'s law and no
    E(n) + k q_next <= R* C(n) + k R* S(n) <= R* C(n + k).
 
 D and V are the costs `cost_watch.CostWatch` learns from the decode's own rounds (the stored profile's where
-a row count has not been timed yet), monotone in rows; one round in a few, while a row count's cost is
+a row count or draft depth has not been timed yet), monotone in rows and depth; step 2 counts the draft at
+the depth the round drafted; one round in a few, while a row count's cost is
 unconfirmed, verifies up to one such count more than the rule picks, to time it (from the same growth: it grows
 on past the cut only as far as that count needs). q is the calibration's node model, refitted whenever a decode
 ends after LEARN_NODES more verified nodes, to this process's own acceptance (`settle`; pulled toward the stored
@@ -49,6 +54,7 @@ from ..prompt.messages import user_turn
 
 
 EXPLORE_GAIN = 1.05  # an unconfirmed cost is explored only where its hopeful rate beats the pick's by this much
+DEPTH_SLACK = 0.01  # a deeper draft whose best chain's rate is within this of the best depth's is taken
 LEARN_NODES = 256  # verified nodes between refits of the node model to the decode's own acceptance
 KEEP_NODES = 4096  # the latest verified nodes a refit sees
 LEARN_PRIOR = 4.0  # how firmly a refit holds to the stored calibration (precision of its Gaussian prior)
@@ -83,15 +89,16 @@ class _Cut:
 
 
 class _Rates:
-    """What the rule reads of one set of costs, computed once: C(n) = D + V(n + 1) for n = 0..max_nodes, S(n),
-    V(1), and step 1's answer where the law does not depend on the anchor."""
+    """What the rule reads of one set of costs, computed once: C(n) = D + V(n + 1) for n = 0..max_nodes (D a draft
+    `depth` deep, None: the full depth), S(n), V(1), the draft's cost at each depth, and step 1's answer where the
+    law does not depend on the anchor."""
 
     def __init__(self, cost: CostProfile, calibration: Calibration, max_nodes: int, block_size: int,
-                 steps: bool = False):
+                 steps: bool = False, depth: int | None = None):
         # a tree never costs less than one of its prefixes (it does their work and more), so no cost a round reads
         # makes a larger tree look cheaper
         verify_ms = np.maximum.accumulate(cost.verify_cost(np.arange(1, max_nodes + 2)))
-        round_ms = np.maximum.accumulate(cost.draft_ms + verify_ms)
+        round_ms = np.maximum.accumulate(cost.draft_cost(depth) + verify_ms)
         self.verify_ms = verify_ms.tolist()  # V(n + 1) for n nodes
         self.round_ms = round_ms.tolist()  # Python floats for the per-node loop
         # a step drafter (EAGLE-3) pays a head pass a depth: the profile's draft is its deepest tree's, so one
@@ -105,24 +112,39 @@ class _Rates:
         self.chain_ms = chain.tolist()  # what a drafted chain of m nodes costs, m = 0..max_nodes
         self.plain_ms = float(cost.verify_cost(1))
         self.depth = min(block_size - 1, max_nodes)
+        # a block draft d deep: what a chain of m <= d nodes costs with it is its D(d) + V(m + 1)
+        self.draft_at = None if steps else np.array([cost.draft_cost(d) for d in range(1, max(self.depth, 0) + 1)])
         law = calibration.law
         constant = law is None or law[1] == 0  # the same answer every round: decided once
-        self.always = self.repays(calibration.offset_acceptance(1.0)) if constant else None
+        self.always = self.pick(calibration.offset_acceptance(1.0)) if constant else None
 
-    def repays(self, p: float | None, gain: float = 1.0) -> bool:
-        """Whether some chain beats a plain step's rate by more than `gain` times."""
+    def pick(self, p: float | None, gain: float = 1.0) -> int:
+        """How deep to draft: a depth at which some chain beats a plain step's rate by more than `gain` times, or
+        0 for none. A block draft's depth d is judged by its best chain of m <= d nodes at D(d) + V(m + 1), and the
+        deepest within DEPTH_SLACK of the best depth's rate is taken (a tree finds more below a depth than its one
+        chain does); where drafts cost alike at every depth, that is the full depth. Unknown p: the full depth."""
         if p is None:
-            return True
+            return max(self.depth, 1)
         if self.depth < 1:  # no room for a drafted node: a draft can never pay
-            return False
-        expected = 1 + np.cumsum(p ** np.arange(1, self.depth + 1))
-        return bool(np.max(expected / np.array(self.chain_ms[1:self.depth + 1])) > gain / self.plain_ms)
+            return 0
+        expected = 1 + np.cumsum(p ** np.arange(1, self.depth + 1))  # E(m), m = 1..depth
+        if self.draft_at is None:  # a step drafter's chain of m nodes costs m head passes
+            return self.depth if np.max(expected / np.array(self.chain_ms[1:self.depth + 1])) > gain / self.plain_ms \
+                else 0
+        verify = np.array(self.verify_ms[1:self.depth + 1])  # V(m + 1)
+        rate = expected[None, :] / (self.draft_at[:, None] + verify[None, :])  # [depth d, chain m]
+        best = np.max(np.tril(rate), axis=1)  # per depth, its best chain within it
+        if best.max() <= gain / self.plain_ms:
+            return 0
+        return int(np.flatnonzero(best >= best.max() * (1 - DEPTH_SLACK))[-1]) + 1
 
-    def wants(self, calibration: Calibration, surprisal: float | None, gain: float = 1.0) -> bool:
+    def wants(self, calibration: Calibration, surprisal: float | None, gain: float = 1.0) -> int:
+        """Step 1 for an anchor of `surprisal`: the depth to draft, 0 for a plain step (see `pick`)."""
         if self.always is not None and gain == 1.0:
             return self.always
-        p = calibration.offset_acceptance(1.0 if self.always is not None else surprisal)
-        return (surprisal is None and self.always is None) or self.repays(p, gain)
+        if surprisal is None and self.always is None:
+            return max(self.depth, 1)
+        return self.pick(calibration.offset_acceptance(1.0 if self.always is not None else surprisal), gain)
 
 
 def _best_prefix(accepted: Iterable[float], spent_ms: float, verify_ms: list[float]) -> tuple[float, int]:
@@ -156,33 +178,57 @@ class AutoBudget:
         self.stored_calibration = calibration  # what refits are pulled toward (`settle`)
         self._verified: list[RoundLog] = []  # drafted rounds not yet refitted from, and the nodes they verified
         self._fresh_nodes = 0
+        self.depth_wanted: int | None = None  # how deep the round `should_draft` passed is to draft (None: all)
         self._use()
 
     def _use(self) -> None:
-        self._plan = _Rates(self.cost if self.watch is None else self.watch.used, self.calibration, self.max_nodes,
-                            self.block_size, self.steps)
-        self._hoped: tuple[CostProfile, _Rates] | None = None
+        self._used = self.cost if self.watch is None else self.watch.used
+        self._plans: dict[int | None, _Rates] = {}
+        self._hoped: dict[int | None, _Rates] = {}
+        self._hoped_from: CostProfile | None = None
+
+    def _rates(self, cost: CostProfile, depth: int | None) -> _Rates:
+        return _Rates(cost, self.calibration, self.max_nodes, self.block_size, self.steps, depth)
+
+    def _plan_at(self, depth: int | None) -> _Rates:
+        """The rates with a draft `depth` deep (None: the full depth, what step 1 and a step drafter read)."""
+        if depth not in self._plans:
+            self._plans[depth] = self._rates(self._used, depth)
+        return self._plans[depth]
 
     @property
-    def _hope(self) -> _Rates:
+    def _plan(self) -> _Rates:
+        return self._plan_at(None)
+
+    def _hope_at(self, depth: int | None) -> _Rates:
         """The rates at the hopeful costs, computed when a round that explores first asks for them (and again
         where the watch's hope has changed since: a draft whose cost is to be timed counts as free)."""
         hope = self.watch.hope
-        if self._hoped is None or self._hoped[0] is not hope:
-            self._hoped = hope, _Rates(hope, self.calibration, self.max_nodes, self.block_size, self.steps)
-        return self._hoped[1]
+        if self._hoped_from is not hope:
+            self._hoped_from, self._hoped = hope, {}
+        if depth not in self._hoped:
+            self._hoped[depth] = self._rates(hope, depth)
+        return self._hoped[depth]
+
+    @property
+    def _hope(self) -> _Rates:
+        return self._hope_at(None)
 
     def with_calibration(self, calibration: Calibration) -> "AutoBudget":
         return AutoBudget(self.cost, calibration, self.max_nodes, self.block_size, self.watch, self.steps)
 
     def should_draft(self, surprisal: float | None) -> bool:
         """Step 1: whether the law's best chain repays the draft pass (or, in a round that explores, whether it
-        would with the unconfirmed costs at their most hopeful)."""
+        would with the unconfirmed costs at their most hopeful), and how deep to draft (`depth_wanted`: at the
+        hopeful costs in a round that explores, so a draft whose cost is to be timed is drafted whole)."""
         wanted = self._plan.wants(self.calibration, surprisal)
         scheduled = self.watch is not None and self.max_nodes > 0 and self.watch.exploring()
-        self._exploring = scheduled and (wanted or (self._hope.wants(self.calibration, surprisal, EXPLORE_GAIN) and (
-            bool(self.watch.targets(1)) or self.watch.draft_unsure)))
-        return wanted or self._exploring
+        self._exploring = scheduled and bool(wanted or (
+            self._hope.wants(self.calibration, surprisal, EXPLORE_GAIN) and (
+                bool(self.watch.targets(1)) or self.watch.draft_unsure)))
+        depth = self._hope.wants(self.calibration, surprisal) if self._exploring else wanted
+        self.depth_wanted = None if self.steps or not depth or depth >= self._plan.depth else depth
+        return bool(wanted) or self._exploring
 
     def grow(self, anchor: int, topk_ids: np.ndarray, topk_logprobs: np.ndarray, branch_k: int,
              surprisal: float | None, leaves: frozenset[int] = frozenset()) -> Tree:
@@ -191,7 +237,8 @@ class AutoBudget:
         an exploring round grows on past the rule's cut only as far as a count worth timing needs."""
         self._depth = int(np.shape(topk_ids)[0])
         self._counts = []
-        cut = _Cut(self._plan.round_ms, self._plan.slope, self._worth if self._exploring else None)
+        plan = self._plan_at(self._depth_key())
+        cut = _Cut(plan.round_ms, plan.slope, self._worth if self._exploring else None)
         tree = build_tree(anchor, topk_ids, topk_logprobs, self.max_nodes, branch_k,
                           priority=self.calibration.node_scorer(surprisal), stop=cut.stop, leaves=leaves)
         pick = cut.best_nodes + 1
@@ -237,12 +284,16 @@ class AutoBudget:
         _, best = _best_prefix(nodes, (self._plan.step_ms or 0.0) * max(self._grown, 1), self._plan.verify_ms)
         return tree.prefix(best + 1)
 
+    def _depth_key(self) -> int | None:
+        """This round's draft depth as the rates are keyed: None where it drafted the full depth."""
+        return None if self._depth is None or self._depth >= self._plan.depth else self._depth
+
     def _worth(self, cut: _Cut) -> int | None:
         """The unconfirmed counts beside the rule's pick that could beat its rate at the hopeful costs, kept for
         `_explore`, and the nodes to grow for the largest (None: none needs more). A node not grown yet is
         bounded by the q growth stopped at (q never rises in growth order); counts judged in vain for the same
         pick before are left."""
-        pick, rate, hope = cut.best_nodes + 1, cut.best_rate * EXPLORE_GAIN, self._hope.round_ms
+        pick, rate, hope = cut.best_nodes + 1, cut.best_rate * EXPLORE_GAIN, self._hope_at(self._depth_key()).round_ms
         grown = len(cut.expected) - 1
         counts = [g for g in self.watch.targets(pick) if g <= self.max_nodes + 1 and (
             cut.expected[min(g - 1, grown)] + max(g - 1 - grown, 0) * cut.q_next) / hope[g - 1] > rate]
@@ -252,7 +303,7 @@ class AutoBudget:
     def _explore(self, pick: int, cut: _Cut, tree: Tree) -> Tree | None:
         """The tree of the first count `_worth` kept whose expected tokens, at the hopeful cost, beat the pick's
         rate (None where none does: those counts are then left for this pick)."""
-        rate, hope = cut.best_rate * EXPLORE_GAIN, self._hope.round_ms
+        rate, hope = cut.best_rate * EXPLORE_GAIN, self._hope_at(self._depth_key()).round_ms
         for rows in self._counts:
             if rows <= tree.size and cut.expected[rows - 1] / hope[rows - 1] > rate:
                 return tree.prefix(rows)

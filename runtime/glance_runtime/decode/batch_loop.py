@@ -163,7 +163,8 @@ class BatchLoop:
                                times[2])
         produced = self._joined
         for i, (r, tree, v, (path, bonus)) in enumerate(zip(requests, trees, verified, walks)):
-            new, r.anchor, r.surprisal = record_round(r.result, r.batched, r.stops, tree, i in drafts, path, bonus, v,
+            depth = len(drafts[i][0]) if i in drafts else None
+            new, r.anchor, r.surprisal = record_round(r.result, r.batched, r.stops, tree, depth, path, bonus, v,
                                                       r.surprisal, times)
             produced += len(new)
             finished += self._after(r, new)

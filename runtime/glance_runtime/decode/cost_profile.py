@@ -4,7 +4,9 @@
 a 64-row verify costs about what one row does, on a CPU or a small Jetson it costs several, and the
 Python around the graphs counts as much as the graphs on a tiny model. So a measurement times real
 rounds through the Backend protocol, split the way the loop splits them:
-- draft: the draft pass plus building the tree from it (what a round skips by not drafting);
+- draft: the draft pass plus building the tree from it (what a round skips by not drafting), at the full
+  depth and, timed apart, at shallower depths (`depth_grid`): a graph that drafts short blocks runs its head over
+  a few rows for a shallow round, so auto weighs how deep to draft as well as whether to;
 - verify(T): mask, verify pass, walk and commit of a T-row tree (a plain greedy step is verify(1)).
 Each row count is timed several times, interleaved, and the fastest kept (other processes only ever add
 time); counts implausible against the one-row cost, wide in spread or dearer than a larger count are timed
@@ -67,28 +69,43 @@ def measurable_rows(block_size: int, branch_k: int, max_rows: int, drafter: str 
     return max(1, min(max_rows, 1 + reachable_nodes(block_size, branch_k, drafter)))
 
 
-def _drafted(backend: Backend, anchor: int, branch_k: int, nodes: int, most: int) -> Tree:
-    """A round's tree of `nodes` nodes as decoding drafts it: a block draft's best `nodes`, or, from a step
-    drafter, the prefix of the largest tree the profile times (auto grows the whole tree and then cuts it, so
-    that is the draft cost auto pays)."""
+def depth_grid(backend: Backend) -> list[int]:
+    """Draft depths whose cost is timed: 1, 2, 4, ... up to the full depth; none for a head that drafts a depth a
+    pass (auto sizes its draft pass by pass) or one that drafts a single offset."""
+    if backend.info.limits.drafter in STEP_DRAFTERS or backend.block_size < 3:
+        return []
+    return row_grid(backend.block_size - 1)
+
+
+def _drafted(backend: Backend, anchor: int, branch_k: int, nodes: int, most: int, depth: int | None = None) -> Tree:
+    """A round's tree of `nodes` nodes as decoding drafts it: a block draft's best `nodes` (`depth` offsets deep,
+    None: all), or, from a step drafter, the prefix of the largest tree the profile times (auto grows the whole
+    tree and then cuts it, so that is the draft cost auto pays)."""
     if backend.info.limits.drafter in STEP_DRAFTERS:
         return fit(grow_dynamic(anchor, backend, most, branch_k, min(backend.block_size - 1, most)), nodes + 1)
-    ids, logp = backend.draft(anchor, branch_k)
+    ids, logp = backend.draft(anchor, branch_k, depth)
     return build_tree(anchor, ids, logp, nodes)
 
 
-def _time_rounds(backend: Backend, prompt, grid: list[int], branch_k: int, seconds: float
-                 ) -> tuple[dict[int, list[float]], list[float], int]:
+def _time_rounds(backend: Backend, prompt, grid: list[int], branch_k: int, seconds: float, depths: list[int] = ()
+                 ) -> tuple[dict[int, list[float]], list[float], dict[int, list[float]], int]:
     """Timed rounds of every row count in `grid`, interleaved (the order alternates each pass, so a slow
     moment lands on several counts, not one); the first pass warms up and is not kept. Every round drafts,
     builds the tree, verifies, walks and commits the anchor alone, so the state stays a valid greedy decode.
-    Returns the verify-side ms per count, the draft ms, and the passes kept."""
+    Each pass also drafts at every depth in `depths` (a tree of the largest count's nodes, not verified).
+    Returns the verify-side ms per count, the draft ms, the draft ms per depth, and the passes kept."""
     anchor, _ = backend.prefill(prompt)
     room = room_left(backend)
     verify: dict[int, list[float]] = {rows: [] for rows in grid}
     draft: list[float] = []
+    by_depth: dict[int, list[float]] = {depth: [] for depth in depths}
     start, repeat = time.perf_counter(), 0
     while repeat <= MIN_REPEATS or (repeat <= MAX_REPEATS and time.perf_counter() - start < seconds):
+        for depth in depths if repeat % 2 else depths[::-1]:
+            t0 = time.perf_counter()
+            _drafted(backend, anchor, branch_k, grid[-1] - 1, grid[-1] - 1, depth)
+            if repeat:
+                by_depth[depth].append((time.perf_counter() - t0) * 1e3)
         order = grid if repeat % 2 else grid[::-1]
         for rows in order:
             if room is not None and room_left(backend) < rows:  # each round commits a row: start over
@@ -105,7 +122,7 @@ def _time_rounds(backend: Backend, prompt, grid: list[int], branch_k: int, secon
                 draft.append((t1 - t0) * 1e3)
                 verify[rows].append((t2 - t1) * 1e3)
         repeat += 1
-    return verify, draft, repeat - 1
+    return verify, draft, by_depth, repeat - 1
 
 
 def load_average() -> float | None:
@@ -117,15 +134,19 @@ def load_average() -> float | None:
 
 
 def _profile(backend: Backend, grid: list[int], verify: dict[int, list[float]], latest: dict[int, list[float]],
-             draft: list[float], repeats: int, load: float | None) -> CostProfile:
+             draft: list[float], by_depth: dict[int, list[float]], repeats: int, load: float | None) -> CostProfile:
     """The fastest of every row count's rounds (other processes only ever add time, so the fastest is the least
-    disturbed), with how far the latest batch's median lay above it."""
+    disturbed), with how far the latest batch's median lay above it; each draft depth's fastest as a share of the
+    full depth's, timed alike."""
     fastest = {r: max(min(verify[r]), MIN_MS) for r in grid}
+    depths = sorted(by_depth)
+    full = max(min(by_depth[depths[-1]]), MIN_MS) if depths else 1.0
+    share = [min(max(round(min(by_depth[d]) / full, 4), MIN_MS), 1.0) for d in depths[:-1]] + [1.0] * bool(depths)
     return CostProfile(device=describe(backend), rows=tuple(grid),
                        verify_ms=tuple(kept_ms(fastest[r]) for r in grid), draft_ms=kept_ms(min(draft)),
                        repeats=repeats, measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
                        spread=tuple(round(statistics.median(latest[r]) / fastest[r] - 1, 3) for r in grid),
-                       load_average=load)
+                       load_average=load, draft_depths=tuple(depths), draft_share=tuple(share))
 
 
 def _doubtful(found: CostProfile) -> list[int]:
@@ -153,20 +174,22 @@ def measure(backend: Backend, prompt, max_rows: int, branch_k: int, seconds: flo
     room = room_left(backend)  # a small --max-context bounds the passes that can be timed, after the prompt
     grid = row_grid(measurable_rows(backend.block_size, branch_k, max_rows if room is None else min(max_rows, room),
                                     backend.info.limits.drafter))
-    progress(f"measuring round costs for {', '.join(map(str, grid))} verify rows")
+    depths = depth_grid(backend)
+    deep = f" and drafts {', '.join(map(str, depths))} deep" if depths else ""
+    progress(f"measuring round costs for {', '.join(map(str, grid))} verify rows{deep}")
     load = load_average()
-    verify, draft, repeats = _time_rounds(backend, prompt, grid, branch_k, seconds)
+    verify, draft, by_depth, repeats = _time_rounds(backend, prompt, grid, branch_k, seconds, depths)
     latest = dict(verify)
-    found = _profile(backend, grid, verify, latest, draft, repeats, load)
+    found = _profile(backend, grid, verify, latest, draft, by_depth, repeats, load)
     for _ in range(RETIMES):
         doubtful = _doubtful(found)
         if not doubtful:
             return found
         progress(f"{'; '.join(found.problems())}: timing {', '.join(map(str, sorted({1, *doubtful})))} rows again")
-        again, more, _ = _time_rounds(backend, prompt, sorted({1, *doubtful}), branch_k, seconds / 2)
+        again, more, _, _ = _time_rounds(backend, prompt, sorted({1, *doubtful}), branch_k, seconds / 2)
         for r, times in again.items():
             verify[r], latest[r] = verify[r] + times, times
-        found = _profile(backend, grid, verify, latest, draft + more, repeats, load)
+        found = _profile(backend, grid, verify, latest, draft + more, by_depth, repeats, load)
     if not _doubtful(found):
         return found
     progress(f"{'; '.join(found.problems())} again: kept as provisional (decoding refines it from its own rounds)")
@@ -219,11 +242,17 @@ def stored_or_measured(backend: Backend, home: Path | None, identity: str, promp
     a lock, so two first uses measure once and never time each other's passes). A stored one that covers fewer
     rows than `max_rows` is measured again. Where something other than a file sits at the profile's or its
     lock's place, or neither can be written, the profile is measured and kept in memory for this run (path
-    None), said in one line: decoding goes on."""
+    None), said in one line: decoding goes on. One stored before drafts were timed by depth is measured again
+    where this backend's draft has depths to weigh."""
     path = profile_path(home, identity, describe(backend))
     max_rows = measurable_rows(backend.block_size, branch_k, max_rows, backend.info.limits.drafter)
+    depths = bool(depth_grid(backend))
+
+    def covers(found: CostProfile | None) -> bool:
+        return found is not None and found.max_rows >= max_rows and (bool(found.draft_depths) or not depths)
+
     found = None if remeasure else load(path)
-    if found is not None and found.max_rows >= max_rows:
+    if covers(found):
         return found, path
     lock = path.with_name(f".{path.name}.lock")
     with ExitStack() as held:
@@ -234,7 +263,7 @@ def stored_or_measured(backend: Backend, home: Path | None, identity: str, promp
             except GlanceError as exc:
                 reason = str(exc)
         found = None if remeasure or reason else load(path)
-        if found is not None and found.max_rows >= max_rows:
+        if covers(found):
             return found, path
         found = measure(backend, prompt_for(), max_rows, branch_k, progress=progress)
         if found.max_rows < max_rows:  # cut short by a small --max-context: good for this run only

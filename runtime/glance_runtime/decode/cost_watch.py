@@ -5,7 +5,9 @@ many times dearer than they are, and a tree auto therefore never verifies would 
 costs a round is decided with are the decode's own wherever it has them:
 - Observed: every round's verify-side time (mask, verify, walk, commit) is kept under its exact row count, and
   a drafted round's draft time under its draft depth (the last WINDOW of each); the fastest counts, since other
-  processes only ever add time. The first round of a process pays first runs and is not kept.
+  processes only ever add time. The first round of a process pays first runs and is not kept. A shallower
+  draft's time is used where the profile timed drafts by depth (a graph that drafts short blocks), as its
+  share of the full draft's; the full draft's is what is confirmed and stored.
 - Used (`used`): an observed row count at its fastest time, the moment it is timed (but a count between
   measured ones timed once only lowers its cost: one slow round is more likely another process than the
   device, and such a count is never explored, while a measured one is until confirmed); a measured count not
@@ -169,8 +171,9 @@ class CostWatch:
             moved = _moved(said, verify_ms) if rows in self.grid or verify_ms < said else 1.0
         if draft_ms is not None and depth is not None:
             draft_moved = _keep(self._draft, depth, draft_ms)
-            if depth == self.full_depth:  # the only draft whose cost is used
+            if depth == self.full_depth or self.base.draft_depths:  # a shallow draft's cost is used where it differs
                 moved = max(moved, draft_moved)
+            if depth == self.full_depth:
                 self._drafted_at = self._rounds
         confirmed = rows in self.grid and rows not in self._confirmed and self._agreed(
             self._verify[rows], float(self.base.verify_cost(rows)), rows if rows > 1 else 0)
@@ -215,10 +218,10 @@ class CostWatch:
         between = [r for r in once if r not in self.grid]
         once.update(zip(between, np.minimum([once[r] for r in between], np.interp(between, *prior)).tolist()))
         rows, ms = self._curve({**several, **once})
-        drafts = self._draft.get(self.full_depth, [])
-        stored_draft = base.draft_ms * self.scale
-        draft_ms = min(drafts) if len(drafts) >= CONFIRM else min(drafts + [stored_draft])
-        self.used = replace(base, rows=tuple(rows), verify_ms=tuple(ms), spread=(), draft_ms=draft_ms)
+        draft_ms = self._draft_used(self.full_depth, base.draft_ms * self.scale)
+        depths, share = self._depth_shares(draft_ms)
+        self.used = replace(base, rows=tuple(rows), verify_ms=tuple(ms), spread=(), draft_ms=draft_ms,
+                            draft_depths=depths, draft_share=share)
         self._used_ms = self.used.verify_cost(np.arange(self.grid[-1] + 1)).tolist()  # by row count, for `observe`
         grid = np.array(self.grid)
         below = [max([c for c in self._confirmed if c < g], default=1) for g in self.grid]
@@ -228,6 +231,26 @@ class CostWatch:
         hope = np.where(sure, ms, np.minimum(ms, floor[bucket]))
         self._hope_free = replace(self.used, verify_ms=tuple(hope.tolist()), draft_ms=0.0)
         self._hope_kept = replace(self._hope_free, draft_ms=draft_ms)
+
+    def _draft_used(self, depth: int, stored_ms: float) -> float:
+        """A draft's used cost at `depth`: its fastest where timed in CONFIRM rounds, else no more than stored."""
+        drafts = self._draft.get(depth, [])
+        return min(drafts) if len(drafts) >= CONFIRM else min(drafts + [stored_ms])
+
+    def _depth_shares(self, draft_ms: float) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        """The used draft cost by depth, as shares of the full draft's `draft_ms`: the stored profile's, and a depth
+        this process drafted at its own cost (as `_draft_used` takes it). None where the profile has no depths."""
+        base = self.base
+        if not base.draft_depths:
+            return (), ()
+        shares = dict(zip(base.draft_depths, base.draft_share))
+        shares[self.full_depth] = 1.0
+        for depth in self._draft:
+            if depth < self.full_depth:
+                ms = self._draft_used(depth, base.draft_cost(depth) * self.scale)
+                shares[depth] = min(max(ms / draft_ms, MIN_MS), 1.0)
+        depths = sorted(d for d in shares if d <= self.full_depth)
+        return tuple(depths), tuple(shares[d] for d in depths)
 
     def _doubt(self) -> None:
         """Drop the confirmations an earlier process stored (this process's own stay): they were timed on

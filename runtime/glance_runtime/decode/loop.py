@@ -21,6 +21,8 @@ from .tree import Tree, build_tree, fit, visibility, walk
 class BudgetPolicy(Protocol):
     """Per-round choices of `--budget auto` (glance_runtime.decode.auto_budget.AutoBudget)."""
 
+    depth_wanted: int | None  # how deep the round `should_draft` passed is to draft (None: the full depth)
+
     def should_draft(self, surprisal: float | None) -> bool: ...
 
     def grow(self, anchor: int, topk_ids: np.ndarray, topk_logprobs: np.ndarray, branch_k: int,
@@ -57,6 +59,7 @@ class RoundLog:
     verify_ms: float
     total_ms: float
     drafted: bool = True  # False: a plain greedy step (AR, budget 0, or auto skipped the draft)
+    draft_depth: int | None = None  # offsets the draft was asked for (None: no draft, or not recorded)
     surprisal: float | None = None  # -log p of the anchor under the target; None after prefill
     node_scores: list[float] = field(default_factory=list)  # verified nodes' path scores, packed order
     node_depths: list[int] = field(default_factory=list)  # and their depths
@@ -110,13 +113,14 @@ def room_left(backend: Backend) -> int | None:
 
 def draft_depth(backend: Backend, cfg: DecodeConfig, surprisal: float | None, left: int) -> int | None:
     """How deep this round's draft goes, or None for a plain greedy step: no draft where speculation is off,
-    where at most one token is left to produce or one row to fill, or where auto skips it. Nothing past the
-    answer's end is drafted: `left` tokens may still be produced, the bonus one of them."""
+    where at most one token is left to produce or one row to fill, or where auto skips it; no deeper than auto
+    wants. Nothing past the answer's end is drafted: `left` tokens may still be produced, the bonus one of them."""
     room = room_left(backend)
     if (not cfg.speculative or cfg.budget == 0 or left <= 1 or (room is not None and room <= 1)
             or (cfg.auto and not cfg.auto.should_draft(surprisal))):
         return None
-    return min(cfg.budget, left - 1)
+    wanted = cfg.auto.depth_wanted if cfg.auto else None
+    return min(cfg.budget, left - 1, cfg.budget if wanted is None else wanted)
 
 
 def block_tree(backend: Backend, anchor: int, cfg: DecodeConfig, surprisal: float | None, ids: np.ndarray,
@@ -133,34 +137,36 @@ def block_tree(backend: Backend, anchor: int, cfg: DecodeConfig, surprisal: floa
 
 
 def round_tree(backend: Backend, anchor: int, cfg: DecodeConfig, surprisal: float | None, left: int,
-          stops: frozenset[int]) -> tuple[Tree, bool]:
-    """This round's tree and whether a draft pass made it."""
+          stops: frozenset[int]) -> tuple[Tree, int | None]:
+    """This round's tree and how deep its draft went (None: no draft pass made it)."""
     depth = draft_depth(backend, cfg, surprisal, left)
     if depth is None:
-        return Tree.root(anchor), False
+        return Tree.root(anchor), None
     if backend.info.limits.drafter in STEP_DRAFTERS:
-        tree = grow_dynamic(anchor, backend, cfg.budget, cfg.branch_k, min(backend.block_size - 1, depth),
+        deepest = min(backend.block_size - 1, depth)
+        tree = grow_dynamic(anchor, backend, cfg.budget, cfg.branch_k, deepest,
                             leaves=stops, deeper=cfg.auto.deeper(surprisal) if cfg.auto else None)
         if cfg.auto:
             tree = cfg.auto.cut(tree, surprisal)
         room = room_left(backend)
-        return (tree if room is None else fit(tree, room)), True
+        return (tree if room is None else fit(tree, room)), deepest
     ids, logp = backend.draft(anchor, cfg.branch_k, depth)
-    return block_tree(backend, anchor, cfg, surprisal, ids, logp, stops), True
+    return block_tree(backend, anchor, cfg, surprisal, ids, logp, stops), len(ids)
 
 
-def record_round(out: DecodeResult, cfg: DecodeConfig, stops: frozenset[int], tree: Tree, drafted: bool,
+def record_round(out: DecodeResult, cfg: DecodeConfig, stops: frozenset[int], tree: Tree, depth: int | None,
                  path: np.ndarray, bonus: int, verified: Verified, surprisal: float | None,
                  times: tuple[float, float, float]) -> tuple[list[int], int, float]:
-    """A committed round into `out` (tokens cut at a stop or the limit, its log, auto told); returns the new
-    tokens, the next anchor and its surprisal."""
+    """A committed round into `out` (tokens cut at a stop or the limit, its log, auto told); `depth`: its draft's
+    (None: a plain step). Returns the new tokens, the next anchor and its surprisal."""
     new, out.stopped_on = _clip([int(t) for t in tree.tokens[path]] + [int(bonus)], len(out.tokens), cfg, stops)
     out.tokens += new
     draft_ms, verify_ms, total_ms = times
     # What the round added, not len(path) + 1: after a stop token the bonus is the target's guess past the
     # answer's end, never committed, and counting it made tau depend on whether the stop was drafted.
     out.rounds.append(RoundLog(entropy=float(verified.entropy), accepted=len(new), tree_size=tree.size,
-                               draft_ms=draft_ms, verify_ms=verify_ms, total_ms=total_ms, drafted=drafted,
+                               draft_ms=draft_ms, verify_ms=verify_ms, total_ms=total_ms,
+                               drafted=depth is not None, draft_depth=depth,
                                surprisal=surprisal, node_scores=tree.scores[1:].tolist(),
                                node_depths=tree.depths[1:].tolist(), path=path.tolist()))
     if cfg.auto:
@@ -173,14 +179,14 @@ def one_round(backend: Backend, out: DecodeResult, anchor: int, surprisal: float
     """One round on one backend (draft, tree, verify, walk, commit), recorded into `out`: the new tokens, the next
     anchor and its surprisal."""
     r0 = time.perf_counter()
-    tree, drafted = round_tree(backend, anchor, cfg, surprisal, cfg.max_new_tokens - len(out.tokens), stops)
+    tree, depth = round_tree(backend, anchor, cfg, surprisal, cfg.max_new_tokens - len(out.tokens), stops)
     r1 = time.perf_counter()
     verified = backend.verify(tree.tokens, tree.depths, visibility(tree.parents))
     r2 = time.perf_counter()
     path, bonus = walk(tree, verified.argmax)
     backend.commit(np.concatenate([[0], path]).astype(np.int64))
     r3 = time.perf_counter()
-    return record_round(out, cfg, stops, tree, drafted, path, bonus, verified, surprisal,
+    return record_round(out, cfg, stops, tree, depth, path, bonus, verified, surprisal,
                         ((r1 - r0) * 1e3, (r2 - r1) * 1e3, (r3 - r0) * 1e3))
 
 

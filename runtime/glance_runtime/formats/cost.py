@@ -1,15 +1,20 @@
 """A cost profile (`cost-profile-<device>.json`, beside the artifacts or engines or in the cache): what a round
 costs on one device, as `glance_runtime.decode.cost_profile` measures it and `--budget auto` weighs it.
 
-Document (format_version 2): format, format_version, device (backend, provider, threads, processor or GPU),
+Document (format_version 3): format, format_version, device (backend, provider, threads, processor or GPU),
 rows (verify row counts measured, ascending from 1), verify_ms (the least disturbed ms of each: the fastest of
-its repeats), draft_ms (likewise, a draft pass and its tree), repeats, measured_at; how it was measured:
+its repeats), draft_ms (likewise, a draft pass of the full depth and its tree), draft_depths and draft_share
+(draft depths timed, ascending to the full one, and each one's cost as a share of draft_ms, so 1 at the full
+depth: a graph that drafts short blocks runs its head over fewer rows for a shallow draft; empty for a head that
+drafts a depth a pass), repeats, measured_at; how it was
+measured:
 spread (per row count, how far the median repeat lay above the fastest, as a fraction of it), load_average
 (the 1-minute load average when measured, null where unreadable), provisional (measured under doubt: large
 spread, not monotone or implausible, so decoding refines it rather than trusting it); and checked_rows (row
 counts whose costs the decode's own rounds have confirmed or set) and draft_checked (the draft's, likewise).
 Version 1 documents (medians; no spread, load, provisional or draft_checked) are still read: as measured on a
-machine of unknown load, not provisional. A profile that cannot be read is measured again
+machine of unknown load, not provisional; version 1 and 2 documents (no draft depths) as drafts costing the same
+at every depth (`cost_profile.stored_or_measured` measures such a profile again where the draft has depths). A profile that cannot be read is measured again
 (`cost_profile.load`), so `read` refuses anything else in one line and the caller decides.
 """
 from __future__ import annotations
@@ -25,8 +30,9 @@ from ..errors import GlanceError
 from .common import Invalid, dumps, guarded, read_json, stamped
 
 FORMAT = "glance-cost"
-VERSION = 2
-READS = (1, 2)  # versions `read` accepts: version 1 lacks the measurement's spread, load and provisional flag
+VERSION = 3
+READS = (1, 2, 3)  # versions `read` accepts: version 1 lacks the measurement's spread, load and provisional
+# flag, versions 1 and 2 the draft's cost by depth
 WHAT = "GLANCE cost profile"
 FIX = "delete it to have it measured again (or run `glance-bench cost --remeasure`)"
 MAX_ROWS = 1 << 16
@@ -50,6 +56,16 @@ class CostProfile:
     spread: tuple[float, ...] = ()  # per row count: (median - fastest) / fastest of its repeats; () unknown
     load_average: float | None = None  # 1-minute load average while measured; None where unknown
     provisional: bool = False  # measured under doubt: decoding refines it rather than taking it as fact
+    draft_depths: tuple[int, ...] = ()  # draft depths timed, ascending, the last the full one (empty: one cost)
+    draft_share: tuple[float, ...] = ()  # each one's ms as a share of draft_ms (the full depth's, 1)
+
+    def draft_cost(self, depth: int | None) -> float:
+        """ms of a draft `depth` offsets deep and its tree (None: the full depth): linear between the depths timed,
+        never more than a deeper one (a longer block does a shorter one's work and more)."""
+        if depth is None or not self.draft_depths:
+            return self.draft_ms
+        share = np.minimum.accumulate(np.asarray(self.draft_share, dtype=float)[::-1])[::-1]
+        return float(self.draft_ms * np.interp(depth, self.draft_depths, share))
 
     def monotone_ms(self) -> np.ndarray:
         """verify_ms made non-decreasing by the running minimum from above: a tree never costs less than one of
@@ -138,6 +154,14 @@ class CostProfile:
             load = raw.get("load_average")
             if load is not None and (type(load) not in (int, float) or not math.isfinite(load) or load < 0):
                 raise Invalid("load_average must be a non-negative number or null")
+            depths, share = raw.get("draft_depths", []), raw.get("draft_share", [])
+            if not isinstance(depths, (list, tuple)) or not isinstance(share, (list, tuple)) or len(depths) != len(
+                    share) or any(type(d) is not int or not 1 <= d <= MAX_ROWS for d in depths) or list(
+                    depths) != sorted(set(depths)):
+                raise Invalid("draft_depths must ascend, one draft_share each")
+            if any(type(v) not in (int, float) or not math.isfinite(v) or not 0 < v <= 1 for v in share) or (
+                    share and share[-1] != 1):
+                raise Invalid("draft_share must be fractions of the full draft's cost, ending at 1")
             provisional, draft_checked = raw.get("provisional", False), raw.get("draft_checked", False)
             if type(provisional) is not bool or type(draft_checked) is not bool:
                 raise Invalid("provisional and draft_checked must be true or false")
@@ -147,15 +171,18 @@ class CostProfile:
                    draft_ms=float(raw["draft_ms"]), repeats=raw["repeats"], measured_at=raw["measured_at"],
                    checked_rows=tuple(sorted(set(checked))), draft_checked=draft_checked,
                    spread=tuple(float(s) for s in spread),
-                   load_average=None if load is None else float(load), provisional=provisional)
+                   load_average=None if load is None else float(load), provisional=provisional,
+                   draft_depths=tuple(depths), draft_share=tuple(float(v) for v in share))
 
     def table(self) -> str:
         """The profile as a few readable lines (what `glance-bench cost` prints)."""
         load = "load average unknown" if self.load_average is None else f"load average {self.load_average:.2f}"
         how = "median" if not self.spread else "fastest"
+        by_depth = "" if not self.draft_depths else " (ms by depth: " + ", ".join(
+            f"{d}: {self.draft_cost(d):.2f}" for d in self.draft_depths) + ")"
         lines = [f"measured on: {self.device} ({self.measured_at}, {how} of {self.repeats} rounds each, {load}"
                  f"{', provisional' if self.provisional else ''})",
-                 f"draft pass + tree: {self.draft_ms:.2f} ms",
+                 f"draft pass + tree: {self.draft_ms:.2f} ms{by_depth}",
                  "verify rows    ms   ms/row  x one row" + ("  spread" if self.spread else "")]
         one = self.verify_ms[0]
         spread = [f" {s:>6.0%}" for s in self.spread] or [""] * len(self.rows)

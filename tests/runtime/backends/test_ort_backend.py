@@ -32,7 +32,7 @@ from glance_runtime.errors import GlanceError
 from glance_runtime.decode.loop import DecodeConfig, decode
 from glance_runtime.prompt.codec import exported_codec
 from support import (ALL_FAMILIES, BLOCK_TRAINING_STACK, VL_FAMILIES, ORACLE_TOKENS, check_mixed, config, cutting,
-                     median_surprisal, skipping)
+                     median_surprisal, shallow, skipping)
 
 MAX_NEW = ORACLE_TOKENS  # as long as the oracle answers
 BUDGETS = {"chain": (7, 1), "b8": (8, 8), "b31": (31, 8), "b63": (63, 8)}
@@ -225,13 +225,15 @@ def test_auto_matches_oracle(ort_exported, images, family):
     truth = ex.oracle(prompt)
     split = median_surprisal(ex.backend, prompt, MAX_NEW)
     seeded = SeededDrafter(ex.backend, truth, prompt.length, SEEDS["partial"])
-    for policy in (skipping, cutting):
+    for policy in (skipping, cutting, shallow):
         for drafter in (ex.backend, seeded):
             result = decode(drafter, prompt, config(policy(split, 8), MAX_NEW))
             assert result.tokens == truth, (policy.__name__, drafter is seeded)
             check_mixed(result, policy.__name__, seeded=drafter is seeded)
     measured = measure(ex.backend, prompt, max_rows=64, branch_k=8, seconds=0.2)
     assert measured.rows == (1, 2, 4, 8, 16, 32, 64) and measured.draft_ms > 0
+    assert measured.draft_depths == (1, 2, 4, 7) and measured.draft_share[-1] == 1.0
+    assert all(0 < share <= 1 for share in measured.draft_share)
     for drafter, policy in ((seeded, AutoBudget(measured, PRIOR, 63, 8)),
                             (ex.backend, skipping(split, 8, cost=measured))):
         result = decode(drafter, prompt, config(policy, MAX_NEW))

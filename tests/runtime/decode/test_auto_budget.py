@@ -14,7 +14,7 @@ import pytest
 
 from dataclasses import replace
 
-from glance_runtime.decode.auto_budget import AutoBudget
+from glance_runtime.decode.auto_budget import DEPTH_SLACK, AutoBudget
 from glance_runtime.decode.calibration import FILE, PRIOR, Calibration, find_calibration, load_calibration, path_logit
 from glance_runtime.decode.cost_profile import CostProfile, load, measurable_rows, profile_path, row_grid, save
 from glance_runtime.decode.cost_watch import CONFIRM, EVERY, CostWatch
@@ -109,7 +109,12 @@ def test_profile_round_trips_through_its_file(tmp_path):
 
 @pytest.mark.parametrize("change,message", [
     (lambda d: d.update(format="glance-other"), "not a glance-cost"),
-    (lambda d: d.update(format_version=3), "not a glance-cost"),
+    (lambda d: d.update(format_version=4), "not a glance-cost"),
+    (lambda d: d.update(draft_depths=[1, 4], draft_share=[0.5]), "one draft_share each"),
+    (lambda d: d.update(draft_depths=[4, 1], draft_share=[0.5, 1.0]), "draft_depths must ascend"),
+    (lambda d: d.update(draft_depths=[1, 4], draft_share=[0.5, 0.9]), "ending at 1"),
+    (lambda d: d.update(draft_depths=[1, 4], draft_share=[0.0, 1.0]), "fractions"),
+    (lambda d: d.update(draft_depths=[1, 4], draft_share=[1.5, 1.0]), "fractions"),
     (lambda d: d.update(spread=[0.1]), "spread"),
     (lambda d: d.update(load_average=-1), "load_average"),
     (lambda d: d.update(provisional=1), "provisional"),
@@ -434,8 +439,8 @@ def test_a_version_1_profile_still_reads(tmp_path):
     assert CostProfile.from_dict({**raw, "checked_rows": [2, 1]}).checked_rows == (1, 2)
     with pytest.raises(ValueError, match="checked_rows"):
         CostProfile.from_dict({**raw, "checked_rows": [0]})
-    path.write_text(json.dumps({**raw, "format_version": 3}))
-    with pytest.raises(GlanceError, match="v3.*it reads glance-cost v1-v2.*--remeasure") as err:
+    path.write_text(json.dumps({**raw, "format_version": 4}))
+    with pytest.raises(GlanceError, match="v4.*it reads glance-cost v1-v3.*--remeasure") as err:
         cost_format.read(path)
     assert "\n" not in str(err.value)
 
@@ -802,3 +807,101 @@ def test_a_step_drafter_deepens_while_the_next_pass_is_expected_to_pay():
     assert passes(cheap) == 7 and passes(dear) == 1
     assert cheap._plan.chain_ms[3] == pytest.approx(3 * 0.1 + 1.0 + 0.04)
     assert dear._plan.chain_ms[1] == pytest.approx(3.0 + 1.02)
+
+
+# --- how deep to draft --------------------------------------------------------------------------------------
+
+def by_depth(cost: CostProfile, shares: dict[int, float]) -> CostProfile:
+    """`cost` with a draft timed at these depths (the last the full one, share 1)."""
+    return replace(cost, draft_depths=tuple(shares), draft_share=tuple(shares.values()))
+
+
+def test_draft_cost_interpolates_by_depth_and_never_falls_going_deeper():
+    p = by_depth(profile([1.0] * len(GRID), draft_ms=10.0), {1: 0.5, 2: 0.6, 4: 0.8, 7: 1.0})
+    assert [p.draft_cost(d) for d in (1, 2, 3, 4, 7, None)] == pytest.approx([5.0, 6.0, 7.0, 8.0, 10.0, 10.0])
+    noisy = by_depth(p, {1: 0.9, 2: 0.6, 4: 0.8, 7: 1.0})  # depth 1 timed dearer than 2: a busy moment
+    assert noisy.draft_cost(1) == pytest.approx(6.0) and noisy.draft_cost(2) == pytest.approx(6.0)
+    assert [CPU.draft_cost(d) for d in (1, 7, None)] == [1.0, 1.0, 1.0], "no depths timed: one cost"
+    assert "ms by depth: 1: 5.00, 2: 6.00, 4: 8.00, 7: 10.00" in p.table()
+    assert CostProfile.from_dict(p.as_dict()) == p
+
+
+def brute_depth(verify_ms, draft_at, p: float, depth: int) -> int:
+    """Step 1's depth from the docstring: per depth d, its best chain of m <= d nodes at D(d) + V(m + 1); 0 where
+    no depth beats a plain step, else the deepest within DEPTH_SLACK of the best depth's rate."""
+    rates = [max(sum(p ** i for i in range(m + 1)) / (draft_at(d) + verify_ms(m + 1)) for m in range(1, d + 1))
+             for d in range(1, depth + 1)]
+    if max(rates) <= 1 / verify_ms(1):
+        return 0
+    return max(d for d, rate in enumerate(rates, start=1) if rate >= max(rates) * (1 - DEPTH_SLACK))
+
+
+@pytest.mark.parametrize("block_size", [4, 8, 16])
+def test_draft_depth_matches_the_rule_computed_here(block_size):
+    """A draft whose cost grows with its depth (a head over short blocks): the depth asked for is the rule's, it
+    grows with the anchor's acceptance, and where every depth costs alike a drafting round drafts whole."""
+    full = block_size - 1
+    grid = row_grid(full)
+    law = Calibration(law=(3.0, 1.0))
+    depths = set()
+    for draft_ms, share in ((2.0, lambda d: d / full), (1.0, lambda d: 0.5 + 0.5 * d / full)):
+        cost = by_depth(profile([cpu_ms(r) for r in GRID], draft_ms), {d: share(d) for d in grid})
+        for u in np.linspace(0, 6, 25):
+            policy = AutoBudget(cost, law, 63, block_size)
+            want = brute_depth(cpu_ms, cost.draft_cost, sigmoid(3.0 - u), full)
+            drafted = policy.should_draft(float(u))
+            assert drafted == (want > 0), u
+            if drafted:
+                assert (policy.depth_wanted or full) == want, (u, draft_ms)
+                depths.add(want)
+        flat = AutoBudget(profile([cpu_ms(r) for r in GRID], draft_ms), law, 63, block_size)
+        assert all(flat.depth_wanted is None for u in np.linspace(0, 6, 25) if flat.should_draft(float(u)))
+    assert len(depths) >= 3, f"the sweep must ask for several depths, not {depths}"
+
+
+def test_a_shallow_round_is_cut_at_its_own_drafts_cost():
+    """Step 2 after a draft d deep counts D(d), not the full draft's: the same tree as the rule computed with it."""
+    cost = by_depth(profile([cpu_ms(r) for r in GRID], draft_ms=3.0), {1: 0.1, 2: 0.2, 4: 0.4, 9: 1.0})
+    for seed in range(4):
+        for depth in (2, 4, 9):
+            ids, logp = random_draft(seed, offsets=depth, spread=1.5 + seed)
+            tree = AutoBudget(cost, PRIOR, 63, 10).grow(5, ids, logp, 8, 0.5)
+            want = brute_grow(cpu_ms, cost.draft_cost(depth), ids, logp, PRIOR, 0.5, 63)
+            np.testing.assert_array_equal(tree.tokens, want.tokens)
+            np.testing.assert_array_equal(tree.parents, want.parents)
+
+
+def test_a_shallow_drafts_own_time_replaces_its_stored_share():
+    """The decode's own shallow drafts set their depth's cost (twice alike, as a verify count is confirmed); the
+    full draft's, and the draft costs stored, are untouched by them."""
+    stored = by_depth(profile([true_ms(r) for r in GRID], draft_ms=4.0), {1: 0.25, 2: 0.5, 4: 0.75, 15: 1.0})
+    watch = CostWatch(stored, lambda _: None, 64, 15)
+    for _ in range(1 + CONFIRM):
+        watch.observe(4, true_ms(4), 3.0, 2)  # depth 2 costs 3 ms here, stored at 2 ms
+    assert watch.used.draft_cost(2) == pytest.approx(3.0)
+    assert watch.used.draft_cost(1) == pytest.approx(1.0) and watch.used.draft_cost(None) == pytest.approx(4.0)
+    written = watch.written
+    assert (written.draft_ms, written.draft_depths, written.draft_share) == (4.0, stored.draft_depths,
+                                                                              stored.draft_share)
+    flat = CostWatch(profile([true_ms(r) for r in GRID], draft_ms=4.0), lambda _: None, 64, 15)
+    for _ in range(1 + CONFIRM):
+        flat.observe(4, true_ms(4), 1.0, 2)
+    assert flat.used.draft_cost(2) == pytest.approx(4.0), "a profile without depths keeps one draft cost"
+
+
+def test_an_exploring_round_drafts_whole_while_the_drafts_cost_is_unsure():
+    """While the full draft's cost is to be timed, a round that explores drafts the whole block (its hopeful
+    costs count the draft as free), so the draft cost every depth scales from gets timed."""
+    stored = by_depth(profile([cpu_ms(r) for r in GRID], draft_ms=4.0), {1: 0.1, 2: 0.2, 4: 0.4, 15: 1.0})
+    policy = AutoBudget(stored, Calibration(law=(1.0, 0.0)), 63, 16, CostWatch(stored, lambda _: None, 64, 15))
+    asked = []
+    for _ in range(6):
+        unsure = policy.watch.draft_unsure
+        drafted = policy.should_draft(None)
+        asked.append((drafted, policy.depth_wanted, policy._exploring and unsure))
+        tree = policy.grow(5, *random_draft(1, offsets=policy.depth_wanted or 15), 8, None) if drafted else Tree.root(5)
+        policy.observe(RoundLog(entropy=0.1, accepted=1, tree_size=tree.size, draft_ms=1.0 if drafted else 0.0,
+                                verify_ms=cpu_ms(tree.size), total_ms=cpu_ms(tree.size) + drafted, drafted=drafted))
+    assert any(d and w is not None for d, w, e in asked if not e), f"no shallow draft outside exploring: {asked}"
+    assert any(e for _, _, e in asked) and all(w is None for d, w, e in asked if e and d), asked
+    assert not policy.watch.draft_unsure, "the full draft's cost was timed and confirmed"

@@ -58,6 +58,10 @@ class Clocked:
     def should_draft(self, surprisal: float | None) -> bool:
         return self.policy.should_draft(surprisal)
 
+    @property
+    def depth_wanted(self) -> int | None:
+        return self.policy.depth_wanted
+
     def grow(self, anchor: int, topk_ids: np.ndarray, topk_logprobs: np.ndarray, branch_k: int,
              surprisal: float | None, leaves: frozenset[int] = frozenset()) -> Tree:
         return self.policy.grow(anchor, topk_ids, topk_logprobs, branch_k, surprisal, leaves)
@@ -216,6 +220,16 @@ def test_remeasure_replaces_a_stored_profile(artifacts, capsys):
     assert measured.rows == ROWS and len(measured.spread) == len(ROWS)
     assert run_main(["--artifacts", str(artifacts), *DEMO, "--remeasure", "--no-spec"]) == 2
     assert "--remeasure" in capsys.readouterr().err
+
+
+def test_a_profile_stored_before_drafts_were_timed_by_depth_is_measured_again(artifacts, capsys):
+    """The default's graphs draft short blocks: a profile without draft depths (as stored before they were timed)
+    is measured again on first use, and then holds the depth grid up to the block's, ending at the whole draft."""
+    _store(artifacts, tuple(3.0 * r for r in ROWS), 1.0, draft_depths=(), draft_share=())
+    assert "measuring round costs" in _run(artifacts, capsys)[1]
+    measured = load(_profile_path(artifacts))
+    assert measured.draft_depths == (1, 2, 4, 8, 15) and measured.draft_share[-1] == 1.0
+    assert "measuring round costs" not in _run(artifacts, capsys)[1], "measured once, then read"
 
 
 def _burners(count: int) -> list[subprocess.Popen]:

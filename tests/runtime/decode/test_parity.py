@@ -18,7 +18,7 @@ from glance_export.model.adapters import Snapshot
 from glance_export.model.head import head_config_for, init_head, pick_mask_token
 from glance_export.model.torch_backend import TorchBackend, greedy_reference
 from glance_runtime.decode.loop import DecodeConfig, decode
-from support import ALL_FAMILIES, VL_FAMILIES, check_mixed, config, cutting, median_surprisal, skipping
+from support import ALL_FAMILIES, VL_FAMILIES, check_mixed, config, cutting, median_surprisal, shallow, skipping
 
 MAX_NEW = 24
 BUDGETS = {"chain": (15, 1), "b8": (8, 8), "b31": (31, 8), "b63": (63, 8)}
@@ -84,14 +84,14 @@ AUTO_CASES = [(f, i, 8) for f, i in _cases()] + [(f, "wide" if f in VL_FAMILIES 
 
 @pytest.mark.parametrize("family,image,block_size", AUTO_CASES)
 def test_auto_matches_oracle(backend_for, oracle_for, images, family, image, block_size):
-    """Lossless whatever auto decides: rounds that skip the draft, cuts of any size, with a random head
-    and with seeded drafts that accept several tokens a round."""
+    """Lossless whatever auto decides: rounds that skip the draft, cuts of any size, drafts short of the block,
+    with a random head and with seeded drafts that accept several tokens a round."""
     backend = backend_for(family, block_size)
     prompt = _prompt(backend, images, image)
     truth = oracle_for(family, image)
     split = median_surprisal(backend, prompt, MAX_NEW)
     seeded = SeededDrafter(backend, truth, prompt.length, SEEDS["partial"])
-    for policy in (skipping, cutting):
+    for policy in (skipping, cutting, shallow):
         for drafter in (backend, seeded):
             result = decode(drafter, prompt, config(policy(split, block_size), MAX_NEW))
             assert result.tokens == truth, (policy.__name__, drafter is seeded)
