@@ -180,12 +180,13 @@ def _nucleus_floor(logits: np.ndarray, top: np.ndarray, temperature: np.float32,
                    floor: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Top-p alone: each row's total weight, and a floor under its nucleus. Weights below (1 - top_p) / vocab
     of the top's cannot reach it (the total is >= 1, the top's own weight); a row whose tokens within
-    _NUCLEUS_GUESS of the top hold clearly more than top_p of the total gets that tighter floor."""
+    _NUCLEUS_GUESS of the top hold more than top_p of the total (by a margin far above the rounding of two
+    float64 sums) gets that tighter floor."""
     total = _weights(logits, top, temperature).sum(axis=1, dtype=np.float64)
     loose = np.maximum(floor, top + temperature * np.float32(math.log((1 - top_p) / (2 * logits.shape[1]))))
     guess = np.maximum(floor, top + temperature * np.float32(math.log(_NUCLEUS_GUESS)))
     held = _weights(_candidates(logits, guess)[0], top, temperature).sum(axis=1, dtype=np.float64)
-    return total, np.where(held >= total * (1 + top_p) / 2, guess, loose)
+    return total, np.where(held >= total * top_p * (1 + 1e-9), guess, loose)
 
 
 def _truncates(params: SamplingParams, vocab: int) -> bool:
@@ -228,8 +229,11 @@ def _sample_kept(logits: np.ndarray, top: np.ndarray, positions: np.ndarray, par
     if params.min_p > 0:
         keep = np.minimum(keep, (weight >= np.float32(params.min_p)).sum(axis=1))
     cut = best[rows, keep - 1][:, None]  # the last kept value; of the tokens equal to it, the lowest ids fit
-    ties = values == cut
-    kept = (values > cut) | (ties & (np.cumsum(ties, axis=1) <= (keep - (values > cut).sum(axis=1))[:, None]))
+    above, ties = values > cut, values == cut
+    room = keep - above.sum(axis=1)
+    kept = above | ties
+    crowded = np.flatnonzero(ties.sum(axis=1) > room)
+    kept[crowded] = above[crowded] | (ties[crowded] & (np.cumsum(ties[crowded], axis=1) <= room[crowded, None]))
     r, c = np.divmod(np.flatnonzero(kept), kept.shape[1])
     score = np.full(values.shape, -np.inf)
     score[r, c] = ((values[r, c] - top[r]) / temperature).astype(np.float64) + \
