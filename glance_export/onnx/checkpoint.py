@@ -8,6 +8,7 @@ one map would count all of it in peak RSS. A read costs one tensor's bytes, free
 from __future__ import annotations
 
 import json
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +92,24 @@ class Checkpoint:
                 raise GlanceError(f"{entry.file} ends inside tensor {key}; restore the file from the model's source")
         tensor = torch.frombuffer(buf, dtype=entry.dtype).reshape(entry.shape) if entry.length else \
             torch.empty(entry.shape, dtype=entry.dtype)
+        return tensor if dtype is None or dtype == entry.dtype else tensor.to(dtype)
+
+    def rows(self, key: str, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows `ids` of a tensor (a draft vocabulary's of the embedding), each read on its own: a fraction
+        of the matrix, which is not read whole."""
+        entry = self.entries[key]
+        width = entry.length // entry.shape[0] if entry.shape and entry.shape[0] else 0
+        buf = bytearray(width * len(ids))
+        with open(entry.file, "rb", buffering=0) as f:
+            for i, row in enumerate(ids.tolist()):
+                if not 0 <= row < entry.shape[0]:
+                    raise GlanceError(f"row {row} is outside {key}'s {entry.shape[0]} rows; use a head made for this target")
+                if os.preadv(f.fileno(), [memoryview(buf)[i * width:(i + 1) * width]], entry.start + row * width) \
+                        != width:
+                    raise GlanceError(f"{entry.file} ends inside tensor {key}; restore the file from the model's "
+                                      "source")
+        tensor = torch.frombuffer(buf, dtype=entry.dtype).reshape(len(ids), *entry.shape[1:]) if buf else \
+            torch.empty((len(ids), *entry.shape[1:]), dtype=entry.dtype)
         return tensor if dtype is None or dtype == entry.dtype else tensor.to(dtype)
 
     def nbytes(self, itemsize: int | None = None) -> int:

@@ -61,6 +61,11 @@ class Skeleton:
         key = self.key(tensor)
         return tensor if key is None else self.checkpoint.read(key)
 
+    def real_rows(self, tensor: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of a 2-D parameter in its dtype, only those read from the snapshot."""
+        key = self.key(tensor)
+        return tensor[ids].clone() if key is None else self.checkpoint.rows(key, ids, tensor.dtype)
+
     @contextlib.contextmanager
     def materialized(self, module: nn.Module) -> Iterator[nn.Module]:
         """Real weights in `module` for the duration (tied parameters stay one tensor), meta ones after."""

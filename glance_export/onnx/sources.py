@@ -67,8 +67,8 @@ def draft_vocab_graph(model: nn.Module, head: DraftHead, weights: Skeleton, bran
     (N rows), so they are held, unlike the whole matrices, which are streamed."""
     ids = head.draft_vocab_ids.cpu()
     embed, lm_head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-    rows = weights.real(embed).to(embed.dtype)[ids].clone()
-    head_rows = None if lm_head is embed else weights.real(lm_head).to(lm_head.dtype)[ids].clone()
+    rows = weights.real_rows(embed, ids)
+    head_rows = None if lm_head is embed else weights.real_rows(lm_head, ids)
     return DraftVocabGraph(rows, head_rows, ids, branch_k)
 
 
@@ -76,7 +76,7 @@ def eagle3_step_graph(model: nn.Module, head: Eagle3Head, weights: Skeleton, bra
     """The EAGLE-3 draft graph, with the target's embedding rows of the tokens the head drafts (read now: held
     beside the head, see `eagle3_draft`)."""
     embed = model.get_input_embeddings().weight
-    rows = weights.real(embed).to(embed.dtype)[eagle3_draft.draft_token_ids(head)].clone()
+    rows = weights.real_rows(embed, eagle3_draft.draft_token_ids(head))
     return eagle3_draft.Eagle3StepGraph(head, rows, branch_k)
 
 
