@@ -26,9 +26,11 @@ from .depth_cut import CUT_LAYERS, FULL_VALIDATION_BYTES, validate_target
 from .export import ATTENTION_OPSET, InMemory, export_graph, weight_bytes
 from .feeds import trace_feeds
 from .memory import GIB, check_fits, estimate_peak
-from .manifest import build_manifest, copy_runtime_files
+from .manifest import SourceHashes, build_manifest, copy_runtime_files
 from .quant_scheme import ACCURACY, group_size_line
-from .quantize import check_scheme, quantize_graphs
+from .quant_export import QuantizedGraph, export_quantized
+from .quant_validate import validate_quantized
+from .quantize import GRAPHS, OPTIONAL_GRAPHS, check_scheme, quantization_record, quantize_graphs
 from .skeleton import Skeleton
 from .sources import build_graphs, open_sources, target_skeleton
 from .spec import DTYPES, axis_bounds, dims_for, dynamic_axes, output_shapes
@@ -39,6 +41,7 @@ OPSETS = (*range(14, 21), ATTENTION_OPSET)  # TensorRT 10.3 (Jetson Orin) parses
 
 ARTIFACTS_FORMAT = "glance-artifacts"
 HEAD_GRAPHS = ("draft", "draft_vocab")  # weights held in memory (the head's), not streamed
+QUANTIZED_GRAPHS = (*GRAPHS, *OPTIONAL_GRAPHS)
 
 
 def _check_args(out: Path, inputs: tuple[Path, ...], dtype: str, opset: int, max_tree: int, max_context: int,
@@ -75,9 +78,10 @@ def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str |
     `draft_vocab`: the tokens a GLANCE head without a draft vocabulary of its own drafts over (`vocab_choice`):
     AUTO (a reduced one on a large vocabulary), ALL, or a size.
 
-    `quantize` ("int8"/"int4"): the validated fp32 graphs are then rewritten weight-only (see `quantize.py`)
-    before the manifest hashes them, by `group_size` weights a scale (None: the largest supported size that
-    divides the hidden size)."""
+    `quantize` ("int8"/"int4"): the target, draft and vocabulary graphs are written weight-only quantized (see
+    `quantize.py`), by `group_size` weights a scale (None: the largest supported size that divides the hidden
+    size): straight from the trace (`quant_export.py`, validated by `quant_validate.py`), or at opset 23, whose
+    exporter writes its own weights, as validated fp32 graphs rewritten afterwards."""
     out = Path(out_dir)
     return_freed_weights()
     _check_args(out, (Path(model_dir), Path(head_dir)), dtype, opset, max_tree, max_context, branch_k, max_batch)
@@ -101,31 +105,47 @@ def export_artifacts(model_dir: str | Path, head_dir: str | Path, out_dir: str |
              f"{len({e.file for e in checkpoint.entries.values()})} safetensors files) and head "
              f"({dims.head_layers} layers, block {dims.block_size}); exporting as {dtype}, "
              f"{estimate.graphs / 1e9:.2f} GB of graphs, estimated peak {estimate.peak / GIB:.1f} GiB")
+    # quantized straight from the trace where the TorchScript exporter leaves the weights to the writer
+    streamed = scheme is not None and opset < ATTENTION_OPSET
+    hashes = SourceHashes(snapshot.path)
     with atomic_directory(out, ARTIFACTS_FORMAT, "glance-export onnx") as tmp:
+        quantized: dict[str, QuantizedGraph] = {}
         for name, feed in trace_feeds(snapshot, dims, DTYPES[dtype]).items():
             t0 = time.perf_counter()
             module = graphs[name]
             axes = dynamic_axes(dims, name, module.input_names, module.output_names)
+            weights = InMemory() if name in HEAD_GRAPHS else skeleton
+            if streamed and name in QUANTIZED_GRAPHS:
+                quantized[name] = export_quantized(module, feed, tmp, name, axes, opset,
+                                                   output_shapes(dims, name, branch_k), weights, scheme,
+                                                   name in VOCABULARY_GRAPHS, progress)
+                continue
             layers = dims.layers if name == "target" else 0
             path = export_graph(module, feed, tmp / f"{name}.onnx", axes, opset, output_shapes(dims, name, branch_k),
-                                InMemory() if name in HEAD_GRAPHS else skeleton,
-                                lm_head_gemm=name in VOCABULARY_GRAPHS,
+                                weights, lm_head_gemm=name in VOCABULARY_GRAPHS,
                                 on_tensor=eta_reporter(f"{name}.onnx", layers, progress))
             progress(f"exported {path.name} (opset {opset}, {_graph_bytes(path) / 1e6:.1f} MB) "
                      f"in {time.perf_counter() - t0:.1f}s; checker passed")
-        _validate(tmp, graphs, skeleton, dims, snapshot, dtype, opset, branch_k, 1, progress)
-        quantization = quantize_graphs(tmp, scheme, progress) if scheme else None
+        if streamed:
+            validate_quantized(tmp, graphs, quantized, skeleton, dims, snapshot, opset, _attention(opset), branch_k,
+                               scheme, 1, progress)
+            validate_graphs(tmp, {k: v for k, v in graphs.items() if k not in quantized}, dims, snapshot, dtype,
+                            skeleton, seed=1, progress=progress)
+            quantization = quantization_record(scheme, {name: graph.entry for name, graph in quantized.items()})
+        else:
+            _validate(tmp, graphs, skeleton, dims, snapshot, dtype, opset, branch_k, 1, progress)
+            quantization = quantize_graphs(tmp, scheme, progress) if scheme else None
         files = copy_runtime_files(snapshot, tmp)
         if (Path(head_dir) / CALIBRATION).is_file():  # refittable, so not hashed into the manifest
             shutil.copy2(Path(head_dir) / CALIBRATION, tmp / CALIBRATION)
             files_note = f"{', '.join(files)} and the head's {CALIBRATION}"
         else:
             files_note = ", ".join(files)
-        progress(f"copied {files_note}; hashing the source weights for the manifest")
+        progress(f"copied {files_note}; writing the manifest (the source weights were hashed beside the export)")
         manifest = build_manifest(snapshot, head, Path(head_dir), dims, tmp, dtype=dtype, opset=opset,
                                   branch_k=branch_k, max_tree=max_tree, max_context=max_context,
                                   axes=axis_bounds(dims, max_tree, max_context, branch_k), files=files,
-                                  quantization=quantization)
+                                  quantization=quantization, weights_sha256=hashes.result())
         artifacts_format.write(tmp, manifest)
     progress(f"wrote {out} in {time.perf_counter() - started:.1f}s")
     return out

@@ -103,7 +103,8 @@ class Checkpoint:
         with open(entry.file, "rb", buffering=0) as f:
             for i, row in enumerate(ids.tolist()):
                 if not 0 <= row < entry.shape[0]:
-                    raise GlanceError(f"row {row} is outside {key}'s {entry.shape[0]} rows; use a head made for this target")
+                    raise GlanceError(f"row {row} is outside {key}'s {entry.shape[0]} rows; use a head made for this "
+                                      "target")
                 if os.preadv(f.fileno(), [memoryview(buf)[i * width:(i + 1) * width]], entry.start + row * width) \
                         != width:
                     raise GlanceError(f"{entry.file} ends inside tensor {key}; restore the file from the model's "

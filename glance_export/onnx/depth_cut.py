@@ -80,13 +80,13 @@ def external(path: Path) -> bool:
     return any(uses_external_data(t) for t in onnx.load(str(path), load_external_data=False).graph.initializer)
 
 
-def smoke_run(path: Path, dims: Dims, dtype: str, seed: int, budget: int = SEGMENT_BYTES) -> None:
+def smoke_run(path: Path, dims: Dims, dtype: str, seed: int, budget: int = SEGMENT_BYTES, prepack: bool = False) -> None:
     """A lone sequence's prefill and a batch of trees over ragged pasts through the full graph in ONNX Runtime:
-    contract shapes, finite values."""
+    contract shapes, finite values (`prepack`: see `run_in_segments`)."""
     rng = np.random.default_rng(seed)
     feeds = [target_feed(dims, rng, 7, [0], [0], (1, 9), 2, DTYPES[dtype], tree=False),
              target_feed(dims, rng, 5, [1, 0], [7, 3], (3, 9), 0, DTYPES[dtype], tree=True)]
-    for feed, outputs in zip(feeds, run_in_segments(path, feeds, budget)):
+    for feed, outputs in zip(feeds, run_in_segments(path, feeds, budget, prepack)):
         rows = feed["tree_mask"].shape[:-1]  # [B, T]
         for name, value in outputs.items():
             if value.shape[:len(rows)] != rows:

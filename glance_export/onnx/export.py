@@ -35,7 +35,8 @@ from .external_data import gather_external_data, graph_tensors
 from .rewrite import gemm_for_transposed_weights, skip_identities
 from .static_shapes import fold_static_shapes
 from .weightless import meta_args, weightless
-from .stream import Progress, borrow_initializers, drop_unused, fold_transposes, inputs_to_initializers, module_tensors, write_initializers
+from .stream import (Pending, Progress, borrow_initializers, drop_unused, fold_transposes, inputs_to_initializers,
+                     module_tensors, write_initializers)
 
 EXTERNAL_DATA_BYTES = 16 << 20  # an embedded graph is held whole in memory, and again as it is serialized
 ATTENTION_OPSET = 23  # ONNX Attention (and RMSNormalization, RotaryEmbedding) need opset 23 and TensorRT 10.14+
@@ -143,16 +144,7 @@ def export_graph(module: nn.Module, feed: dict[str, np.ndarray], path: Path, axe
                 _torch_export(module, feed, scratch / path.name, axes, opset, fold=not lm_head_gemm)
             _finish_dynamo(scratch, path, output_shapes, weight_bytes(module))
         else:
-            _torch_export(module, feed, scratch / path.name, axes, opset)
-            model = onnx.load(str(scratch / path.name))
-            pending = inputs_to_initializers(model, module.input_names, module_tensors(module))
-            skip_identities(model, pending)
-            if lm_head_gemm:
-                gemm_for_transposed_weights(model)
-            fold_transposes(model, pending)
-            drop_unused(model, pending)
-            pin_outputs(model, output_shapes)
-            fold_static_shapes(model)
+            model, pending = traced(module, feed, scratch / path.name, axes, opset, output_shapes, lm_head_gemm)
             if borrow is not None:
                 borrow_initializers(model, pending, borrow)
                 onnx.save_model(model, str(path))
@@ -163,6 +155,24 @@ def export_graph(module: nn.Module, feed: dict[str, np.ndarray], path: Path, axe
         shutil.rmtree(scratch, ignore_errors=True)
     onnx.checker.check_model(str(path), full_check=True)
     return path
+
+
+def traced(module: nn.Module, feed: dict[str, np.ndarray], scratch: Path, axes: dict, opset: int,
+           output_shapes: dict[str, list[int | str]], lm_head_gemm: bool = False
+           ) -> tuple[onnx.ModelProto, dict[str, Pending]]:
+    """The TorchScript trace of `module` (written at `scratch`, then read back) with its weights as initializer
+    stubs still to be written, rewritten as `export_graph` describes: what either writer (fp32 or quantized) fills."""
+    _torch_export(module, feed, scratch, axes, opset)
+    model = onnx.load(str(scratch))
+    pending = inputs_to_initializers(model, module.input_names, module_tensors(module))
+    skip_identities(model, pending)
+    if lm_head_gemm:
+        gemm_for_transposed_weights(model)
+    fold_transposes(model, pending)
+    drop_unused(model, pending)
+    pin_outputs(model, output_shapes)
+    fold_static_shapes(model)
+    return model, pending
 
 
 def _finish_dynamo(scratch: Path, path: Path, output_shapes: dict[str, list[int | str]], nbytes: int) -> None:

@@ -5,6 +5,7 @@ Its schema, version, content hash and the one writer are `glance_runtime.formats
 from __future__ import annotations
 
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,34 @@ def data_file(path: Path) -> str | None:
     return next(iter(files), None)
 
 
+def source_hashes(snapshot_dir: Path) -> dict[str, str]:
+    """The snapshot's weight files by name and sha256 (the manifest's `source.weights_sha256`)."""
+    return {p.name: sha256(p) for p in sorted(Path(snapshot_dir).glob("*.safetensors"))}
+
+
+class SourceHashes:
+    """`source_hashes` taken in a thread beside the export (hashlib and file reads release the GIL), a daemon
+    one, so an export that fails does not wait for it."""
+
+    def __init__(self, snapshot_dir: Path) -> None:
+        self._hashes: dict[str, str] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(snapshot_dir,), name="source-hashes", daemon=True)
+        self._thread.start()
+
+    def _run(self, snapshot_dir: Path) -> None:
+        try:
+            self._hashes = source_hashes(snapshot_dir)
+        except BaseException as exc:  # raised where the hashes are wanted
+            self._error = exc
+
+    def result(self) -> dict[str, str]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._hashes
+
+
 def _eagle3_fields(head: Eagle3Head, dims: Dims) -> dict[str, Any]:
     """What a runtime needs to drive an EAGLE-3 draft graph besides its KV geometry."""
     return {"kind": "eagle3", "max_depth": EAGLE3_DEPTH, "mrope": dims.head_mrope, "tap_layer_ids": list(dims.tap_ids),
@@ -82,8 +111,10 @@ def _weights_file(head_dir: Path) -> Path:
 
 def build_manifest(snapshot: Snapshot, head: DraftHead | Eagle3Head, head_dir: Path, dims: Dims, out: Path, *, dtype: str,
                    opset: int, branch_k: int, max_tree: int, max_context: int, axes: dict[str, list[int]],
-                   files: list[str], quantization: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The manifest's fields (all but the header and content hash `formats.artifacts.write` adds)."""
+                   files: list[str], quantization: dict[str, Any] | None = None,
+                   weights_sha256: dict[str, str] | None = None) -> dict[str, Any]:
+    """The manifest's fields (all but the header and content hash `formats.artifacts.write` adds);
+    `weights_sha256`: `source_hashes` of the snapshot when taken already (None: taken now)."""
     tc = snapshot.text_config
     graphs: dict[str, Any] = {
         "target": {"num_layers": dims.layers, "num_kv_heads": dims.kv_heads, "head_dim": dims.head_dim,
@@ -113,7 +144,7 @@ def build_manifest(snapshot: Snapshot, head: DraftHead | Eagle3Head, head_dir: P
         "toolkit_version": __version__,
         "family": dims.family, "is_vl": dims.is_vl, "dtype": dtype, "opset": opset,
         "float_io_dtype": "float16" if dtype == "fp16" else "float32",
-        "fp32_outputs": ["topk_logprobs", "entropy"],
+        "fp32_outputs": ["topk_logprobs", "entropy", "logits"],
         "branch_k": branch_k, "block_size": dims.block_size, "mask_token_id": dims.mask_token_id,
         "image_token_id": dims.image_token_id, "stop_token_ids": list(snapshot.stop_token_ids),
         "limits": {"max_tree": max_tree, "max_context": max_context, "max_batch": dims.max_batch}, "axes": axes,
@@ -121,7 +152,7 @@ def build_manifest(snapshot: Snapshot, head: DraftHead | Eagle3Head, head_dir: P
                  "vision_start_token_id": snapshot.config.get("vision_start_token_id"),
                  "spatial_merge_size": dims.vision["merge_size"] if dims.is_vl else None},
         "source": {"config_sha256": sha256(snapshot.path / "config.json"),
-                   "weights_sha256": {p.name: sha256(p) for p in sorted(snapshot.path.glob("*.safetensors"))}},
+                   "weights_sha256": source_hashes(snapshot.path) if weights_sha256 is None else weights_sha256},
         "head_kind": dims.head_kind,
         "head": {"config": head.config.to_json(), "weights_sha256": sha256(_weights_file(Path(head_dir)))},
         "graphs": graphs, "files": files, "quantization": quantization, "file_hashes": record(out, written),

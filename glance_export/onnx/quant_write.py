@@ -1,8 +1,10 @@
-"""One graph's two quantized forms, written tensor by tensor from the fp32 graph's stored bytes.
+"""One graph's two quantized forms, written tensor by tensor from a source of fp32 weights.
 
-Each weight is read from the fp32 graph's data file by offset and length (positioned reads, not a
-memory map: every touched page of a map stays resident until it is unmapped), quantized, and its
-tensors appended to both forms' data files before the next is read. A MatMul weight ([K, N], one
+The source is either an fp32 graph's stored bytes (`Fp32Graph`: each weight read from its data file by
+offset and length, positioned reads, not a memory map: every touched page of a map stays resident until
+it is unmapped) or the trace's weights still to be written (`quant_export.Streamed`: each read from the
+snapshot, so no fp32 graph is written at all). Each weight is quantized and its tensors appended to both
+forms' data files before the next is read. A MatMul weight ([K, N], one
 layer's projection) is done whole; a vocabulary matrix [V, H] goes in chunks of rows, since its
 MatMulNBits rows and its TensorRT [V, H] integers are both contiguous in V. Tensors that are not
 quantized are copied through in slices. A small graph (no data file) keeps its tensors in the file; in a
@@ -11,10 +13,11 @@ graph with one, the embedding lookups then get aliases of their own (`lookup_ali
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator, Protocol
 
 import numpy as np
 import onnx
+import torch
 from onnx import numpy_helper
 from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
@@ -26,11 +29,22 @@ from .quant_scheme import Scheme
 from .stream import SLICE_BYTES, DataFile, Progress
 
 
+class WeightRows(Protocol):
+    """Where both forms' fp32 values come from."""
+
+    external: bool  # whether the forms keep their tensors in data files
+
+    def rows(self, name: str, start: int, stop: int) -> np.ndarray: ...  # rows [start, stop) of a 2-D weight as stored
+
+    def copied(self, tensor: onnx.TensorProto) -> Iterable[bytes] | None: ...  # bytes of a tensor kept as it is
+
+
 class Fp32Graph:
     """The fp32 graph's weights, read by offset from its data file (or from the graph itself when small)."""
 
-    def __init__(self, path: Path, model: onnx.ModelProto) -> None:
+    def __init__(self, path: Path, model: onnx.ModelProto, slice_bytes: int = SLICE_BYTES) -> None:
         self.dir = path.parent
+        self.slice_bytes = slice_bytes
         self.tensors = {t.name: t for t in model.graph.initializer}
         self.external = any(uses_external_data(t) for t in graph_tensors(model.graph))
 
@@ -44,6 +58,10 @@ class Fp32Graph:
         values = np.fromfile(self.dir / info.location, np.float32, count=(stop - start) * cols,
                              offset=(info.offset or 0) + start * cols * 4)
         return values.reshape(stop - start, cols)
+
+    def copied(self, tensor: onnx.TensorProto) -> Iterable[bytes] | None:
+        """A tensor in the data file, as stored (None: it holds its bytes in the graph)."""
+        return _stored_slices(self.dir, tensor, self.slice_bytes) if uses_external_data(tensor) else None
 
 
 def _stored_slices(src_dir: Path, tensor: onnx.TensorProto, slice_bytes: int) -> Iterator[bytes]:
@@ -64,11 +82,16 @@ def _read(path: Path, start: int, remaining: int, slice_bytes: int) -> Iterator[
             yield chunk
 
 
+def _transposed(values: np.ndarray) -> np.ndarray:
+    """A contiguous transpose of a 2-D array: torch's copy, several times faster than numpy's on a weight."""
+    return torch.from_numpy(values if values.flags.writeable else values.copy()).t().contiguous().numpy()
+
+
 def _raw(values: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(values)).cast("B")
 
 
-def _write_rows(source: Fp32Graph, weight: Weight, ort: DataFile, ort_inits: dict, trt: DataFile, trt_inits: dict,
+def _write_rows(source: WeightRows, weight: Weight, ort: DataFile, ort_inits: dict, trt: DataFile, trt_inits: dict,
                 dq: Dequantized, scheme: Scheme, slice_bytes: int) -> None:
     """A vocabulary matrix [V, H] in chunks of rows: both forms' packed rows are appended as they come, the
     scales (1/group of the rows' bytes) after them."""
@@ -77,7 +100,7 @@ def _write_rows(source: Fp32Graph, weight: Weight, ort: DataFile, ort_inits: dic
     trt.start(trt_inits[dq.data])
     scales, positives = [], []
     for start in range(0, weight.n, step):
-        packed, chunk_scales = block_quant(source.rows(weight.name, start, min(weight.n, start + step)).T, scheme)
+        packed, chunk_scales = block_quant(_transposed(source.rows(weight.name, start, min(weight.n, start + step))), scheme)
         ort.add(_raw(packed))
         signed, chunk_positive = positive(packed, chunk_scales, scheme.bits, weight.k)
         trt.add(int_payload(signed, scheme.bits))
@@ -89,7 +112,7 @@ def _write_rows(source: Fp32Graph, weight: Weight, ort: DataFile, ort_inits: dic
     trt.write(trt_inits[dq.scale], [_raw(np.concatenate(positives))])
 
 
-def _write_matmul(source: Fp32Graph, weight: Weight, ort: DataFile, ort_inits: dict, trt: DataFile,
+def _write_matmul(source: WeightRows, weight: Weight, ort: DataFile, ort_inits: dict, trt: DataFile,
                   trt_inits: dict, dq: Dequantized | None, scheme: Scheme) -> None:
     """A MatMul weight [K, N], whole; its TensorRT integers and scales are stored as [K, N] and [blocks, N]."""
     packed, scales = block_quant(source.rows(weight.name, 0, weight.k), scheme)
@@ -99,24 +122,23 @@ def _write_matmul(source: Fp32Graph, weight: Weight, ort: DataFile, ort_inits: d
         return
     signed, positives = positive(packed, scales, scheme.bits, weight.k)
     del packed
-    trt.write(trt_inits[dq.data], [int_payload(signed.T, scheme.bits)])
-    trt.write(trt_inits[dq.scale], [_raw(positives.T)])
+    trt.write(trt_inits[dq.data], [int_payload(_transposed(signed), scheme.bits)])
+    trt.write(trt_inits[dq.scale], [_raw(_transposed(positives))])
 
 
-def write_forms(src: Path, model: onnx.ModelProto, weights: dict[str, Weight], ort_model: onnx.ModelProto,
-                ort_path: Path, trt_model: onnx.ModelProto, trt_path: Path, stubs: dict[str, Dequantized],
-                scheme: Scheme, on_tensor: Progress | None = None, slice_bytes: int = SLICE_BYTES) -> bool:
-    """Fill and save both forms of the fp32 graph `src` (`model`: it, loaded without its weights). Returns
-    whether they keep their tensors in data files (as the fp32 graph did)."""
-    source = Fp32Graph(src, model)
+def write_forms(source: WeightRows, weights: dict[str, Weight], ort_model: onnx.ModelProto, ort_path: Path,
+                trt_model: onnx.ModelProto, trt_path: Path, stubs: dict[str, Dequantized], scheme: Scheme,
+                on_tensor: Progress | None = None, slice_bytes: int = SLICE_BYTES) -> None:
+    """Fill and save both forms from `source`, in data files where `source.external`."""
     total = sum(w.k * w.n * 4 for w in weights.values())
     done = 0
     trt_path.parent.mkdir(parents=True, exist_ok=True)
     with DataFile(ort_path, source.external) as ort, DataFile(trt_path, source.external) as trt:
         for data, form in ((ort, ort_model), (trt, trt_model)):
             for tensor in graph_tensors(form.graph):
-                if uses_external_data(tensor):
-                    data.write(tensor, _stored_slices(src.parent, tensor, slice_bytes))
+                parts = source.copied(tensor)
+                if parts is not None:
+                    data.write(tensor, parts)
         ort_inits = {t.name: t for t in ort_model.graph.initializer}
         trt_inits = {t.name: t for t in trt_model.graph.initializer}
         for weight in weights.values():
@@ -131,4 +153,3 @@ def write_forms(src: Path, model: onnx.ModelProto, weights: dict[str, Weight], o
         separate_lookups(ort_model)
     onnx.save_model(ort_model, str(ort_path))
     onnx.save_model(trt_model, str(trt_path))
-    return source.external

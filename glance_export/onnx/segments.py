@@ -23,14 +23,19 @@ from .node_runs import boundaries, segment_model, split, value_types
 SEGMENT_BYTES = 256 << 20
 
 
-def run_in_segments(path: Path, feeds: list[dict[str, np.ndarray]], budget: int = SEGMENT_BYTES
-                    ) -> list[dict[str, np.ndarray]]:
-    """The graph's outputs for each feed, computed segment by segment (one session open at a time)."""
+def run_in_segments(path: Path, feeds: list[dict[str, np.ndarray]], budget: int = SEGMENT_BYTES,
+                    prepack: bool = False) -> list[dict[str, np.ndarray]]:
+    """The graph's outputs for each feed, computed segment by segment (one session open at a time).
+
+    `prepack`: let ONNX Runtime repack weights at load, for a quantized graph, whose MatMulNBits run several
+    times slower unpacked and whose packed blocks replace the stored ones (a float graph's packed weights
+    would be a second copy)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.log_severity_level = 3  # fp16 graphs warn about CPU constant folding
-    options.add_session_config_entry("session.disable_prepacking", "1")  # packed weights would be a second copy
+    if not prepack:
+        options.add_session_config_entry("session.disable_prepacking", "1")
     model = onnx.load(str(path), load_external_data=False)
     graph = model.graph
     types = value_types(model)

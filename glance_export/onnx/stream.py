@@ -137,6 +137,21 @@ def _buffer(values: torch.Tensor) -> memoryview:
     return memoryview(values.numpy()).cast("B")
 
 
+def checked_values(name: str, item: Pending, real: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The values behind a pending initializer, refused unless of its shape (and kind: any floating dtype for a
+    floating tensor, the writer casts it)."""
+    values = real(item.tensor)
+    if tuple(values.shape) != tuple(item.tensor.shape) or (values.dtype != item.tensor.dtype and not (
+            values.is_floating_point() and item.tensor.is_floating_point())):
+        raise ValueError(f"weight source gave {values.dtype} {list(values.shape)} for {name}")
+    return values
+
+
+def tensor_slices(values: torch.Tensor, item: Pending) -> Iterator[memoryview]:
+    """The bytes of a pending initializer as stored (cast, transposed where it is), slice by slice."""
+    return (_buffer(part) for part in _slices(values, item.tensor.dtype, item.transposed))
+
+
 Progress = Callable[[int, int, str], None]  # (bytes written so far, total bytes, name of the tensor just written)
 
 
@@ -199,12 +214,7 @@ def write_initializers(model: onnx.ModelProto, pending: dict[str, Pending], path
             item = pending.get(tensor.name)
             if item is None:
                 continue
-            values = real(item.tensor)
-            if tuple(values.shape) != tuple(item.tensor.shape) or (values.dtype != item.tensor.dtype and not (
-                    values.is_floating_point() and item.tensor.is_floating_point())):
-                raise ValueError(f"weight source gave {values.dtype} {list(values.shape)} for {tensor.name}")
-            data.write(tensor, (_buffer(part) for part in _slices(values, item.tensor.dtype, item.transposed)))
-            del values
+            data.write(tensor, tensor_slices(checked_values(tensor.name, item, real), item))
             done += item.nbytes
             if on_tensor is not None:
                 on_tensor(done, total, tensor.name)

@@ -258,3 +258,113 @@ def test_quantized_refusal_names_the_shortfall_without_the_fp16_advice(tmp_path)
     with pytest.raises(GlanceError, match=r"GiB short\); close other programs") as err:
         check_fits(quantized, "fp32", available=quantized.peak - 2 * GIB, quantize=True)
     assert "--dtype fp16" not in str(err.value) and "\n" not in str(err.value)
+
+
+def _int4_export(tmp_path: Path, tied: bool = False, lines: list[str] | None = None) -> tuple[Path, Path, Path]:
+    """(snapshot, head, int4 artifacts) of a tiny qwen3 model, group 32."""
+    snap = make_snapshot(tmp_path / "snap", "qwen3", tied=tied)
+    s = Snapshot(snap)
+    head = save_head(init_head(head_config_for(s, 1, 6, pick_mask_token(s)), seed=3), tmp_path / "head")
+    out = export_artifacts(snap, head, tmp_path / "int4", max_tree=16, max_context=64, quantize="int4", group_size=32,
+                           progress=(lines.append if lines is not None else lambda _: None))
+    return snap, head, out
+
+
+@pytest.mark.parametrize("cut", ["whole", "cut", "cut-borrowed"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_an_int4_export_equals_the_library_quantizer_on_its_fp32_export(tmp_path, monkeypatch, tied, cut):
+    """Written quantized straight from the trace (no fp32 graph), an int4 export holds what ONNX Runtime's
+    whole-graph quantizer makes of the fp32 export, with the target validated whole or as its depth cut
+    (its own quantized graph, or the full graph's blocks read from its data file)."""
+    import glance_export.onnx.depth_cut as depth_cut
+    import glance_export.onnx.export as export_mod
+
+    if cut != "whole":
+        monkeypatch.setattr(depth_cut, "FULL_VALIDATION_BYTES", 0)
+    if cut == "cut-borrowed":
+        monkeypatch.setattr(export_mod, "EXTERNAL_DATA_BYTES", 0)
+    lines: list[str] = []
+    snap, head, out = _int4_export(tmp_path, tied, lines)
+    fp32 = export_artifacts(snap, head, tmp_path / "fp32", max_tree=16, max_context=64, progress=lambda _: None)
+    for name in ("target", "draft", "vocab"):
+        _assert_as_the_library(out, fp32, name, 4, 32, 4)
+        _assert_tensorrt_blocks(out, name, 4, 32)
+    _assert_embedding(out, fp32, 4, 32)
+    assert [p.name for p in out.rglob(".*")] == [".glance-output.json"]  # no scratch left behind
+    cut_lines = [line for line in lines if "2-layer cut of target.onnx (int4" in line]
+    assert len(cut_lines) == (cut != "whole")
+    assert ("read from target.onnx.data" in "".join(cut_lines)) is (cut == "cut-borrowed")
+    assert sum("against torch holding the same int4 weights dequantized" in line for line in lines) == 3
+
+
+def _quantized_graph(tmp_path: Path, snap: Path, head: Path, name: str):
+    """The graph's torch wrapper, the weights behind it, its rewrite by the export, and validation feeds."""
+    from glance_export.onnx.feeds import trace_feeds
+    from glance_export.onnx.quant_export import export_quantized
+    from glance_export.onnx.sources import build_graphs, open_sources, target_skeleton
+    from glance_export.onnx.spec import dims_for, dynamic_axes, output_shapes
+    from glance_export.onnx.validate import validation_feeds
+
+    snapshot, checkpoint, draft = open_sources(snap, head, "fp32")
+    skeleton = target_skeleton(snapshot, checkpoint, "fp32")
+    dims = dims_for(snapshot, draft)
+    module = build_graphs(skeleton, draft, dims, 8)[name]
+    scheme = check_scheme("int4", 32, dims.hidden, "fp32")
+    scratch = tmp_path / "again"
+    scratch.mkdir()
+    graph = export_quantized(module, trace_feeds(snapshot, dims, "float32")[name], scratch, name,
+                             dynamic_axes(dims, name, module.input_names, module.output_names), 17,
+                             output_shapes(dims, name, 8), skeleton, scheme, name == "vocab", lambda _: None)
+    return module, skeleton, graph, scheme, validation_feeds(name, dims, snapshot, "fp32", 1)
+
+
+def test_quantized_validation_refuses_blocks_that_are_not_the_snapshots(tmp_path):
+    """A block of the written vocabulary matrix scaled by 3 (still finite, the graph still well formed) is refused
+    by name: the dequantized weights torch computes with are checked against the snapshot's."""
+    from glance_export.onnx.quant_validate import validate_quantized_graph
+
+    snap, head, out = _int4_export(tmp_path)
+    module, skeleton, graph, scheme, feeds = _quantized_graph(tmp_path, snap, head, "vocab")
+    model = onnx.load(str(out / "vocab.onnx"))
+    scales = next(t for t in model.graph.initializer if t.name.endswith("_scales"))
+    values = numpy_helper.to_array(scales).copy()
+    values[3, 0] *= 3
+    scales.CopyFrom(numpy_helper.from_array(values, scales.name))
+    onnx.save_model(model, str(out / "vocab.onnx"))
+    graph.forms.ort_model.CopyFrom(model)  # the blocks as now written
+    with pytest.raises(GlanceError, match=r"vocab graph: quantized weight \S+ is more than one step from the source"):
+        validate_quantized_graph("vocab", out / "vocab.onnx", module, graph, feeds, skeleton.materialized, scheme)
+
+
+def test_quantized_validation_refuses_a_miswired_graph(tmp_path):
+    """Two layers' up projections swapped in the written target (every block still the snapshot's, so only the
+    comparison with torch can tell) fail validation in one line."""
+    from glance_export.onnx.quant_validate import validate_quantized_graph
+
+    snap, head, out = _int4_export(tmp_path)
+    module, skeleton, graph, scheme, feeds = _quantized_graph(tmp_path, snap, head, "target")
+    validate_quantized_graph("target", out / "target.onnx", module, graph, feeds, skeleton.materialized, scheme)
+    model = onnx.load(str(out / "target.onnx"))
+    ups = [n for n in model.graph.node if n.op_type == "MatMulNBits" and "up_proj" in n.input[1]]
+    (ups[0].input[1], ups[1].input[1]), (ups[0].input[2], ups[1].input[2]) = \
+        (ups[1].input[1], ups[0].input[1]), (ups[1].input[2], ups[0].input[2])
+    onnx.save_model(model, str(out / "target.onnx"))
+    with pytest.raises(GlanceError, match=r"^target graph: output \S+ max error \S+ exceeds"):
+        validate_quantized_graph("target", out / "target.onnx", module, graph, feeds, skeleton.materialized, scheme)
+
+
+def _written_bytes() -> int:
+    return next(int(line.split()[1]) for line in open("/proc/self/io") if line.startswith("wchar"))
+
+
+def test_an_int4_export_writes_no_fp32_graph(tmp_path):
+    """Each weight goes from the snapshot to its blocks: the export writes about a quarter of the fp32 weights'
+    bytes (two int4 forms and their scales), not the fp32 graphs that it would read back and delete."""
+    snap, weights = make_mid_snapshot(tmp_path / "snap", 2)
+    s = Snapshot(snap)
+    head = save_head(init_head(head_config_for(s, 1, 6, pick_mask_token(s)), seed=0), tmp_path / "head")
+    before = _written_bytes()
+    export_artifacts(snap, head, tmp_path / "int4", max_tree=16, max_context=64, quantize="int4",
+                     progress=lambda _: None)
+    written = _written_bytes() - before
+    assert written < 0.5 * weights, (written, weights)
