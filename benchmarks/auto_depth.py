@@ -12,8 +12,10 @@ draft depths); a calibration is fitted on seeded decodes of four other prompts a
   what auto did before it weighed depth);
 - auto-depth: auto with the profile as measured;
 - fixed budgets 3 and 7, for reference.
-Each reports ms per token (median over repeats, prefill excluded), tau and the draft depths auto asked for;
-every decode's tokens are checked against the greedy ones. Rows go to OUT/auto_depth.json and .md.
+Each reports ms per token (median over repeats, prefill excluded), tau and the draft depths auto asked for,
+and whether its tokens equal the graphs' plain greedy decode (int4 graphs with int8 activations may choose
+otherwise in a tree pass than in a one-row pass, so the seeds are what the seeded decode itself commits, as in
+`int4_vs_genai.py`). Rows go to OUT/auto_depth.json and .md.
 """
 from __future__ import annotations
 
@@ -28,7 +30,9 @@ from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "runtime")]
+sys.path[:0] = [str(ROOT / "runtime"), str(ROOT)]
+
+from int4_vs_genai import seeded_truth  # noqa: E402  (beside this file)
 
 PROMPT = "Describe the weather in a short poem, then list three colours and explain each one."
 CALIBRATION_PROMPTS = ("Write a short note to a neighbour about a lost cat.", "List five fruits and their colours.",
@@ -49,7 +53,8 @@ def run(args) -> dict:
     prompt = session.build([user_turn(PROMPT)])
     new = args.new_tokens
     greedy = decode(backend, prompt, DecodeConfig(max_new_tokens=new, speculative=False)).tokens
-    seeded = ConfidentSeeds(backend, greedy, prompt.length, args.seeding)
+    seeds = seeded_truth(backend, prompt, greedy, args.seeding, 7, new)
+    seeded = ConfidentSeeds(backend, seeds, prompt.length, args.seeding)
     print(f"[{args.label}] measuring the cost profile (load {os.getloadavg()[0]:.2f})", flush=True)
     cost = measure(backend, prompt, max_rows=64, branch_k=8, progress=lambda line: print("  " + line, flush=True))
     print(cost.table(), flush=True)
@@ -57,6 +62,7 @@ def run(args) -> dict:
     for i, text in enumerate(CALIBRATION_PROMPTS):
         other = session.build([user_turn(text)])
         truth = decode(backend, other, DecodeConfig(max_new_tokens=new, speculative=False)).tokens
+        truth = seeded_truth(backend, other, truth, args.seeding, 7, new)
         fixed = decode(ConfidentSeeds(backend, truth, other.length, args.seeding), other,
                        DecodeConfig(max_new_tokens=new, budget=7, branch_k=8))
         rows += [{"drafted": r.drafted, "node_scores": r.node_scores, "node_depths": r.node_depths, "path": r.path,
@@ -76,13 +82,14 @@ def run(args) -> dict:
     times: dict[str, list[float]] = {m: [] for m in modes}
     taus: dict[str, list[float]] = {m: [] for m in modes}
     depths: dict[str, Counter] = {m: Counter() for m in modes}
+    same: dict[str, list[bool]] = {m: [] for m in modes}
     loads = []
     for repeat in range(args.repeats + 1):  # the first pass warms up
         loads.append(os.getloadavg()[0])
         for name in (list(modes) if repeat % 2 else list(modes)[::-1]):
             result = decode(seeded, prompt, modes[name]())
-            assert result.tokens == greedy, f"{name} changed the answer"
             if repeat:
+                same[name].append(result.tokens == greedy)
                 decode_ms = sum(r.total_ms for r in result.rounds)
                 times[name].append(decode_ms / max(len(result.tokens) - 1, 1))
                 taus[name].append(result.tau)
@@ -95,7 +102,8 @@ def run(args) -> dict:
     for name in modes:
         out["modes"][name] = {"ms_per_token": round(statistics.median(times[name]), 3),
                               "tau": round(statistics.median(taus[name]), 3),
-                              "draft_depths": {str(d): c for d, c in sorted(depths[name].items())}}
+                              "draft_depths": {str(d): c for d, c in sorted(depths[name].items())},
+                              "tokens_equal_greedy": all(same[name])}
     whole_ms = out["modes"]["auto-whole"]["ms_per_token"]
     out["auto_depth_over_whole"] = round(out["modes"]["auto-depth"]["ms_per_token"] / whole_ms, 3)
     session.close()

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from glance_runtime.decode.backend import BackendInfo, ServeLimits, Verified, block_rows, draft_rows
+from glance_runtime.decode.sampling import Draw
 from glance_runtime.backends.hardware import host_cpu
 from glance_runtime.defaults import EAGLE3_DEPTH
 from glance_runtime.decode.loop import DecodeConfig
@@ -51,6 +52,14 @@ def vision_inputs(snapshot: Snapshot, prompt: Prompt, ids: torch.Tensor, device:
             types = types + 2 * (ids == prompt.video_token_id).int()
         extra["mm_token_type_ids"] = types
     return extra
+
+
+def _chosen(logits: torch.Tensor, depths: np.ndarray, draw: Draw | None) -> np.ndarray:
+    """The token after each row of logits [N, V]: the argmax, or sampled by `draw` (on the host, in numpy, as
+    the graph backends sample on a CPU)."""
+    if draw is None:
+        return logits.argmax(-1).cpu().numpy().astype(np.int64)
+    return draw.choose(logits.float().cpu().numpy(), depths)
 
 
 def _entropy(logits: torch.Tensor) -> float:
@@ -243,10 +252,11 @@ class TorchBackend:
         return pos, int(pos[0, 0, -1]) + 1 - ids.shape[1]
 
     @torch.no_grad()
-    def prefill(self, prompt: Prompt, keep: int = 0) -> tuple[int, float]:
-        """`keep`: committed rows (target and head) the prompt starts with, kept instead of recomputed."""
+    def prefill(self, prompt: Prompt, keep: int = 0, draw: Draw | None = None) -> tuple[int, float]:
+        """`keep`: committed rows (target and head) the prompt starts with, kept instead of recomputed; `draw`:
+        the first token sampled, not the argmax."""
         if keep:
-            return self._prefill_after(prompt, keep)
+            return self._prefill_after(prompt, keep, draw)
         self._reset()
         ids = self._t(prompt.input_ids)[None]
         positions, self.delta = self.prompt_positions(prompt)
@@ -257,7 +267,7 @@ class TorchBackend:
         if self.head is not None:
             self._keep_rows(prompt.input_ids.tolist(), self._taps(out.hidden_states)[0], 0, positions)
         logits = out.logits[0, -1]
-        return int(logits.argmax()), _entropy(logits)
+        return int(_chosen(logits[None], np.zeros(1, np.int64), draw)[0]), _entropy(logits)
 
     def _truncate(self, keep: int) -> None:
         """Cut the target and head caches back to their first `keep` committed rows."""
@@ -275,7 +285,7 @@ class TorchBackend:
         else:
             self.pending_taps = [torch.cat(self.pending_taps)[:keep - self.pending_from]]
 
-    def _prefill_after(self, prompt: Prompt, keep: int) -> tuple[int, float]:
+    def _prefill_after(self, prompt: Prompt, keep: int, draw: Draw | None) -> tuple[int, float]:
         """Run only rows keep.. of the prompt, at the full prompt's positions, with the images they hold."""
         self._truncate(keep)
         ids = self._t(prompt.input_ids)[None]
@@ -293,7 +303,7 @@ class TorchBackend:
             self._keep_rows(prompt.input_ids[keep:].tolist(), self._taps(out.hidden_states)[0], keep,
                             positions[..., keep:])
         logits = out.logits[0, -1]
-        return int(logits.argmax()), _entropy(logits)
+        return int(_chosen(logits[None], np.zeros(1, np.int64), draw)[0]), _entropy(logits)
 
     @torch.no_grad()
     def draft(self, anchor: int, k: int, depth: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -321,7 +331,8 @@ class TorchBackend:
         return self.head.target_ids(top.indices).cpu().numpy().astype(np.int64), top.values.double().cpu().numpy()
 
     @torch.no_grad()
-    def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray) -> Verified:
+    def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray, draw: Draw | None = None
+               ) -> Verified:
         past, size = self.cache.get_seq_length(), len(tokens)
         mask = torch.zeros(1, 1, size, past + size, dtype=self.model.dtype, device=self.device)
         mask[0, 0, :, past:].masked_fill_(~self._t(visible), torch.finfo(self.model.dtype).min)
@@ -332,9 +343,9 @@ class TorchBackend:
             self.verify_taps = self._taps(out.hidden_states)[0]
             self.verify_tokens = np.asarray(tokens, np.int64)
         logits = out.logits[0].float()
-        confidence = torch.log_softmax(logits, dim=-1).max(-1).values
-        return Verified(logits.argmax(-1).cpu().numpy().astype(np.int64), _entropy(logits[0]),
-                        confidence.double().cpu().numpy())
+        chosen = _chosen(logits, np.asarray(depths, np.int64), draw)
+        confidence = torch.log_softmax(logits, dim=-1)[torch.arange(size), torch.from_numpy(chosen)]
+        return Verified(chosen, _entropy(logits[0]), confidence.double().cpu().numpy())
 
     def commit(self, rows: np.ndarray) -> None:
         """Compact the pack's KV in place: kept rows move down to follow the prefix, the rest is cut."""

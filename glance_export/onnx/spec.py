@@ -126,7 +126,7 @@ def dynamic_axes(dims: Dims, graph: str, input_names: list[str], output_names: l
         axes.update({n: {0: "B", 1: "N"} for n in output_names if n.startswith("ctx_")})
     elif graph in VOCABULARY_GRAPHS:
         axes = {"ids": {0: "E"}, "embeds": {0: "E"}, "hidden": {0: "R"}, "topk_ids": {0: "R"},
-                "topk_logprobs": {0: "R"}, "topk_embeds": {0: "R"}}
+                "topk_logprobs": {0: "R"}, "topk_embeds": {0: "R"}, "logits": {0: "R"}}
     else:
         axes = {"pixel_values": {0: "N_patch"}, "vision_pos_ids": {0: "N_patch"}, "window_ids": {0: "N_patch"},
                 "pos_interp_index": {0: "N_patch"}, "pos_interp_weight": {0: "N_patch"},
@@ -159,8 +159,9 @@ def output_shapes(dims: Dims, graph: str, branch_k: int) -> dict[str, list[int |
             shapes[f"ctx_key_{j}"] = shapes[f"ctx_value_{j}"] = ["B", "N", dims.head_kv_heads, dims.head_head_dim]
         return shapes
     if graph in VOCABULARY_GRAPHS:
+        vocab = dims.draft_vocab if graph == "draft_vocab" else dims.vocab
         return {"embeds": ["E", dims.hidden], "topk_ids": ["R", branch_k], "topk_logprobs": ["R", branch_k],
-                "entropy": [1], "topk_embeds": ["R", branch_k, dims.hidden]}
+                "entropy": [1], "topk_embeds": ["R", branch_k, dims.hidden], "logits": ["R", vocab]}
     shapes = {"image_embeds": ["N_merged", dims.hidden]}
     if dims.deepstack:
         shapes["deepstack_embeds"] = [dims.deepstack, "N_merged", dims.hidden]

@@ -4,7 +4,8 @@ Both the verify pass and the draft pass need the vocabulary matrices (embeddings
 keeping them here instead of in the target and draft graphs means a 151,936-row matrix is stored
 once, and a tied embedding stays one tensor (the exporter turns `hidden @ W.T` into a Gemm on W).
 Entropy is taken of the first row only (the anchor's, in a verify or prefill projection): the other
-rows need none, and on a CPU a full-vocabulary exp per row costs as much as the top-k.
+rows need none, and on a CPU a full-vocabulary exp per row costs as much as the top-k. The rows' logits
+are an output too, for sampling (the runtime fetches them only when it samples; the top-k needs them anyway).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ class VocabGraph(nn.Module):
     """Inputs and outputs exactly as `glance_runtime.formats.graphs` states for the vocab graph."""
 
     input_names = ["ids", "hidden"]
-    output_names = ["embeds", "topk_ids", "topk_logprobs", "entropy", "topk_embeds"]
+    output_names = ["embeds", "topk_ids", "topk_logprobs", "entropy", "topk_embeds", "logits"]
 
     def __init__(self, embed: nn.Embedding, lm_head: nn.Linear, branch_k: int):
         super().__init__()
@@ -29,7 +30,8 @@ class VocabGraph(nn.Module):
         top = torch.topk(logits, self.branch_k, dim=-1)  # on the logits: column 0 is exactly their argmax
         logp = torch.log_softmax(logits, dim=-1)
         entropy = -(logp[:1].exp() * logp[:1]).sum(-1)
-        return self.embed(ids), self.token_ids(top.indices), logp.gather(-1, top.indices), entropy, self.embed(top.indices)
+        return (self.embed(ids), self.token_ids(top.indices), logp.gather(-1, top.indices), entropy,
+                self.embed(top.indices), logits)
 
     def token_ids(self, indices: torch.Tensor) -> torch.Tensor:
         return indices

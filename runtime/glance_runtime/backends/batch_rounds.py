@@ -175,7 +175,8 @@ class BatchRounds:
             n = min(step, rows - first)
             outputs = {"embeds": self.scratch_row.rows(1), "topk_ids": self.top_ids.rows(n, first),
                        "topk_logprobs": self.top_logp.rows(n, first), "entropy": self.entropy.rows(1),
-                       "topk_embeds": cands.tensor((n, k, width), first * k * width * item)}
+                       "topk_embeds": cands.tensor((n, k, width), first * k * width * item),
+                       **self.base.logits_out(n, graph)}
             part = Tensor(hidden.buffer, hidden.offset + first * width * item, (n, width))
             self.base.graphs[graph].run({"ids": self.base.no_id.rows(1), "hidden": part}, outputs)
         return self.device.download(self.top_ids.rows(rows)), self.device.download(self.top_logp.rows(rows))

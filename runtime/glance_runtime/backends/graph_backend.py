@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from ..decode.backend import BackendInfo, ServeLimits, Verified, block_rows, draft_rows
+from ..decode.sampling import Draw
 from .device_buffers import Buffer, CudaDevice, Device, Tensor
 from .graph_chain import ChainGraph
 from .graph import Graph
@@ -52,6 +53,8 @@ def one(t: Tensor) -> Tensor:
 
 class GraphBackend:
     """prefill / draft / verify / commit on the vision, target, draft and vocab graphs."""
+
+    binds_every_output = False  # TensorRT runs only with every output bound (ONNX Runtime skips unbound ones)
 
     def __init__(self, manifest: Manifest, device: Device, graphs: dict[str, Graph], *, max_context: int,
                  max_tree: int, name: str, home: Path, precision: str | None = None,
@@ -112,6 +115,10 @@ class GraphBackend:
         self.ctx_positions = new((max_context,), np.int64)
         self.top_ids = new((rows, k), np.int64)
         self.top_logp = new((rows, k), np.float32)
+        self.proj_rows = rows  # the most rows one projection runs
+        # the projections' logits, which only sampling reads: bound from the start where a runtime binds every
+        # output (TensorRT), else made when a pass first samples
+        self.logits = new((rows, m.vocab_size), np.float32) if self.binds_every_output and m.sampling else None
         self.entropy = new((1,), np.float32)
         # top-k embeddings of the last projections, flat [rows * K, H]: row i belongs to token i of top_ids
         self.cands = {"draft": new(((m.block_size - 1) * k, hidden), self.float), "verify": new((rows * k, hidden), self.float)}
@@ -186,7 +193,8 @@ class GraphBackend:
         count = len(tokens)
         self.device.upload(self.ids.rows(count), tokens)
         outputs = {"embeds": dst.rows(count, first), "topk_ids": self.top_ids.rows(1), "topk_logprobs": self.top_logp.rows(1),
-                   "entropy": self.entropy.rows(1), "topk_embeds": self.scratch_cands.tensor((1, *self.scratch_cands.shape))}
+                   "entropy": self.entropy.rows(1), "topk_embeds": self.scratch_cands.tensor((1, *self.scratch_cands.shape)),
+                   **self.logits_out(1)}
         self.graphs["vocab"].run({"ids": self.ids.rows(count), "hidden": self.scratch_row.rows(1)}, outputs)
 
     def keep_embeddings(self, tokens: list[int]) -> None:
@@ -207,16 +215,31 @@ class GraphBackend:
             self.embed_rows(unique[first:first + step], self._kept_rows, first)
         self._kept = {int(t): (self._kept_rows, i) for i, t in enumerate(unique)}
 
+    def logits_out(self, rows: int, graph: str = "vocab", wanted: bool = False) -> dict[str, Tensor]:
+        """The `logits` output of a vocabulary-graph run over `rows` rows: bound where sampling reads it or the
+        runtime binds every output, else none (ONNX Runtime then leaves it unfetched)."""
+        if not (wanted or (self.binds_every_output and self.manifest.sampling)):
+            return {}
+        if not self.manifest.sampling:
+            raise GlanceError(f"{self.manifest.path} was exported before sampling: its vocab graph returns no "
+                              "logits to sample from; re-export it with `glance-export onnx` (and rebuild its "
+                              "engines), or decode greedily (temperature 0)")
+        if self.logits is None:
+            self.logits = self._new((self.proj_rows, self.manifest.vocab_size), np.float32)
+        width = self.manifest.draft_vocab_size if graph == "draft_vocab" else self.manifest.vocab_size
+        return {"logits": self.logits.tensor((rows, width))}
+
     def project(self, hidden: Tensor, into: str, extra: dict[int, tuple[Buffer, int]] | None = None,
-                graph: str = "vocab") -> tuple[np.ndarray, np.ndarray, float]:
+                graph: str = "vocab", logits: bool = False) -> tuple[np.ndarray, np.ndarray, float]:
         """Top-k ids and log-probs of hidden rows and the entropy of the first; their top-k embeddings land in
         `self.cands[into]` and become where later passes copy their input embeddings from. `graph`: vocab, or
-        draft_vocab (the head's reduced vocabulary: same outputs, target ids)."""
+        draft_vocab (the head's reduced vocabulary: same outputs, target ids). `logits`: the rows' logits land
+        in `self.logits` too (to sample from)."""
         rows, k = hidden.shape[0], self.manifest.branch_k
         cands = self.cands[into]
         outputs = {"embeds": self.scratch_row.rows(1), "topk_ids": self.top_ids.rows(rows),
                    "topk_logprobs": self.top_logp.rows(rows), "entropy": self.entropy.rows(1),
-                   "topk_embeds": cands.tensor((rows, k, cands.shape[1]))}
+                   "topk_embeds": cands.tensor((rows, k, cands.shape[1])), **self.logits_out(rows, graph, logits)}
         self.graphs[graph].run({"ids": self.no_id.rows(1), "hidden": hidden}, outputs)
         ids = self.device.download(self.top_ids.rows(rows))
         logp = self.device.download(self.top_logp.rows(rows))
@@ -354,10 +377,11 @@ class GraphBackend:
 
     # -- the Backend protocol -------------------------------------------------------------------------
 
-    def prefill(self, prompt: Prompt, keep: int = 0) -> tuple[int, float]:
-        """`keep`: committed rows (target and head) the prompt starts with, kept instead of recomputed."""
+    def prefill(self, prompt: Prompt, keep: int = 0, draw: Draw | None = None) -> tuple[int, float]:
+        """`keep`: committed rows (target and head) the prompt starts with, kept instead of recomputed; `draw`:
+        the first token sampled, not the argmax."""
         if keep:
-            return self._prefill_after(prompt, keep)
+            return self._prefill_after(prompt, keep, draw)
         self._reset()
         ids = self._graph_ids(prompt)
         length = ids.shape[0]
@@ -375,10 +399,27 @@ class GraphBackend:
         self.pending_rows, self.pending_from = length, 0
         if self.steps is not None:
             self.steps.prompt(np.asarray(prompt.input_ids, np.int64), pos, 0, self.delta)
-        top, _, entropy = self.project(hidden.buffer.rows(1, length - 1), "verify")
-        return int(top[0, 0]), entropy
+        return self._first(hidden.buffer.rows(1, length - 1), draw)
 
-    def _prefill_after(self, prompt: Prompt, keep: int) -> tuple[int, float]:
+    def _first(self, row: Tensor, draw: Draw | None) -> tuple[int, float]:
+        """The first generated token from the prompt's last hidden row (the argmax, or sampled at position 0) and
+        the entropy it was taken from."""
+        top, logp, entropy = self.project(row, "verify", logits=draw is not None)
+        token = top[:, 0] if draw is None else self._sampled(top, logp, draw, np.zeros(1, np.int64))[0]
+        return int(token[0]), entropy
+
+    def _sampled(self, top: np.ndarray, logp: np.ndarray, draw: Draw, depths: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        """Each projected row's sampled token and its log-prob, from the logits the projection left: a row's
+        log-normalizer is its argmax's logit less that token's log-prob, so no vocabulary-wide sum is taken."""
+        rows = len(depths)
+        logits = self.device.download(self.logits.tensor((rows, self.manifest.vocab_size)))
+        chosen = draw.choose(logits, depths)
+        at = np.arange(rows)
+        norm = logits[at, top[:rows, 0]].astype(np.float64) - logp[:rows, 0]
+        return chosen, logits[at, chosen].astype(np.float64) - norm
+
+    def _prefill_after(self, prompt: Prompt, keep: int, draw: Draw | None) -> tuple[int, float]:
         """Run only rows keep.. of the prompt, at the full prompt's positions, with the images they hold; the
         head keeps its context rows below `keep` and queues the taps of the rest after them."""
         if not 0 < keep <= self.start:
@@ -405,8 +446,7 @@ class GraphBackend:
         self.pending_rows = kept_taps + rows
         if self.steps is not None:
             self.steps.prompt(np.asarray(prompt.input_ids, np.int64), pos, keep, self.delta)
-        top, _, entropy = self.project(hidden.buffer.rows(1, rows - 1), "verify")
-        return int(top[0, 0]), entropy
+        return self._first(hidden.buffer.rows(1, rows - 1), draw)
 
     def draft(self, anchor: int, k: int, depth: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         if self.steps is not None:
@@ -445,13 +485,17 @@ class GraphBackend:
             raise GlanceError("this head drafts a whole block per pass (GLANCE): use draft")
         return self.steps.draft_step(tokens, parents, k)
 
-    def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray) -> Verified:
+    def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray, draw: Draw | None = None
+               ) -> Verified:
         check_tree(self.info.limits, len(tokens))
         self._verified = np.asarray(tokens, dtype=np.int64)
         positions = self._positions(self.start + np.asarray(depths, dtype=np.int64))
         hidden = self._run_target(np.asarray(tokens, dtype=np.int64), positions, visible, self.taps,
                                   self.no_image, self.no_deep)
-        top, logp, entropy = self.project(hidden, "verify")
+        top, logp, entropy = self.project(hidden, "verify", logits=draw is not None)
+        if draw is not None:
+            chosen, confidence = self._sampled(top, logp, draw, np.asarray(depths, np.int64))
+            return Verified(chosen, entropy, confidence)
         return Verified(top[:, 0].astype(np.int64), entropy, logp[:, 0].astype(np.float64))
 
     def margins(self, rows: int) -> np.ndarray:

@@ -34,8 +34,8 @@ class SeededDrafter:
     def start(self) -> int:
         return self.inner.start
 
-    def prefill(self, prompt, keep: int = 0):
-        return self.inner.prefill(prompt, keep) if keep else self.inner.prefill(prompt)
+    def prefill(self, prompt, **asked):
+        return self.inner.prefill(prompt, **asked)
 
     def _true(self, depth: int) -> int | None:
         """The oracle's token `depth` places after the anchor (None past its end)."""
@@ -80,8 +80,8 @@ class SeededDrafter:
                 self.seeded_rows.append((i, depth + 1))
         return ids, logp
 
-    def verify(self, tokens, depths, visible) -> Verified:
-        return self.inner.verify(tokens, depths, visible)
+    def verify(self, tokens, depths, visible, **asked) -> Verified:
+        return self.inner.verify(tokens, depths, visible, **asked)
 
     def commit(self, rows) -> None:
         self.inner.commit(rows)

@@ -137,6 +137,8 @@ class TrtBackend(GraphBackend):
     """Engines in `engines_dir`; their sizes come from the artifacts they were built from (recorded in
     engines.json, or `artifacts_dir`), whose manifest must be the one built from."""
 
+    binds_every_output = True  # an engine runs only with every output bound: the vocab engine's logits too
+
     def __init__(self, engines_dir: str | Path, artifacts_dir: str | Path | None = None,
                  max_context: int | None = None, max_tree: int | None = None, max_batch: int = 1):
         engines = Path(engines_dir)

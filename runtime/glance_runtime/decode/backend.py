@@ -18,13 +18,14 @@ from ..defaults import BLOCK_SLACK
 
 if TYPE_CHECKING:
     from ..formats.artifacts import Manifest
+    from .sampling import Draw
 
 
 class Verified(NamedTuple):
     """One verify pass over a packed tree of T rows."""
-    argmax: np.ndarray  # [T] the target's greedy token after each row
+    argmax: np.ndarray  # [T] the target's token after each row: its argmax, or the one sampled there (a `Draw`)
     entropy: float  # nats of the target's distribution at the anchor row
-    confidence: np.ndarray  # [T] log-prob of each row's argmax (at the last accepted row: of the next anchor)
+    confidence: np.ndarray  # [T] log-prob of each row's token (at the last accepted row: of the next anchor)
 
 
 @dataclass(frozen=True)
@@ -100,20 +101,24 @@ class Backend(Protocol):
     info: BackendInfo
     start: int  # stream position of the current anchor (== committed target rows)
 
-    def prefill(self, prompt, keep: int = 0) -> tuple[int, float]:
+    def prefill(self, prompt, keep: int = 0, draw: Draw | None = None) -> tuple[int, float]:
         """Run the prompt; return the first generated token (the first anchor) and the entropy
         (nats) of the distribution it was taken from. The anchor's stream position is the prompt length.
         `keep` > 0: the prompt starts with the first `keep` committed rows (a conversation's earlier turns),
-        which are kept (target and head caches) and only the rest is run, at the full prompt's positions."""
+        which are kept (target and head caches) and only the rest is run, at the full prompt's positions.
+        `draw`: the first token is sampled (`Draw.choose` at depth 0), not the argmax. The loop passes `keep`
+        and `draw` only where they are asked for."""
 
     def draft(self, anchor: int, k: int, depth: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """One head pass for block [anchor, MASK x (B-1)]: top-k ids and log-probs of offsets 1..depth (all B-1
         when None or larger), [rows, k] each. A tree of n nodes reaches depth n at most, so a round asks for
         no deeper rows than its budget and the projections it would throw away are never run."""
 
-    def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray) -> Verified:
+    def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray, draw: Draw | None = None
+               ) -> Verified:
         """One target pass over the packed tree [anchor] + nodes at positions start + depth, each row
-        seeing the committed prefix and its visible pack rows."""
+        seeing the committed prefix and its visible pack rows. `draw`: each row's token is the one sampled
+        from the row's logits (`Draw.choose`), not its argmax."""
 
     def commit(self, rows: np.ndarray) -> None:
         """Keep the KV (and head context) of packed rows `rows` ([0] + accepted path, in order);

@@ -1,8 +1,11 @@
-"""The GLANCE decode loop: draft once, build the tree, verify once, walk, commit. Greedy only.
+"""The GLANCE decode loop: draft once, build the tree, verify once, walk, commit.
 
 `speculative=False` runs the same loop with a tree of the anchor alone, which is exactly
-autoregressive greedy decoding on the same backend (the `--no-spec` path and the AR baseline).
+autoregressive decoding on the same backend (the `--no-spec` path and the AR baseline).
 With `auto` (see `auto_budget`), each round may skip the draft or cut the tree; tokens are unchanged.
+With `sampling` (temperature > 0, see `sampling`), the target's token after every row is the one sampled
+at that row's answer position with noise keyed by the seed and that position, so the walk accepts a node
+exactly where plain sampling would have produced it: the tokens are plain sampling's, draft on or off.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import numpy as np
 
 from .backend import STEP_DRAFTERS, Backend, Verified
 from .dynamic_tree import grow_dynamic
+from .sampling import GREEDY, Draw, SamplingParams
 from ..defaults import BRANCH_K, BUDGET, DECODE_MAX_NEW_TOKENS
 from .tree import Tree, build_tree, fit, visibility, walk
 
@@ -48,6 +52,11 @@ class DecodeConfig:
     branch_k: int = BRANCH_K  # top-k per offset; 1 with budget <= B-1 is the chain ablation
     speculative: bool = True
     auto: BudgetPolicy | None = None  # chooses each round's tree size (and whether to draft at all)
+    sampling: SamplingParams = GREEDY  # temperature 0: greedy; else seeded (`SamplingParams.seeded`)
+
+    def draw(self, first: int) -> Draw | None:
+        """The sampling of a pass whose first row predicts answer position `first` (None: greedy)."""
+        return None if self.sampling.greedy else Draw(self.sampling, first)
 
 
 @dataclass
@@ -137,8 +146,9 @@ def block_tree(backend: Backend, anchor: int, cfg: DecodeConfig, surprisal: floa
 
 
 def round_tree(backend: Backend, anchor: int, cfg: DecodeConfig, surprisal: float | None, left: int,
-          stops: frozenset[int]) -> tuple[Tree, int | None]:
-    """This round's tree and how deep its draft went (None: no draft pass made it)."""
+          stops: frozenset[int], draw: Draw | None = None) -> tuple[Tree, int | None]:
+    """This round's tree and how deep its draft went (None: no draft pass made it); a sampled round's block
+    draft ranks its candidates by the round's noise (`Draw.rerank`)."""
     depth = draft_depth(backend, cfg, surprisal, left)
     if depth is None:
         return Tree.root(anchor), None
@@ -151,6 +161,8 @@ def round_tree(backend: Backend, anchor: int, cfg: DecodeConfig, surprisal: floa
         room = room_left(backend)
         return (tree if room is None else fit(tree, room)), deepest
     ids, logp = backend.draft(anchor, cfg.branch_k, depth)
+    if draw is not None:
+        ids = draw.rerank(ids, logp)
     return block_tree(backend, anchor, cfg, surprisal, ids, logp, stops), len(ids)
 
 
@@ -179,9 +191,11 @@ def one_round(backend: Backend, out: DecodeResult, anchor: int, surprisal: float
     """One round on one backend (draft, tree, verify, walk, commit), recorded into `out`: the new tokens, the next
     anchor and its surprisal."""
     r0 = time.perf_counter()
-    tree, depth = round_tree(backend, anchor, cfg, surprisal, cfg.max_new_tokens - len(out.tokens), stops)
+    draw = cfg.draw(len(out.tokens))
+    tree, depth = round_tree(backend, anchor, cfg, surprisal, cfg.max_new_tokens - len(out.tokens), stops, draw)
     r1 = time.perf_counter()
-    verified = backend.verify(tree.tokens, tree.depths, visibility(tree.parents))
+    sampled = {} if draw is None else {"draw": draw}  # a greedy pass asks backends for nothing new
+    verified = backend.verify(tree.tokens, tree.depths, visibility(tree.parents), **sampled)
     r2 = time.perf_counter()
     path, bonus = walk(tree, verified.argmax)
     backend.commit(np.concatenate([[0], path]).astype(np.int64))
@@ -199,12 +213,17 @@ def first_tokens(out: DecodeResult, first: int, cfg: DecodeConfig, stops: frozen
 
 def decode(backend: Backend, prompt, cfg: DecodeConfig, stop_ids: Sequence[int] = (),
            on_commit: Callable[[list[int]], bool | None] | None = None, keep: int = 0) -> DecodeResult:
-    """Greedy decode with GLANCE (or plain AR); `on_commit` sees each round's new tokens (streaming) and
-    returns True to end decoding there (a stop string was seen; the committed KV stays consistent).
-    `keep`: committed rows the prompt starts with, kept by the prefill (a conversation's earlier turns)."""
+    """Decode with GLANCE (or plain AR), greedily or sampling as `cfg` says; `on_commit` sees each round's new
+    tokens (streaming) and returns True to end decoding there (a stop string was seen; the committed KV stays
+    consistent). `keep`: committed rows the prompt starts with, kept by the prefill (a conversation's earlier
+    turns)."""
     stops = frozenset(int(s) for s in stop_ids)
     t0 = time.perf_counter()
-    first, _ = backend.prefill(prompt, keep) if keep else backend.prefill(prompt)
+    draw = cfg.draw(0)
+    if draw is not None and cfg.sampling.seed is None:
+        raise ValueError("sampling needs its seed fixed for the whole answer: pass SamplingParams.seeded()")
+    asked = ({"keep": keep} if keep else {}) | ({} if draw is None else {"draw": draw})
+    first, _ = backend.prefill(prompt, **asked)
     out = DecodeResult(tokens=[], prefill_ms=(time.perf_counter() - t0) * 1e3)
     new = first_tokens(out, first, cfg, stops)
     ended = bool(on_commit and on_commit(new))

@@ -89,6 +89,9 @@ class SamplingParams:
         return self if self.seed is not None else self.with_seed(draw_seed())
 
 
+GREEDY = SamplingParams()  # temperature 0: the target's argmax, the decode every path served before sampling
+
+
 def _mix64(z: np.ndarray) -> np.ndarray:
     """SplitMix64's finalizer, in place on uint64 (multiplications wrap mod 2**64)."""
     z ^= z >> np.uint64(30)
@@ -288,3 +291,26 @@ def logprobs(logits: np.ndarray, tokens: np.ndarray, top_n: int = 0) -> LogProbs
         best = np.take_along_axis(values, order, axis=1)
         top_ids = order if ids is None else np.take_along_axis(ids, order, axis=1)
     return LogProbs(chosen, top_ids.astype(np.int64), (best - norm[:, None]).astype(np.float32))
+
+
+class Draw(NamedTuple):
+    """One pass's sampling, as the loop hands it to a backend: seeded settings, and the answer position its first
+    row predicts (a verify row at tree depth d predicts `first + d`; a prefill's row, position 0)."""
+    params: SamplingParams
+    first: int
+
+    def choose(self, logits: np.ndarray, depths: np.ndarray) -> np.ndarray:
+        """The token sampled after each row of logits [N, V] at tree depths [N]."""
+        return sample(logits, self.first + np.asarray(depths, np.int64), self.params)
+
+    def rerank(self, ids: np.ndarray, logp: np.ndarray) -> np.ndarray:
+        """A block draft's top-k ids [depths, k] reordered by the same noise the target is sampled with (offset d
+        proposes answer position first + d - 1): the draft's own perturbed choice leads, so where the draft
+        follows the target the tree's best path is the sampled one. `logp` stays as it is (best first), so the
+        tree's shape and auto's scores are a greedy draft's; only which id sits at which rank changes. Lossless
+        whatever the order: verification keeps the target's own samples."""
+        positions = self.first + np.arange(len(ids), dtype=np.int64)[:, None]
+        with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+            score = np.asarray(logp, np.float64) / self.params.temperature + gumbel(self.params.seed, positions, ids)
+        order = np.argsort(-score, axis=1, kind="stable")
+        return np.take_along_axis(np.asarray(ids), order, axis=1)

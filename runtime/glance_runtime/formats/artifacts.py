@@ -136,6 +136,11 @@ class Manifest:
     max_batch: int = 1  # sequences one pass of the target and draft graphs serves (limits.max_batch)
 
     @property
+    def sampling(self) -> bool:
+        """Whether the vocab graph returns its rows' logits, which sampling reads (exports before sampling do not)."""
+        return "logits" in ((self.raw.get("graphs") or {}).get("vocab") or {}).get("outputs", {})
+
+    @property
     def short_blocks(self) -> bool:
         """Whether the draft graph drafts a block of any length up to block_size (axes.Bk), not only a whole one:
         graphs exported before it could not."""

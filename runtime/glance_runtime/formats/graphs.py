@@ -26,12 +26,14 @@ vocab graph: `ids` i64[E] (tokens to embed), `hidden` f[R, H] (final-normed rows
     -> `embeds` f[E, H], `topk_ids` i64[R, K] (descending; column 0 is the greedy token),
     `topk_logprobs` f32[R, K] (log-softmax over the vocabulary), `entropy` f32[1] (nats, of row 0:
     the anchor's in a verify projection, the last prompt row's in prefill),
-    `topk_embeds` f[R, K, H] (embeddings of `topk_ids`, so the next pass's inputs need no extra run).
+    `topk_embeds` f[R, K, H] (embeddings of `topk_ids`, so the next pass's inputs need no extra run),
+    `logits` f32[R, V] (the rows' logits, fetched only to sample; artifacts exported before sampling lack it).
     Both axes are at least 1: a run that only embeds projects one dummy row, and vice versa.
 draft_vocab graph (heads with a reduced draft vocabulary only): the vocab graph's inputs and outputs over
     the head's N draft tokens instead of the whole vocabulary, so a draft projection costs N/V of one:
     `ids` index the draft vocabulary (the runtime sends one dummy), `topk_ids` are target ids (the graph maps
-    them), `topk_logprobs` and `entropy` are over the N draft tokens, as the head was trained to score them.
+    them), `topk_logprobs` and `entropy` are over the N draft tokens, as the head was trained to score them, and
+    `logits` f32[R, N] by draft-vocabulary row.
 target graph (prefill, plain decode and tree verify, alone or batched):
     `input_ids` i64[B, T] (VL only, to find image tokens); `inputs_embeds` f[B, T, H] (the vocab graph's
     embeddings of the pass's ids); `image_embeds` f[N_img, H] (VL only; rows replace the image tokens in

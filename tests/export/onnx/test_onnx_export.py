@@ -55,7 +55,8 @@ def test_graphs_pass_checker_with_contract_names(exported, family):
     assert [o.name for o in draft.output] == ["hidden", *ctx_out]
     vocab = onnx.load(str(out / "vocab.onnx"), load_external_data=False).graph
     assert [i.name for i in vocab.input] == ["ids", "hidden"]
-    assert [o.name for o in vocab.output] == ["embeds", "topk_ids", "topk_logprobs", "entropy", "topk_embeds"]
+    assert [o.name for o in vocab.output] == ["embeds", "topk_ids", "topk_logprobs", "entropy", "topk_embeds",
+                                              "logits"]
     assert max(imp.version for imp in onnx.load(str(out / "target.onnx"), load_external_data=False).opset_import
                if imp.domain in ("", "ai.onnx")) == 17
 
@@ -160,7 +161,8 @@ class GraphReplay:
         """The vocab graph with a dummy for whichever input is not used."""
         ids = np.zeros(1, np.int64) if ids is None else np.asarray(ids, np.int64)
         hidden = np.zeros((1, self.m["graphs"]["vocab"]["hidden_size"]), np.float32) if hidden is None else hidden
-        return self.sessions["vocab"].run(None, {"ids": ids, "hidden": hidden})
+        names = ["embeds", "topk_ids", "topk_logprobs", "entropy", "topk_embeds"]  # what greedy decoding reads
+        return self.sessions["vocab"].run(names, {"ids": ids, "hidden": hidden})
 
     def _pool(self, pool: list[np.ndarray], names: list[str], committed: int) -> dict[str, np.ndarray]:
         return {"slots": np.array([self.SLOT]), "past_lengths": np.array([committed]),
@@ -253,6 +255,7 @@ def test_fp16_export_validates(exported):
     assert m["graphs"]["target"]["inputs"]["pool_key_0"]["dtype"] == "float16"
     assert m["graphs"]["vocab"]["outputs"]["entropy"]["dtype"] == "float32"
     assert m["graphs"]["vocab"]["outputs"]["topk_embeds"]["dtype"] == "float16"
+    assert m["graphs"]["vocab"]["outputs"]["logits"]["dtype"] == "float32"  # sampling reads them in full precision
 
 
 def test_external_data_when_weights_are_large(exported):
