@@ -135,13 +135,16 @@ def _audit_oracle(args: argparse.Namespace) -> int:
     max_new = MEASURE_MAX_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
     session = open_session(source(args, backend, model=model, head=head, artifacts=artifacts),
                            _audit_settings(args, max_new), _progress)
-    report = audit(session, tasks, progress=_progress)
+    sampling = flags.sampling_of(args)
+    report = audit(session, tasks, progress=_progress, sampling=sampling)
+    plain = "greedy" if sampling.greedy else f"plain sampling (temperature {sampling.temperature:g}, seed " \
+        f"{sampling.seed} + task)"
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         for d in report["divergences"]:
-            print(f"parts from greedy at token {d['token']} (greedy's top-2 margin {d['margin']}): {d['prompt']}")
-        print(f"{report['identical']}/{report['n']} identical to greedy (self-consistent {report['self_consistent']}/"
+            print(f"parts from {plain} at token {d['token']} (top-2 margin {d['margin']}): {d['prompt']}")
+        print(f"{report['identical']}/{report['n']} identical to {plain} (self-consistent {report['self_consistent']}/"
               f"{report['n']}), tau {report['tau']:.2f} over {report['rounds']} rounds: "
               f"{'PASS' if report['passed'] else 'FAIL'}"
               f"{' (int8 activations: gated as fp16 is)' if report['int8_activations'] else ''}")
@@ -221,6 +224,9 @@ AUDIT_MODES = {"save_reference": _save_reference, "reference": _audit_reference,
 def _audit(args: argparse.Namespace) -> int:
     """One of audit's four modes, picked by its flag (at most one: the parser refuses two)."""
     chosen = [flag for flag in AUDIT_MODES if vars(args)[flag] is not None]
+    if chosen and args.temperature > 0:
+        raise GlanceError(f"--temperature is for the default audit (GLANCE against plain sampling); --"
+                          f"{chosen[0].replace('_', '-')} compares greedy tokens: drop one of them")
     return AUDIT_MODES[chosen[0]](args) if chosen else _audit_oracle(args)
 
 
@@ -617,6 +623,8 @@ def parser() -> argparse.ArgumentParser:
                  max_new_tokens_help=f"default {MEASURE_MAX_NEW_TOKENS}; with --reference, the value it was "
                  "recorded with")
     a.add_argument("--json", action="store_true", help="print the report as JSON instead of its summary lines")
+    flags.sampling_flags(a, seed_default=0, seed_help="the sampling seed with --temperature above 0 (default 0): "
+                         "task i samples with this seed + i, in GLANCE and in plain sampling alike")
     mode = a.add_mutually_exclusive_group()
     mode.add_argument("--save-reference", type=Path, metavar="FILE",
                       help="mode: record the fp32 PyTorch greedy tokens and top-2 margins of --data (needs torch)")

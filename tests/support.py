@@ -425,9 +425,9 @@ def user(text: str, image_url: str | None = None) -> list[dict]:
     return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
 
 
-def glance_run(prompt: str, image: Path | None = None, max_new_tokens: int | None = None) -> dict:
-    """`glance-run --json` in this process (same defaults, same cache)."""
-    argv = ["--prompt", prompt, "--json", "--threads", "1"]
+def glance_run(prompt: str, image: Path | None = None, max_new_tokens: int | None = None, *flags: str) -> dict:
+    """`glance-run --json` in this process (same defaults, same cache), with any further `flags`."""
+    argv = ["--prompt", prompt, "--json", "--threads", "1", *flags]
     argv += ["--image", str(image)] if image else []
     argv += ["--max-new-tokens", str(max_new_tokens)] if max_new_tokens else []
     out = io.StringIO()

@@ -36,6 +36,7 @@ from .defaults import AUTO, BRANCH_K, RUN_MAX_NEW_TOKENS as MAX_NEW_TOKENS, reso
 from .errors import GlanceError, InputError
 from .decode.limits import check_context, check_settings, check_speculation, whole
 from .decode.loop import DecodeConfig, DecodeResult, RoundLog
+from .decode.sampling import GREEDY, SamplingParams, derived, sampling_params
 from .prompt.messages import ImageLike, VideoLike, conversation, user_turn
 from .prompt.prompt_builder import Prompt, check_unicode
 from .prompt.prefix_reuse import Committed, image_runs, shared_rows
@@ -86,6 +87,7 @@ class Output:
     tau: float
     stats: dict[str, Any] = field(default_factory=dict)
     rounds: list[RoundLog] = field(default_factory=list, repr=False)
+    seed: int | None = None  # the seed it was sampled with (drawn where none was given); None: greedy
 
 
 class Model:
@@ -156,7 +158,8 @@ class Model:
                  messages: Sequence[dict[str, Any]] | None = None, system: str | None = None,
                  max_new_tokens: int = MAX_NEW_TOKENS, stop: Sequence[str] = (),
                  on_text: Callable[[str], None] | None = None,
-                 videos: Sequence[VideoLike] | None = None) -> Output | list[Output]:
+                 videos: Sequence[VideoLike] | None = None, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, min_p: float = 0.0, seed: int | None = None) -> Output | list[Output]:
         """Answer one prompt (with any number of images and videos, each a list even for one: images=["a.png"];
         a video is its frames, taken at 2 per second unless given as {"video": frames, "fps": rate}) or one
         OpenAI-style conversation; `stop` is one string or a list of them; `on_text` sees the text in pieces as
@@ -164,31 +167,42 @@ class Model:
 
         A list of prompts is answered as one batch, one Output per prompt in order: each item is a string, or a
         dict of this call's prompt arguments ({"prompt": ..., "images": [...]}, or {"messages": [...]});
-        `max_new_tokens` and `stop` apply to each. At max_batch 1 they are decoded one after another."""
+        `max_new_tokens`, `stop` and the sampling settings apply to each (a list sampled from one seed gives each
+        prompt its own, derived from it: `sampling.derived`).
+
+        temperature 0 (the default) decodes greedily; above 0 each token is sampled from the target's distribution
+        at that temperature, truncated by top_k (0: off), top_p (1: off) and min_p (0: off), with noise keyed by
+        `seed` (drawn when None, and reported as Output.seed) and the token's position in the answer: for a seed,
+        the answer is the same with the draft on or off, at any budget, alone or in a batch."""
+        sampling = sampling_params(temperature, top_p, top_k, min_p, seed)
         if isinstance(prompt, (list, tuple)):
             if any(v is not None for v in (images, messages, system, videos, on_text)):
                 raise InputError("with a list of prompts, give each one's images, messages, system or videos in its "
                                  "own dict ({\"prompt\": ..., \"images\": [...]}), and no on_text")
-            return self._many(prompt, max_new_tokens, stop)
+            return self._many(prompt, max_new_tokens, stop, sampling)
         with self._busy():
             built = self.build(prompt, images=images, messages=messages, system=system, videos=videos)
-            return self._run(built, max_new_tokens, stop, on_piece=on_text)
+            return self._run(built, max_new_tokens, stop, on_piece=on_text, sampling=sampling)
 
     def stream(self, prompt: str | None = None, *, images: Sequence[ImageLike] | None = None,
                messages: Sequence[dict[str, Any]] | None = None, system: str | None = None,
                max_new_tokens: int = MAX_NEW_TOKENS, stop: Sequence[str] = (),
-               videos: Sequence[VideoLike] | None = None) -> "Stream":
+               videos: Sequence[VideoLike] | None = None, temperature: float = 0.0, top_p: float = 1.0,
+               top_k: int = 0, min_p: float = 0.0, seed: int | None = None) -> "Stream":
         """`generate`'s text in pieces as rounds commit; the pieces join to exactly its text, and once they are
         exhausted the stream's `output` is `generate`'s Output. Closing the stream early ends decoding after
         the current round."""
-        return Stream(self._streamed(prompt, images, messages, system, max_new_tokens, stop, videos))
+        sampling = sampling_params(temperature, top_p, top_k, min_p, seed)
+        return Stream(self._streamed(prompt, images, messages, system, max_new_tokens, stop, videos, sampling))
 
-    def _streamed(self, prompt, images, messages, system, max_new_tokens, stop, videos) -> Generator[str, None, Output]:
+    def _streamed(self, prompt, images, messages, system, max_new_tokens, stop, videos,
+                  sampling: SamplingParams) -> Generator[str, None, Output]:
         with self._busy():
             built = self.build(prompt, images=images, messages=messages, system=system, videos=videos)
             return (yield from self._pieces(lambda on_piece, cancel: self._run(built, max_new_tokens, stop,
                                                                                 on_piece=on_piece,
-                                                                                cancelled=cancel.is_set)))
+                                                                                cancelled=cancel.is_set,
+                                                                                sampling=sampling)))
 
     def chat(self, system: str | None = None) -> "Chat":
         """A conversation that keeps its KV between turns."""
@@ -219,21 +233,22 @@ class Model:
 
     def submit(self, prompt: Prompt, *, max_new_tokens: int = MAX_NEW_TOKENS, stop: Sequence[str] = (),
                on_text: Callable[[str], None] | None = None,
-               cancelled: Callable[[], bool] | None = None) -> "Future[Output]":
+               cancelled: Callable[[], bool] | None = None, sampling: SamplingParams = GREEDY) -> "Future[Output]":
         """Queue a prompt made with `build` and return at once: the future settles with its Output. For servers
         on a model loaded with max_batch > 1: `on_text` and `cancelled` (asked each round; True ends the answer
         there, finish "cancelled") run on the batch thread, and either raising fails this future alone, with its
-        error. At max_batch 1 the answer is decoded now, on this thread, and the future is already settled."""
+        error. At max_batch 1 the answer is decoded now, on this thread, and the future is already settled.
+        `sampling`: `sampling_params`' settings (greedy by default)."""
         if self._scheduler is None:
             future: Future = Future()
             try:
                 with self._busy():
                     future.set_result(self._run(_prompt(prompt), max_new_tokens, stop, on_piece=on_text,
-                                                cancelled=cancelled))
+                                                cancelled=cancelled, sampling=sampling))
             except Exception as exc:
                 future.set_exception(exc)
             return future
-        prompt, stops, cfg = self._checked(_prompt(prompt), max_new_tokens, stop, ROOM_FIX)
+        prompt, stops, cfg = self._checked(_prompt(prompt), max_new_tokens, stop, ROOM_FIX, sampling)
         ticket = self._scheduler.submit(prompt, cfg, stops, on_text, cancelled)
         out: Future = Future()
 
@@ -246,7 +261,8 @@ class Model:
         ticket.future.add_done_callback(settle)
         return out
 
-    def _many(self, items: Sequence[str | dict[str, Any]], max_new_tokens: int, stop: Sequence[str]) -> list[Output]:
+    def _many(self, items: Sequence[str | dict[str, Any]], max_new_tokens: int, stop: Sequence[str],
+              sampling: SamplingParams) -> list[Output]:
         """`generate` over a list: every prompt built and checked before any is decoded."""
         built = []
         for i, item in enumerate(items):
@@ -260,8 +276,8 @@ class Model:
             with self._busy():
                 for b in built:
                     self.check_room(b, max_new_tokens)
-                return [self._run(b, max_new_tokens, stop) for b in built]
-        checked = [self._checked(b, max_new_tokens, stop, ROOM_FIX) for b in built]
+                return [self._run(b, max_new_tokens, stop, sampling=derived(sampling, i)) for i, b in enumerate(built)]
+        checked = [self._checked(b, max_new_tokens, stop, ROOM_FIX, derived(sampling, i)) for i, b in enumerate(built)]
         tickets = [self._scheduler.submit(b, cfg, stops) for b, stops, cfg in checked]
         try:
             return [self._finished(t.future.result(), cfg, b) for t, (b, _, cfg) in zip(tickets, checked)]
@@ -270,21 +286,23 @@ class Model:
                 t.cancel()
             raise
 
-    def _config(self, max_new_tokens: int) -> DecodeConfig:
-        """glance-run's DecodeConfig (the session resolves auto's policy once, then it is reused)."""
-        return replace(self.session.config, max_new_tokens=_answer_length(max_new_tokens))
+    def _config(self, max_new_tokens: int, sampling: SamplingParams) -> DecodeConfig:
+        """glance-run's DecodeConfig (the session resolves auto's policy once, then it is reused), sampling as asked
+        (its seed drawn now where none was given, so the Output can report it)."""
+        return replace(self.session.config, max_new_tokens=_answer_length(max_new_tokens),
+                       sampling=GREEDY if sampling.greedy else sampling.check().seeded())
 
     def _checked(self, prompt: Prompt, max_new_tokens: int, stop: Sequence[str],
-                 fix: str) -> tuple[Prompt, list[str], DecodeConfig]:
+                 fix: str, sampling: SamplingParams = GREEDY) -> tuple[Prompt, list[str], DecodeConfig]:
         """The prompt, its stop strings and its config, once the prompt is known to fit."""
         stops = _stops(stop)
         self.check_room(prompt, max_new_tokens, fix=fix)
-        return prompt, stops, self._config(max_new_tokens)
+        return prompt, stops, self._config(max_new_tokens, sampling)
 
     def _run(self, prompt: Prompt, max_new_tokens: int, stop: Sequence[str], keep: int = 0,
              on_piece: Callable[[str], None] | None = None, cancelled: Callable[[], bool] | None = None,
-             fix: str = ROOM_FIX) -> Output:
-        prompt, stops, cfg = self._checked(prompt, max_new_tokens, stop, fix)
+             fix: str = ROOM_FIX, sampling: SamplingParams = GREEDY) -> Output:
+        prompt, stops, cfg = self._checked(prompt, max_new_tokens, stop, fix, sampling)
         if on_piece is not None and not callable(on_piece):
             raise InputError(f"on_text must be a callable taking each piece of text, got {type(on_piece).__name__}")
         if self._scheduler is not None:
@@ -294,7 +312,7 @@ class Model:
         result = self.session.decode(prompt, answer.on_commit, config=cfg, keep=keep)
         reason = answer.finish(result)
         return Output(answer.joined, answer.kept, result.tau,
-                      self._stats(result, cfg, prompt, keep, answer.kept, reason), result.rounds)
+                      self._stats(result, cfg, prompt, keep, answer.kept, reason), result.rounds, cfg.sampling.seed)
 
     def _batched(self, prompt: Prompt, cfg: DecodeConfig, stops: list[str], on_piece: Callable[[str], None] | None,
                  cancelled: Callable[[], bool] | None) -> Output:
@@ -316,19 +334,21 @@ class Model:
         answer, result = done.answer, done.result
         stats = self._stats(result, cfg, prompt, done.keep, answer.kept, done.reason)
         return Output(answer.joined, answer.kept, result.tau, {**stats, "queue_ms": round(done.queue_ms, 3)},
-                      result.rounds)
+                      result.rounds, cfg.sampling.seed)
 
     def _kept(self, owner: object, committed: Committed | None, prompt: Prompt, max_new_tokens: int,
               stop: Sequence[str], on_piece: Callable[[str], None] | None, cancelled: Callable[[], bool] | None,
-              fix: str) -> tuple[Output, Committed | None]:
+              fix: str, sampling: SamplingParams = GREEDY) -> tuple[Output, Committed | None]:
         """`_run`, keeping the rows `prompt` shares with `committed` while `owner`'s rows are the backend's; the
         answer, and what the backend then holds."""
         codec = self.session.codec
         prompt = _prompt(prompt)
         if self._scheduler is not None:  # each batch slot keeps its rows for the prompt sharing most of them
-            return self._run(prompt, max_new_tokens, stop, on_piece=on_piece, cancelled=cancelled, fix=fix), None
+            return self._run(prompt, max_new_tokens, stop, on_piece=on_piece, cancelled=cancelled, fix=fix,
+                             sampling=sampling), None
         keep = shared_rows(committed if self._owner is owner else None, prompt, codec.image_token_id, codec.merge_size)
-        out = self._run(prompt, max_new_tokens, stop, keep=keep, on_piece=on_piece, cancelled=cancelled, fix=fix)
+        out = self._run(prompt, max_new_tokens, stop, keep=keep, on_piece=on_piece, cancelled=cancelled, fix=fix,
+                        sampling=sampling)
         rows = self.session.backend.start
         self._owner = owner
         return out, Committed(np.concatenate([prompt.input_ids, np.asarray(out.token_ids, np.int64)])[:rows],
@@ -413,26 +433,31 @@ class Chat:
 
     def send(self, text: str, images: Sequence[ImageLike] | None = None, *, max_new_tokens: int = MAX_NEW_TOKENS,
              stop: Sequence[str] = (), on_text: Callable[[str], None] | None = None,
-             videos: Sequence[VideoLike] | None = None) -> Output:
+             videos: Sequence[VideoLike] | None = None, temperature: float = 0.0, top_p: float = 1.0,
+             top_k: int = 0, min_p: float = 0.0, seed: int | None = None) -> Output:
         """One user turn (with any number of images and videos) and its answer; prefills only what the
         conversation has not committed yet. A turn that would overflow the context is refused and leaves the
         history as it was."""
+        sampling = sampling_params(temperature, top_p, top_k, min_p, seed)
         with self._model._busy():
             turn, prompt = self._turn(text, images, videos)
-            return self._record(turn, self._answer(prompt, max_new_tokens, stop, on_text, None))
+            return self._record(turn, self._answer(prompt, max_new_tokens, stop, on_text, None, sampling))
 
     def stream(self, text: str, images: Sequence[ImageLike] | None = None, *, max_new_tokens: int = MAX_NEW_TOKENS,
-               stop: Sequence[str] = (), videos: Sequence[VideoLike] | None = None) -> Stream:
+               stop: Sequence[str] = (), videos: Sequence[VideoLike] | None = None, temperature: float = 0.0,
+               top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None) -> Stream:
         """`send`'s answer in pieces as rounds commit; once they are exhausted the stream's `output` is `send`'s
         Output and the turn is in the history. A stream closed before then ends decoding after the current round
         and leaves the history as it was."""
-        return Stream(self._streamed(text, images, max_new_tokens, stop, videos))
+        sampling = sampling_params(temperature, top_p, top_k, min_p, seed)
+        return Stream(self._streamed(text, images, max_new_tokens, stop, videos, sampling))
 
-    def _streamed(self, text, images, max_new_tokens, stop, videos) -> Generator[str, None, Output]:
+    def _streamed(self, text, images, max_new_tokens, stop, videos,
+                  sampling: SamplingParams) -> Generator[str, None, Output]:
         with self._model._busy():
             turn, prompt = self._turn(text, images, videos)
             out = yield from Model._pieces(lambda on_piece, cancel: self._answer(prompt, max_new_tokens, stop,
-                                                                                 on_piece, cancel.is_set))
+                                                                                 on_piece, cancel.is_set, sampling))
             return self._record(turn, out)
 
     def _turn(self, text: str, images: Sequence[ImageLike] | None,
@@ -443,11 +468,11 @@ class Chat:
         return turn, self._model.build(messages=[*self._messages, turn])
 
     def _answer(self, prompt: Prompt, max_new_tokens: int, stop: Sequence[str], on_text: Callable[[str], None] | None,
-                cancelled: Callable[[], bool] | None) -> Output:
+                cancelled: Callable[[], bool] | None, sampling: SamplingParams) -> Output:
         """Decode a turn's prompt, keeping what the backend then holds (whether or not the turn is recorded)."""
         out, self._committed = self._model._kept(
             self, self._committed, prompt, max_new_tokens, stop, on_text, cancelled,
-            "start over with chat.reset(), lower max_new_tokens, or load with a larger max_context")
+            "start over with chat.reset(), lower max_new_tokens, or load with a larger max_context", sampling)
         return out
 
     def _record(self, turn: dict[str, Any], out: Output) -> Output:
@@ -466,13 +491,14 @@ class Reuse:
         self._committed: Committed | None = None
 
     def decode(self, prompt: Prompt, *, max_new_tokens: int = MAX_NEW_TOKENS, stop: Sequence[str] = (),
-               on_text: Callable[[str], None] | None = None, cancelled: Callable[[], bool] | None = None) -> Output:
+               on_text: Callable[[str], None] | None = None, cancelled: Callable[[], bool] | None = None,
+               sampling: SamplingParams = GREEDY) -> Output:
         """Answer `prompt`; `on_text` sees the text as rounds commit, `cancelled` is asked after each round and
         a True ends the decode there (stats["finish"] is then "cancelled"; the rows stay consistent)."""
         model = self._model
         with model._busy():
             out, self._committed = model._kept(self, self._committed, prompt, max_new_tokens, stop, on_text, cancelled,
-                                               ROOM_FIX)
+                                               ROOM_FIX, sampling)
             return out
 
 

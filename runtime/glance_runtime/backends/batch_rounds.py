@@ -10,7 +10,7 @@ single-sequence backend does, per slot.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -19,6 +19,7 @@ from ..decode.backend import Verified, block_rows, draft_rows
 from ..decode.batch_budget import BatchBudget, BatchCost, start_from_profile
 from ..decode.batch_loop import BatchLoop
 from ..decode.limits import check_branch_k, check_tree
+from ..decode.sampling import Draw
 from ..errors import GlanceError
 from ..formats.common import MAX_BATCH
 from ..formats.graphs import draft_kv_names, target_kv_names
@@ -107,13 +108,13 @@ class BatchRounds:
 
     # -- joining --------------------------------------------------------------------------------------
 
-    def prefill(self, slot: int, prompt, keep: int = 0) -> tuple[int, float]:
+    def prefill(self, slot: int, prompt, keep: int = 0, draw: Draw | None = None) -> tuple[int, float]:
         """Prefill `prompt` into `slot` as a sequence alone; the first anchor's embedding is kept where
         the next prefill cannot overwrite it. The prompt's taps wait for the slot's first draft (a batched draft
         hands more rows than a round commits to a draft pass of the slot alone first: `_absorb`)."""
         backend = self.slots[slot]
         backend.known = {}  # the shared projections' rows belong to whichever slot ran last
-        first, entropy = backend.prefill(prompt, keep) if keep else backend.prefill(prompt)
+        first, entropy = backend.prefill(prompt, keep, draw)
         self.keep_anchor(slot, first)
         return first, entropy
 
@@ -129,7 +130,8 @@ class BatchRounds:
         """The slot's backend for a round of its own (one sequence in the batch): the slot's passes as a batch of one,
         seeing the anchor's embedding where this class keeps it. `keep_anchor` after its commit."""
         backend = self.slots[slot]
-        backend.known = {anchor: self.known[slot][anchor]}
+        found = self.known[slot].get(anchor)  # a sampled anchor may lie outside the last projection's top-k
+        backend.known = {anchor: found} if found else {}
         return backend
 
     def keep_anchor(self, slot: int, token: int) -> None:
@@ -154,7 +156,7 @@ class BatchRounds:
             known = self.known[slot]
             found = [known.get(int(t)) or kept.get(int(t)) for t in tokens]
             if not all(found):
-                self.base.embed_rows(np.asarray(tokens, np.int64), dst, b * stride)
+                self.base.embed_fresh(np.asarray(tokens, np.int64), dst, b * stride)
                 continue
             for i, (buf, row) in enumerate(found):
                 move = moves.setdefault(id(buf), (buf, [], []))
@@ -163,23 +165,55 @@ class BatchRounds:
         for buf, to, of in moves.values():
             self.device.copy_rows(dst, np.array(to), buf, np.array(of), dst.row_bytes)
 
-    def _project(self, hidden: Tensor, rows: int, into: str, graph: str) -> tuple[np.ndarray, np.ndarray]:
+    def _project(self, hidden: Tensor, rows: int, into: str, graph: str,
+                 draws: list[tuple[Draw | None, np.ndarray]] | None = None
+                 ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
         """Top-k of `rows` hidden rows, in runs of at most the rows a lone pass projects: a vocabulary-wide
         projection's activations grow with its rows (at 3B width 2.4 MB of logits a row, and as much again for
         their log-softmax), so a batch projecting all its trees at once held hundreds of MB more than a lone
-        sequence; and a TensorRT vocab engine's profile stops at that many rows."""
+        sequence; and a TensorRT vocab engine's profile stops at that many rows. Also each row's token and its
+        log-prob: the argmax, or where `draws` (per sequence, in packing order: its Draw and its rows' depths)
+        samples, the token sampled from that run's logits as the sequence alone would."""
         k, cands = self.base.manifest.branch_k, self.cands[into]
         width, step = cands.shape[1], self.projection_rows
         item = cands.dtype.itemsize
+        owner = np.concatenate([np.full(len(d), i) for i, (_, d) in enumerate(draws)]) if draws else None
+        depth = np.concatenate([d for _, d in draws]) if draws else None
+        chosen, confidence = np.zeros(rows, np.int64), np.zeros(rows, np.float64)
         for first in range(0, rows, step):
             n = min(step, rows - first)
+            sampled = draws is not None and any(draws[i][0] for i in set(owner[first:first + n].tolist()))
             outputs = {"embeds": self.scratch_row.rows(1), "topk_ids": self.top_ids.rows(n, first),
                        "topk_logprobs": self.top_logp.rows(n, first), "entropy": self.entropy.rows(1),
                        "topk_embeds": cands.tensor((n, k, width), first * k * width * item),
-                       **self.base.logits_out(n, graph)}
+                       **self.base.logits_out(n, graph, sampled)}
             part = Tensor(hidden.buffer, hidden.offset + first * width * item, (n, width))
             self.base.graphs[graph].run({"ids": self.base.no_id.rows(1), "hidden": part}, outputs)
-        return self.device.download(self.top_ids.rows(rows)), self.device.download(self.top_logp.rows(rows))
+            if sampled:
+                self._sample_run(first, n, draws, owner, depth, chosen, confidence)
+        ids, logp = self.device.download(self.top_ids.rows(rows)), self.device.download(self.top_logp.rows(rows))
+        greedy = np.ones(rows, bool) if owner is None else np.array([draws[i][0] is None for i in owner.tolist()])
+        chosen[greedy], confidence[greedy] = ids[greedy, 0], logp[greedy, 0]
+        return ids, logp, (chosen, confidence)
+
+    def _sample_run(self, first: int, n: int, draws: list[tuple[Draw | None, np.ndarray]], owner: np.ndarray,
+                    depth: np.ndarray, chosen: np.ndarray, confidence: np.ndarray) -> None:
+        """The sampled rows of one projection run (rows first..first+n of the pack) into `chosen` and `confidence`,
+        from the logits it left (a row's log-normalizer is its argmax's logit less that token's log-prob)."""
+        base = self.base
+        logits = self.device.download(base.logits.tensor((n, base.manifest.vocab_size)))
+        top = self.device.download(self.top_ids.rows(n, first))[:, 0]
+        top_logp = self.device.download(self.top_logp.rows(n, first))[:, 0].astype(np.float64)
+        span = slice(first, first + n)
+        for i in sorted(set(owner[span].tolist())):
+            draw = draws[i][0]
+            if draw is None:
+                continue
+            local = np.flatnonzero(owner[span] == i)
+            tokens = draw.choose(logits[local], depth[span][local])
+            chosen[first + local] = tokens
+            norm = logits[local, top[local]].astype(np.float64) - top_logp[local]
+            confidence[first + local] = logits[local, tokens].astype(np.float64) - norm
 
     def _pack(self, src: Buffer, stride: int, counts: list[int]) -> Tensor:
         """The first counts[b] of each sequence's `stride` rows of src, consecutive in `packed`; src itself
@@ -254,8 +288,8 @@ class BatchRounds:
             self.head_pool.write(slots[i], backend.head_kv.length, self.ctx_out, i * n * row, layer, rows)
             backend.head_kv.length += rows
             backend.pending_rows, backend.pending_from = 0, backend.start
-        ids, logp = self._project(self._pack(self.draft_hidden, length - 1, depths), sum(depths), "draft",
-                                  base.draft_projection)
+        ids, logp, _ = self._project(self._pack(self.draft_hidden, length - 1, depths), sum(depths), "draft",
+                                     base.draft_projection)
         self._remember(slots, ids, depths, "draft")
         out, at = [], 0
         for i, ((slot, anchor, k, _), depth) in enumerate(zip(asks, depths)):
@@ -264,9 +298,11 @@ class BatchRounds:
             at += depth
         return out
 
-    def verify(self, trees: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]) -> list[Verified]:
+    def verify(self, trees: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]],
+               draws: Sequence[Draw | None] = ()) -> list[Verified]:
         """One target pass over every (slot, tokens, depths, visible): each slot's packed tree, as
-        `Backend.verify` takes one, seeing its own slot's committed rows."""
+        `Backend.verify` takes one, seeing its own slot's committed rows; `draws[i]`: tree i's tokens are sampled
+        as alone (None or absent: its argmax)."""
         base, dev = self.base, self.device
         for _, tokens, _, _ in trees:
             check_tree(base.info.limits, len(tokens))
@@ -310,13 +346,13 @@ class BatchRounds:
                    **{name: self.present.tensor((count, t, *kv_shape), i * layer)
                       for i, name in enumerate(self.target_out)}}
         target.run({n: v for n, v in inputs.items() if n in target.input_names}, outputs)
-        ids, logp = self._project(self._pack(self.hidden, t, sizes), sum(sizes), "verify", "vocab")
+        rows = [(draw, np.asarray(tree[2], np.int64)) for draw, tree in zip(draws, trees)] if any(draws) else None
+        ids, logp, chosen = self._project(self._pack(self.hidden, t, sizes), sum(sizes), "verify", "vocab", rows)
         self._remember(slots, ids, sizes, "verify")
         self._width = t
         out, at = [], 0
         for size in sizes:
-            out.append(Verified(ids[at:at + size, 0].astype(np.int64), float("nan"),
-                                logp[at:at + size, 0].astype(np.float64)))
+            out.append(Verified(chosen[0][at:at + size], float("nan"), chosen[1][at:at + size]))
             at += size
         return out
 

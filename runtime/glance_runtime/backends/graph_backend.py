@@ -190,6 +190,11 @@ class GraphBackend:
             for i, (buf, row) in enumerate(found):
                 self.device.copy(dst.rows(1, first + i), buf.rows(1, row))
             return
+        self.embed_fresh(tokens, dst, first)
+
+    def embed_fresh(self, tokens: np.ndarray, dst: Buffer, first: int) -> None:
+        """`embed_rows` by one vocab run, whatever earlier projections left: for callers whose tokens this
+        backend's own projections did not produce (a batch's, whose rows those projections no longer hold)."""
         count = len(tokens)
         self.device.upload(self.ids.rows(count), tokens)
         outputs = {"embeds": dst.rows(count, first), "topk_ids": self.top_ids.rows(1), "topk_logprobs": self.top_logp.rows(1),

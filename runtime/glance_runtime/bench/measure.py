@@ -7,10 +7,11 @@ backend exposes its graphs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from ..decode.loop import decode
+from ..decode.sampling import GREEDY, SamplingParams
 from .modes import Mode
 from .seeding import ConfidentSeeds
 from .task_prompts import BenchTask
@@ -50,10 +51,10 @@ class PromptResult:
 
 
 def _decode(backend, prompt, mode: Mode, max_new_tokens: int, stops: Sequence[int], clock: GraphClock | None,
-            block_size: int):
+            block_size: int, sampling: SamplingParams = GREEDY):
     """Decode once; per-round dicts carry RoundLog's fields plus each graph's ms when a clock is attached."""
     readings: list[dict[str, float]] = []
-    result = decode(backend, prompt, mode.config(max_new_tokens), stops,
+    result = decode(backend, prompt, replace(mode.config(max_new_tokens), sampling=sampling), stops,
                     on_commit=(lambda _new: readings.append(clock.reading())) if clock else None)
     rounds = []
     for i, r in enumerate(result.rounds):
@@ -75,8 +76,10 @@ def _decode(backend, prompt, mode: Mode, max_new_tokens: int, stops: Sequence[in
 
 
 def measure_prompt(backend, task: BenchTask, build_prompt, stops: Sequence[int], modes: list[Mode], samples: int,
-                   max_new_tokens: int, clock: GraphClock | None, seed_drafts: str = "none") -> PromptResult:
-    """`samples` runs of every mode (the first dropped); a run that differs from AR is recorded, not raised."""
+                   max_new_tokens: int, clock: GraphClock | None, seed_drafts: str = "none",
+                   sampling: SamplingParams = GREEDY) -> PromptResult:
+    """`samples` runs of every mode (the first dropped); a run that differs from AR is recorded, not raised. With
+    `sampling`, every mode samples with the same seed, so AR is plain sampling and each mode must match it."""
     prompt = build_prompt(task.prompt, task.image)
     block = backend.block_size
     truth: list[int] | None = None
@@ -86,7 +89,7 @@ def measure_prompt(backend, task: BenchTask, build_prompt, stops: Sequence[int],
         order = modes[s % len(modes):] + modes[:s % len(modes)]
         for mode in order:
             runner = drafter if mode.kind != "ar" else backend
-            result, rounds = _decode(runner, prompt, mode, max_new_tokens, stops, clock, block)
+            result, rounds = _decode(runner, prompt, mode, max_new_tokens, stops, clock, block, sampling)
             if truth is None:
                 truth = result.tokens
                 out = PromptResult(task, int(prompt.length), len(truth))

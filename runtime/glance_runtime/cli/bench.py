@@ -23,11 +23,12 @@ from .._version import __version__
 from ..store.atomic import check_output, check_output_file, output_directory, output_format
 from ..decode.auto_budget import AutoBudget, auto_budget
 from ..decode.calibration import FILE as CALIBRATION_FILE, FORMAT as CALIBRATION_FORMAT, Calibration, load_calibration
-from .flags import OneLineParser, at_least, check_dirs, guarded, runner_flags, source
+from .flags import OneLineParser, at_least, check_dirs, guarded, runner_flags, sampling_flags, sampling_of, source
 from ..defaults import BRANCH_K, MEASURE_MAX_NEW_TOKENS, resolve
 from ..errors import GlanceError
 from ..formats.cost import REMEDY
 from ..decode.limits import check_decode
+from ..decode.sampling import derived
 from ..backends.registry import open_session
 from ..decode.session import Session
 from ..bench.calibrate import fit_calibration, summary_lines
@@ -88,6 +89,8 @@ def bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--law-mode", help="whose rounds the law is fitted to (default: the largest tree budget)")
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap replicates for intervals")
     p.add_argument("--seed", type=int, default=0, help="seed of the bootstrap and permutation draws")
+    sampling_flags(p, "--sampling-seed", 0, "the sampling seed with --temperature above 0 (default 0): prompt i of "
+                   "the data samples with this seed + i, in every mode alike, so every mode must match AR")
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs (no matplotlib needed)")
     p.add_argument("--expect", action="append", default=[], metavar="METRIC[@KIND]OP NUMBER",
                    help="a threshold of your own, e.g. speedup>=1.5 or auto_vs_best<=1.05 (repeatable): each is "
@@ -185,6 +188,7 @@ def _conditions(session: Session, args: argparse.Namespace, argv: list[str]) -> 
 
 def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     _check(args)
+    sampling = sampling_of(args)
     budgets, with_auto = parse_budgets(args.budgets)
     if not with_auto and (args.calibration is not None or args.remeasure):
         raise GlanceError("--calibration and --remeasure are for the auto mode; add auto to --budgets")
@@ -214,7 +218,7 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     with Progress(len(tasks)) as progress:
         for task in tasks:
             result = measure_prompt(session.backend, task, session.prompt, session.stop_ids, modes, args.samples,
-                                    args.max_new_tokens, clock, args.seed_drafts)
+                                    args.max_new_tokens, clock, args.seed_drafts, derived(sampling, len(results)))
             results.append(result)
             progress.step(f"{task.kind} {task.index}: {result.new_tokens} tokens")
     conditions.update(load_end=round(os.getloadavg()[0], 2), finished=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
@@ -223,6 +227,9 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
                 "warmup_dropped": 1, "prompts": len(tasks), "n": args.n, "max_new_tokens": args.max_new_tokens,
                 "drafts": "the head's own" if args.seed_drafts == "none" else f"seeded ({args.seed_drafts}; an upper bound)",
                 "block_size": session.backend.block_size, "bootstrap": args.bootstrap, "seed": args.seed,
+                "sampling": None if sampling.greedy else {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                                                          "top_k": sampling.top_k, "min_p": sampling.min_p,
+                                                          "seed": sampling.seed},
                 "modes": [m.name for m in modes], "data": [str(p) for p in args.data]}
     report, rows, fits = build(results, modes, conditions, settings, args.bootstrap, args.seed, args.law_mode, auto,
                                expectations)
@@ -230,7 +237,8 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     lossless = report["lossless"]
     if lossless["identical"] < lossless["runs"]:
         print(f"glance-bench: warning: {lossless['runs'] - lossless['identical']} of {lossless['runs']} runs differ "
-              "from AR greedy (see identical counts in report.md)", file=sys.stderr)
+              f"from AR {'greedy' if sampling.greedy else 'sampling with the same seeds'} (see identical counts in "
+              "report.md)", file=sys.stderr)
     pooled = report["pooled"]
     best = pooled["modes"][pooled["best"]]
     print(f"best {pooled['best']}: {best['speedup_decode']:.2f}x excl. prefill, {best['speedup_with_prefill']:.2f}x "

@@ -14,6 +14,7 @@ from typing import Callable, NoReturn
 from .._version import __version__
 from ..defaults import AUTO, BRANCH_K
 from ..decode.limits import threads_problem
+from ..decode.sampling import SEED_LIMIT, SamplingParams, sampling_params
 from ..errors import GlanceError, check_stdout, machine_failure, silence_stdout
 from ..backends.registry import BACKENDS
 from ..backends.registry import Source
@@ -162,6 +163,43 @@ def decode_flags(p: argparse.ArgumentParser, *, max_new_tokens: int | None, budg
                    help=f"top-k per draft offset (default {BRANCH_K})")
     p.add_argument("--max-new-tokens", type=at_least("--max-new-tokens", 1), default=max_new_tokens,
                    help=max_new_tokens_help or f"longest answer in tokens (default {max_new_tokens})")
+
+
+def seed(flag: str) -> Callable[[str], int]:
+    """A sampling seed: a whole number 0..2**63-1, read exactly (a float would round a 63-bit seed)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            value = -1
+        if not 0 <= value < SEED_LIMIT:
+            raise argparse.ArgumentTypeError(f"{flag} {text!r} is not a whole number in 0..{SEED_LIMIT - 1}; pass "
+                                             f"{flag} 0..{SEED_LIMIT - 1}")
+        return value
+    return parse
+
+
+def sampling_flags(p: argparse.ArgumentParser, seed_flag: str = "--seed", seed_default: int | None = None,
+                   seed_help: str = "the sampling seed (default: drawn, and reported, so the answer can be "
+                                    "reproduced)") -> None:
+    """--temperature, --top-p, --top-k, --min-p and the sampling seed (`seed_flag`, where a command's --seed means
+    something else): numbers here, their ranges checked by `sampling.sampling_params` (one line naming the
+    setting)."""
+    p.add_argument("--temperature", type=finite("--temperature", 0.0), default=0.0,
+                   help="0 (the default) decodes greedily; above 0 samples at this temperature, the same tokens with "
+                   "the draft on or off (for a --seed)")
+    p.add_argument("--top-p", type=finite("--top-p", 0.0), default=1.0,
+                   help="sample from the smallest set of tokens holding this share of the probability (default 1: off)")
+    p.add_argument("--top-k", type=at_least("--top-k", 0), default=0, help="sample from the k likeliest tokens "
+                   "(default 0: off)")
+    p.add_argument("--min-p", type=finite("--min-p", 0.0), default=0.0,
+                   help="drop tokens less likely than this share of the likeliest (default 0: off)")
+    p.add_argument(seed_flag, dest="sampling_seed", type=seed(seed_flag), default=seed_default, help=seed_help)
+
+
+def sampling_of(args: argparse.Namespace) -> SamplingParams:
+    """The sampling settings the flags ask for (one line naming a setting out of range)."""
+    return sampling_params(args.temperature, args.top_p, args.top_k, args.min_p, args.sampling_seed)
 
 
 def check_dirs(args: argparse.Namespace) -> None:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from .. import api
 from ..store.cache import cache_root
-from .flags import OneLineParser, check_applicable, check_dirs, decode_flags, guarded, positive, runner_flags
+from .flags import (OneLineParser, check_applicable, check_dirs, decode_flags, guarded, positive, runner_flags,
+                    sampling_flags, sampling_of)
 from ..decode.limits import check_speculation
 from ..defaults import BUDGET, RUN_MAX_NEW_TOKENS, resolve
 from ..errors import GlanceError
@@ -30,13 +31,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="an interactive conversation on the terminal that keeps its "
                    "KV between turns (--prompt and --image give the first turn); /reset starts over, /exit ends")
     runner_flags(p)
-    p.add_argument("--no-spec", action="store_true", help="plain greedy decoding, no draft head")
+    p.add_argument("--no-spec", action="store_true", help="plain decoding, no draft head")
     decode_flags(p, max_new_tokens=RUN_MAX_NEW_TOKENS, budget_help="tree nodes verified per round besides the "
                  "anchor, or auto: sized each round from the draft's confidence and this device's measured costs "
                  "(default: auto where a cost profile exists or is measured on first use, i.e. exported graphs "
                  f"and engines; else {BUDGET})")
     p.add_argument("--remeasure", action="store_true", help="measure this device's cost profile for --budget "
                    "auto again instead of reading the stored one")
+    sampling_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     return p
 
@@ -101,7 +103,8 @@ def _stats_line(out: api.Output) -> str:
     return (f"[{s['backend']}] tau {s['tau']:.2f} | {_count(s['tokens'], 'token')} (1 from the prefill, "
             f"{s['tokens'] - 1} in {_count(s['rounds'], 'round')}) | "
             f"{s['tokens_per_s']} tok/s | {s['ms_per_token']:.1f} ms/token ({s['ms_per_token_decode']:.1f} without "
-            f"prefill) | prefilled {s['prefill_tokens']} of {s['prompt_tokens']} prompt tokens")
+            f"prefill) | prefilled {s['prefill_tokens']} of {s['prompt_tokens']} prompt tokens"
+            + ("" if out.seed is None else f" | sampled with seed {out.seed}"))
 
 
 def _load(args: argparse.Namespace, terminal: Terminal) -> api.Model:
@@ -117,6 +120,12 @@ def _load(args: argparse.Namespace, terminal: Terminal) -> api.Model:
                     max_context=args.max_context, max_tree=args.max_tree, threads=args.threads,
                     remeasure=args.remeasure,
                     progress=terminal.notice)
+
+
+def _sampling(args: argparse.Namespace) -> dict:
+    """generate's sampling arguments from the flags."""
+    s = sampling_of(args)
+    return {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p, "seed": s.seed}
 
 
 def _chat(model: api.Model, args: argparse.Namespace, terminal: Terminal) -> int:
@@ -147,7 +156,8 @@ def _chat(model: api.Model, args: argparse.Namespace, terminal: Terminal) -> int
             if not text.strip():
                 continue
         try:
-            out = chat.send(text, images, videos=videos, max_new_tokens=args.max_new_tokens, on_text=terminal.write)
+            out = chat.send(text, images, videos=videos, max_new_tokens=args.max_new_tokens, on_text=terminal.write,
+                            **_sampling(args))
         except GlanceError as exc:
             terminal.end(always=False)
             print(f"glance-run: error: {exc}", file=sys.stderr)
@@ -158,16 +168,19 @@ def _chat(model: api.Model, args: argparse.Namespace, terminal: Terminal) -> int
 
 def run(args: argparse.Namespace) -> int:
     _check_inputs(args)
+    _sampling(args)  # settings out of range are refused before the model loads
     terminal = Terminal()
     with _load(args, terminal) as model:
         if args.chat:
             return _chat(model, args, terminal)
         out = model.generate(args.prompt, images=args.image, videos=_videos(args), system=args.system,
-                             max_new_tokens=args.max_new_tokens, on_text=None if args.json else terminal.write)
+                             max_new_tokens=args.max_new_tokens, on_text=None if args.json else terminal.write,
+                             **_sampling(args))
         if args.json:
             log = [{"entropy": round(r.entropy, 4), "accepted": r.accepted, "tree_size": r.tree_size,
                     "drafted": r.drafted, "ms": round(r.total_ms, 3)} for r in out.rounds]
-            print(json.dumps({"text": out.text, "token_ids": out.token_ids, **out.stats, "round_log": log}))
+            print(json.dumps({"text": out.text, "token_ids": out.token_ids, **out.stats, "seed": out.seed,
+                              "round_log": log}))
             return 0
         terminal.end()
         print(_stats_line(out), file=sys.stderr)

@@ -23,6 +23,7 @@ import numpy as np
 from .backend import Backend, Verified
 from .batch_budget import BatchBudget
 from .loop import BudgetPolicy, DecodeConfig, DecodeResult, draft_depth, first_tokens, one_round, record_round
+from .sampling import Draw
 from .tree import Tree, build_tree, fit, visibility, walk
 from ..errors import GlanceError
 
@@ -34,11 +35,12 @@ class Rounds(Protocol):
     @property
     def capacity(self) -> int: ...
 
-    def prefill(self, slot: int, prompt, keep: int = 0) -> tuple[int, float]: ...
+    def prefill(self, slot: int, prompt, keep: int = 0, draw: Draw | None = None) -> tuple[int, float]: ...
 
     def draft(self, asks: list[tuple[int, int, int, int | None]]) -> list[tuple[np.ndarray, np.ndarray]]: ...
 
-    def verify(self, trees: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]) -> list[Verified]: ...
+    def verify(self, trees: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]],
+               draws: Sequence[Draw | None] = ()) -> list[Verified]: ...
 
     def commit(self, kept: list[tuple[int, np.ndarray]]) -> None: ...
 
@@ -106,7 +108,7 @@ class BatchLoop:
         request.slot, request.started = slot, time.perf_counter()
         if request.cfg.auto and self.alone is not None:
             request.alone = replace(request.cfg, auto=self.alone)
-        first, _ = self.rounds.prefill(slot, request.prompt, request.keep)
+        first, _ = self.rounds.prefill(slot, request.prompt, request.keep, request.cfg.draw(0))
         out = request.result
         out.prefill_ms = (time.perf_counter() - request.started) * 1e3
         new = first_tokens(out, first, request.cfg, request.stops)
@@ -148,11 +150,13 @@ class BatchLoop:
         drafts = dict(zip(drafting, rounds.draft([(requests[i].slot, requests[i].anchor, requests[i].cfg.branch_k,
                                                    depths[i]) for i in drafting])))
         stop = self.policy.growth_stop(len(requests)) if batched and drafting else None
-        trees = [self._tree(r, drafts.get(i), stop) for i, r in enumerate(requests)]
+        draws = [r.cfg.draw(len(r.result.tokens)) for r in requests]
+        trees = [self._tree(r, drafts.get(i), stop, draws[i]) for i, r in enumerate(requests)]
         if batched:
             trees = self.policy.cut(trees, [r.surprisal for r in requests], len(drafting))
         r1 = time.perf_counter()
-        verified = rounds.verify([(r.slot, t.tokens, t.depths, visibility(t.parents)) for r, t in zip(requests, trees)])
+        verified = rounds.verify([(r.slot, t.tokens, t.depths, visibility(t.parents)) for r, t in zip(requests, trees)],
+                                 draws)
         r2 = time.perf_counter()
         walks = [walk(t, v.argmax) for t, v in zip(trees, verified)]
         rounds.commit([(r.slot, np.concatenate([[0], path]).astype(np.int64)) for r, (path, _) in zip(requests, walks)])
@@ -175,13 +179,15 @@ class BatchLoop:
         return finished
 
     def _tree(self, request: Request, draft: tuple[np.ndarray, np.ndarray] | None,
-              stop: Callable[[int, float], bool] | None) -> Tree:
-        """A sequence's tree from its draft (the anchor alone without one), cut to its slot's room; under the
-        batch's auto (`stop` given), grown in the calibration's order for the policy's cut, as far as it could
-        keep."""
+              stop: Callable[[int, float], bool] | None, draw: Draw | None) -> Tree:
+        """A sequence's tree from its draft (the anchor alone without one; a sampled one's candidates ranked by
+        its noise, as alone), cut to its slot's room; under the batch's auto (`stop` given), grown in the
+        calibration's order for the policy's cut, as far as it could keep."""
         if draft is None:
             return Tree.root(request.anchor)
         ids, logp = draft
+        if draw is not None:
+            ids = draw.rerank(ids, logp)
         priority = self.policy.calibration.node_scorer(request.surprisal) if stop is not None else None
         tree = build_tree(request.anchor, ids, logp, request.cfg.budget, priority=priority, stop=stop,
                           leaves=request.stops)

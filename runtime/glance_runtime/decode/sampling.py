@@ -314,3 +314,25 @@ class Draw(NamedTuple):
             score = np.asarray(logp, np.float64) / self.params.temperature + gumbel(self.params.seed, positions, ids)
         order = np.argsort(-score, axis=1, kind="stable")
         return np.take_along_axis(np.asarray(ids), order, axis=1)
+
+
+def sampling_params(temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                    seed: int | None = None) -> SamplingParams:
+    """The settings a caller passes (numpy numbers as plain ones), checked: one line naming a bad one. The seed
+    is drawn later, where the answer is decoded (`SamplingParams.seeded`), so each answer of a greedy-free call
+    gets its own."""
+    def plain(value: object) -> object:
+        if isinstance(value, np.generic) and not isinstance(value, np.bool_):
+            return value.item()
+        return value
+
+    return SamplingParams(plain(temperature), plain(top_p), plain(top_k), plain(min_p), plain(seed)).check()
+
+
+def derived(params: SamplingParams, index: int) -> SamplingParams:
+    """The settings of answer `index` of a call that asks for several (a list of prompts, n answers): its seed is
+    the call's plus `index` (mod 2**63), so each answer is the one that seed gives alone; unseeded or greedy
+    settings are left as they are (each answer then draws its own seed)."""
+    if params.greedy or params.seed is None:
+        return params
+    return params.with_seed((params.seed + index) % SEED_LIMIT)

@@ -158,7 +158,8 @@ class DecodeQueue:
         t0 = time.perf_counter()
         prompt = job.prepare()
         prepare_ms = (time.perf_counter() - t0) * 1e3
-        completion = self.engine.complete(prompt, job.max_tokens, job.stops, emit=job.emit, cancelled=job.cancelled)
+        completion = self.engine.complete(prompt, job.max_tokens, job.stops, emit=job.emit, cancelled=job.cancelled,
+                                          sampling=job.sampling)
         completion.prepare_ms, completion.queue_ms = prepare_ms, queue_ms
         return completion
 
@@ -242,7 +243,7 @@ class BatchQueue:
                 t0 = time.perf_counter()
                 prompt = job.prepare()
                 prepare_ms = (time.perf_counter() - t0) * 1e3
-                started = self.engine.start(prompt, job.max_tokens, job.stops, job.emit, job.cancelled)
+                started = self.engine.start(prompt, job.max_tokens, job.stops, job.emit, job.cancelled, job.sampling)
             except BaseException as exc:
                 settle(None, exc)
                 return
@@ -448,6 +449,7 @@ class Service:
         self.authorize(request)
         req = parse_request(await self.body(request))
         req.refuse_sampling()
+        sampling = req.sampling()
         if not self.ready:
             raise RequestError("the model is still loading; retry when GET /health answers 200", 503,
                                code="loading", type="server_error", headers={"Retry-After": "1"})
@@ -469,7 +471,7 @@ class Service:
                 put(PREPARED)
             return prompt
 
-        future = self.runner.submit(Job(prepare, limit, req.stops, put if req.stream else None, cancelled))
+        future = self.runner.submit(Job(prepare, limit, req.stops, put if req.stream else None, cancelled, sampling))
         if not req.stream:
             try:
                 if not await self.watchdog.until(request, future, deadline):
@@ -576,13 +578,14 @@ class Service:
 
     def _glance(self, c: Completion, request: Request) -> dict[str, Any]:
         """GLANCE's own figures: acceptance, the wait for the runner, the time an in-process caller would have
-        spent (prepare: images and tokens; decode: the answer), and the server's whole time, from the request's
-        arrival at the app to this answer's last chunk being formed, so a client can tell what HTTP added."""
+        spent (prepare: images and tokens; decode: the answer), the server's whole time, from the request's
+        arrival at the app to this answer's last chunk being formed, so a client can tell what HTTP added, and the
+        seed a sampled answer was drawn with (send it back as `seed` to get the same answer)."""
         engine = self.runner.engine
         return {"tau": round(c.tau, 4), "rounds": c.rounds, "prefill_tokens": c.prefill_tokens,
                 "backend": engine.backend if engine else None, "budget": engine.budget if engine else None,
                 "queue_ms": round(c.queue_ms, 3), "prepare_ms": round(c.prepare_ms, 3), "decode_ms": round(c.ms, 3),
-                "server_ms": round((time.perf_counter() - request.scope[ARRIVED]) * 1e3, 3)}
+                "server_ms": round((time.perf_counter() - request.scope[ARRIVED]) * 1e3, 3), "seed": c.seed}
 
     def _response(self, c: Completion, request: Request) -> dict[str, Any]:
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),

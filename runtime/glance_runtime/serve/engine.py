@@ -21,6 +21,7 @@ from ..backends.batch_rounds import check_batch
 from ..backends.ort_backend import resolve_providers
 from ..decode.backend import ServeLimits
 from ..decode.limits import answer_rows, check_tree, runtime_limit
+from ..decode.sampling import GREEDY, SamplingParams
 from ..defaults import SERVE_MAX_BATCH, resolve
 from ..errors import GlanceError, LimitError
 from ..formats.artifacts import read as read_manifest
@@ -68,6 +69,7 @@ class Completion:
     prepare_ms: float = 0.0  # building its prompt (images, tokens), where the caller timed that
     queue_ms: float = 0.0  # waiting for the runner, where the caller queued it
     stats: dict[str, Any] = field(default_factory=dict)
+    seed: int | None = None  # the seed the answer was sampled with (drawn where none was asked); None: greedy
 
 
 def default_batch(spec: ModelSpec) -> int:
@@ -130,6 +132,7 @@ class Job:
     stops: Sequence[str] = ()
     emit: Callable[[str], None] | None = None
     cancelled: Callable[[], bool] = lambda: False
+    sampling: SamplingParams = GREEDY
 
 
 class Engine:
@@ -168,16 +171,18 @@ class Engine:
 
     def complete(self, prompt: Prompt, max_tokens: int, stop: Sequence[str] = (),
                  emit: Callable[[str], None] | None = None,
-                 cancelled: Callable[[], bool] = lambda: False) -> Completion:
-        """Decode greedily, keeping the rows shared with the last request; `emit` gets the text as rounds
-        commit, `cancelled` is polled each round (Cancelled is raised once the rows are consistent)."""
+                 cancelled: Callable[[], bool] = lambda: False, sampling: SamplingParams = GREEDY) -> Completion:
+        """Decode (greedily, or sampling as asked), keeping the rows shared with the last request; `emit` gets the
+        text as rounds commit, `cancelled` is polled each round (Cancelled is raised once the rows are
+        consistent)."""
         t0 = time.perf_counter()
-        out = self.rows.decode(prompt, max_new_tokens=max_tokens, stop=stop, on_text=emit, cancelled=cancelled)
+        out = self.rows.decode(prompt, max_new_tokens=max_tokens, stop=stop, on_text=emit, cancelled=cancelled,
+                               sampling=sampling)
         return _completion(out, (time.perf_counter() - t0) * 1e3)
 
     def start(self, prompt: Prompt, max_tokens: int, stop: Sequence[str] = (),
               emit: Callable[[str], None] | None = None,
-              cancelled: Callable[[], bool] = lambda: False) -> "Future[Completion]":
+              cancelled: Callable[[], bool] = lambda: False, sampling: SamplingParams = GREEDY) -> "Future[Completion]":
         """`complete` through the batch (max_batch > 1): returns at once; the future settles with the Completion
         (or Cancelled). `emit` and `cancelled` run on the batch thread."""
         done: Future = Future()
@@ -190,7 +195,7 @@ class Engine:
                 done.set_exception(exc)
 
         self.model.submit(prompt, max_new_tokens=max_tokens, stop=stop, on_text=emit,
-                          cancelled=cancelled).add_done_callback(settle)
+                          cancelled=cancelled, sampling=sampling).add_done_callback(settle)
         return done
 
     def close(self) -> None:
@@ -202,4 +207,4 @@ def _completion(out: Output, ms: float, queue_ms: float = 0.0) -> Completion:
     if s["finish"] == "cancelled":
         raise Cancelled
     return Completion(out.text, s["prompt_tokens"], s["prefill_tokens"], out.token_ids, out.tau, s["rounds"],
-                      "length" if s["finish"] == "length" else "stop", ms, queue_ms=queue_ms, stats=s)
+                      "length" if s["finish"] == "length" else "stop", ms, queue_ms=queue_ms, stats=s, seed=out.seed)

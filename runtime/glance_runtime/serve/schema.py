@@ -8,7 +8,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..errors import GlanceError
+from ..decode.sampling import SamplingParams, sampling_params
+from ..errors import GlanceError, InputError
 from ..prompt.prompt_builder import check_unicode
 from .openai_errors import RequestError
 
@@ -64,15 +65,26 @@ class ChatRequest(_Strict):
     user: str | None = None
 
     def refuse_sampling(self) -> None:
-        """The server decodes greedily and losslessly: any request for something else is a 400, never ignored."""
+        """What this server does not serve yet is a 400, never ignored: several answers to one request, log-probs
+        and penalties (temperature, top_p and seed are served: `sampling`)."""
         asked = [f"{name}={value}" for name, value, neutral in (
-            ("temperature", self.temperature, 0), ("top_p", self.top_p, 1), ("n", self.n, 1),
-            ("presence_penalty", self.presence_penalty, 0), ("frequency_penalty", self.frequency_penalty, 0),
-            ("logprobs", self.logprobs, False)) if value is not None and value != neutral]
+            ("n", self.n, 1), ("presence_penalty", self.presence_penalty, 0),
+            ("frequency_penalty", self.frequency_penalty, 0), ("logprobs", self.logprobs, False))
+            if value is not None and value != neutral]
         if asked:
-            raise RequestError(f"{', '.join(asked)} asks for sampling, but this server decodes greedily and losslessly "
-                               "(the target model's own greedy answer, token for token); omit it or send "
-                               "temperature 0, top_p 1, n 1", param=asked[0].split("=")[0], code="sampling_unsupported")
+            raise RequestError(f"{', '.join(asked)} is not served here: this server answers once per request, "
+                               "without log-probs or penalties (it samples with temperature, top_p and seed, the "
+                               "same tokens with the draft on or off); omit it or send n 1", param=asked[0].split("=")[0],
+                               code="sampling_unsupported")
+
+    def sampling(self) -> SamplingParams:
+        """The request's temperature, top_p and seed (absent: greedy, top_p 1, a drawn seed)."""
+        try:
+            return sampling_params(self.temperature or 0.0, 1.0 if self.top_p is None else self.top_p, 0, 0.0,
+                                   self.seed)
+        except InputError as exc:
+            name = str(exc).split(" ", 1)[0]
+            raise RequestError(str(exc), param=name, code="invalid_sampling") from None
 
     def check_text(self) -> None:
         """Stop strings and message text are real text (no lone surrogate, no empty stop string), refused with

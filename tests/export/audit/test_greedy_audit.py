@@ -12,6 +12,7 @@ from glance_export.audit.greedy_audit import audit, divergence_margin
 from glance_export.model.adapters import Snapshot
 from glance_export.model.torch_backend import greedy_with_margins
 from glance_runtime.backends.registry import Source, open_session
+from glance_runtime.decode.sampling import SamplingParams
 from glance_runtime.decode.session import Settings
 from glance_runtime.defaults import DEFAULT_ARTIFACTS, DEFAULT_MODEL
 from glance_runtime.formats.tasks import read as read_tasks
@@ -46,3 +47,14 @@ def test_the_report_says_how_the_graphs_compute_and_lists_divergences(session, t
     report = audit(session, read_tasks(tasks))
     assert report["int8_activations"] is False and report["divergences"] == [] and report["passed"]
     assert report["prompts"][0]["margin"] is None
+
+
+def test_a_sampled_audit_holds_glance_to_plain_sampling_with_the_same_seeds(session, tmp_path):
+    """Task i is sampled with the seed + i by GLANCE and by plain sampling alike: identical, and not greedy's."""
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Describe this.", "Name a colour.")))
+    sampled = audit(session, read_tasks(tasks), sampling=SamplingParams(temperature=1.5, seed=3))
+    assert sampled["passed"] and sampled["identical"] == sampled["n"] == 2 and sampled["sampling"]["seed"] == 3
+    greedy = audit(session, read_tasks(tasks))
+    assert greedy["sampling"] is None and [p["tokens"] for p in greedy["prompts"]] != [p["tokens"] for p in
+                                                                                       sampled["prompts"]]

@@ -385,3 +385,18 @@ def test_edge_install_benches_without_torch_and_refuses_plots_in_one_line(tmp_pa
     run = subprocess.run(base + ["--out", str(tmp_path / "b")], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "pip install 'glance-toolkit[bench]'" in run.stderr
     assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.edge
+def test_a_sampled_bench_holds_every_mode_to_plain_sampling(tmp_path):
+    """--temperature: every mode samples prompt i with the sampling seed + i, so each run must equal AR's (plain
+    sampling); the report records the settings."""
+    out = tmp_path / "bench"
+    assert bench_main(["--data", str(REPO / "examples/caption/tasks.jsonl"), "--n", "2", "--budgets", "7,15,auto",
+                       "--samples", "2", "--threads", "1", "--bootstrap", "20", "--no-plots", "--temperature", "1.2",
+                       "--top-p", "0.95", "--sampling-seed", "9", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["settings"]["sampling"] == {"temperature": 1.2, "top_p": 0.95, "top_k": 0, "min_p": 0.0, "seed": 9}
+    assert report["lossless"]["identical"] == report["lossless"]["runs"] > 0
+    assert bench_main(["--data", str(REPO / "examples/caption/tasks.jsonl"), "--out", str(tmp_path / "bad"),
+                       "--temperature", "1.0", "--min-p", "1.5"]) == 2

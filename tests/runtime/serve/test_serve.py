@@ -77,6 +77,23 @@ def test_openai_client_gets_glance_runs_text_plain_and_streamed(server, expected
         assert "".join(pieces) == ref["text"] and len([p for p in pieces if p]) > 1
 
 
+def test_a_sampled_answer_is_glance_runs_for_its_seed_plain_and_streamed(server):
+    """temperature, top_p and seed through the official client: the answer glance-run samples with that seed, a
+    drawn seed reported in the glance object and giving the same answer when sent back."""
+    for prompt, image in QUESTIONS:
+        ref = glance_run(prompt, image, None, "--temperature", "1.3", "--top-p", "0.95", "--seed", "17")
+        out = ask(server, prompt, image, temperature=1.3, top_p=0.95, seed=17)
+        assert out.choices[0].message.content == ref["text"] and out.model_extra["glance"]["seed"] == 17
+        pieces = [c.choices[0].delta.content or "" for c in ask(server, prompt, image, stream=True, temperature=1.3,
+                                                                 top_p=0.95, seed=17) if c.choices]
+        assert "".join(pieces) == ref["text"]
+    drawn = ask(server, "Describe this.", temperature=1.3)
+    seed = drawn.model_extra["glance"]["seed"]
+    assert isinstance(seed, int) and ask(server, "Describe this.", temperature=1.3, seed=seed).choices[0].message.content \
+        == drawn.choices[0].message.content
+    assert ask(server, "Describe this.").model_extra["glance"]["seed"] is None
+
+
 def test_usage_in_the_stream_and_a_file_under_the_media_dir(server, expected, media):
     ref = expected["What is the total?"]
     chunks = list(client(server).chat.completions.create(
@@ -197,9 +214,11 @@ REFUSALS = {
     "missing messages": ({"model": MODEL_NAME}, 400, "invalid_request"),
     "missing model": ({"messages": user("hi")}, 400, "invalid_request"),
     "empty messages": (_body(messages=[]), 400, "invalid_request"),
-    "temperature": (_body(temperature=0.7), 400, "sampling_unsupported"),
-    "top_p": (_body(top_p=0.5), 400, "sampling_unsupported"),
     "n": (_body(n=2), 400, "sampling_unsupported"),
+    "logprobs": (_body(logprobs=True), 400, "sampling_unsupported"),
+    "penalty": (_body(presence_penalty=0.5), 400, "sampling_unsupported"),
+    "temperature over 2": (_body(temperature=2.5), 400, "invalid_request"),
+    "a negative seed": (_body(temperature=0.7, seed=-1), 400, "invalid_sampling"),
     "unknown model": ({**_body(), "model": "gpt-4o"}, 404, "model_not_found"),
     "bad base64": (_image("data:image/png;base64,@@@not-base64@@@"), 400, "invalid_base64"),
     "not an image": (_image("data:image/png;base64,aGVsbG8gd29ybGQ="), 400, "invalid_image"),
@@ -289,8 +308,8 @@ def test_only_json_bodies_are_read(server, kind):
 
 
 def test_the_openai_client_raises_on_refusals(server):
-    with pytest.raises(openai.BadRequestError, match="greedily"):
-        ask(server, "hi", temperature=1.0)
+    with pytest.raises(openai.BadRequestError, match="n=2"):
+        ask(server, "hi", n=2)
     with pytest.raises(openai.NotFoundError):
         client(server).chat.completions.create(model="nope", messages=user("hi"))
 
