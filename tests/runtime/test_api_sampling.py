@@ -3,15 +3,21 @@ one is reported, speculation and batching leave the tokens as plain sampling's, 
 refused in one line."""
 from __future__ import annotations
 
+import copy
 import json
 import threading
+from dataclasses import replace
 
 import pytest
 
 import glance_runtime as gr
+from glance_runtime.backends.ort_backend import OrtBackend
 from glance_runtime.cli.run import main as run_main
+from glance_runtime.decode.loop import DecodeConfig, decode
 from glance_runtime.decode.sampling import SamplingParams
-from glance_runtime.errors import InputError
+from glance_runtime.defaults import DEFAULT_ARTIFACTS
+from glance_runtime.errors import GlanceError, InputError
+from glance_runtime.prompt.codec import exported_codec
 from support import RECEIPT
 
 pytestmark = pytest.mark.edge  # needs no torch: runs on the edge install too
@@ -127,3 +133,19 @@ def test_glance_run_samples_reproducibly_and_refuses_bad_settings(capsys):
 def test_sampling_params_name_what_they_hold():
     params = SamplingParams(temperature=0.7, top_p=0.9, seed=5).check()
     assert not params.greedy and SamplingParams().greedy
+
+
+def test_graphs_exported_before_sampling_refuse_it_in_one_line_and_still_decode_greedily(tmp_path):
+    """A manifest whose vocab graph declares no logits (as every export before sampling): a sampled decode names
+    the re-export; a greedy one runs as before."""
+    backend = OrtBackend(DEFAULT_ARTIFACTS, threads=1)
+    raw = copy.deepcopy(backend.manifest.raw)
+    del raw["graphs"]["vocab"]["outputs"]["logits"]
+    backend.manifest = replace(backend.manifest, raw=raw)
+    prompt = exported_codec(backend.manifest).turn("Describe this.", None)
+    greedy = decode(backend, prompt, DecodeConfig(max_new_tokens=8, speculative=False))
+    assert len(greedy.tokens) >= 1
+    with pytest.raises(GlanceError, match="exported before sampling.*re-export it with `glance-export onnx`") as err:
+        decode(backend, prompt, DecodeConfig(max_new_tokens=8, sampling=SamplingParams(temperature=0.8, seed=1)))
+    assert "\n" not in str(err.value)
+    backend.close()

@@ -94,6 +94,18 @@ def test_a_sampled_answer_is_glance_runs_for_its_seed_plain_and_streamed(server)
     assert ask(server, "Describe this.").model_extra["glance"]["seed"] is None
 
 
+def test_eight_clients_half_greedy_half_sampled_each_get_their_answer_alone(server):
+    """Eight requests at once through the batch, every other one sampled with its own seed: each answer is the one
+    glance-run gives the same request alone."""
+    asks = [(prompt, image, {} if i % 2 == 0 else {"temperature": 1.2, "top_p": 0.9, "seed": 100 + i})
+            for i, (prompt, image) in enumerate(QUESTIONS * 4)]
+    with ThreadPoolExecutor(len(asks)) as pool:
+        got = list(pool.map(lambda a: ask(server, a[0], a[1], **a[2]).choices[0].message.content, asks))
+    for (prompt, image, kw), text in zip(asks, got):
+        flags = [] if not kw else ["--temperature", "1.2", "--top-p", "0.9", "--seed", str(kw["seed"])]
+        assert text == glance_run(prompt, image, None, *flags)["text"], kw
+
+
 def test_usage_in_the_stream_and_a_file_under_the_media_dir(server, expected, media):
     ref = expected["What is the total?"]
     chunks = list(client(server).chat.completions.create(
