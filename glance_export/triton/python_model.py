@@ -7,6 +7,8 @@ so requests of later calls join the running batch; each answer is the one decode
 decodes one request at a time. The model is decoupled: a request with the parameter `"stream": true` gets its text as pieces while rounds commit
 (for `generate_stream`), any other request one response with the whole text (what `generate` requires:
 Triton's generate endpoint refuses a model that answers with more than one response).
+A request may sample (`temperature`, `top_p`, `top_k`, `min_p`, `seed`): the same
+tokens as glance-run with the same settings and seed, draft on or off, alone or in the batch.
 Parameters in config.pbtxt name what to serve (artifacts, engines or model and head; none: the embedded
 default) and where the runtime imports from when the stub's environment does not install it.
 """
@@ -103,19 +105,32 @@ class TritonPythonModel:
             limit = 256 if limit is None else int(limit)
             if not 1 <= limit <= self.max_tokens:
                 raise ValueError(f"max_tokens must be 1..{self.max_tokens} (got {limit})")
+            sampling = self._sampling(request)
             prompt = self.engine.prepare(self._messages(request), limit)
             stream = json.loads(request.parameters() or "{}").get("stream") is True
 
             def emit(piece):
                 sender.send(_response(piece))
 
-            decode = (prompt, limit, (), emit if stream else None, sender.is_cancelled)
+            decode = (prompt, limit, (), emit if stream else None, sender.is_cancelled, sampling)
             if self.batched:  # answered from the batch thread once it finishes; execute() moves on at once
                 self.engine.start(*decode).add_done_callback(lambda done: self._finish(sender, stream, done.result))
             else:
                 self._finish(sender, stream, lambda: self.engine.complete(*decode))
         except (ValueError, *self.errors) as exc:
             self._fail(sender, exc)
+
+    @staticmethod
+    def _sampling(request):
+        """The request's sampling settings (absent: greedy; temperature above 0 without a seed draws one): the
+        tokens glance-run samples with the same settings and seed."""
+        from glance_runtime.decode.sampling import sampling_params
+
+        given = {name: _input(request, name) for name in ("temperature", "top_p", "top_k", "min_p", "seed")}
+        defaults = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None}
+        # an FP32 input as the number the client wrote (0.95, not 0.949999988), as glance-run reads its flags
+        return sampling_params(**{k: defaults[k] if v is None else float(str(v)) if isinstance(v, np.floating) else v
+                                  for k, v in given.items()})
 
     def _finish(self, sender, stream, completion):
         """The final response: the whole text, or the end of a stream; or the decode's error."""

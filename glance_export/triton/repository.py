@@ -48,7 +48,8 @@ def _param(key: str, value: str) -> str:
 
 
 def config_pbtxt(repo: TritonRepo) -> str:
-    """The model configuration: string prompt and image, int32 max_tokens, string text; decoupled."""
+    """The model configuration: string prompt and image, int32 max_tokens, the sampling settings (temperature,
+    top_p, top_k, min_p, seed; absent: greedy), string text; decoupled."""
     kind = "KIND_GPU" if repo.gpus else "KIND_CPU"
     paths = {"artifacts": repo.artifacts, "engines": repo.engines, "model": repo.model, "head": repo.head}
     params = {k: str(Path(v).resolve()) for k, v in paths.items() if v is not None}
@@ -66,7 +67,12 @@ def config_pbtxt(repo: TritonRepo) -> str:
             "input [\n"
             '  { name: "prompt" data_type: TYPE_STRING dims: [ 1 ] },\n'
             '  { name: "image" data_type: TYPE_STRING dims: [ 1 ] optional: true },\n'
-            '  { name: "max_tokens" data_type: TYPE_INT32 dims: [ 1 ] optional: true }\n'
+            '  { name: "max_tokens" data_type: TYPE_INT32 dims: [ 1 ] optional: true },\n'
+            '  { name: "temperature" data_type: TYPE_FP32 dims: [ 1 ] optional: true },\n'
+            '  { name: "top_p" data_type: TYPE_FP32 dims: [ 1 ] optional: true },\n'
+            '  { name: "top_k" data_type: TYPE_INT32 dims: [ 1 ] optional: true },\n'
+            '  { name: "min_p" data_type: TYPE_FP32 dims: [ 1 ] optional: true },\n'
+            '  { name: "seed" data_type: TYPE_INT64 dims: [ 1 ] optional: true }\n'
             "]\n"
             'output [\n  { name: "text" data_type: TYPE_STRING dims: [ 1 ] }\n]\n'
             f"instance_group [\n  {{ count: {repo.instances_per_gpu} kind: {kind} }}\n]\n"

@@ -141,6 +141,27 @@ def test_generate_and_generate_stream_answer_with_glance_runs_text(triton):
 
 
 @pytest.mark.slow  # a real tritonserver
+def test_sampled_requests_get_glance_runs_sampled_answer_and_bad_settings_a_400(triton):
+    """temperature, top_p and seed as request inputs, greedy and sampled requests at once: each answer is glance-run's
+    with the same settings; a temperature out of range is refused naming it."""
+    asks = [("Describe this.", {}), ("Name a colour.", {"temperature": 1.2, "top_p": 0.95, "seed": 11}),
+            ("Describe this.", {"temperature": 0.8, "seed": 12}), ("What is the total?", {"top_k": 5})]
+
+    def generate(ask):
+        return httpx.post(f"{triton}/v2/models/glance/generate", json={"prompt": ask[0], "max_tokens": 64, **ask[1]},
+                          timeout=REQUEST_TIMEOUT_S).json()["text"]
+
+    with ThreadPoolExecutor(len(asks)) as pool:
+        got = list(pool.map(generate, asks))
+    for (prompt, kw), text in zip(asks, got):
+        flags = [f for k, v in kw.items() for f in (f"--{k.replace('_', '-')}", str(v))]
+        assert text == glance_run(prompt, None, 64, *flags)["text"], kw
+    bad = httpx.post(f"{triton}/v2/models/glance/generate", json={"prompt": "hi", "temperature": -1.0},
+                     timeout=REQUEST_TIMEOUT_S)
+    assert bad.status_code == 400 and "temperature" in bad.json()["error"]
+
+
+@pytest.mark.slow  # a real tritonserver
 def test_concurrent_requests_are_decoded_together_each_with_its_answer_alone(triton):
     """The shipped model's graphs are batched, so the instance decodes these requests in one running batch."""
     image = base64.b64encode(RECEIPT.read_bytes()).decode()
