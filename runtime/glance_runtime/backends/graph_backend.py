@@ -38,6 +38,7 @@ from .step_drafts import StepDrafts, head_rows
 from ..errors import GlanceError
 from ..formats.artifacts import Manifest
 from ..decode.limits import check_branch_k, check_tree
+from ..decode.tree import walked_choices
 from ..prompt.prefix_reuse import image_runs
 from ..prompt.prompt_builder import Prompt
 from ..prompt.rope_index import TOKENS_PER_SECOND, rope_index, video_grids
@@ -410,18 +411,19 @@ class GraphBackend:
         """The first generated token from the prompt's last hidden row (the argmax, or sampled at position 0) and
         the entropy it was taken from."""
         top, logp, entropy = self.project(row, "verify", logits=draw is not None)
-        token = top[:, 0] if draw is None else self._sampled(top, logp, draw, np.zeros(1, np.int64))[0]
+        token = top[:, 0] if draw is None else self._sampled(top, logp, draw, np.zeros(1, np.int64), np.zeros(1, int))[0]
         return int(token[0]), entropy
 
-    def _sampled(self, top: np.ndarray, logp: np.ndarray, draw: Draw, depths: np.ndarray
+    def _sampled(self, top: np.ndarray, logp: np.ndarray, draw: Draw, depths: np.ndarray, rows: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray]:
-        """Each projected row's sampled token and its log-prob, from the logits the projection left: a row's
-        log-normalizer is its argmax's logit less that token's log-prob, so no vocabulary-wide sum is taken."""
-        rows = len(depths)
-        logits = self.device.download(self.logits.tensor((rows, self.manifest.vocab_size)))
-        chosen = draw.choose(logits, depths)
-        at = np.arange(rows)
-        norm = logits[at, top[:rows, 0]].astype(np.float64) - logp[:rows, 0]
+        """The sampled token and its log-prob after each of the projected `rows`, from the logits the projection
+        left: a row's log-normalizer is its argmax's logit less that token's log-prob, so no vocabulary-wide sum
+        is taken."""
+        vocab = self.manifest.vocab_size
+        logits = np.stack([self.device.download(self.logits.tensor((vocab,), int(r) * vocab * 4)) for r in rows])
+        chosen = draw.choose(logits, depths[rows])
+        at = np.arange(len(rows))
+        norm = logits[at, top[rows, 0]].astype(np.float64) - logp[rows, 0]
         return chosen, logits[at, chosen].astype(np.float64) - norm
 
     def _prefill_after(self, prompt: Prompt, keep: int, draw: Draw | None) -> tuple[int, float]:
@@ -492,16 +494,25 @@ class GraphBackend:
 
     def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray, draw: Draw | None = None
                ) -> Verified:
+        """`Backend.verify`; with `draw`, the rows off the walk's path keep their argmax (the walk never reads
+        them), so a pass samples as many rows as it accepts, plus one."""
         check_tree(self.info.limits, len(tokens))
         self._verified = np.asarray(tokens, dtype=np.int64)
         positions = self._positions(self.start + np.asarray(depths, dtype=np.int64))
         hidden = self._run_target(np.asarray(tokens, dtype=np.int64), positions, visible, self.taps,
                                   self.no_image, self.no_deep)
         top, logp, entropy = self.project(hidden, "verify", logits=draw is not None)
-        if draw is not None:
-            chosen, confidence = self._sampled(top, logp, draw, np.asarray(depths, np.int64))
-            return Verified(chosen, entropy, confidence)
-        return Verified(top[:, 0].astype(np.int64), entropy, logp[:, 0].astype(np.float64))
+        chosen, confidence = top[:, 0].astype(np.int64), logp[:, 0].astype(np.float64)
+        if draw is not None:  # sampled only where the walk reads: the accepted path and the row after it
+            depths = np.asarray(depths, np.int64)
+
+            def choose(row: int) -> int:
+                token, log_prob = self._sampled(top, logp, draw, depths, np.array([row]))
+                chosen[row], confidence[row] = token[0], log_prob[0]
+                return int(token[0])
+
+            walked_choices(tokens, depths, visible, choose)
+        return Verified(chosen, entropy, confidence)
 
     def margins(self, rows: int) -> np.ndarray:
         """Top-1 minus top-2 log-prob (the logit gap) of the first `rows` rows of the last verify pass: how near

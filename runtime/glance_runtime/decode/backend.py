@@ -118,7 +118,8 @@ class Backend(Protocol):
                ) -> Verified:
         """One target pass over the packed tree [anchor] + nodes at positions start + depth, each row
         seeing the committed prefix and its visible pack rows. `draw`: each row's token is the one sampled
-        from the row's logits (`Draw.choose`), not its argmax."""
+        from the row's logits (`Draw.choose`), not its argmax; at least on every row `tree.walk` reads (a backend
+        may sample only those, `tree.walked_choices`, and leave the others' argmax)."""
 
     def commit(self, rows: np.ndarray) -> None:
         """Keep the KV (and head context) of packed rows `rows` ([0] + accepted path, in order);

@@ -244,3 +244,22 @@ def walk(tree: Tree, target_argmax: np.ndarray) -> tuple[np.ndarray, int]:
         current = children[(current, choices[current])]
         path.append(current)
     return np.array(path, dtype=np.int64), int(choices[current])
+
+
+def walked_choices(tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray,
+                   choose: Callable[[int], int]) -> dict[int, int]:
+    """The target's token after each row `walk` will read, {row: token}, asking `choose(row)` for those rows only:
+    row 0's, then the row of the child holding that token, and so on. Where choosing a row costs (a sampled row
+    hashes its vocabulary), a pass pays for the accepted path and not for the whole tree; `walk` over an array
+    holding these tokens at these rows (anything elsewhere) follows the same path. The tree's parents are read
+    off `visible` and `depths`, as a backend receives them."""
+    depths = np.asarray(depths, np.int64)
+    visible = np.asarray(visible, bool)
+    parent = np.argmax(visible & (depths[None, :] == depths[:, None] - 1), axis=1)
+    children = {(int(parent[i]), int(t)): i for i, t in enumerate(np.asarray(tokens).tolist()) if i > 0}
+    chosen = {0: choose(0)}
+    current = 0
+    while (current, chosen[current]) in children:
+        current = children[current, chosen[current]]
+        chosen[current] = choose(current)
+    return chosen

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from glance_runtime.decode.tree import Tree, build_tree, visibility, walk
+from glance_runtime.decode.tree import Tree, build_tree, visibility, walk, walked_choices
 
 pytestmark = pytest.mark.edge  # needs no torch: runs on the edge install too
 
@@ -366,3 +366,26 @@ def test_walk_path_is_a_greedy_chain(case: tuple, seed: int, follow: float) -> N
         prev = node
     assert bonus == argmax[prev]
     assert all(tree.tokens[c] != bonus for c in children.get(prev, []))
+
+
+@FAST
+@given(drafts(), st.integers(0, 2**32 - 1), st.floats(0.0, 1.0))
+def test_walked_choices_asks_for_the_rows_the_walk_reads_only(case: tuple, seed: int, follow: float) -> None:
+    """From what a backend receives (tokens, depths, visibility), the rows asked for are exactly the walk's path
+    and the row after it, and the walk over those tokens alone (anything elsewhere) takes the same path."""
+    ids, logprobs, budget, branch_k = case
+    tree = build_tree(ANCHOR, ids, logprobs, budget, branch_k)
+    rng = np.random.default_rng(seed)
+    argmax = rng.integers(0, ids.max() + 2, size=tree.size)
+    for i in range(1, tree.size):
+        if rng.random() < follow:
+            argmax[tree.parents[i]] = tree.tokens[i]
+    asked: list[int] = []
+    chosen = walked_choices(tree.tokens, tree.depths, visibility(tree.parents),
+                            lambda row: asked.append(row) or int(argmax[row]))
+    path, bonus = walk(tree, argmax)
+    assert asked == [0, *path.tolist()] and chosen == {r: int(argmax[r]) for r in asked}
+    sparse = np.full(tree.size, -1)
+    sparse[list(chosen)] = list(chosen.values())
+    sparse_path, sparse_bonus = walk(tree, sparse)
+    assert sparse_path.tolist() == path.tolist() and sparse_bonus == bonus
