@@ -82,10 +82,12 @@ class Checkpoint:
         for path in files:
             self.entries.update(_header(path))
 
-    def read(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """One tensor, cast to dtype (e.g. bf16 -> fp16) as it is read."""
+    def read(self, key: str, dtype: torch.dtype | None = None, buffer: bytearray | None = None) -> torch.Tensor:
+        """One tensor, cast to dtype (e.g. bf16 -> fp16) as it is read. `buffer`: read into its first bytes
+        (one buffer for weight after weight maps no fresh pages; the tensor is valid until it is reused)."""
         entry = self.entries[key]
-        buf = bytearray(entry.length)
+        buf = memoryview(buffer)[:entry.length] if buffer is not None and len(buffer) >= entry.length \
+            else bytearray(entry.length)
         with open(entry.file, "rb") as f:
             f.seek(entry.start)
             if f.readinto(buf) != entry.length:

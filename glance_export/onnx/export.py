@@ -81,7 +81,8 @@ def _quiet(logger_name: str):
 class WeightSource(Protocol):
     """Where a graph's weights come from when it is written (see `skeleton.Skeleton`)."""
 
-    def real(self, tensor: torch.Tensor) -> torch.Tensor: ...  # values as stored; the writer casts them
+    def real(self, tensor: torch.Tensor, buffer: bytearray | None = None) -> torch.Tensor: ...  # values as stored
+    # (the writer casts them), read into `buffer` where the source reads and it is large enough
 
     def materialized(self, module: nn.Module) -> contextlib.AbstractContextManager: ...
 
@@ -90,7 +91,7 @@ class InMemory:
     """A module whose weights are real already (the draft head)."""
 
     @staticmethod
-    def real(tensor: torch.Tensor) -> torch.Tensor:
+    def real(tensor: torch.Tensor, buffer: bytearray | None = None) -> torch.Tensor:
         return tensor
 
     @staticmethod

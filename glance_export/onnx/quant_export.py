@@ -30,27 +30,36 @@ from .stream import Pending, checked_values, tensor_slices
 
 
 class Streamed:
-    """The trace's weights as the quantized writer reads them: each from `real`, cast and transposed as the
-    fp32 graph would store it. One weight as stored is held at a time (a vocabulary matrix while its rows
-    are quantized chunk by chunk)."""
+    """The trace's weights as the quantized writer reads them: each from its source, cast and transposed as
+    the fp32 graph would store it. One weight as stored is held at a time (a vocabulary matrix while its rows
+    are quantized chunk by chunk). Weights are read, and cast or transposed, into two buffers kept for the
+    graph: a fresh buffer per weight cost more in page faults than the copies themselves."""
 
-    def __init__(self, pending: dict[str, Pending], real: Callable[[torch.Tensor], torch.Tensor],
-                 external: bool) -> None:
+    def __init__(self, pending: dict[str, Pending], real: Callable[..., torch.Tensor], external: bool) -> None:
         self.pending, self.real, self.external = pending, real, external
         self._held: tuple[str, torch.Tensor] | None = None
+        self._read = bytearray()
+        self._cast = torch.empty(0, dtype=torch.float32)
 
     def _stored(self, name: str) -> torch.Tensor:
         if self._held is None or self._held[0] != name:
             self._held = None  # the previous weight goes before the next is read
             item = self.pending[name]
-            values = checked_values(name, item, self.real)
+            if len(self._read) < item.nbytes:
+                self._read = bytearray(item.nbytes)
+            values = checked_values(name, item, lambda t: self.real(t, buffer=self._read))
             self._held = (name, values.t() if item.transposed else values)
         return self._held[1]
 
     def rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        """Rows [start, stop) of a 2-D weight as the fp32 graph stores it."""
+        """Rows [start, stop) of a 2-D weight as the fp32 graph stores it (valid until the next call)."""
+        rows = self._stored(name)[start:stop].detach()
+        if rows.dtype == torch.float32 and rows.is_contiguous():
+            return rows.numpy()
+        if self._cast.numel() < rows.numel():
+            self._cast = torch.empty(rows.numel(), dtype=torch.float32)
         # torch's transposing copy is several times numpy's, which the quantizer would make of a strided array
-        return self._stored(name)[start:stop].detach().to(torch.float32).contiguous().numpy()
+        return self._cast[:rows.numel()].view(rows.shape).copy_(rows).numpy()
 
     def copied(self, tensor: onnx.TensorProto) -> Iterable[bytes] | None:
         """A weight kept as it is (norms, biases, a weight TensorRT keeps fp32), in slices."""

@@ -55,11 +55,11 @@ class Skeleton:
     def key(self, tensor: torch.Tensor) -> str | None:
         return self.keys.get(id(tensor))
 
-    def real(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The values behind a meta parameter (read now, as stored: the writer casts them slice by slice),
-        or the tensor itself if it is real."""
+    def real(self, tensor: torch.Tensor, buffer: bytearray | None = None) -> torch.Tensor:
+        """The values behind a meta parameter (read now, as stored: the writer casts them slice by slice; into
+        `buffer` when it is given and large enough), or the tensor itself if it is real."""
         key = self.key(tensor)
-        return tensor if key is None else self.checkpoint.read(key)
+        return tensor if key is None else self.checkpoint.read(key, buffer=buffer)
 
     def real_rows(self, tensor: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of a 2-D parameter in its dtype, only those read from the snapshot."""
