@@ -23,11 +23,14 @@ RACY_NS = 2_000_000_000  # a file changed this recently may change again without
 
 
 def sha256(path: Path) -> str:
-    """Streamed, so multi-GB weights never sit in memory."""
+    """Streamed, so multi-GB weights never sit in memory, through one buffer (a fresh 1 MiB chunk per read
+    is a fresh mapping, and its page faults cost as much as the hashing)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
+    buffer = bytearray(1 << 20)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as fh:
+        while size := fh.readinto(buffer):
+            digest.update(view[:size])
     return digest.hexdigest()
 
 
