@@ -1,7 +1,8 @@
 """`glance-export onnx` against ONNX Runtime GenAI's model builder on the same snapshot and precision:
 wall time and peak RSS of each, one after the other, with the load average when each started.
 
-    python benchmarks/export_vs_genai.py OUT --snapshot DIR --head DIR [--dtypes fp16,fp32,int4,int8] [--genai-path DIR]
+    python benchmarks/export_vs_genai.py OUT --snapshot DIR --head DIR [--dtypes fp16,fp32,int4,int8]
+        [--genai-path DIR | --genai-python PY]
 
 int4 and int8 are `--quantize` exports (fp32 activations) against the builder's `-p int4` (it has no
 int8 precision, so int8 rows have no builder run); their graphs are both forms written (the ONNX Runtime
@@ -62,11 +63,12 @@ def one(args, dtype: str) -> dict:
         row["export"]["graphs_gib"] = graphs_gib(work / "art")
         row["export"]["bound_gib"] = round(0.5 * row["export"]["graphs_gib"] + 3, 2)
     shutil.rmtree(work / "art", ignore_errors=True)
-    if args.genai_path and dtype in GENAI_PRECISIONS:
+    if (args.genai_path or args.genai_python) and dtype in GENAI_PRECISIONS:
         print(f"[{args.snapshot.name} {dtype}] onnxruntime-genai builder ...", flush=True)
-        row["genai"] = run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(args.snapshot),
-                            "-o", str(work / "genai"), "-p", dtype, "-e", "cpu", "-c", str(work / "cache")],
-                           {"PYTHONPATH": args.genai_path}, args.out / f"{args.snapshot.name}-{dtype}-genai.log")
+        row["genai"] = run([args.genai_python or sys.executable, "-m", "onnxruntime_genai.models.builder", "-i",
+                            str(args.snapshot), "-o", str(work / "genai"), "-p", dtype, "-e", "cpu", "-c",
+                            str(work / "cache")], {"PYTHONPATH": args.genai_path} if args.genai_path else {},
+                           args.out / f"{args.snapshot.name}-{dtype}-genai.log")
         if row["export"]["rc"] == 0 and row["genai"]["rc"] == 0:
             row["time_ratio"] = round(row["export"]["wall_s"] / row["genai"]["wall_s"], 2)
     shutil.rmtree(work, ignore_errors=True)
@@ -97,6 +99,7 @@ def main() -> None:
     parser.add_argument("--head", type=Path, required=True)
     parser.add_argument("--dtypes", default="fp16,fp32")
     parser.add_argument("--genai-path", help="a folder holding onnxruntime_genai (e.g. pip install --target DIR)")
+    parser.add_argument("--genai-python", help="the Python of an environment with onnxruntime-genai installed")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     record = args.out / "export_vs_genai.json"
