@@ -17,6 +17,7 @@ from glance_export.onnx import export_artifacts
 from glance_runtime.backends.ort_backend import OrtBackend
 from glance_runtime.backends.seeded import SeededDrafter
 from glance_runtime.decode.loop import DecodeConfig, decode
+from glance_runtime.decode.sampling import SamplingParams
 from glance_runtime.defaults import EAGLE3_DEPTH
 from glance_runtime.prompt.codec import exported_codec
 from glance_runtime.prompt.messages import user_turn
@@ -224,3 +225,19 @@ def test_steps_equal_the_torch_reference_on_image_prompts(snapshot_dir, tmp_path
     nodes, parents = np.array([ids[1, 0], ids[3, 2], ids[3, 0]]), np.array([1, 3, 3])
     (ids, logp), (t_ids, t_logp) = (b.draft_step(nodes, parents, k) for b in (ort_backend, reference))
     assert np.array_equal(ids, t_ids) and np.abs(logp - t_logp).max() < 1e-4
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3"])
+def test_sampled_answers_are_plain_samplings_with_an_eagle3_head(exported, images, family):
+    """A head that drafts a depth a pass samples exactly too: its own drafts and seeded ones give plain sampling's
+    tokens for the seed, at every budget."""
+    ex = exported(family)
+    prompt = _prompt(ex, images, family)
+    for params in (SamplingParams(temperature=1.2, top_p=0.95, seed=4), SamplingParams(temperature=0.6, seed=5)):
+        plain = decode(ex.backend, prompt, DecodeConfig(max_new_tokens=ORACLE_TOKENS, speculative=False,
+                                                        sampling=params)).tokens
+        seeded = SeededDrafter(ex.backend, plain, prompt.length, SEEDS["full"])
+        for budget, k in SETTINGS:
+            cfg = DecodeConfig(max_new_tokens=ORACLE_TOKENS, budget=budget, branch_k=k, sampling=params)
+            assert decode(ex.backend, prompt, cfg).tokens == plain, (params, budget, k)
+            assert decode(seeded, prompt, cfg).tokens == plain, (params, budget, k, "seeded")
