@@ -36,6 +36,7 @@ from starlette.routing import Route
 
 from ..defaults import RUN_MAX_NEW_TOKENS
 from ..errors import GlanceError
+from ..decode.sampling import derived
 from ..formats.common import MAX_DEPTH, parse
 from ..prompt.prompt_builder import Prompt
 from .engine import Cancelled, Completion, Engine, Job, ModelSpec
@@ -471,16 +472,20 @@ class Service:
                 put(PREPARED)
             return prompt
 
-        future = self.runner.submit(Job(prepare, limit, req.stops, put if req.stream else None, cancelled, sampling))
         if not req.stream:
+            seeded = sampling if sampling.greedy else sampling.seeded()  # n answers derive from one seed
+            futures = [self.runner.submit(Job(prepare, limit, req.stops, None, cancelled, derived(seeded, i)))
+                       for i in range(req.choices)]
+            together = asyncio.gather(*futures)
             try:
-                if not await self.watchdog.until(request, future, deadline):
+                if not await self.watchdog.until(request, together, deadline):
                     return Response(status_code=CLIENT_CLOSED)
-                completion = self._result(future)
+                completions = self._result(together)
             finally:
                 cancel.set()
-            self._count(completion, arrived)
-            return JSONResponse(self._response(completion, request))
+            self._count(completions, arrived)
+            return JSONResponse(self._response(completions, request))
+        future = self.runner.submit(Job(prepare, limit, req.stops, put, cancelled, sampling))
         future.add_done_callback(lambda _: events.put(None))
         first = asyncio.ensure_future(events.get())
         try:  # the status waits for the prompt: a refused one is still a 4xx, not an error inside a 200 stream
@@ -542,7 +547,7 @@ class Service:
                 if text := [chunk({"content": piece}) for piece in batch if piece is not None]:
                     yield b"".join(text)
             completion = self._result(future)
-            self._count(completion, arrived)
+            self._count([completion], arrived)
             yield chunk({}, completion.finish_reason, glance=self._glance(completion, request))
             if include_usage:
                 yield _sse({"id": ident, "object": "chat.completion.chunk", "created": created, "model": self.name,
@@ -562,19 +567,23 @@ class Service:
 
     # -- answers ----------------------------------------------------------------------------------------
 
-    def _count(self, c: Completion, arrived: float) -> None:
+    def _count(self, answers: list[Completion], arrived: float) -> None:
+        """One request answered (with one or more answers to one prompt)."""
         m = self.metrics
         m.requests.labels("200").inc()
-        m.prompt_tokens.inc(c.prompt_tokens)
-        m.completion_tokens.inc(len(c.token_ids))
-        if c.rounds:
-            m.tau.observe(c.tau)
+        m.prompt_tokens.inc(answers[0].prompt_tokens)
+        for c in answers:
+            m.completion_tokens.inc(len(c.token_ids))
+            if c.rounds:
+                m.tau.observe(c.tau)
         m.latency.observe(time.monotonic() - arrived)
 
     @staticmethod
-    def _usage(c: Completion) -> dict[str, int]:
-        return {"prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.token_ids),
-                "total_tokens": c.prompt_tokens + len(c.token_ids)}
+    def _usage(*answers: Completion) -> dict[str, int]:
+        """OpenAI's usage: the prompt once, every answer's tokens."""
+        completion = sum(len(c.token_ids) for c in answers)
+        return {"prompt_tokens": answers[0].prompt_tokens, "completion_tokens": completion,
+                "total_tokens": answers[0].prompt_tokens + completion}
 
     def _glance(self, c: Completion, request: Request) -> dict[str, Any]:
         """GLANCE's own figures: acceptance, the wait for the runner, the time an in-process caller would have
@@ -587,11 +596,13 @@ class Service:
                 "queue_ms": round(c.queue_ms, 3), "prepare_ms": round(c.prepare_ms, 3), "decode_ms": round(c.ms, 3),
                 "server_ms": round((time.perf_counter() - request.scope[ARRIVED]) * 1e3, 3), "seed": c.seed}
 
-    def _response(self, c: Completion, request: Request) -> dict[str, Any]:
+    def _response(self, answers: list[Completion], request: Request) -> dict[str, Any]:
+        """OpenAI's chat completion; the glance object is the first answer's (answer i sampled with its seed + i)."""
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.name, "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text},
-                                                 "finish_reason": c.finish_reason, "logprobs": None}],
-                "usage": self._usage(c), "glance": self._glance(c, request)}
+                "model": self.name, "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+                                                 "finish_reason": c.finish_reason, "logprobs": None}
+                                                for i, c in enumerate(answers)],
+                "usage": self._usage(*answers), "glance": self._glance(answers[0], request)}
 
 
 class Arrival:

@@ -14,6 +14,7 @@ from ..prompt.prompt_builder import check_unicode
 from .openai_errors import RequestError
 
 PART_TYPES = ("text", "image_url")  # the content parts a Qwen-VL prompt is made of
+MAX_CHOICES = 16  # answers one request may ask for (`n`): each is a decode of its own
 
 
 class _Strict(BaseModel):
@@ -65,17 +66,26 @@ class ChatRequest(_Strict):
     user: str | None = None
 
     def refuse_sampling(self) -> None:
-        """What this server does not serve yet is a 400, never ignored: several answers to one request, log-probs
-        and penalties (temperature, top_p and seed are served: `sampling`)."""
+        """What this server does not serve yet is a 400, never ignored: log-probs, penalties, and several answers
+        streamed (temperature, top_p, seed and n are served: `sampling`, `choices`)."""
         asked = [f"{name}={value}" for name, value, neutral in (
-            ("n", self.n, 1), ("presence_penalty", self.presence_penalty, 0),
-            ("frequency_penalty", self.frequency_penalty, 0), ("logprobs", self.logprobs, False))
-            if value is not None and value != neutral]
+            ("presence_penalty", self.presence_penalty, 0), ("frequency_penalty", self.frequency_penalty, 0),
+            ("logprobs", self.logprobs, False)) if value is not None and value != neutral]
         if asked:
-            raise RequestError(f"{', '.join(asked)} is not served here: this server answers once per request, "
-                               "without log-probs or penalties (it samples with temperature, top_p and seed, the "
-                               "same tokens with the draft on or off); omit it or send n 1", param=asked[0].split("=")[0],
-                               code="sampling_unsupported")
+            raise RequestError(f"{', '.join(asked)} is not served here: this server answers without log-probs or "
+                               "penalties (it samples with temperature, top_p and seed, the same tokens with the "
+                               "draft on or off); omit it", param=asked[0].split("=")[0], code="sampling_unsupported")
+        if self.choices > MAX_CHOICES:
+            raise RequestError(f"n={self.n} is over this server's {MAX_CHOICES} answers a request; ask for fewer",
+                               param="n", code="sampling_unsupported")
+        if self.stream and self.choices > 1:
+            raise RequestError(f"n={self.n} with stream is not served here: several answers come unstreamed; drop "
+                               "stream or send n 1", param="n", code="sampling_unsupported")
+
+    @property
+    def choices(self) -> int:
+        """Answers asked for (`n`): answer i samples with the request's seed + i (a drawn one where none was sent)."""
+        return self.n or 1
 
     def sampling(self) -> SamplingParams:
         """The request's temperature, top_p and seed (absent: greedy, top_p 1, a drawn seed)."""

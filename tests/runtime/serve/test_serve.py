@@ -94,6 +94,20 @@ def test_a_sampled_answer_is_glance_runs_for_its_seed_plain_and_streamed(server)
     assert ask(server, "Describe this.").model_extra["glance"]["seed"] is None
 
 
+def test_n_answers_are_sampled_with_the_seed_plus_their_index(server):
+    """n answers to one request: answer i is glance-run's with the request's seed + i; usage counts the prompt
+    once and every answer's tokens; n greedy answers are the greedy answer n times."""
+    out = ask(server, "Describe this.", temperature=1.3, top_p=0.95, seed=30, n=3)
+    texts = [c.message.content for c in out.choices]
+    assert [c.index for c in out.choices] == [0, 1, 2] and out.model_extra["glance"]["seed"] == 30
+    refs = [glance_run("Describe this.", None, None, "--temperature", "1.3", "--top-p", "0.95", "--seed", str(30 + i))
+            for i in range(3)]
+    assert texts == [r["text"] for r in refs] and len(set(texts)) > 1
+    assert out.usage.completion_tokens == sum(len(r["token_ids"]) for r in refs)
+    greedy = ask(server, "What is the total?", RECEIPT, n=2)
+    assert [c.message.content for c in greedy.choices] == [glance_run("What is the total?", RECEIPT)["text"]] * 2
+
+
 def test_eight_clients_half_greedy_half_sampled_each_get_their_answer_alone(server):
     """Eight requests at once through the batch, every other one sampled with its own seed: each answer is the one
     glance-run gives the same request alone."""
@@ -226,7 +240,8 @@ REFUSALS = {
     "missing messages": ({"model": MODEL_NAME}, 400, "invalid_request"),
     "missing model": ({"messages": user("hi")}, 400, "invalid_request"),
     "empty messages": (_body(messages=[]), 400, "invalid_request"),
-    "n": (_body(n=2), 400, "sampling_unsupported"),
+    "n streamed": (_body(n=2, stream=True), 400, "sampling_unsupported"),
+    "n over the bound": (_body(n=17), 400, "sampling_unsupported"),
     "logprobs": (_body(logprobs=True), 400, "sampling_unsupported"),
     "penalty": (_body(presence_penalty=0.5), 400, "sampling_unsupported"),
     "temperature over 2": (_body(temperature=2.5), 400, "invalid_request"),
@@ -320,8 +335,8 @@ def test_only_json_bodies_are_read(server, kind):
 
 
 def test_the_openai_client_raises_on_refusals(server):
-    with pytest.raises(openai.BadRequestError, match="n=2"):
-        ask(server, "hi", n=2)
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        ask(server, "hi", logprobs=True)
     with pytest.raises(openai.NotFoundError):
         client(server).chat.completions.create(model="nope", messages=user("hi"))
 
