@@ -1,7 +1,7 @@
 """What sampling costs against greedy decoding: a plain step, and a seeded tau-4 round, on one export.
 
     python benchmarks/sampling_cost.py OUT --artifacts ART [--threads 2] [--new-tokens 24] [--repeats 5]
-        [--settings "1.0,1,0;0.7,0.95,0"] [--label NAME]
+        [--settings "1.0,1,0;0.7,0.95,0;0.7,1,50"] [--label NAME]
 
 One process, ONNX Runtime on ART (exported with the vocab graph's logits). Per sampling setting
 (temperature, top_p, top_k), interleaved repeat by repeat:
@@ -116,7 +116,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--settings", default="1.0,1,0;0.7,0.95,0",
+    parser.add_argument("--settings", default="1.0,1,0;0.7,0.95,0;0.7,1,50",
                         help="temperature,top_p,top_k per setting, ';'-separated")
     parser.add_argument("--label", default="")
     args = parser.parse_args()
