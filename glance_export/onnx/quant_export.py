@@ -78,6 +78,7 @@ class QuantizedGraph:
     entry: dict[str, Any]
     forms: Forms
     transposed: dict[str, bool]  # by fp32 name: stored as the transpose of the module's tensor
+    reads: frozenset[str]  # the module's tensors the graph holds, by name
 
 
 def export_quantized(module: nn.Module, feed: dict[str, np.ndarray], out: Path, name: str, axes: dict, opset: int,
@@ -98,4 +99,4 @@ def export_quantized(module: nn.Module, feed: dict[str, np.ndarray], out: Path, 
     progress(f"exported {path.name} (opset {opset}) as {summary(out, name, forms, scheme)}, "
              f"in {time.perf_counter() - started:.1f}s; TensorRT form's checker passed")
     return QuantizedGraph(quantized_entry(name, forms, external), forms,
-                          {n: pending[n].transposed for n in forms.weights})
+                          {n: pending[n].transposed for n in forms.weights}, frozenset(pending))

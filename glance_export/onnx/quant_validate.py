@@ -94,13 +94,14 @@ def dequantize(graph_name: str, values: torch.Tensor, transposed: bool, weight: 
 
 
 @contextlib.contextmanager
-def dequantized(module: nn.Module, materialized: Callable[[nn.Module], ContextManager], graph_name: str,
+def dequantized(module: nn.Module, materialized: Callable[..., ContextManager], graph_name: str,
                 graph: QuantizedGraph, out: Path, scheme: Scheme) -> Iterator[nn.Module]:
-    """`module` with real weights (`materialized`), those the graph quantizes replaced by the graph file's own
-    blocks multiplied back out (each checked against the real weight), for the duration. A weight read in
-    for the check (a meta one) is overwritten in place; one the module holds (the head's) is left as it is."""
+    """`module` with the real weights its graph reads (`materialized(module, names)`, as `Skeleton.materialized`),
+    those the graph quantizes replaced by the graph file's own blocks multiplied back out (each checked against
+    the real weight), for the duration. A weight read in for the check (a meta one) is overwritten in place;
+    one the module holds (the head's) is left as it is."""
     fresh = {name for name, tensor in module_tensors(module).items() if tensor.is_meta}
-    with materialized(module):
+    with materialized(module, graph.reads):
         tensors = module_tensors(module)
         done: set[int] = set()
         values: dict[int, torch.Tensor] = {}  # new tensors for weights the module holds
@@ -150,7 +151,7 @@ def exact_graph(path: Path) -> Iterator[Path]:
 
 
 def validate_quantized_graph(name: str, path: Path, module: nn.Module, graph: QuantizedGraph, feeds: list[dict],
-                             materialized: Callable[[nn.Module], ContextManager], scheme: Scheme) -> dict[str, float]:
+                             materialized: Callable[..., ContextManager], scheme: Scheme) -> dict[str, float]:
     """Max error per output of the quantized graph at `path` against torch holding the same quantized weights."""
     with exact_graph(path) as exact:
         return validate_graph(name, exact, module, feeds, TOLERANCES["fp32"],
@@ -180,7 +181,7 @@ def _cut(out: Path, module: nn.Module, cut, small: Dims, snapshot, opset: int, b
         borrow_initializers(forms.ort_model, stubs, full)
         path = out / f"{scratch.name}.{TARGET_GRAPH}"  # beside the data file it reads
         onnx.save_model(forms.ort_model, str(path))
-        graph = QuantizedGraph({}, forms, {n: pending[n].transposed for n in forms.weights})
+        graph = QuantizedGraph({}, forms, {n: pending[n].transposed for n in forms.weights}, frozenset(pending))
         try:
             return validate_graph("target", path, module, feeds, TOLERANCES["fp32"],
                                   lambda m: dequantized(m, cut.materialized, "target", graph, out, exact)), True

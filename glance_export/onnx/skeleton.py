@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Collection, Iterator
 
 import torch
 from torch import nn
@@ -67,13 +67,17 @@ class Skeleton:
         return tensor[ids].clone() if key is None else self.checkpoint.rows(key, ids, tensor.dtype)
 
     @contextlib.contextmanager
-    def materialized(self, module: nn.Module) -> Iterator[nn.Module]:
-        """Real weights in `module` for the duration (tied parameters stay one tensor), meta ones after."""
+    def materialized(self, module: nn.Module, names: Collection[str] | None = None) -> Iterator[nn.Module]:
+        """Real weights in `module` for the duration (tied parameters stay one tensor), meta ones after;
+        `names`: only the parameters of these dotted names (those its graph reads: a depth cut's module holds
+        the embedding too, which its graph never reads)."""
+        wanted = None if names is None else {id(p) for n, p in module.named_parameters(remove_duplicate=False)
+                                             if n in names}
         swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
         loaded: dict[int, nn.Parameter] = {}
         for owner in module.modules():
             for name, param in list(owner._parameters.items()):
-                if param is None or self.key(param) is None:
+                if param is None or self.key(param) is None or wanted is not None and id(param) not in wanted:
                     continue
                 if id(param) not in loaded:
                     loaded[id(param)] = nn.Parameter(self.checkpoint.read(self.key(param), param.dtype),

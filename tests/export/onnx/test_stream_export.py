@@ -270,3 +270,19 @@ def test_a_qwen3_vl_cut_below_its_deepstack_taps_is_refused_before_work(tmp_path
         export_artifacts(snap, _head(snap, tmp_path), tmp_path / "art", max_tree=16, max_context=64,
                          progress=lambda _: None)
     assert not (tmp_path / "art").exists()
+
+
+def test_materialized_reads_only_the_named_weights(tmp_path):
+    """Validation reads in only what a graph holds: a depth cut's module also holds the embedding (1.2 GB in fp32
+    at 3B width), which its graph never reads."""
+    from glance_export.onnx.sources import target_skeleton
+
+    snap = make_snapshot(tmp_path / "snap", "qwen3")
+    skeleton = target_skeleton(Snapshot(snap), Checkpoint(snap), "fp32", layers=2)
+    model = skeleton.model
+    with skeleton.materialized(model, {"model.norm.weight", "model.layers.1.mlp.up_proj.weight"}):
+        assert not model.model.norm.weight.is_meta and not model.model.layers[1].mlp.up_proj.weight.is_meta
+        assert model.model.embed_tokens.weight.is_meta and model.model.layers[0].mlp.up_proj.weight.is_meta
+    with skeleton.materialized(model):
+        assert not any(p.is_meta for p in model.parameters())
+    assert all(p.is_meta for p in model.parameters())
