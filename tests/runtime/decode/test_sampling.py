@@ -259,3 +259,20 @@ def test_seeds_are_kept_or_drawn():
     drawn = params.seeded()
     assert drawn.seed is not None and 0 <= drawn.seed < SEED_LIMIT and drawn.seeded() is drawn
     assert drawn.top_p == 0.9 and params.with_seed(17).seed == 17 and not drawn.greedy and SamplingParams().greedy
+
+
+def test_top_p_weighs_every_token_top_k_keeps_even_those_min_p_drops():
+    """top-p's share is of the tokens top-k left, before min-p: 22 tokens too unlikely for min-p still count in its
+    total, so the likeliest token alone (a quarter of it) does not reach top-p and the second is kept too. Alone
+    and in a batch whose other row keeps many tokens, as the documented rule says."""
+    temperature = np.float32(2.5)
+    row = np.full(2000, -1e4, np.float32)
+    row[7], row[900] = 0.0, temperature * np.log(np.float32(0.85))
+    row[100:122] = temperature * np.log(np.float32(0.1))
+    params = SamplingParams(float(temperature), top_p=0.3125, top_k=24, min_p=0.25, seed=5)
+    positions = np.arange(200)
+    expected = [sample_one(row, int(p), params) for p in positions]
+    assert set(expected) == {7, 900}
+    assert sample(np.tile(row, (200, 1)), positions, params).tolist() == expected
+    alone = [int(sample(row[None], np.array([p]), params)[0]) for p in positions[:40]]
+    assert alone == expected[:40]
