@@ -217,7 +217,7 @@ def _sample_kept(logits: np.ndarray, top: np.ndarray, positions: np.ndarray, par
     floor = _kth_floor(logits, top_k) if top_k else np.full(n, -np.inf, np.float32)
     if params.min_p > 0 and not (top_k and params.top_p < 1):  # kept: weight >= min_p; the halving only absorbs
         # rounding. Not with top-k and top-p both: top-p's total is over every token top-k keeps, min-p's too
-        floor = np.maximum(floor, top + temperature * np.float32(math.log(params.min_p / 2)))
+        floor = np.maximum(floor, top + temperature * np.float32(math.log(params.min_p) - math.log(2)))
     if params.top_p < 1 and not top_k:
         total, floor = _nucleus_floor(logits, top, temperature, params.top_p, floor)
     values, ids, counts = _candidates(logits, floor)

@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from glance_runtime.decode.sampling import (GAMMA, MAX_TOP_N, SEED_LIMIT, SamplingParams, gumbel, logprobs,
                                             noise_bits, sample, uniform)
@@ -276,3 +277,29 @@ def test_top_p_weighs_every_token_top_k_keeps_even_those_min_p_drops():
     assert sample(np.tile(row, (200, 1)), positions, params).tolist() == expected
     alone = [int(sample(row[None], np.array([p]), params)[0]) for p in positions[:40]]
     assert alone == expected[:40]
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(seed=st.integers(0, SEED_LIMIT - 1), temperature=st.floats(1e-6, 100.0), top_p=st.floats(1e-9, 1.0),
+       top_k=st.integers(0, 80), min_p=st.floats(0.0, 0.999), vocab=st.sampled_from([40, 600, 3000]),
+       spread=st.floats(0.1, 6.0), peak=st.floats(0.0, 12.0), data=st.integers(0, 2**31))
+def test_any_settings_follow_the_rule_alone_and_in_a_batch(seed, temperature, top_p, top_k, min_p, vocab, spread, peak,
+                                                           data):
+    """Any combination of truncations on peaked to flat rows: every row samples the documented rule's token, in a
+    batch with rows unlike it and alone (whichever of the whole-row and compacted paths the batch takes)."""
+    params = SamplingParams(temperature, top_p, top_k, min_p, seed).check()
+    rng = np.random.default_rng(data)
+    logits = rng.normal(0, spread, (4, vocab)).astype(np.float32)
+    logits[0, rng.integers(vocab)] += peak
+    logits[3] = np.round(logits[3])  # ties at the cuts
+    positions = rng.integers(0, 50, 4)
+    expected = [sample_one(row, int(p), params) for row, p in zip(logits, positions)]
+    assert sample(logits, positions, params).tolist() == expected
+    assert [int(sample(logits[i:i + 1], positions[i:i + 1], params)[0]) for i in range(4)] == expected
+
+
+def test_the_least_positive_min_p_is_a_setting_not_a_crash():
+    """min_p 5e-324 (the least positive double) halved is 0: the floor is taken in logs, so it keeps all but -inf."""
+    row = np.linspace(-3, 3, 40, dtype=np.float32)
+    params = SamplingParams(1.0, min_p=5e-324, seed=2)
+    assert sample(row[None], np.array([3]), params).tolist() == [sample_one(row, 3, params)]
