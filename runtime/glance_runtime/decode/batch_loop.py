@@ -151,7 +151,7 @@ class BatchLoop:
                                                    depths[i]) for i in drafting])))
         stop = self.policy.growth_stop(len(requests)) if batched and drafting else None
         draws = [r.cfg.draw(len(r.result.tokens)) for r in requests]
-        trees = [self._tree(r, drafts.get(i), stop, draws[i]) for i, r in enumerate(requests)]
+        trees = [self._tree(r, drafts.get(i), stop) for i, r in enumerate(requests)]
         if batched:
             trees = self.policy.cut(trees, [r.surprisal for r in requests], len(drafting))
         r1 = time.perf_counter()
@@ -179,15 +179,13 @@ class BatchLoop:
         return finished
 
     def _tree(self, request: Request, draft: tuple[np.ndarray, np.ndarray] | None,
-              stop: Callable[[int, float], bool] | None, draw: Draw | None) -> Tree:
-        """A sequence's tree from its draft (the anchor alone without one; a sampled one's candidates ranked by
-        its noise, as alone), cut to its slot's room; under the batch's auto (`stop` given), grown in the
-        calibration's order for the policy's cut, as far as it could keep."""
+              stop: Callable[[int, float], bool] | None) -> Tree:
+        """A sequence's tree from its draft (the anchor alone without one), cut to its slot's room; under the
+        batch's auto (`stop` given), grown in the calibration's order for the policy's cut, as far as it could
+        keep."""
         if draft is None:
             return Tree.root(request.anchor)
         ids, logp = draft
-        if draw is not None:
-            ids = draw.rerank(ids, logp)
         priority = self.policy.calibration.node_scorer(request.surprisal) if stop is not None else None
         tree = build_tree(request.anchor, ids, logp, request.cfg.budget, priority=priority, stop=stop,
                           leaves=request.stops)

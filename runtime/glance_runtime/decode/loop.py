@@ -146,9 +146,8 @@ def block_tree(backend: Backend, anchor: int, cfg: DecodeConfig, surprisal: floa
 
 
 def round_tree(backend: Backend, anchor: int, cfg: DecodeConfig, surprisal: float | None, left: int,
-          stops: frozenset[int], draw: Draw | None = None) -> tuple[Tree, int | None]:
-    """This round's tree and how deep its draft went (None: no draft pass made it); a sampled round's block
-    draft ranks its candidates by the round's noise (`Draw.rerank`)."""
+          stops: frozenset[int]) -> tuple[Tree, int | None]:
+    """This round's tree and how deep its draft went (None: no draft pass made it)."""
     depth = draft_depth(backend, cfg, surprisal, left)
     if depth is None:
         return Tree.root(anchor), None
@@ -161,8 +160,6 @@ def round_tree(backend: Backend, anchor: int, cfg: DecodeConfig, surprisal: floa
         room = room_left(backend)
         return (tree if room is None else fit(tree, room)), deepest
     ids, logp = backend.draft(anchor, cfg.branch_k, depth)
-    if draw is not None:
-        ids = draw.rerank(ids, logp)
     return block_tree(backend, anchor, cfg, surprisal, ids, logp, stops), len(ids)
 
 
@@ -192,7 +189,7 @@ def one_round(backend: Backend, out: DecodeResult, anchor: int, surprisal: float
     anchor and its surprisal."""
     r0 = time.perf_counter()
     draw = cfg.draw(len(out.tokens))
-    tree, depth = round_tree(backend, anchor, cfg, surprisal, cfg.max_new_tokens - len(out.tokens), stops, draw)
+    tree, depth = round_tree(backend, anchor, cfg, surprisal, cfg.max_new_tokens - len(out.tokens), stops)
     r1 = time.perf_counter()
     sampled = {} if draw is None else {"draw": draw}  # a greedy pass asks backends for nothing new
     verified = backend.verify(tree.tokens, tree.depths, visibility(tree.parents), **sampled)

@@ -304,18 +304,6 @@ class Draw(NamedTuple):
         """The token sampled after each row of logits [N, V] at tree depths [N]."""
         return sample(logits, self.first + np.asarray(depths, np.int64), self.params)
 
-    def rerank(self, ids: np.ndarray, logp: np.ndarray) -> np.ndarray:
-        """A block draft's top-k ids [depths, k] reordered by the same noise the target is sampled with (offset d
-        proposes answer position first + d - 1): the draft's own perturbed choice leads, so where the draft
-        follows the target the tree's best path is the sampled one. `logp` stays as it is (best first), so the
-        tree's shape and auto's scores are a greedy draft's; only which id sits at which rank changes. Lossless
-        whatever the order: verification keeps the target's own samples."""
-        positions = self.first + np.arange(len(ids), dtype=np.int64)[:, None]
-        with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-            score = np.asarray(logp, np.float64) / self.params.temperature + gumbel(self.params.seed, positions, ids)
-        order = np.argsort(-score, axis=1, kind="stable")
-        return np.take_along_axis(np.asarray(ids), order, axis=1)
-
 
 def sampling_params(temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
                     seed: int | None = None) -> SamplingParams:
