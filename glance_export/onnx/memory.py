@@ -11,9 +11,10 @@ its weights dropped, ONNX Runtime running the graph one segment of weights at a 
 fp16 kernels a segment's session also holds an fp32 copy of each fp16 weight. What a closed session
 freed goes back to the system before the next opens (`allocator.py`).
 
-Quantization (`--quantize`) then reads, quantizes and writes one weight at a time: a layer's fp32 MatMul
-weight whole with the integer copies made from it, or a chunk of a vocabulary matrix's rows plus that
-matrix's scales.
+Quantization (`--quantize`) reads, quantizes and writes one weight at a time in place of the fp32 writer: a
+layer's fp32 MatMul weight whole with the integer copies made from it, or a chunk of a vocabulary matrix's
+rows plus that matrix's scales. Its validation multiplies each quantized weight back out into the copy read
+for torch (a head's weights, which the export holds, into a new tensor).
 """
 from __future__ import annotations
 
