@@ -23,7 +23,7 @@ import shutil
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Protocol
+from typing import Collection, Protocol
 
 import numpy as np
 import onnx
@@ -84,7 +84,8 @@ class WeightSource(Protocol):
     def real(self, tensor: torch.Tensor, buffer: bytearray | None = None) -> torch.Tensor: ...  # values as stored
     # (the writer casts them), read into `buffer` where the source reads and it is large enough
 
-    def materialized(self, module: nn.Module) -> contextlib.AbstractContextManager: ...
+    def materialized(self, module: nn.Module, names: Collection[str] | None = None
+                     ) -> contextlib.AbstractContextManager: ...  # `names`: only those weights needed
 
 
 class InMemory:
@@ -95,7 +96,7 @@ class InMemory:
         return tensor
 
     @staticmethod
-    def materialized(module: nn.Module) -> contextlib.AbstractContextManager:
+    def materialized(module: nn.Module, names: Collection[str] | None = None) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext(module)
 
 

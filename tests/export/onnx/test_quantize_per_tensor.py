@@ -4,7 +4,9 @@ matrices in chunks of rows) and on exported ones, tied and untied; the TensorRT 
 same blocks with positive scales; and the quantize step's resident peak does not grow with depth."""
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -368,3 +370,33 @@ def test_an_int4_export_writes_no_fp32_graph(tmp_path):
                      progress=lambda _: None)
     written = _written_bytes() - before
     assert written < 0.5 * weights, (written, weights)
+
+
+def _kill_at(argv: list[str], marker: str) -> str:
+    """Run glance-export in a process of its own and SIGKILL it as soon as it prints `marker`; its output."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from glance_export.cli import main; "
+                             "sys.exit(main(sys.argv[1:]))", *map(str, argv)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if marker in line:
+            proc.kill()
+            break
+    seen.append(proc.communicate(timeout=300)[0])
+    assert marker in "".join(seen) and proc.returncode == -signal.SIGKILL, "".join(seen)
+    return "".join(seen)
+
+
+@pytest.mark.slow
+def test_a_killed_int4_export_leaves_the_previous_one(tmp_path):
+    """Killed while writing its quantized forms or validating them (the scratch cut and exact-graph copies live in
+    the export's temporary directory), an int4 export leaves the previous export byte for byte."""
+    snap, head, out = _int4_export(tmp_path)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    argv = ["onnx", "--model", snap, "--head", head, "--out", out, "--max-tree", "16", "--max-context", "64",
+            "--quantize", "int4", "--group-size", "32"]
+    for marker in ("exported target.onnx", "exported vocab.onnx", "validated target.onnx", "validated draft.onnx"):
+        _kill_at(argv, marker)
+        assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before

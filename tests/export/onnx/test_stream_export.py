@@ -142,35 +142,39 @@ def watch():
         time.sleep(0.002)
 watcher = threading.Thread(target=watch)
 watcher.start()
-export_artifacts(sys.argv[1], sys.argv[2], sys.argv[3], max_tree=16, max_context=64, progress=lambda _: None)
+export_artifacts(sys.argv[1], sys.argv[2], sys.argv[3], max_tree=16, max_context=64, progress=lambda _: None,
+                 quantize=sys.argv[4] if len(sys.argv) > 4 else None)
 done.set()
 watcher.join()
 print(max(peak[0], anon_kib()))
 """
 
 
-def _export_peak_kib(snap: Path, head: Path, out: Path) -> int:
+def _export_peak_kib(snap: Path, head: Path, out: Path, quantize: str | None = None) -> int:
     """The export's peak anonymous memory, sampled: pages of the memory-mapped snapshot and graphs are
     page cache the kernel can drop, and how many stay resident depends on the machine, not the exporter."""
     env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'runtime'}", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
            "MALLOC_ARENA_MAX": "1"}
-    done = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(snap), str(head), str(out)], env=env,
-                          capture_output=True, text=True, check=True)
+    args = [str(snap), str(head), str(out), *([quantize] if quantize else [])]
+    done = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, *args], env=env, capture_output=True, text=True,
+                          check=True)
     return int(done.stdout.split()[-1])
 
 
 @pytest.mark.slow
-def test_export_peak_is_flat_from_2_to_12_layers(tmp_path):
+@pytest.mark.parametrize("quantize", [None, "int4"])
+def test_export_peak_is_flat_from_2_to_12_layers(tmp_path, quantize):
     """Twelve layers of a mid-size model (about 60 MB each in fp32) cost the exporter no more memory than
     two: the weights stream through, validation holds a 2-layer cut, and the full-depth smoke run's
     sessions, one segment of the cut's size at a time, leave nothing behind in the heap (the peaks differ
     by about 15 MB; with glibc's mmap threshold left to rise they differed by two layers). Holding one
-    more layer's weights fails."""
+    more layer's weights fails. An int4 export likewise: each weight goes straight to its blocks, and its
+    validation holds the cut with its weights multiplied back out of the full graph's blocks."""
     peaks, weights = {}, {}
     for layers in (2, 12):
         snap, weights[layers] = make_mid_snapshot(tmp_path / f"s{layers}", layers)
         head = _head(snap, tmp_path / f"h{layers}")
-        peaks[layers] = _export_peak_kib(snap, head, tmp_path / f"a{layers}") * 1024
+        peaks[layers] = _export_peak_kib(snap, head, tmp_path / f"a{layers}", quantize) * 1024
         for done in (snap, head.parent, tmp_path / f"a{layers}"):  # one depth on disk at a time
             shutil.rmtree(done)
     growth = peaks[12] - peaks[2]
