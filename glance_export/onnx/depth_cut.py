@@ -80,7 +80,8 @@ def external(path: Path) -> bool:
     return any(uses_external_data(t) for t in onnx.load(str(path), load_external_data=False).graph.initializer)
 
 
-def smoke_run(path: Path, dims: Dims, dtype: str, seed: int, budget: int = SEGMENT_BYTES, prepack: bool = False) -> None:
+def smoke_run(path: Path, dims: Dims, dtype: str, seed: int, budget: int = SEGMENT_BYTES,
+              prepack: bool = False) -> None:
     """A lone sequence's prefill and a batch of trees over ragged pasts through the full graph in ONNX Runtime:
     contract shapes, finite values (`prepack`: see `run_in_segments`)."""
     rng = np.random.default_rng(seed)

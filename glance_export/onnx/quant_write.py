@@ -100,7 +100,8 @@ def _write_rows(source: WeightRows, weight: Weight, ort: DataFile, ort_inits: di
     trt.start(trt_inits[dq.data])
     scales, positives = [], []
     for start in range(0, weight.n, step):
-        packed, chunk_scales = block_quant(_transposed(source.rows(weight.name, start, min(weight.n, start + step))), scheme)
+        rows = source.rows(weight.name, start, min(weight.n, start + step))
+        packed, chunk_scales = block_quant(_transposed(rows), scheme)
         ort.add(_raw(packed))
         signed, chunk_positive = positive(packed, chunk_scales, scheme.bits, weight.k)
         trt.add(int_payload(signed, scheme.bits))
