@@ -186,14 +186,15 @@ def sampling_flags(p: argparse.ArgumentParser, seed_flag: str = "--seed", seed_d
     something else): numbers here, their ranges checked by `sampling.sampling_params` (one line naming the
     setting)."""
     p.add_argument("--temperature", type=finite("--temperature", 0.0), default=0.0,
-                   help="0 (the default) decodes greedily; above 0 samples at this temperature, the same tokens with "
-                   "the draft on or off (for a --seed)")
+                   help="above 0 samples at this temperature, the same tokens with the draft on or off for a seed "
+                   "(default 0.0: greedy decoding)")
     p.add_argument("--top-p", type=finite("--top-p", 0.0), default=1.0,
-                   help="sample from the smallest set of tokens holding this share of the probability (default 1: off)")
+                   help="sample from the smallest set of tokens holding this share of the probability (default 1.0: "
+                   "off)")
     p.add_argument("--top-k", type=at_least("--top-k", 0), default=0, help="sample from the k likeliest tokens "
                    "(default 0: off)")
     p.add_argument("--min-p", type=finite("--min-p", 0.0), default=0.0,
-                   help="drop tokens less likely than this share of the likeliest (default 0: off)")
+                   help="drop tokens less likely than this share of the likeliest (default 0.0: off)")
     p.add_argument(seed_flag, dest="sampling_seed", type=seed(seed_flag), default=seed_default, help=seed_help)
 
 
