@@ -8,8 +8,9 @@ One process, ONNX Runtime on ART (exported with the vocab graph's logits). Per s
 - plain greedy steps against plain sampled steps (no draft): ms per token, prefill excluded;
 - rounds of budget 3 with drafts seeded from each decode's own plain answer (`partial`: three drafted tokens
   accepted a round, tau 4; the sampled answer for the sampled decode), greedy against sampled: ms per round.
-Every sampled decode's tokens are checked against plain sampling with the same seed, every greedy one against
-plain greedy. Rows go to OUT/sampling_cost.json and .md.
+Every decode's tokens are compared with the plain decode's (`tokens as plain`: int4 graphs with int8
+activations may choose otherwise in a tree pass than in a one-row pass, greedy or sampled, so the seeds are
+what the seeded decode itself commits). Rows go to OUT/sampling_cost.json and .md.
 """
 from __future__ import annotations
 
@@ -36,6 +37,21 @@ def _settings(text: str) -> list[tuple[float, float, int]]:
     return out
 
 
+def _settled(backend, prompt, truth: list[int], cfg, seeding: str = "partial") -> list[int]:
+    """The continuation to seed so that every round accepts the seeded depth: the plain decode's tokens, unless a
+    tree pass chooses otherwise than a one-row pass (int4 graphs with int8 activations, near-flat random logits),
+    then what the seeded decode itself commits, until it commits what it was seeded with."""
+    from glance_runtime.bench.seeding import ConfidentSeeds
+    from glance_runtime.decode.loop import decode
+
+    for _ in range(8):
+        out = decode(ConfidentSeeds(backend, truth, prompt.length, seeding), prompt, cfg).tokens
+        if out == truth[:len(out)]:
+            break
+        truth = out
+    return truth
+
+
 def run(args) -> dict:
     from glance_runtime.backends.registry import Source, open_session
     from glance_runtime.bench.seeding import ConfidentSeeds
@@ -52,13 +68,16 @@ def run(args) -> dict:
         sampled = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=SEED).check()
         plain = {name: decode(backend, prompt, DecodeConfig(max_new_tokens=new, speculative=False, sampling=s)).tokens
                  for name, s in (("greedy", GREEDY), ("sampled", sampled))}
+        rounds = {name: DecodeConfig(max_new_tokens=new, budget=3, branch_k=8, sampling=s)
+                  for name, s in (("greedy", GREEDY), ("sampled", sampled))}
+        seeds = {name: _settled(backend, prompt, plain[name], rounds[name]) for name in rounds}
         configs = {
             "step-greedy": (backend, DecodeConfig(max_new_tokens=new, speculative=False), "greedy"),
             "step-sampled": (backend, DecodeConfig(max_new_tokens=new, speculative=False, sampling=sampled), "sampled"),
-            "round-greedy": (ConfidentSeeds(backend, plain["greedy"], prompt.length, "partial"),
-                             DecodeConfig(max_new_tokens=new, budget=3, branch_k=8), "greedy"),
-            "round-sampled": (ConfidentSeeds(backend, plain["sampled"], prompt.length, "partial"),
-                              DecodeConfig(max_new_tokens=new, budget=3, branch_k=8, sampling=sampled), "sampled"),
+            "round-greedy": (ConfidentSeeds(backend, seeds["greedy"], prompt.length, "partial"), rounds["greedy"],
+                             "greedy"),
+            "round-sampled": (ConfidentSeeds(backend, seeds["sampled"], prompt.length, "partial"), rounds["sampled"],
+                              "sampled"),
         }
         per_token: dict[str, list[float]] = {m: [] for m in configs}
         per_round: dict[str, list[float]] = {m: [] for m in configs}
