@@ -28,7 +28,8 @@ vocab graph: `ids` i64[E] (tokens to embed), `hidden` f[R, H] (final-normed rows
     the anchor's in a verify projection, the last prompt row's in prefill),
     `topk_embeds` f[R, K, H] (embeddings of `topk_ids`, so the next pass's inputs need no extra run),
     `logits` f32[R, V] (the rows' logits, fetched only to sample; artifacts exported before sampling lack it).
-    Both axes are at least 1: a run that only embeds projects one dummy row, and vice versa.
+    A run that only embeds projects no row on the CPU (ONNX Runtime reads none of the LM head then) and one
+    dummy row elsewhere (engine profiles start at 1); a run that only projects embeds one dummy id.
 draft_vocab graph (heads with a reduced draft vocabulary only): the vocab graph's inputs and outputs over
     the head's N draft tokens instead of the whole vocabulary, so a draft projection costs N/V of one:
     `ids` index the draft vocabulary (the runtime sends one dummy), `topk_ids` are target ids (the graph maps
