@@ -199,7 +199,7 @@ class BatchRounds:
     def _sample_run(self, first: int, n: int, draws: list[tuple[Draw | None, np.ndarray]], owner: np.ndarray,
                     depth: np.ndarray, chosen: np.ndarray, confidence: np.ndarray) -> None:
         """The sampled rows of one projection run (rows first..first+n of the pack) into `chosen` and `confidence`,
-        from the logits it left (a row's log-normalizer is its argmax's logit less that token's log-prob)."""
+        from the logits it left (`Draw.choose_with_logprob`)."""
         base = self.base
         logits = self.device.download(base.logits.tensor((n, base.manifest.vocab_size)))
         top = self.device.download(self.top_ids.rows(n, first))[:, 0]
@@ -210,10 +210,8 @@ class BatchRounds:
             if draw is None:
                 continue
             local = np.flatnonzero(owner[span] == i)
-            tokens = draw.choose(logits[local], depth[span][local])
-            chosen[first + local] = tokens
-            norm = logits[local, top[local]].astype(np.float64) - top_logp[local]
-            confidence[first + local] = logits[local, tokens].astype(np.float64) - norm
+            chosen[first + local], confidence[first + local] = draw.choose_with_logprob(
+                logits[local], depth[span][local], top[local], top_logp[local])
 
     def _pack(self, src: Buffer, stride: int, counts: list[int]) -> Tensor:
         """The first counts[b] of each sequence's `stride` rows of src, consecutive in `packed`; src itself

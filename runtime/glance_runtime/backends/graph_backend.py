@@ -429,14 +429,10 @@ class GraphBackend:
     def _sampled(self, top: np.ndarray, logp: np.ndarray, draw: Draw, depths: np.ndarray, rows: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray]:
         """The sampled token and its log-prob after each of the projected `rows`, from the logits the projection
-        left: a row's log-normalizer is its argmax's logit less that token's log-prob, so no vocabulary-wide sum
-        is taken."""
+        left (`Draw.choose_with_logprob`)."""
         vocab = self.manifest.vocab_size
         logits = np.stack([self.device.download(self.logits.tensor((vocab,), int(r) * vocab * 4)) for r in rows])
-        chosen = draw.choose(logits, depths[rows])
-        at = np.arange(len(rows))
-        norm = logits[at, top[rows, 0]].astype(np.float64) - logp[rows, 0]
-        return chosen, logits[at, chosen].astype(np.float64) - norm
+        return draw.choose_with_logprob(logits, depths[rows], top[rows, 0], logp[rows, 0])
 
     def _prefill_after(self, prompt: Prompt, keep: int, draw: Draw | None) -> tuple[int, float]:
         """Run only rows keep.. of the prompt, at the full prompt's positions, with the images they hold; the

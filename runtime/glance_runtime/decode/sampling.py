@@ -304,6 +304,16 @@ class Draw(NamedTuple):
         """The token sampled after each row of logits [N, V] at tree depths [N]."""
         return sample(logits, self.first + np.asarray(depths, np.int64), self.params)
 
+    def choose_with_logprob(self, logits: np.ndarray, depths: np.ndarray, top_ids: np.ndarray,
+                            top_logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`choose`, and each chosen token's log-prob under the row's untempered distribution, from a projection's
+        logits and its argmax ids and log-probs [N]: a row's log-normalizer is its argmax's logit less that
+        token's log-prob, so no vocabulary-wide sum is taken."""
+        chosen = self.choose(logits, depths)
+        rows = np.arange(len(logits))
+        norm = logits[rows, top_ids].astype(np.float64) - np.asarray(top_logprobs, np.float64)
+        return chosen, logits[rows, chosen].astype(np.float64) - norm
+
 
 def sampling_params(temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
                     seed: int | None = None) -> SamplingParams:
