@@ -14,28 +14,12 @@ import pytest
 import torch
 
 from glance_runtime.backends.seeded import SeededDrafter
-from glance_export.model.adapters import Snapshot
-from glance_export.model.head import head_config_for, init_head, pick_mask_token
 from glance_export.model.torch_backend import TorchBackend, greedy_reference
 from glance_runtime.decode.loop import DecodeConfig, decode
 from support import ALL_FAMILIES, VL_FAMILIES, check_mixed, config, cutting, median_surprisal, shallow, skipping
 
 MAX_NEW = 24
 BUDGETS = {"chain": (15, 1), "b8": (8, 8), "b31": (31, 8), "b63": (63, 8)}
-
-
-@pytest.fixture(scope="module")
-def backend_for(snapshot_dir):
-    cache: dict[tuple[str, int], TorchBackend] = {}
-
-    def get(family: str, block_size: int = 8) -> TorchBackend:
-        if (family, block_size) not in cache:
-            snap = Snapshot(snapshot_dir(family))
-            head = init_head(head_config_for(snap, 1, block_size, pick_mask_token(snap)), seed=block_size)
-            cache[family, block_size] = TorchBackend(snap, head)
-        return cache[family, block_size]
-
-    return get
 
 
 def _prompt(backend: TorchBackend, images, image: str | None, text: str = "What colour is the square?"):

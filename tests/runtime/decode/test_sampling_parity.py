@@ -10,8 +10,6 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
-from glance_export.model.adapters import Snapshot
-from glance_export.model.head import head_config_for, init_head, pick_mask_token
 from glance_export.model.torch_backend import TorchBackend
 from glance_runtime.backends.seeded import SeededDrafter
 from glance_runtime.decode.loop import DecodeConfig, decode
@@ -23,20 +21,6 @@ MAX_NEW = 24
 SETTINGS = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.3, top_p=0.9, seed=2),
             SamplingParams(temperature=0.6, top_k=5, seed=3), SamplingParams(temperature=1.0, min_p=0.05, seed=4),
             SamplingParams(temperature=2.0, top_k=40, top_p=0.95, min_p=0.01, seed=2**62 + 7)]
-
-
-@pytest.fixture(scope="module")
-def reference(snapshot_dir):
-    made: dict[tuple[str, int], TorchBackend] = {}
-
-    def get(family: str, block_size: int = 8) -> TorchBackend:
-        if (family, block_size) not in made:
-            snap = Snapshot(snapshot_dir(family))
-            head = init_head(head_config_for(snap, 1, block_size, pick_mask_token(snap)), seed=block_size)
-            made[family, block_size] = TorchBackend(snap, head)
-        return made[family, block_size]
-
-    return get
 
 
 def _plain(backend, prompt, params: SamplingParams) -> list[int]:
@@ -58,8 +42,8 @@ def _runs(backend, prompt, params: SamplingParams, truth: list[int], split: floa
 
 @pytest.mark.parametrize("family", [f if f in ("qwen2_5_vl", "qwen3") else pytest.param(f, marks=pytest.mark.slow)
                                     for f in ALL_FAMILIES])
-def test_speculation_samples_what_plain_sampling_does(reference, images, family):
-    backend = reference(family)
+def test_speculation_samples_what_plain_sampling_does(backend_for, images, family):
+    backend = backend_for(family)
     image = images["wide"] if family in VL_FAMILIES else None
     prompt = backend.snapshot.build_prompt("Describe the picture.", image)
     split = median_surprisal(backend, prompt, MAX_NEW)
@@ -75,8 +59,8 @@ def test_speculation_samples_what_plain_sampling_does(reference, images, family)
     assert len(answers) == len(SETTINGS), "the settings must sample different answers"
 
 
-def test_a_seed_decides_the_answer_and_greedy_stays_greedy(reference, images):
-    backend = reference("qwen2_5_vl")
+def test_a_seed_decides_the_answer_and_greedy_stays_greedy(backend_for, images):
+    backend = backend_for("qwen2_5_vl")
     prompt = backend.snapshot.build_prompt("Describe the picture.", images["tall"])
     first = _plain(backend, prompt, SamplingParams(temperature=1.5, seed=11))
     assert _plain(backend, prompt, SamplingParams(temperature=1.5, seed=11)) == first
@@ -91,8 +75,8 @@ def test_a_seed_decides_the_answer_and_greedy_stays_greedy(reference, images):
 @given(seed=st.integers(0, 2**63 - 1), temperature=st.floats(0.05, 4.0), top_p=st.floats(0.05, 1.0),
        top_k=st.integers(0, 60), min_p=st.floats(0.0, 0.5), budget=st.sampled_from([1, 2, 7, 31]))
 @example(seed=0, temperature=2.5, top_p=0.3125, top_k=24, min_p=0.25, budget=7)  # top-p once weighed min-p's tokens
-def test_any_setting_samples_alike_draft_on_or_off(reference, seed, temperature, top_p, top_k, min_p, budget):
-    backend = reference("qwen3")
+def test_any_setting_samples_alike_draft_on_or_off(backend_for, seed, temperature, top_p, top_k, min_p, budget):
+    backend = backend_for("qwen3")
     prompt = backend.snapshot.build_prompt("Name three colours.", None)
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed).check()
     truth = _plain(backend, prompt, params)
@@ -103,7 +87,7 @@ def test_any_setting_samples_alike_draft_on_or_off(reference, seed, temperature,
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3"])
-def test_onnx_runtime_samples_what_the_reference_samples(ort_exported, reference, images, family):
+def test_onnx_runtime_samples_what_the_reference_samples(ort_exported, images, family):
     """fp32 graphs against the torch reference, plain and speculative, on the same seeds."""
     ex = ort_exported(family)
     image = images["wide"] if family in VL_FAMILIES else None
