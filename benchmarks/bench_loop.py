@@ -51,7 +51,7 @@ def run_once(backend, clock: GraphClock | None, prompt, cfg: DecodeConfig,
     if clock is None:
         return decode(backend, prompt, cfg, stop_ids=stops), None
     readings: list[dict[str, float]] = []
-    result = decode(backend, prompt, cfg, stop_ids=stops, on_commit=lambda _new: readings.append(clock.reading()))
+    result = decode(backend, prompt, cfg, stop_ids=stops, on_commit=lambda _new, _reports: readings.append(clock.reading()))
     return result, {name: (readings[-1][name] - readings[0][name]) / 1e3 for name in GRAPH_NAMES}
 
 

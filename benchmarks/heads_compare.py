@@ -103,7 +103,7 @@ def draft_costs(artifacts: Path, threads: int, rounds: int, seeded: bool) -> dic
     steps = backend.info.limits.drafter in STEP_DRAFTERS
     costs = {}
     for depth in DEPTHS:
-        anchor, _ = backend.prefill(prompt)
+        anchor = backend.prefill(prompt).first
         times = []
         for r in range(rounds + 2):
             t0 = time.perf_counter()

@@ -136,7 +136,7 @@ def time_mode(args: argparse.Namespace) -> None:
         for prompt, truth in zip(prompts, truths):
             drafter = backend if args.mode == "plain" else seeded(backend, truth, prompt.length)
             readings: list[dict[str, float]] = []
-            result = decode(drafter, prompt, cfg, on_commit=lambda _new: readings.append(clock.reading()))
+            result = decode(drafter, prompt, cfg, on_commit=lambda _new, _reports: readings.append(clock.reading()))
             if result.tokens != truth:
                 raise SystemExit(f"{args.mode}: the decode of {args.artifacts} differs from its greedy answer")
             decode_ms += result.total_ms - result.prefill_ms

@@ -88,7 +88,7 @@ def tau(args: argparse.Namespace) -> dict:
 def cost(args: argparse.Namespace) -> dict:
     backend = open_backend(args.artifacts, args.threads)
     codec = exported_codec(backend.manifest)
-    anchor, _ = backend.prefill(codec.turn(TEXT))
+    anchor = backend.prefill(codec.turn(TEXT)).first
     k = backend.manifest.branch_k
     depths = list(range(1, backend.block_size))
     times: dict[tuple[str, int], list[float]] = {(side, d): [] for side in ("whole", "short") for d in depths}

@@ -18,8 +18,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from glance_runtime.decode.backend import BackendInfo, ServeLimits, Verified, block_rows, draft_rows
-from glance_runtime.decode.sampling import Draw
+from glance_runtime.decode.backend import BackendInfo, Prefilled, ServeLimits, Verified, block_rows, draft_rows
+from glance_runtime.decode.sampling import Draw, LogProbs
 from glance_runtime.backends.hardware import host_cpu
 from glance_runtime.defaults import EAGLE3_DEPTH
 from glance_runtime.decode.loop import DecodeConfig
@@ -54,12 +54,22 @@ def vision_inputs(snapshot: Snapshot, prompt: Prompt, ids: torch.Tensor, device:
     return extra
 
 
-def _chosen(logits: torch.Tensor, depths: np.ndarray, draw: Draw | None) -> np.ndarray:
+def _chosen(logits: torch.Tensor, depths: np.ndarray, draw: Draw | None) -> tuple[np.ndarray, LogProbs | None]:
     """The token after each row of logits [N, V]: the argmax, or sampled by `draw` (on the host, in numpy, as
-    the graph backends sample on a CPU)."""
-    if draw is None:
-        return logits.argmax(-1).cpu().numpy().astype(np.int64)
-    return draw.choose(logits.float().cpu().numpy(), depths)
+    the graph backends sample on a CPU); and every row's report where `draw` asks for one."""
+    if draw is None or not draw.samples:
+        chosen = logits.argmax(-1).cpu().numpy().astype(np.int64)
+    else:
+        chosen = draw.choose(logits.float().cpu().numpy(), depths)
+    if draw is None or not draw.reports:
+        return chosen, None
+    return chosen, draw.report(logits.float().cpu().numpy(), chosen)
+
+
+def _prefilled(logits: torch.Tensor, draw: Draw | None) -> Prefilled:
+    """The first token after the prompt's last row of logits [V], its entropy and its report."""
+    chosen, report = _chosen(logits[None], np.zeros(1, np.int64), draw)
+    return Prefilled(int(chosen[0]), _entropy(logits), report)
 
 
 def _entropy(logits: torch.Tensor) -> float:
@@ -252,7 +262,7 @@ class TorchBackend:
         return pos, int(pos[0, 0, -1]) + 1 - ids.shape[1]
 
     @torch.no_grad()
-    def prefill(self, prompt: Prompt, keep: int = 0, draw: Draw | None = None) -> tuple[int, float]:
+    def prefill(self, prompt: Prompt, keep: int = 0, draw: Draw | None = None) -> Prefilled:
         """`keep`: committed rows (target and head) the prompt starts with, kept instead of recomputed; `draw`:
         the first token sampled, not the argmax."""
         if keep:
@@ -266,8 +276,7 @@ class TorchBackend:
         self.start = ids.shape[1]
         if self.head is not None:
             self._keep_rows(prompt.input_ids.tolist(), self._taps(out.hidden_states)[0], 0, positions)
-        logits = out.logits[0, -1]
-        return int(_chosen(logits[None], np.zeros(1, np.int64), draw)[0]), _entropy(logits)
+        return _prefilled(out.logits[0, -1], draw)
 
     def _truncate(self, keep: int) -> None:
         """Cut the target and head caches back to their first `keep` committed rows."""
@@ -285,7 +294,7 @@ class TorchBackend:
         else:
             self.pending_taps = [torch.cat(self.pending_taps)[:keep - self.pending_from]]
 
-    def _prefill_after(self, prompt: Prompt, keep: int, draw: Draw | None) -> tuple[int, float]:
+    def _prefill_after(self, prompt: Prompt, keep: int, draw: Draw | None) -> Prefilled:
         """Run only rows keep.. of the prompt, at the full prompt's positions, with the images they hold."""
         self._truncate(keep)
         ids = self._t(prompt.input_ids)[None]
@@ -302,8 +311,7 @@ class TorchBackend:
         if self.head is not None:
             self._keep_rows(prompt.input_ids[keep:].tolist(), self._taps(out.hidden_states)[0], keep,
                             positions[..., keep:])
-        logits = out.logits[0, -1]
-        return int(_chosen(logits[None], np.zeros(1, np.int64), draw)[0]), _entropy(logits)
+        return _prefilled(out.logits[0, -1], draw)
 
     @torch.no_grad()
     def draft(self, anchor: int, k: int, depth: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -343,9 +351,9 @@ class TorchBackend:
             self.verify_taps = self._taps(out.hidden_states)[0]
             self.verify_tokens = np.asarray(tokens, np.int64)
         logits = out.logits[0].float()
-        chosen = _chosen(logits, np.asarray(depths, np.int64), draw)
+        chosen, report = _chosen(logits, np.asarray(depths, np.int64), draw)
         confidence = torch.log_softmax(logits, dim=-1)[torch.arange(size), torch.from_numpy(chosen)]
-        return Verified(chosen, _entropy(logits[0]), confidence.double().cpu().numpy())
+        return Verified(chosen, _entropy(logits[0]), confidence.double().cpu().numpy(), report)
 
     def commit(self, rows: np.ndarray) -> None:
         """Compact the pack's KV in place: kept rows move down to follow the prefix, the rest is cut."""

@@ -36,13 +36,13 @@ from .defaults import AUTO, BRANCH_K, RUN_MAX_NEW_TOKENS as MAX_NEW_TOKENS, reso
 from .errors import GlanceError, InputError
 from .decode.limits import check_context, check_settings, check_speculation, whole
 from .decode.loop import DecodeConfig, DecodeResult, RoundLog
-from .decode.sampling import GREEDY, SamplingParams, derived, sampling_params
+from .decode.sampling import GREEDY, SamplingParams, TokenLogprob, derived, logprob_count, sampling_params
 from .prompt.messages import ImageLike, VideoLike, conversation, user_turn
 from .prompt.prompt_builder import Prompt, check_unicode
 from .prompt.prefix_reuse import Committed, image_runs, shared_rows
 from .backends.batch_rounds import open_batch
 from .backends.registry import BACKENDS, Source, open_session
-from .batching import Answer, Done, Scheduler, Ticket
+from .batching import Answer, Done, OnTokens, Scheduler, Ticket
 from .decode.session import Session, Settings
 
 T = TypeVar("T")
@@ -88,6 +88,7 @@ class Output:
     stats: dict[str, Any] = field(default_factory=dict)
     rounds: list[RoundLog] = field(default_factory=list, repr=False)
     seed: int | None = None  # the seed it was sampled with (drawn where none was given); None: greedy
+    logprobs: list[TokenLogprob] | None = field(default=None, repr=False)  # per token id, where asked for
 
 
 class Model:
@@ -159,7 +160,8 @@ class Model:
                  max_new_tokens: int = MAX_NEW_TOKENS, stop: Sequence[str] = (),
                  on_text: Callable[[str], None] | None = None,
                  videos: Sequence[VideoLike] | None = None, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, min_p: float = 0.0, seed: int | None = None) -> Output | list[Output]:
+                 top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
+                 logprobs: int | None = None) -> Output | list[Output]:
         """Answer one prompt (with any number of images and videos, each a list even for one: images=["a.png"];
         a video is its frames, taken at 2 per second unless given as {"video": frames, "fps": rate}) or one
         OpenAI-style conversation; `stop` is one string or a list of them; `on_text` sees the text in pieces as
@@ -173,36 +175,42 @@ class Model:
         temperature 0 (the default) decodes greedily; above 0 each token is sampled from the target's distribution
         at that temperature, truncated by top_k (0: off), top_p (1: off) and min_p (0: off), with noise keyed by
         `seed` (drawn when None, and reported as Output.seed) and the token's position in the answer: for a seed,
-        the answer is the same with the draft on or off, at any budget, alone or in a batch."""
-        sampling = sampling_params(temperature, top_p, top_k, min_p, seed)
+        the answer is the same with the draft on or off, at any budget, alone or in a batch.
+
+        `logprobs` n (0..20; None: off) reports, in Output.logprobs, each token's log-prob under the target's
+        untempered distribution at its position and the n best alternatives there (as OpenAI's logprobs and
+        top_logprobs): the same with the draft on or off, up to the float rounding of the pass that computed them."""
+        sampling, count = sampling_params(temperature, top_p, top_k, min_p, seed), logprob_count(logprobs)
         if isinstance(prompt, (list, tuple)):
             if any(v is not None for v in (images, messages, system, videos, on_text)):
                 raise InputError("with a list of prompts, give each one's images, messages, system or videos in its "
                                  "own dict ({\"prompt\": ..., \"images\": [...]}), and no on_text")
-            return self._many(prompt, max_new_tokens, stop, sampling)
+            return self._many(prompt, max_new_tokens, stop, sampling, count)
         with self._busy():
             built = self.build(prompt, images=images, messages=messages, system=system, videos=videos)
-            return self._run(built, max_new_tokens, stop, on_piece=on_text, sampling=sampling)
+            return self._run(built, max_new_tokens, stop, on_piece=on_text, sampling=sampling, logprobs=count)
 
     def stream(self, prompt: str | None = None, *, images: Sequence[ImageLike] | None = None,
                messages: Sequence[dict[str, Any]] | None = None, system: str | None = None,
                max_new_tokens: int = MAX_NEW_TOKENS, stop: Sequence[str] = (),
                videos: Sequence[VideoLike] | None = None, temperature: float = 0.0, top_p: float = 1.0,
-               top_k: int = 0, min_p: float = 0.0, seed: int | None = None) -> "Stream":
+               top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
+               logprobs: int | None = None) -> "Stream":
         """`generate`'s text in pieces as rounds commit; the pieces join to exactly its text, and once they are
         exhausted the stream's `output` is `generate`'s Output. Closing the stream early ends decoding after
         the current round."""
-        sampling = sampling_params(temperature, top_p, top_k, min_p, seed)
-        return Stream(self._streamed(prompt, images, messages, system, max_new_tokens, stop, videos, sampling))
+        sampling, count = sampling_params(temperature, top_p, top_k, min_p, seed), logprob_count(logprobs)
+        return Stream(self._streamed(prompt, images, messages, system, max_new_tokens, stop, videos, sampling, count))
 
     def _streamed(self, prompt, images, messages, system, max_new_tokens, stop, videos,
-                  sampling: SamplingParams) -> Generator[str, None, Output]:
+                  sampling: SamplingParams, logprobs: int | None) -> Generator[str, None, Output]:
         with self._busy():
             built = self.build(prompt, images=images, messages=messages, system=system, videos=videos)
             return (yield from self._pieces(lambda on_piece, cancel: self._run(built, max_new_tokens, stop,
                                                                                 on_piece=on_piece,
                                                                                 cancelled=cancel.is_set,
-                                                                                sampling=sampling)))
+                                                                                sampling=sampling,
+                                                                                logprobs=logprobs)))
 
     def chat(self, system: str | None = None) -> "Chat":
         """A conversation that keeps its KV between turns."""
@@ -233,23 +241,27 @@ class Model:
 
     def submit(self, prompt: Prompt, *, max_new_tokens: int = MAX_NEW_TOKENS, stop: Sequence[str] = (),
                on_text: Callable[[str], None] | None = None,
-               cancelled: Callable[[], bool] | None = None, sampling: SamplingParams = GREEDY) -> "Future[Output]":
+               cancelled: Callable[[], bool] | None = None, sampling: SamplingParams = GREEDY,
+               logprobs: int | None = None, on_tokens: OnTokens | None = None) -> "Future[Output]":
         """Queue a prompt made with `build` and return at once: the future settles with its Output. For servers
         on a model loaded with max_batch > 1: `on_text` and `cancelled` (asked each round; True ends the answer
         there, finish "cancelled") run on the batch thread, and either raising fails this future alone, with its
         error. At max_batch 1 the answer is decoded now, on this thread, and the future is already settled.
-        `sampling`: `sampling_params`' settings (greedy by default)."""
+        `sampling`: `sampling_params`' settings (greedy by default); `logprobs`: as `generate`'s, and `on_tokens`
+        sees each round's kept tokens and their reports, after their text reached `on_text` (on the same thread)."""
+        count = logprob_count(logprobs)
         if self._scheduler is None:
             future: Future = Future()
             try:
                 with self._busy():
                     future.set_result(self._run(_prompt(prompt), max_new_tokens, stop, on_piece=on_text,
-                                                cancelled=cancelled, sampling=sampling))
+                                                cancelled=cancelled, sampling=sampling, logprobs=count,
+                                                on_tokens=on_tokens))
             except Exception as exc:
                 future.set_exception(exc)
             return future
-        prompt, stops, cfg = self._checked(_prompt(prompt), max_new_tokens, stop, ROOM_FIX, sampling)
-        ticket = self._scheduler.submit(prompt, cfg, stops, on_text, cancelled)
+        prompt, stops, cfg = self._checked(_prompt(prompt), max_new_tokens, stop, ROOM_FIX, sampling, count)
+        ticket = self._scheduler.submit(prompt, cfg, stops, on_text, cancelled, on_tokens)
         out: Future = Future()
 
         def settle(done: Future) -> None:
@@ -262,7 +274,7 @@ class Model:
         return out
 
     def _many(self, items: Sequence[str | dict[str, Any]], max_new_tokens: int, stop: Sequence[str],
-              sampling: SamplingParams) -> list[Output]:
+              sampling: SamplingParams, logprobs: int | None) -> list[Output]:
         """`generate` over a list: every prompt built and checked before any is decoded."""
         built = []
         for i, item in enumerate(items):
@@ -276,8 +288,10 @@ class Model:
             with self._busy():
                 for b in built:
                     self.check_room(b, max_new_tokens)
-                return [self._run(b, max_new_tokens, stop, sampling=derived(sampling, i)) for i, b in enumerate(built)]
-        checked = [self._checked(b, max_new_tokens, stop, ROOM_FIX, derived(sampling, i)) for i, b in enumerate(built)]
+                return [self._run(b, max_new_tokens, stop, sampling=derived(sampling, i), logprobs=logprobs)
+                        for i, b in enumerate(built)]
+        checked = [self._checked(b, max_new_tokens, stop, ROOM_FIX, derived(sampling, i), logprobs)
+                   for i, b in enumerate(built)]
         tickets = [self._scheduler.submit(b, cfg, stops) for b, stops, cfg in checked]
         try:
             return [self._finished(t.future.result(), cfg, b) for t, (b, _, cfg) in zip(tickets, checked)]
@@ -286,45 +300,57 @@ class Model:
                 t.cancel()
             raise
 
-    def _config(self, max_new_tokens: int, sampling: SamplingParams) -> DecodeConfig:
+    def _config(self, max_new_tokens: int, sampling: SamplingParams, logprobs: int | None = None) -> DecodeConfig:
         """glance-run's DecodeConfig (the session resolves auto's policy once, then it is reused), sampling as asked
-        (its seed drawn now where none was given, so the Output can report it)."""
+        (its seed drawn now where none was given, so the Output can report it), reporting log-probs as asked."""
         return replace(self.session.config, max_new_tokens=_answer_length(max_new_tokens),
-                       sampling=GREEDY if sampling.greedy else sampling.check().seeded())
+                       sampling=GREEDY if sampling.greedy else sampling.check().seeded(),
+                       logprobs=logprob_count(logprobs))
 
-    def _checked(self, prompt: Prompt, max_new_tokens: int, stop: Sequence[str],
-                 fix: str, sampling: SamplingParams = GREEDY) -> tuple[Prompt, list[str], DecodeConfig]:
+    def _checked(self, prompt: Prompt, max_new_tokens: int, stop: Sequence[str], fix: str,
+                 sampling: SamplingParams = GREEDY, logprobs: int | None = None
+                 ) -> tuple[Prompt, list[str], DecodeConfig]:
         """The prompt, its stop strings and its config, once the prompt is known to fit."""
         stops = _stops(stop)
         self.check_room(prompt, max_new_tokens, fix=fix)
-        return prompt, stops, self._config(max_new_tokens, sampling)
+        return prompt, stops, self._config(max_new_tokens, sampling, logprobs)
 
     def _run(self, prompt: Prompt, max_new_tokens: int, stop: Sequence[str], keep: int = 0,
              on_piece: Callable[[str], None] | None = None, cancelled: Callable[[], bool] | None = None,
-             fix: str = ROOM_FIX, sampling: SamplingParams = GREEDY) -> Output:
-        prompt, stops, cfg = self._checked(prompt, max_new_tokens, stop, fix, sampling)
+             fix: str = ROOM_FIX, sampling: SamplingParams = GREEDY, logprobs: int | None = None,
+             on_tokens: OnTokens | None = None) -> Output:
+        prompt, stops, cfg = self._checked(prompt, max_new_tokens, stop, fix, sampling, logprobs)
         if on_piece is not None and not callable(on_piece):
             raise InputError(f"on_text must be a callable taking each piece of text, got {type(on_piece).__name__}")
         if self._scheduler is not None:
-            return self._batched(prompt, cfg, stops, on_piece, cancelled)
-        answer = Answer(self.session.codec.tokenizer, stops, on_piece, cancelled)
+            return self._batched(prompt, cfg, stops, on_piece, cancelled, on_tokens)
+        answer = Answer(self.session.codec.tokenizer, stops, on_piece, cancelled, on_tokens)
         self._owner = None  # the backend's rows are about to change
         result = self.session.decode(prompt, answer.on_commit, config=cfg, keep=keep)
         reason = answer.finish(result)
-        return Output(answer.joined, answer.kept, result.tau,
-                      self._stats(result, cfg, prompt, keep, answer.kept, reason), result.rounds, cfg.sampling.seed)
+        return self._output(answer, result, cfg, self._stats(result, cfg, prompt, keep, answer.kept, reason))
+
+    @staticmethod
+    def _output(answer: Answer, result: DecodeResult, cfg: DecodeConfig, stats: dict[str, Any]) -> Output:
+        return Output(answer.joined, answer.kept, result.tau, stats, result.rounds, cfg.sampling.seed,
+                      None if cfg.logprobs is None else answer.logprobs)
 
     def _batched(self, prompt: Prompt, cfg: DecodeConfig, stops: list[str], on_piece: Callable[[str], None] | None,
-                 cancelled: Callable[[], bool] | None) -> Output:
-        """One request through the batch thread; its pieces reach `on_piece` on this thread."""
+                 cancelled: Callable[[], bool] | None, on_tokens: OnTokens | None = None) -> Output:
+        """One request through the batch thread; its pieces reach `on_piece` (and its reports `on_tokens`) on
+        this thread."""
         pieces: queue.SimpleQueue = queue.SimpleQueue()
         ticket: Ticket = self._scheduler.submit(prompt, cfg, stops, None if on_piece is None else pieces.put,
-                                                cancelled)
+                                                cancelled, None if on_tokens is None else
+                                                lambda ids, reports: pieces.put((ids, reports)))
         try:
-            if on_piece is not None:
+            if on_piece is not None or on_tokens is not None:
                 ticket.future.add_done_callback(lambda _: pieces.put(None))
-                while (piece := pieces.get()) is not None:
-                    on_piece(piece)
+                while (item := pieces.get()) is not None:
+                    if isinstance(item, str):
+                        on_piece(item)
+                    else:
+                        on_tokens(*item)
             return self._finished(ticket.future.result(), cfg, prompt)
         except BaseException:  # the caller's callback failed or it was interrupted: the request leaves the batch
             ticket.cancel()
@@ -333,22 +359,22 @@ class Model:
     def _finished(self, done: Done, cfg: DecodeConfig, prompt: Prompt) -> Output:
         answer, result = done.answer, done.result
         stats = self._stats(result, cfg, prompt, done.keep, answer.kept, done.reason)
-        return Output(answer.joined, answer.kept, result.tau, {**stats, "queue_ms": round(done.queue_ms, 3)},
-                      result.rounds, cfg.sampling.seed)
+        return self._output(answer, result, cfg, {**stats, "queue_ms": round(done.queue_ms, 3)})
 
     def _kept(self, owner: object, committed: Committed | None, prompt: Prompt, max_new_tokens: int,
               stop: Sequence[str], on_piece: Callable[[str], None] | None, cancelled: Callable[[], bool] | None,
-              fix: str, sampling: SamplingParams = GREEDY) -> tuple[Output, Committed | None]:
+              fix: str, sampling: SamplingParams = GREEDY, logprobs: int | None = None,
+              on_tokens: OnTokens | None = None) -> tuple[Output, Committed | None]:
         """`_run`, keeping the rows `prompt` shares with `committed` while `owner`'s rows are the backend's; the
         answer, and what the backend then holds."""
         codec = self.session.codec
         prompt = _prompt(prompt)
         if self._scheduler is not None:  # each batch slot keeps its rows for the prompt sharing most of them
             return self._run(prompt, max_new_tokens, stop, on_piece=on_piece, cancelled=cancelled, fix=fix,
-                             sampling=sampling), None
+                             sampling=sampling, logprobs=logprobs, on_tokens=on_tokens), None
         keep = shared_rows(committed if self._owner is owner else None, prompt, codec.image_token_id, codec.merge_size)
         out = self._run(prompt, max_new_tokens, stop, keep=keep, on_piece=on_piece, cancelled=cancelled, fix=fix,
-                        sampling=sampling)
+                        sampling=sampling, logprobs=logprobs, on_tokens=on_tokens)
         rows = self.session.backend.start
         self._owner = owner
         return out, Committed(np.concatenate([prompt.input_ids, np.asarray(out.token_ids, np.int64)])[:rows],
@@ -434,30 +460,32 @@ class Chat:
     def send(self, text: str, images: Sequence[ImageLike] | None = None, *, max_new_tokens: int = MAX_NEW_TOKENS,
              stop: Sequence[str] = (), on_text: Callable[[str], None] | None = None,
              videos: Sequence[VideoLike] | None = None, temperature: float = 0.0, top_p: float = 1.0,
-             top_k: int = 0, min_p: float = 0.0, seed: int | None = None) -> Output:
+             top_k: int = 0, min_p: float = 0.0, seed: int | None = None, logprobs: int | None = None) -> Output:
         """One user turn (with any number of images and videos) and its answer; prefills only what the
         conversation has not committed yet. A turn that would overflow the context is refused and leaves the
         history as it was."""
-        sampling = sampling_params(temperature, top_p, top_k, min_p, seed)
+        sampling, count = sampling_params(temperature, top_p, top_k, min_p, seed), logprob_count(logprobs)
         with self._model._busy():
             turn, prompt = self._turn(text, images, videos)
-            return self._record(turn, self._answer(prompt, max_new_tokens, stop, on_text, None, sampling))
+            return self._record(turn, self._answer(prompt, max_new_tokens, stop, on_text, None, sampling, count))
 
     def stream(self, text: str, images: Sequence[ImageLike] | None = None, *, max_new_tokens: int = MAX_NEW_TOKENS,
                stop: Sequence[str] = (), videos: Sequence[VideoLike] | None = None, temperature: float = 0.0,
-               top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None) -> Stream:
+               top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
+               logprobs: int | None = None) -> Stream:
         """`send`'s answer in pieces as rounds commit; once they are exhausted the stream's `output` is `send`'s
         Output and the turn is in the history. A stream closed before then ends decoding after the current round
         and leaves the history as it was."""
-        sampling = sampling_params(temperature, top_p, top_k, min_p, seed)
-        return Stream(self._streamed(text, images, max_new_tokens, stop, videos, sampling))
+        sampling, count = sampling_params(temperature, top_p, top_k, min_p, seed), logprob_count(logprobs)
+        return Stream(self._streamed(text, images, max_new_tokens, stop, videos, sampling, count))
 
     def _streamed(self, text, images, max_new_tokens, stop, videos,
-                  sampling: SamplingParams) -> Generator[str, None, Output]:
+                  sampling: SamplingParams, logprobs: int | None) -> Generator[str, None, Output]:
         with self._model._busy():
             turn, prompt = self._turn(text, images, videos)
             out = yield from Model._pieces(lambda on_piece, cancel: self._answer(prompt, max_new_tokens, stop,
-                                                                                 on_piece, cancel.is_set, sampling))
+                                                                                 on_piece, cancel.is_set, sampling,
+                                                                                 logprobs))
             return self._record(turn, out)
 
     def _turn(self, text: str, images: Sequence[ImageLike] | None,
@@ -468,11 +496,12 @@ class Chat:
         return turn, self._model.build(messages=[*self._messages, turn])
 
     def _answer(self, prompt: Prompt, max_new_tokens: int, stop: Sequence[str], on_text: Callable[[str], None] | None,
-                cancelled: Callable[[], bool] | None, sampling: SamplingParams) -> Output:
+                cancelled: Callable[[], bool] | None, sampling: SamplingParams, logprobs: int | None) -> Output:
         """Decode a turn's prompt, keeping what the backend then holds (whether or not the turn is recorded)."""
         out, self._committed = self._model._kept(
             self, self._committed, prompt, max_new_tokens, stop, on_text, cancelled,
-            "start over with chat.reset(), lower max_new_tokens, or load with a larger max_context", sampling)
+            "start over with chat.reset(), lower max_new_tokens, or load with a larger max_context", sampling,
+            logprobs)
         return out
 
     def _record(self, turn: dict[str, Any], out: Output) -> Output:
@@ -492,13 +521,15 @@ class Reuse:
 
     def decode(self, prompt: Prompt, *, max_new_tokens: int = MAX_NEW_TOKENS, stop: Sequence[str] = (),
                on_text: Callable[[str], None] | None = None, cancelled: Callable[[], bool] | None = None,
-               sampling: SamplingParams = GREEDY) -> Output:
+               sampling: SamplingParams = GREEDY, logprobs: int | None = None,
+               on_tokens: OnTokens | None = None) -> Output:
         """Answer `prompt`; `on_text` sees the text as rounds commit, `cancelled` is asked after each round and
-        a True ends the decode there (stats["finish"] is then "cancelled"; the rows stay consistent)."""
+        a True ends the decode there (stats["finish"] is then "cancelled"; the rows stay consistent); `logprobs`
+        and `on_tokens` as `Model.submit`'s."""
         model = self._model
         with model._busy():
             out, self._committed = model._kept(self, self._committed, prompt, max_new_tokens, stop, on_text, cancelled,
-                                               ROOM_FIX, sampling)
+                                               ROOM_FIX, sampling, logprob_count(logprobs), on_tokens)
             return out
 
 

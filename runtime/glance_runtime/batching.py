@@ -21,7 +21,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .decode.batch_loop import BatchLoop, Request
-from .decode.loop import DecodeConfig, DecodeResult
+from .decode.loop import DecodeConfig, DecodeResult, OnCommit
+from .decode.sampling import TokenLogprob
 from .errors import GlanceError
 from .prompt.codec import PromptCodec
 from .prompt.prefix_reuse import Committed, image_runs, shared_rows
@@ -29,6 +30,7 @@ from .prompt.prompt_builder import Prompt
 from .prompt.text_stream import TextStream
 
 log = logging.getLogger("glance.batching")
+OnTokens = Callable[[list[int], list[TokenLogprob]], None]  # an answer's kept tokens of a round and their reports
 
 
 class Answer:
@@ -36,11 +38,12 @@ class Answer:
     cancellation ends it (the same rules for a request decoded alone or in a batch)."""
 
     def __init__(self, tokenizer, stops: Sequence[str], on_piece: Callable[[str], None] | None = None,
-                 cancelled: Callable[[], bool] | None = None):
+                 cancelled: Callable[[], bool] | None = None, on_tokens: OnTokens | None = None):
         self.text = TextStream(tokenizer, stops)
-        self.on_piece, self.cancelled = on_piece, cancelled
+        self.on_piece, self.cancelled, self.on_tokens = on_piece, cancelled, on_tokens
         self.pieces: list[str] = []
         self.kept: list[int] = []
+        self.logprobs: list[TokenLogprob] = []  # one per kept token where the decode reports them
         self.by_caller = False
 
     def emit(self, piece: str) -> None:
@@ -49,13 +52,22 @@ class Answer:
             if self.on_piece is not None:
                 self.on_piece(piece)
 
-    def on_commit(self, new: list[int]) -> bool:
-        """The loop's callback: True ends the decode after this round."""
+    def on_commit(self, new: list[int], logprobs: list[TokenLogprob] | None = None) -> bool:
+        """The loop's callback (`loop.OnCommit`): True ends the decode after this round. The tokens kept, up to the
+        one completing a stop string, and their reports reach `on_tokens` after their text reached `on_piece`."""
+        taken = 0
         for token in new:
             self.kept.append(token)
+            taken += 1
             self.emit(self.text.push(token))
             if self.text.stopped:
-                return True
+                break
+        if logprobs is not None:
+            self.logprobs += logprobs[:taken]
+            if self.on_tokens is not None and taken:
+                self.on_tokens(new[:taken], logprobs[:taken])
+        if self.text.stopped:
+            return True
         self.by_caller = self.cancelled is not None and self.cancelled()
         return self.by_caller
 
@@ -154,12 +166,13 @@ class Scheduler:
         return len(self.waiting)
 
     def submit(self, prompt: Prompt, cfg: DecodeConfig, stops: Sequence[str] = (),
-               on_piece: Callable[[str], None] | None = None, cancelled: Callable[[], bool] | None = None) -> Ticket:
-        """Queue one request; `on_piece` gets its text as rounds commit and `cancelled` is asked each round, both
-        on the batch thread."""
+               on_piece: Callable[[str], None] | None = None, cancelled: Callable[[], bool] | None = None,
+               on_tokens: OnTokens | None = None) -> Ticket:
+        """Queue one request; `on_piece` gets its text and `on_tokens` its tokens' reports as rounds commit, and
+        `cancelled` is asked each round, all on the batch thread."""
         stop = threading.Event()
         asked = stop.is_set if cancelled is None else lambda: stop.is_set() or cancelled()
-        ticket = Ticket(prompt, cfg, Answer(self.codec.tokenizer, stops, on_piece, asked), stop=stop)
+        ticket = Ticket(prompt, cfg, Answer(self.codec.tokenizer, stops, on_piece, asked, on_tokens), stop=stop)
         with self.cond:
             if self.closed:
                 raise self.stopped or GlanceError("this model is closed; load another with glance_runtime.load()")
@@ -257,11 +270,11 @@ class Scheduler:
         if ticket.request.done:
             self._done(ticket)
 
-    def _guarded(self, ticket: Ticket) -> Callable[[list[int]], bool]:
+    def _guarded(self, ticket: Ticket) -> OnCommit:
         """The request's on_commit; an error in its caller's callback ends that request alone."""
-        def on_commit(new: list[int]) -> bool:
+        def on_commit(new: list[int], logprobs: list[TokenLogprob] | None) -> bool:
             try:
-                return ticket.answer.on_commit(new)
+                return ticket.answer.on_commit(new, logprobs)
             except Exception as exc:
                 _settle(ticket.future, error=exc)
                 return True

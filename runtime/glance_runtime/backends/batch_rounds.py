@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from ..decode.auto_budget import AutoBudget
-from ..decode.backend import Verified, block_rows, draft_rows
+from ..decode.backend import Prefilled, Verified, block_rows, draft_rows
 from ..decode.batch_budget import BatchBudget, BatchCost, start_from_profile
 from ..decode.batch_loop import BatchLoop
 from ..decode.limits import check_branch_k, check_tree
-from ..decode.sampling import Draw
+from ..decode.sampling import Draw, LogProbs
 from ..errors import GlanceError
 from ..formats.common import MAX_BATCH
 from ..formats.graphs import draft_kv_names, target_kv_names
@@ -108,15 +108,15 @@ class BatchRounds:
 
     # -- joining --------------------------------------------------------------------------------------
 
-    def prefill(self, slot: int, prompt, keep: int = 0, draw: Draw | None = None) -> tuple[int, float]:
+    def prefill(self, slot: int, prompt, keep: int = 0, draw: Draw | None = None) -> Prefilled:
         """Prefill `prompt` into `slot` as a sequence alone; the first anchor's embedding is kept where
         the next prefill cannot overwrite it. The prompt's taps wait for the slot's first draft (a batched draft
         hands more rows than a round commits to a draft pass of the slot alone first: `_absorb`)."""
         backend = self.slots[slot]
         backend.known = {}  # the shared projections' rows belong to whichever slot ran last
-        first, entropy = backend.prefill(prompt, keep, draw)
-        self.keep_anchor(slot, first)
-        return first, entropy
+        prefilled = backend.prefill(prompt, keep, draw)
+        self.keep_anchor(slot, prefilled.first)
+        return prefilled
 
     def _absorb(self, slot: int, anchor: int) -> None:
         """The slot's queued taps into its head cache through a draft pass of the slot alone (its draft is not
@@ -167,19 +167,22 @@ class BatchRounds:
 
     def _project(self, hidden: Tensor, rows: int, into: str, graph: str,
                  draws: list[tuple[Draw | None, np.ndarray]] | None = None
-                 ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
+                 ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray, dict[int, LogProbs]]]:
         """Top-k of `rows` hidden rows, in runs of at most the rows a lone pass projects: a vocabulary-wide
         projection's activations grow with its rows (at 3B width 2.4 MB of logits a row, and as much again for
         their log-softmax), so a batch projecting all its trees at once held hundreds of MB more than a lone
         sequence; and a TensorRT vocab engine's profile stops at that many rows. Also each row's token and its
         log-prob: the argmax, or where `draws` (per sequence, in packing order: its Draw and its rows' depths)
-        samples, the token sampled from that run's logits as the sequence alone would."""
+        samples, the token sampled from that run's logits as the sequence alone would; and the report of each
+        sequence whose Draw asks for one, by its index in `draws`."""
         k, cands = self.base.manifest.branch_k, self.cands[into]
         width, step = cands.shape[1], self.projection_rows
         item = cands.dtype.itemsize
         owner = np.concatenate([np.full(len(d), i) for i, (_, d) in enumerate(draws)]) if draws else None
         depth = np.concatenate([d for _, d in draws]) if draws else None
         chosen, confidence = np.zeros(rows, np.int64), np.zeros(rows, np.float64)
+        reports = {i: LogProbs.blank(len(d), draw.top_n or 0) for i, (draw, d) in enumerate(draws or ())
+                   if draw is not None and draw.reports}
         for first in range(0, rows, step):
             n = min(step, rows - first)
             sampled = draws is not None and any(draws[i][0] for i in set(owner[first:first + n].tolist()))
@@ -190,28 +193,36 @@ class BatchRounds:
             part = Tensor(hidden.buffer, hidden.offset + first * width * item, (n, width))
             self.base.graphs[graph].run({"ids": self.base.no_id.rows(1), "hidden": part}, outputs)
             if sampled:
-                self._sample_run(first, n, draws, owner, depth, chosen, confidence)
+                self._sample_run(first, n, draws, owner, depth, chosen, confidence, reports)
         ids, logp = self.device.download(self.top_ids.rows(rows)), self.device.download(self.top_logp.rows(rows))
-        greedy = np.ones(rows, bool) if owner is None else np.array([draws[i][0] is None for i in owner.tolist()])
+        greedy = np.ones(rows, bool) if owner is None else np.array(
+            [draws[i][0] is None or not draws[i][0].samples for i in owner.tolist()])
         chosen[greedy], confidence[greedy] = ids[greedy, 0], logp[greedy, 0]
-        return ids, logp, (chosen, confidence)
+        return ids, logp, (chosen, confidence, reports)
 
     def _sample_run(self, first: int, n: int, draws: list[tuple[Draw | None, np.ndarray]], owner: np.ndarray,
-                    depth: np.ndarray, chosen: np.ndarray, confidence: np.ndarray) -> None:
+                    depth: np.ndarray, chosen: np.ndarray, confidence: np.ndarray, reports: dict[int, LogProbs]
+                    ) -> None:
         """The sampled rows of one projection run (rows first..first+n of the pack) into `chosen` and `confidence`,
-        from the logits it left (`Draw.choose_with_logprob`)."""
+        from the logits it left (`Draw.choose_with_logprob`), and the reported rows' reports into `reports`."""
         base = self.base
         logits = self.device.download(base.logits.tensor((n, base.manifest.vocab_size)))
         top = self.device.download(self.top_ids.rows(n, first))[:, 0]
         top_logp = self.device.download(self.top_logp.rows(n, first))[:, 0].astype(np.float64)
         span = slice(first, first + n)
+        starts = np.cumsum([0] + [len(d) for _, d in draws])
         for i in sorted(set(owner[span].tolist())):
             draw = draws[i][0]
             if draw is None:
                 continue
             local = np.flatnonzero(owner[span] == i)
-            chosen[first + local], confidence[first + local] = draw.choose_with_logprob(
-                logits[local], depth[span][local], top[local], top_logp[local])
+            if draw.samples:
+                chosen[first + local], confidence[first + local] = draw.choose_with_logprob(
+                    logits[local], depth[span][local], top[local], top_logp[local])
+            else:
+                chosen[first + local], confidence[first + local] = top[local], top_logp[local]
+            if draw.reports:
+                reports[i].put(first + local - starts[i], draw.report(logits[local], chosen[first + local]))
 
     def _pack(self, src: Buffer, stride: int, counts: list[int]) -> Tensor:
         """The first counts[b] of each sequence's `stride` rows of src, consecutive in `packed`; src itself
@@ -349,8 +360,8 @@ class BatchRounds:
         self._remember(slots, ids, sizes, "verify")
         self._width = t
         out, at = [], 0
-        for size in sizes:
-            out.append(Verified(chosen[0][at:at + size], float("nan"), chosen[1][at:at + size]))
+        for i, size in enumerate(sizes):
+            out.append(Verified(chosen[0][at:at + size], float("nan"), chosen[1][at:at + size], chosen[2].get(i)))
             at += size
         return out
 

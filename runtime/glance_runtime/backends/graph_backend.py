@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..decode.backend import BackendInfo, ServeLimits, Verified, block_rows, draft_rows
-from ..decode.sampling import Draw
+from ..decode.backend import BackendInfo, Prefilled, ServeLimits, Verified, block_rows, draft_rows
+from ..decode.sampling import Draw, LogProbs
 from .device_buffers import Buffer, CudaDevice, Device, Tensor
 from .graph_chain import ChainGraph
 from .graph import Graph
@@ -233,15 +233,15 @@ class GraphBackend:
         self._kept = {int(t): (self._kept_rows, i) for i, t in enumerate(unique)}
 
     def logits_out(self, rows: int, graph: str = "vocab", wanted: bool = False) -> dict[str, Tensor]:
-        """The `logits` output of a vocabulary-graph run over `rows` rows: bound where sampling reads it, where the
+        """The `logits` output of a vocabulary-graph run over `rows` rows: bound where a draw reads it, where the
         runtime binds every output, and once a pass has sampled (a run's outputs then stay the same set, so ONNX
         Runtime does not rebind them all between sampled and other runs); else none (left unfetched)."""
         if not (wanted or self.logits is not None or (self.binds_every_output and self.manifest.sampling)):
             return {}
         if not self.manifest.sampling:
             raise GlanceError(f"{self.manifest.path} was exported before sampling: its vocab graph returns no "
-                              "logits to sample from; re-export it with `glance-export onnx` (and rebuild its "
-                              "engines), or decode greedily (temperature 0)")
+                              "logits to sample from or to report log-probs of; re-export it with `glance-export "
+                              "onnx` (and rebuild its engines), or decode greedily (temperature 0) without log-probs")
         if self.logits is None:
             self.logits = self._new((self.proj_rows, self.manifest.vocab_size), np.float32)
         width = self.manifest.draft_vocab_size if graph == "draft_vocab" else self.manifest.vocab_size
@@ -395,9 +395,9 @@ class GraphBackend:
 
     # -- the Backend protocol -------------------------------------------------------------------------
 
-    def prefill(self, prompt: Prompt, keep: int = 0, draw: Draw | None = None) -> tuple[int, float]:
+    def prefill(self, prompt: Prompt, keep: int = 0, draw: Draw | None = None) -> Prefilled:
         """`keep`: committed rows (target and head) the prompt starts with, kept instead of recomputed; `draw`:
-        the first token sampled, not the argmax."""
+        the first token sampled, not the argmax, and reported."""
         if keep:
             return self._prefill_after(prompt, keep, draw)
         self._reset()
@@ -419,22 +419,29 @@ class GraphBackend:
             self.steps.prompt(np.asarray(prompt.input_ids, np.int64), pos, 0, self.delta)
         return self._first(hidden.buffer.rows(1, length - 1), draw)
 
-    def _first(self, row: Tensor, draw: Draw | None) -> tuple[int, float]:
-        """The first generated token from the prompt's last hidden row (the argmax, or sampled at position 0) and
-        the entropy it was taken from."""
+    def _first(self, row: Tensor, draw: Draw | None) -> Prefilled:
+        """The first generated token from the prompt's last hidden row (the argmax, or sampled at position 0), the
+        entropy it was taken from, and its report."""
         top, logp, entropy = self.project(row, "verify", logits=draw is not None)
-        token = top[:, 0] if draw is None else self._sampled(top, logp, draw, np.zeros(1, np.int64), np.zeros(1, int))[0]
-        return int(token[0]), entropy
+        if draw is None:
+            return Prefilled(int(top[0, 0]), entropy)
+        token, _, report = self._drawn(top, logp, draw, np.zeros(1, np.int64), np.zeros(1, np.int64))
+        return Prefilled(int(token[0]), entropy, report)
 
-    def _sampled(self, top: np.ndarray, logp: np.ndarray, draw: Draw, depths: np.ndarray, rows: np.ndarray
-                 ) -> tuple[np.ndarray, np.ndarray]:
-        """The sampled token and its log-prob after each of the projected `rows`, from the logits the projection
-        left (`Draw.choose_with_logprob`)."""
+    def _drawn(self, top: np.ndarray, logp: np.ndarray, draw: Draw, depths: np.ndarray, rows: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray, LogProbs | None]:
+        """The token after each of the projected `rows` and its log-prob (sampled from the logits the projection
+        left, `Draw.choose_with_logprob`, or the projection's argmax where the draw is greedy), and the rows'
+        report where the draw asks for one."""
         vocab = self.manifest.vocab_size
         logits = np.stack([self.device.download(self.logits.tensor((vocab,), int(r) * vocab * 4)) for r in rows])
-        return draw.choose_with_logprob(logits, depths[rows], top[rows, 0], logp[rows, 0])
+        if draw.samples:
+            chosen, confidence = draw.choose_with_logprob(logits, depths[rows], top[rows, 0], logp[rows, 0])
+        else:
+            chosen, confidence = top[rows, 0].astype(np.int64), logp[rows, 0].astype(np.float64)
+        return chosen, confidence, draw.report(logits, chosen) if draw.reports else None
 
-    def _prefill_after(self, prompt: Prompt, keep: int, draw: Draw | None) -> tuple[int, float]:
+    def _prefill_after(self, prompt: Prompt, keep: int, draw: Draw | None) -> Prefilled:
         """Run only rows keep.. of the prompt, at the full prompt's positions, with the images they hold; the
         head keeps its context rows below `keep` and queues the taps of the rest after them."""
         if not 0 < keep <= self.start:
@@ -502,8 +509,9 @@ class GraphBackend:
 
     def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray, draw: Draw | None = None
                ) -> Verified:
-        """`Backend.verify`; with `draw`, a tree of more than EAGER_SAMPLING logits samples only the walk's path
-        (the other rows keep their argmax: the walk never reads them), as many rows as it accepts, plus one."""
+        """`Backend.verify`; with `draw`, a tree of more than EAGER_SAMPLING logits samples and reports only the
+        walk's path (the other rows keep their argmax: the walk never reads them), as many rows as it accepts,
+        plus one."""
         check_tree(self.info.limits, len(tokens))
         self._verified = np.asarray(tokens, dtype=np.int64)
         positions = self._positions(self.start + np.asarray(depths, dtype=np.int64))
@@ -514,17 +522,23 @@ class GraphBackend:
         if draw is None:
             return Verified(chosen, entropy, confidence)
         depths = np.asarray(depths, np.int64)
+        report = LogProbs.blank(len(tokens), draw.top_n or 0) if draw.reports else None
         if len(tokens) * self.manifest.vocab_size <= EAGER_SAMPLING:  # one call for every row: cheaper when small
-            chosen, confidence = self._sampled(top, logp, draw, depths, np.arange(len(tokens)))
-            return Verified(chosen, entropy, confidence)
+            rows = np.arange(len(tokens))
+        elif not draw.samples:  # the argmax is known: report the walk's rows in one call
+            rows = np.array(sorted(walked_choices(tokens, depths, visible, lambda row: int(chosen[row]))))
+        else:
+            def choose(row: int) -> int:  # sample only where the walk reads: the accepted path and the row after it
+                token, log_prob, part = self._drawn(top, logp, draw, depths, np.array([row]))
+                chosen[row], confidence[row] = token[0], log_prob[0]
+                if part is not None:
+                    report.put(np.array([row]), part)
+                return int(token[0])
 
-        def choose(row: int) -> int:  # else only where the walk reads: the accepted path and the row after it
-            token, log_prob = self._sampled(top, logp, draw, depths, np.array([row]))
-            chosen[row], confidence[row] = token[0], log_prob[0]
-            return int(token[0])
-
-        walked_choices(tokens, depths, visible, choose)
-        return Verified(chosen, entropy, confidence)
+            walked_choices(tokens, depths, visible, choose)
+            return Verified(chosen, entropy, confidence, report)
+        chosen[rows], confidence[rows], part = self._drawn(top, logp, draw, depths, rows)
+        return Verified(chosen, entropy, confidence, report if part is None else report.put(rows, part))
 
     def margins(self, rows: int) -> np.ndarray:
         """Top-1 minus top-2 log-prob (the logit gap) of the first `rows` rows of the last verify pass: how near

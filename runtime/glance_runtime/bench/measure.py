@@ -55,7 +55,7 @@ def _decode(backend, prompt, mode: Mode, max_new_tokens: int, stops: Sequence[in
     """Decode once; per-round dicts carry RoundLog's fields plus each graph's ms when a clock is attached."""
     readings: list[dict[str, float]] = []
     result = decode(backend, prompt, replace(mode.config(max_new_tokens), sampling=sampling), stops,
-                    on_commit=(lambda _new: readings.append(clock.reading())) if clock else None)
+                    on_commit=(lambda _new, _reports: readings.append(clock.reading())) if clock else None)
     rounds = []
     for i, r in enumerate(result.rounds):
         row = {"entropy": r.entropy, "accepted": r.accepted, "tree_size": r.tree_size, "cap": mode.cap(block_size),

@@ -16,6 +16,8 @@ import numpy as np
 
 from ..defaults import BLOCK_SLACK
 
+from .sampling import LogProbs
+
 if TYPE_CHECKING:
     from ..formats.artifacts import Manifest
     from .sampling import Draw
@@ -26,6 +28,15 @@ class Verified(NamedTuple):
     argmax: np.ndarray  # [T] the target's token after each row: its argmax, or the one sampled there (a `Draw`)
     entropy: float  # nats of the target's distribution at the anchor row
     confidence: np.ndarray  # [T] log-prob of each row's token (at the last accepted row: of the next anchor)
+    logprobs: LogProbs | None = None  # where the Draw reports: at least the rows `tree.walk` reads
+
+
+class Prefilled(NamedTuple):
+    """A prefill's outcome: the first generated token (the first anchor) and the entropy (nats) of the
+    distribution it was taken from, and its report where the Draw asks for one (one row)."""
+    first: int
+    entropy: float
+    logprobs: LogProbs | None = None
 
 
 @dataclass(frozen=True)
@@ -101,13 +112,13 @@ class Backend(Protocol):
     info: BackendInfo
     start: int  # stream position of the current anchor (== committed target rows)
 
-    def prefill(self, prompt, keep: int = 0, draw: Draw | None = None) -> tuple[int, float]:
-        """Run the prompt; return the first generated token (the first anchor) and the entropy
-        (nats) of the distribution it was taken from. The anchor's stream position is the prompt length.
+    def prefill(self, prompt, keep: int = 0, draw: Draw | None = None) -> Prefilled:
+        """Run the prompt; the anchor's stream position is the prompt length.
         `keep` > 0: the prompt starts with the first `keep` committed rows (a conversation's earlier turns),
         which are kept (target and head caches) and only the rest is run, at the full prompt's positions.
-        `draw`: the first token is sampled (`Draw.choose` at depth 0), not the argmax. The loop passes `keep`
-        and `draw` only where they are asked for."""
+        `draw`: where it samples, the first token is sampled (`Draw.choose` at depth 0), not the argmax; where it
+        reports, the token's log-probs come with it (`Draw.report`). The loop passes `keep` and `draw` only where
+        they are asked for."""
 
     def draft(self, anchor: int, k: int, depth: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """One head pass for block [anchor, MASK x (B-1)]: top-k ids and log-probs of offsets 1..depth (all B-1
@@ -117,9 +128,10 @@ class Backend(Protocol):
     def verify(self, tokens: np.ndarray, depths: np.ndarray, visible: np.ndarray, draw: Draw | None = None
                ) -> Verified:
         """One target pass over the packed tree [anchor] + nodes at positions start + depth, each row
-        seeing the committed prefix and its visible pack rows. `draw`: each row's token is the one sampled
-        from the row's logits (`Draw.choose`), not its argmax; at least on every row `tree.walk` reads (a backend
-        may sample only those, `tree.walked_choices`, and leave the others' argmax)."""
+        seeing the committed prefix and its visible pack rows. `draw`: where it samples, each row's token is the
+        one sampled from the row's logits (`Draw.choose`), not its argmax; where it reports, `logprobs` holds each
+        row's report (`Draw.report`). Both at least on every row `tree.walk` reads (a backend may sample or report
+        only those, `tree.walked_choices`, and leave the others' argmax)."""
 
     def commit(self, rows: np.ndarray) -> None:
         """Keep the KV (and head context) of packed rows `rows` ([0] + accepted path, in order);

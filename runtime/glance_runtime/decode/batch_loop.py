@@ -20,9 +20,10 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
-from .backend import Backend, Verified
+from .backend import Backend, Prefilled, Verified
 from .batch_budget import BatchBudget
-from .loop import BudgetPolicy, DecodeConfig, DecodeResult, draft_depth, first_tokens, one_round, record_round
+from .loop import (BudgetPolicy, DecodeConfig, DecodeResult, OnCommit, draft_depth, first_tokens, new_logprobs,
+                   one_round, record_round)
 from .sampling import Draw
 from .tree import Tree, build_tree, fit, visibility, walk
 from ..errors import GlanceError
@@ -35,7 +36,7 @@ class Rounds(Protocol):
     @property
     def capacity(self) -> int: ...
 
-    def prefill(self, slot: int, prompt, keep: int = 0, draw: Draw | None = None) -> tuple[int, float]: ...
+    def prefill(self, slot: int, prompt, keep: int = 0, draw: Draw | None = None) -> Prefilled: ...
 
     def draft(self, asks: list[tuple[int, int, int, int | None]]) -> list[tuple[np.ndarray, np.ndarray]]: ...
 
@@ -55,7 +56,7 @@ class Request:
     prompt: object
     cfg: DecodeConfig
     stop_ids: Sequence[int] = ()
-    on_commit: Callable[[list[int]], bool | None] | None = None
+    on_commit: OnCommit | None = None
     keep: int = 0  # committed rows of the slot the prompt starts with (a conversation's earlier turns)
     result: DecodeResult = field(default_factory=lambda: DecodeResult(tokens=[]))
     slot: int | None = None
@@ -108,13 +109,13 @@ class BatchLoop:
         request.slot, request.started = slot, time.perf_counter()
         if request.cfg.auto and self.alone is not None:
             request.alone = replace(request.cfg, auto=self.alone)
-        first, _ = self.rounds.prefill(slot, request.prompt, request.keep, request.cfg.draw(0))
+        prefilled = self.rounds.prefill(slot, request.prompt, request.keep, request.cfg.draw(0))
         out = request.result
         out.prefill_ms = (time.perf_counter() - request.started) * 1e3
-        new = first_tokens(out, first, request.cfg, request.stops)
+        new = first_tokens(out, prefilled, request.cfg, request.stops)
         self._joined += len(new)
-        request.anchor, request.surprisal = first, None
-        ended = bool(request.on_commit and request.on_commit(new))
+        request.anchor, request.surprisal = prefilled.first, None
+        ended = bool(request.on_commit and request.on_commit(new, new_logprobs(out, new, request.cfg)))
         self.active[slot] = request
         if ended or out.stopped_on is not None or request._left() <= 0:
             self._finish(request)
@@ -202,7 +203,7 @@ class BatchLoop:
 
     def _after(self, request: Request, new: list[int]) -> list[Request]:
         """The caller sees the round's tokens; the request leaves where they end it."""
-        ended = bool(request.on_commit and request.on_commit(new))
+        ended = bool(request.on_commit and request.on_commit(new, new_logprobs(request.result, new, request.cfg)))
         if ended or request.result.stopped_on is not None or request._left() <= 0:
             self._finish(request)
             return [request]

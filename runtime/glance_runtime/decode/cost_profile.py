@@ -94,7 +94,7 @@ def _time_rounds(backend: Backend, prompt, grid: list[int], branch_k: int, secon
     builds the tree, verifies, walks and commits the anchor alone, so the state stays a valid greedy decode.
     Each pass also drafts at every depth in `depths` (a tree of the largest count's nodes, not verified).
     Returns the verify-side ms per count, the draft ms, the draft ms per depth, and the passes kept."""
-    anchor, _ = backend.prefill(prompt)
+    anchor = backend.prefill(prompt).first
     room = room_left(backend)
     verify: dict[int, list[float]] = {rows: [] for rows in grid}
     draft: list[float] = []
@@ -109,11 +109,11 @@ def _time_rounds(backend: Backend, prompt, grid: list[int], branch_k: int, secon
         order = grid if repeat % 2 else grid[::-1]
         for rows in order:
             if room is not None and room_left(backend) < rows:  # each round commits a row: start over
-                anchor, _ = backend.prefill(prompt)
+                anchor = backend.prefill(prompt).first
             t0 = time.perf_counter()
             tree = _drafted(backend, anchor, branch_k, rows - 1, grid[-1] - 1)
             t1 = time.perf_counter()
-            argmax, _, _ = backend.verify(tree.tokens, tree.depths, visibility(tree.parents))
+            argmax = backend.verify(tree.tokens, tree.depths, visibility(tree.parents)).argmax
             walk(tree, argmax)
             backend.commit(np.zeros(1, np.int64))
             t2 = time.perf_counter()

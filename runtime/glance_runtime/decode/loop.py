@@ -6,6 +6,8 @@ With `auto` (see `auto_budget`), each round may skip the draft or cut the tree; 
 With `sampling` (temperature > 0, see `sampling`), the target's token after every row is the one sampled
 at that row's answer position with noise keyed by the seed and that position, so the walk accepts a node
 exactly where plain sampling would have produced it: the tokens are plain sampling's, draft on or off.
+With `logprobs`, each answered token comes with its log-prob and the best alternatives at its position, read off
+the row it was taken from (the prefill's last, or the verify row before it on the accepted path).
 """
 from __future__ import annotations
 
@@ -15,10 +17,11 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
-from .backend import STEP_DRAFTERS, Backend, Verified
+from .backend import STEP_DRAFTERS, Backend, Prefilled, Verified
 from .dynamic_tree import grow_dynamic
-from .sampling import GREEDY, Draw, SamplingParams
+from .sampling import GREEDY, Draw, LogProbs, SamplingParams, TokenLogprob
 from ..defaults import BRANCH_K, BUDGET, DECODE_MAX_NEW_TOKENS
+from ..errors import GlanceError
 from .tree import Tree, build_tree, fit, visibility, walk
 
 
@@ -53,10 +56,14 @@ class DecodeConfig:
     speculative: bool = True
     auto: BudgetPolicy | None = None  # chooses each round's tree size (and whether to draft at all)
     sampling: SamplingParams = GREEDY  # temperature 0: greedy; else seeded (`SamplingParams.seeded`)
+    logprobs: int | None = None  # None: no log-probs; n: each token's and the n best (`sampling.logprob_count`)
 
     def draw(self, first: int) -> Draw | None:
-        """The sampling of a pass whose first row predicts answer position `first` (None: greedy)."""
-        return None if self.sampling.greedy else Draw(self.sampling, first)
+        """The sampling and reporting of a pass whose first row predicts answer position `first` (None: greedy,
+        reporting nothing: what every backend did before either)."""
+        if self.sampling.greedy and self.logprobs is None:
+            return None
+        return Draw(self.sampling, first, self.logprobs)
 
 
 @dataclass
@@ -82,6 +89,7 @@ class DecodeResult:
     prefill_ms: float = 0.0
     total_ms: float = 0.0
     stopped_on: int | None = None  # the stop token that ended decoding, if any
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token where the config asks for them
 
     @property
     def tau(self) -> float:
@@ -103,6 +111,10 @@ class DecodeResult:
                 "ms_per_token": round(self.ms_per_token, 3),
                 "ms_per_token_decode": round(self.ms_per_token_decode, 3),
                 "prefill_ms": round(self.prefill_ms, 3), "total_ms": round(self.total_ms, 3)}
+
+
+OnCommit = Callable[[list[int], "list[TokenLogprob] | None"], "bool | None"]
+"""Sees each round's new tokens and, where the config asks for log-probs, theirs (else None); True ends decoding."""
 
 
 def _clip(new: list[int], produced: int, cfg: DecodeConfig, stops: Sequence[int]) -> tuple[list[int], int | None]:
@@ -163,6 +175,20 @@ def round_tree(backend: Backend, anchor: int, cfg: DecodeConfig, surprisal: floa
     return block_tree(backend, anchor, cfg, surprisal, ids, logp, stops), len(ids)
 
 
+def _reported(out: DecodeResult, cfg: DecodeConfig, logprobs: LogProbs | None, rows: np.ndarray) -> None:
+    """The reports of the rows the new tokens were taken from, where the config asks for them."""
+    if cfg.logprobs is not None:
+        if logprobs is None:
+            raise GlanceError("the backend reported no log-probs for a pass that asked for them; this is a bug in "
+                              "the backend, please report it")
+        out.logprobs += logprobs.records(rows)
+
+
+def new_logprobs(out: DecodeResult, new: list[int], cfg: DecodeConfig) -> list[TokenLogprob] | None:
+    """The reports of a round's `new` tokens (the last of `out`), for `OnCommit`."""
+    return None if cfg.logprobs is None else out.logprobs[len(out.logprobs) - len(new):]
+
+
 def record_round(out: DecodeResult, cfg: DecodeConfig, stops: frozenset[int], tree: Tree, depth: int | None,
                  path: np.ndarray, bonus: int, verified: Verified, surprisal: float | None,
                  times: tuple[float, float, float]) -> tuple[list[int], int, float]:
@@ -170,6 +196,7 @@ def record_round(out: DecodeResult, cfg: DecodeConfig, stops: frozenset[int], tr
     (None: a plain step). Returns the new tokens, the next anchor and its surprisal."""
     new, out.stopped_on = _clip([int(t) for t in tree.tokens[path]] + [int(bonus)], len(out.tokens), cfg, stops)
     out.tokens += new
+    _reported(out, cfg, verified.logprobs, np.concatenate([[0], path])[:len(new)])  # token i: row before it
     draft_ms, verify_ms, total_ms = times
     # What the round added, not len(path) + 1: after a stop token the bonus is the target's guess past the
     # answer's end, never committed, and counting it made tau depend on whether the stop was drafted.
@@ -191,7 +218,7 @@ def one_round(backend: Backend, out: DecodeResult, anchor: int, surprisal: float
     draw = cfg.draw(len(out.tokens))
     tree, depth = round_tree(backend, anchor, cfg, surprisal, cfg.max_new_tokens - len(out.tokens), stops)
     r1 = time.perf_counter()
-    sampled = {} if draw is None else {"draw": draw}  # a greedy pass asks backends for nothing new
+    sampled = {} if draw is None else {"draw": draw}  # a greedy pass reporting nothing asks backends for nothing new
     verified = backend.verify(tree.tokens, tree.depths, visibility(tree.parents), **sampled)
     r2 = time.perf_counter()
     path, bonus = walk(tree, verified.argmax)
@@ -201,15 +228,16 @@ def one_round(backend: Backend, out: DecodeResult, anchor: int, surprisal: float
                         ((r1 - r0) * 1e3, (r2 - r1) * 1e3, (r3 - r0) * 1e3))
 
 
-def first_tokens(out: DecodeResult, first: int, cfg: DecodeConfig, stops: frozenset[int]) -> list[int]:
+def first_tokens(out: DecodeResult, prefilled: Prefilled, cfg: DecodeConfig, stops: frozenset[int]) -> list[int]:
     """The prefill's token into `out` (cut by a stop token or a limit of zero new tokens)."""
-    new, out.stopped_on = _clip([first], 0, cfg, stops)
+    new, out.stopped_on = _clip([prefilled.first], 0, cfg, stops)
     out.tokens += new
+    _reported(out, cfg, prefilled.logprobs, np.zeros(len(new), np.int64))
     return new
 
 
 def decode(backend: Backend, prompt, cfg: DecodeConfig, stop_ids: Sequence[int] = (),
-           on_commit: Callable[[list[int]], bool | None] | None = None, keep: int = 0) -> DecodeResult:
+           on_commit: OnCommit | None = None, keep: int = 0) -> DecodeResult:
     """Decode with GLANCE (or plain AR), greedily or sampling as `cfg` says; `on_commit` sees each round's new
     tokens (streaming) and returns True to end decoding there (a stop string was seen; the committed KV stays
     consistent). `keep`: committed rows the prompt starts with, kept by the prefill (a conversation's earlier
@@ -217,17 +245,17 @@ def decode(backend: Backend, prompt, cfg: DecodeConfig, stop_ids: Sequence[int] 
     stops = frozenset(int(s) for s in stop_ids)
     t0 = time.perf_counter()
     draw = cfg.draw(0)
-    if draw is not None and cfg.sampling.seed is None:
+    if not cfg.sampling.greedy and cfg.sampling.seed is None:
         raise ValueError("sampling needs its seed fixed for the whole answer: pass SamplingParams.seeded()")
     asked = ({"keep": keep} if keep else {}) | ({} if draw is None else {"draw": draw})
-    first, _ = backend.prefill(prompt, **asked)
+    prefilled = backend.prefill(prompt, **asked)
     out = DecodeResult(tokens=[], prefill_ms=(time.perf_counter() - t0) * 1e3)
-    new = first_tokens(out, first, cfg, stops)
-    ended = bool(on_commit and on_commit(new))
-    anchor, surprisal = first, None
+    new = first_tokens(out, prefilled, cfg, stops)
+    ended = bool(on_commit and on_commit(new, new_logprobs(out, new, cfg)))
+    anchor, surprisal = prefilled.first, None
     while not ended and out.stopped_on is None and len(out.tokens) < cfg.max_new_tokens:
         new, anchor, surprisal = one_round(backend, out, anchor, surprisal, cfg, stops)
-        ended = bool(on_commit and on_commit(new))
+        ended = bool(on_commit and on_commit(new, new_logprobs(out, new, cfg)))
     out.total_ms = (time.perf_counter() - t0) * 1e3
     if cfg.auto:
         cfg.auto.settle()

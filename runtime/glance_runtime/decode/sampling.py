@@ -263,11 +263,39 @@ def sample(logits: np.ndarray, positions: np.ndarray, params: SamplingParams) ->
         return _sample_whole(logits, top, positions, params)
 
 
+class TokenLogprob(NamedTuple):
+    """One answered token's report: its log-prob under the target's untempered distribution at its position, and
+    the best `top_n` (token id, log-prob) there, best first, ties by id."""
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 class LogProbs(NamedTuple):
-    """What the OpenAI API reports: the chosen tokens' log-probs and each row's best, ties by id."""
+    """What the OpenAI API reports: the chosen tokens' log-probs and each row's best, ties by id. Rows a pass did
+    not report (the walk never read them) hold NaN and id -1."""
     chosen: np.ndarray  # [N] float32
     top_ids: np.ndarray  # [N, n] int64, best first
     top: np.ndarray  # [N, n] float32
+
+    @staticmethod
+    def blank(rows: int, top_n: int) -> LogProbs:
+        """`rows` rows reported by none yet (see `put`)."""
+        return LogProbs(np.full(rows, np.nan, np.float32), np.full((rows, top_n), -1, np.int64),
+                        np.full((rows, top_n), np.nan, np.float32))
+
+    def put(self, rows: np.ndarray, part: LogProbs) -> LogProbs:
+        """`part`'s rows written at `rows`, in place; returns self."""
+        self.chosen[rows], self.top_ids[rows], self.top[rows] = part
+        return self
+
+    def records(self, rows: np.ndarray | list[int]) -> list[TokenLogprob]:
+        """The reports of `rows`, in order, as plain numbers."""
+        rows = np.asarray(rows, np.int64)
+        if rows.size and np.isnan(self.chosen[rows]).any():
+            raise GlanceError("a pass did not report the log-prob of a row the answer took its token from; this is a "
+                              "bug in the backend, please report it")
+        return [TokenLogprob(float(c), tuple(zip(ids, top))) for c, ids, top in
+                zip(self.chosen[rows].tolist(), self.top_ids[rows].tolist(), self.top[rows].tolist())]
 
 
 def logprobs(logits: np.ndarray, tokens: np.ndarray, top_n: int = 0) -> LogProbs:
@@ -294,11 +322,40 @@ def logprobs(logits: np.ndarray, tokens: np.ndarray, top_n: int = 0) -> LogProbs
     return LogProbs(chosen, top_ids.astype(np.int64), (best - norm[:, None]).astype(np.float32))
 
 
+def logprob_count(value: object) -> int | None:
+    """A caller's `logprobs` setting, checked: None reports none; n in 0..MAX_TOP_N reports each token's log-prob
+    and the n best alternatives at its position."""
+    if value is None:
+        return None
+    if isinstance(value, np.integer):
+        value = int(value)
+    if type(value) is not int or not 0 <= value <= MAX_TOP_N:
+        raise InputError(f"logprobs {value!r:.40} is not None or an integer in 0..{MAX_TOP_N}; pass logprobs=None "
+                         f"(off), 0 (each token's own) or up to {MAX_TOP_N} (that many alternatives too)")
+    return value
+
+
 class Draw(NamedTuple):
-    """One pass's sampling, as the loop hands it to a backend: seeded settings, and the answer position its first
-    row predicts (a verify row at tree depth d predicts `first + d`; a prefill's row, position 0)."""
+    """One pass's sampling and reporting, as the loop hands it to a backend: seeded settings (greedy ones when the
+    pass only reports), the answer position its first row predicts (a verify row at tree depth d predicts
+    `first + d`; a prefill's row, position 0), and the log-probs to report (None: none; n: each chosen token's and
+    the best n, `logprobs`)."""
     params: SamplingParams
     first: int
+    top_n: int | None = None
+
+    @property
+    def samples(self) -> bool:
+        """Whether the pass samples; a greedy one keeps the backend's own argmax, as without a Draw."""
+        return not self.params.greedy
+
+    @property
+    def reports(self) -> bool:
+        return self.top_n is not None
+
+    def report(self, logits: np.ndarray, chosen: np.ndarray) -> LogProbs:
+        """The log-probs of the chosen tokens after rows of logits [N, V], and each row's best `top_n`."""
+        return logprobs(logits, chosen, self.top_n or 0)
 
     def choose(self, logits: np.ndarray, depths: np.ndarray) -> np.ndarray:
         """The token sampled after each row of logits [N, V] at tree depths [N]."""

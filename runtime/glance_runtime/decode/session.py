@@ -16,7 +16,7 @@ from .auto_budget import decode_config
 from .backend import Backend, ServeLimits
 from ..defaults import BRANCH_K, RUN_MAX_NEW_TOKENS
 from .limits import check_prompt
-from .loop import DecodeConfig, DecodeResult, decode
+from .loop import DecodeConfig, DecodeResult, OnCommit, decode
 from ..prompt.codec import PromptCodec
 from ..prompt.messages import ImageLike
 from ..prompt.prompt_builder import Prompt
@@ -84,7 +84,7 @@ class Session:
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.codec.decode(ids)
 
-    def decode(self, prompt: Prompt, on_commit: Callable[[list[int]], bool | None] | None = None, *,
+    def decode(self, prompt: Prompt, on_commit: OnCommit | None = None, *,
                config: DecodeConfig | None = None, keep: int = 0) -> DecodeResult:
         """`config`: this call's (e.g. another answer length), else the session's; `keep`: committed rows the
         prompt starts with (a conversation's earlier turns)."""

@@ -42,6 +42,7 @@ from ..prompt.prompt_builder import Prompt
 from .engine import Cancelled, Completion, Engine, Job, ModelSpec
 from .openai_errors import RequestError
 from .media import Opened, PixelBudget, open_image_url
+from .logprobs import choice_logprobs, token_logprobs
 from .metrics import Metrics
 from .relay import Relay
 from .schema import ChatRequest, parse_request
@@ -160,7 +161,7 @@ class DecodeQueue:
         prompt = job.prepare()
         prepare_ms = (time.perf_counter() - t0) * 1e3
         completion = self.engine.complete(prompt, job.max_tokens, job.stops, emit=job.emit, cancelled=job.cancelled,
-                                          sampling=job.sampling)
+                                          sampling=job.sampling, logprobs=job.logprobs, on_tokens=job.on_tokens)
         completion.prepare_ms, completion.queue_ms = prepare_ms, queue_ms
         return completion
 
@@ -244,7 +245,8 @@ class BatchQueue:
                 t0 = time.perf_counter()
                 prompt = job.prepare()
                 prepare_ms = (time.perf_counter() - t0) * 1e3
-                started = self.engine.start(prompt, job.max_tokens, job.stops, job.emit, job.cancelled, job.sampling)
+                started = self.engine.start(prompt, job.max_tokens, job.stops, job.emit, job.cancelled, job.sampling,
+                                            job.logprobs, job.on_tokens)
             except BaseException as exc:
                 settle(None, exc)
                 return
@@ -462,7 +464,7 @@ class Service:
         cancel = threading.Event()
         deadline = arrived + self.config.timeout_s
         cancelled = lambda: cancel.is_set() or time.monotonic() > deadline  # noqa: E731
-        events = Relay(asyncio.get_running_loop())  # stream: PREPARED, then text pieces, then None
+        events = Relay(asyncio.get_running_loop())  # stream: PREPARED per answer, and (answer, what it adds)
         put = events.put
 
         def prepare() -> Prompt:
@@ -472,10 +474,10 @@ class Service:
                 put(PREPARED)
             return prompt
 
+        seeded = sampling if sampling.greedy else sampling.seeded()  # n answers derive from one seed
         if not req.stream:
-            seeded = sampling if sampling.greedy else sampling.seeded()  # n answers derive from one seed
-            futures = [self.runner.submit(Job(prepare, limit, req.stops, None, cancelled, derived(seeded, i)))
-                       for i in range(req.choices)]
+            futures = self._submit(req, [Job(prepare, limit, req.stops, None, cancelled, derived(seeded, i),
+                                             req.reported) for i in range(req.choices)], cancel)
             together = asyncio.gather(*futures)
             try:
                 if not await self.watchdog.until(request, together, deadline):
@@ -485,22 +487,37 @@ class Service:
                 cancel.set()
             self._count(completions, arrived)
             return JSONResponse(self._response(completions, request))
-        future = self.runner.submit(Job(prepare, limit, req.stops, put, cancelled, sampling))
-        future.add_done_callback(lambda _: events.put(None))
+        jobs = [Job(prepare, limit, req.stops, lambda piece, i=i: put((i, piece)), cancelled, derived(seeded, i),
+                    req.reported, None if req.reported is None else lambda ids, reports, i=i: put((i, (ids, reports))))
+                for i in range(req.choices)]  # an answer adds text pieces, (ids, reports) and None: its end
+        futures = self._submit(req, jobs, cancel)
+        for i, future in enumerate(futures):
+            future.add_done_callback(lambda _, i=i: put((i, None)))
         first = asyncio.ensure_future(events.get())
         try:  # the status waits for the prompt: a refused one is still a 4xx, not an error inside a 200 stream
             if not await self._until(request, first, deadline):
                 cancel.set()
                 return Response(status_code=CLIENT_CLOSED)
-            if first.result() is None:
-                self._result(future)  # the job ended before its prompt was accepted: raises its refusal
+            if first.result() is not PREPARED:
+                self._result(futures[first.result()[0]])  # ended before its prompt was accepted: raises its refusal
         except BaseException:
             cancel.set()
             first.cancel()
             raise
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(self._stream(request, future, events, cancel, deadline, arrived, include_usage),
+        return StreamingResponse(self._stream(request, futures, events, cancel, deadline, arrived, include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    def _submit(self, req: ChatRequest, jobs: list[Job], cancel: threading.Event) -> list[asyncio.Future]:
+        """Every answer's job queued, or none: a refusal (a full queue) cancels those queued before it."""
+        futures = []
+        try:
+            for job in jobs:
+                futures.append(self.runner.submit(job))
+        except BaseException:
+            cancel.set()
+            raise
+        return futures
 
     async def _until(self, request: Request, waitable: asyncio.Future, deadline: float) -> bool:
         """For a stream's first event: True once `waitable` is done; False when the client left first (the
@@ -529,29 +546,39 @@ class Service:
         return RequestError(f"the request took over this server's {self.config.timeout_s:g} s timeout", 504,
                             code="timeout", type="server_error")
 
-    async def _stream(self, request: Request, future, pieces: Relay, cancel: threading.Event, deadline: float,
-                      arrived: float, include_usage: bool) -> AsyncIterator[bytes]:
+    async def _stream(self, request: Request, futures: list[asyncio.Future], events: Relay, cancel: threading.Event,
+                      deadline: float, arrived: float, include_usage: bool) -> AsyncIterator[bytes]:
+        """Every answer's chunks as its rounds commit (choice i's carry index i), each answer's last with its finish
+        reason and glance figures once it ends, then the usage of them all."""
         ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        spelling = self.runner.engine.spelling
 
-        def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
+        def chunk(index: int, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
             return _sse({"id": ident, "object": "chat.completion.chunk", "created": created, "model": self.name,
-                         "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra})
+                         "choices": [{"index": index, "delta": delta, "finish_reason": finish,
+                                      **({"logprobs": extra.pop("logprobs")} if "logprobs" in extra else {})}],
+                         **extra})
+
+        def item(index: int, payload: str | tuple | None) -> bytes:
+            if isinstance(payload, str):
+                return chunk(index, {"content": payload})
+            if payload is not None:
+                return chunk(index, {"content": ""}, logprobs={"content": token_logprobs(*payload, spelling)})
+            completion = completions[index] = self._result(futures[index])
+            return chunk(index, {}, completion.finish_reason, glance=self._glance(completion, request))
 
         finished = False
+        completions: list[Completion | None] = [None] * len(futures)
         try:
-            yield chunk({"role": "assistant", "content": ""})
-            ended = False
-            while not ended:  # the pieces that arrived together leave in one write
-                batch = await asyncio.wait_for(pieces.batch(), max(deadline - time.monotonic(), 0))
-                ended = batch[-1] is None  # the end is put once the decode is over, after every piece
-                if text := [chunk({"content": piece}) for piece in batch if piece is not None]:
-                    yield b"".join(text)
-            completion = self._result(future)
-            self._count([completion], arrived)
-            yield chunk({}, completion.finish_reason, glance=self._glance(completion, request))
+            yield b"".join(chunk(i, {"role": "assistant", "content": ""}) for i in range(len(futures)))
+            while any(c is None for c in completions):  # the items that arrived together leave in one write
+                batch = await asyncio.wait_for(events.batch(), max(deadline - time.monotonic(), 0))
+                if out := [item(*event) for event in batch if event is not PREPARED]:
+                    yield b"".join(out)
+            self._count(completions, arrived)
             if include_usage:
                 yield _sse({"id": ident, "object": "chat.completion.chunk", "created": created, "model": self.name,
-                            "choices": [], "usage": self._usage(completion)})
+                            "choices": [], "usage": self._usage(*completions)})
             yield _sse("[DONE]")
             finished = True
         except (asyncio.TimeoutError, RequestError) as exc:
@@ -600,7 +627,9 @@ class Service:
         """OpenAI's chat completion; the glance object is the first answer's (answer i sampled with its seed + i)."""
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.name, "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
-                                                 "finish_reason": c.finish_reason, "logprobs": None}
+                                                 "finish_reason": c.finish_reason,
+                                                 "logprobs": choice_logprobs(c.token_ids, c.logprobs,
+                                                                             self.runner.engine.spelling)}
                                                 for i, c in enumerate(answers)],
                 "usage": self._usage(*answers), "glance": self._glance(answers[0], request)}
 

@@ -21,13 +21,15 @@ from ..backends.batch_rounds import check_batch
 from ..backends.ort_backend import resolve_providers
 from ..decode.backend import ServeLimits
 from ..decode.limits import answer_rows, check_tree, runtime_limit
-from ..decode.sampling import GREEDY, SamplingParams
+from ..batching import OnTokens
+from ..decode.sampling import GREEDY, SamplingParams, TokenLogprob
 from ..defaults import SERVE_MAX_BATCH, resolve
 from ..errors import GlanceError, LimitError
 from ..formats.artifacts import read as read_manifest
 from ..formats.graphs import MANIFEST
 from ..prompt.codec import exported_codec
 from ..prompt.prompt_builder import Prompt
+from ..prompt.token_bytes import TokenBytes
 
 WARMUP_PROMPT = "Hello"
 WARMUP_TOKENS = 4
@@ -70,6 +72,7 @@ class Completion:
     queue_ms: float = 0.0  # waiting for the runner, where the caller queued it
     stats: dict[str, Any] = field(default_factory=dict)
     seed: int | None = None  # the seed the answer was sampled with (drawn where none was asked); None: greedy
+    logprobs: list[TokenLogprob] | None = None  # per token id, where the request asked for them
 
 
 def default_batch(spec: ModelSpec) -> int:
@@ -133,6 +136,8 @@ class Job:
     emit: Callable[[str], None] | None = None
     cancelled: Callable[[], bool] = lambda: False
     sampling: SamplingParams = GREEDY
+    logprobs: int | None = None  # alternatives each token reports (None: no log-probs)
+    on_tokens: OnTokens | None = None  # each round's kept tokens and their reports, after their text reached emit
 
 
 class Engine:
@@ -148,6 +153,7 @@ class Engine:
         named = spec.engines or resolve(spec.model, spec.head, spec.artifacts, spec.backend)[0] or spec.artifacts
         self.name = Path(named).name
         self.rows = self.model.reuse()  # every request decodes through it, so each keeps what it shares
+        self.spelling = TokenBytes(self.model.session.codec.tokenizer)  # tokens' text and bytes for log-probs
 
     @property
     def backend(self) -> str:
@@ -171,20 +177,22 @@ class Engine:
 
     def complete(self, prompt: Prompt, max_tokens: int, stop: Sequence[str] = (),
                  emit: Callable[[str], None] | None = None,
-                 cancelled: Callable[[], bool] = lambda: False, sampling: SamplingParams = GREEDY) -> Completion:
+                 cancelled: Callable[[], bool] = lambda: False, sampling: SamplingParams = GREEDY,
+                 logprobs: int | None = None, on_tokens: OnTokens | None = None) -> Completion:
         """Decode (greedily, or sampling as asked), keeping the rows shared with the last request; `emit` gets the
-        text as rounds commit, `cancelled` is polled each round (Cancelled is raised once the rows are
-        consistent)."""
+        text as rounds commit (and `on_tokens` their tokens' reports, where `logprobs` asks for them), `cancelled`
+        is polled each round (Cancelled is raised once the rows are consistent)."""
         t0 = time.perf_counter()
         out = self.rows.decode(prompt, max_new_tokens=max_tokens, stop=stop, on_text=emit, cancelled=cancelled,
-                               sampling=sampling)
+                               sampling=sampling, logprobs=logprobs, on_tokens=on_tokens)
         return _completion(out, (time.perf_counter() - t0) * 1e3)
 
     def start(self, prompt: Prompt, max_tokens: int, stop: Sequence[str] = (),
               emit: Callable[[str], None] | None = None,
-              cancelled: Callable[[], bool] = lambda: False, sampling: SamplingParams = GREEDY) -> "Future[Completion]":
+              cancelled: Callable[[], bool] = lambda: False, sampling: SamplingParams = GREEDY,
+              logprobs: int | None = None, on_tokens: OnTokens | None = None) -> "Future[Completion]":
         """`complete` through the batch (max_batch > 1): returns at once; the future settles with the Completion
-        (or Cancelled). `emit` and `cancelled` run on the batch thread."""
+        (or Cancelled). `emit`, `on_tokens` and `cancelled` run on the batch thread."""
         done: Future = Future()
 
         def settle(out: Future) -> None:
@@ -194,8 +202,8 @@ class Engine:
             except Exception as exc:
                 done.set_exception(exc)
 
-        self.model.submit(prompt, max_new_tokens=max_tokens, stop=stop, on_text=emit,
-                          cancelled=cancelled, sampling=sampling).add_done_callback(settle)
+        self.model.submit(prompt, max_new_tokens=max_tokens, stop=stop, on_text=emit, cancelled=cancelled,
+                          sampling=sampling, logprobs=logprobs, on_tokens=on_tokens).add_done_callback(settle)
         return done
 
     def close(self) -> None:
@@ -207,4 +215,5 @@ def _completion(out: Output, ms: float, queue_ms: float = 0.0) -> Completion:
     if s["finish"] == "cancelled":
         raise Cancelled
     return Completion(out.text, s["prompt_tokens"], s["prefill_tokens"], out.token_ids, out.tau, s["rounds"],
-                      "length" if s["finish"] == "length" else "stop", ms, queue_ms=queue_ms, stats=s, seed=out.seed)
+                      "length" if s["finish"] == "length" else "stop", ms, queue_ms=queue_ms, stats=s, seed=out.seed,
+                      logprobs=out.logprobs)

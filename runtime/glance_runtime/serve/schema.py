@@ -1,5 +1,5 @@
-"""The chat-completions request as OpenAI defines it, validated strictly (pydantic), and what greedy
-decoding cannot honour refused by name: a field this server does not act on (tools, response formats,
+"""The chat-completions request as OpenAI defines it, validated strictly (pydantic), and what this server
+cannot honour refused by name: a field this server does not act on (tools, response formats,
 logit biases, ...) is a 400 naming it, never ignored. Everything a request holds is checked here, before
 its answer starts: a streamed request refused later would already have its 200."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..decode.sampling import SamplingParams, sampling_params
+from ..decode.sampling import MAX_TOP_N, SamplingParams, sampling_params
 from ..errors import GlanceError, InputError
 from ..prompt.prompt_builder import check_unicode
 from .openai_errors import RequestError
@@ -62,25 +62,31 @@ class ChatRequest(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_N)
     seed: int | None = None
     user: str | None = None
 
     def refuse_sampling(self) -> None:
-        """What this server does not serve yet is a 400, never ignored: log-probs, penalties, and several answers
-        streamed (temperature, top_p, seed and n are served: `sampling`, `choices`)."""
+        """What this server does not serve is a 400, never ignored: penalties, and top_logprobs without logprobs
+        (temperature, top_p, seed, n and log-probs are served: `sampling`, `choices`, `reported`)."""
         asked = [f"{name}={value}" for name, value, neutral in (
-            ("presence_penalty", self.presence_penalty, 0), ("frequency_penalty", self.frequency_penalty, 0),
-            ("logprobs", self.logprobs, False)) if value is not None and value != neutral]
+            ("presence_penalty", self.presence_penalty, 0), ("frequency_penalty", self.frequency_penalty, 0))
+            if value is not None and value != neutral]
         if asked:
-            raise RequestError(f"{', '.join(asked)} is not served here: this server answers without log-probs or "
-                               "penalties (it samples with temperature, top_p and seed, the same tokens with the "
-                               "draft on or off); omit it", param=asked[0].split("=")[0], code="sampling_unsupported")
+            raise RequestError(f"{', '.join(asked)} is not served here: this server answers without penalties (it "
+                               "samples with temperature, top_p and seed, the same tokens with the draft on or off); "
+                               "omit it", param=asked[0].split("=")[0], code="sampling_unsupported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError(f"top_logprobs={self.top_logprobs} needs logprobs true; send logprobs: true with it, or "
+                               "omit top_logprobs", param="top_logprobs", code="invalid_request")
         if self.choices > MAX_CHOICES:
             raise RequestError(f"n={self.n} is over this server's {MAX_CHOICES} answers a request; ask for fewer",
                                param="n", code="sampling_unsupported")
-        if self.stream and self.choices > 1:
-            raise RequestError(f"n={self.n} with stream is not served here: several answers come unstreamed; drop "
-                               "stream or send n 1", param="n", code="sampling_unsupported")
+
+    @property
+    def reported(self) -> int | None:
+        """Alternatives each answered token reports (`logprobs` true: `top_logprobs` or 0), or None (no log-probs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def choices(self) -> int:
@@ -170,8 +176,8 @@ def parse_request(raw: Any) -> ChatRequest:
             raise RequestError(f"{where}: a content part needs its \"type\" ({' or '.join(map(repr, PART_TYPES))}); "
                                "add it", param=where, code="invalid_request") from None
         if first["type"] == "extra_forbidden":
-            raise RequestError(f"{where} is not supported by this server, which answers text chat with greedy, "
-                               f"lossless decoding (no tools, functions, logit biases, response formats or log-probs); "
+            raise RequestError(f"{where} is not supported by this server, which answers text chat with lossless "
+                               f"decoding (no tools, functions, logit biases or response formats); "
                                f"omit {where}", param=where, code="unsupported_field") from None
         raise RequestError(f"{where}: {first['msg']}", param=where, code="invalid_request") from None
     req.check_text()

@@ -46,7 +46,7 @@ def test_onnx_runtime_drafts_what_the_torch_reference_drafts_at_every_depth(expo
     drafts = {}
     for name, backend in (("torch", torch_side), ("onnxruntime", graphs)):
         for depth in (None, 2, 99):
-            anchor, _ = backend.prefill(prompt)
+            anchor = backend.prefill(prompt).first
             drafts[name, depth] = backend.draft(anchor, 4, depth)
     ids, _ = drafts["torch", None]
     assert ids.shape == (5, 4) and set(ids.reshape(-1).tolist()) <= set(tiny_ids(head))
@@ -74,7 +74,7 @@ def test_int4_quantizes_it_like_the_vocab_graph(exported, tmp_path):
     ops = {n.op_type for n in onnx.load(str(art / "draft_vocab.onnx")).graph.node}
     assert {"MatMulNBits", "GatherBlockQuantized"} <= ops and "Gemm" not in ops
     backend = open_session(Source("onnxruntime", artifacts=art)).backend
-    anchor, _ = backend.prefill(open_session(Source("torch", model=snap, head=head)).prompt("Hi"))
+    anchor = backend.prefill(open_session(Source("torch", model=snap, head=head)).prompt("Hi")).first
     ids, _ = backend.draft(anchor, 4)
     assert set(ids.reshape(-1).tolist()) <= set(tiny_ids(head))
 

@@ -20,7 +20,7 @@ from glance_export.onnx import artifacts as artifacts_mod
 from glance_export.model.torch_backend import TorchBackend, greedy_reference
 from glance_runtime.errors import GlanceError
 from glance_runtime.formats.graphs import draft_kv_names, target_kv_names
-from glance_runtime.decode.backend import Verified
+from glance_runtime.decode.backend import Prefilled, Verified
 from glance_runtime.decode.loop import DecodeConfig, decode
 from support import ALL_FAMILIES, VL_FAMILIES, export_once, tiny_head
 
@@ -194,7 +194,7 @@ class GraphReplay:
         self.committed = self.start = ids.shape[1]
         self.pending, self.pending_from = [self.taps], 0
         _, top, _, entropy, _ = self._vocab(hidden=hidden[-1:])
-        return int(top[0, 0]), float(entropy[0])
+        return Prefilled(int(top[0, 0]), float(entropy[0]))
 
     def _write(self, pool: list[np.ndarray], rows: list[np.ndarray], at: int) -> None:
         for tensor, new in zip(pool, rows):
@@ -236,9 +236,9 @@ def test_replayed_decode_matches_greedy_oracle(exported, images, family):
     reference = TorchBackend(Snapshot(model_dir), load_head(head_dir))
     prompt = reference.snapshot.build_prompt("What colour is the square?",
                                              images["wide"] if family in VL_FAMILIES else None)
-    ref_token, ref_entropy = reference.prefill(prompt)
+    ref_token, ref_entropy, _ = reference.prefill(prompt)
     replay = GraphReplay(out, reference)
-    token, entropy = replay.prefill(prompt)
+    token, entropy, _ = replay.prefill(prompt)
     assert token == ref_token and entropy == pytest.approx(ref_entropy, rel=1e-4, abs=1e-5)
     truth = greedy_reference(reference.model, reference.snapshot, prompt, MAX_NEW, ())
     columns = [0, 0, 2, None, 1, 0]  # true token first, off the first branch, absent: partial acceptance

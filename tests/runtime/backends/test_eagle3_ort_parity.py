@@ -171,7 +171,7 @@ def test_steps_equal_the_torch_head_from_scratch(exported, family):
     """After a prefill, and after rounds that committed several rows each (taps queued from verify passes)."""
     ex = exported(family)
     prompt = ex.codec.turn(TEXT)
-    first, _ = ex.backend.prefill(prompt)
+    first = ex.backend.prefill(prompt).first
     _check_round(ex, prompt.input_ids.tolist(), first)
     truth = ex.oracle(prompt)
     result = decode(SeededDrafter(ex.backend, truth, prompt.length, SEEDS["full"]), prompt,
@@ -192,7 +192,7 @@ def test_kept_rows_recompute_the_row_before_them(exported):
     follow = ex.codec.encode(messages)
     keep = shared_rows(committed, follow, None, 1)
     assert keep > 10
-    anchor, _ = ex.backend.prefill(follow, keep)
+    anchor = ex.backend.prefill(follow, keep).first
     _check_round(ex, follow.input_ids.tolist(), anchor)
 
 

@@ -374,7 +374,7 @@ def _outcome(drafter, prompt, cfg: DecodeConfig) -> tuple[list[int], str | None]
     """The tokens streamed and the refusal, if any: what a user of `glance-run` sees."""
     streamed: list[int] = []
     try:
-        decode(drafter, prompt, cfg, on_commit=streamed.extend)
+        decode(drafter, prompt, cfg, on_commit=lambda new, _reports: streamed.extend(new))
     except GlanceError as exc:
         return streamed, str(exc)
     return streamed, None

@@ -325,7 +325,7 @@ def test_a_session_decodes_the_backends_own_greedy_tokens():
     try:
         committed: list[int] = []
         prompt = session.prompt("What is shown?")
-        result = session.decode(prompt, committed.extend)
+        result = session.decode(prompt, lambda new, _reports: committed.extend(new))
         assert committed == result.tokens == session.greedy(prompt) and session.detokenize(result.tokens)
         assert session.config.budget == 15 and session.config.auto is None
     finally:

@@ -103,7 +103,7 @@ def _draft_after_reuse_equals_fresh(backend, build, detokenize, oracle, turns, i
             second = build([turns[0], {"role": "assistant", "content": detokenize(result.tokens)}, turns[2]])
         keep = shared_rows(committed, second, image_token_id, merge)
         assert (keep == rows > projected) if variant == "extends" else (0 < keep < projected), (variant, keep)
-        anchor, _ = backend.prefill(second, keep=keep)
+        anchor = backend.prefill(second, keep=keep).first
         reused = backend.draft(anchor, 8)
         assert backend.prefill(second)[0] == anchor
         fresh = backend.draft(anchor, 8)

@@ -22,6 +22,7 @@ from PIL import Image
 
 import glance_runtime as gr
 from glance_runtime.cli.serve import main as serve_main
+from glance_runtime.prompt.token_bytes import TokenBytes
 from support import MODEL_NAME, RECEIPT, data_url, glance_run, start_server, user
 
 pytestmark = pytest.mark.edge  # needs no torch: runs on the edge install too
@@ -106,6 +107,67 @@ def test_n_answers_are_sampled_with_the_seed_plus_their_index(server):
     assert out.usage.completion_tokens == sum(len(r["token_ids"]) for r in refs)
     greedy = ask(server, "What is the total?", RECEIPT, n=2)
     assert [c.message.content for c in greedy.choices] == [glance_run("What is the total?", RECEIPT)["text"]] * 2
+
+
+@pytest.fixture(scope="module")
+def api():
+    """The Python API on the same default, in this process: what the server's answers are held to."""
+    with gr.load(threads=1) as model:
+        yield model
+
+
+def _reported(content) -> list[tuple]:
+    return [(e.token, bytes(e.bytes), e.logprob, [(t.token, bytes(t.bytes), t.logprob) for t in e.top_logprobs])
+            for e in content]
+
+
+def _expected_reports(api, prompt: str, image, top: int, **kw) -> list[tuple]:
+    out = api.generate(prompt, images=[str(image)] if image else None, logprobs=top, **kw)
+    spell = TokenBytes(api.session.codec.tokenizer)
+    return [(spell.text(t), spell.bytes(t), r.logprob, [(spell.text(a), spell.bytes(a), v) for a, v in r.top])
+            for t, r in zip(out.token_ids, out.logprobs)]
+
+
+def _close(got: list[tuple], want: list[tuple]) -> None:
+    assert [(g[0], g[1], [a[:2] for a in g[3]]) for g in got] == [(w[0], w[1], [a[:2] for a in w[3]]) for w in want]
+    assert all(abs(g[2] - w[2]) < 1e-6 and all(abs(a[2] - b[2]) < 1e-6 for a, b in zip(g[3], w[3]))
+               for g, w in zip(got, want))
+
+
+def test_log_probs_plain_and_streamed_are_the_apis(server, api):
+    """logprobs and top_logprobs through the official client, greedy and sampled, plain and streamed: one entry per
+    answered token, with its text, bytes and log-prob and its best alternatives, equal to the API's reports."""
+    for prompt, image in QUESTIONS:
+        for kw in ({}, {"temperature": 1.3, "top_p": 0.95, "seed": 17}):
+            want = _expected_reports(api, prompt, image, 3, **kw)
+            out = ask(server, prompt, image, logprobs=True, top_logprobs=3, **kw)
+            got = _reported(out.choices[0].logprobs.content)
+            assert len(got) == out.usage.completion_tokens
+            _close(got, want)
+            streamed = [e for c in ask(server, prompt, image, stream=True, logprobs=True, top_logprobs=3, **kw)
+                        if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+            _close(_reported(streamed), want)
+    plain = ask(server, "Describe this.", logprobs=True)
+    assert all(e.top_logprobs == [] for e in plain.choices[0].logprobs.content)
+    assert ask(server, "Describe this.").choices[0].logprobs is None
+
+
+def test_n_answers_stream_side_by_side(server):
+    """n answers streamed: each choice's pieces join to the unstreamed answer of the same index, each ends once
+    with its finish reason, and the usage counts them all."""
+    kw = {"temperature": 1.3, "top_p": 0.95, "seed": 40, "n": 3}
+    whole = ask(server, "Describe this.", **kw)
+    texts, finishes, usage = {0: "", 1: "", 2: ""}, {}, None
+    for chunk in ask(server, "Describe this.", stream=True, stream_options={"include_usage": True}, **kw):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                assert choice.index not in finishes
+                finishes[choice.index] = choice.finish_reason
+    assert [texts[i] for i in range(3)] == [c.message.content for c in whole.choices] and len(set(texts.values())) > 1
+    assert finishes == {c.index: c.finish_reason for c in whole.choices}
+    assert usage.completion_tokens == whole.usage.completion_tokens
 
 
 def test_eight_clients_half_greedy_half_sampled_each_get_their_answer_alone(server):
@@ -240,9 +302,9 @@ REFUSALS = {
     "missing messages": ({"model": MODEL_NAME}, 400, "invalid_request"),
     "missing model": ({"messages": user("hi")}, 400, "invalid_request"),
     "empty messages": (_body(messages=[]), 400, "invalid_request"),
-    "n streamed": (_body(n=2, stream=True), 400, "sampling_unsupported"),
     "n over the bound": (_body(n=17), 400, "sampling_unsupported"),
-    "logprobs": (_body(logprobs=True), 400, "sampling_unsupported"),
+    "top_logprobs without logprobs": (_body(top_logprobs=2), 400, "invalid_request"),
+    "top_logprobs over 20": (_body(logprobs=True, top_logprobs=21), 400, "invalid_request"),
     "penalty": (_body(presence_penalty=0.5), 400, "sampling_unsupported"),
     "temperature over 2": (_body(temperature=2.5), 400, "invalid_request"),
     "a negative seed": (_body(temperature=0.7, seed=-1), 400, "invalid_sampling"),
@@ -268,7 +330,7 @@ REFUSALS = {
     **{f"unsupported {field}": (_body(**{field: value}), 400, "unsupported_field") for field, value in (
         ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]), ("tool_choice", "required"),
         ("functions", [{"name": "f"}]), ("function_call", "auto"), ("logit_bias", {"1": 5}),
-        ("response_format", {"type": "json_object"}), ("top_logprobs", 2), ("parallel_tool_calls", True))},
+        ("response_format", {"type": "json_object"}), ("parallel_tool_calls", True))},
     "a message's name": (_body(messages=[{"role": "user", "content": "hi", "name": "bob"}]), 400,
                          "unsupported_field"),
     "an unknown image detail": (_body(messages=[{"role": "user", "content": [
@@ -305,8 +367,8 @@ TEXT = st.text(alphabet=st.one_of(st.characters(codec="utf-8"), st.characters(mi
 VALUES = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), TEXT),
                       lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(TEXT, inner, max_size=3)),
                       max_leaves=8)
-FIELDS = ["stop", "stream", "temperature", "top_p", "n", "seed", "user", "logprobs", "stream_options", "tools",
-          "response_format", "max_completion_tokens", "presence_penalty", "store", "metadata", "x"]
+FIELDS = ["stop", "stream", "temperature", "top_p", "n", "seed", "user", "logprobs", "top_logprobs", "stream_options",
+          "tools", "response_format", "max_completion_tokens", "presence_penalty", "store", "metadata", "x"]
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -335,8 +397,8 @@ def test_only_json_bodies_are_read(server, kind):
 
 
 def test_the_openai_client_raises_on_refusals(server):
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        ask(server, "hi", logprobs=True)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        ask(server, "hi", top_logprobs=2)
     with pytest.raises(openai.NotFoundError):
         client(server).chat.completions.create(model="nope", messages=user("hi"))
 
