@@ -14,8 +14,10 @@ auto), each answer against the oracle, and the batch's ms per token against one 
 why. Needs only this repository and what the machine already has (CUDA PyTorch, transformers, onnx,
 onnxruntime); nothing is downloaded.
 
-Then (GPU only) `train-head --device cuda` on a tiny random Qwen2.5-VL: a bf16 target, bf16 autocast with fp32
-master weights, answers generated in batches; under torchrun with NCCL when the machine has two GPUs or more.
+Then (GPU only) the device sampler (the NVRTC-built sampling kernel on CUDA memory) against the numpy sampler on
+random 151,936-token logits, greedy and under each truncation; and `train-head --device cuda` on a tiny random
+Qwen2.5-VL: a bf16 target, bf16 autocast with fp32 master weights, answers generated in batches; under torchrun
+with NCCL when the machine has two GPUs or more.
 
     python benchmarks/gpu_check.py [--out DIR] [--prompts 6] [--max-new-tokens 48] [--skip-random] [--skip-eagle3]
         [--skip-batch] [--skip-train]
@@ -349,6 +351,54 @@ def check_head_training(work: Path, skipped: list[str]) -> list[str]:
     return failures
 
 
+def check_device_sampler(skipped: list[str]) -> list[str]:
+    """GPU only: DeviceSampler's tokens and top ids against the numpy sampler's on flat, peaked, integer (tied) and
+    spread rows of a full vocabulary, greedy and sampled under each truncation; returns failures."""
+    import numpy as np
+
+    from glance_runtime.backends.device_buffers import CudaDevice
+    from glance_runtime.backends.device_sampling import DeviceSampler
+    from glance_runtime.decode.sampling import logprobs, sample
+    from glance_runtime.errors import GlanceError
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 3, (16, 151_936)).astype(np.float32)
+    logits[0::4] *= 0.05
+    logits[1::4, 7] += 20
+    logits[2::4] = np.round(logits[2::4])
+    rows, positions = np.arange(16), rng.integers(0, 500, 16)
+    settings = [SamplingParams(), SamplingParams(0.8, seed=1), SamplingParams(0.8, top_k=50, seed=2),
+                SamplingParams(0.8, top_p=0.9, seed=3), SamplingParams(0.8, min_p=0.05, seed=4),
+                SamplingParams(0.8, top_p=0.9, top_k=50, min_p=0.05, seed=5)]
+    try:
+        device = CudaDevice()
+        sampler = DeviceSampler(device)
+        buffer = device.empty(logits.shape, np.float32)
+        device.upload(buffer.rows(16), logits)
+        sampler.choose(buffer.rows(16), rows, positions, settings[0])  # compiles and loads the kernel
+    except GlanceError as exc:
+        skipped.append(f"the device sampler: {exc}")
+        return []
+    differ = 0
+    try:
+        for params in settings:
+            t0 = time.perf_counter()
+            chosen = sampler.choose(buffer.rows(16), rows, positions, params, top_n=5)
+            ms = (time.perf_counter() - t0) * 1e3
+            tokens = sample(logits, positions, params)
+            same = (chosen.tokens == tokens) & (chosen.top_ids == logprobs(logits, tokens, 5).top_ids).all(axis=1)
+            differ += int((~same).sum())
+            print(f"device sampler T {params.temperature} top-k {params.top_k} top-p {params.top_p} min-p "
+                  f"{params.min_p}: {'equal' if same.all() else 'DIFFERS'} on {same.sum()}/16 rows, {ms:.2f} ms",
+                  flush=True)
+    except GlanceError as exc:
+        return [f"device sampler: {exc}"]
+    finally:
+        sampler.close()
+        device.free(buffer)
+    return [f"device sampler: {differ} rows differ from the numpy sampler"] if differ else []
+
+
 def eagle3_case(n: int, max_new: int, device: str, work: Path) -> tuple[Case, Path, Path, Path]:
     """The embedded default with its EAGLE-3 head (one head pass per tree depth), exported here: the same prompts
     and oracle as the default case."""
@@ -417,9 +467,11 @@ def main() -> int:
                 rows.append(row)
             print(f"[{time.perf_counter() - started:6.1f}s] {case.name} {name} {precision}: {rows[-1].status}",
                   flush=True)
-    train_failures = []
+    failures = check_device_sampler(skipped) if cuda else []
+    if not cuda:
+        skipped.append("the device sampler: no CUDA device")
     if cuda and not args.skip_train:
-        train_failures = check_head_training(work / "train", skipped)
+        failures += check_head_training(work / "train", skipped)
     elif not args.skip_train:
         skipped.append("train-head on CUDA: no CUDA device")
     print()
@@ -429,9 +481,9 @@ def main() -> int:
         print(f"  - {line}")
     if args.json:
         args.json.write_text(json.dumps([{**asdict(r), "speedup": r.speedup} for r in rows], indent=2))
-    for line in train_failures:
+    for line in failures:
         print(f"FAILED {line}")
-    return 0 if all(r.status == "ok" for r in rows) and not train_failures else 1
+    return 0 if all(r.status == "ok" for r in rows) and not failures else 1
 
 
 if __name__ == "__main__":
