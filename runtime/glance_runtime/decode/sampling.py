@@ -20,6 +20,10 @@ noise, so a verify pass accepts a node exactly when it equals the token sampled 
 does not depend on the tree, the budget, the batch or whether the draft is on, and a token's noise does
 not depend on the vocabulary's size or on which tokens truncation keeps.
 
+Only tokens that can still win have their noise finished: the best score among the likeliest few bounds the
+noise any other token needs, and a token's noise grows with its hash's top bits, so one integer comparison sets
+the others aside (exactly: the same token as scoring every one).
+
 Truncation keeps a prefix of the row in (logit descending, token id ascending) order, applied in this
 order: temperature, then top-k, then top-p over what top-k left (renormalized: the smallest prefix whose
 mass reaches top_p), then min-p (tempered probability at least min_p times the top token's). Top-k and
@@ -30,6 +34,7 @@ from __future__ import annotations
 import math
 import secrets
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
@@ -43,6 +48,9 @@ MIN_TEMPERATURE = 1e-6  # below it a float32 temperature can round to 0; 1e-6 is
 MAX_TOP_N = 20  # the OpenAI API's top_logprobs bound
 _NUCLEUS_GUESS = 1e-4  # top-p's first try: the tokens within this weight of the top's
 _DENSE = 4  # a row keeping more than 1/_DENSE of the vocabulary is truncated in place, not compacted first
+_SURE = 64  # tokens whose noise is always finished: the best of them prunes the rest (`_perturbed_argmax`)
+_MARGIN = 1e-9  # relative slack on that bound, far above float64's rounding of a score
+_HASH_RUN = 1 << 15  # tokens hashed at once: 256 KB of uint64, kept in cache through the hash's nine passes
 
 
 def draw_seed() -> int:
@@ -112,19 +120,28 @@ def noise_bits(seed: int, positions: np.ndarray, tokens: np.ndarray) -> np.ndarr
 
 def uniform(bits: np.ndarray) -> np.ndarray:
     """U in (0, 1) from the top 52 bits: (m + 1/2) / 2**52 is exact in a double, from 2**-53 to 1 - 2**-53."""
-    u = (bits >> np.uint64(12)).astype(np.float64)
+    return _uniform_of(bits >> np.uint64(12))
+
+
+def _uniform_of(mantissas: np.ndarray) -> np.ndarray:
+    """U = (m + 1/2) 2**-52 of 52-bit mantissas m, as a new float64 array."""
+    u = mantissas.astype(np.float64)
     u += 0.5
     u *= 2.0**-52
     return u
 
 
-def gumbel(seed: int, positions: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """G(seed, position, token) in float64, broadcast like noise_bits."""
-    u = uniform(noise_bits(seed, positions, tokens))
-    for _ in range(2):  # -log(-log(u)), in place
+def _gumbel_of(u: np.ndarray) -> np.ndarray:
+    """-log(-log(u)), in place."""
+    for _ in range(2):
         np.log(u, out=u)
         np.negative(u, out=u)
     return u
+
+
+def gumbel(seed: int, positions: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """G(seed, position, token) in float64, broadcast like noise_bits."""
+    return _gumbel_of(uniform(noise_bits(seed, positions, tokens)))
 
 
 def _check_rows(logits: np.ndarray, name: str, per_row: np.ndarray, bound: int | None = None) -> None:
@@ -198,15 +215,70 @@ def _truncates(params: SamplingParams, vocab: int) -> bool:
 
 def _sample_whole(logits: np.ndarray, top: np.ndarray, positions: np.ndarray, params: SamplingParams) -> np.ndarray:
     """No truncation: every token competes; rows at one position (a tree's depth) share one noise row."""
-    temperature, tokens = np.float32(params.temperature), np.arange(logits.shape[1])
+    temperature = np.float32(params.temperature)
     out = np.empty(len(logits), np.int64)
-    unique, where = np.unique(positions, return_inverse=True)
-    for i, position in enumerate(unique):
-        rows = np.flatnonzero(where == i)
-        score = ((logits[rows] - top[rows, None]) / temperature).astype(np.float64)
-        score += gumbel(params.seed, position, tokens)
-        out[rows] = score.argmax(axis=1)
+    for position, rows in _by_position(positions):
+        mantissas = _noise_mantissas(params.seed, position, logits.shape[1])
+        for row in rows:
+            out[row] = _perturbed_argmax((logits[row] - top[row]) / temperature, mantissas)
     return out
+
+
+def _by_position(positions: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    unique, where = np.unique(positions, return_inverse=True)
+    return [(int(position), np.flatnonzero(where == i)) for i, position in enumerate(unique)]
+
+
+@lru_cache(maxsize=4)
+def _token_steps(vocab: int) -> np.ndarray:
+    """(t + 1) * GAMMA for every token id t (uint64, wrapping): the token half of every noise row, made once."""
+    steps = (np.arange(vocab, dtype=np.uint64) + np.uint64(1)) * np.uint64(GAMMA)
+    steps.flags.writeable = False
+    return steps
+
+
+def _noise_mantissas(seed: int, position: int, vocab: int) -> np.ndarray:
+    """`noise_bits(seed, position, 0..vocab-1) >> 12` (U's 52-bit mantissa m: U = (m + 1/2) 2**-52), hashed in
+    runs that stay in cache (a third of the time of one pass per operation over the vocabulary)."""
+    row = _mix64(_mix64(np.array([seed], np.uint64)) + np.array([position + 1], np.uint64) * np.uint64(GAMMA))
+    steps, out = _token_steps(vocab), np.empty(vocab, np.uint64)
+    for first in range(0, vocab, _HASH_RUN):
+        run = out[first:first + _HASH_RUN]
+        np.add(steps[first:first + _HASH_RUN], row, out=run)
+        _mix64(run)
+        run >>= np.uint64(12)
+    return out
+
+
+def _scores(score: np.ndarray, mantissas: np.ndarray) -> np.ndarray:
+    """float64(score) + G, each token's G from its mantissa as `gumbel` computes it."""
+    total = _gumbel_of(_uniform_of(mantissas))
+    total += score
+    return total
+
+
+def _perturbed_argmax(score: np.ndarray, mantissas: np.ndarray, eligible: np.ndarray | None = None) -> int:
+    """The argmax over eligible tokens t of float64(score[t]) + G(t), ties to the lowest id (`score`: float32
+    tempered logits less the row's max). Exact, and most tokens' noise is never finished: the best of the likeliest
+    _SURE tokens bounds the noise any other token needs to win, and a token's noise grows with its mantissa, so
+    one mantissa threshold sets aside every token that cannot."""
+    pool = score if eligible is None else np.where(eligible, score, np.float32(-np.inf))
+    width = len(pool) // _SURE
+    floor = pool[:_SURE * width].reshape(_SURE, width).max(axis=1).min() if width else np.float32(-np.inf)
+    if not np.isfinite(floor):  # a small vocabulary, or few eligible tokens: score them all
+        ids = np.arange(len(pool)) if eligible is None else np.flatnonzero(eligible)
+        return int(ids[_scores(score[ids], mantissas[ids]).argmax()])
+    likely = np.flatnonzero(pool >= floor)
+    best = float(_scores(score[likely], mantissas[likely]).max())
+    need = best - float(floor)  # any other token scores below floor + G: it wins only with G above this
+    need -= _MARGIN * max(1.0, abs(best))
+    threshold = 0 if need < -700 else max(int(math.exp(-math.exp(-need)) * 2.0**52) - 2, 0)
+    rest = np.flatnonzero(mantissas >= np.uint64(threshold))
+    if eligible is not None:
+        rest = rest[eligible[rest]]
+    ids = np.concatenate([likely, rest])  # in no order, some twice: the best score's lowest id wins
+    scores = _scores(score[ids], mantissas[ids])
+    return int(ids[scores == scores.max()].min())
 
 
 def _sample_kept(logits: np.ndarray, top: np.ndarray, positions: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -228,8 +300,9 @@ def _sample_kept(logits: np.ndarray, top: np.ndarray, positions: np.ndarray, par
         mass = np.cumsum(weight, axis=1, dtype=np.float64)
         if top_k:
             total = mass[rows, keep - 1]
-        before = np.concatenate([np.zeros((n, 1)), mass[:, :-1]], axis=1)
-        keep = np.minimum(keep, (before < params.top_p * total[:, None]).sum(axis=1))
+        # the tokens whose mass before them is under top_p of the total: the first (nothing before it) and those
+        # after a prefix still under it
+        keep = np.minimum(keep, 1 + (mass[:, :-1] < params.top_p * total[:, None]).sum(axis=1))
     if params.min_p > 0:
         keep = np.minimum(keep, (weight >= np.float32(params.min_p)).sum(axis=1))
     cut = best[rows, keep - 1][:, None]  # the last kept value; of the tokens equal to it, the lowest ids fit
@@ -238,12 +311,18 @@ def _sample_kept(logits: np.ndarray, top: np.ndarray, positions: np.ndarray, par
     kept = above | ties
     crowded = np.flatnonzero(ties.sum(axis=1) > room)
     kept[crowded] = above[crowded] | (ties[crowded] & (np.cumsum(ties[crowded], axis=1) <= room[crowded, None]))
+    if ids is None:  # rows kept in place: most of their tokens' noise is set aside unfinished
+        out = np.empty(n, np.int64)
+        for position, group in _by_position(positions):
+            mantissas = _noise_mantissas(params.seed, position, vocab)
+            for row in group:
+                out[row] = _perturbed_argmax((values[row] - top[row]) / temperature, mantissas, kept[row])
+        return out
     r, c = np.divmod(np.flatnonzero(kept), kept.shape[1])
     score = np.full(values.shape, -np.inf)
-    score[r, c] = ((values[r, c] - top[r]) / temperature).astype(np.float64) + \
-        gumbel(params.seed, positions[r], c if ids is None else ids[r, c])
-    col = score.argmax(axis=1)
-    return col if ids is None else ids[rows, col]
+    score[r, c] = ((values[r, c] - top[r]) / temperature).astype(np.float64)
+    score[r, c] += gumbel(params.seed, positions[r], ids[r, c])
+    return ids[rows, score.argmax(axis=1)]
 
 
 def sample(logits: np.ndarray, positions: np.ndarray, params: SamplingParams) -> np.ndarray:

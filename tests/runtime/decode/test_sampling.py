@@ -131,6 +131,26 @@ def test_a_row_samples_the_same_alone_in_any_batch_and_vocabulary(params):
     assert np.array_equal(sample(wider, positions, params), batch)
 
 
+def test_a_whole_vocabulary_samples_what_finishing_every_tokens_noise_does():
+    """At 151,936 tokens most noise is left unfinished (only tokens that could still win are scored): the token is
+    the argmax of every token's score all the same, on flat, peaked, tied and near-greedy rows."""
+    vocab = 151_936
+    rng = np.random.default_rng(5)
+    flat, peaked = rng.normal(0, 1, vocab), rng.normal(0, 3, vocab)
+    peaked[77] += 30
+    spiky = np.full(vocab, -np.inf)
+    spiky[rng.integers(0, vocab, 50)] = rng.normal(0, 1, 50)
+    tied = rng.integers(-2, 1, vocab) / 4
+    logits = np.stack([flat, peaked, spiky, tied, np.zeros(vocab), *rng.normal(0, 2, (20, vocab))]).astype(np.float32)
+    for temperature in (1e-6, 0.7, 1.0, 3.0):
+        params = SamplingParams(temperature, seed=2024)
+        positions = np.array([0, 1, 1, 9, 40, *range(100, 120)])
+        want = [int(np.argmax(((row - row.max()) / np.float32(temperature)).astype(np.float64) +
+                              gumbel(2024, np.array([p]), np.arange(vocab))))
+                for row, p in zip(logits, positions)]
+        assert sample(logits, positions, params).tolist() == want, temperature
+
+
 def test_truncation_that_keeps_everything_changes_nothing():
     """The whole-row path and the truncating path score the same tokens identically."""
     logits = np.tile(rows(40)[6:12], (300, 1))
