@@ -206,7 +206,6 @@ class BatchRounds:
         """The sampled rows of one projection run (rows first..first+n of the pack) into `chosen` and `confidence`,
         from the logits it left (`Draw.choose_with_logprob`), and the reported rows' reports into `reports`."""
         base = self.base
-        logits = self.device.download(base.logits.tensor((n, base.manifest.vocab_size)))
         top = self.device.download(self.top_ids.rows(n, first))[:, 0]
         top_logp = self.device.download(self.top_logp.rows(n, first))[:, 0].astype(np.float64)
         span = slice(first, first + n)
@@ -216,13 +215,10 @@ class BatchRounds:
             if draw is None:
                 continue
             local = np.flatnonzero(owner[span] == i)
-            if draw.samples:
-                chosen[first + local], confidence[first + local] = draw.choose_with_logprob(
-                    logits[local], depth[span][local], top[local], top_logp[local])
-            else:
-                chosen[first + local], confidence[first + local] = top[local], top_logp[local]
-            if draw.reports:
-                reports[i].put(first + local - starts[i], draw.report(logits[local], chosen[first + local]))
+            chosen[first + local], confidence[first + local], part = base.draws.drawn(
+                base.logits, base.manifest.vocab_size, draw, local, depth[span][local], top[local], top_logp[local])
+            if part is not None:
+                reports[i].put(first + local - starts[i], part)
 
     def _pack(self, src: Buffer, stride: int, counts: list[int]) -> Tensor:
         """The first counts[b] of each sequence's `stride` rows of src, consecutive in `packed`; src itself

@@ -170,8 +170,11 @@ class DeviceSampler:
         self._outputs: Buffer | None = None
         self._capacity = 0
 
-    def _load(self) -> None:
-        """Compile (once per process) and load the kernel into the context the CUDA runtime made current."""
+    def load(self) -> None:
+        """Compile (once per process) and load the kernel into the context the CUDA runtime made current, now rather
+        than at the first draw (a caller may sample on the host where this refuses); idempotent."""
+        if self._driver is not None:
+            return
         try:
             driver = ctypes.CDLL("libcuda.so.1")
         except OSError:
@@ -218,8 +221,7 @@ class DeviceSampler:
             width = min(top_n, int(logits.shape[1]))
             return Chosen(np.zeros(0, np.int64), np.zeros(0), np.zeros((0, width), np.int64),
                           np.zeros((0, width), np.float32))
-        if self._driver is None:
-            self._load()
+        self.load()
         self._reserve(n)
         self.device.upload(self._inputs.tensor((2 * n,)), np.concatenate([rows, positions]))
         vocab = int(logits.shape[1])

@@ -34,6 +34,7 @@ from ..formats.graphs import draft_kv_names, target_kv_names
 from .hardware import cuda_gpu, host_cpu
 from .kv_cache import KVCache
 from .kv_pool import KVPool
+from .row_draws import RowDraws
 from .step_drafts import StepDrafts, head_rows
 from ..errors import GlanceError
 from ..formats.artifacts import Manifest
@@ -124,6 +125,7 @@ class GraphBackend:
         # the projections' logits, which only sampling reads: bound from the start where a runtime binds every
         # output (TensorRT), else made when a pass first samples
         self.logits = new((rows, m.vocab_size), np.float32) if self.binds_every_output and m.sampling else None
+        self.draws = RowDraws(device)  # a draw's tokens and reports from those logits, on the device where they are
         self.entropy = new((1,), np.float32)
         # top-k embeddings of the last projections, flat [rows * K, H]: row i belongs to token i of top_ids
         self.cands = {"draft": new(((m.block_size - 1) * k, hidden), self.float), "verify": new((rows * k, hidden), self.float)}
@@ -430,16 +432,10 @@ class GraphBackend:
 
     def _drawn(self, top: np.ndarray, logp: np.ndarray, draw: Draw, depths: np.ndarray, rows: np.ndarray
                ) -> tuple[np.ndarray, np.ndarray, LogProbs | None]:
-        """The token after each of the projected `rows` and its log-prob (sampled from the logits the projection
-        left, `Draw.choose_with_logprob`, or the projection's argmax where the draw is greedy), and the rows'
-        report where the draw asks for one."""
-        vocab = self.manifest.vocab_size
-        logits = np.stack([self.device.download(self.logits.tensor((vocab,), int(r) * vocab * 4)) for r in rows])
-        if draw.samples:
-            chosen, confidence = draw.choose_with_logprob(logits, depths[rows], top[rows, 0], logp[rows, 0])
-        else:
-            chosen, confidence = top[rows, 0].astype(np.int64), logp[rows, 0].astype(np.float64)
-        return chosen, confidence, draw.report(logits, chosen) if draw.reports else None
+        """`RowDraws.drawn` over the last projection's `rows` (top-k ids and log-probs `top`, `logp`; tree depths
+        `depths` of every projected row)."""
+        return self.draws.drawn(self.logits, self.manifest.vocab_size, draw, rows, depths[rows], top[rows, 0],
+                                logp[rows, 0])
 
     def _prefill_after(self, prompt: Prompt, keep: int, draw: Draw | None) -> Prefilled:
         """Run only rows keep.. of the prompt, at the full prompt's positions, with the images they hold; the
@@ -568,6 +564,7 @@ class GraphBackend:
         if self._closed:
             return
         self._closed = True
+        self.draws.close()
         caches = [self.pool.buffer, (self.head_pool or self.head_kv).buffer]
         for buffer in [*self._owned, *self._images.values(), *caches]:
             self.device.free(buffer)

@@ -228,3 +228,67 @@ def test_device_sampler_on_cuda_equals_numpy():
             device.free(buffer)
     finally:
         sampler.close()
+
+
+class HostKernel:
+    """`DeviceSampler`'s interface over the kernel's host build, reading the logits where a HostDevice keeps them:
+    what a graph backend's draws do on a GPU, run here (only the launch and the copies differ)."""
+
+    def __init__(self, lib):
+        self.lib, self.calls = lib, 0
+
+    def load(self) -> None:
+        pass
+
+    def choose(self, logits, rows, positions, params: SamplingParams, top_n: int = 0) -> Chosen:
+        rows, positions = check_call(tuple(logits.shape), rows, positions, params, top_n)
+        vocab = int(logits.shape[1])
+        inputs = np.concatenate([rows, positions])
+        out = np.zeros(out_bytes(len(rows), top_n), np.uint8)
+        getattr(self.lib, HOST_ENTRY)(*kernel_args(logits.ptr, vocab, inputs.ctypes.data, len(rows), params, top_n,
+                                                   out.ctypes.data))
+        self.calls += 1
+        return unpack(out, rows, top_n, vocab)
+
+    def close(self) -> None:
+        pass
+
+
+def test_graph_backends_drawing_with_the_kernel_decode_as_on_the_host(host_kernel):
+    """The shipped default on ONNX Runtime, its draws made by the kernel (as on a GPU) against numpy's: the same
+    tokens and reports, plain and speculative, greedy with log-probs and sampled under each truncation, alone and in
+    a batch."""
+    from glance_runtime.backends.batch_rounds import BatchRounds
+    from glance_runtime.backends.ort_backend import OrtBackend
+    from glance_runtime.backends.row_draws import RowDraws
+    from glance_runtime.decode.batch_loop import BatchLoop, Request
+    from glance_runtime.decode.loop import DecodeConfig, decode
+    from glance_runtime.defaults import DEFAULT_ARTIFACTS
+    from glance_runtime.prompt.codec import exported_codec
+    from glance_runtime.prompt.messages import user_turn
+
+    host, kernel = OrtBackend(DEFAULT_ARTIFACTS, threads=1), OrtBackend(DEFAULT_ARTIFACTS, threads=1, max_batch=3)
+    sampler = HostKernel(host_kernel)
+    kernel.draws = RowDraws(kernel.device, sampler)
+    codec = exported_codec(host.manifest)
+    prompts = [codec.encode([user_turn(text, [])]) for text in ("Describe a day at the sea.", "Count to nine.")]
+    settings = [SamplingParams()] + [SamplingParams(1.3, seed=40 + i, **cut) for i, cut in enumerate(TRUNCATIONS[::5])]
+    try:
+        for i, params in enumerate(settings):
+            for budget, spec in ((0, False), (15, True)):
+                cfg = DecodeConfig(max_new_tokens=16, budget=budget, speculative=spec, sampling=params, logprobs=3)
+                want, got = decode(host, prompts[i % 2], cfg), decode(kernel, prompts[i % 2], cfg)
+                assert got.tokens == want.tokens, (params, budget)
+                assert [[t for t, _ in r.top] for r in got.logprobs] == [[t for t, _ in r.top] for r in want.logprobs]
+                np.testing.assert_allclose([[r.logprob, *(v for _, v in r.top)] for r in got.logprobs],
+                                           [[r.logprob, *(v for _, v in r.top)] for r in want.logprobs], atol=1e-5)
+        cfgs = [DecodeConfig(max_new_tokens=16, budget=7, sampling=p, logprobs=2) for p in settings[:3]]
+        alone = [decode(host, prompts[i % 2], cfg) for i, cfg in enumerate(cfgs)]
+        batched = BatchLoop(BatchRounds(kernel)).run([Request(prompts[i % 2], cfg) for i, cfg in enumerate(cfgs)])
+        assert [r.tokens for r in batched] == [r.tokens for r in alone]
+        assert [[t for t, _ in r.top] for out in batched for r in out.logprobs] == \
+            [[t for t, _ in r.top] for out in alone for r in out.logprobs]
+    finally:
+        host.close()
+        kernel.close()
+    assert sampler.calls > 0
