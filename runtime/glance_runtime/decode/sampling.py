@@ -297,7 +297,8 @@ def _sample_kept(logits: np.ndarray, top: np.ndarray, positions: np.ndarray, par
     weight = _weights(best, top, temperature)
     keep = np.minimum(counts, top_k) if top_k else counts
     if params.top_p < 1:
-        mass = np.cumsum(weight, axis=1, dtype=np.float64)
+        mass = weight.astype(np.float64)
+        np.cumsum(mass, axis=1, out=mass)  # in place: the same sums, without a second vocabulary-wide allocation
         if top_k:
             total = mass[rows, keep - 1]
         # the tokens whose mass before them is under top_p of the total: the first (nothing before it) and those
