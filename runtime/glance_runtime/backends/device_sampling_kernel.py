@@ -33,10 +33,12 @@ float32 exp is not the CUDA or libm one. Rows holding NaN or +inf (or only -inf)
 """
 from __future__ import annotations
 
+from ..decode.sampling import MAX_TOP_N
+
 BLOCK = 512  # threads per row's block; the host build loops over as many, so both reduce in the same order
 KERNEL = "glance_choose"
 HOST_ENTRY = "glance_choose_host"
-MAX_TOP = 20  # the most top log-probs a row reports (sampling.MAX_TOP_N)
+MAX_TOP = MAX_TOP_N  # the most top log-probs a row reports
 
 _TEMPLATE = r"""
 #define GL_BLOCK @BLOCK@
