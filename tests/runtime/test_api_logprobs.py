@@ -4,6 +4,7 @@ bad setting is refused in one line."""
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -11,10 +12,12 @@ import pytest
 
 import glance_runtime as gr
 from glance_runtime.backends.ort_backend import OrtBackend
+from glance_runtime.cli.run import main as run_main
 from glance_runtime.decode.loop import DecodeConfig, decode
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
 from glance_runtime.errors import GlanceError, InputError
 from glance_runtime.prompt.codec import exported_codec
+from glance_runtime.prompt.token_bytes import TokenBytes
 from support import RECEIPT
 
 pytestmark = pytest.mark.edge  # needs no torch: runs on the edge install too
@@ -109,3 +112,24 @@ def test_graphs_exported_before_log_probs_refuse_them_in_one_line():
         assert "\n" not in str(err.value)
     finally:
         backend.close()
+
+
+def test_glance_run_prints_the_apis_reports_and_refuses_them_without_json(spec, capsys):
+    argv = ["--prompt", "Describe this.", "--json", "--threads", "1", "--max-new-tokens", str(MAX_TOKENS),
+            "--temperature", "1.4", "--top-p", "0.95", "--seed", "21"]
+    assert run_main([*argv, "--logprobs", "3"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    want = spec.generate(**ASKS[1], max_new_tokens=MAX_TOKENS, logprobs=3, **HOT)
+    spelling = TokenBytes(spec.session.codec.tokenizer)
+    assert printed["token_ids"] == want.token_ids and len(printed["logprobs"]) == len(want.token_ids)
+    for entry, token, report in zip(printed["logprobs"], want.token_ids, want.logprobs):
+        assert entry["token"] == spelling.text(token) and bytes(entry["bytes"]) == spelling.bytes(token)
+        assert entry["logprob"] == pytest.approx(report.logprob, abs=1e-6)
+        assert [(e["token"], e["logprob"]) for e in entry["top_logprobs"]] == \
+            [(spelling.text(t), pytest.approx(v, abs=1e-6)) for t, v in report.top]
+    plain = [a for a in argv if a != "--json"]
+    for extra, named in ((["--json", "--logprobs", "21"], "--logprobs 21"), (["--logprobs", "2"], "--json"),
+                         (["--chat", "--json", "--logprobs", "2"], "--json")):
+        assert run_main([*plain, *extra]) == 2
+        err = capsys.readouterr().err
+        assert named in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err

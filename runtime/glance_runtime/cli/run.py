@@ -9,12 +9,15 @@ from pathlib import Path
 
 from .. import api
 from ..store.cache import cache_root
-from .flags import (OneLineParser, check_applicable, check_dirs, decode_flags, guarded, positive, runner_flags,
-                    sampling_flags, sampling_of)
+from .flags import (OneLineParser, at_least, check_applicable, check_dirs, decode_flags, guarded, positive,
+                    runner_flags, sampling_flags, sampling_of)
 from ..decode.limits import check_speculation
+from ..decode.sampling import MAX_TOP_N
 from ..defaults import BUDGET, RUN_MAX_NEW_TOKENS, resolve
 from ..errors import GlanceError
+from ..formats.logprobs import token_logprobs
 from ..prompt.images import check_image_path
+from ..prompt.token_bytes import TokenBytes
 from ..prompt.video import DEFAULT_FPS
 
 
@@ -40,6 +43,9 @@ def parser() -> argparse.ArgumentParser:
                    "auto again instead of reading the stored one")
     sampling_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.add_argument("--logprobs", type=at_least("--logprobs", 0), default=None, metavar="N",
+                   help=f"with --json: each token's log-prob and the N best alternatives (0..{MAX_TOP_N}), the same "
+                   "with the draft on or off (default: none)")
     return p
 
 
@@ -50,6 +56,11 @@ def _check_inputs(args: argparse.Namespace) -> None:
         check_image_path(image)
     if args.prompt is None and not args.chat:
         raise GlanceError("--prompt is required (or pass --chat for a conversation)")
+    if args.logprobs is not None and (args.chat or not args.json):
+        raise GlanceError("--logprobs reports in the --json output of one prompt; add --json (without --chat)")
+    if args.logprobs is not None and args.logprobs > MAX_TOP_N:
+        raise GlanceError(f"--logprobs {args.logprobs} is over {MAX_TOP_N}; pass 0 (each token's own log-prob) to "
+                          f"{MAX_TOP_N} alternatives")
     for flag, text in (("--prompt", args.prompt), ("--system", args.system)):
         try:
             (text or "").encode("utf-8")
@@ -175,12 +186,14 @@ def run(args: argparse.Namespace) -> int:
             return _chat(model, args, terminal)
         out = model.generate(args.prompt, images=args.image, videos=_videos(args), system=args.system,
                              max_new_tokens=args.max_new_tokens, on_text=None if args.json else terminal.write,
-                             **_sampling(args))
+                             logprobs=args.logprobs, **_sampling(args))
         if args.json:
             log = [{"entropy": round(r.entropy, 4), "accepted": r.accepted, "tree_size": r.tree_size,
                     "drafted": r.drafted, "ms": round(r.total_ms, 3)} for r in out.rounds]
+            reports = {} if out.logprobs is None else {"logprobs": token_logprobs(
+                out.token_ids, out.logprobs, TokenBytes(model.session.codec.tokenizer))}
             print(json.dumps({"text": out.text, "token_ids": out.token_ids, **out.stats, "seed": out.seed,
-                              "round_log": log}))
+                              **reports, "round_log": log}))
             return 0
         terminal.end()
         print(_stats_line(out), file=sys.stderr)

@@ -42,7 +42,7 @@ from ..prompt.prompt_builder import Prompt
 from .engine import Cancelled, Completion, Engine, Job, ModelSpec
 from .openai_errors import RequestError
 from .media import Opened, PixelBudget, open_image_url
-from .logprobs import choice_logprobs, token_logprobs
+from ..formats.logprobs import choice_logprobs, token_logprobs
 from .metrics import Metrics
 from .relay import Relay
 from .schema import ChatRequest, parse_request

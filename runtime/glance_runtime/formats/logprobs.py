@@ -1,4 +1,5 @@
-"""Answered tokens' log-probs in OpenAI's shape: per token its text, log-prob, UTF-8 bytes and best alternatives."""
+"""Answered tokens' log-probs in OpenAI's JSON shape (per token its text, log-prob, UTF-8 bytes and best
+alternatives): what glance-serve answers and `glance-run --json` prints."""
 from __future__ import annotations
 
 from typing import Any, Sequence
