@@ -230,14 +230,17 @@ def test_steps_equal_the_torch_reference_on_image_prompts(snapshot_dir, tmp_path
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3"])
 def test_sampled_answers_are_plain_samplings_with_an_eagle3_head(exported, images, family):
     """A head that drafts a depth a pass samples exactly too: its own drafts and seeded ones give plain sampling's
-    tokens for the seed, at every budget."""
+    tokens for the seed, at every budget, and each token's reported log-probs are plain decoding's."""
     ex = exported(family)
     prompt = _prompt(ex, images, family)
     for params in (SamplingParams(temperature=1.2, top_p=0.95, seed=4), SamplingParams(temperature=0.6, seed=5)):
         plain = decode(ex.backend, prompt, DecodeConfig(max_new_tokens=ORACLE_TOKENS, speculative=False,
-                                                        sampling=params)).tokens
-        seeded = SeededDrafter(ex.backend, plain, prompt.length, SEEDS["full"])
+                                                        sampling=params, logprobs=2))
+        seeded = SeededDrafter(ex.backend, plain.tokens, prompt.length, SEEDS["full"])
         for budget, k in SETTINGS:
-            cfg = DecodeConfig(max_new_tokens=ORACLE_TOKENS, budget=budget, branch_k=k, sampling=params)
-            assert decode(ex.backend, prompt, cfg).tokens == plain, (params, budget, k)
-            assert decode(seeded, prompt, cfg).tokens == plain, (params, budget, k, "seeded")
+            cfg = DecodeConfig(max_new_tokens=ORACLE_TOKENS, budget=budget, branch_k=k, sampling=params, logprobs=2)
+            assert decode(ex.backend, prompt, cfg).tokens == plain.tokens, (params, budget, k)
+            drafted = decode(seeded, prompt, cfg)
+            assert drafted.tokens == plain.tokens, (params, budget, k, "seeded")
+            assert [[t for t, _ in r.top] for r in drafted.logprobs] == [[t for t, _ in r.top] for r in plain.logprobs]
+            assert np.allclose([r.logprob for r in drafted.logprobs], [r.logprob for r in plain.logprobs], atol=2e-4)
