@@ -48,7 +48,8 @@ def _same(a: gr.Output, b: gr.Output) -> None:
     ids_a, lp_a, top_a, val_a = _flat(a)
     ids_b, lp_b, top_b, val_b = _flat(b)
     assert ids_a == ids_b and top_a == top_b
-    assert np.allclose(lp_a, lp_b, rtol=1e-5, atol=1e-6) and np.allclose(val_a, val_b, rtol=1e-5, atol=1e-6)
+    # float32 rounding apart at most: passes of other shapes (a tree, a batch) may round a row's logits otherwise
+    assert np.allclose(lp_a, lp_b, rtol=1e-5, atol=1e-5) and np.allclose(val_a, val_b, rtol=1e-5, atol=1e-5)
 
 
 def test_every_token_is_reported_the_same_draft_on_or_off(spec, plain):
@@ -124,9 +125,9 @@ def test_glance_run_prints_the_apis_reports_and_refuses_them_without_json(spec, 
     assert printed["token_ids"] == want.token_ids and len(printed["logprobs"]) == len(want.token_ids)
     for entry, token, report in zip(printed["logprobs"], want.token_ids, want.logprobs):
         assert entry["token"] == spelling.text(token) and bytes(entry["bytes"]) == spelling.bytes(token)
-        assert entry["logprob"] == pytest.approx(report.logprob, abs=1e-6)
+        assert entry["logprob"] == pytest.approx(report.logprob, rel=1e-5, abs=1e-5)
         assert [(e["token"], e["logprob"]) for e in entry["top_logprobs"]] == \
-            [(spelling.text(t), pytest.approx(v, abs=1e-6)) for t, v in report.top]
+            [(spelling.text(t), pytest.approx(v, rel=1e-5, abs=1e-5)) for t, v in report.top]
     plain = [a for a in argv if a != "--json"]
     for extra, named in ((["--json", "--logprobs", "21"], "--logprobs 21"), (["--logprobs", "2"], "--json"),
                          (["--chat", "--json", "--logprobs", "2"], "--json")):

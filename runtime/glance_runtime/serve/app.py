@@ -476,8 +476,8 @@ class Service:
 
         seeded = sampling if sampling.greedy else sampling.seeded()  # n answers derive from one seed
         if not req.stream:
-            futures = self._submit(req, [Job(prepare, limit, req.stops, None, cancelled, derived(seeded, i),
-                                             req.reported) for i in range(req.choices)], cancel)
+            futures = self._submit([Job(prepare, limit, req.stops, None, cancelled, derived(seeded, i), req.reported)
+                                    for i in range(req.choices)], cancel)
             together = asyncio.gather(*futures)
             try:
                 if not await self.watchdog.until(request, together, deadline):
@@ -490,7 +490,7 @@ class Service:
         jobs = [Job(prepare, limit, req.stops, lambda piece, i=i: put((i, piece)), cancelled, derived(seeded, i),
                     req.reported, None if req.reported is None else lambda ids, reports, i=i: put((i, (ids, reports))))
                 for i in range(req.choices)]  # an answer adds text pieces, (ids, reports) and None: its end
-        futures = self._submit(req, jobs, cancel)
+        futures = self._submit(jobs, cancel)
         for i, future in enumerate(futures):
             future.add_done_callback(lambda _, i=i: put((i, None)))
         first = asyncio.ensure_future(events.get())
@@ -508,7 +508,7 @@ class Service:
         return StreamingResponse(self._stream(request, futures, events, cancel, deadline, arrived, include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    def _submit(self, req: ChatRequest, jobs: list[Job], cancel: threading.Event) -> list[asyncio.Future]:
+    def _submit(self, jobs: list[Job], cancel: threading.Event) -> list[asyncio.Future]:
         """Every answer's job queued, or none: a refusal (a full queue) cancels those queued before it."""
         futures = []
         try:

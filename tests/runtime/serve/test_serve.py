@@ -129,9 +129,11 @@ def _expected_reports(api, prompt: str, image, top: int, **kw) -> list[tuple]:
 
 
 def _close(got: list[tuple], want: list[tuple]) -> None:
+    """The same tokens and alternatives, and log-probs equal to float32 rounding: the server's batch pool and the
+    API's lone one are graphs of other shapes (a few ulps apart seen, 1.4e-6 at -12)."""
     assert [(g[0], g[1], [a[:2] for a in g[3]]) for g in got] == [(w[0], w[1], [a[:2] for a in w[3]]) for w in want]
-    assert all(abs(g[2] - w[2]) < 1e-6 and all(abs(a[2] - b[2]) < 1e-6 for a, b in zip(g[3], w[3]))
-               for g, w in zip(got, want))
+    got_values = [v for g in got for v in (g[2], *(a[2] for a in g[3]))]
+    assert got_values == pytest.approx([v for w in want for v in (w[2], *(a[2] for a in w[3]))], rel=1e-5, abs=1e-5)
 
 
 def test_log_probs_plain_and_streamed_are_the_apis(server, api):
