@@ -340,22 +340,11 @@ def corpora(max_chars: int) -> list[dict]:
 
 # ---------------------------------------------------------------- measuring
 
-def byte_decoder() -> dict[str, int]:
-    """The byte-level alphabet back to bytes: printable Latin-1 bytes stand for themselves, the others (controls,
-    space, DEL, NBSP, soft hyphen) for the code points from 256 on, in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[chr(b)] = b
-        else:
-            table[chr(256 + extra)] = b
-            extra += 1
-    return table
-
-
 def token_bytes(tokens: list[str]) -> list[bytes | None]:
-    table = byte_decoder()
+    """Each vocabulary string's bytes through the byte-level alphabet (None: a special token's text)."""
+    from glance_runtime.prompt.token_bytes import byte_level_alphabet
+
+    table = byte_level_alphabet()
     return [bytes(table[c] for c in t) if t and all(c in table for c in t) else None for t in tokens]
 
 

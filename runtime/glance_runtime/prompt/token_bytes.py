@@ -14,7 +14,7 @@ _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's spelling
 
 
 @lru_cache(maxsize=1)
-def _byte_level_alphabet() -> dict[str, int]:
+def byte_level_alphabet() -> dict[str, int]:
     """Byte-level character -> the byte it spells."""
     printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
     chars, extra = {}, 0
@@ -56,7 +56,7 @@ class TokenBytes:
         if piece is None:
             return b""
         if self.byte_level:
-            alphabet = _byte_level_alphabet()
+            alphabet = byte_level_alphabet()
             if all(c in alphabet for c in piece):
                 return bytes(alphabet[c] for c in piece)
         lone = _BYTE_FALLBACK.fullmatch(piece)

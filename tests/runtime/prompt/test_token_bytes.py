@@ -8,7 +8,7 @@ from tokenizers.pre_tokenizers import ByteLevel
 from glance_runtime.defaults import DEFAULT_ARTIFACTS
 from glance_runtime.formats.artifacts import read
 from glance_runtime.prompt.codec import exported_codec
-from glance_runtime.prompt.token_bytes import TokenBytes, _byte_level_alphabet
+from glance_runtime.prompt.token_bytes import TokenBytes, byte_level_alphabet
 
 pytestmark = pytest.mark.edge  # needs no torch: runs on the edge install too
 
@@ -19,7 +19,7 @@ def tokenizer():
 
 
 def test_the_byte_level_alphabet_spells_every_byte_once():
-    alphabet = _byte_level_alphabet()
+    alphabet = byte_level_alphabet()
     assert sorted(alphabet.values()) == list(range(256))
     assert set(alphabet) == set(ByteLevel.alphabet())
     assert alphabet["Ġ"] == ord(" ") and alphabet["A"] == ord("A")
